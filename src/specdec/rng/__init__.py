@@ -1,0 +1,28 @@
+"""Keyed counter-based randomness: the only code in specdec that turns keys into random numbers.
+
+`uniform` and `gumbel` are pure functions of (seed, position, stream, step, lane); see draws.py.
+"""
+
+from specdec.rng.draws import (
+    UNIFORM32_MAX,
+    Stream,
+    gumbel,
+    random_words,
+    uniform,
+    uniform_to_gumbel,
+    words_to_uniform32,
+    words_to_uniform64,
+)
+from specdec.rng.philox import philox4x32_10
+
+__all__ = [
+    "UNIFORM32_MAX",
+    "Stream",
+    "gumbel",
+    "philox4x32_10",
+    "random_words",
+    "uniform",
+    "uniform_to_gumbel",
+    "words_to_uniform32",
+    "words_to_uniform64",
+]

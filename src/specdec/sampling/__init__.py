@@ -1,0 +1,29 @@
+"""Sampling: parameters, logits processing shared by target and draft, Gumbel-max `sample`, logprobs.
+
+Never creates noise itself: every random value comes from `specdec.rng`.
+"""
+
+from specdec.sampling.logprobs import Logprobs, compute_logprobs
+from specdec.sampling.params import SamplingParams
+from specdec.sampling.processing import filter_threshold, process_logits, scale_logits
+from specdec.sampling.sampler import (
+    SampleOutput,
+    SamplingTensors,
+    gumbel_argmax_ref,
+    sample,
+    sample_ref,
+)
+
+__all__ = [
+    "Logprobs",
+    "SampleOutput",
+    "SamplingParams",
+    "SamplingTensors",
+    "compute_logprobs",
+    "filter_threshold",
+    "gumbel_argmax_ref",
+    "process_logits",
+    "sample",
+    "sample_ref",
+    "scale_logits",
+]

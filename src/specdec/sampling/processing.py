@@ -1,0 +1,129 @@
+"""Logits processing shared by the target and the draft: temperature, top-k, top-p, min-p.
+
+Every filter keeps the tokens whose scaled logit is at least a per-row threshold, so processing is
+`scaled = logits / T` followed by `where(scaled >= threshold, scaled, -inf)`; the GPU kernels take
+the same threshold and apply the same two steps. Nothing here draws randomness.
+"""
+
+from __future__ import annotations
+
+import torch
+
+RowParam = torch.Tensor | float | int | None
+
+
+def row_param(
+    value: RowParam, num_rows: int, dtype: torch.dtype, device: torch.device, name: str
+) -> torch.Tensor | None:
+    """Returns `value` as a [num_rows] tensor of `dtype` (None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            value = value.expand(num_rows)
+        if value.shape != (num_rows,):
+            raise ValueError(f"{name} must be a scalar or have shape [{num_rows}], got {list(value.shape)}")
+        return value.to(device=device, dtype=dtype)
+    return torch.full((num_rows,), value, dtype=dtype, device=device)
+
+
+def check_sampling_tensors(
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+) -> None:
+    """Raises ValueError naming the first invalid per-row sampling parameter."""
+    if not bool(torch.isfinite(temperature).all()) or bool((temperature < 0).any()):
+        raise ValueError(f"temperature must be finite and >= 0, got {temperature.tolist()}")
+    if top_k is not None and bool((top_k < 0).any()):
+        raise ValueError(f"top_k must be >= 0 (0 disables), got {top_k.tolist()}")
+    if top_p is not None and bool(((top_p <= 0) | (top_p > 1) | top_p.isnan()).any()):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p.tolist()}")
+    if min_p is not None and bool(((min_p < 0) | (min_p > 1) | min_p.isnan()).any()):
+        raise ValueError(f"min_p must be in [0, 1], got {min_p.tolist()}")
+
+
+def scale_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """logits / T in float32; greedy rows (T = 0) are divided by 1.
+
+    Args:
+        logits: [N, V] any float dtype.
+        temperature: [N] float32.
+
+    Returns:
+        [N, V] float32 (a new tensor).
+    """
+    divisor = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    return logits.to(torch.float32) / divisor[:, None]
+
+
+def filter_threshold(
+    scaled: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """The per-row logit threshold that top-k, then top-p, then min-p impose on scaled logits.
+
+    A row keeps token v iff scaled[v] >= threshold. Ties at a threshold are all kept, so the result
+    does not depend on how a sort orders equal values.
+
+    Args:
+        scaled: [N, V] float32 temperature-scaled logits.
+        top_k: [N] int64, 0 = off (k >= V is off too).
+        top_p: [N] float32, 1 = off. Applied to the distribution left by top-k.
+        min_p: [N] float32, 0 = off: keep p >= min_p * max p, i.e. scaled >= max + log(min_p).
+
+    Returns:
+        [N] float32 thresholds (-inf where no filter applies), or None when no row filters.
+    """
+    num_rows, vocab_size = scaled.shape
+    use_k = top_k is not None and bool(((top_k > 0) & (top_k < vocab_size)).any())
+    use_p = top_p is not None and bool((top_p < 1).any())
+    use_min_p = min_p is not None and bool((min_p > 0).any())
+    if not (use_k or use_p or use_min_p):
+        return None
+    threshold = torch.full((num_rows,), float("-inf"), dtype=torch.float32, device=scaled.device)
+    if use_k:
+        k = top_k.clamp(0, vocab_size)
+        top_values = scaled.topk(int(k.max()), dim=-1).values
+        kth = top_values.gather(1, (k - 1).clamp_min(0)[:, None]).squeeze(1)
+        threshold = torch.where((k > 0) & (k < vocab_size), kth, threshold)
+    if use_p:
+        masked = torch.where(scaled >= threshold[:, None], scaled, float("-inf"))
+        sorted_desc = masked.sort(dim=-1, descending=True).values
+        probs = sorted_desc.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        num_kept = (mass_before < top_p[:, None]).sum(dim=-1).clamp_min(1)
+        last_kept = sorted_desc.gather(1, (num_kept - 1)[:, None]).squeeze(1)
+        threshold = torch.where(top_p < 1, torch.maximum(threshold, last_kept), threshold)
+    if use_min_p:
+        row_max = scaled.amax(dim=-1)
+        floor = row_max + torch.log(min_p.clamp_min(1e-38))
+        threshold = torch.where(min_p > 0, torch.maximum(threshold, floor), threshold)
+    return threshold
+
+
+def process_logits(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Processed logits: what is actually sampled from (-inf outside the support).
+
+    Args:
+        logits: [N, V] raw logits, any float dtype.
+        temperature: [N] float32 (0 = greedy: the row is only scaled by 1).
+        top_k, top_p, min_p: per-row filters as in `filter_threshold`.
+
+    Returns:
+        [N, V] float32.
+    """
+    scaled = scale_logits(logits, temperature)
+    threshold = filter_threshold(scaled, top_k, top_p, min_p)
+    if threshold is None:
+        return scaled
+    return scaled.masked_fill_(scaled < threshold[:, None], float("-inf"))

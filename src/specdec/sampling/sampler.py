@@ -1,0 +1,195 @@
+"""Gumbel-max sampling from keyed noise: `sample` (dispatch) and `sample_ref` (the PyTorch twin).
+
+The sampled token of a row is argmax(processed_logits + gumbel(seed, position, stream, step)):
+a pure function of the logits and the key. Greedy rows (temperature 0) take the argmax with no
+noise. Ties go to the lowest token id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.rng import Stream, gumbel
+from specdec.sampling.processing import (
+    RowParam,
+    check_sampling_tensors,
+    filter_threshold,
+    row_param,
+    scale_logits,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SampleOutput:
+    """What `sample` returns.
+
+    Attributes:
+        token_ids: [N] int64 sampled token ids.
+        processed_logits: [N, V] float32 logits actually sampled from (-inf outside the support);
+            pass these as `draft_logits` to `verify` when the samples are drafts.
+        logsumexp: [N] float32 log-normaliser of `processed_logits` (the draft's, for `verify`'s
+            `draft_logsumexp`, which then need not re-read the draft logits to normalise them).
+    """
+
+    token_ids: torch.Tensor
+    processed_logits: torch.Tensor
+    logsumexp: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingTensors:
+    """Per-row sampling parameters as tensors on the logits' device ([N] each)."""
+
+    temperature: torch.Tensor  # [N] float32
+    top_k: torch.Tensor | None  # [N] int64
+    top_p: torch.Tensor | None  # [N] float32
+    min_p: torch.Tensor | None  # [N] float32
+
+    @staticmethod
+    def build(
+        num_rows: int,
+        device: torch.device,
+        temperature: RowParam,
+        top_k: RowParam = None,
+        top_p: RowParam = None,
+        min_p: RowParam = None,
+    ) -> SamplingTensors:
+        if temperature is None:
+            raise ValueError("temperature is required (0 for greedy)")
+        tensors = SamplingTensors(
+            temperature=row_param(temperature, num_rows, torch.float32, device, "temperature"),
+            top_k=row_param(top_k, num_rows, torch.int64, device, "top_k"),
+            top_p=row_param(top_p, num_rows, torch.float32, device, "top_p"),
+            min_p=row_param(min_p, num_rows, torch.float32, device, "min_p"),
+        )
+        check_sampling_tensors(tensors.temperature, tensors.top_k, tensors.top_p, tensors.min_p)
+        return tensors
+
+    def repeat_interleave(self, repeats: int) -> SamplingTensors:
+        """Each row's parameters repeated `repeats` times (one request -> its K+1 verify rows)."""
+
+        def rep(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.repeat_interleave(repeats)
+
+        return SamplingTensors(
+            rep(self.temperature), rep(self.top_k), rep(self.top_p), rep(self.min_p)
+        )
+
+
+def check_logits_and_keys(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor):
+    if logits.dim() != 2:
+        raise ValueError(f"logits must have shape [N, V], got {list(logits.shape)}")
+    if not logits.is_floating_point():
+        raise TypeError(f"logits must be a float tensor, got {logits.dtype}")
+    num_rows = logits.shape[0]
+    for name, t in (("seeds", seeds), ("positions", positions)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int64:
+            raise TypeError(f"{name} must be an int64 tensor")
+        if t.shape != (num_rows,):
+            raise ValueError(f"{name} must have shape [{num_rows}], got {list(t.shape)}")
+    if num_rows and int(positions.min()) < 0:
+        raise ValueError("positions must be >= 0")
+
+
+def gumbel_argmax_ref(
+    processed: torch.Tensor,
+    greedy: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    stream: Stream | int | torch.Tensor,
+    step: int | torch.Tensor = 0,
+) -> torch.Tensor:
+    """argmax(processed + keyed Gumbel noise) per row; greedy rows take argmax(processed).
+
+    Args:
+        processed: [N, V] float32 processed logits (or any log-weights with -inf = excluded).
+        greedy: [N] bool, rows that take no noise.
+        seeds, positions: [N] int64 keys; stream, step as in `specdec.rng.gumbel`.
+
+    Returns:
+        [N] int64 token ids.
+
+    RNG: `stream` at (position, step), V lanes per sampled row; greedy rows draw nothing.
+    """
+    tokens = processed.argmax(dim=-1)
+    sampled = (~greedy).nonzero().squeeze(1)
+    if sampled.numel():
+        steps = step[sampled] if isinstance(step, torch.Tensor) and step.dim() else step
+        streams = stream[sampled] if isinstance(stream, torch.Tensor) and stream.dim() else stream
+        noise = gumbel(
+            seeds[sampled], positions[sampled], streams, processed.shape[1], step=steps
+        )
+        tokens[sampled] = (processed[sampled] + noise).argmax(dim=-1)
+    return tokens
+
+
+def sample_ref(
+    logits: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    temperature: RowParam,
+    top_k: RowParam = None,
+    top_p: RowParam = None,
+    min_p: RowParam = None,
+    stream: Stream | int = Stream.TARGET,
+    step: int | torch.Tensor = 0,
+) -> SampleOutput:
+    """The PyTorch twin of `sample` (same arguments and results); runs on any device."""
+    check_logits_and_keys(logits, seeds, positions)
+    params = SamplingTensors.build(
+        logits.shape[0], logits.device, temperature, top_k, top_p, min_p
+    )
+    scaled = scale_logits(logits, params.temperature)
+    threshold = filter_threshold(scaled, params.top_k, params.top_p, params.min_p)
+    processed = scaled
+    if threshold is not None:
+        processed = scaled.masked_fill_(scaled < threshold[:, None], float("-inf"))
+    token_ids = gumbel_argmax_ref(
+        processed, params.temperature == 0, seeds, positions, stream, step
+    )
+    return SampleOutput(token_ids, processed, processed.logsumexp(dim=-1))
+
+
+def sample(
+    logits: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    temperature: RowParam,
+    top_k: RowParam = None,
+    top_p: RowParam = None,
+    min_p: RowParam = None,
+    stream: Stream | int = Stream.TARGET,
+    step: int | torch.Tensor = 0,
+) -> SampleOutput:
+    """Samples one token per row by Gumbel-max on keyed noise.
+
+    Args:
+        logits: [N, V] raw logits (float32, bfloat16 or float16).
+        seeds: [N] int64 request seeds.
+        positions: [N] int64 position Q of the token being sampled.
+        temperature: float or [N]; 0 = greedy (argmax, no noise).
+        top_k: int or [N] int64, 0 = off. top_p: float or [N], 1 = off. min_p: float or [N], 0 = off.
+        stream: `Stream.TARGET` for plain sampling (and coupled drafts); `Stream.DRAFT` for
+            drafts verified by "standard"/"block".
+        step: 0, or the round anchor (int or [N] int64) for round-keyed streams.
+
+    Returns:
+        SampleOutput(token_ids [N] int64, processed_logits [N, V] float32, logsumexp [N] float32).
+
+    RNG: `stream` at (position, step), one Gumbel value per vocabulary id for each sampled row.
+    """
+    if logits.is_cuda:
+        from specdec.sampling.triton_sample import sample_triton
+
+        return sample_triton(
+            logits, seeds, positions, temperature=temperature, top_k=top_k, top_p=top_p,
+            min_p=min_p, stream=stream, step=step,
+        )
+    return sample_ref(
+        logits, seeds, positions, temperature=temperature, top_k=top_k, top_p=top_p,
+        min_p=min_p, stream=stream, step=step,
+    )
