@@ -1,0 +1,85 @@
+"""Speculative-decoding statistics with vLLM's definitions (per request and per engine).
+
+- num_drafts: verification rounds that carried at least one draft;
+- num_draft_tokens / num_accepted_tokens: drafts proposed / accepted;
+- accepted_per_position[i]: rounds whose accepted prefix is longer than i (unconditional);
+- mean acceptance length = 1 + accepted / drafts (counts the bonus or recovered token);
+- acceptance rate = accepted / draft tokens.
+Pure bookkeeping: no tensors, no randomness.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SpecDecodeStats:
+    """Counters for one request or a whole engine; `observe` once per verification round."""
+
+    num_spec_tokens: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """Records one round with `num_draft_tokens` drafts of which the first
+        `num_accepted_tokens` were accepted. Rounds without drafts are not counted."""
+        if not 0 <= num_accepted_tokens <= num_draft_tokens:
+            raise ValueError(
+                f"accepted ({num_accepted_tokens}) must lie in [0, drafts={num_draft_tokens}]"
+            )
+        if num_draft_tokens == 0:
+            return
+        if num_draft_tokens > len(self.accepted_per_position):
+            grow = num_draft_tokens - len(self.accepted_per_position)
+            self.accepted_per_position.extend([0] * grow)
+            self.num_spec_tokens = len(self.accepted_per_position)
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for i in range(num_accepted_tokens):
+            self.accepted_per_position[i] += 1
+
+    def merge(self, other: SpecDecodeStats) -> None:
+        """Adds another set of counters into this one."""
+        if len(other.accepted_per_position) > len(self.accepted_per_position):
+            grow = len(other.accepted_per_position) - len(self.accepted_per_position)
+            self.accepted_per_position.extend([0] * grow)
+            self.num_spec_tokens = len(self.accepted_per_position)
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        for i, count in enumerate(other.accepted_per_position):
+            self.accepted_per_position[i] += count
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """1 + accepted / drafts (vLLM's definition, bonus token included); 1.0 with no drafts."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """accepted / draft tokens; 0.0 with no drafts."""
+        if not self.num_draft_tokens:
+            return 0.0
+        return self.num_accepted_tokens / self.num_draft_tokens
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        """Unconditional rate P(accepted length > i) for each draft position i."""
+        if not self.num_drafts:
+            return [0.0] * len(self.accepted_per_position)
+        return [count / self.num_drafts for count in self.accepted_per_position]
+
+    def as_dict(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_position": list(self.accepted_per_position),
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "acceptance_rate": self.acceptance_rate,
+            "acceptance_per_position": self.acceptance_per_position,
+        }
