@@ -1,8 +1,9 @@
 """Keyed random draws: the only place where keys become random numbers.
 
-Every value is a pure function of (seed, position, stream, step, lane): one Philox4x32-10 call with
-key = the request seed (two 32-bit words) and counter = (lane block, position, stream, step). Nothing
-here keeps state, so a draw never depends on batch slot, batch size, padding or what else was drawn.
+Every value is a pure function of (seed, position, stream, step, lane): one Philox4x32-10 call
+with key = the request seed (two 32-bit words) and counter = (lane block, position, stream, step).
+Nothing here keeps state, so a draw never depends on batch slot, batch size, padding or what
+else was drawn.
 
 Lane mapping (shared with the Triton twin, `triton_philox.py`):
 - float32: lane L reads word L % 4 of the block at counter word 0 = L // 4.

@@ -1,4 +1,4 @@
-"""Sampling: parameters, logits processing shared by target and draft, Gumbel-max `sample`, logprobs.
+"""Sampling: parameters, logits processing shared by target and draft, Gumbel-max, logprobs.
 
 Never creates noise itself: every random value comes from `specdec.rng`.
 """

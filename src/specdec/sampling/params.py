@@ -54,14 +54,14 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if not _is_real(self.temperature) or self.temperature < 0 or self.temperature != self.temperature:
+        if not _is_real(self.temperature) or not 0 <= self.temperature < float("inf"):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if self.temperature == float("inf"):
-            raise ValueError("temperature must be finite, got inf")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= 0 (or -1 to disable), got {self.top_k!r}")
+            raise ValueError(
+                f"top_k must be an integer >= 0 (-1 also disables), got {self.top_k!r}"
+            )
         if self.top_k == -1:
             self.top_k = 0
         if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
@@ -84,11 +84,11 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop}")
         if self.stop_token_ids is not None and not all(
             isinstance(t, int) and t >= 0 for t in self.stop_token_ids
         ):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+            raise ValueError(f"stop_token_ids must be integers >= 0, got {self.stop_token_ids}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise ValueError(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
         if self.temperature < GREEDY_TEMPERATURE_EPS:

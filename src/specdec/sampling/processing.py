@@ -22,7 +22,9 @@ def row_param(
         if value.dim() == 0:
             value = value.expand(num_rows)
         if value.shape != (num_rows,):
-            raise ValueError(f"{name} must be a scalar or have shape [{num_rows}], got {list(value.shape)}")
+            raise ValueError(
+                f"{name} must be a scalar or have shape [{num_rows}], got {list(value.shape)}"
+            )
         return value.to(device=device, dtype=dtype)
     return torch.full((num_rows,), value, dtype=dtype, device=device)
 

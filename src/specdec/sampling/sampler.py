@@ -118,9 +118,7 @@ def gumbel_argmax_ref(
     if sampled.numel():
         steps = step[sampled] if isinstance(step, torch.Tensor) and step.dim() else step
         streams = stream[sampled] if isinstance(stream, torch.Tensor) and stream.dim() else stream
-        noise = gumbel(
-            seeds[sampled], positions[sampled], streams, processed.shape[1], step=steps
-        )
+        noise = gumbel(seeds[sampled], positions[sampled], streams, processed.shape[1], step=steps)
         tokens[sampled] = (processed[sampled] + noise).argmax(dim=-1)
     return tokens
 
@@ -139,9 +137,7 @@ def sample_ref(
 ) -> SampleOutput:
     """The PyTorch twin of `sample` (same arguments and results); runs on any device."""
     check_logits_and_keys(logits, seeds, positions)
-    params = SamplingTensors.build(
-        logits.shape[0], logits.device, temperature, top_k, top_p, min_p
-    )
+    params = SamplingTensors.build(logits.shape[0], logits.device, temperature, top_k, top_p, min_p)
     scaled = scale_logits(logits, params.temperature)
     threshold = filter_threshold(scaled, params.top_k, params.top_p, params.min_p)
     processed = scaled
@@ -172,7 +168,9 @@ def sample(
         seeds: [N] int64 request seeds.
         positions: [N] int64 position Q of the token being sampled.
         temperature: float or [N]; 0 = greedy (argmax, no noise).
-        top_k: int or [N] int64, 0 = off. top_p: float or [N], 1 = off. min_p: float or [N], 0 = off.
+        top_k: int or [N] int64, 0 = off.
+        top_p: float or [N], 1 = off.
+        min_p: float or [N], 0 = off.
         stream: `Stream.TARGET` for plain sampling (and coupled drafts); `Stream.DRAFT` for
             drafts verified by "standard"/"block".
         step: 0, or the round anchor (int or [N] int64) for round-keyed streams.
@@ -186,10 +184,24 @@ def sample(
         from specdec.sampling.triton_sample import sample_triton
 
         return sample_triton(
-            logits, seeds, positions, temperature=temperature, top_k=top_k, top_p=top_p,
-            min_p=min_p, stream=stream, step=step,
+            logits,
+            seeds,
+            positions,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            stream=stream,
+            step=step,
         )
     return sample_ref(
-        logits, seeds, positions, temperature=temperature, top_k=top_k, top_p=top_p,
-        min_p=min_p, stream=stream, step=step,
+        logits,
+        seeds,
+        positions,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        stream=stream,
+        step=step,
     )

@@ -61,9 +61,19 @@ def verify(
     position (and at every row for "coupled"). Keys never depend on the batch row.
     """
     inputs = check_verify_inputs(
-        target_logits, draft_token_ids, draft_logits, seeds, positions, temperature=temperature,
-        top_k=top_k, top_p=top_p, min_p=min_p, num_draft=num_draft, method=method,
-        draft_logsumexp=draft_logsumexp, active_rows=active_rows,
+        target_logits,
+        draft_token_ids,
+        draft_logits,
+        seeds,
+        positions,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        num_draft=num_draft,
+        method=method,
+        draft_logsumexp=draft_logsumexp,
+        active_rows=active_rows,
     )
     if target_logits.is_cuda:
         from specdec.verify.triton_verify import verify_triton

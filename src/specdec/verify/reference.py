@@ -115,8 +115,16 @@ def check_verify_inputs(
         raise ValueError(f"draft_token_ids must lie in [0, V={vocab}) within num_draft")
     params = SamplingTensors.build(batch, device, temperature, top_k, top_p, min_p)
     return VerifyInputs(
-        target_logits, draft_token_ids, draft_logits, draft_logsumexp, seeds, positions,
-        params, num_draft, method, active_rows,
+        target_logits,
+        draft_token_ids,
+        draft_logits,
+        draft_logsumexp,
+        seeds,
+        positions,
+        params,
+        num_draft,
+        method,
+        active_rows,
     )
 
 
@@ -169,9 +177,19 @@ def verify_ref(
 ) -> VerifyResult:
     """The PyTorch twin of `specdec.verify.verify` (same arguments and results)."""
     inputs = check_verify_inputs(
-        target_logits, draft_token_ids, draft_logits, seeds, positions, temperature=temperature,
-        top_k=top_k, top_p=top_p, min_p=min_p, num_draft=num_draft, method=method,
-        draft_logsumexp=draft_logsumexp, active_rows=active_rows,
+        target_logits,
+        draft_token_ids,
+        draft_logits,
+        seeds,
+        positions,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        num_draft=num_draft,
+        method=method,
+        draft_logsumexp=draft_logsumexp,
+        active_rows=active_rows,
     )
     return verify_checked_ref(inputs)
 
@@ -199,15 +217,23 @@ def _verify_active_rows(inputs: VerifyInputs, active: int) -> tuple[torch.Tensor
     seeds, anchors = inputs.seeds[:active], inputs.positions[:active]
     num_draft = inputs.num_draft[:active]
     params = SamplingTensors(
-        *(None if t is None else t[:active] for t in (
-            inputs.params.temperature, inputs.params.top_k, inputs.params.top_p,
-            inputs.params.min_p,
-        ))
+        *(
+            None if t is None else t[:active]
+            for t in (
+                inputs.params.temperature,
+                inputs.params.top_k,
+                inputs.params.top_p,
+                inputs.params.min_p,
+            )
+        )
     )
     row_params = params.repeat_interleave(num_rows)
     target = process_logits(
-        target_logits.reshape(active * num_rows, vocab), row_params.temperature,
-        row_params.top_k, row_params.top_p, row_params.min_p,
+        target_logits.reshape(active * num_rows, vocab),
+        row_params.temperature,
+        row_params.top_k,
+        row_params.top_p,
+        row_params.min_p,
     ).view(active, num_rows, vocab)
     greedy = params.temperature == 0  # [B]
     row_positions = anchors[:, None] + torch.arange(num_rows, device=device)  # [B, K+1] Q
@@ -219,8 +245,11 @@ def _verify_active_rows(inputs: VerifyInputs, active: int) -> tuple[torch.Tensor
     if inputs.method == "coupled":
         # Daliri et al. 2024: drafts carry the target's own noise; accept iff equal.
         samples = gumbel_argmax_ref(
-            target.view(active * num_rows, vocab), greedy.repeat_interleave(num_rows),
-            seeds.repeat_interleave(num_rows), row_positions.flatten(), Stream.TARGET,
+            target.view(active * num_rows, vocab),
+            greedy.repeat_interleave(num_rows),
+            seeds.repeat_interleave(num_rows),
+            row_positions.flatten(),
+            Stream.TARGET,
         ).view(active, num_rows)
         accepted = leading_true((drafts == samples[:, :k]) & in_chain)
         final = samples.gather(1, accepted[:, None]).squeeze(1)
@@ -240,7 +269,10 @@ def _verify_active_rows(inputs: VerifyInputs, active: int) -> tuple[torch.Tensor
         draft_logp = draft - lse[..., None]  # [B, K, V]
         draft_at_draft = draft_logp.gather(-1, drafts[..., None]).squeeze(-1)
     accept_u = uniform(
-        seeds.repeat_interleave(k), row_positions[:, :k].flatten(), Stream.ACCEPT, 1,
+        seeds.repeat_interleave(k),
+        row_positions[:, :k].flatten(),
+        Stream.ACCEPT,
+        1,
         step=anchors.repeat_interleave(k),
     ).view(active, k)
 
@@ -269,8 +301,11 @@ def _verify_active_rows(inputs: VerifyInputs, active: int) -> tuple[torch.Tensor
             rejected_draft = draft_logp[rejected, rows]
         log_res = residual_log_weights(rejected_target, rejected_draft, log_weight[rejected])
         final[rejected] = gumbel_argmax_ref(
-            log_res, torch.zeros_like(rows, dtype=torch.bool), seeds[rejected],
-            anchors[rejected] + rows, Stream.RESIDUAL,
+            log_res,
+            torch.zeros_like(rows, dtype=torch.bool),
+            seeds[rejected],
+            anchors[rejected] + rows,
+            Stream.RESIDUAL,
         )
     return _emit(drafts, accepted, final), accepted
 
@@ -319,7 +354,7 @@ def _block_tau(
 
 def _emit(drafts: torch.Tensor, accepted: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
     """[B, K+1]: accepted drafts, then `final` at column `accepted`, then -1."""
-    active, k = drafts.shape
+    k = drafts.shape[1]
     columns = torch.arange(k + 1, device=drafts.device)[None, :]
     padded = torch.cat([drafts, torch.full_like(drafts[:, :1], -1)], dim=1)
     out = torch.where(columns < accepted[:, None], padded, torch.full_like(padded, -1))
