@@ -1,0 +1,82 @@
+"""A request's state as the scheduler sees it: tokens, KV accounting, speculation settings.
+
+Pure bookkeeping (no tensors, no randomness); the seed is fixed at admission.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from specdec.metrics import SpecDecodeStats
+from specdec.sampling.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SpecSettings:
+    """Per-request speculation: how many drafts per round and how they are verified."""
+
+    num_speculative_tokens: int
+    method: str = "standard"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One sequence being generated.
+
+    Attributes:
+        request_id: caller's id.
+        prompt_token_ids: the prompt.
+        params: sampling settings.
+        seed: the signed 64-bit seed every draw of this request is keyed by.
+        spec: speculation settings, or None to decode without drafts.
+        output_token_ids: tokens emitted so far.
+        num_computed_tokens: tokens whose K/V are in the cache (a prefix of all tokens).
+        block_ids: KV cache blocks held, in order.
+        stats: spec-decode counters of this request.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    spec: SpecSettings | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while tokens other than the last one still lack K/V (prompt or recompute)."""
+        return self.num_computed_tokens < self.num_tokens - 1

@@ -1,0 +1,161 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Decides, each step, which requests run and how many query tokens each feeds; owns the waiting and
+running queues and the block accounting. Never touches tensors: the model runner turns a
+`SchedulerOutput` into a batch. A preempted request drops its KV blocks and later recomputes them;
+since every draw is keyed by (seed, position), it then produces exactly the tokens it would have.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from specdec.engine.block_allocator import BlockAllocator
+from specdec.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """max_num_seqs: requests per step; max_num_batched_tokens: query tokens per step;
+    max_model_len: tokens per request (prompt + output)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's share of a step.
+
+    Attributes:
+        request: the request.
+        num_query_tokens: tokens fed this step, starting at position request.num_computed_tokens
+            (their K/V are written); for a decode step: the last token plus `num_draft` drafts.
+        num_draft: drafts to propose and verify (0 for a prefill chunk).
+        emits: whether this step emits tokens for the request (the chunk reaches its last token).
+    """
+
+    request: Request
+    num_query_tokens: int
+    num_draft: int
+    emits: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    preempted: list[Request]
+
+    @property
+    def num_query_tokens(self) -> int:
+        return sum(s.num_query_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    """FIFO admission, running requests first; the newest running request is preempted when
+    blocks run out."""
+
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        """Queues a new request. Raises ValueError if its prompt cannot fit."""
+        if request.num_prompt_tokens == 0:
+            raise ValueError(f"request {request.request_id}: the prompt is empty")
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"request {request.request_id}: prompt of {request.num_prompt_tokens} tokens "
+                f"leaves no room to generate within max_model_len={self.config.max_model_len}"
+            )
+        max_slots = self.allocator.num_blocks * self.allocator.block_size
+        if request.num_prompt_tokens + 1 > max_slots:
+            raise ValueError(
+                f"request {request.request_id}: prompt of {request.num_prompt_tokens} tokens "
+                f"exceeds the whole KV cache ({max_slots} slots)"
+            )
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        """Picks this step's requests. Mutates: queues, request.status, request.block_ids."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            share = self._share(request, budget)
+            needed = request.num_computed_tokens + share.num_query_tokens
+            while not self.allocator.can_grow(request, needed):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                self.allocator.grow(request, needed)
+                scheduled.append(share)
+                budget -= share.num_query_tokens
+                index += 1
+                continue
+            break
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            share = self._share(request, budget)
+            needed = request.num_computed_tokens + share.num_query_tokens
+            if not self.allocator.can_grow(request, needed):
+                break
+            self.waiting.popleft()
+            self.allocator.grow(request, needed)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(share)
+            budget -= share.num_query_tokens
+        return SchedulerOutput(scheduled, preempted)
+
+    def _share(self, request: Request, budget: int) -> ScheduledRequest:
+        if request.in_prefill:
+            remaining = request.num_tokens - request.num_computed_tokens
+            chunk = min(remaining, budget)
+            return ScheduledRequest(request, chunk, 0, emits=chunk == remaining)
+        num_draft = 0
+        if request.spec is not None:
+            room = self.config.max_model_len - request.num_tokens - 1
+            max_tokens = request.params.max_tokens
+            left = room + 1 if max_tokens is None else max_tokens - len(request.output_token_ids)
+            num_draft = max(0, min(request.spec.num_speculative_tokens, room, left - 1, budget - 1))
+        return ScheduledRequest(request, 1 + num_draft, num_draft, emits=True)
+
+    def _preempt(self, request: Request) -> None:
+        self.allocator.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def commit(self, share: ScheduledRequest, num_accepted: int) -> None:
+        """Advances the KV accounting after a step whose emitted tokens the caller has already
+        appended to request.output_token_ids; releases the rejected drafts' blocks.
+        Mutates: request.num_computed_tokens, request.block_ids."""
+        request = share.request
+        rejected = share.num_draft - num_accepted
+        request.num_computed_tokens += share.num_query_tokens - rejected
+        self.allocator.rollback(request, request.num_computed_tokens)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Removes a request from the queues and frees its blocks. Mutates: queues, request."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.allocator.free(request)
+        request.status = status

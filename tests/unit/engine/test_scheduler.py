@@ -1,0 +1,107 @@
+"""Scheduler and block accounting: chunked prefill, speculative shares, rollback, preemption."""
+
+import pytest
+
+from specdec.engine.block_allocator import BlockAllocator
+from specdec.engine.request import Request, RequestStatus, SpecSettings
+from specdec.engine.scheduler import Scheduler, SchedulerConfig
+from specdec.sampling.params import SamplingParams
+
+
+def make_request(rid: str, prompt_len: int, k: int | None = None, max_tokens: int = 50):
+    spec = SpecSettings(k) if k else None
+    params = SamplingParams(max_tokens=max_tokens)
+    return Request(rid, list(range(prompt_len)), params, seed=1, spec=spec)
+
+
+def run_step(scheduler: Scheduler, accepted: int = 0):
+    """Plays one engine step: every emitting request gets accepted drafts + 1 token."""
+    out = scheduler.schedule()
+    for share in out.scheduled:
+        if share.emits:
+            num_accepted = min(accepted, share.num_draft)
+            share.request.output_token_ids.extend([7] * (num_accepted + 1))
+        else:
+            num_accepted = 0
+        scheduler.commit(share, num_accepted)
+    return out
+
+
+def test_chunked_prefill_then_decode_with_drafts():
+    allocator = BlockAllocator(num_blocks=64, block_size=4)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_model_len=64), allocator)
+    request = make_request("a", 20, k=3)
+    scheduler.add(request)
+    shares = [run_step(scheduler).scheduled[0] for _ in range(3)]
+    assert [s.num_query_tokens for s in shares] == [8, 8, 4]
+    assert [s.emits for s in shares] == [False, False, True]
+    assert request.num_computed_tokens == 20 and len(request.output_token_ids) == 1
+    share = run_step(scheduler, accepted=2).scheduled[0]
+    assert (share.num_query_tokens, share.num_draft) == (4, 3)
+    # last token + 2 accepted drafts now have K/V; the rejected draft's slot is rolled back.
+    assert request.num_computed_tokens == 23 and request.num_tokens == 24
+    assert len(request.block_ids) == allocator.blocks_needed(23)
+
+
+def test_drafts_capped_by_max_tokens_and_model_len():
+    allocator = BlockAllocator(num_blocks=64, block_size=4)
+    scheduler = Scheduler(SchedulerConfig(max_model_len=12), allocator)
+    request = make_request("a", 8, k=5, max_tokens=3)
+    scheduler.add(request)
+    run_step(scheduler)  # prefill emits 1 token: 9 tokens, 2 left to generate
+    share = run_step(scheduler).scheduled[0]
+    assert share.num_draft == 1  # two tokens left -> at most one draft + one bonus
+    request.output_token_ids.clear()  # now 8 tokens, room for 3 more within max_model_len=12
+    request.num_computed_tokens = 7
+    request.params.max_tokens = 100
+    assert scheduler.schedule().scheduled[0].num_draft == 3
+
+
+def test_rejects_prompts_that_cannot_fit():
+    scheduler = Scheduler(SchedulerConfig(max_model_len=16), BlockAllocator(2, 4))
+    with pytest.raises(ValueError, match="max_model_len"):
+        scheduler.add(make_request("long", 16))
+    with pytest.raises(ValueError, match="whole KV cache"):
+        scheduler.add(make_request("big", 12))
+    with pytest.raises(ValueError, match="empty"):
+        scheduler.add(make_request("empty", 0))
+
+
+def test_preemption_frees_blocks_and_requeues_first():
+    allocator = BlockAllocator(num_blocks=6, block_size=4)
+    scheduler = Scheduler(SchedulerConfig(max_model_len=64), allocator)
+    first, second = make_request("first", 8), make_request("second", 8)
+    scheduler.add(first)
+    scheduler.add(second)
+    run_step(scheduler)  # both prefilled: 2 blocks each; decoding grows them to 3, then 4
+    assert len(scheduler.running) == 2
+    for _ in range(10):
+        out = run_step(scheduler)
+        if out.preempted:
+            break
+    assert out.preempted == [second]
+    assert second.status is RequestStatus.WAITING and second.block_ids == []
+    assert second.num_computed_tokens == 0 and second.num_preemptions == 1
+    assert scheduler.waiting[0] is second
+    # After the first finishes, the second is recomputed from scratch (prompt + outputs so far).
+    scheduler.finish(first, RequestStatus.FINISHED_LENGTH)
+    share = scheduler.schedule().scheduled[0]
+    assert share.request is second and share.num_query_tokens == second.num_tokens
+
+
+def test_block_allocator_rollback_and_slots():
+    allocator = BlockAllocator(num_blocks=8, block_size=4)
+    request = make_request("a", 3)
+    allocator.grow(request, 10)
+    assert len(request.block_ids) == 3
+    assert allocator.slots(request, 3, 3) == [
+        request.block_ids[0] * 4 + 3,
+        request.block_ids[1] * 4,
+        request.block_ids[1] * 4 + 1,
+    ]
+    allocator.rollback(request, 5)
+    assert len(request.block_ids) == 2 and allocator.num_free_blocks == 6
+    allocator.free(request)
+    assert allocator.num_free_blocks == 8
+    with pytest.raises(RuntimeError, match="out of KV blocks"):
+        allocator.grow(request, 100)
