@@ -1,0 +1,152 @@
+"""The Drafter interface; the base class owns draft sampling (the single call site of draft noise).
+
+Subclasses compute draft logits and pass them to `sample_draft` with the position Q of the token
+they propose. `sample_draft` picks the stream from the request's verify method, maps a reduced
+draft vocabulary to target ids (-inf elsewhere), applies the target's processing, and returns
+exactly the logits it sampled from. Subclasses never call the sampler or `specdec.rng` themselves.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+from specdec.rng import Stream
+from specdec.sampling import SampleOutput, SamplingTensors, sample
+
+
+@dataclass(frozen=True, slots=True)
+class DraftBatch:
+    """What a drafter sees for one verification round of B requests.
+
+    Attributes:
+        token_ids: per request, every token so far (prompt + output); the last one is this
+            round's input token, at position anchors[b] - 1.
+        seeds: [B] int64 request seeds.
+        anchors: [B] int64 position of each request's first draft token (the round anchor).
+        num_draft: [B] int64 drafts wanted per request (0 = none).
+        methods: per request, its verify method ("standard", "block" or "coupled").
+        params: per-request sampling tensors ([B] each), the target's.
+    """
+
+    token_ids: list[list[int]]
+    seeds: torch.Tensor
+    anchors: torch.Tensor
+    num_draft: torch.Tensor
+    methods: list[str]
+    params: SamplingTensors
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def max_draft(self) -> int:
+        return int(self.num_draft.max()) if self.batch_size else 0
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """Attributes:
+    draft_token_ids: [B, K] int64 drafts (-1 beyond num_draft[b]).
+    draft_logits: [B, K, V_target] float32 processed logits each draft was sampled from, or None
+        for deterministic (one-hot) drafts.
+    draft_logsumexp: [B, K] float32 log-normalisers of draft_logits, or None.
+    num_draft: [B] int64 drafts per request.
+    """
+
+    draft_token_ids: torch.Tensor
+    draft_logits: torch.Tensor | None
+    draft_logsumexp: torch.Tensor | None
+    num_draft: torch.Tensor
+
+
+def draft_stream(method: str) -> Stream:
+    """Coupled verification needs drafts drawn with the target's own noise; the ratio tests need
+    noise of their own, keyed per round."""
+    return Stream.TARGET if method == "coupled" else Stream.DRAFT
+
+
+class Drafter(abc.ABC):
+    """Proposes drafts for a batch of requests. Subclasses implement `propose`."""
+
+    def __init__(self, target_vocab_size: int, draft_to_target: torch.Tensor | None = None):
+        """Args:
+        target_vocab_size: V of the target.
+        draft_to_target: [V_draft] int64 target id of each draft id, when the drafter works
+            over a reduced vocabulary (None: the vocabularies are the same).
+        """
+        self.target_vocab_size = target_vocab_size
+        self.draft_to_target = draft_to_target
+
+    @abc.abstractmethod
+    def propose(self, batch: DraftBatch) -> Proposal:
+        """Returns drafts for every request of `batch` (num_draft[b] of them)."""
+
+    def to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """[N, V_draft] -> [N, V_target] float32, -inf where the draft cannot go."""
+        if self.draft_to_target is None:
+            if logits.shape[-1] != self.target_vocab_size:
+                raise ValueError(
+                    f"draft logits have {logits.shape[-1]} ids but the target has "
+                    f"{self.target_vocab_size}; give draft_to_target for a reduced vocabulary"
+                )
+            return logits.to(torch.float32)
+        out = torch.full(
+            (logits.shape[0], self.target_vocab_size), float("-inf"), device=logits.device
+        )
+        out[:, self.draft_to_target.to(logits.device)] = logits.to(torch.float32)
+        return out
+
+    def sample_draft(
+        self,
+        logits: torch.Tensor,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        batch: DraftBatch,
+    ) -> SampleOutput:
+        """Samples one draft per row: the only place draft noise is drawn.
+
+        Args:
+            logits: [N, V_draft] raw draft logits.
+            rows: [N] int64 request index (into `batch`) of each row.
+            positions: [N] int64 position Q of the token each row proposes.
+            batch: the round's batch (seeds, anchors, methods, sampling parameters).
+
+        Returns:
+            SampleOutput in target vocabulary: token_ids [N] (target ids), processed_logits
+            [N, V_target] (exactly what was sampled from), logsumexp [N].
+
+        RNG: per row, `Stream.DRAFT` at (Q, anchor) for "standard"/"block" requests, or
+        `Stream.TARGET` at (Q) for "coupled" requests; V lanes per sampled row.
+        """
+        rows = rows.to(torch.int64)
+        full = self.to_target_vocab(logits)
+        n, vocab = full.shape
+        token_ids = torch.empty(n, dtype=torch.int64, device=full.device)
+        processed = torch.empty(n, vocab, dtype=torch.float32, device=full.device)
+        logsumexp = torch.empty(n, dtype=torch.float32, device=full.device)
+        streams = torch.tensor([draft_stream(batch.methods[int(r)]) for r in rows.tolist()])
+        for stream in (Stream.TARGET, Stream.DRAFT):
+            picked = (streams == stream).nonzero().squeeze(1).to(full.device)
+            if not picked.numel():
+                continue
+            req = rows[picked]
+            step = 0 if stream == Stream.TARGET else batch.anchors[req]
+            out = sample(
+                full[picked],
+                batch.seeds[req],
+                positions[picked],
+                temperature=batch.params.temperature[req],
+                top_k=None if batch.params.top_k is None else batch.params.top_k[req],
+                top_p=None if batch.params.top_p is None else batch.params.top_p[req],
+                min_p=None if batch.params.min_p is None else batch.params.min_p[req],
+                stream=stream,
+                step=step,
+            )
+            token_ids[picked] = out.token_ids
+            processed[picked] = out.processed_logits
+            logsumexp[picked] = out.logsumexp
+        return SampleOutput(token_ids, processed, logsumexp)
