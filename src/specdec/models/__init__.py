@@ -1,0 +1,30 @@
+"""Models: the Llama-family forward pass over a paged KV cache, and loading weights and tokenizers.
+
+HF safetensors directories and GGUF files; `transformers` is the reference for every forward pass.
+Nothing here samples or draws randomness.
+"""
+
+from specdec.models.attention import AttentionMetadata, KVCache, paged_attention, write_kv
+from specdec.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from specdec.models.llama import LlamaForCausalLM, prompt_logits
+from specdec.models.loader import LoadedModel, load_model
+from specdec.models.registry import default_model_path
+from specdec.models.tokenizer import Tokenizer
+from specdec.models.weights import CheckpointError
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "AttentionMetadata",
+    "CheckpointError",
+    "KVCache",
+    "LlamaForCausalLM",
+    "LoadedModel",
+    "ModelConfig",
+    "RopeScaling",
+    "Tokenizer",
+    "default_model_path",
+    "load_model",
+    "paged_attention",
+    "prompt_logits",
+    "write_kv",
+]

@@ -1,0 +1,236 @@
+"""Paged attention: the per-step metadata, the paged KV cache, and causal attention over it.
+
+A plain PyTorch path (runs on CPU and CUDA): new K/V are written to their cache slots, then each
+sequence's context is gathered through its block table and attended with an explicit mask. It never
+allocates blocks or decides which slots to use (the engine does) and never draws randomness.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """Where the T query tokens of one forward step come from and where their K/V go.
+
+    The tokens of sequence b are `cu_seqlens_q[b]:cu_seqlens_q[b + 1]` of the flattened batch; query
+    token j of a sequence with context length L and q_len new tokens sits at position
+    L - q_len + j and attends to the cached positions 0..L - q_len + j.
+
+    Attributes:
+        cu_seqlens_q: [B + 1] int64 exclusive prefix sum of the query lengths.
+        context_lens: [B] int64 tokens in the KV cache for each sequence after this step, the new
+            ones included.
+        block_tables: [B, max_blocks] int32/int64 cache block ids of each sequence, in order;
+            entries past a sequence's last block are ignored (any value, e.g. -1).
+        slot_mapping: [T] int64 flat cache slot (block * block_size + offset) each new token's K/V
+            is written to; -1 means do not write.
+        max_seqlen_q: max query length over the batch (a host int, so no device sync is needed).
+        max_context_len: max context length over the batch (host int).
+    """
+
+    cu_seqlens_q: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_seqlen_q: int
+    max_context_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        """B, the number of sequences in the step."""
+        return self.context_lens.shape[0]
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Builds the metadata of a step in which every new token's K/V is written.
+
+        Args:
+            query_lens: new tokens of each sequence (their positions are the last ones of the
+                context).
+            context_lens: tokens in the cache of each sequence after the step.
+            block_tables: the cache blocks of each sequence, in order (ragged lists are padded
+                with -1); each must cover its context.
+            block_size: tokens per cache block.
+            device: where the tensors live.
+
+        Raises:
+            ValueError: inconsistent lengths, or a block table too short for its context.
+        """
+        if not len(query_lens) == len(context_lens) == len(block_tables):
+            raise ValueError(
+                "query_lens, context_lens and block_tables must have one entry per sequence"
+            )
+        slots: list[int] = []
+        for q_len, ctx_len, table in zip(query_lens, context_lens, block_tables, strict=True):
+            if not 0 <= q_len <= ctx_len:
+                raise ValueError(f"need 0 <= query_len <= context_len, got {q_len} and {ctx_len}")
+            if len(table) * block_size < ctx_len:
+                raise ValueError(
+                    f"{len(table)} blocks of {block_size} tokens cannot hold a context of {ctx_len}"
+                )
+            for pos in range(ctx_len - q_len, ctx_len):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        max_blocks = max((len(t) for t in block_tables), default=0)
+        padded_tables = [list(t) + [-1] * (max_blocks - len(t)) for t in block_tables]
+        cu = [0]
+        for q_len in query_lens:
+            cu.append(cu[-1] + q_len)
+        return cls(
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int64, device=device),
+            context_lens=torch.tensor(list(context_lens), dtype=torch.int64, device=device),
+            block_tables=torch.tensor(padded_tables, dtype=torch.int64, device=device).reshape(
+                len(block_tables), max_blocks
+            ),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            max_seqlen_q=max(query_lens, default=0),
+            max_context_len=max(context_lens, default=0),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class KVCache:
+    """The paged K/V cache of every layer (the holder is frozen; the tensors are written in place).
+
+    Attributes:
+        k_cache: [num_layers, num_blocks, block_size, num_kv_heads, head_dim]; `k_cache[i]` is
+            layer i's [num_blocks, block_size, num_kv_heads, head_dim] view.
+        v_cache: same shape as `k_cache`.
+    """
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+    @classmethod
+    def allocate(
+        cls,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> KVCache:
+        """A zero-filled cache."""
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        return cls(
+            k_cache=torch.zeros(shape, dtype=dtype, device=device),
+            v_cache=torch.zeros(shape, dtype=dtype, device=device),
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k_cache.shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.k_cache.shape[2]
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Writes the new tokens' K/V into their cache slots.
+
+    Args:
+        key: [T, H_kv, D] keys of the new tokens (after RoPE).
+        value: [T, H_kv, D] values of the new tokens.
+        k_cache: [num_blocks, block_size, H_kv, D] one layer's key cache.
+        v_cache: [num_blocks, block_size, H_kv, D] one layer's value cache.
+        slot_mapping: [T] int64 flat slot of each token; -1 skips the token.
+
+    Mutates: the slots of `k_cache` and `v_cache` named by `slot_mapping`.
+    """
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    keep = slot_mapping >= 0  # [T]
+    slots = slot_mapping[keep]
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = key[keep].to(k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = value[keep].to(v_cache.dtype)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of the new tokens over their sequences' cached context.
+
+    Sequences are padded to `max_seqlen_q` queries and `max_context_len` keys and run as one SDPA
+    call with a boolean mask; GQA heads share K/V without copying them.
+
+    Args:
+        query: [T, H_q, D] queries of the new tokens (after RoPE).
+        k_cache: [num_blocks, block_size, H_kv, D] one layer's key cache, already holding the new
+            tokens' keys.
+        v_cache: [num_blocks, block_size, H_kv, D] one layer's value cache, likewise.
+        attn: the step's metadata.
+        scale: softmax scale (1 / sqrt(D) for the Llama family).
+        sliding_window: if set, a query at position p sees keys at positions > p - sliding_window.
+
+    Returns:
+        [T, H_q, D] attention output, in `query`'s dtype.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    if num_tokens == 0:
+        return query.new_empty(0, num_heads, head_dim)
+    block_size = k_cache.shape[1]
+    device = query.device
+    num_seqs = attn.num_seqs
+    max_q, max_ctx = attn.max_seqlen_q, attn.max_context_len
+
+    cu = attn.cu_seqlens_q.to(device=device, dtype=torch.int64)
+    query_lens = cu[1:] - cu[:-1]  # [B]
+    context_lens = attn.context_lens.to(device=device, dtype=torch.int64)  # [B]
+    seq_of_token = torch.repeat_interleave(
+        torch.arange(num_seqs, device=device), query_lens, output_size=num_tokens
+    )  # [T]
+    index_in_seq = torch.arange(num_tokens, device=device) - cu[seq_of_token]  # [T]
+
+    # Gather each sequence's context through its block table.
+    num_ctx_blocks = -(-max_ctx // block_size)
+    blocks = attn.block_tables[:, :num_ctx_blocks].to(device=device, dtype=torch.int64)
+    blocks = blocks.clamp(min=0)  # padding entries point at block 0; the mask hides them
+    keys = k_cache[blocks].flatten(1, 2)[:, :max_ctx]  # [B, S, H_kv, D]
+    values = v_cache[blocks].flatten(1, 2)[:, :max_ctx]  # [B, S, H_kv, D]
+
+    padded_query = query.new_zeros(num_seqs, max_q, num_heads, head_dim)  # [B, Q, H_q, D]
+    padded_query[seq_of_token, index_in_seq] = query
+
+    key_pos = torch.arange(max_ctx, device=device)  # [S]
+    query_pos = (context_lens - query_lens)[:, None] + torch.arange(max_q, device=device)  # [B, Q]
+    mask = (key_pos <= query_pos[:, :, None]) & (key_pos < context_lens[:, None, None])  # [B, Q, S]
+    if sliding_window is not None:
+        mask &= key_pos > query_pos[:, :, None] - sliding_window
+    # Rows that see no key (padding of an empty sequence) would give NaN; let them see key 0.
+    mask[:, :, 0] |= ~mask.any(dim=-1)
+
+    out = F.scaled_dot_product_attention(
+        padded_query.transpose(1, 2),  # [B, H_q, Q, D]
+        keys.transpose(1, 2).to(query.dtype),  # [B, H_kv, S, D]
+        values.transpose(1, 2).to(query.dtype),
+        attn_mask=mask[:, None],  # [B, 1, Q, S]
+        scale=scale,
+        enable_gqa=num_heads != keys.shape[2],
+    )  # [B, H_q, Q, D]
+    return out.transpose(1, 2)[seq_of_token, index_in_seq]  # [T, H_q, D]

@@ -1,0 +1,233 @@
+"""ModelConfig: the shape and numerics of a Llama-family model, parsed from a HF `config.json`.
+
+Validates what the forward pass in `llama.py` can run and rejects the rest with a clear error.
+It never reads files or touches tensors (the loaders hand it dictionaries).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Llama 3.1 frequency scaling ("rope_type": "llama3"), as in `transformers`.
+
+    Attributes:
+        rope_type: always "llama3" (the only scaling supported).
+        factor: divisor applied to the low frequencies.
+        low_freq_factor: frequencies with a wavelength above
+            `original_max_position_embeddings / low_freq_factor` are divided by `factor`.
+        high_freq_factor: those with a wavelength below
+            `original_max_position_embeddings / high_freq_factor` stay as they are.
+        original_max_position_embeddings: the pretraining context length.
+    """
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The architecture hyper-parameters of one Llama-family checkpoint.
+
+    Attributes:
+        architecture: the HF class name, one of `SUPPORTED_ARCHITECTURES`.
+        vocab_size: rows of the embedding and of the LM head.
+        hidden_size: model width D.
+        intermediate_size: SwiGLU inner width.
+        num_hidden_layers: number of decoder layers.
+        num_attention_heads: query heads.
+        num_key_value_heads: key/value heads (GQA groups); divides `num_attention_heads`.
+        head_dim: per-head width (defaults to hidden_size // num_attention_heads).
+        rms_norm_eps: epsilon of every RMSNorm.
+        rope_theta: RoPE base.
+        rope_scaling: Llama 3.1 scaling, or None for plain RoPE.
+        rope_freq_factors: per-frequency divisors of the RoPE inverse frequencies ([head_dim // 2]
+            values), as GGUF files store Llama 3.1 scaling (`rope_freqs.weight`); None for none.
+        max_position_embeddings: the context length the model was trained for.
+        tie_word_embeddings: the LM head reuses the embedding matrix.
+        attention_bias: q/k/v projections have a bias (Qwen2; Llama's `attention_bias`).
+        attention_out_bias: the output projection has a bias (Llama's `attention_bias` only).
+        mlp_bias: the MLP projections have biases (Llama's `mlp_bias`).
+        qk_norm: RMSNorm over each head of q and k before RoPE (Qwen3).
+        sliding_window: attend only to the last `sliding_window` positions (Mistral), or None.
+        bos_token_id: beginning-of-sequence id, or None.
+        eos_token_ids: the ids that end generation (a config may list several).
+        torch_dtype: the dtype the checkpoint was saved in ("bfloat16", ...), or None.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    rope_scaling: RopeScaling | None = None
+    rope_freq_factors: tuple[float, ...] | None = None
+    attention_bias: bool = False
+    attention_out_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ValueError(
+                f"rope_freq_factors has {len(self.rope_freq_factors)} values, "
+                f"expected head_dim // 2 = {self.head_dim // 2}"
+            )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+
+    @classmethod
+    def from_hf_config(cls, hf_config: dict[str, Any]) -> ModelConfig:
+        """Parses a Hugging Face `config.json` dictionary.
+
+        Accepts both spellings of RoPE settings: `rope_theta` + `rope_scaling` (transformers 4)
+        and `rope_parameters` (transformers 5).
+
+        Raises:
+            ValueError: unsupported architecture (named, with the supported list), activation,
+                RoPE type or sliding-window layout; a missing or invalid field.
+        """
+        architectures = hf_config.get("architectures") or []
+        if len(architectures) != 1:
+            raise ValueError(
+                f"config.json must name exactly one architecture, got {architectures!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        architecture = architectures[0]
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {architecture!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        hidden_act = hf_config.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {hidden_act!r} (only 'silu')")
+
+        def required(name: str) -> Any:
+            if hf_config.get(name) is None:
+                raise ValueError(f"config.json for {architecture} lacks {name!r}")
+            return hf_config[name]
+
+        hidden_size = int(required("hidden_size"))
+        num_heads = int(required("num_attention_heads"))
+        num_kv_heads = hf_config.get("num_key_value_heads")
+        head_dim = hf_config.get("head_dim")
+        rope_theta, rope_scaling = _parse_rope(hf_config)
+
+        is_qwen = architecture.startswith("Qwen")
+        if is_qwen and hf_config.get("use_sliding_window"):
+            raise ValueError(f"{architecture} with use_sliding_window=true is not supported")
+        sliding_window = (
+            hf_config.get("sliding_window") if architecture == "MistralForCausalLM" else None
+        )
+        if architecture == "Qwen2ForCausalLM":
+            attention_bias, attention_out_bias = True, False
+        else:
+            attention_bias = attention_out_bias = bool(hf_config.get("attention_bias", False))
+
+        eos = hf_config.get("eos_token_id")
+        eos_token_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        return cls(
+            architecture=architecture,
+            vocab_size=int(required("vocab_size")),
+            hidden_size=hidden_size,
+            intermediate_size=int(required("intermediate_size")),
+            num_hidden_layers=int(required("num_hidden_layers")),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(num_kv_heads) if num_kv_heads is not None else num_heads,
+            head_dim=int(head_dim) if head_dim is not None else hidden_size // num_heads,
+            rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(hf_config.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            attention_out_bias=attention_out_bias,
+            mlp_bias=bool(hf_config.get("mlp_bias", False)),
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            sliding_window=int(sliding_window) if sliding_window is not None else None,
+            bos_token_id=hf_config.get("bos_token_id"),
+            eos_token_ids=eos_token_ids,
+            torch_dtype=hf_config.get("torch_dtype") or hf_config.get("dtype"),
+        )
+
+
+def _parse_rope(hf_config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """Returns (rope_theta, rope_scaling) from either spelling of the RoPE settings."""
+    params = hf_config.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        scaling: dict[str, Any] | None = params
+        theta = params.get("rope_theta", hf_config.get("rope_theta", 10000.0))
+    else:
+        scaling = hf_config.get("rope_scaling")
+        theta = hf_config.get("rope_theta", 10000.0)
+    if not scaling:
+        return float(theta), None
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope scaling type {rope_type!r}; supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)} (or no rope_scaling)"
+        )
+    if rope_type == "default":
+        return float(theta), None
+    try:
+        return float(theta), RopeScaling(
+            rope_type="llama3",
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        )
+    except KeyError as err:
+        raise ValueError(f"llama3 rope scaling lacks {err.args[0]!r}") from err

@@ -1,0 +1,239 @@
+"""GGUF files (llama.cpp's format): model config, dequantized weights and tokenizer from one file.
+
+Maps llama.cpp tensor and metadata names to HF ones and undoes the Q/K row permutation llama.cpp
+applies to Llama-architecture checkpoints. Reading and dequantizing use the `gguf` package; this
+module never builds the model itself.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from specdec.models.config import ModelConfig
+from specdec.models.tokenizer import Tokenizer
+from specdec.models.weights import CheckpointError
+
+# `general.architecture` -> our architecture name.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# llama.cpp stores Q/K of these architectures with rows permuted for its interleaved RoPE.
+_PERMUTED_QK_ARCHITECTURES = ("llama",)
+
+_TOP_LEVEL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The HF parameter name of a llama.cpp tensor name, or None if it has no HF counterpart."""
+    if gguf_name in _TOP_LEVEL_NAMES:
+        return _TOP_LEVEL_NAMES[gguf_name]
+    match = _LAYER_PATTERN.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        return None
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+
+
+def reverse_permute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undoes llama.cpp's Q/K row permutation (`permute` in its convert_hf_to_gguf.py).
+
+    llama.cpp rotates interleaved pairs (x0, x1), (x2, x3), ...; HF rotates halves (x_i, x_{i+D/2}).
+    The converter reorders each head's rows from [half0, half1] to interleaved; this restores them.
+
+    Args:
+        weight: [num_heads * D, ...] a q/k projection weight ([out, in]) or bias ([out]) as stored.
+        num_heads: heads of that projection (query heads for q, key/value heads for k).
+
+    Returns:
+        The tensor in HF row order, same shape.
+    """
+    half = weight.shape[0] // num_heads // 2
+    return (
+        weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+    )
+
+
+class GGUFFile:
+    """One opened GGUF file: its metadata, config, tokenizer and tensors.
+
+    Attributes:
+        path: the file.
+        metadata: every key/value pair, decoded (strings, numbers, lists).
+        architecture: `general.architecture` ("llama", "qwen2", ...).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        """Opens (memory-maps) the file.
+
+        Raises:
+            FileNotFoundError: no such file.
+            CheckpointError: not a readable GGUF file.
+        """
+        import gguf
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"no such GGUF file: {self.path}")
+        try:
+            self._reader = gguf.GGUFReader(self.path)
+            self.metadata: dict[str, Any] = {
+                key: field.contents() for key, field in self._reader.fields.items()
+            }
+        except Exception as err:
+            raise CheckpointError(f"cannot read GGUF file {self.path}: {err}") from err
+        self._tensors = {tensor.name: tensor for tensor in self._reader.tensors}
+        self._hf_names = {
+            hf_name: gguf_name
+            for gguf_name in self._tensors
+            if (hf_name := hf_tensor_name(gguf_name)) is not None
+        }
+        self.architecture = str(self.metadata.get("general.architecture", ""))
+
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def _arch_key(self, name: str, default: Any = None) -> Any:
+        return self.metadata.get(f"{self.architecture}.{name}", default)
+
+    def model_config(self) -> ModelConfig:
+        """The ModelConfig the metadata (and the set of tensors) describe.
+
+        Raises:
+            ValueError: an unsupported architecture (named, with the supported list) or RoPE
+                scaling type, or missing metadata.
+        """
+        if self.architecture not in GGUF_ARCHITECTURES:
+            raise ValueError(
+                f"{self.path}: unsupported GGUF architecture {self.architecture!r}; "
+                f"supported: {', '.join(GGUF_ARCHITECTURES)}"
+            )
+
+        def required(name: str) -> Any:
+            value = self._arch_key(name)
+            if value is None:
+                raise ValueError(f"{self.path}: GGUF metadata lacks {self.architecture}.{name}")
+            return value
+
+        hidden_size = int(required("embedding_length"))
+        num_heads = int(required("attention.head_count"))
+        num_kv_heads = self._arch_key("attention.head_count_kv", num_heads)
+        if isinstance(num_kv_heads, list):  # per-layer counts: fine only if all equal
+            if len(set(num_kv_heads)) != 1:
+                raise ValueError(f"{self.path}: per-layer KV head counts are not supported")
+            num_kv_heads = num_kv_heads[0]
+        scaling_type = self._arch_key("rope.scaling.type")
+        if scaling_type not in (None, "none"):
+            raise ValueError(
+                f"{self.path}: unsupported GGUF rope scaling {scaling_type!r} "
+                f"(supported: none, or Llama 3.1 frequency factors in {ROPE_FREQS_TENSOR})"
+            )
+        vocab_size = self._arch_key("vocab_size")
+        if vocab_size is None:
+            tokens = self.metadata.get("tokenizer.ggml.tokens")
+            vocab_size = len(tokens) if tokens else int(self._tensors["token_embd.weight"].shape[1])
+        rope_freq_factors = None
+        if ROPE_FREQS_TENSOR in self._tensors:
+            factors = self.read_tensor(ROPE_FREQS_TENSOR)
+            rope_freq_factors = tuple(float(x) for x in factors.tolist())
+        eos = self.metadata.get("tokenizer.ggml.eos_token_id")
+        architecture = GGUF_ARCHITECTURES[self.architecture]
+        return ModelConfig(
+            architecture=architecture,
+            vocab_size=int(vocab_size),
+            hidden_size=hidden_size,
+            intermediate_size=int(required("feed_forward_length")),
+            num_hidden_layers=int(required("block_count")),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(num_kv_heads),
+            head_dim=int(self._arch_key("attention.key_length", hidden_size // num_heads)),
+            rms_norm_eps=float(required("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(self._arch_key("rope.freq_base", 10000.0)),
+            rope_freq_factors=rope_freq_factors,
+            max_position_embeddings=int(self._arch_key("context_length", 2048)),
+            tie_word_embeddings="output.weight" not in self._tensors,
+            attention_bias="blk.0.attn_q.bias" in self._tensors,
+            attention_out_bias="blk.0.attn_output.bias" in self._tensors,
+            mlp_bias="blk.0.ffn_up.bias" in self._tensors,
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            bos_token_id=self.metadata.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=() if eos is None else (int(eos),),
+        )
+
+    def read_tensor(self, gguf_name: str) -> torch.Tensor:
+        """Dequantizes one tensor to float32, in torch's [rows, cols] order (ggml's reversed).
+
+        Raises:
+            KeyError: no such tensor.
+            CheckpointError: a quantization type `gguf` cannot dequantize.
+        """
+        from gguf.quants import dequantize
+
+        tensor = self._tensors[gguf_name]
+        try:
+            values = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as err:
+            raise CheckpointError(
+                f"{self.path}: tensor {gguf_name!r} has unsupported type {tensor.tensor_type.name}"
+            ) from err
+        shape = [int(n) for n in reversed(tensor.shape.tolist())]
+        return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
+
+    def read_hf_tensor(self, hf_name: str, config: ModelConfig) -> torch.Tensor | None:
+        """The float32 tensor for an HF parameter name (Q/K rows restored), or None if absent."""
+        gguf_name = self._hf_names.get(hf_name)
+        if gguf_name is None:
+            return None
+        tensor = self.read_tensor(gguf_name)
+        if self.architecture in _PERMUTED_QK_ARCHITECTURES:
+            if ".attn_q." in gguf_name:
+                tensor = reverse_permute_qk(tensor, config.num_attention_heads)
+            elif ".attn_k." in gguf_name:
+                tensor = reverse_permute_qk(tensor, config.num_key_value_heads)
+        return tensor
+
+    def tokenizer(self) -> Tokenizer | None:
+        """The tokenizer described by `tokenizer.ggml.*`, or None if the file has no vocabulary.
+
+        Raises:
+            ValueError: a tokenizer model other than byte-level BPE ("gpt2").
+        """
+        meta = self.metadata
+        if "tokenizer.ggml.tokens" not in meta:
+            return None
+        return Tokenizer.from_gguf_vocab(
+            model=str(meta.get("tokenizer.ggml.model", "")),
+            pre=meta.get("tokenizer.ggml.pre"),
+            tokens=meta["tokenizer.ggml.tokens"],
+            token_types=meta.get("tokenizer.ggml.token_type"),
+            merges=meta.get("tokenizer.ggml.merges", []),
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            chat_template=meta.get("tokenizer.chat_template"),
+        )

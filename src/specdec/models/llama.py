@@ -1,0 +1,353 @@
+"""The Llama-family forward pass (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2), written once.
+
+Token-flattened ([T, ...]) and paged-KV throughout; numerics follow `transformers`, the reference.
+Parameters are created empty and only ever filled from checkpoint files (never initialised
+randomly); nothing here reads files or samples.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.models.attention import AttentionMetadata, KVCache, paged_attention, write_kv
+from specdec.models.config import ModelConfig
+
+
+class Linear(nn.Module):
+    """`y = x W^T + b` with empty parameters (filled by the loader, never initialised here)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))  # [out, in]
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None  # [out]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    """Token embedding table with an empty [V, D] weight."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))  # [V, D]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back before the weight, as `transformers` does."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))  # [dim]
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(input_dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """The RoPE inverse frequencies, with Llama 3.1 scaling or GGUF frequency factors applied.
+
+    Returns:
+        [head_dim // 2] float32 on the CPU.
+    """
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)  # [D / 2]
+    scaling = config.rope_scaling
+    if scaling is not None:
+        # Llama 3.1 (transformers' `_compute_llama3_parameters`): keep high frequencies, divide low
+        # ones by `factor`, interpolate in between.
+        old_len = scaling.original_max_position_embeddings
+        low_freq_wavelen = old_len / scaling.low_freq_factor
+        high_freq_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    if config.rope_freq_factors is not None:
+        # llama.cpp divides each frequency by its factor (`rope_freqs.weight`).
+        inv_freq = inv_freq / torch.tensor(
+            config.rope_freq_factors, dtype=torch.float32, device="cpu"
+        )
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables of rotary position embeddings, computed per step from absolute positions."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        # Kept in float32; load models in their dtype rather than casting with `.to(dtype)`.
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Args: positions: [T] int64. Returns: (cos, sin), each [T, head_dim] float32."""
+        freqs = positions[:, None].to(torch.float32) * self.inv_freq.to(torch.float32)  # [T, D / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates [T, H, D] queries or keys by their positions' angles (the "rotate half" layout).
+
+    Args:
+        x: [T, H, D] queries or keys.
+        cos: [T, D] float32 from `RotaryEmbedding`.
+        sin: [T, D] float32.
+    """
+    cos = cos.to(x.dtype)[:, None]  # [T, 1, D]
+    sin = sin.to(x.dtype)[:, None]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaAttention(nn.Module):
+    """GQA self-attention with RoPE (and Qwen3's per-head q/k RMSNorm) over the paged cache."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.sliding_window = config.sliding_window
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = Linear(config.hidden_size, q_size, config.attention_bias)
+        self.k_proj = Linear(config.hidden_size, kv_size, config.attention_bias)
+        self.v_proj = Linear(config.hidden_size, kv_size, config.attention_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, config.attention_out_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """[T, D] -> [T, D]. Mutates: writes the new tokens' K/V into `k_cache`/`v_cache`."""
+        num_tokens = hidden.shape[0]
+        query = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
+        key = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        write_kv(key, value, k_cache, v_cache, attn.slot_mapping)
+        out = paged_attention(
+            query,
+            k_cache,
+            v_cache,
+            attn,
+            scale=self.head_dim**-0.5,
+            sliding_window=self.sliding_window,
+        )  # [T, H_q, D_head]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(
+            self.input_layernorm(hidden), cos, sin, attn, k_cache, v_cache
+        )
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (parameter names match HF's `model.*`)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: KVCache,
+        return_layers: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Returns the normed final hidden [T, D] and the outputs of the `return_layers` layers."""
+        wanted = set(return_layers)
+        captured: dict[int, torch.Tensor] = {}
+        cos, sin = self.rotary_emb(positions)  # [T, D_head] each
+        hidden = self.embed_tokens(input_ids)  # [T, D]
+        for index, layer in enumerate(self.layers):
+            hidden = layer(hidden, cos, sin, attn, kv_cache.k_cache[index], kv_cache.v_cache[index])
+            if index in wanted:
+                captured[index] = hidden
+        return self.norm(hidden), [captured[index] for index in return_layers]
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM over a paged KV cache (one step = any mix of prefill and decode).
+
+    Parameter names are HF's (`model.layers.N.self_attn.q_proj.weight`, ..., `lm_head.weight`),
+    so a HF state dict loads as is; with tied embeddings there is no `lm_head`.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        """Runs one step over the flattened new tokens of B sequences.
+
+        Args:
+            input_ids: [T] int64 new tokens, sequence after sequence as in `attn.cu_seqlens_q`.
+            positions: [T] int64 absolute position of each token (L - q_len + j, see
+                `AttentionMetadata`).
+            attn: the step's metadata.
+            kv_cache: the cache the new K/V are written to and the context read from.
+
+        Returns:
+            [T, D] final hidden states (after the final norm); see `compute_logits`.
+
+        Mutates: the `kv_cache` slots in `attn.slot_mapping`.
+        """
+        hidden, _ = self.model(input_ids, positions, attn, kv_cache)
+        return hidden
+
+    def forward_with_layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: KVCache,
+        return_layers: Sequence[int],
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`forward`, also returning the outputs of chosen decoder layers (for EAGLE drafters).
+
+        Args:
+            input_ids, positions, attn, kv_cache: as in `forward`.
+            return_layers: 0-based decoder layer indices; layer i's output is the residual stream
+                after it, before the final norm (HF's `hidden_states[i + 1]` for i < L - 1).
+
+        Returns:
+            (hidden [T, D] after the final norm, [one [T, D] tensor per entry of return_layers]).
+
+        Mutates: the `kv_cache` slots in `attn.slot_mapping`.
+        """
+        num_layers = self.config.num_hidden_layers
+        bad = [index for index in return_layers if not 0 <= index < num_layers]
+        if bad:
+            raise ValueError(f"return_layers {bad} out of range for {num_layers} layers")
+        return self.model(input_ids, positions, attn, kv_cache, return_layers)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Args: hidden: [N, D] final hidden states. Returns: [N, V] float32 logits."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
+        """A zero-filled cache for this model, in its parameters' dtype and device."""
+        weight = self.model.embed_tokens.weight
+        return KVCache.allocate(
+            self.config.num_hidden_layers,
+            num_blocks,
+            block_size,
+            self.config.num_key_value_heads,
+            self.config.head_dim,
+            dtype=weight.dtype,
+            device=weight.device,
+        )
+
+
+@torch.inference_mode()
+def prompt_logits(
+    model: LlamaForCausalLM, prompts: Sequence[Sequence[int] | torch.Tensor], block_size: int = 16
+) -> list[torch.Tensor]:
+    """Logits of whole prompts with a temporary cache (tests and one-off scoring; no engine).
+
+    All prompts run as one batched prefill step.
+
+    Args:
+        model: the model.
+        prompts: token ids of each prompt (lists or [T_i] int64 tensors).
+        block_size: cache block size of the temporary cache.
+
+    Returns:
+        One [T_i, V] float32 tensor per prompt: the logits predicting each next token.
+    """
+    lengths = [len(prompt) for prompt in prompts]
+    tables, next_block = [], 0
+    for length in lengths:
+        num_blocks = -(-length // block_size)
+        tables.append(list(range(next_block, next_block + num_blocks)))
+        next_block += num_blocks
+    device = model.model.embed_tokens.weight.device
+    kv_cache = model.allocate_kv_cache(max(next_block, 1), block_size)
+    attn = AttentionMetadata.build(lengths, lengths, tables, block_size, device)
+    input_ids = torch.cat([torch.as_tensor(prompt, dtype=torch.int64) for prompt in prompts])
+    positions = torch.cat([torch.arange(length, dtype=torch.int64) for length in lengths])
+    input_ids, positions = input_ids.to(device), positions.to(device)
+    logits = model.compute_logits(model(input_ids, positions, attn, kv_cache))  # [T, V]
+    return list(logits.split(lengths))

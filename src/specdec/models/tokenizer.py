@@ -1,0 +1,311 @@
+"""Tokenizer: text <-> token ids and chat templates, from a HF directory or GGUF metadata.
+
+Wraps a `tokenizers.Tokenizer` and renders chat templates with a sandboxed jinja2 environment set up
+as `transformers` sets it up. It never touches model weights.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+
+# llama.cpp token types (`tokenizer.ggml.token_type`).
+GGUF_TOKEN_CONTROL = 3
+GGUF_TOKEN_USER_DEFINED = 4
+
+# Pre-tokenizer split patterns by `tokenizer.ggml.pre` (as llama.cpp applies them).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLIT_BY_PRE = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+# GPT-2's regex after splitting every digit apart (StarCoder / SmolLM vocabularies).
+_DIGIT_SPLIT_PRES = ("smollm", "starcoder", "refact")
+
+
+class Tokenizer:
+    """Encodes, decodes and renders chat prompts for one model.
+
+    Attributes:
+        backend: the `tokenizers.Tokenizer` doing the work.
+        chat_template: the jinja2 chat template, or None.
+        bos_token: beginning-of-sequence token text, or None.
+        eos_token: end-of-sequence token text, or None.
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        special_tokens_map: Mapping[str, str] | None = None,
+    ) -> None:
+        """Args: backend, chat_template, bos_token, eos_token: as the attributes;
+        special_tokens_map: further special tokens the chat template may read ("unk_token", ...).
+        """
+        self.backend = backend
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self._special_tokens_map = dict(special_tokens_map or {})
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return None if self.bos_token is None else self.backend.token_to_id(self.bos_token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return None if self.eos_token is None else self.backend.token_to_id(self.eos_token)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` adds BOS/EOS where the tokenizer says so."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        """Renders `messages` ([{"role": ..., "content": ...}, ...]) with the chat template.
+
+        Raises:
+            ValueError: the tokenizer has no chat template.
+            jinja2.TemplateError: the template rejected the messages.
+        """
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template")
+        variables = {
+            **self._special_tokens_map,
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            **template_kwargs,
+        }
+        return self._compiled_template.render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt, **variables
+        )
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of the rendered chat (the template writes any special tokens itself)."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
+
+    @cached_property
+    def _compiled_template(self) -> Any:
+        return _compile_chat_template(self.chat_template or "")
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
+        """Loads tokenizer.json, with tokenizer_config.json and chat_template.jinja if present.
+
+        Raises:
+            FileNotFoundError: no tokenizer.json.
+            ValueError: a file that cannot be parsed.
+        """
+        path = Path(path)
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {path}")
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as err:
+            raise ValueError(f"cannot read {tokenizer_file}: {err}") from err
+        tokenizer_config: dict[str, Any] = {}
+        config_file = path / "tokenizer_config.json"
+        if config_file.is_file():
+            try:
+                tokenizer_config = json.loads(config_file.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as err:
+                raise ValueError(f"cannot read {config_file}: {err}") from err
+        chat_template = tokenizer_config.get("chat_template")
+        if isinstance(chat_template, list):  # named templates: [{"name": ..., "template": ...}]
+            named = {entry.get("name"): entry.get("template") for entry in chat_template}
+            chat_template = named.get("default", next(iter(named.values()), None))
+        template_file = path / "chat_template.jinja"
+        if chat_template is None and template_file.is_file():
+            chat_template = template_file.read_text(encoding="utf-8")
+        special = {
+            name: _token_text(tokenizer_config[name])
+            for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+            if tokenizer_config.get(name) is not None
+        }
+        return cls(
+            backend,
+            chat_template=chat_template,
+            bos_token=special.get("bos_token"),
+            eos_token=special.get("eos_token"),
+            special_tokens_map=special,
+        )
+
+    @classmethod
+    def from_gguf_vocab(
+        cls,
+        *,
+        model: str,
+        pre: str | None,
+        tokens: Sequence[str],
+        token_types: Sequence[int] | None,
+        merges: Sequence[str],
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        add_bos_token: bool = False,
+        chat_template: str | None = None,
+    ) -> Tokenizer:
+        """Rebuilds a byte-level BPE tokenizer from GGUF `tokenizer.ggml.*` metadata.
+
+        Args:
+            model: `tokenizer.ggml.model`; only "gpt2" (byte-level BPE) is supported.
+            pre: `tokenizer.ggml.pre`, which picks the pre-tokenizer split pattern.
+            tokens: the vocabulary, id order.
+            token_types: llama.cpp token types (control tokens become special tokens).
+            merges: "left right" merge rules, best first.
+            bos_token_id: BOS id, or None.
+            eos_token_id: EOS id, or None.
+            add_bos_token: prepend BOS when encoding with `add_special_tokens=True`.
+            chat_template: `tokenizer.chat_template`, or None.
+
+        Raises:
+            ValueError: a tokenizer model other than "gpt2".
+        """
+        if model != "gpt2":
+            raise ValueError(
+                f"GGUF tokenizer model {model!r} is not supported (only 'gpt2' byte-level BPE)"
+            )
+        byte_to_char = _bytes_to_unicode()
+        alphabet = set(byte_to_char.values())
+        vocab = {
+            token
+            if set(token) <= alphabet
+            else "".join(byte_to_char[b] for b in token.encode()): index
+            for index, token in enumerate(tokens)
+        }
+        merge_pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+        backend = tokenizers.Tokenizer(
+            models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False, byte_fallback=False)
+        )
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        if pre in _SPLIT_BY_PRE:
+            split = pre_tokenizers.Split(Regex(_SPLIT_BY_PRE[pre]), behavior="isolated")
+            backend.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+        elif pre in _DIGIT_SPLIT_PRES:
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Digits(individual_digits=True),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+                ]
+            )
+        else:  # "gpt2", "default" and the rest: GPT-2's own regex
+            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        backend.decoder = decoders.ByteLevel()
+
+        types = list(token_types or [])
+        special = [
+            AddedToken(tokens[i], normalized=False, special=True)
+            for i, kind in enumerate(types)
+            if kind == GGUF_TOKEN_CONTROL and set(tokens[i]) <= alphabet
+        ]
+        user_defined = [
+            AddedToken(tokens[i], normalized=False, special=False)
+            for i, kind in enumerate(types)
+            if kind == GGUF_TOKEN_USER_DEFINED and set(tokens[i]) <= alphabet
+        ]
+        backend.add_special_tokens(special)
+        backend.add_tokens(user_defined)
+
+        bos_token = tokens[bos_token_id] if bos_token_id is not None else None
+        eos_token = tokens[eos_token_id] if eos_token_id is not None else None
+        if add_bos_token and bos_token is not None:
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{bos_token} $A",
+                pair=f"{bos_token} $A {bos_token} $B",
+                special_tokens=[(bos_token, bos_token_id)],
+            )
+        return cls(backend, chat_template=chat_template, bos_token=bos_token, eos_token=eos_token)
+
+
+def _token_text(entry: str | Mapping[str, Any]) -> str:
+    """A special token from tokenizer_config.json: a string or an AddedToken dict."""
+    return entry if isinstance(entry, str) else str(entry["content"])
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (byte-level BPE's alphabet)."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {byte: chr(char) for byte, char in zip(printable, chars, strict=True)}
+
+
+def _compile_chat_template(template: str) -> Any:
+    """Compiles a chat template in the sandboxed environment `transformers` uses."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(
+        value: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: tuple[str, str] | None = None,
+        sort_keys: bool = False,
+    ) -> str:
+        # Jinja's own tojson escapes HTML characters; templates expect plain JSON.
+        return json.dumps(
+            value,
+            ensure_ascii=ensure_ascii,
+            indent=indent,
+            separators=separators,
+            sort_keys=sort_keys,
+        )
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(template)

@@ -1,0 +1,279 @@
+"""Test helpers for specdec.models: tiny HF checkpoints, GGUF writing, paged-cache runs.
+
+Random weights come from seeded generators here (tests only); nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from specdec.models import AttentionMetadata, LlamaForCausalLM
+
+# Tiny configs of each supported architecture (head_dim 16, GQA 4:2, a few layers).
+_COMMON: dict[str, Any] = {
+    "vocab_size": 97,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": {"architectures": ["LlamaForCausalLM"], "rope_theta": 10000.0, **_COMMON},
+    "llama3_rope": {
+        "architectures": ["LlamaForCausalLM"],
+        **_COMMON,
+        # Small original context so that all three frequency bands occur at head_dim 16.
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    },
+    "qwen2_bias": {"architectures": ["Qwen2ForCausalLM"], "rope_theta": 1e6, **_COMMON},
+    "qwen3_qk_norm": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "rope_theta": 1e6,
+        "head_dim": 24,  # differs from hidden / heads, as in real Qwen3 models
+        **_COMMON,
+    },
+    "mistral_window": {
+        "architectures": ["MistralForCausalLM"],
+        "rope_theta": 1e6,
+        "sliding_window": 7,  # shorter than the prompts, so the window matters
+        **_COMMON,
+    },
+    "smollm2_tied": {
+        "architectures": ["LlamaForCausalLM"],
+        "rope_theta": 100000.0,
+        "tie_word_embeddings": True,
+        **{**_COMMON, "num_attention_heads": 4, "num_key_value_heads": 1},
+    },
+}
+
+
+def make_hf_model(name: str, seed: int = 0) -> Any:
+    """A `transformers` model of the tiny config `name`, with seeded random weights (fp32, eval).
+
+    Norm weights and biases are randomised too so that a loader mixing them up fails.
+    """
+    import transformers
+
+    hf_config = dict(TINY_CONFIGS[name])
+    architecture = hf_config.pop("architectures")[0]
+    config_class = {
+        "LlamaForCausalLM": transformers.LlamaConfig,
+        "Qwen2ForCausalLM": transformers.Qwen2Config,
+        "Qwen3ForCausalLM": transformers.Qwen3Config,
+        "MistralForCausalLM": transformers.MistralConfig,
+    }[architecture]
+    config = config_class(**hf_config, architectures=[architecture], attn_implementation="sdpa")
+    model = getattr(transformers, architecture)(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=generator))
+            else:
+                param.copy_(0.15 * torch.randn(param.shape, generator=generator))
+    return model.eval()
+
+
+def save_hf_model(model: Any, path: Path, **kwargs: Any) -> Path:
+    """save_pretrained as safetensors into `path`; returns `path`."""
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    return path
+
+
+def hf_logits(model: Any, token_ids: Sequence[int]) -> torch.Tensor:
+    """[T, V] float32 logits of `transformers` over the whole sequence."""
+    with torch.no_grad():
+        return model(torch.tensor([list(token_ids)])).logits[0].float()
+
+
+def prompt_tokens(vocab_size: int, lengths: Sequence[int], seed: int = 1) -> list[list[int]]:
+    """Seeded random token sequences of the given lengths."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+class PagedRunner:
+    """Drives a model step by step over a paged cache with scattered, non-contiguous blocks.
+
+    Block ids are handed out from a fixed shuffled order, so the tables of different sequences
+    interleave and are never contiguous.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
+        order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(7)).tolist()
+        self.free_blocks = order
+        self.tables: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}
+
+    def step(self, new_tokens: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        """Appends `new_tokens[seq]` to each listed sequence; returns their [q_len, V] logits."""
+        seq_ids = list(new_tokens)
+        query_lens, context_lens, tables, input_ids, positions = [], [], [], [], []
+        for seq in seq_ids:
+            start = self.lengths.get(seq, 0)
+            end = start + len(new_tokens[seq])
+            table = self.tables.setdefault(seq, [])
+            while len(table) * self.block_size < end:
+                table.append(self.free_blocks.pop(0))
+            self.lengths[seq] = end
+            query_lens.append(len(new_tokens[seq]))
+            context_lens.append(end)
+            tables.append(table)
+            input_ids += new_tokens[seq]
+            positions += range(start, end)
+        device = self.kv_cache.k_cache.device
+        attn = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, device)
+        with torch.inference_mode():
+            hidden = self.model(
+                torch.tensor(input_ids, device=device),
+                torch.tensor(positions, device=device),
+                attn,
+                self.kv_cache,
+            )
+            logits = self.model.compute_logits(hidden)
+        return dict(zip(seq_ids, logits.split(query_lens), strict=True))
+
+
+def greedy_generate(
+    model: LlamaForCausalLM, prompt: list[int], max_new_tokens: int, stop_ids: Sequence[int] = ()
+) -> list[int]:
+    """Greedy decoding of one prompt through the paged cache (prefill, then one token per step)."""
+    block_size = 16
+    num_blocks = -(-(len(prompt) + max_new_tokens) // block_size)
+    runner = PagedRunner(model, num_blocks, block_size)
+    logits = runner.step({0: prompt})[0]
+    generated: list[int] = []
+    for _ in range(max_new_tokens):
+        token = int(logits[-1].argmax())
+        generated.append(token)
+        if token in stop_ids:
+            break
+        logits = runner.step({0: [token]})[0]
+    return generated
+
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py Q/K row permutation (what the loader must undo)."""
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+_GGUF_LAYER_PARTS = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    """The llama.cpp name of a HF parameter name (the converter's mapping)."""
+    top = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    if hf_name in top:
+        return top[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    part, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_GGUF_LAYER_PARTS[part]}.{kind}"
+
+
+def write_gguf(
+    path: Path,
+    hf_model: Any,
+    *,
+    arch: str,
+    qtype_of: dict[str, Any] | None = None,
+    rope_freqs: np.ndarray | None = None,
+    tokenizer: dict[str, Any] | None = None,
+) -> Path:
+    """Writes a `transformers` model as llama.cpp's converter would (Q/K permuted for "llama").
+
+    Args:
+        path: output file.
+        hf_model: the model whose weights and config are written.
+        arch: GGUF architecture ("llama", "qwen2", "qwen3").
+        qtype_of: GGUF tensor name -> GGMLQuantizationType (default F32).
+        rope_freqs: [head_dim // 2] Llama 3.1 frequency factors, written as `rope_freqs.weight`.
+        tokenizer: optional tokenizer metadata (tokens, token_types, merges, bos/eos, template).
+    """
+    import gguf
+
+    config = hf_model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    if tokenizer is not None:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(tokenizer.get("pre", "default"))
+        writer.add_token_list(tokenizer["tokens"])
+        writer.add_token_types(tokenizer["token_types"])
+        writer.add_token_merges(tokenizer["merges"])
+        writer.add_bos_token_id(tokenizer["bos_token_id"])
+        writer.add_eos_token_id(tokenizer["eos_token_id"])
+        writer.add_add_bos_token(tokenizer.get("add_bos_token", False))
+        if "chat_template" in tokenizer:
+            writer.add_chat_template(tokenizer["chat_template"])
+    qtype_of = qtype_of or {}
+    state = hf_model.state_dict()
+    for hf_name, tensor in state.items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        data = tensor.detach().float().numpy().copy()
+        name = gguf_tensor_name(hf_name)
+        if arch == "llama" and ".attn_q." in name:
+            data = llama_cpp_permute(data, config.num_attention_heads)
+        elif arch == "llama" and ".attn_k." in name:
+            data = llama_cpp_permute(data, config.num_key_value_heads)
+        qtype = qtype_of.get(name, gguf.GGMLQuantizationType.F32)
+        stored = gguf.quants.quantize(data, qtype)
+        writer.add_tensor(name, stored, raw_shape=stored.shape, raw_dtype=qtype)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
