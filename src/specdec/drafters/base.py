@@ -29,6 +29,7 @@ class DraftBatch:
         num_draft: [B] int64 drafts wanted per request (0 = none).
         methods: per request, its verify method ("standard", "block" or "coupled").
         params: per-request sampling tensors ([B] each), the target's.
+        request_ids: per request, its id (drafters with per-request state key it by this).
     """
 
     token_ids: list[list[int]]
@@ -37,6 +38,7 @@ class DraftBatch:
     num_draft: torch.Tensor
     methods: list[str]
     params: SamplingTensors
+    request_ids: list[str] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -84,6 +86,9 @@ class Drafter(abc.ABC):
     @abc.abstractmethod
     def propose(self, batch: DraftBatch) -> Proposal:
         """Returns drafts for every request of `batch` (num_draft[b] of them)."""
+
+    def release(self, request_id: str) -> None:  # noqa: B027 - stateless drafters keep nothing
+        """Forgets any state kept for a request that finished or was preempted."""
 
     def to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """[N, V_draft] -> [N, V_target] float32, -inf where the draft cannot go."""

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from specdec.engine.block_allocator import BlockAllocator
 from specdec.engine.request import Request, RequestStatus
+from specdec.models.paged import BlockAllocator
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +94,8 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             share = self._share(request, budget)
+            if share is None:
+                break
             needed = request.num_computed_tokens + share.num_query_tokens
             while not self.allocator.can_grow(request, needed):
                 victim = self.running.pop()
@@ -111,6 +113,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             share = self._share(request, budget)
+            if share is None:
+                break
             needed = request.num_computed_tokens + share.num_query_tokens
             if not self.allocator.can_grow(request, needed):
                 break
@@ -122,17 +126,28 @@ class Scheduler:
             budget -= share.num_query_tokens
         return SchedulerOutput(scheduled, preempted)
 
-    def _share(self, request: Request, budget: int) -> ScheduledRequest:
+    def _share(self, request: Request, budget: int) -> ScheduledRequest | None:
+        """The request's share of this step, or None when a decode round does not fit `budget`.
+
+        A request's rounds (their anchors and draft counts) depend on the request alone, never on
+        the batch: a decode round always proposes its full K (bounded by the request's own
+        limits) or waits. A preempted request recomputes its K/V up to (not including) its last
+        token without emitting, then resumes the very round it would have run.
+        """
         if request.in_prefill:
-            remaining = request.num_tokens - request.num_computed_tokens
+            end = request.num_tokens if not request.output_token_ids else request.num_tokens - 1
+            remaining = end - request.num_computed_tokens
             chunk = min(remaining, budget)
-            return ScheduledRequest(request, chunk, 0, emits=chunk == remaining)
+            emits = chunk == remaining and not request.output_token_ids
+            return ScheduledRequest(request, chunk, 0, emits=emits)
         num_draft = 0
         if request.spec is not None:
             room = self.config.max_model_len - request.num_tokens - 1
             max_tokens = request.params.max_tokens
             left = room + 1 if max_tokens is None else max_tokens - len(request.output_token_ids)
-            num_draft = max(0, min(request.spec.num_speculative_tokens, room, left - 1, budget - 1))
+            num_draft = max(0, min(request.spec.num_speculative_tokens, room, left - 1))
+        if 1 + num_draft > budget:
+            return None
         return ScheduledRequest(request, 1 + num_draft, num_draft, emits=True)
 
     def _preempt(self, request: Request) -> None:
@@ -142,14 +157,13 @@ class Scheduler:
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def commit(self, share: ScheduledRequest, num_accepted: int) -> None:
-        """Advances the KV accounting after a step whose emitted tokens the caller has already
-        appended to request.output_token_ids; releases the rejected drafts' blocks.
+    def commit(self, request: Request, num_computed_tokens: int) -> None:
+        """Records that the first `num_computed_tokens` tokens of `request` now have valid K/V
+        (after a step: the prefill chunk, or the input token plus the accepted drafts) and
+        releases the blocks of rejected draft slots beyond them.
         Mutates: request.num_computed_tokens, request.block_ids."""
-        request = share.request
-        rejected = share.num_draft - num_accepted
-        request.num_computed_tokens += share.num_query_tokens - rejected
-        self.allocator.rollback(request, request.num_computed_tokens)
+        request.num_computed_tokens = num_computed_tokens
+        self.allocator.rollback(request, num_computed_tokens)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Removes a request from the queues and frees its blocks. Mutates: queues, request."""

@@ -14,13 +14,17 @@ from specdec.rng.draws import (
     words_to_uniform64,
 )
 from specdec.rng.philox import philox4x32_10
+from specdec.rng.seeds import derive_seed, fresh_seed, to_signed64
 
 __all__ = [
     "UNIFORM32_MAX",
     "Stream",
+    "derive_seed",
+    "fresh_seed",
     "gumbel",
     "philox4x32_10",
     "random_words",
+    "to_signed64",
     "uniform",
     "uniform_to_gumbel",
     "words_to_uniform32",

@@ -2,9 +2,9 @@
 
 import pytest
 
-from specdec.engine.block_allocator import BlockAllocator
 from specdec.engine.request import Request, RequestStatus, SpecSettings
 from specdec.engine.scheduler import Scheduler, SchedulerConfig
+from specdec.models.paged import BlockAllocator
 from specdec.sampling.params import SamplingParams
 
 
@@ -18,12 +18,13 @@ def run_step(scheduler: Scheduler, accepted: int = 0):
     """Plays one engine step: every emitting request gets accepted drafts + 1 token."""
     out = scheduler.schedule()
     for share in out.scheduled:
+        request = share.request
+        num_computed = request.num_computed_tokens + share.num_query_tokens
         if share.emits:
             num_accepted = min(accepted, share.num_draft)
-            share.request.output_token_ids.extend([7] * (num_accepted + 1))
-        else:
-            num_accepted = 0
-        scheduler.commit(share, num_accepted)
+            request.output_token_ids.extend([7] * (num_accepted + 1))
+            num_computed -= share.num_draft - num_accepted
+        scheduler.commit(request, num_computed)
     return out
 
 
@@ -83,10 +84,14 @@ def test_preemption_frees_blocks_and_requeues_first():
     assert second.status is RequestStatus.WAITING and second.block_ids == []
     assert second.num_computed_tokens == 0 and second.num_preemptions == 1
     assert scheduler.waiting[0] is second
-    # After the first finishes, the second is recomputed from scratch (prompt + outputs so far).
+    # After the first finishes, the second recomputes the K/V of all but its last token without
+    # emitting, then resumes with the decode round it would have run.
     scheduler.finish(first, RequestStatus.FINISHED_LENGTH)
+    share = run_step(scheduler).scheduled[0]
+    assert share.request is second and share.num_query_tokens == second.num_tokens - 1
+    assert not share.emits and not second.in_prefill
     share = scheduler.schedule().scheduled[0]
-    assert share.request is second and share.num_query_tokens == second.num_tokens
+    assert share.emits and share.num_query_tokens == 1
 
 
 def test_block_allocator_rollback_and_slots():

@@ -1,0 +1,165 @@
+"""Draft-model drafting: a smaller model with the target's tokenizer proposes K tokens
+autoregressively on its own paged KV cache.
+
+Each round the drafter first catches up on the tokens its cache lacks (the last round's recovered
+or bonus token, and any accepted draft it had not fed), then drafts. Draft noise comes only from
+the base class's `sample_draft`, keyed by the position Q of the proposed token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from specdec.drafters.base import DraftBatch, Drafter, Proposal
+from specdec.models import LlamaForCausalLM, load_model
+from specdec.models.paged import BlockAllocator, PagedModelRunner, StepInput
+
+TRUNCATED_PREFIX = "truncated:"
+
+
+@dataclass(slots=True, eq=False)
+class _DraftState:
+    """What the draft cache holds for one request: the tokens with valid K/V, and its blocks."""
+
+    token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+
+
+def truncated_copy(model: LlamaForCausalLM, num_layers: int) -> LlamaForCausalLM:
+    """A draft sharing the target's embeddings, first `num_layers` layers, final norm and head
+    (no copy of the weights)."""
+    total = model.config.num_hidden_layers
+    if not 1 <= num_layers < total:
+        raise ValueError(f"a truncated draft needs 1 <= layers < {total}, got {num_layers}")
+    config = dataclasses.replace(model.config, num_hidden_layers=num_layers)
+    with torch.device("meta"):
+        draft = LlamaForCausalLM(config)
+    draft.model.embed_tokens = model.model.embed_tokens
+    draft.model.layers = nn.ModuleList(list(model.model.layers[:num_layers]))
+    draft.model.norm = model.model.norm
+    draft.model.rotary_emb = model.model.rotary_emb
+    draft.lm_head = model.lm_head
+    return draft.eval()
+
+
+class DraftModelDrafter(Drafter):
+    """vLLM's `draft_model` method."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        target_vocab_size: int,
+        num_blocks: int,
+        block_size: int,
+        greedy: bool = False,
+    ) -> None:
+        """Args:
+        model: the draft model (its vocabulary must be the target's).
+        target_vocab_size: V of the target.
+        num_blocks, block_size: the draft's own KV cache.
+        greedy: propose the draft's argmax (one-hot drafts) instead of sampling.
+        """
+        if model.config.vocab_size != target_vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({model.config.vocab_size}) differs from the "
+                f"target's ({target_vocab_size}); a draft model must share the target's tokenizer"
+            )
+        super().__init__(target_vocab_size)
+        self.runner = PagedModelRunner(model, num_blocks, block_size)
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.greedy = greedy
+        self._states: dict[str, _DraftState] = {}
+
+    @classmethod
+    def from_config(cls, spec, target: LlamaForCausalLM, engine_config, max_model_len: int):
+        """Builds the drafter of a SpeculativeConfig ("truncated:N" or a model path)."""
+        weight = target.model.embed_tokens.weight
+        if spec.model.startswith(TRUNCATED_PREFIX):
+            layers = spec.model[len(TRUNCATED_PREFIX) :]
+            if not layers.isdigit():
+                raise ValueError(f'"{spec.model}": expected "truncated:<number of layers>"')
+            draft = truncated_copy(target, int(layers))
+        else:
+            draft = load_model(spec.model, dtype=weight.dtype, device=weight.device).model
+        num_blocks = engine_config.num_kv_blocks or max(
+            1, engine_config.max_num_seqs * -(-max_model_len // engine_config.block_size)
+        )
+        num_blocks = min(num_blocks, 1 << 16)
+        return cls(
+            draft,
+            target.config.vocab_size,
+            num_blocks,
+            engine_config.block_size,
+            greedy=spec.draft_sample_method == "greedy",
+        )
+
+    def release(self, request_id: str) -> None:
+        state = self._states.pop(request_id, None)
+        if state is not None:
+            self.allocator.free(state)
+
+    @torch.inference_mode()
+    def propose(self, batch: DraftBatch) -> Proposal:
+        if batch.request_ids is None:
+            raise ValueError("the draft-model drafter needs request_ids in its DraftBatch")
+        size, k = batch.batch_size, batch.max_draft
+        vocab = self.target_vocab_size
+        device = self.runner.device
+        draft_ids = torch.full((size, k), -1, dtype=torch.int64, device=device)
+        draft_logits = None
+        draft_lse = None
+        if not self.greedy:
+            draft_logits = torch.full((size, k, vocab), float("-inf"), device=device)
+            draft_lse = torch.zeros(size, k, device=device)
+        states = [
+            self._sync(rid, tokens)
+            for rid, tokens in zip(batch.request_ids, batch.token_ids, strict=False)
+        ]
+        inputs = []
+        for state, tokens, n in zip(
+            states, batch.token_ids, batch.num_draft.tolist(), strict=False
+        ):
+            start = len(state.token_ids)
+            self.allocator.grow(state, len(tokens) + max(n - 1, 0))
+            inputs.append(StepInput(tokens[start:], start, state.block_ids, 1))
+            state.token_ids = list(tokens)
+        live = list(range(size))
+        for i in range(k):
+            logits = torch.cat(self.runner.run(inputs))  # [len(live), V]
+            rows = torch.tensor(live, dtype=torch.int64)
+            positions = batch.anchors[rows] + i  # Q of the proposed tokens
+            if self.greedy:
+                tokens = self.to_target_vocab(logits).argmax(dim=-1)
+            else:
+                out = self.sample_draft(logits, rows, positions, batch)
+                tokens = out.token_ids
+                draft_logits[rows, i] = out.processed_logits.to(device)
+                draft_lse[rows, i] = out.logsumexp.to(device)
+            draft_ids[rows, i] = tokens.to(device)
+            nxt_live, inputs = [], []
+            for row, token in zip(live, tokens.tolist(), strict=False):
+                if i + 1 < int(batch.num_draft[row]):
+                    state = states[row]
+                    inputs.append(StepInput([token], len(state.token_ids), state.block_ids, 1))
+                    state.token_ids.append(token)
+                    nxt_live.append(row)
+            live = nxt_live
+            if not live:
+                break
+        return Proposal(draft_ids, draft_logits, draft_lse, batch.num_draft.clone())
+
+    def _sync(self, request_id: str, tokens: list[int]) -> _DraftState:
+        """The request's draft state, rolled back to the longest prefix it shares with `tokens`
+        (never the whole of it: the last token is always fed again so it yields logits)."""
+        state = self._states.setdefault(request_id, _DraftState())
+        common = 0
+        limit = min(len(state.token_ids), len(tokens) - 1)
+        while common < limit and state.token_ids[common] == tokens[common]:
+            common += 1
+        del state.token_ids[common:]
+        self.allocator.rollback(state, common)
+        return state

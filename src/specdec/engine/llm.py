@@ -1,0 +1,176 @@
+"""`LLM`: the offline API in vLLM's shape (`LLM(model, speculative_config=..., **engine_args)`,
+`generate`, `chat`). Runs the engine's step loop until every request is done."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from specdec.engine.config import EngineConfig, SpeculativeConfig
+from specdec.engine.llm_engine import LLMEngine
+from specdec.engine.outputs import RequestOutput
+from specdec.sampling import SamplingParams
+
+Prompt = str | Sequence[int] | Mapping[str, Any]
+
+
+class LLM:
+    """Loads a model once and generates for batches of prompts.
+
+    Example:
+        llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+        out = llm.generate(["The capital of France is"], SamplingParams(seed=0, max_tokens=16))
+        print(out[0].outputs[0].text, out[0].seed, out[0].spec_decode_stats)
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        speculative_config: dict | SpeculativeConfig | None = None,
+        **engine_args: Any,
+    ) -> None:
+        """Args:
+        model: a Hugging Face directory or GGUF file; None = the built-in SmolLM2-135M-Instruct.
+        speculative_config: vLLM's keys (method, model, num_speculative_tokens,
+            draft_sample_method, rejection_sample_method, prompt_lookup_min/max).
+        **engine_args: EngineConfig fields (max_num_seqs, max_model_len, dtype, device, ...).
+        """
+        config = EngineConfig.from_kwargs(model=model, **engine_args)
+        self.engine = LLMEngine(config, SpeculativeConfig.from_dict(speculative_config))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        speculative: dict | Sequence[dict | None] | None = None,
+        use_tqdm: bool = True,
+        on_tokens: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt; returns outputs in prompt order.
+
+        Args:
+            prompts: a string, a list of token ids, {"prompt_token_ids": [...]}, or a list of
+                these.
+            sampling_params: one for all prompts, or one per prompt.
+            speculative: per-request speculation override(s) ({"enabled", "num_speculative_tokens",
+                "method"}), one for all or one per prompt.
+            use_tqdm: show a progress bar over finished requests (on a terminal).
+            on_tokens: called with a RequestOutput each time a request emits tokens (streaming).
+
+        Raises:
+            ValueError: invalid prompts or parameters; nothing is queued then.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params = _per_prompt(sampling_params, len(prompt_list), "sampling_params")
+        overrides = _per_prompt(speculative, len(prompt_list), "speculative")
+        ids = []
+        try:
+            for prompt, p, override in zip(prompt_list, params, overrides, strict=True):
+                ids.append(
+                    self.engine.add_request(
+                        _prompt_value(prompt), p or SamplingParams(), speculative=override
+                    )
+                )
+        except ValueError:
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
+        return self._run(ids, use_tqdm, on_tokens)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        **kwargs: Any,
+    ) -> list[RequestOutput]:
+        """Renders one conversation (a list of {"role", "content"}) or several with the model's
+        chat template and generates the assistant's reply."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(c)} for c in conversations]
+        return self.generate(prompts, sampling_params, **kwargs)
+
+    def get_metrics(self) -> dict:
+        """Engine-wide spec-decode counters (vLLM's definitions)."""
+        return self.engine.stats.as_dict()
+
+    def _run(self, ids, use_tqdm, on_tokens) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = _progress_bar(len(ids)) if use_tqdm and sys.stderr.isatty() else None
+        try:
+            while self.engine.has_unfinished:
+                for output in self.engine.step():
+                    if on_tokens is not None:
+                        on_tokens(output)
+                    if output.finished:
+                        results[output.request_id] = output
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[i] for i in ids if i in results]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str | Mapping):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]
+    if not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError("prompts must be a non-empty string, token-id list, or list of them")
+    return list(prompts)
+
+
+def _prompt_value(prompt: Prompt) -> str | list[int]:
+    if isinstance(prompt, Mapping):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError('a prompt dict needs "prompt" or "prompt_token_ids"')
+    return prompt if isinstance(prompt, str) else list(prompt)
+
+
+def _per_prompt(value, count: int, name: str) -> list:
+    if value is None or isinstance(value, SamplingParams | Mapping):
+        return [value] * count
+    values = list(value)
+    if len(values) != count:
+        raise ValueError(f"{name} has {len(values)} entries for {count} prompts")
+    return values
+
+
+class _ProgressBar:
+    """A minimal progress bar on stderr (finished requests / total)."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done = total, 0
+        self._draw()
+
+    def update(self, count: int) -> None:
+        self.done += count
+        self._draw()
+
+    def _draw(self) -> None:
+        width = 30
+        filled = width * self.done // max(self.total, 1)
+        sys.stderr.write(
+            f"\rgenerating [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total}"
+        )
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")
+
+
+def _progress_bar(total: int) -> _ProgressBar:
+    return _ProgressBar(total)

@@ -1,0 +1,487 @@
+"""The step loop: schedule -> propose -> target forward -> verify -> commit -> metrics.
+
+Owns the requests, the scheduler, the model runner and the drafter. Every token it emits comes
+from `specdec.sampling.sample` (no drafts) or `specdec.verify.verify` (drafts): the engine itself
+never draws randomness.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.drafters import DraftBatch, Drafter, NgramDrafter
+from specdec.engine.config import EngineConfig, SpeculativeConfig
+from specdec.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from specdec.engine.request import Request, RequestStatus, SpecSettings
+from specdec.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from specdec.metrics import SpecDecodeStats
+from specdec.models import LlamaForCausalLM, Tokenizer, default_model_path, load_model
+from specdec.models.paged import BlockAllocator, PagedModelRunner, StepInput
+from specdec.rng import derive_seed, fresh_seed, to_signed64
+from specdec.sampling import SamplingParams, SamplingTensors, compute_logprobs, sample
+from specdec.verify import VERIFY_METHODS, verify
+
+CPU_KV_CACHE_BYTES = 1 << 30
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+@dataclass(slots=True, eq=False)
+class RequestGroup:
+    """The n samples of one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seed: int
+    samples: list[Request]
+    texts: list[str] = field(default_factory=list)
+    stop_reasons: list[str | int | None] = field(default_factory=list)
+    logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
+
+
+class LLMEngine:
+    """A whole inference engine on one device."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        speculative_config: SpeculativeConfig | None = None,
+        *,
+        model: LlamaForCausalLM | None = None,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
+        """Loads the model (or takes a loaded one) and sizes the KV cache.
+
+        Args:
+            config: engine settings.
+            speculative_config: the default speculation of every request (None: no drafts unless
+                a request asks, which then fails: there is no drafter).
+            model, tokenizer: an already loaded model (tests); `config.model` is then ignored.
+        """
+        self.config = config
+        self.device = _resolve_device(config.device)
+        dtype = _resolve_dtype(config.dtype, self.device)
+        if model is None:
+            path = config.model or str(default_model_path())
+            model, _, tokenizer = load_model(path, dtype=dtype, device=self.device)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_config = model.config
+        context = self.model_config.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
+        self.max_model_len = config.max_model_len or min(context, DEFAULT_MAX_MODEL_LEN)
+        if self.max_model_len > context:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's context of {context}"
+            )
+        num_blocks = config.num_kv_blocks or self._default_num_blocks()
+        self.allocator = BlockAllocator(num_blocks, config.block_size)
+        self.runner = PagedModelRunner(model, num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+            ),
+            self.allocator,
+        )
+        if speculative_config is not None:
+            self._check_round_fits(speculative_config.num_speculative_tokens)
+        self.speculative_config = speculative_config
+        self.drafter = self._build_drafter(speculative_config)
+        self.stats = SpecDecodeStats()
+        self.groups: dict[str, RequestGroup] = {}
+        self._group_of: dict[int, RequestGroup] = {}
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ setup
+    def _default_num_blocks(self) -> int:
+        cfg = self.model_config
+        itemsize = self.model.model.embed_tokens.weight.element_size()
+        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1.0 - self.config.gpu_memory_utilization) * total
+        else:
+            needed = self.config.max_num_seqs * self.max_model_len * per_token
+            budget = min(CPU_KV_CACHE_BYTES, needed)
+        num_blocks = int(budget // (per_token * self.config.block_size))
+        minimum = -(-self.max_model_len // self.config.block_size)
+        if num_blocks < minimum:
+            raise ValueError(
+                f"the KV cache fits {num_blocks} blocks, fewer than one request of "
+                f"max_model_len={self.max_model_len} needs ({minimum}); lower max_model_len"
+            )
+        return num_blocks
+
+    def _check_round_fits(self, k: int) -> None:
+        if k + 1 > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"a round of {k} drafts needs {k + 1} tokens, more than "
+                f"max_num_batched_tokens={self.config.max_num_batched_tokens}"
+            )
+
+    def _build_drafter(self, spec: SpeculativeConfig | None) -> Drafter | None:
+        if spec is None:
+            return None
+        vocab = self.model_config.vocab_size
+        if spec.method == "ngram":
+            return NgramDrafter(vocab, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        from specdec.drafters.draft_model import DraftModelDrafter
+
+        return DraftModelDrafter.from_config(spec, self.model, self.config, self.max_model_len)
+
+    # --------------------------------------------------------------- requests
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        speculative: dict | None = None,
+    ) -> str:
+        """Queues one prompt (a string, or token ids). Returns its request id.
+
+        Args:
+            prompt: text (tokenized with the model's tokenizer) or token ids.
+            params: sampling settings (defaults: SamplingParams()).
+            request_id: an id of the caller's; a fresh one when None.
+            speculative: per-request override {"enabled": bool, "num_speculative_tokens": int,
+                "method": "standard" | "block" | "coupled"}; None follows speculative_config.
+
+        Raises:
+            ValueError: bad prompt, bad override, or a prompt too long for max_model_len.
+        """
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        spec = self._spec_settings(speculative)
+        seed = to_signed64(params.seed) if params.seed is not None else fresh_seed()
+        samples = []
+        for index in range(params.n):
+            request = Request(
+                f"{request_id}#{index}", list(token_ids), params, derive_seed(seed, index), spec
+            )
+            self.scheduler.add(request)
+            samples.append(request)
+        group = RequestGroup(request_id, text, list(token_ids), seed, samples)
+        group.texts = [""] * params.n
+        group.stop_reasons = [None] * params.n
+        group.logprobs = [[] if params.logprobs is not None else None for _ in range(params.n)]
+        self.groups[request_id] = group
+        for request in samples:
+            self._group_of[id(request)] = group
+        return request_id
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list | tuple) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise ValueError("a prompt must be a string or a list of token ids")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return None, list(prompt)
+
+    def _spec_settings(self, override: dict | None) -> SpecSettings | None:
+        default = self.speculative_config
+        if override is None:
+            if default is None:
+                return None
+            return SpecSettings(default.num_speculative_tokens, default.rejection_sample_method)
+        known = {"enabled", "num_speculative_tokens", "method"}
+        unknown = sorted(set(override) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative keys {unknown}; known: {sorted(known)}")
+        if not override.get("enabled", True):
+            return None
+        if self.drafter is None:
+            raise ValueError("speculation was requested but the engine has no speculative_config")
+        k = override.get("num_speculative_tokens", default.num_speculative_tokens)
+        method = override.get("method", default.rejection_sample_method)
+        if not isinstance(k, int) or not 1 <= k <= 32:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, 32], got {k!r}")
+        if method not in VERIFY_METHODS:
+            raise ValueError(f"method must be one of {VERIFY_METHODS}, got {method!r}")
+        self._check_round_fits(k)
+        return SpecSettings(k, method)
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request and frees its KV blocks (unknown ids are ignored)."""
+        group = self.groups.get(request_id)
+        if group is None:
+            return
+        for request in group.samples:
+            if not request.status.finished:
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+                if self.drafter is not None:
+                    self.drafter.release(request.request_id)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Runs one step; returns the outputs of the requests that emitted tokens or finished
+        (finished groups are then forgotten)."""
+        out = self.scheduler.schedule()
+        for request in out.preempted:
+            if self.drafter is not None:
+                self.drafter.release(request.request_id)
+        if not out.scheduled:
+            if self.scheduler.has_unfinished:
+                raise RuntimeError("no request could be scheduled: the KV cache is too small")
+            return []
+        drafts = self._propose(out.scheduled)
+        inputs = []
+        for share in out.scheduled:
+            request = share.request
+            if share.emits and not request.in_prefill:
+                draft_ids = drafts.get(id(request), ([], None))[0]
+                tokens = [request.all_token_ids[-1], *draft_ids]
+                inputs.append(
+                    StepInput(tokens, request.num_tokens - 1, request.block_ids, len(tokens))
+                )
+            else:
+                start = request.num_computed_tokens
+                tokens = request.all_token_ids[start : start + share.num_query_tokens]
+                inputs.append(StepInput(tokens, start, request.block_ids, int(share.emits)))
+        logits = self.runner.run(inputs)
+        emitted = self._emit(out.scheduled, logits, drafts)
+        touched: dict[str, RequestGroup] = {}
+        for share, step_input in zip(out.scheduled, inputs, strict=True):
+            request = share.request
+            group = self._group_of[id(request)]
+            if id(request) not in emitted:
+                self.scheduler.commit(request, step_input.start + len(step_input.token_ids))
+                continue
+            tokens, num_draft, num_accepted, rows = emitted[id(request)]
+            rejected = num_draft - num_accepted
+            self.scheduler.commit(request, step_input.start + len(step_input.token_ids) - rejected)
+            if num_draft:
+                request.stats.observe(num_draft, num_accepted)
+                self.stats.observe(num_draft, num_accepted)
+            self._append(request, group, tokens, rows)
+            touched[group.request_id] = group
+        return [self._output(group) for group in touched.values()]
+
+    def _propose(self, scheduled: list[ScheduledRequest]) -> dict[int, tuple[list[int], object]]:
+        """Drafts for the decode shares with num_draft > 0: {id(request): (ids, (proposal, b))}."""
+        shares = [s for s in scheduled if s.num_draft > 0 and not s.request.in_prefill]
+        if not shares or self.drafter is None:
+            return {}
+        requests = [s.request for s in shares]
+        batch = DraftBatch(
+            token_ids=[r.all_token_ids for r in requests],
+            seeds=torch.tensor([r.seed for r in requests], dtype=torch.int64),
+            anchors=torch.tensor([r.num_tokens for r in requests], dtype=torch.int64),
+            num_draft=torch.tensor([s.num_draft for s in shares], dtype=torch.int64),
+            methods=[r.spec.method for r in requests],
+            params=_sampling_tensors([r.params for r in requests], torch.device("cpu")),
+            request_ids=[r.request_id for r in requests],
+        )
+        proposal = self.drafter.propose(batch)
+        result = {}
+        for b, request in enumerate(requests):
+            n = int(proposal.num_draft[b])
+            result[id(request)] = (proposal.draft_token_ids[b, :n].tolist(), (proposal, b))
+        return result
+
+    def _emit(
+        self, scheduled, logits, drafts
+    ) -> dict[int, tuple[list[int], int, int, torch.Tensor]]:
+        """Samples or verifies every emitting request: {id(request): (tokens, num_draft,
+        num_accepted, raw target logits rows [n + 1, V])}."""
+        plain, spec = [], []
+        for share, rows in zip(scheduled, logits, strict=True):
+            if not share.emits:
+                continue
+            num_draft = len(drafts.get(id(share.request), ([], None))[0])
+            (spec if num_draft else plain).append((share.request, rows, num_draft))
+        result = {}
+        if plain:
+            requests = [r for r, _, _ in plain]
+            rows = torch.stack([row[-1] for _, row, _ in plain])  # [B, V]
+            params = _sampling_tensors([r.params for r in requests], rows.device)
+            out = sample(
+                rows,
+                torch.tensor([r.seed for r in requests], dtype=torch.int64, device=rows.device),
+                torch.tensor(
+                    [r.num_tokens for r in requests], dtype=torch.int64, device=rows.device
+                ),
+                temperature=params.temperature,
+                top_k=params.top_k,
+                top_p=params.top_p,
+                min_p=params.min_p,
+            )
+            for i, (request, row, _) in enumerate(plain):
+                result[id(request)] = ([int(out.token_ids[i])], 0, 0, row[-1:])
+        for method in VERIFY_METHODS:
+            group = [entry for entry in spec if entry[0].spec.method == method]
+            if group:
+                result.update(self._verify_group(group, drafts, method))
+        return result
+
+    def _verify_group(self, group, drafts, method):
+        requests = [r for r, _, _ in group]
+        device = group[0][1].device
+        k = max(n for _, _, n in group)
+        vocab = group[0][1].shape[-1]
+        target = torch.zeros(len(group), k + 1, vocab, device=device)
+        draft_ids = torch.full((len(group), k), -1, dtype=torch.int64, device=device)
+        proposals = [drafts[id(r)][1] for r in requests]
+        with_logits = proposals[0][0].draft_logits is not None
+        draft_logits = torch.zeros(len(group), k, vocab, device=device) if with_logits else None
+        for b, (request, rows, n) in enumerate(group):
+            target[b, : n + 1] = rows
+            draft_ids[b, :n] = torch.tensor(drafts[id(request)][0], dtype=torch.int64)
+            if draft_logits is not None:
+                proposal, index = proposals[b]
+                draft_logits[b, :n] = proposal.draft_logits[index, :n].to(device)
+        params = _sampling_tensors([r.params for r in requests], device)
+        out = verify(
+            target,
+            draft_ids,
+            draft_logits,
+            torch.tensor([r.seed for r in requests], dtype=torch.int64, device=device),
+            torch.tensor([r.num_tokens for r in requests], dtype=torch.int64, device=device),
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            min_p=params.min_p,
+            num_draft=torch.tensor([n for _, _, n in group], dtype=torch.int64, device=device),
+            method=method,
+        )
+        result = {}
+        for b, (request, rows, n) in enumerate(group):
+            accepted = int(out.num_accepted[b])
+            tokens = out.token_ids[b, : accepted + 1].tolist()
+            result[id(request)] = (tokens, n, accepted, rows[: accepted + 1])
+        return result
+
+    # ----------------------------------------------------------------- output
+    def _append(self, request: Request, group: RequestGroup, tokens: list[int], rows) -> None:
+        """Appends emitted tokens one by one, stopping at the first stop condition."""
+        params = request.params
+        index = group.samples.index(request)
+        eos = None if self.tokenizer is None else self.tokenizer.eos_token_id
+        stop_ids = set(params.stop_token_ids or [])
+        if eos is not None and not params.ignore_eos:
+            stop_ids.add(eos)
+        for j, token in enumerate(tokens):
+            request.output_token_ids.append(token)
+            if params.logprobs is not None:
+                lp = compute_logprobs(rows[j : j + 1], torch.tensor([token]), params.logprobs)
+                top = dict(zip(lp.top_ids[0].tolist(), lp.top_logprobs[0].tolist(), strict=True))
+                group.logprobs[index].append(TokenLogprob(token, float(lp.token_logprobs[0]), top))
+            num_out = len(request.output_token_ids)
+            if token in stop_ids and num_out >= params.min_tokens:
+                group.stop_reasons[index] = None if token == eos else token
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                break
+            if params.stop and self.tokenizer is not None and num_out >= params.min_tokens:
+                text = self._text(request)
+                hit = _find_stop(text, params.stop)
+                if hit is not None:
+                    position, stop = hit
+                    keep = position + (len(stop) if params.include_stop_str_in_output else 0)
+                    group.texts[index] = text[:keep]
+                    group.stop_reasons[index] = stop
+                    self._finish(request, RequestStatus.FINISHED_STOPPED)
+                    return
+            if (params.max_tokens is not None and num_out >= params.max_tokens) or (
+                request.num_tokens >= self.max_model_len
+            ):
+                self._finish(request, RequestStatus.FINISHED_LENGTH)
+                break
+        group.texts[index] = self._text(request)
+
+    def _text(self, request: Request) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(
+            request.output_token_ids, skip_special_tokens=request.params.skip_special_tokens
+        )
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(request, status)
+        if self.drafter is not None:
+            self.drafter.release(request.request_id)
+
+    def _output(self, group: RequestGroup) -> RequestOutput:
+        outputs = []
+        stats = SpecDecodeStats()
+        for index, request in enumerate(group.samples):
+            status = request.status
+            logprobs = group.logprobs[index]
+            outputs.append(
+                CompletionOutput(
+                    index=index,
+                    text=group.texts[index],
+                    token_ids=list(request.output_token_ids),
+                    finish_reason=status.value if status.finished else None,
+                    stop_reason=group.stop_reasons[index],
+                    logprobs=None if logprobs is None else list(logprobs),
+                    cumulative_logprob=None
+                    if logprobs is None
+                    else sum(t.logprob for t in logprobs),
+                )
+            )
+            stats.merge(request.stats)
+        finished = all(r.status.finished for r in group.samples)
+        if finished:
+            self.groups.pop(group.request_id, None)
+            for request in group.samples:
+                self._group_of.pop(id(request), None)
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            seed=group.seed,
+            spec_decode_stats=stats.as_dict(),
+        )
+
+
+def _find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    hits = [(text.find(stop), stop) for stop in stops if stop in text]
+    return min(hits) if hits else None
+
+
+def _sampling_tensors(params: list[SamplingParams], device: torch.device) -> SamplingTensors:
+    def column(values, dtype, off):
+        if all(v == off for v in values):
+            return None
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    return SamplingTensors(
+        temperature=torch.tensor([p.temperature for p in params], device=device),
+        top_k=column([p.top_k for p in params], torch.int64, 0),
+        top_p=column([p.top_p for p in params], torch.float32, 1.0),
+        min_p=column([p.min_p for p in params], torch.float32, 0.0),
+    )
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but no CUDA device is available")
+    return torch.device(device)
+
+
+def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)

@@ -1,0 +1,209 @@
+"""The engine end to end on a tiny random-weight Llama: speculation never changes what is emitted
+where it must not (greedy, coupled), and seeded runs replay alone, in a batch, permuted and after
+preemption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
+from specdec.engine.llm import LLM
+from specdec.models import load_model, prompt_logits
+from specdec.sampling import SamplingParams
+
+VOCAB = 97
+LENGTHS = [5, 9, 14, 3]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return prompt_tokens(VOCAB, LENGTHS, seed=3)
+
+
+def make_llm(model_dir, spec=None, **kwargs):
+    args = {"max_model_len": 64, "block_size": 4, **kwargs}
+    return LLM(str(model_dir), speculative_config=spec, **args)
+
+
+def token_ids(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=1.0, max_tokens=24, seed=11, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(model_dir, prompts):
+    return token_ids(make_llm(model_dir).generate(prompts, GREEDY, use_tqdm=False))
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("drafter", ["ngram", "truncated:1", "truncated:2"])
+@pytest.mark.parametrize("method", ["standard", "block"])
+def test_greedy_speculation_equals_greedy_plain(
+    model_dir, prompts, plain_greedy, k, drafter, method
+):
+    spec = {"num_speculative_tokens": k, "rejection_sample_method": method}
+    if drafter == "ngram":
+        spec["method"] = "ngram"
+    else:
+        spec.update(method="draft_model", model=drafter)
+    llm = make_llm(model_dir, spec)
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == plain_greedy
+    assert llm.get_metrics()["num_drafts"] > 0
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "truncated:1"])
+@pytest.mark.parametrize("draft_sample_method", ["probabilistic", "greedy"])
+def test_coupled_sampling_equals_plain_sampling(model_dir, prompts, drafter, draft_sample_method):
+    plain = token_ids(make_llm(model_dir).generate(prompts, SAMPLED, use_tqdm=False))
+    spec = {
+        "num_speculative_tokens": 4,
+        "rejection_sample_method": "coupled",
+        "draft_sample_method": draft_sample_method,
+    }
+    spec.update(method="ngram") if drafter == "ngram" else spec.update(
+        method="draft_model", model=drafter
+    )
+    llm = make_llm(model_dir, spec)
+    assert token_ids(llm.generate(prompts, SAMPLED, use_tqdm=False)) == plain
+    metrics = llm.get_metrics()
+    assert metrics["num_drafts"] > 0
+    if drafter != "ngram":  # n-grams of a random tiny model rarely match its samples
+        assert metrics["num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("method", ["standard", "block"])
+def test_seeded_runs_replay_alone_batched_permuted_and_preempted(model_dir, prompts, method):
+    spec = {
+        "method": "draft_model",
+        "model": "truncated:2",
+        "num_speculative_tokens": 4,
+        "rejection_sample_method": method,
+    }
+    llm = make_llm(model_dir, spec)
+    batched = token_ids(llm.generate(prompts, SAMPLED, use_tqdm=False))
+    assert token_ids(llm.generate(prompts, SAMPLED, use_tqdm=False)) == batched
+    assert token_ids(llm.generate(prompts[::-1], SAMPLED, use_tqdm=False))[::-1] == batched
+    for i, prompt in enumerate(prompts):
+        assert token_ids(llm.generate(prompt, SAMPLED, use_tqdm=False)) == [batched[i]]
+    # A cache of 12 blocks x 4 slots cannot hold the four requests at once: some are preempted
+    # and recomputed, and must still emit the same tokens.
+    small = make_llm(model_dir, spec, num_kv_blocks=12)
+    assert token_ids(small.generate(prompts, SAMPLED, use_tqdm=False)) == batched
+    assert small.engine.scheduler.allocator.num_free_blocks == 12
+
+
+def test_preemption_happens_with_a_small_cache(model_dir, prompts):
+    llm = make_llm(model_dir, num_kv_blocks=12)
+    seen = []
+    original = llm.engine.scheduler.schedule
+
+    def spy():
+        out = original()
+        seen.extend(out.preempted)
+        return out
+
+    llm.engine.scheduler.schedule = spy
+    plain = token_ids(make_llm(model_dir).generate(prompts, SAMPLED, use_tqdm=False))
+    assert token_ids(llm.generate(prompts, SAMPLED, use_tqdm=False)) == plain
+    assert seen, "the cache was meant to be too small for all requests at once"
+
+
+def test_rolled_back_cache_equals_a_cache_that_never_saw_the_drafts(model_dir, prompts):
+    """After verification, the K/V kept for a request are exactly those of its committed tokens:
+    running the committed sequence from scratch gives the same next-token logits."""
+    spec = {"method": "draft_model", "model": "truncated:1", "num_speculative_tokens": 4}
+    llm = make_llm(model_dir, spec)
+    engine = llm.engine
+    engine.add_request(prompts[2], SAMPLED)
+    request = engine.groups["0"].samples[0]
+    while len(request.output_token_ids) < 10 and not request.status.finished:
+        engine.step()
+    assert engine.stats.num_draft_tokens > engine.stats.num_accepted_tokens  # some rejections
+    from specdec.models.paged import StepInput
+
+    tokens = request.all_token_ids
+    cached = engine.runner.run(
+        [StepInput([tokens[-1]], request.num_tokens - 1, request.block_ids, 1)]
+    )[0]
+    model = load_model(model_dir).model
+    fresh = prompt_logits(model, [tokens])[0][-1:]
+    torch.testing.assert_close(cached, fresh, rtol=0, atol=1e-5)
+
+
+def test_stop_conditions_and_outputs(model_dir, prompts):
+    llm = make_llm(model_dir)
+    plain = token_ids(llm.generate(prompts[0], GREEDY, use_tqdm=False))[0]
+    stop_at = plain[3]
+    out = llm.generate(
+        prompts[0],
+        SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_at], logprobs=2),
+        use_tqdm=False,
+    )[0]
+    first = plain.index(stop_at)
+    completion = out.outputs[0]
+    assert completion.token_ids == plain[: first + 1]
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop_at
+    assert len(completion.logprobs) == len(completion.token_ids)
+    assert all(len(t.top) == 2 for t in completion.logprobs)
+    assert out.seed is not None
+    n_out = llm.generate(prompts[0], SamplingParams(n=3, max_tokens=6, seed=5), use_tqdm=False)[0]
+    assert len(n_out.outputs) == 3
+    assert len({tuple(o.token_ids) for o in n_out.outputs}) > 1  # samples differ
+
+
+def test_unseeded_requests_record_a_seed_that_replays(model_dir, prompts):
+    llm = make_llm(model_dir)
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    first = llm.generate(prompts[1], params, use_tqdm=False)[0]
+    replay = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=first.seed)
+    assert llm.generate(prompts[1], replay, use_tqdm=False)[0].outputs[0].token_ids == (
+        first.outputs[0].token_ids
+    )
+
+
+def test_bad_input_is_rejected_and_nothing_is_queued(model_dir, prompts):
+    llm = make_llm(model_dir)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([prompts[0], [VOCAB + 5]], GREEDY)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([prompts[0], [1] * 64], GREEDY)
+    with pytest.raises(ValueError, match="no speculative_config"):
+        llm.generate(prompts[0], GREEDY, speculative={"enabled": True})
+    assert not llm.engine.has_unfinished
+    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_blocks
+    with pytest.raises(ValueError, match="unknown speculative_config keys"):
+        make_llm(model_dir, {"method": "ngram", "num_spec": 3})
+
+
+def test_per_request_speculation_in_one_batch(model_dir, prompts):
+    spec = {"method": "draft_model", "model": "truncated:2", "num_speculative_tokens": 3}
+    llm = make_llm(model_dir, spec)
+    overrides = [
+        None,
+        {"enabled": False},
+        {"num_speculative_tokens": 1, "method": "block"},
+        {"method": "coupled"},
+    ]
+    out = llm.generate(prompts, SAMPLED, speculative=overrides, use_tqdm=False)
+    assert out[1].spec_decode_stats["num_drafts"] == 0
+    assert out[0].spec_decode_stats["num_drafts"] > 0
+    assert (
+        max(
+            out[2].spec_decode_stats["num_draft_tokens"]
+            / max(out[2].spec_decode_stats["num_drafts"], 1),
+            0,
+        )
+        <= 1
+    )
+    plain = token_ids(make_llm(model_dir).generate(prompts, SAMPLED, use_tqdm=False))
+    assert token_ids(out)[1] == plain[1]  # speculation off: plain sampling
+    assert token_ids(out)[3] == plain[3]  # coupled: token-identical to plain sampling
