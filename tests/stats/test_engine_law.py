@@ -1,0 +1,154 @@
+"""Through the whole engine, on a tiny real model: the first emitted tokens of speculative decoding
+follow plain sampling's distribution exactly.
+
+A 3-layer Llama with an 8-token vocabulary (seeded random weights) is the target; the draft is the
+target truncated to its first layer. For each (method, draft sampling), N independent seeded
+requests emit 3 tokens each; the joint law of those 3 tokens (512 cells) is compared with the exact
+law computed from the target's own logits.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy import stats as scipy_stats
+
+from specdec.drafters.base import Drafter
+from specdec.engine.llm import LLM
+from specdec.models import load_model, prompt_logits
+from specdec.sampling import SampleOutput, SamplingParams, process_logits
+
+pytestmark = pytest.mark.stats
+
+VOCAB = 8
+PROMPT = [1, 5, 2, 7]
+NUM_TOKENS = 3
+NUM_TRIALS = 12_000
+ALPHA = 1e-6
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            scale = 0.1 if name.endswith("norm.weight") else 0.6
+            base = 1.0 if name.endswith("norm.weight") else 0.0
+            param.copy_(base + scale * torch.randn(param.shape, generator=generator))
+    path = tmp_path_factory.mktemp("vocab8")
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def exact_law(model_dir, temperature: float) -> torch.Tensor:
+    """[V ** 3] float64 probability of each 3-token continuation under the processed target."""
+    model = load_model(model_dir).model
+    prefixes = [
+        list(p) for n in range(NUM_TOKENS) for p in itertools.product(range(VOCAB), repeat=n)
+    ]
+    logits = prompt_logits(model, [PROMPT + p for p in prefixes])
+    probs = {}
+    for prefix, row in zip(prefixes, logits, strict=True):
+        processed = process_logits(row[-1:].double(), torch.tensor([temperature]))
+        probs[tuple(prefix)] = processed.softmax(-1)[0]
+    law = torch.zeros(VOCAB**NUM_TOKENS, dtype=torch.float64)
+    for cell, seq in enumerate(itertools.product(range(VOCAB), repeat=NUM_TOKENS)):
+        p = 1.0
+        for i in range(NUM_TOKENS):
+            p *= float(probs[seq[:i]][seq[i]])
+        law[cell] = p
+    return law
+
+
+def emitted_counts(model_dir, spec, temperature: float) -> torch.Tensor:
+    llm = LLM(
+        str(model_dir),
+        speculative_config=spec,
+        max_model_len=32,
+        block_size=4,
+        max_num_seqs=512,
+        max_num_batched_tokens=4096,
+    )
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=NUM_TOKENS, ignore_eos=True, seed=s)
+        for s in range(NUM_TRIALS)
+    ]
+    outputs = llm.generate([PROMPT] * NUM_TRIALS, params, use_tqdm=False)
+    counts = torch.zeros(VOCAB**NUM_TOKENS, dtype=torch.float64)
+    for out in outputs:
+        a, b, c = out.outputs[0].token_ids[:NUM_TOKENS]
+        counts[(a * VOCAB + b) * VOCAB + c] += 1
+    assert llm.get_metrics()["num_accepted_tokens"] > 0
+    return counts
+
+
+def chi_square_pvalue(counts: torch.Tensor, law: torch.Tensor) -> float:
+    """Pearson chi-square p-value after merging cells with expected count < 5 into one."""
+    expected = law * counts.sum()
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum().reshape(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().reshape(1)])
+    keep = exp > 0
+    return float(
+        scipy_stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
+    )
+
+
+def spec_config(method: str, draft_sample_method: str) -> dict:
+    return {
+        "method": "draft_model",
+        "model": "truncated:1",
+        "num_speculative_tokens": 2,
+        "rejection_sample_method": method,
+        "draft_sample_method": draft_sample_method,
+    }
+
+
+@pytest.mark.parametrize("method", ["standard", "block", "coupled"])
+@pytest.mark.parametrize("draft_sample_method", ["probabilistic", "greedy"])
+def test_first_tokens_follow_the_target(model_dir, method, draft_sample_method):
+    """H0: the engine's first 3 emitted tokens have the target's exact joint law.
+    Statistic: Pearson chi-square over the 512 cells (cells with expected count < 5 merged),
+    N = 12,000 seeded requests, temperature 0.7; reject at p < 1e-6, so the false-failure rate
+    is <= 1e-6 per case (6 cases)."""
+    law = exact_law(model_dir, 0.7)
+    counts = emitted_counts(model_dir, spec_config(method, draft_sample_method), 0.7)
+    assert chi_square_pvalue(counts, law) > ALPHA
+
+
+def test_negative_control_verifier_given_the_raw_draft_distribution(model_dir, monkeypatch):
+    """The same test must reject an engine whose verifier is given the draft's raw logits rather
+    than the temperature-processed logits the draft was sampled from (the bug of HF #47932).
+
+    Run at temperature 1.6, where raw and processed draft distributions of this model differ
+    most; at that temperature the correct engine passes the same check first (p > 1e-6) and the
+    broken one must give p < 1e-6 (seen: p underflows to 0)."""
+    law = exact_law(model_dir, 1.6)
+    spec = spec_config("standard", "probabilistic")
+    assert chi_square_pvalue(emitted_counts(model_dir, spec, 1.6), law) > ALPHA
+    real = Drafter.sample_draft
+
+    def wrong_distribution(self, logits, rows, positions, batch):
+        out = real(self, logits, rows, positions, batch)
+        raw = self.to_target_vocab(logits)
+        return SampleOutput(out.token_ids, raw, raw.logsumexp(dim=-1))
+
+    monkeypatch.setattr(Drafter, "sample_draft", wrong_distribution)
+    assert chi_square_pvalue(emitted_counts(model_dir, spec, 1.6), law) < ALPHA
