@@ -79,10 +79,13 @@ def support(processed: torch.Tensor) -> list[list[int]]:
 
 
 def oracle_support(scaled: list[float], top_k: int, top_p: float, min_p: float) -> list[int]:
-    """Float64 reference: top-k (ties kept), then top-p on the renormalised top-k law (keep the
-    most likely tokens while the mass before them is < top_p; ties kept), then min-p."""
+    """Float64 reference in vLLM's order: min-p, then top-k (ties kept), then top-p on the law
+    those leave (keep the most likely tokens while the mass before them is < top_p; ties kept)."""
     vocab = len(scaled)
     keep = set(range(vocab))
+    if min_p > 0:
+        floor = max(scaled) + math.log(min_p)
+        keep = {v for v in keep if scaled[v] >= floor}
     if 0 < top_k < vocab:
         kth = sorted(scaled, reverse=True)[top_k - 1]
         keep = {v for v in keep if scaled[v] >= kth}
@@ -95,9 +98,6 @@ def oracle_support(scaled: list[float], top_k: int, top_p: float, min_p: float) 
                 break
             last, before = v, before + w
         keep = {v for v in keep if scaled[v] >= scaled[last]}
-    if min_p > 0:
-        floor = max(scaled) + math.log(min_p)
-        keep = {v for v in keep if scaled[v] >= floor}
     return sorted(keep)
 
 

@@ -133,15 +133,22 @@ def run_scripted(toy_model, processing, method, drafts, chains, accept_u, num_dr
         )
     accepted = result.num_accepted
     rejected = (accepted < num_draft).nonzero().squeeze(1)
-    assert calls[0]["stream"] == Stream.TARGET
-    assert torch.equal(calls[0]["positions"], anchors + accepted)
-    final = calls[0]["weights"].double().softmax(-1)
-    if rejected.numel():
-        assert len(calls) == 2 and calls[1]["stream"] == Stream.RESIDUAL
-        assert torch.equal(calls[1]["positions"], ANCHOR + accepted[rejected])
-        final[rejected] = calls[1]["weights"].double().softmax(-1)
+    bonus = (accepted == num_draft).nonzero().squeeze(1)
+    by_stream = {call["stream"]: call for call in calls}
+    assert len(by_stream) == len(calls)  # one draw per stream, never a wasted one
+    final = torch.empty(len(accepted), calls[0]["weights"].shape[-1], dtype=torch.float64)
+    if bonus.numel():
+        bonus_call = by_stream[Stream.TARGET]
+        assert torch.equal(bonus_call["positions"], ANCHOR + accepted[bonus])
+        final[bonus] = bonus_call["weights"].double().softmax(-1)
     else:
-        assert len(calls) == 1
+        assert Stream.TARGET not in by_stream
+    if rejected.numel():
+        residual_call = by_stream[Stream.RESIDUAL]
+        assert torch.equal(residual_call["positions"], ANCHOR + accepted[rejected])
+        final[rejected] = residual_call["weights"].double().softmax(-1)
+    else:
+        assert Stream.RESIDUAL not in by_stream
     return result, final
 
 

@@ -52,7 +52,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
+        if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if not _is_real(self.temperature) or not 0 <= self.temperature < float("inf"):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
@@ -71,11 +71,9 @@ class SamplingParams:
                 raise ValueError(f"seed must be an integer, got {self.seed!r}")
             if not -(2**63) <= self.seed < 2**64:
                 raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
-        if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or self.max_tokens < 1
-        ):
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
@@ -89,7 +87,7 @@ class SamplingParams:
             isinstance(t, int) and t >= 0 for t in self.stop_token_ids
         ):
             raise ValueError(f"stop_token_ids must be integers >= 0, got {self.stop_token_ids}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
         if self.temperature < GREEDY_TEMPERATURE_EPS:
             self.temperature = 0.0
@@ -111,6 +109,10 @@ class SamplingParams:
         if self.seed is None:
             return None
         return self.seed - 2**64 if self.seed >= 2**63 else self.seed
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_real(value: object) -> bool:

@@ -1,4 +1,4 @@
-"""Logits processing shared by the target and the draft: temperature, top-k, top-p, min-p.
+"""Logits processing shared by the target and the draft: temperature, min-p, top-k, top-p.
 
 Every filter keeps the tokens whose scaled logit is at least a per-row threshold, so processing is
 `scaled = logits / T` followed by `where(scaled >= threshold, scaled, -inf)`; the GPU kernels take
@@ -66,7 +66,8 @@ def filter_threshold(
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """The per-row logit threshold that top-k, then top-p, then min-p impose on scaled logits.
+    """The per-row logit threshold that min-p, then top-k, then top-p impose on scaled logits
+    (vLLM's order).
 
     A row keeps token v iff scaled[v] >= threshold. Ties at a threshold are all kept, so the result
     does not depend on how a sort orders equal values.
@@ -74,7 +75,7 @@ def filter_threshold(
     Args:
         scaled: [N, V] float32 temperature-scaled logits.
         top_k: [N] int64, 0 = off (k >= V is off too).
-        top_p: [N] float32, 1 = off. Applied to the distribution left by top-k.
+        top_p: [N] float32, 1 = off. Applied to the distribution left by min-p and top-k.
         min_p: [N] float32, 0 = off: keep p >= min_p * max p, i.e. scaled >= max + log(min_p).
 
     Returns:
@@ -87,11 +88,16 @@ def filter_threshold(
     if not (use_k or use_p or use_min_p):
         return None
     threshold = torch.full((num_rows,), float("-inf"), dtype=torch.float32, device=scaled.device)
+    if use_min_p:
+        row_max = scaled.amax(dim=-1)
+        floor = row_max + torch.log(min_p.clamp_min(1e-38))
+        threshold = torch.where(min_p > 0, floor, threshold)
     if use_k:
         k = top_k.clamp(0, vocab_size)
         top_values = scaled.topk(int(k.max()), dim=-1).values
         kth = top_values.gather(1, (k - 1).clamp_min(0)[:, None]).squeeze(1)
-        threshold = torch.where((k > 0) & (k < vocab_size), kth, threshold)
+        on = (k > 0) & (k < vocab_size)
+        threshold = torch.where(on, torch.maximum(threshold, kth), threshold)
     if use_p:
         masked = torch.where(scaled >= threshold[:, None], scaled, float("-inf"))
         sorted_desc = masked.sort(dim=-1, descending=True).values
@@ -100,10 +106,6 @@ def filter_threshold(
         num_kept = (mass_before < top_p[:, None]).sum(dim=-1).clamp_min(1)
         last_kept = sorted_desc.gather(1, (num_kept - 1)[:, None]).squeeze(1)
         threshold = torch.where(top_p < 1, torch.maximum(threshold, last_kept), threshold)
-    if use_min_p:
-        row_max = scaled.amax(dim=-1)
-        floor = row_max + torch.log(min_p.clamp_min(1e-38))
-        threshold = torch.where(min_p > 0, torch.maximum(threshold, floor), threshold)
     return threshold
 
 

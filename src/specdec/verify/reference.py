@@ -113,6 +113,18 @@ def check_verify_inputs(
     live = draft_token_ids[:active_rows][in_chain[:active_rows]]
     if live.numel() and (int(live.min()) < 0 or int(live.max()) >= vocab):
         raise ValueError(f"draft_token_ids must lie in [0, V={vocab}) within num_draft")
+    if draft_logits is not None and method != "coupled" and live.numel():
+        rows = torch.arange(batch, device=device)[:, None].expand(batch, k)
+        live_rows = rows[:active_rows][in_chain[:active_rows]]
+        live_cols = torch.arange(k, device=device).expand(batch, k)[:active_rows][
+            in_chain[:active_rows]
+        ]
+        at_draft = draft_logits[live_rows, live_cols, live]
+        if bool(torch.isneginf(at_draft).any()) or bool(torch.isnan(at_draft).any()):
+            raise ValueError(
+                "a draft token has zero probability under its draft_logits: draft_logits must be "
+                "the processed logits the drafts were sampled from"
+            )
     params = SamplingTensors.build(batch, device, temperature, top_k, top_p, min_p)
     return VerifyInputs(
         target_logits,
@@ -289,7 +301,16 @@ def _verify_active_rows(inputs: VerifyInputs, active: int) -> tuple[torch.Tensor
 
     all_accepted = accepted == num_draft
     final_row = target.gather(1, accepted[:, None, None].expand(-1, 1, vocab)).squeeze(1)
-    final = gumbel_argmax_ref(final_row, greedy, seeds, anchors + accepted, Stream.TARGET)
+    final = final_row.argmax(dim=-1)  # greedy rows: the target's argmax, no noise
+    bonus = (all_accepted & ~greedy).nonzero().squeeze(1)  # rejected rows draw a residual below
+    if bonus.numel():
+        final[bonus] = gumbel_argmax_ref(
+            final_row[bonus],
+            torch.zeros_like(bonus, dtype=torch.bool),
+            seeds[bonus],
+            anchors[bonus] + accepted[bonus],
+            Stream.TARGET,
+        )
     rejected = (~all_accepted & ~greedy).nonzero().squeeze(1)
     if rejected.numel():
         rows = accepted[rejected]

@@ -1,0 +1,67 @@
+"""verify() names the problem in bad input instead of emitting biased tokens."""
+
+import pytest
+import torch
+
+from specdec.sampling import SamplingParams
+from specdec.verify import verify
+
+B, K, V = 2, 3, 6
+
+
+def inputs():
+    gen = torch.Generator().manual_seed(0)
+    target = torch.randn(B, K + 1, V, generator=gen)
+    draft_logits = torch.randn(B, K, V, generator=gen)
+    drafts = draft_logits.argmax(-1)
+    return target, drafts, draft_logits, torch.tensor([1, 2]), torch.tensor([5, 9])
+
+
+def test_a_draft_outside_its_own_distribution_is_rejected():
+    target, drafts, draft_logits, seeds, positions = inputs()
+    draft_logits[1, 2, drafts[1, 2]] = float("-inf")
+    with pytest.raises(ValueError, match="zero probability under its draft_logits"):
+        verify(target, drafts, draft_logits, seeds, positions, temperature=1.0)
+    # Beyond num_draft the entry is ignored.
+    verify(
+        target,
+        drafts,
+        draft_logits,
+        seeds,
+        positions,
+        temperature=1.0,
+        num_draft=torch.tensor([3, 2]),
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"method": "tree"}, "method must be one of"),
+        ({"num_draft": torch.tensor([4, 0])}, "num_draft must lie"),
+        ({"active_rows": 3}, "active_rows"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+    ],
+)
+def test_invalid_arguments_name_the_problem(change, message):
+    target, drafts, draft_logits, seeds, positions = inputs()
+    kwargs = {"temperature": 1.0, **change}
+    with pytest.raises(ValueError, match=message):
+        verify(target, drafts, draft_logits, seeds, positions, **kwargs)
+
+
+def test_shapes_are_checked():
+    target, drafts, draft_logits, seeds, positions = inputs()
+    with pytest.raises(ValueError, match="draft_logits must have shape"):
+        verify(target, drafts, draft_logits[:, :, :4], seeds, positions, temperature=1.0)
+    with pytest.raises(ValueError, match="draft_token_ids"):
+        verify(target, drafts[:, :2], draft_logits, seeds, positions, temperature=1.0)
+    with pytest.raises(ValueError, match="draft_token_ids must lie"):
+        verify(target, drafts + V, None, seeds, positions, temperature=1.0)
+
+
+@pytest.mark.parametrize("field", ["n", "max_tokens", "min_tokens", "logprobs"])
+def test_sampling_params_reject_booleans(field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: True})
