@@ -1,4 +1,4 @@
-"""The `specdec` command line: one subcommand per task (today `audit`).
+"""The `specdec` command line: one subcommand per task (`generate`, `bench`, `audit`).
 
 Parses arguments and prints results; the work itself lives in the library (`specdec.conformance`
 for the audit), so that tests run exactly what the command runs.
@@ -22,6 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"specdec {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_generate(commands)
+    _add_bench(commands)
 
     audit = commands.add_parser(
         "audit",
@@ -51,6 +53,162 @@ def build_parser() -> argparse.ArgumentParser:
     )
     audit.set_defaults(handler=_audit)
     return parser
+
+
+# The speculation `generate` and `bench` use when --speculative-config is not given.
+DEFAULT_SPECULATIVE_CONFIG = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+def _add_generate(commands) -> None:
+    from specdec.engine.args import add_engine_arguments, add_sampling_arguments
+
+    generate = commands.add_parser(
+        "generate",
+        help="generate text for a prompt, streaming tokens, then print acceptance figures",
+        description="Generate for one prompt with speculative decoding (default: "
+        f"{DEFAULT_SPECULATIVE_CONFIG}) on the given model (default: the built-in "
+        "SmolLM2-135M-Instruct), streaming the text as it is produced.",
+    )
+    generate.add_argument("prompt", help="the prompt (a user message for chat models)")
+    generate.add_argument("--model", default=None, help="HF directory or GGUF file")
+    generate.add_argument(
+        "--no-chat", action="store_true", help="do not wrap the prompt in the chat template"
+    )
+    generate.add_argument("--no-spec", action="store_true", help="decode without speculation")
+    add_sampling_arguments(generate)
+    add_engine_arguments(generate)
+    generate.set_defaults(handler=_generate)
+
+
+def _add_bench(commands) -> None:
+    from specdec.engine.args import add_engine_arguments
+
+    bench = commands.add_parser(
+        "bench",
+        help="speculative vs plain decoding: tokens/s, TPOT, acceptance (JSON and PNG)",
+        description="Run one workload with and without speculation on the same model, prompts "
+        "and seeds; print a table and write JSON and a PNG plot.",
+    )
+    bench.add_argument("--model", default=None, help="HF directory or GGUF file")
+    bench.add_argument("--num-prompts", type=int, default=8, help="requests in the workload")
+    bench.add_argument("--output-len", type=int, default=64, help="tokens generated per request")
+    bench.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    bench.add_argument("--seed", type=int, default=0, help="seed of request i is seed + i")
+    bench.add_argument(
+        "--out", default="bench-results/bench.json", help="JSON path (the PNG goes beside it)"
+    )
+    add_engine_arguments(bench)
+    bench.set_defaults(handler=_bench)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from specdec.engine.args import engine_kwargs, sampling_params, speculative_config
+    from specdec.engine.llm import LLM
+
+    spec = None if args.no_spec else speculative_config(args, DEFAULT_SPECULATIVE_CONFIG)
+    llm = LLM(args.model, speculative_config=spec, **engine_kwargs(args))
+    params = sampling_params(args)
+    printed = [0]
+
+    def stream(output) -> None:
+        text = output.outputs[0].text
+        sys.stdout.write(text[printed[0] :])
+        sys.stdout.flush()
+        printed[0] = len(text)
+
+    started = time.perf_counter()
+    use_chat = not args.no_chat and llm.tokenizer is not None and llm.tokenizer.chat_template
+    if use_chat:
+        outputs = llm.chat([{"role": "user", "content": args.prompt}], params, on_tokens=stream)
+    else:
+        outputs = llm.generate(args.prompt, params, on_tokens=stream)
+    elapsed = time.perf_counter() - started
+    out = outputs[0]
+    completion = out.outputs[0]
+    stats = out.spec_decode_stats
+    print()
+    print(
+        f"\n[{len(completion.token_ids)} tokens in {elapsed:.2f} s "
+        f"({len(completion.token_ids) / elapsed:.1f} tokens/s), finish: "
+        f"{completion.finish_reason}, seed: {out.seed}]",
+        file=sys.stderr,
+    )
+    if spec is not None:
+        per_position = ", ".join(f"{rate:.2f}" for rate in stats["acceptance_per_position"])
+        print(
+            f"[speculation {spec.method} K={spec.num_speculative_tokens} "
+            f"{spec.rejection_sample_method}: mean acceptance length "
+            f"{stats['mean_acceptance_length']:.2f}, acceptance rate "
+            f"{stats['acceptance_rate']:.2f}, per position {per_position}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specdec import bench
+    from specdec.engine.args import engine_kwargs, speculative_config
+    from specdec.engine.llm import LLM
+    from specdec.sampling import SamplingParams
+
+    spec = speculative_config(args, DEFAULT_SPECULATIVE_CONFIG)
+    plain = LLM(args.model, **engine_kwargs(args))
+    prompts = [
+        plain.tokenizer.encode_chat([{"role": "user", "content": text}])
+        if plain.tokenizer is not None and plain.tokenizer.chat_template
+        else plain.tokenizer.encode(text)
+        for text in (bench.DEFAULT_PROMPTS * args.num_prompts)[: args.num_prompts]
+    ]
+    params = [
+        SamplingParams(
+            temperature=args.temperature,
+            max_tokens=args.output_len,
+            ignore_eos=True,
+            seed=args.seed + i,
+        )
+        for i in range(len(prompts))
+    ]
+    plain_figures, plain_outputs = bench.run_workload(plain, "plain", prompts, params)
+    del plain
+    spec_llm = LLM(args.model, speculative_config=spec, **engine_kwargs(args))
+    name = f"{spec.method} K={spec.num_speculative_tokens}"
+    spec_figures, spec_outputs = bench.run_workload(spec_llm, name, prompts, params)
+    same = [
+        a.outputs[0].token_ids == b.outputs[0].token_ids
+        for a, b in zip(plain_outputs, spec_outputs, strict=True)
+    ]
+    runs = [plain_figures, spec_figures]
+    print(
+        f"{'run':>14} {'tokens/s':>9} {'TTFT s':>8} {'TPOT ms':>8} {'accept len':>10}  per position"
+    )
+    for run in runs:
+        positions = " ".join(f"{rate:.2f}" for rate in run.acceptance_per_position)
+        print(
+            f"{run.name:>14} {run.tokens_per_s:>9.1f} {run.mean_ttft_s:>8.3f} "
+            f"{run.mean_tpot_s * 1e3:>8.1f} {run.mean_acceptance_length:>10.2f}  {positions}"
+        )
+    speedup = spec_figures.tokens_per_s / plain_figures.tokens_per_s
+    print(
+        f"speed-up {speedup:.2f}x; outputs identical to plain in {sum(same)}/{len(same)} requests"
+        + (" (greedy: must be all)" if args.temperature == 0 else "")
+    )
+    meta = {
+        "title": f"specdec bench: {args.model or 'SmolLM2-135M-Instruct'}, {name}",
+        "machine": bench.machine_description(),
+        "date": time.strftime("%Y-%m-%d"),
+        "command": "specdec " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 else "specdec bench",
+        "num_prompts": len(prompts),
+        "output_len": args.output_len,
+        "temperature": args.temperature,
+        "speculative_config": {f: getattr(spec, f) for f in spec.__slots__},
+        "speedup": speedup,
+        "identical_outputs": sum(same),
+    }
+    png = bench.write_results(Path(args.out), runs, meta)
+    print(f"wrote {args.out} and {png}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -100,7 +100,6 @@ class EngineConfig:
             from max_num_seqs x max_model_len (CPU).
         gpu_memory_utilization: fraction of GPU memory the engine may use.
         enforce_eager: never capture CUDA graphs.
-        seed: engine seed used to derive seeds for requests that bring none (None = fresh).
     """
 
     model: str | None = None
@@ -113,7 +112,6 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
-    seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

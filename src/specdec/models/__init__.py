@@ -4,7 +4,13 @@ HF safetensors directories and GGUF files; `transformers` is the reference for e
 Nothing here samples or draws randomness.
 """
 
-from specdec.models.attention import AttentionMetadata, KVCache, paged_attention, write_kv
+from specdec.models.attention import (
+    AttentionMetadata,
+    AttentionPlan,
+    KVCache,
+    paged_attention,
+    write_kv,
+)
 from specdec.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 from specdec.models.llama import LlamaForCausalLM, prompt_logits
 from specdec.models.loader import LoadedModel, load_model
@@ -15,6 +21,7 @@ from specdec.models.weights import CheckpointError
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "AttentionMetadata",
+    "AttentionPlan",
     "CheckpointError",
     "KVCache",
     "LlamaForCausalLM",

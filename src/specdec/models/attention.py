@@ -165,11 +165,92 @@ def write_kv(
     v_cache.view(-1, num_kv_heads, head_dim)[slots] = value[keep].to(v_cache.dtype)
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    """The index work of one step, done once and shared by every layer.
+
+    Attributes:
+        seq_of_token: [T] int64 sequence of each query token.
+        index_in_seq: [T] int64 its index among its sequence's query tokens.
+        blocks: [B, ceil(max_context_len / block_size)] int64 block table (padding -> block 0).
+        mask: [B, 1, max_seqlen_q, max_context_len] bool, True where a query sees a key.
+        slot_mapping: [T] int64 cache slot of each token (-1 = do not write).
+        all_written: whether every token is written (no -1 in slot_mapping).
+    """
+
+    seq_of_token: torch.Tensor
+    index_in_seq: torch.Tensor
+    blocks: torch.Tensor
+    mask: torch.Tensor
+    slot_mapping: torch.Tensor
+    all_written: bool
+    num_seqs: int
+    max_seqlen_q: int
+    max_context_len: int
+
+    @classmethod
+    def build(
+        cls,
+        attn: AttentionMetadata,
+        block_size: int,
+        device: torch.device,
+        sliding_window: int | None = None,
+    ) -> AttentionPlan:
+        num_tokens = attn.slot_mapping.shape[0]
+        num_seqs = attn.num_seqs
+        max_q, max_ctx = attn.max_seqlen_q, attn.max_context_len
+        cu = attn.cu_seqlens_q.to(device=device, dtype=torch.int64)
+        query_lens = cu[1:] - cu[:-1]  # [B]
+        context_lens = attn.context_lens.to(device=device, dtype=torch.int64)  # [B]
+        seq_of_token = torch.repeat_interleave(
+            torch.arange(num_seqs, device=device), query_lens, output_size=num_tokens
+        )  # [T]
+        index_in_seq = torch.arange(num_tokens, device=device) - cu[seq_of_token]  # [T]
+        num_ctx_blocks = -(-max_ctx // block_size)
+        blocks = attn.block_tables[:, :num_ctx_blocks].to(device=device, dtype=torch.int64)
+        blocks = blocks.clamp(min=0)  # padding entries point at block 0; the mask hides them
+        key_pos = torch.arange(max_ctx, device=device)  # [S]
+        query_pos = (context_lens - query_lens)[:, None] + torch.arange(max_q, device=device)
+        mask = (key_pos <= query_pos[:, :, None]) & (key_pos < context_lens[:, None, None])
+        if sliding_window is not None:
+            mask &= key_pos > query_pos[:, :, None] - sliding_window
+        # Rows that see no key (padding of an empty sequence) would give NaN; let them see key 0.
+        mask[:, :, 0] |= ~mask.any(dim=-1)
+        slot_mapping = attn.slot_mapping.to(device=device, dtype=torch.int64)
+        return cls(
+            seq_of_token=seq_of_token,
+            index_in_seq=index_in_seq,
+            blocks=blocks,
+            mask=mask[:, None],
+            slot_mapping=slot_mapping,
+            all_written=bool((slot_mapping >= 0).all()) if num_tokens else True,
+            num_seqs=num_seqs,
+            max_seqlen_q=max_q,
+            max_context_len=max_ctx,
+        )
+
+
+def write_kv_planned(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: AttentionPlan,
+) -> None:
+    """`write_kv` with the step's plan (no per-layer mask work when every token is written)."""
+    if not plan.all_written:
+        write_kv(key, value, k_cache, v_cache, plan.slot_mapping)
+        return
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim)[plan.slot_mapping] = key.to(k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, head_dim)[plan.slot_mapping] = value.to(v_cache.dtype)
+
+
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    attn: AttentionMetadata,
+    attn: AttentionMetadata | AttentionPlan,
     *,
     scale: float,
     sliding_window: int | None = None,
@@ -184,9 +265,10 @@ def paged_attention(
         k_cache: [num_blocks, block_size, H_kv, D] one layer's key cache, already holding the new
             tokens' keys.
         v_cache: [num_blocks, block_size, H_kv, D] one layer's value cache, likewise.
-        attn: the step's metadata.
+        attn: the step's metadata, or its plan (built once per step by the model).
         scale: softmax scale (1 / sqrt(D) for the Llama family).
-        sliding_window: if set, a query at position p sees keys at positions > p - sliding_window.
+        sliding_window: if set, a query at position p sees keys at positions > p - sliding_window
+            (ignored when `attn` is a plan: the plan carries its mask).
 
     Returns:
         [T, H_q, D] attention output, in `query`'s dtype.
@@ -194,43 +276,25 @@ def paged_attention(
     num_tokens, num_heads, head_dim = query.shape
     if num_tokens == 0:
         return query.new_empty(0, num_heads, head_dim)
-    block_size = k_cache.shape[1]
-    device = query.device
-    num_seqs = attn.num_seqs
-    max_q, max_ctx = attn.max_seqlen_q, attn.max_context_len
-
-    cu = attn.cu_seqlens_q.to(device=device, dtype=torch.int64)
-    query_lens = cu[1:] - cu[:-1]  # [B]
-    context_lens = attn.context_lens.to(device=device, dtype=torch.int64)  # [B]
-    seq_of_token = torch.repeat_interleave(
-        torch.arange(num_seqs, device=device), query_lens, output_size=num_tokens
-    )  # [T]
-    index_in_seq = torch.arange(num_tokens, device=device) - cu[seq_of_token]  # [T]
-
-    # Gather each sequence's context through its block table.
-    num_ctx_blocks = -(-max_ctx // block_size)
-    blocks = attn.block_tables[:, :num_ctx_blocks].to(device=device, dtype=torch.int64)
-    blocks = blocks.clamp(min=0)  # padding entries point at block 0; the mask hides them
-    keys = k_cache[blocks].flatten(1, 2)[:, :max_ctx]  # [B, S, H_kv, D]
-    values = v_cache[blocks].flatten(1, 2)[:, :max_ctx]  # [B, S, H_kv, D]
-
-    padded_query = query.new_zeros(num_seqs, max_q, num_heads, head_dim)  # [B, Q, H_q, D]
-    padded_query[seq_of_token, index_in_seq] = query
-
-    key_pos = torch.arange(max_ctx, device=device)  # [S]
-    query_pos = (context_lens - query_lens)[:, None] + torch.arange(max_q, device=device)  # [B, Q]
-    mask = (key_pos <= query_pos[:, :, None]) & (key_pos < context_lens[:, None, None])  # [B, Q, S]
-    if sliding_window is not None:
-        mask &= key_pos > query_pos[:, :, None] - sliding_window
-    # Rows that see no key (padding of an empty sequence) would give NaN; let them see key 0.
-    mask[:, :, 0] |= ~mask.any(dim=-1)
-
+    if isinstance(attn, AttentionMetadata):
+        attn = AttentionPlan.build(attn, k_cache.shape[1], query.device, sliding_window)
+    plan = attn
+    max_ctx = plan.max_context_len
+    keys = k_cache[plan.blocks].flatten(1, 2)[:, :max_ctx]  # [B, S, H_kv, D]
+    values = v_cache[plan.blocks].flatten(1, 2)[:, :max_ctx]  # [B, S, H_kv, D]
+    if plan.max_seqlen_q == 1 and plan.num_seqs == num_tokens:
+        padded_query = query[:, None]  # [B, 1, H_q, D]: one query token per sequence
+    else:
+        padded_query = query.new_zeros(plan.num_seqs, plan.max_seqlen_q, num_heads, head_dim)
+        padded_query[plan.seq_of_token, plan.index_in_seq] = query
     out = F.scaled_dot_product_attention(
         padded_query.transpose(1, 2),  # [B, H_q, Q, D]
         keys.transpose(1, 2).to(query.dtype),  # [B, H_kv, S, D]
         values.transpose(1, 2).to(query.dtype),
-        attn_mask=mask[:, None],  # [B, 1, Q, S]
+        attn_mask=plan.mask,  # [B, 1, Q, S]
         scale=scale,
         enable_gqa=num_heads != keys.shape[2],
     )  # [B, H_q, Q, D]
-    return out.transpose(1, 2)[seq_of_token, index_in_seq]  # [T, H_q, D]
+    if plan.max_seqlen_q == 1 and plan.num_seqs == num_tokens:
+        return out[:, :, 0]  # [T, H_q, D]
+    return out.transpose(1, 2)[plan.seq_of_token, plan.index_in_seq]  # [T, H_q, D]

@@ -14,7 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.models.attention import AttentionMetadata, KVCache, paged_attention, write_kv
+from specdec.models.attention import (
+    AttentionMetadata,
+    AttentionPlan,
+    KVCache,
+    paged_attention,
+    write_kv_planned,
+)
 from specdec.models.config import ModelConfig
 
 
@@ -126,7 +132,6 @@ class LlamaAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.sliding_window = config.sliding_window
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = Linear(config.hidden_size, q_size, config.attention_bias)
         self.k_proj = Linear(config.hidden_size, kv_size, config.attention_bias)
@@ -143,7 +148,7 @@ class LlamaAttention(nn.Module):
         hidden: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        attn: AttentionMetadata,
+        plan: AttentionPlan,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
@@ -155,15 +160,9 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
-        write_kv(key, value, k_cache, v_cache, attn.slot_mapping)
-        out = paged_attention(
-            query,
-            k_cache,
-            v_cache,
-            attn,
-            scale=self.head_dim**-0.5,
-            sliding_window=self.sliding_window,
-        )  # [T, H_q, D_head]
+        write_kv_planned(key, value, k_cache, v_cache, plan)
+        out = paged_attention(query, k_cache, v_cache, plan, scale=self.head_dim**-0.5)
+        # [T, H_q, D_head]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -195,12 +194,12 @@ class LlamaDecoderLayer(nn.Module):
         hidden: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        attn: AttentionMetadata,
+        plan: AttentionPlan,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
         hidden = hidden + self.self_attn(
-            self.input_layernorm(hidden), cos, sin, attn, k_cache, v_cache
+            self.input_layernorm(hidden), cos, sin, plan, k_cache, v_cache
         )
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -216,6 +215,7 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
+        self.sliding_window = config.sliding_window
 
     def forward(
         self,
@@ -230,8 +230,11 @@ class LlamaModel(nn.Module):
         captured: dict[int, torch.Tensor] = {}
         cos, sin = self.rotary_emb(positions)  # [T, D_head] each
         hidden = self.embed_tokens(input_ids)  # [T, D]
+        plan = AttentionPlan.build(
+            attn, kv_cache.block_size, hidden.device, self.sliding_window
+        )
         for index, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, attn, kv_cache.k_cache[index], kv_cache.v_cache[index])
+            hidden = layer(hidden, cos, sin, plan, kv_cache.k_cache[index], kv_cache.v_cache[index])
             if index in wanted:
                 captured[index] = hidden
         return self.norm(hidden), [captured[index] for index in return_layers]
