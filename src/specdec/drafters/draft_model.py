@@ -75,8 +75,12 @@ class DraftModelDrafter(Drafter):
         self._states: dict[str, _DraftState] = {}
 
     @classmethod
-    def from_config(cls, spec, target: LlamaForCausalLM, engine_config, max_model_len: int):
-        """Builds the drafter of a SpeculativeConfig ("truncated:N" or a model path)."""
+    def from_config(
+        cls, spec, target: LlamaForCausalLM, num_blocks: int, block_size: int
+    ) -> DraftModelDrafter:
+        """Builds the drafter of a SpeculativeConfig ("truncated:N" or a model path), with a
+        cache of as many blocks as the target's (a draft never holds more slots than the
+        target for the same request)."""
         weight = target.model.embed_tokens.weight
         if spec.model.startswith(TRUNCATED_PREFIX):
             layers = spec.model[len(TRUNCATED_PREFIX) :]
@@ -85,15 +89,11 @@ class DraftModelDrafter(Drafter):
             draft = truncated_copy(target, int(layers))
         else:
             draft = load_model(spec.model, dtype=weight.dtype, device=weight.device).model
-        num_blocks = engine_config.num_kv_blocks or max(
-            1, engine_config.max_num_seqs * -(-max_model_len // engine_config.block_size)
-        )
-        num_blocks = min(num_blocks, 1 << 16)
         return cls(
             draft,
             target.config.vocab_size,
             num_blocks,
-            engine_config.block_size,
+            block_size,
             greedy=spec.draft_sample_method == "greedy",
         )
 

@@ -131,7 +131,9 @@ class LLMEngine:
             return NgramDrafter(vocab, spec.prompt_lookup_min, spec.prompt_lookup_max)
         from specdec.drafters.draft_model import DraftModelDrafter
 
-        return DraftModelDrafter.from_config(spec, self.model, self.config, self.max_model_len)
+        return DraftModelDrafter.from_config(
+            spec, self.model, self.allocator.num_blocks, self.config.block_size
+        )
 
     # --------------------------------------------------------------- requests
     def add_request(

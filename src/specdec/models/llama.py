@@ -230,9 +230,7 @@ class LlamaModel(nn.Module):
         captured: dict[int, torch.Tensor] = {}
         cos, sin = self.rotary_emb(positions)  # [T, D_head] each
         hidden = self.embed_tokens(input_ids)  # [T, D]
-        plan = AttentionPlan.build(
-            attn, kv_cache.block_size, hidden.device, self.sliding_window
-        )
+        plan = AttentionPlan.build(attn, kv_cache.block_size, hidden.device, self.sliding_window)
         for index, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, plan, kv_cache.k_cache[index], kv_cache.v_cache[index])
             if index in wanted:
