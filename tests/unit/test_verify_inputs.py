@@ -65,3 +65,15 @@ def test_shapes_are_checked():
 def test_sampling_params_reject_booleans(field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: True})
+
+
+@pytest.mark.parametrize("method", ["standard", "block", "coupled"])
+def test_zero_drafts_is_one_plain_sample(method):
+    from specdec.sampling import sample
+
+    target, _, _, seeds, positions = inputs()
+    no_drafts = torch.empty(B, 0, dtype=torch.int64)
+    out = verify(target[:, :1], no_drafts, None, seeds, positions, temperature=0.8, method=method)
+    plain = sample(target[:, 0], seeds, positions, temperature=0.8)
+    assert out.token_ids[:, 0].tolist() == plain.token_ids.tolist()
+    assert out.num_accepted.tolist() == [0] * B

@@ -144,10 +144,11 @@ def uniform(
     num_rows = seeds.shape[0] if seeds.dim() == 1 else -1
     if dtype == torch.float32:
         words = random_words(seeds, positions, stream, -(-num_lanes // 4), step=step)
-        return words_to_uniform32(words.reshape(num_rows, -1)[:, :num_lanes])
+        num_blocks = words.shape[1]
+        return words_to_uniform32(words.reshape(num_rows, 4 * num_blocks)[:, :num_lanes])
     if dtype == torch.float64:
         words = random_words(seeds, positions, stream, -(-num_lanes // 2), step=step)
-        pairs = words.reshape(num_rows, -1, 2)[:, :num_lanes]
+        pairs = words.reshape(num_rows, 2 * words.shape[1], 2)[:, :num_lanes]
         return words_to_uniform64(pairs[..., 0], pairs[..., 1])
     raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
 

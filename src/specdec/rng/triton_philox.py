@@ -22,8 +22,8 @@ PHILOX_W1: tl.constexpr = tl.constexpr(0xBB67AE85)
 TWO_POW_M32: tl.constexpr = tl.constexpr(2.0**-32)
 UNIFORM32_MAX_F32: tl.constexpr = tl.constexpr(1.0 - 2.0**-24)
 
-# Triton's interpreter (CPU debugging) has no libdevice; there the accurate float32 functions
-# fall back to numpy-backed `tl.log` / `tl.exp` with cancellation-free log1p / expm1.
+# Triton's interpreter (CPU debugging) has no libdevice; there the float32 functions below fall
+# back to its numpy-backed `tl.log`, `tl.exp` and division.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -67,18 +67,8 @@ def _log_libdevice(x):
 
 
 @triton.jit
-def _log1p_libdevice(x):
-    return libdevice.log1p(x)
-
-
-@triton.jit
 def _exp_libdevice(x):
     return libdevice.exp(x)
-
-
-@triton.jit
-def _expm1_libdevice(x):
-    return libdevice.expm1(x)
 
 
 @triton.jit
@@ -87,25 +77,8 @@ def _log_interpret(x):
 
 
 @triton.jit
-def _log1p_interpret(x):
-    # Goldberg's log1p: exact to a few ulps without a native log1p.
-    one_plus = 1.0 + x
-    safe = tl.where(one_plus == 1.0, 2.0, one_plus)
-    return tl.where(one_plus == 1.0, x, tl.log(safe) * (x / (safe - 1.0)))
-
-
-@triton.jit
 def _exp_interpret(x):
     return tl.exp(x)
-
-
-@triton.jit
-def _expm1_interpret(x):
-    # Kahan's expm1: (e - 1) * x / log(e), exact to a few ulps without a native expm1.
-    e = tl.exp(x)
-    safe = tl.where((e == 1.0) | (e == 0.0), 2.0, e)
-    res = (safe - 1.0) * (x / tl.log(safe))
-    return tl.where(e == 1.0, x, tl.where(e == 0.0, -1.0, res))
 
 
 @triton.jit
@@ -125,11 +98,9 @@ def _div_interpret(x, y):
     return x / y
 
 
-# Accurate float32 log / log1p / exp / expm1 (libdevice; Triton's tl.log / tl.exp are approximate).
+# Accurate float32 log / exp (libdevice; Triton's tl.log / tl.exp are approximations).
 log_f32 = _log_interpret if INTERPRET else _log_libdevice
-log1p_f32 = _log1p_interpret if INTERPRET else _log1p_libdevice
 exp_f32 = _exp_interpret if INTERPRET else _exp_libdevice
-expm1_f32 = _expm1_interpret if INTERPRET else _expm1_libdevice
 # Fast natural log with a small absolute error (the hardware approximation on the GPU).
 fast_log = _log_interpret if INTERPRET else _fast_log_device
 fast_div = _div_interpret if INTERPRET else _fast_div_device
@@ -333,12 +304,10 @@ def philox_triton(counters: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 __all__ = [
     "exp_f32",
-    "expm1_f32",
     "fast_log",
     "gumbel_tile",
     "keyed_words_tile",
     "lane0_uniform",
-    "log1p_f32",
     "log_f32",
     "neg_log1p_neg",
     "philox4x32_10",

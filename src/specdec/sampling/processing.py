@@ -29,6 +29,41 @@ def row_param(
     return torch.full((num_rows,), value, dtype=dtype, device=device)
 
 
+def sampling_violations(
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+) -> list[tuple[torch.Tensor, str]]:
+    """(0-d bool tensor that is True when violated, message) for each per-row parameter rule;
+    the caller reads them all with one device sync (`raise_first_violation`)."""
+    rules = [
+        (
+            ~torch.isfinite(temperature).all() | (temperature < 0).any(),
+            "temperature must be finite and >= 0",
+        ),
+    ]
+    if top_k is not None:
+        rules.append(((top_k < 0).any(), "top_k must be >= 0 (0 disables)"))
+    if top_p is not None:
+        rules.append(
+            (((top_p <= 0) | (top_p > 1) | top_p.isnan()).any(), "top_p must be in (0, 1]")
+        )
+    if min_p is not None:
+        rules.append((((min_p < 0) | (min_p > 1) | min_p.isnan()).any(), "min_p must be in [0, 1]"))
+    return rules
+
+
+def raise_first_violation(rules: list[tuple[torch.Tensor, str]]) -> None:
+    """Raises ValueError with the message of the first violated rule (one device sync)."""
+    if not rules:
+        return
+    flags = torch.stack([flag.reshape(()) for flag, _ in rules]).tolist()
+    for violated, (_, message) in zip(flags, rules, strict=True):
+        if violated:
+            raise ValueError(message)
+
+
 def check_sampling_tensors(
     temperature: torch.Tensor,
     top_k: torch.Tensor | None,
@@ -36,14 +71,7 @@ def check_sampling_tensors(
     min_p: torch.Tensor | None,
 ) -> None:
     """Raises ValueError naming the first invalid per-row sampling parameter."""
-    if not bool(torch.isfinite(temperature).all()) or bool((temperature < 0).any()):
-        raise ValueError(f"temperature must be finite and >= 0, got {temperature.tolist()}")
-    if top_k is not None and bool((top_k < 0).any()):
-        raise ValueError(f"top_k must be >= 0 (0 disables), got {top_k.tolist()}")
-    if top_p is not None and bool(((top_p <= 0) | (top_p > 1) | top_p.isnan()).any()):
-        raise ValueError(f"top_p must be in (0, 1], got {top_p.tolist()}")
-    if min_p is not None and bool(((min_p < 0) | (min_p > 1) | min_p.isnan()).any()):
-        raise ValueError(f"min_p must be in [0, 1], got {min_p.tolist()}")
+    raise_first_violation(sampling_violations(temperature, top_k, top_p, min_p))
 
 
 def scale_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:

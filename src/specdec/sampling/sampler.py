@@ -55,7 +55,11 @@ class SamplingTensors:
         top_k: RowParam = None,
         top_p: RowParam = None,
         min_p: RowParam = None,
+        *,
+        check: bool = True,
     ) -> SamplingTensors:
+        """Per-row tensors of the parameters; `check=False` leaves the value checks to the
+        caller (who folds them into one device sync with `sampling_violations`)."""
         if temperature is None:
             raise ValueError("temperature is required (0 for greedy)")
         tensors = SamplingTensors(
@@ -64,7 +68,8 @@ class SamplingTensors:
             top_p=row_param(top_p, num_rows, torch.float32, device, "top_p"),
             min_p=row_param(min_p, num_rows, torch.float32, device, "min_p"),
         )
-        check_sampling_tensors(tensors.temperature, tensors.top_k, tensors.top_p, tensors.min_p)
+        if check:
+            check_sampling_tensors(tensors.temperature, tensors.top_k, tensors.top_p, tensors.min_p)
         return tensors
 
     def repeat_interleave(self, repeats: int) -> SamplingTensors:

@@ -16,10 +16,16 @@ from dataclasses import dataclass
 import torch
 
 from specdec.rng import Stream, uniform
-from specdec.sampling.processing import RowParam, process_logits
+from specdec.sampling.processing import (
+    RowParam,
+    process_logits,
+    raise_first_violation,
+    sampling_violations,
+)
 from specdec.sampling.sampler import SamplingTensors, gumbel_argmax_ref
 
 VERIFY_METHODS = ("standard", "block", "coupled")
+MAX_POSITION = 2**32 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,36 +102,41 @@ def check_verify_inputs(
     for name, t in (("seeds", seeds), ("positions", positions)):
         if t.dtype != torch.int64 or t.shape != (batch,):
             raise ValueError(f"{name} must be int64 [B={batch}], got {t.dtype} {list(t.shape)}")
-    if batch and int(positions.min()) < 0:
-        raise ValueError("positions must be >= 0")
     if num_draft is None:
         num_draft = torch.full((batch,), k, dtype=torch.int64, device=device)
     elif num_draft.dtype != torch.int64 or num_draft.shape != (batch,):
         raise ValueError(f"num_draft must be int64 [B={batch}], got {list(num_draft.shape)}")
-    elif batch and (int(num_draft.min()) < 0 or int(num_draft.max()) > k):
-        raise ValueError(f"num_draft must lie in [0, K={k}], got {num_draft.tolist()}")
     if active_rows is None:
         active_rows = batch
     if not 0 <= int(active_rows) <= batch:
         raise ValueError(f"active_rows must lie in [0, B={batch}], got {active_rows}")
     active_rows = int(active_rows)
-    in_chain = torch.arange(k, device=device)[None, :] < num_draft[:, None]
-    live = draft_token_ids[:active_rows][in_chain[:active_rows]]
-    if live.numel() and (int(live.min()) < 0 or int(live.max()) >= vocab):
-        raise ValueError(f"draft_token_ids must lie in [0, V={vocab}) within num_draft")
-    if draft_logits is not None and method != "coupled" and live.numel():
-        rows = torch.arange(batch, device=device)[:, None].expand(batch, k)
-        live_rows = rows[:active_rows][in_chain[:active_rows]]
-        live_cols = torch.arange(k, device=device).expand(batch, k)[:active_rows][
-            in_chain[:active_rows]
-        ]
-        at_draft = draft_logits[live_rows, live_cols, live]
-        if bool(torch.isneginf(at_draft).any()) or bool(torch.isnan(at_draft).any()):
-            raise ValueError(
+    params = SamplingTensors.build(batch, device, temperature, top_k, top_p, min_p, check=False)
+    # Value checks, read back with one device sync.
+    live = (torch.arange(k, device=device)[None, :] < num_draft[:, None])[:active_rows]  # [A, K]
+    drafts = draft_token_ids[:active_rows]
+    rules = [
+        (((positions < 0) | (positions > MAX_POSITION)).any(), "positions must lie in [0, 2**32)"),
+        (((num_draft < 0) | (num_draft > k)).any(), f"num_draft must lie in [0, K={k}]"),
+        (
+            (live & ((drafts < 0) | (drafts >= vocab))).any(),
+            f"draft_token_ids must lie in [0, V={vocab}) within num_draft",
+        ),
+        *sampling_violations(params.temperature, params.top_k, params.top_p, params.min_p),
+    ]
+    if draft_logits is not None and method != "coupled" and k:
+        at_draft = (
+            draft_logits[:active_rows].gather(-1, drafts.clamp(0, vocab - 1)[..., None]).squeeze(-1)
+        )  # [A, K]
+        bad = torch.isneginf(at_draft) | torch.isnan(at_draft)
+        rules.append(
+            (
+                (live & bad).any(),
                 "a draft token has zero probability under its draft_logits: draft_logits must be "
-                "the processed logits the drafts were sampled from"
+                "the processed logits the drafts were sampled from",
             )
-    params = SamplingTensors.build(batch, device, temperature, top_k, top_p, min_p)
+        )
+    raise_first_violation(rules)
     return VerifyInputs(
         target_logits,
         draft_token_ids,
@@ -377,6 +388,6 @@ def _emit(drafts: torch.Tensor, accepted: torch.Tensor, final: torch.Tensor) -> 
     """[B, K+1]: accepted drafts, then `final` at column `accepted`, then -1."""
     k = drafts.shape[1]
     columns = torch.arange(k + 1, device=drafts.device)[None, :]
-    padded = torch.cat([drafts, torch.full_like(drafts[:, :1], -1)], dim=1)
+    padded = torch.cat([drafts, drafts.new_full((drafts.shape[0], 1), -1)], dim=1)
     out = torch.where(columns < accepted[:, None], padded, torch.full_like(padded, -1))
     return out.scatter(1, accepted[:, None], final[:, None])
