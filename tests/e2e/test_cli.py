@@ -58,6 +58,6 @@ def test_bench_writes_json_and_png(tmp_path):
     done = run_cli("bench", "--num-prompts", "2", "--output-len", "8", "--out", str(out))
     assert done.returncode == 0, done.stderr
     figures = json.loads(out.read_text())
-    assert [r["name"] for r in figures["runs"]][0] == "plain"
+    assert figures["runs"][0]["name"] == "plain"
     assert figures["meta"]["identical_outputs"] == 2  # greedy: speculation changes nothing
     assert out.with_suffix(".png").stat().st_size > 0
