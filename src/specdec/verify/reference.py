@@ -112,31 +112,9 @@ def check_verify_inputs(
         raise ValueError(f"active_rows must lie in [0, B={batch}], got {active_rows}")
     active_rows = int(active_rows)
     params = SamplingTensors.build(batch, device, temperature, top_k, top_p, min_p, check=False)
-    # Value checks, read back with one device sync.
-    live = (torch.arange(k, device=device)[None, :] < num_draft[:, None])[:active_rows]  # [A, K]
-    drafts = draft_token_ids[:active_rows]
-    rules = [
-        (((positions < 0) | (positions > MAX_POSITION)).any(), "positions must lie in [0, 2**32)"),
-        (((num_draft < 0) | (num_draft > k)).any(), f"num_draft must lie in [0, K={k}]"),
-        (
-            (live & ((drafts < 0) | (drafts >= vocab))).any(),
-            f"draft_token_ids must lie in [0, V={vocab}) within num_draft",
-        ),
-        *sampling_violations(params.temperature, params.top_k, params.top_p, params.min_p),
-    ]
-    if draft_logits is not None and method != "coupled" and k:
-        at_draft = (
-            draft_logits[:active_rows].gather(-1, drafts.clamp(0, vocab - 1)[..., None]).squeeze(-1)
-        )  # [A, K]
-        bad = torch.isneginf(at_draft) | torch.isnan(at_draft)
-        rules.append(
-            (
-                (live & bad).any(),
-                "a draft token has zero probability under its draft_logits: draft_logits must be "
-                "the processed logits the drafts were sampled from",
-            )
-        )
-    raise_first_violation(rules)
+    _check_values(
+        draft_token_ids, draft_logits, positions, num_draft, params, method, active_rows, vocab
+    )
     return VerifyInputs(
         target_logits,
         draft_token_ids,
@@ -149,6 +127,73 @@ def check_verify_inputs(
         method,
         active_rows,
     )
+
+
+def _check_values(
+    draft_token_ids: torch.Tensor,
+    draft_logits: torch.Tensor | None,
+    positions: torch.Tensor,
+    num_draft: torch.Tensor,
+    params: SamplingTensors,
+    method: str,
+    active_rows: int,
+    vocab: int,
+) -> None:
+    """The value checks of `check_verify_inputs`. The small per-row tensors are packed and copied
+    to the host once (ints, floats), and checked there: a handful of device launches whatever the
+    number of rules, so validation stays cheap on a GPU."""
+    batch, k = draft_token_ids.shape
+    drafts = draft_token_ids[:active_rows]  # [A, K]
+    ints = [positions, num_draft, drafts.reshape(-1)]
+    if params.top_k is not None:
+        ints.append(params.top_k)
+    floats = [params.temperature]
+    floats += [t for t in (params.top_p, params.min_p) if t is not None]
+    check_draft_logits = draft_logits is not None and method != "coupled" and k and active_rows
+    if check_draft_logits:
+        at_draft = draft_logits[:active_rows].gather(-1, drafts.clamp(0, vocab - 1)[..., None])
+        floats.append(at_draft.reshape(-1).to(torch.float32))  # [A * K]
+    host_ints = torch.cat(ints).cpu()
+    host_floats = torch.cat([t.to(torch.float32) for t in floats]).cpu()
+    host_positions, host_num_draft, host_drafts, host_top_k = host_ints.split(
+        [batch, batch, active_rows * k, host_ints.numel() - 2 * batch - active_rows * k]
+    )
+    live = torch.arange(k)[None, :] < host_num_draft[:active_rows, None]  # [A, K]
+    host_drafts = host_drafts.view(active_rows, k)
+    sizes = [batch] * (len(floats) - bool(check_draft_logits))
+    sizes += [active_rows * k] if check_draft_logits else []
+    parts = host_floats.split(sizes)
+    params_host = SamplingTensors(
+        temperature=parts[0],
+        top_k=host_top_k if params.top_k is not None else None,
+        top_p=parts[1] if params.top_p is not None else None,
+        min_p=parts[1 + (params.top_p is not None)] if params.min_p is not None else None,
+    )
+    rules = [
+        (
+            ((host_positions < 0) | (host_positions > MAX_POSITION)).any(),
+            "positions must lie in [0, 2**32)",
+        ),
+        (((host_num_draft < 0) | (host_num_draft > k)).any(), f"num_draft must lie in [0, K={k}]"),
+        (
+            (live & ((host_drafts < 0) | (host_drafts >= vocab))).any(),
+            f"draft_token_ids must lie in [0, V={vocab}) within num_draft",
+        ),
+        *sampling_violations(
+            params_host.temperature, params_host.top_k, params_host.top_p, params_host.min_p
+        ),
+    ]
+    if check_draft_logits:
+        at_draft_host = parts[-1].view(active_rows, k)
+        bad = torch.isneginf(at_draft_host) | torch.isnan(at_draft_host)
+        rules.append(
+            (
+                (live & bad).any(),
+                "a draft token has zero probability under its draft_logits: draft_logits must "
+                "be the processed logits the drafts were sampled from",
+            )
+        )
+    raise_first_violation(rules)
 
 
 def leading_true(mask: torch.Tensor) -> torch.Tensor:
