@@ -75,7 +75,13 @@ def verify(
         draft_logsumexp=draft_logsumexp,
         active_rows=active_rows,
     )
-    if target_logits.is_cuda:
+    return verify_checked(inputs)
+
+
+def verify_checked(inputs: VerifyInputs) -> VerifyResult:
+    """`verify` on inputs already built by `check_verify_inputs`: the fused Triton kernels on
+    CUDA, the PyTorch twin elsewhere."""
+    if inputs.target_logits.is_cuda:
         from specdec.verify.triton_verify import verify_triton
 
         return verify_triton(inputs)
@@ -88,6 +94,7 @@ __all__ = [
     "VerifyResult",
     "check_verify_inputs",
     "verify",
+    "verify_checked",
     "verify_checked_ref",
     "verify_ref",
 ]

@@ -71,8 +71,12 @@ def check_verify_inputs(
     method: str = "standard",
     draft_logsumexp: torch.Tensor | None = None,
     active_rows: int | None = None,
+    check_values: bool = True,
 ) -> VerifyInputs:
-    """Checks shapes, dtypes and values; raises ValueError/TypeError naming the problem."""
+    """Checks shapes, dtypes and values; raises ValueError/TypeError naming the problem.
+
+    `check_values=False` skips the value checks (the one host round trip) for callers that build
+    their inputs valid by construction (the engine); shapes and dtypes are always checked."""
     if method not in VERIFY_METHODS:
         raise ValueError(f"method must be one of {VERIFY_METHODS}, got {method!r}")
     if target_logits.dim() != 3 or not target_logits.is_floating_point():
@@ -112,9 +116,10 @@ def check_verify_inputs(
         raise ValueError(f"active_rows must lie in [0, B={batch}], got {active_rows}")
     active_rows = int(active_rows)
     params = SamplingTensors.build(batch, device, temperature, top_k, top_p, min_p, check=False)
-    _check_values(
-        draft_token_ids, draft_logits, positions, num_draft, params, method, active_rows, vocab
-    )
+    if check_values:
+        _check_values(
+            draft_token_ids, draft_logits, positions, num_draft, params, method, active_rows, vocab
+        )
     return VerifyInputs(
         target_logits,
         draft_token_ids,
