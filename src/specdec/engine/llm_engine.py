@@ -8,6 +8,7 @@ never draws randomness.
 from __future__ import annotations
 
 import itertools
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -77,6 +78,14 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len} exceeds the model's context of {context}"
             )
         num_blocks = config.num_kv_blocks or self._default_num_blocks()
+        if num_blocks * config.block_size < self.max_model_len:
+            # A request alone must always fit, or it could neither run nor be preempted for.
+            warnings.warn(
+                f"max_model_len lowered from {self.max_model_len} to the KV cache's "
+                f"{num_blocks * config.block_size} slots",
+                stacklevel=2,
+            )
+            self.max_model_len = num_blocks * config.block_size
         self.allocator = BlockAllocator(num_blocks, config.block_size)
         self.runner = PagedModelRunner(model, num_blocks, config.block_size)
         self.scheduler = Scheduler(

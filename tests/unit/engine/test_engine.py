@@ -96,13 +96,13 @@ def test_seeded_runs_replay_alone_batched_permuted_and_preempted(model_dir, prom
         assert token_ids(llm.generate(prompt, SAMPLED, use_tqdm=False)) == [batched[i]]
     # A cache of 12 blocks x 4 slots cannot hold the four requests at once: some are preempted
     # and recomputed, and must still emit the same tokens.
-    small = make_llm(model_dir, spec, num_kv_blocks=12)
+    small = make_llm(model_dir, spec, num_kv_blocks=12, max_model_len=48)
     assert token_ids(small.generate(prompts, SAMPLED, use_tqdm=False)) == batched
     assert small.engine.scheduler.allocator.num_free_blocks == 12
 
 
 def test_preemption_happens_with_a_small_cache(model_dir, prompts):
-    llm = make_llm(model_dir, num_kv_blocks=12)
+    llm = make_llm(model_dir, num_kv_blocks=12, max_model_len=48)
     seen = []
     original = llm.engine.scheduler.schedule
 
@@ -207,3 +207,13 @@ def test_per_request_speculation_in_one_batch(model_dir, prompts):
     plain = token_ids(make_llm(model_dir).generate(prompts, SAMPLED, use_tqdm=False))
     assert token_ids(out)[1] == plain[1]  # speculation off: plain sampling
     assert token_ids(out)[3] == plain[3]  # coupled: token-identical to plain sampling
+
+
+def test_a_request_longer_than_the_cache_finishes_instead_of_hanging(model_dir, prompts):
+    with pytest.warns(UserWarning, match="max_model_len lowered"):
+        llm = make_llm(model_dir, num_kv_blocks=4)  # 16 slots
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    out = llm.generate(prompts[1], params, use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "length"
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 16
+    assert llm.engine.allocator.num_free_blocks == 4
