@@ -1,0 +1,359 @@
+"""The OpenAI-compatible server end to end, through the official `openai` client and raw httpx,
+on a tiny random-weight model with a character tokenizer (CPU, loopback only).
+
+Replay checks are exact (same seed -> same text); no statistical assertion is made here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import httpx
+import openai
+import pytest
+
+from e2e.server_fixtures import ServerThread, make_tiny_model_dir
+from specdec.engine.config import EngineConfig, SpeculativeConfig
+from specdec.engine.llm_engine import LLMEngine
+from specdec.server import AsyncEngine, ServerConfig, build_app
+
+pytestmark = pytest.mark.e2e
+
+API_KEY = "test-key"
+MODEL = "tiny"
+MAX_MODEL_LEN = 256
+TIMEOUT_S = 60.0
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "rejection_sample_method": "coupled"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = make_tiny_model_dir(tmp_path_factory.mktemp("tiny"))
+    engine = LLMEngine(
+        EngineConfig(model=str(path), max_model_len=MAX_MODEL_LEN, max_num_seqs=64),
+        SpeculativeConfig.from_dict(SPECULATIVE),
+    )
+    config = ServerConfig(
+        served_model_name=MODEL,
+        api_key=API_KEY,
+        max_request_bytes=1 << 16,
+        max_tokens_limit=200,
+        max_n=4,
+    )
+    thread = ServerThread(build_app(AsyncEngine(engine), config)).start()
+    yield thread
+    thread.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(
+        base_url=f"{server.url}/v1", api_key=API_KEY, timeout=TIMEOUT_S, max_retries=0
+    )
+
+
+def post(server, path: str, body, *, key: str | None = API_KEY, **kwargs) -> httpx.Response:
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    headers.update(kwargs.pop("headers", {}))
+    if isinstance(body, dict):
+        kwargs["json"] = body
+    else:
+        kwargs["content"] = body
+        headers.setdefault("Content-Type", "application/json")
+    return httpx.post(f"{server.url}{path}", headers=headers, timeout=TIMEOUT_S, **kwargs)
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=TIMEOUT_S).text
+    match = re.search(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(2))
+
+
+def complete(client, **kwargs):
+    kwargs.setdefault("model", MODEL)
+    kwargs.setdefault("prompt", "hello there")
+    kwargs.setdefault("max_tokens", 12)
+    return client.completions.create(**kwargs)
+
+
+# ------------------------------------------------------------------ happy paths
+def test_models_health_version(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{server.url}/health", timeout=TIMEOUT_S).json() == {"status": "ok"}
+    assert "version" in httpx.get(f"{server.url}/version", timeout=TIMEOUT_S).json()
+
+
+def test_completion_has_usage_seed_and_spec_stats(client):
+    out = complete(client, seed=5, extra_body={"ignore_eos": True})
+    choice = out.choices[0]
+    assert choice.finish_reason == "length" and choice.text
+    assert out.usage.prompt_tokens == len("hello there")  # one token per character
+    assert out.usage.completion_tokens == 12
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 12
+    extra = out.model_extra
+    assert extra["seed"] == 5
+    assert set(extra["spec_decode_stats"]) >= {"num_drafts", "num_accepted_tokens"}
+
+
+def test_streaming_completion_equals_plain_one(client):
+    plain = complete(client, seed=11, extra_body={"ignore_eos": True})
+    chunks = list(
+        complete(
+            client,
+            seed=11,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == plain.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and set(finishes[:-1]) <= {None}
+
+
+def test_chat_plain_and_streaming(client):
+    messages = [{"role": "user", "content": "hi"}]
+    kwargs = {"model": MODEL, "messages": messages, "max_tokens": 10, "seed": 3}
+    plain = client.chat.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    assert plain.choices[0].message.role == "assistant"
+    assert plain.usage.completion_tokens == 10
+    chunks = list(
+        client.chat.completions.create(
+            **kwargs,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage.total_tokens == plain.usage.total_tokens
+
+
+def test_n_samples_differ_and_replay(client):
+    first = complete(client, n=3, seed=7, extra_body={"ignore_eos": True})
+    again = complete(client, n=3, seed=7, extra_body={"ignore_eos": True})
+    texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
+    assert texts == [c.text for c in sorted(again.choices, key=lambda c: c.index)]
+    assert len(set(texts)) == 3  # 12 characters over 94: a collision is vanishingly unlikely
+    assert first.usage.completion_tokens == 36
+
+
+def test_stop_sequence_cuts_the_text(client):
+    base = complete(client, seed=21, max_tokens=20, extra_body={"ignore_eos": True})
+    text = base.choices[0].text
+    stop = text[8:10]
+    cut = text[: text.find(stop)]
+    out = complete(client, seed=21, max_tokens=20, stop=[stop], extra_body={"ignore_eos": True})
+    assert out.choices[0].text == cut and out.choices[0].finish_reason == "stop"
+    streamed = complete(
+        client, seed=21, max_tokens=20, stop=[stop], stream=True, extra_body={"ignore_eos": True}
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == cut
+
+
+def test_logprobs_completion_and_chat(client):
+    out = complete(client, seed=2, max_tokens=6, logprobs=3, extra_body={"ignore_eos": True})
+    logprobs = out.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 6
+    assert re.sub("<unk>|<s>|</s>", "", "".join(logprobs.tokens)) == out.choices[0].text
+    assert all(lp <= 0 for lp in logprobs.token_logprobs)
+    assert all(len(top) == 3 for top in logprobs.top_logprobs)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(t.top_logprobs) == 2 for t in content)
+
+
+# ----------------------------------------------------------------------- replay
+def test_replay_across_concurrency_and_speculation(server, client):
+    """Same seed -> same text alone, among 16 concurrent requests, and with coupled speculation
+    on vs off (coupled verification emits the plain sampler's tokens)."""
+
+    def body(seed: int, speculative: dict) -> dict:
+        return {
+            "model": MODEL,
+            "prompt": "abcabcabcabc",
+            "max_tokens": 16,
+            "seed": seed,
+            "ignore_eos": True,
+            "speculative": speculative,
+        }
+
+    plain = {"enabled": False}
+    coupled = {"method": "coupled"}
+    alone = [post(server, "/v1/completions", body(s, plain)).json() for s in range(4)]
+
+    async def together(speculative: dict) -> list[dict]:
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT_S) as http:
+            responses = await asyncio.gather(
+                *[
+                    http.post("/v1/completions", json=body(s % 4, speculative), headers=headers)
+                    for s in range(16)
+                ]
+            )
+        return [r.json() for r in responses]
+
+    texts = [r["choices"][0]["text"] for r in alone]
+    for speculative in (plain, coupled):
+        batch = asyncio.run(together(speculative))
+        assert [r["choices"][0]["text"] for r in batch] == [texts[s % 4] for s in range(16)]
+    spec = post(server, "/v1/completions", body(0, coupled)).json()
+    assert spec["choices"][0]["text"] == texts[0]
+    assert spec["spec_decode_stats"]["num_drafts"] > 0
+
+
+# ------------------------------------------------------------------------- load
+def test_64_concurrent_streams_complete_once_each(server, client):
+    async def one(http: httpx.AsyncClient, i: int) -> tuple[int, str, int, int]:
+        body = {
+            "model": MODEL,
+            "prompt": f"request {i}",
+            "max_tokens": 8,
+            "seed": i,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        text, done, tokens = "", 0, 0
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        async with http.stream("POST", "/v1/completions", json=body, headers=headers) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done += 1
+                    continue
+                chunk = json.loads(line[6:])
+                text += "".join(c["text"] for c in chunk["choices"])
+                tokens += (chunk.get("usage") or {}).get("completion_tokens", 0)
+        return i, text, done, tokens
+
+    async def run() -> list[tuple[int, str, int, int]]:
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT_S, limits=limits) as h:
+            return await asyncio.wait_for(
+                asyncio.gather(*[one(h, i) for i in range(64)]), TIMEOUT_S
+            )
+
+    results = asyncio.run(run())
+    assert sorted(i for i, _, _, _ in results) == list(range(64))
+    assert all(done == 1 and tokens == 8 for _, _, done, tokens in results)
+    assert complete(client, max_tokens=2).choices[0].text is not None
+
+
+# ----------------------------------------------------------------- bad requests
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert "Traceback" not in error["message"]
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": MODEL, "prompt": "x", "max_tokens": "5"}, "max_tokens"),
+        ({"model": MODEL, "prompt": 5}, None),
+        ({"model": MODEL, "prompt": "x", "temperature": -1}, "temperature"),
+        ({"model": MODEL, "prompt": "x", "top_p": 0}, "top_p"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 201}, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "n": 5}, "n"),
+        ({"model": MODEL, "prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"model": MODEL, "prompt": "x", "speculative": {"num_speculative_tokens": 0}}, None),
+        ({"model": MODEL, "prompt": "x", "speculative": {"bogus": 1}}, None),
+        ({"model": MODEL}, "prompt"),
+        ({"model": MODEL, "prompt": "x" * MAX_MODEL_LEN}, "prompt"),
+        ({"model": MODEL, "prompt": [500]}, None),
+    ],
+)
+def test_bad_parameters_get_400(server, body, param):
+    assert_error(post(server, "/v1/completions", body), 400, param)
+
+
+def test_faults_get_the_right_status(server, client):
+    assert_error(post(server, "/v1/completions", b'{"prompt": "x",'), 400)
+    assert_error(post(server, "/v1/completions", b"[1, 2]"), 400)
+    missing = post(server, "/v1/completions", {"model": "gpt-4", "prompt": "x"})
+    assert assert_error(missing, 404, "model")["code"] == "model_not_found"
+    assert_error(post(server, "/v1/completions", {"prompt": "x"}, key=None), 401)
+    assert_error(post(server, "/v1/completions", {"prompt": "x"}, key="wrong"), 401)
+    assert_error(httpx.get(f"{server.url}/v1/models", timeout=TIMEOUT_S), 401)
+    big = {"model": MODEL, "prompt": "x" * (1 << 17)}
+    assert_error(post(server, "/v1/completions", big), 413)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": 3}]}
+    assert_error(post(server, "/v1/chat/completions", chat), 400)
+    assert_error(httpx.get(f"{server.url}/nowhere", timeout=TIMEOUT_S), 404)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=10_000)
+    assert complete(client, max_tokens=2).choices[0].text is not None
+
+
+def test_disconnect_aborts_and_frees_every_block(server, client):
+    body = {
+        "model": MODEL,
+        "prompt": "a long one",
+        "max_tokens": 200,
+        "n": 4,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    aborts = metric(server, "specdec:request_aborts_total")
+    for _ in range(3):
+        with httpx.stream(
+            "POST", f"{server.url}/v1/completions", json=body, headers=headers, timeout=TIMEOUT_S
+        ) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+        # leaving the block closes the connection mid-stream
+    for _ in range(200):  # the abort reaches the engine thread within a few steps
+        if (
+            metric(server, "specdec:kv_cache_free_blocks")
+            == metric(server, "specdec:kv_cache_num_blocks")
+            and metric(server, "vllm:num_requests_running") == 0
+        ):
+            break
+        asyncio.run(asyncio.sleep(0.05))
+    assert metric(server, "specdec:kv_cache_free_blocks") == metric(
+        server, "specdec:kv_cache_num_blocks"
+    )
+    assert metric(server, "vllm:num_requests_running") == 0
+    assert metric(server, "vllm:num_requests_waiting") == 0
+    assert metric(server, "specdec:request_aborts_total") == aborts + 3
+    assert complete(client, max_tokens=2).choices[0].text is not None
+
+
+def test_metrics_expose_vllm_names(server):
+    text = httpx.get(f"{server.url}/metrics", timeout=TIMEOUT_S).text
+    for name in (
+        "vllm:spec_decode_num_drafts_total",
+        "vllm:spec_decode_num_draft_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:time_per_output_token_seconds_bucket",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        'specdec:http_requests_total{route="/v1/completions",status="200"}',
+    ):
+        assert name in text, name
