@@ -160,7 +160,12 @@ def _serve(args: argparse.Namespace) -> int:
         EngineConfig(model=args.model, **engine_kwargs(args)), speculative_config(args, None)
     )
     print(f"serving {name!r} on http://{config.host}:{config.port}", file=sys.stderr)
-    uvicorn.run(build_app(AsyncEngine(engine), config), host=config.host, port=config.port)
+    uvicorn.run(
+        build_app(AsyncEngine(engine), config),
+        host=config.host,
+        port=config.port,
+        timeout_graceful_shutdown=config.shutdown_timeout_s,
+    )
     return 0
 
 

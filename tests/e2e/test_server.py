@@ -17,7 +17,9 @@ import pytest
 from e2e.server_fixtures import ServerThread, make_tiny_model_dir
 from specdec.engine.config import EngineConfig, SpeculativeConfig
 from specdec.engine.llm_engine import LLMEngine
+from specdec.sampling import SamplingParams
 from specdec.server import AsyncEngine, ServerConfig, build_app
+from specdec.server.async_engine import EngineDeadError
 
 pytestmark = pytest.mark.e2e
 
@@ -29,10 +31,14 @@ SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "rejection_sample
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    path = make_tiny_model_dir(tmp_path_factory.mktemp("tiny"))
+def model_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
     engine = LLMEngine(
-        EngineConfig(model=str(path), max_model_len=MAX_MODEL_LEN, max_num_seqs=64),
+        EngineConfig(model=str(model_dir), max_model_len=MAX_MODEL_LEN, max_num_seqs=64),
         SpeculativeConfig.from_dict(SPECULATIVE),
     )
     config = ServerConfig(
@@ -62,7 +68,8 @@ def post(server, path: str, body, *, key: str | None = API_KEY, **kwargs) -> htt
     else:
         kwargs["content"] = body
         headers.setdefault("Content-Type", "application/json")
-    return httpx.post(f"{server.url}{path}", headers=headers, timeout=TIMEOUT_S, **kwargs)
+    kwargs.setdefault("timeout", TIMEOUT_S)
+    return httpx.post(f"{server.url}{path}", headers=headers, **kwargs)
 
 
 def metric(server, name: str) -> float:
@@ -340,6 +347,16 @@ def test_disconnect_aborts_and_frees_every_block(server, client):
     assert metric(server, "vllm:num_requests_running") == 0
     assert metric(server, "vllm:num_requests_waiting") == 0
     assert metric(server, "specdec:request_aborts_total") == aborts + 3
+    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up is aborted too
+        post(server, "/v1/completions", {**body, "stream": False}, timeout=0.3)
+    for _ in range(200):
+        if metric(server, "specdec:request_aborts_total") == aborts + 4:
+            break
+        asyncio.run(asyncio.sleep(0.05))
+    assert metric(server, "specdec:request_aborts_total") == aborts + 4
+    assert metric(server, "specdec:kv_cache_free_blocks") == metric(
+        server, "specdec:kv_cache_num_blocks"
+    )
     assert complete(client, max_tokens=2).choices[0].text is not None
 
 
@@ -357,3 +374,27 @@ def test_metrics_expose_vllm_names(server):
         'specdec:http_requests_total{route="/v1/completions",status="200"}',
     ):
         assert name in text, name
+
+
+def test_shutdown_aborts_requests_in_flight(model_dir):
+    engine = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=MAX_MODEL_LEN))
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    params = SamplingParams(n=4, max_tokens=200, ignore_eos=True, seed=1)
+
+    async def run() -> None:
+        stream = await async_engine.add("r", [5, 6, 7], params, None)
+        outputs = aiter(stream)
+        await asyncio.wait_for(anext(outputs), TIMEOUT_S)
+        await asyncio.to_thread(async_engine.shutdown, TIMEOUT_S)
+        with pytest.raises(EngineDeadError):
+            async with asyncio.timeout(TIMEOUT_S):
+                async for output in outputs:
+                    assert not output.finished
+        with pytest.raises(EngineDeadError):
+            await async_engine.add("late", [5], params, None)
+
+    asyncio.run(run())
+    assert not async_engine.is_alive
+    assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
+    assert not engine.has_unfinished

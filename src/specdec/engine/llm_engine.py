@@ -234,8 +234,8 @@ class LLMEngine:
         for request in group.samples:
             if not request.status.finished:
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
-                if self.drafter is not None:
-                    self.drafter.release(request.request_id)
+            self._group_of.pop(id(request), None)
+        del self.groups[request_id]
 
     @property
     def has_unfinished(self) -> bool:

@@ -217,3 +217,16 @@ def test_a_request_longer_than_the_cache_finishes_instead_of_hanging(model_dir, 
     assert out.outputs[0].finish_reason == "length"
     assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 16
     assert llm.engine.allocator.num_free_blocks == 4
+
+
+def test_abort_frees_blocks_and_forgets_the_request(model_dir, prompts):
+    llm = make_llm(model_dir, {"method": "draft_model", "model": "truncated:1"})
+    engine = llm.engine
+    request_id = engine.add_request(prompts[2], SamplingParams(max_tokens=20, n=2))
+    engine.step()
+    engine.step()
+    engine.abort(request_id)
+    assert not engine.has_unfinished and engine.groups == {} and engine._group_of == {}
+    assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
+    assert engine.drafter.allocator.num_free_blocks == engine.drafter.allocator.num_blocks
+    engine.abort(request_id)  # unknown ids are ignored

@@ -1,0 +1,228 @@
+"""AsyncEngine: one background thread owns the `LLMEngine` and steps it while work exists.
+
+Requests arrive through a thread-safe command queue; each request's outputs go to its own asyncio
+queue through `loop.call_soon_threadsafe`, so the event loop never blocks on a step. An error in
+one request's admission is delivered to that request only and never stops the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from specdec.engine.llm_engine import LLMEngine
+from specdec.engine.outputs import RequestOutput
+from specdec.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# How long the idle engine thread waits for a command before re-checking for shutdown.
+IDLE_POLL_S = 0.1
+
+
+class EngineDeadError(RuntimeError):
+    """The engine failed in `step()`; the requests in flight were aborted."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """Engine figures read by `/metrics`, taken by the engine thread after each iteration."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    kv_cache_usage: float = 0.0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = field(default_factory=tuple)
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class RequestStream:
+    """The outputs of one admitted request; iterate it, and `abort()` if you stop early."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, outputs: asyncio.Queue) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self._outputs = outputs
+        self.finished = False
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            item = await self._outputs.get()
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            self.finished = item.finished
+            yield item
+
+    def abort(self) -> bool:
+        """Asks the engine thread to abort the request and free its KV blocks (idempotent).
+
+        Returns whether the request was still running (False once it has finished).
+        """
+        if self.finished:
+            return False
+        self.finished = True
+        self.engine.abort(self.request_id)
+        return True
+
+
+class AsyncEngine:
+    """Runs `engine.step()` in one thread; `add` and `abort` may be called from any event loop."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
+        self.snapshot = self._take_snapshot()
+
+    # ------------------------------------------------------------ event loop side
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout_s: float) -> None:
+        """Aborts every request in flight (their streams end with EngineDeadError) and joins."""
+        self._stopping.set()
+        self._commands.put(("wake",))
+        self._thread.join(timeout_s)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    async def add(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        speculative: dict | None,
+    ) -> RequestStream:
+        """Submits a request and waits for its admission.
+
+        Raises:
+            ValueError: the engine rejected the request (bad prompt, parameters or speculation).
+            EngineDeadError: the engine is shut down.
+        """
+        if self._stopping.is_set() or not self._thread.is_alive():
+            raise EngineDeadError("the engine is not running")
+        outputs: asyncio.Queue = asyncio.Queue()
+        admitted = asyncio.get_running_loop().create_future()
+        self._commands.put(("add", request_id, prompt, params, speculative, outputs, admitted))
+        await admitted
+        return RequestStream(self, request_id, outputs)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    # ---------------------------------------------------------------- engine side
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            idle = not self.engine.has_unfinished
+            try:
+                command = self._commands.get(timeout=IDLE_POLL_S) if idle else None
+            except queue.Empty:
+                command = None
+            if command is not None:
+                self._handle(command)
+            self._drain()
+            if self.engine.has_unfinished and not self._stopping.is_set():
+                self._step()
+            self.snapshot = self._take_snapshot()
+        self._abort_all(EngineDeadError("the server is shutting down"))
+        self._drain()
+        self.snapshot = self._take_snapshot()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(command)
+
+    def _handle(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, request_id, prompt, params, speculative, outputs, admitted = command
+            loop = admitted.get_loop()
+            if self._stopping.is_set():
+                error: BaseException | None = EngineDeadError("the server is shutting down")
+            else:
+                try:
+                    self.engine.add_request(
+                        prompt, params, request_id=request_id, speculative=speculative
+                    )
+                    error = None
+                except ValueError as err:
+                    error = err
+            if error is None:
+                self._streams[request_id] = _Stream(loop, outputs)
+            loop.call_soon_threadsafe(_settle, admitted, error)
+        elif kind == "abort":
+            request_id = command[1]
+            if self._streams.pop(request_id, None) is not None:
+                self.engine.abort(request_id)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as err:  # a failed step must not kill the thread: fail the requests
+            logger.exception("engine step failed; aborting the requests in flight")
+            self._abort_all(EngineDeadError(f"engine step failed: {type(err).__name__}"))
+            return
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
+
+    def _abort_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+        self._streams.clear()
+        for request_id in list(self.engine.groups):
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # after a failed step the engine may be inconsistent
+                logger.exception("aborting request %s failed", request_id)
+
+    def _take_snapshot(self) -> EngineSnapshot:
+        engine = self.engine
+        stats = engine.stats
+        allocator = engine.allocator
+        return EngineSnapshot(
+            num_waiting=len(engine.scheduler.waiting),
+            num_running=len(engine.scheduler.running),
+            num_blocks=allocator.num_blocks,
+            num_free_blocks=allocator.num_free_blocks,
+            kv_cache_usage=float(allocator.usage),
+            num_drafts=stats.num_drafts,
+            num_draft_tokens=stats.num_draft_tokens,
+            num_accepted_tokens=stats.num_accepted_tokens,
+            accepted_per_position=tuple(stats.accepted_per_position),
+        )
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

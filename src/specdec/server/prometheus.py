@@ -1,0 +1,112 @@
+"""Prometheus metrics of one server, in its own registry, with vLLM's names where vLLM has one.
+
+prometheus_client accepts ':' in metric names (the exposition format reserves it for recording
+rules, and vLLM uses it), so the spec-decode counters keep vLLM's `vllm:spec_decode_*` names.
+Engine figures are read at scrape time from the engine thread's latest `EngineSnapshot`; nothing
+here touches the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from specdec.server.async_engine import EngineSnapshot
+
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class _EngineCollector(Collector):
+    """Queue lengths, KV-cache use and the spec-decode counters from the latest snapshot."""
+
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str) -> None:
+        self._snapshot = snapshot
+        self._model_name = model_name
+
+    def collect(self) -> Iterator:
+        snap = self._snapshot()
+        labels = ["model_name"]
+        values = [self._model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            family.add_metric(values, value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=labels)
+            family.add_metric(values, value)
+            return family
+
+        yield gauge("vllm:num_requests_running", "Requests in the running batch.", snap.num_running)
+        yield gauge(
+            "vllm:num_requests_waiting", "Requests waiting to be scheduled.", snap.num_waiting
+        )
+        yield gauge(
+            "vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use.", snap.kv_cache_usage
+        )
+        yield gauge("specdec:kv_cache_num_blocks", "KV-cache blocks in all.", snap.num_blocks)
+        yield gauge("specdec:kv_cache_free_blocks", "Free KV-cache blocks.", snap.num_free_blocks)
+        yield counter(
+            "vllm:spec_decode_num_drafts", "Verification rounds with drafts.", snap.num_drafts
+        )
+        yield counter(
+            "vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", snap.num_draft_tokens
+        )
+        yield counter(
+            "vllm:spec_decode_num_accepted_tokens",
+            "Draft tokens accepted.",
+            snap.num_accepted_tokens,
+        )
+        per_position = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Rounds whose accepted prefix is longer than position.",
+            labels=[*labels, "position"],
+        )
+        for position, count in enumerate(snap.accepted_per_position):
+            per_position.add_metric([*values, str(position)], count)
+        yield per_position
+
+
+class ServerMetrics:
+    """The registry of one server and the metrics the request handlers update."""
+
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "specdec:http_requests",
+            "HTTP requests by route and status code.",
+            ["route", "status"],
+            registry=self.registry,
+        )
+        self.aborts = Counter(
+            "specdec:request_aborts",
+            "Requests aborted before they finished (client gone or engine stopped).",
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prompt tokens processed.", registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Tokens generated.", registry=self.registry
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time from admission to the first token.",
+            buckets=TTFT_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            buckets=TPOT_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.registry.register(_EngineCollector(snapshot, model_name))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
