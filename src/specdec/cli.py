@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+GENERATE_MAX_TOKENS = 256
 # The speculation `generate` and `bench` use when --speculative-config is not given.
 DEFAULT_SPECULATIVE_CONFIG = {"method": "ngram", "num_speculative_tokens": 4}
 
@@ -76,7 +77,8 @@ def _add_generate(commands) -> None:
         "--no-chat", action="store_true", help="do not wrap the prompt in the chat template"
     )
     generate.add_argument("--no-spec", action="store_true", help="decode without speculation")
-    add_sampling_arguments(generate)
+    # A whole answer rather than SamplingParams' 16-token default (it still stops at EOS).
+    add_sampling_arguments(generate, max_tokens=GENERATE_MAX_TOKENS)
     add_engine_arguments(generate)
     generate.set_defaults(handler=_generate)
 

@@ -30,7 +30,8 @@ def _flag_type(annotation: Any) -> Any:
     return annotation
 
 
-def _add_fields(group, cls, names=None) -> None:
+def _add_fields(group, cls, names=None, overrides=None) -> None:
+    overrides = overrides or {}
     for field in dataclasses.fields(cls):
         if names is not None and field.name not in names:
             continue
@@ -38,7 +39,7 @@ def _add_fields(group, cls, names=None) -> None:
             continue
         kind = _flag_type(field.type)
         flag = "--" + field.name.replace("_", "-")
-        default = field.default
+        default = overrides.get(field.name, field.default)
         if kind is bool:
             group.add_argument(flag, action="store_true", help=f"(default: {default})")
         elif kind in (int, float, str):
@@ -57,9 +58,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+def add_sampling_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
+    """Adds the sampling flags; `defaults` overrides SamplingParams' defaults for this command."""
     group = parser.add_argument_group("sampling")
-    _add_fields(group, SamplingParams, SAMPLING_FLAGS)
+    _add_fields(group, SamplingParams, SAMPLING_FLAGS, defaults)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
