@@ -310,6 +310,19 @@ def usage(output: RequestOutput) -> dict:
     }
 
 
+def _full_response(head: dict, choices: list[dict], output) -> JSONResponse:
+    """A non-streamed completion or chat body: the head, choices, usage, seed and stats."""
+    return JSONResponse(
+        {
+            **head,
+            "choices": choices,
+            "usage": usage(output),
+            "seed": output.seed,
+            "spec_decode_stats": output.spec_decode_stats,
+        }
+    )
+
+
 def _finish_reason(completion: CompletionOutput) -> str | None:
     return completion.finish_reason
 
@@ -471,15 +484,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             }
             for c in output.outputs
         ]
-        return JSONResponse(
-            {
-                **head,
-                "choices": choices,
-                "usage": usage(output),
-                "seed": output.seed,
-                "spec_decode_stats": output.spec_decode_stats,
-            }
-        )
+        return _full_response(head, choices, output)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -518,15 +523,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             }
             for c in output.outputs
         ]
-        return JSONResponse(
-            {
-                **head,
-                "choices": choices,
-                "usage": usage(output),
-                "seed": output.seed,
-                "spec_decode_stats": output.spec_decode_stats,
-            }
-        )
+        return _full_response(head, choices, output)
 
     return app
 
