@@ -12,7 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from specdec.models import AttentionMetadata, LlamaForCausalLM
+from specdec.models import AttentionMetadata, LlamaForCausalLM, ModelConfig
+from specdec.models.paged import PagedModelRunner, StepInput
+from specdec.models.weights import assign_weights
 
 # Tiny configs of each supported architecture (head_dim 16, GQA 4:2, a few layers).
 _COMMON: dict[str, Any] = {
@@ -277,3 +279,97 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def seeded_model(
+    name: str, device: str, dtype: torch.dtype = torch.float32, seed: int = 0
+) -> LlamaForCausalLM:
+    """A TINY_CONFIGS model with seeded weights (norm weights near 1, others ~N(0, 0.15^2))."""
+    config = ModelConfig.from_hf_config(TINY_CONFIGS[name])
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    generator = torch.Generator().manual_seed(seed)
+    state = {
+        param_name: 1.0 + 0.1 * torch.randn(param.shape, generator=generator)
+        if param_name.endswith("norm.weight")
+        else 0.15 * torch.randn(param.shape, generator=generator)
+        for param_name, param in model.named_parameters()
+    }
+    assign_weights(model, state.get, name, dtype, device)
+    return model
+
+
+def compare_decode_path(
+    name: str,
+    device: str,
+    *,
+    use_graphs: bool,
+    dtype: torch.dtype = torch.float32,
+    atol: float = 1e-5,
+) -> tuple[PagedModelRunner, list[int]]:
+    """Runs the same prefill + decode/verify steps through an eager runner and a decode-path
+    runner (batches padded to graph buckets) and asserts equal logits, features and KV caches.
+
+    Block tables are scattered; steps mix 1 and 4 query tokens and batch sizes 3 and 5 (padded to
+    4 and 8). Returns the decode-path runner and the blocks its sequences hold.
+    """
+    num_blocks, block_size = 40, 4
+    eager = PagedModelRunner(seeded_model(name, device, dtype), num_blocks, block_size)
+    fast = PagedModelRunner(
+        seeded_model(name, device, dtype),
+        num_blocks,
+        block_size,
+        max_num_seqs=8,
+        max_model_len=64,
+        max_query_len=4,
+        enforce_eager=not use_graphs,
+        decode_path=True,
+        pad_batches=True,
+    )
+    vocab = eager.model.config.vocab_size
+    layers = (0, eager.model.config.num_hidden_layers - 1)
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(5)).tolist()
+    prompts = prompt_tokens(vocab, [9, 3, 14, 6, 1], seed=11)
+    tables: list[list[int]] = [[] for _ in prompts]
+    lengths = [0] * len(prompts)
+    stream = prompt_tokens(vocab, [200], seed=12)[0]
+
+    def step_inputs(new: dict[int, list[int]], all_logits: bool) -> list[StepInput]:
+        inputs = []
+        for b, tokens in new.items():
+            end = lengths[b] + len(tokens)
+            while len(tables[b]) * block_size < end:
+                tables[b].append(order.pop())
+            rows = len(tokens) if all_logits else 1
+            inputs.append(StepInput(tokens, lengths[b], list(tables[b]), rows))
+            lengths[b] = end
+        return inputs
+
+    inputs = step_inputs(dict(enumerate(prompts)), all_logits=False)
+    for runner in (eager, fast):  # prefill: the eager path in both
+        runner.run(inputs)
+    schedule = [
+        {0: 1, 1: 1, 2: 1},
+        {0: 4, 1: 1, 2: 4, 3: 2, 4: 4},
+        {1: 4, 3: 1, 4: 1},
+        {0: 1, 1: 1, 2: 1, 3: 1, 4: 1},
+    ]
+    cursor = 0
+    for counts in schedule:
+        new = {}
+        for b, count in counts.items():
+            new[b] = stream[cursor : cursor + count]
+            cursor += count
+        inputs = step_inputs(new, all_logits=True)
+        want_logits, want_features = eager.run_with_features(inputs, layers)
+        got_logits, got_features = fast.run_with_features(inputs, layers)
+        for want, got in zip(want_logits, got_logits, strict=True):
+            torch.testing.assert_close(got, want, atol=atol, rtol=atol)
+        for want, got in zip(want_features, got_features, strict=True):
+            torch.testing.assert_close(got, want, atol=atol, rtol=atol)
+    used = sorted(block for table in tables for block in table)
+    for cache_name in ("k_cache", "v_cache"):
+        want = getattr(eager.kv_cache, cache_name)[:, used]
+        got = getattr(fast.kv_cache, cache_name)[:, used]
+        torch.testing.assert_close(got, want, atol=atol, rtol=atol)
+    return fast, used

@@ -22,6 +22,13 @@ from specdec.models.attention import (
     write_kv_planned,
 )
 from specdec.models.config import ModelConfig
+from specdec.models.fused import (
+    DecodeMetadata,
+    add_rms_norm,
+    paged_decode_attention,
+    rope_write_kv,
+    silu_mul,
+)
 
 
 class Linear(nn.Module):
@@ -45,6 +52,24 @@ class Embedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.weight)
+
+
+def fuse_linears(linears: Sequence[Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenates the weights (and biases) of linears that read the same input into one
+    [sum(out), in] tensor, and re-points each linear's parameters at its slice (no copy kept)."""
+    weight = torch.cat([linear.weight.data for linear in linears])
+    has_bias = [linear.bias is not None for linear in linears]
+    bias = torch.cat([linear.bias.data for linear in linears]) if all(has_bias) else None
+    if any(has_bias) and bias is None:
+        raise ValueError("cannot fuse linears of which only some have a bias")
+    offset = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight.data = weight[offset : offset + rows]
+        if bias is not None and linear.bias is not None:
+            linear.bias.data = bias[offset : offset + rows]
+        offset += rows
+    return weight, bias
 
 
 class RMSNorm(nn.Module):
@@ -142,6 +167,50 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.fused_qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse(self) -> None:
+        """One [(H_q + 2 H_kv) D, hidden] projection for the decode path (weights shared)."""
+        if self.fused_qkv is None:
+            self.fused_qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+
+    def forward_decode(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        inv_freq: torch.Tensor,
+        meta: DecodeMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """`forward` for a decode/verify step through the fused kernels: [T, D] -> [T, D].
+
+        Mutates: writes the live query tokens' K/V into `k_cache`/`v_cache`.
+        """
+        num_tokens = hidden.shape[0]
+        if self.fused_qkv is not None:
+            qkv = F.linear(hidden, *self.fused_qkv)
+        else:
+            qkv = torch.cat([self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)], -1)
+        if self.q_norm is not None and self.k_norm is not None:
+            q_size = self.num_heads * self.head_dim
+            kv_size = self.num_kv_heads * self.head_dim
+            query, key, value = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            query = self.q_norm(query.view(num_tokens, self.num_heads, self.head_dim))
+            key = self.k_norm(key.view(num_tokens, self.num_kv_heads, self.head_dim))
+            qkv = torch.cat([query.flatten(1), key.flatten(1), value], dim=-1)
+        query = rope_write_kv(
+            qkv,
+            positions,
+            inv_freq,
+            k_cache,
+            v_cache,
+            meta.slot_mapping,
+            self.num_heads,
+            self.num_kv_heads,
+        )  # [T, H_q, D_head]
+        out = paged_decode_attention(query, k_cache, v_cache, meta, self.head_dim**-0.5)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
     def forward(
         self,
@@ -174,9 +243,23 @@ class LlamaMLP(nn.Module):
         self.gate_proj = Linear(config.hidden_size, config.intermediate_size, config.mlp_bias)
         self.up_proj = Linear(config.hidden_size, config.intermediate_size, config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias)
+        self.fused_gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse(self) -> None:
+        """One [2 F, hidden] gate/up projection for the decode path (weights shared)."""
+        if self.fused_gate_up is None:
+            self.fused_gate_up = fuse_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def forward_decode(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` through one gate/up GEMM and the fused silu * up kernel."""
+        if self.fused_gate_up is not None:
+            gate_up = F.linear(x, *self.fused_gate_up)
+        else:
+            gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
+        return self.down_proj(silu_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -221,11 +304,13 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn: AttentionMetadata,
+        attn: AttentionMetadata | DecodeMetadata,
         kv_cache: KVCache,
         return_layers: Sequence[int] = (),
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Returns the normed final hidden [T, D] and the outputs of the `return_layers` layers."""
+        if isinstance(attn, DecodeMetadata):
+            return self._forward_decode(input_ids, positions, attn, kv_cache, return_layers)
         wanted = set(return_layers)
         captured: dict[int, torch.Tensor] = {}
         cos, sin = self.rotary_emb(positions)  # [T, D_head] each
@@ -236,6 +321,45 @@ class LlamaModel(nn.Module):
             if index in wanted:
                 captured[index] = hidden
         return self.norm(hidden), [captured[index] for index in return_layers]
+
+    def _forward_decode(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: DecodeMetadata,
+        kv_cache: KVCache,
+        return_layers: Sequence[int],
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The decode/verify step through the fused kernels (no host sync: CUDA-graph safe).
+        Each residual add is fused into the next RMSNorm."""
+        wanted = set(return_layers)
+        captured: dict[int, torch.Tensor] = {}
+        inv_freq = self.rotary_emb.inv_freq
+        out = self.embed_tokens(input_ids)  # [T, D]
+        residual: torch.Tensor | None = None
+        for index, layer in enumerate(self.layers):
+            normed, residual = add_rms_norm(
+                out, residual, layer.input_layernorm.weight, layer.input_layernorm.eps
+            )
+            out = layer.self_attn.forward_decode(
+                normed,
+                positions,
+                inv_freq,
+                meta,
+                kv_cache.k_cache[index],
+                kv_cache.v_cache[index],
+            )
+            normed, residual = add_rms_norm(
+                out,
+                residual,
+                layer.post_attention_layernorm.weight,
+                layer.post_attention_layernorm.eps,
+            )
+            out = layer.mlp.forward_decode(normed)
+            if index in wanted:
+                captured[index] = out + residual
+        normed, _ = add_rms_norm(out, residual, self.norm.weight, self.norm.eps)
+        return normed, [captured[index] for index in return_layers]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -257,7 +381,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn: AttentionMetadata,
+        attn: AttentionMetadata | DecodeMetadata,
         kv_cache: KVCache,
     ) -> torch.Tensor:
         """Runs one step over the flattened new tokens of B sequences.
@@ -281,7 +405,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn: AttentionMetadata,
+        attn: AttentionMetadata | DecodeMetadata,
         kv_cache: KVCache,
         return_layers: Sequence[int],
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -303,10 +427,21 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"return_layers {bad} out of range for {num_layers} layers")
         return self.model(input_ids, positions, attn, kv_cache, return_layers)
 
+    def fuse_projections(self) -> None:
+        """Concatenates q/k/v and gate/up weights for the decode path (the per-projection
+        parameters become views of the fused tensors: no extra memory)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """[V, D] output projection (the embedding table when they are tied)."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Args: hidden: [N, D] final hidden states. Returns: [N, V] float32 logits."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return F.linear(hidden, self.lm_head_weight).float()
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         """A zero-filled cache for this model, in its parameters' dtype and device."""

@@ -1,17 +1,20 @@
-"""Paged execution of a model: KV-cache block accounting and one eager forward step over a mixed
-batch (prefill chunks and decode/verify rows). Used by the engine for the target and by drafters
-for their own models. Never samples or draws randomness.
+"""Paged execution of a model: KV-cache block accounting and one forward step over a mixed batch
+(prefill chunks and decode/verify rows). Steps made only of decode/verify rows take the fused decode
+path, replayed from CUDA graphs on the GPU; other steps run eagerly. Used by the engine for the
+target and by drafters for their own models. Never samples or draws randomness.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from specdec.models.attention import AttentionMetadata
+from specdec.models.cuda_graph import DecodeGraphs
 from specdec.models.llama import LlamaForCausalLM
 
 
@@ -94,26 +97,114 @@ class StepInput:
 
 
 class PagedModelRunner:
-    """Owns a model and its KV cache (`num_blocks` x `block_size` slots)."""
+    """Owns a model and its KV cache (`num_blocks` x `block_size` slots).
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> None:
+    Steps in which every input wants logits for all of its (at most `max_query_len`) query tokens
+    (decode: 1, verify: K + 1) run the fused decode path: on CUDA, replayed from CUDA graphs
+    captured per (padded batch size, query length) unless `enforce_eager`. Other steps (prefill
+    chunks) run the eager path.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        *,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        max_query_len: int = 1,
+        enforce_eager: bool = False,
+        decode_path: bool | None = None,
+        pad_batches: bool | None = None,
+    ) -> None:
+        """Args:
+        model, num_blocks, block_size: the model and its cache geometry.
+        max_num_seqs: most sequences in one decode step (CUDA-graph batch buckets stop there).
+        max_model_len: longest sequence (sizes the graphs' block tables; None: the whole cache).
+        max_query_len: most query tokens per sequence on the decode path (K + 1).
+        enforce_eager: never capture CUDA graphs.
+        decode_path: use the fused decode path for decode steps (None: on CUDA only; the CPU
+            keeps the eager path, which is faster there).
+        pad_batches: pad decode batches to the graph buckets (None: when capturing graphs).
+        """
         self.model = model
         self.block_size = block_size
         self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
         self.device = model.model.embed_tokens.weight.device
+        self.max_query_len = max_query_len
+        self.max_num_seqs = max_num_seqs
+        if decode_path is None:
+            decode_path = self.device.type == "cuda" and model.config.sliding_window is None
+        self.graphs: DecodeGraphs | None = None
+        if decode_path:
+            if model.config.sliding_window is not None:
+                raise ValueError("the decode path has no sliding-window attention; run eagerly")
+            if self.device.type == "cuda":
+                model.fuse_projections()
+            max_blocks = -(-(max_model_len or num_blocks * block_size) // block_size)
+            self.graphs = DecodeGraphs(
+                model,
+                self.kv_cache,
+                max_num_seqs=max_num_seqs,
+                max_query_len=max_query_len,
+                max_blocks_per_seq=max_blocks,
+                block_size=block_size,
+                use_graphs=self.device.type == "cuda" and not enforce_eager,
+                pad_batches=pad_batches,
+            )
 
-    @torch.inference_mode()
+    def _is_decode_step(self, inputs: list[StepInput]) -> bool:
+        return len(inputs) <= self.max_num_seqs and all(
+            0 < len(s.token_ids) <= self.max_query_len and s.num_logit_rows == len(s.token_ids)
+            for s in inputs
+        )
+
     def run(self, inputs: list[StepInput]) -> list[torch.Tensor]:
         """One forward step over every input; K/V of all query tokens are written.
 
         Returns:
             Per input, [num_logit_rows, V] float32 logits predicting the token after each of its
-            last num_logit_rows query tokens.
+            last num_logit_rows query tokens. On the decode path these are views of a static
+            buffer: valid until the next `run`.
+
+        Mutates: the KV cache slots of the query tokens.
+        """
+        return self.run_with_features(inputs, ())[0]
+
+    @torch.inference_mode()
+    def run_with_features(
+        self, inputs: list[StepInput], feature_layers: Sequence[int]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """`run`, also returning the target features of every query token.
+
+        Args:
+            inputs: the step's sequences.
+            feature_layers: 0-based decoder layers; a token's feature is the concatenation of
+                their outputs (residual stream after the layer, before the final norm).
+
+        Returns:
+            (per input [num_logit_rows, V] float32 logits, per input [len(token_ids), F]
+            features with F = len(feature_layers) * hidden size; [] when feature_layers is
+            empty).
 
         Mutates: the KV cache slots of the query tokens.
         """
         if not inputs:
-            return []
+            return [], []
+        layers = tuple(feature_layers)
+        if self.graphs is not None and self._is_decode_step(inputs):
+            return self.graphs.run(
+                [s.token_ids for s in inputs],
+                [s.start for s in inputs],
+                [s.block_ids for s in inputs],
+                layers,
+            )
+        return self._run_eager(inputs, layers)
+
+    def _run_eager(
+        self, inputs: list[StepInput], feature_layers: tuple[int, ...]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         token_ids: list[int] = []
         positions: list[int] = []
         logit_rows: list[int] = []
@@ -132,7 +223,13 @@ class PagedModelRunner:
         )
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         position_ids = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        hidden = self.model(input_ids, position_ids, attn, self.kv_cache)  # [T, D]
+        hidden, layers = self.model.forward_with_layers(
+            input_ids, position_ids, attn, self.kv_cache, feature_layers
+        )  # [T, D], [T, D] per layer
         rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden[rows])  # [N, V]
-        return list(logits.split([s.num_logit_rows for s in inputs]))
+        logits_per_input = list(logits.split([s.num_logit_rows for s in inputs]))
+        if not layers:
+            return logits_per_input, []
+        features = torch.cat(layers, dim=-1)  # [T, F]
+        return logits_per_input, list(features.split([len(s.token_ids) for s in inputs]))

@@ -5,31 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models_fixtures import TINY_CONFIGS, PagedRunner, prompt_tokens
-from specdec.models import LlamaForCausalLM, ModelConfig
-from specdec.models.weights import assign_weights
-
-
-def _seeded_model(name: str, device: str) -> LlamaForCausalLM:
-    config = ModelConfig.from_hf_config(TINY_CONFIGS[name])
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    generator = torch.Generator().manual_seed(0)
-    state = {
-        param_name: 1.0 + 0.1 * torch.randn(param.shape, generator=generator)
-        if param_name.endswith("norm.weight")
-        else 0.15 * torch.randn(param.shape, generator=generator)
-        for param_name, param in model.named_parameters()
-    }
-    assign_weights(model, state.get, name, torch.float32, device)
-    return model
+from models_fixtures import TINY_CONFIGS, PagedRunner, prompt_tokens, seeded_model
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(TINY_CONFIGS))
 def test_cuda_matches_cpu(name: str) -> None:
-    cpu_runner = PagedRunner(_seeded_model(name, "cpu"), num_blocks=24, block_size=4)
-    cuda_model = _seeded_model(name, "cuda")
+    cpu_runner = PagedRunner(seeded_model(name, "cpu"), num_blocks=24, block_size=4)
+    cuda_model = seeded_model(name, "cuda")
     cuda_runner = PagedRunner(cuda_model, num_blocks=24, block_size=4)
     sequences = prompt_tokens(97, [19, 9, 24], seed=3)
     done = [0, 0, 0]

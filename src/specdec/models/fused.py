@@ -1,0 +1,228 @@
+"""Fused GPU kernels of the decode/verify forward pass, each with a PyTorch twin.
+
+Four kernels cover everything between the GEMMs of a Llama layer: residual add + RMSNorm, RoPE +
+K/V cache write, SwiGLU's silu(gate) * up, and paged attention for sequences that each bring a few
+query tokens (decode: 1; verify: K + 1). Launch counts, not arithmetic, bound a small-batch decode
+step, so fusing these keeps a CUDA-graphed step close to its weight-read floor. Every public
+function dispatches to Triton for CUDA tensors and to its `*_ref` twin otherwise; they agree up to
+floating-point rounding order (checked by tests/parity). Nothing here allocates cache blocks or
+draws randomness.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeMetadata:
+    """A step in which every sequence brings at most `query_per_seq` query tokens, laid out
+    uniformly: token j of sequence b is row b * query_per_seq + j of the flattened batch.
+
+    Query token j < query_lens[b] of sequence b sits at position context_lens[b] - query_lens[b] + j
+    and sees cached positions up to its own. Rows j >= query_lens[b] are padding (their K/V are not
+    written: slot -1); sequences with context_lens[b] == 0 are inert padding rows (no K/V read or
+    written, output 0).
+
+    Attributes:
+        block_tables: [B, max_blocks] int32/int64 cache blocks of each sequence (entries past a
+            sequence's context are never read).
+        context_lens: [B] int32/int64 tokens in the cache after the step, the new ones included.
+        query_lens: [B] int32/int64 live query tokens of each sequence (<= query_per_seq).
+        slot_mapping: [B * query_per_seq] int64 cache slot of each query token's K/V (-1: skip).
+        query_per_seq: Q, query rows per sequence in the flattened layout.
+    """
+
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    query_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_per_seq: int
+
+
+# --------------------------------------------------------------------------- PyTorch twins
+def add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual) * weight, x + residual) with HF's numerics: the sum is rounded to
+    x's dtype, normalised in float32, cast back, then scaled by the weight.
+
+    Args:
+        x: [T, D] input (the previous sublayer's output, or the embeddings).
+        residual: [T, D] residual stream, or None (then the residual is x itself).
+        weight: [D] norm weight.
+        eps: RMSNorm epsilon.
+
+    Returns:
+        (normed [T, D], new residual [T, D]), both in x's dtype.
+    """
+    summed = x if residual is None else x + residual
+    hidden = summed.to(torch.float32)
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * hidden.to(x.dtype), summed
+
+
+def rope_write_kv_ref(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """Rotates queries and keys by their positions ("rotate half" RoPE, computed in float32) and
+    writes keys and values to their cache slots.
+
+    Args:
+        qkv: [T, (H_q + 2 H_kv) * D] fused q/k/v projections.
+        positions: [T] int64 absolute positions.
+        inv_freq: [D / 2] float32 RoPE inverse frequencies.
+        k_cache, v_cache: [num_blocks, block_size, H_kv, D] one layer's caches.
+        slot_mapping: [T] int64 flat cache slot of each token (-1: not written).
+        num_heads, num_kv_heads: H_q, H_kv.
+
+    Returns:
+        [T, H_q, D] rotated queries, in qkv's dtype.
+
+    Mutates: the `k_cache` / `v_cache` slots named by `slot_mapping`.
+    """
+    num_tokens = qkv.shape[0]
+    head_dim = k_cache.shape[-1]
+    heads = qkv.view(num_tokens, num_heads + 2 * num_kv_heads, head_dim)
+    freqs = positions[:, None].to(torch.float32) * inv_freq.to(torch.float32)  # [T, D / 2]
+    cos, sin = freqs.cos()[:, None], freqs.sin()[:, None]  # [T, 1, D / 2]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        first, second = x.to(torch.float32).chunk(2, dim=-1)
+        out = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+        return out.to(qkv.dtype)
+
+    query = rotate(heads[:, :num_heads])
+    key = rotate(heads[:, num_heads : num_heads + num_kv_heads])
+    value = heads[:, num_heads + num_kv_heads :]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = key[keep].to(k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = value[keep].to(v_cache.dtype)
+    return query
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2F] (gate | up) -> [T, F] silu(gate) * up, each rounded to the input dtype as eager
+    PyTorch does."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def paged_decode_attention_ref(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: DecodeMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's query tokens over its cached context.
+
+    Args:
+        query: [B * Q, H_q, D] rotated queries in the uniform layout of `meta`.
+        k_cache, v_cache: [num_blocks, block_size, H_kv, D] one layer's caches, already holding
+            the new tokens' K/V.
+        meta: the step's decode metadata.
+        scale: softmax scale.
+
+    Returns:
+        [B * Q, H_q, D] in query's dtype; rows of inert sequences (context 0) are 0.
+    """
+    num_seqs = meta.context_lens.shape[0]
+    q_per_seq = meta.query_per_seq
+    num_heads = query.shape[1]
+    block_size = k_cache.shape[1]
+    num_kv_heads = k_cache.shape[2]
+    out = torch.zeros_like(query)
+    context_lens = meta.context_lens.tolist()
+    query_lens = meta.query_lens.tolist()
+    for b in range(num_seqs):
+        ctx = context_lens[b]
+        if ctx == 0:
+            continue
+        num_blocks = -(-ctx // block_size)
+        blocks = meta.block_tables[b, :num_blocks].to(torch.int64)
+        keys = k_cache[blocks].flatten(0, 1)[:ctx].to(torch.float32)  # [S, H_kv, D]
+        values = v_cache[blocks].flatten(0, 1)[:ctx].to(torch.float32)
+        rows = query[b * q_per_seq : (b + 1) * q_per_seq].to(torch.float32)  # [Q, H_q, D]
+        group = num_heads // num_kv_heads
+        keys = keys.repeat_interleave(group, dim=1)  # [S, H_q, D]
+        values = values.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,shd->hqs", rows, keys) * scale  # [H_q, Q, S]
+        query_pos = ctx - query_lens[b] + torch.arange(q_per_seq, device=query.device)
+        visible = torch.arange(ctx, device=query.device)[None] <= query_pos[:, None]  # [Q, S]
+        scores = scores.masked_fill(~visible[None], float("-inf"))
+        weights = scores.softmax(dim=-1)
+        out[b * q_per_seq : (b + 1) * q_per_seq] = torch.einsum("hqs,shd->qhd", weights, values).to(
+            query.dtype
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- dispatch
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See `add_rms_norm_ref`; one fused kernel on CUDA."""
+    if not x.is_cuda:
+        return add_rms_norm_ref(x, residual, weight, eps)
+    from specdec.models import triton_fused
+
+    return triton_fused.add_rms_norm_triton(x, residual, weight, eps)
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """See `rope_write_kv_ref`; one fused kernel on CUDA."""
+    if not qkv.is_cuda:
+        return rope_write_kv_ref(
+            qkv, positions, inv_freq, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads
+        )
+    from specdec.models import triton_fused
+
+    return triton_fused.rope_write_kv_triton(
+        qkv, positions, inv_freq, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads
+    )
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """See `silu_mul_ref`; one fused kernel on CUDA."""
+    if not gate_up.is_cuda:
+        return silu_mul_ref(gate_up)
+    from specdec.models import triton_fused
+
+    return triton_fused.silu_mul_triton(gate_up)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: DecodeMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """See `paged_decode_attention_ref`; one kernel per step and layer on CUDA (no host sync, so
+    it can be captured in a CUDA graph)."""
+    if not query.is_cuda:
+        return paged_decode_attention_ref(query, k_cache, v_cache, meta, scale)
+    from specdec.models import triton_fused
+
+    return triton_fused.paged_decode_attention_triton(query, k_cache, v_cache, meta, scale)

@@ -1,0 +1,364 @@
+"""Triton kernels behind `specdec.models.fused` (imported only for CUDA tensors).
+
+Each launcher takes exactly the arguments of its `*_ref` twin in `fused.py`. None of them syncs
+with the host, so a decode step made of them and cuBLAS GEMMs can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specdec.models.fused import DecodeMetadata
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr,  # [T, D]
+    residual_ptr,  # [T, D] (read when HAS_RESIDUAL)
+    weight_ptr,  # [D]
+    out_ptr,  # [T, D] normed
+    residual_out_ptr,  # [T, D] x + residual
+    dim,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    inside = cols < dim
+    x = tl.load(x_ptr + row * dim + cols, mask=inside, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * dim + cols, mask=inside, other=0.0)
+        # Round the sum to the stream's dtype first, as eager `x + residual` does.
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+        tl.store(residual_out_ptr + row * dim + cols, x, mask=inside)
+    hidden = x.to(tl.float32)
+    mean_square = tl.sum(hidden * hidden, axis=0) / dim
+    normed = (hidden * tl.rsqrt(mean_square + eps)).to(x.dtype)
+    weight = tl.load(weight_ptr + cols, mask=inside, other=0.0)
+    out = (weight.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+    tl.store(out_ptr + row * dim + cols, out, mask=inside)
+
+
+def add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, dim = x.shape
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if residual is None:
+        residual_out = x
+    else:
+        residual = residual.contiguous()
+        residual_out = torch.empty_like(x)
+    if num_tokens:
+        _add_rms_norm_kernel[(num_tokens,)](
+            x,
+            x if residual is None else residual,
+            weight,
+            out,
+            residual_out,
+            dim,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK_D=triton.next_power_of_2(dim),
+            num_warps=4 if dim <= 4096 else 8,
+        )
+    return out, residual_out
+
+
+@triton.jit
+def _rope_write_kv_kernel(
+    qkv_ptr,  # [T, (H_q + 2 H_kv) * D]
+    positions_ptr,  # [T] int64
+    inv_freq_ptr,  # [D / 2] float32
+    query_ptr,  # [T, H_q, D] out
+    k_cache_ptr,  # [num_slots, H_kv, D]
+    v_cache_ptr,  # [num_slots, H_kv, D]
+    slot_mapping_ptr,  # [T] int64
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HALF_DIM: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    head_dim: tl.constexpr = 2 * HALF_DIM
+    row_width: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * head_dim
+    cols = tl.arange(0, BLOCK_HALF)
+    inside = cols < HALF_DIM
+    position = tl.load(positions_ptr + token).to(tl.float32)
+    freqs = position * tl.load(inv_freq_ptr + cols, mask=inside, other=0.0)
+    cos, sin = tl.cos(freqs), tl.sin(freqs)
+    src = qkv_ptr + token * row_width + head * head_dim
+    first = tl.load(src + cols, mask=inside, other=0.0).to(tl.float32)
+    second = tl.load(src + HALF_DIM + cols, mask=inside, other=0.0).to(tl.float32)
+    rotated_first = first * cos - second * sin
+    rotated_second = second * cos + first * sin
+    if head < NUM_HEADS:
+        dst = query_ptr + (token * NUM_HEADS + head) * head_dim
+        tl.store(dst + cols, rotated_first.to(query_ptr.dtype.element_ty), mask=inside)
+        tl.store(dst + HALF_DIM + cols, rotated_second.to(query_ptr.dtype.element_ty), mask=inside)
+    else:
+        slot = tl.load(slot_mapping_ptr + token)
+        if slot >= 0:
+            kv_head = head - NUM_HEADS
+            dst = (slot * NUM_KV_HEADS + kv_head) * head_dim
+            key_type = k_cache_ptr.dtype.element_ty
+            tl.store(k_cache_ptr + dst + cols, rotated_first.to(key_type), mask=inside)
+            tl.store(k_cache_ptr + dst + HALF_DIM + cols, rotated_second.to(key_type), mask=inside)
+            value_src = src + NUM_KV_HEADS * head_dim
+            value_type = v_cache_ptr.dtype.element_ty
+            value_first = tl.load(value_src + cols, mask=inside)
+            value_second = tl.load(value_src + HALF_DIM + cols, mask=inside)
+            tl.store(v_cache_ptr + dst + cols, value_first.to(value_type), mask=inside)
+            tl.store(v_cache_ptr + dst + HALF_DIM + cols, value_second.to(value_type), mask=inside)
+
+
+def rope_write_kv_triton(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    num_tokens = qkv.shape[0]
+    head_dim = k_cache.shape[-1]
+    query = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if num_tokens:
+        _rope_write_kv_kernel[(num_tokens, num_heads + num_kv_heads)](
+            qkv.contiguous(),
+            positions,
+            inv_freq.to(torch.float32),
+            query,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            NUM_HEADS=num_heads,
+            NUM_KV_HEADS=num_kv_heads,
+            HALF_DIM=head_dim // 2,
+            BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+            num_warps=1,
+        )
+    return query
+
+
+@triton.jit
+def _silu_mul_kernel(
+    gate_up_ptr,  # [T, 2F]
+    out_ptr,  # [T, F]
+    width,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < width
+    gate = tl.load(gate_up_ptr + row * 2 * width + cols, mask=inside, other=0.0)
+    up = tl.load(gate_up_ptr + row * 2 * width + width + cols, mask=inside, other=0.0)
+    gate32 = gate.to(tl.float32)
+    # Round silu(gate) to the dtype before the product, as eager `F.silu(gate) * up` does.
+    activated = (gate32 / (1.0 + tl.exp(-gate32))).to(gate.dtype)
+    out = (activated.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+    tl.store(out_ptr + row * width + cols, out, mask=inside)
+
+
+def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    num_tokens, double_width = gate_up.shape
+    width = double_width // 2
+    out = torch.empty(num_tokens, width, dtype=gate_up.dtype, device=gate_up.device)
+    if num_tokens:
+        block = 1024
+        _silu_mul_kernel[(num_tokens, triton.cdiv(width, block))](
+            gate_up.contiguous(), out, width, BLOCK=block, num_warps=4
+        )
+    return out
+
+
+@triton.jit
+def _attend_chunk(
+    chunk,
+    query,  # [BLOCK_M, D]
+    query_pos,  # [BLOCK_M]
+    context_len,
+    row_max,  # [BLOCK_M] float32
+    row_sum,  # [BLOCK_M] float32
+    acc,  # [BLOCK_M, D] float32
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,  # this sequence's row of the block table
+    kv_head,
+    scale,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One online-softmax step over keys chunk * BLOCK_N .. + BLOCK_N - 1."""
+    dims = tl.arange(0, BLOCK_D)
+    key_pos = chunk * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    live_key = key_pos < context_len
+    block = tl.load(block_table_ptr + key_pos // CACHE_BLOCK, mask=live_key, other=0).to(tl.int64)
+    slot = block * CACHE_BLOCK + key_pos % CACHE_BLOCK  # [BLOCK_N]
+    kv_offsets = (slot[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + dims[None, :]
+    kv_mask = live_key[:, None] & (dims[None, :] < HEAD_DIM)
+    keys = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    if IEEE:
+        scores = tl.dot(query, tl.trans(keys), input_precision="ieee") * scale
+    else:
+        scores = tl.dot(query, tl.trans(keys)) * scale  # [BLOCK_M, BLOCK_N] float32
+    visible = live_key[None, :] & (key_pos[None, :] <= query_pos[:, None])
+    scores = tl.where(visible, scores, float("-inf"))
+    new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+    # Rows that see no key yet keep -inf; shift them by 0 so exp gives 0, not NaN.
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+    weights = tl.exp(scores - safe_max[:, None])
+    rescale = tl.exp(row_max - safe_max)
+    row_sum = row_sum * rescale + tl.sum(weights, axis=1)
+    values = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    if IEEE:
+        update = tl.dot(weights.to(values.dtype), values, input_precision="ieee")
+    else:
+        update = tl.dot(weights.to(values.dtype), values)
+    return new_max, row_sum, acc * rescale[:, None] + update
+
+
+@triton.jit
+def _paged_decode_attention_kernel(
+    query_ptr,  # [B * Q, H_q, D]
+    k_cache_ptr,  # [num_slots, H_kv, D]
+    v_cache_ptr,  # [num_slots, H_kv, D]
+    block_tables_ptr,  # [B, max_blocks] int32
+    context_lens_ptr,  # [B] int32
+    query_lens_ptr,  # [B] int32
+    out_ptr,  # [B * Q, H_q, D]
+    block_table_stride,
+    scale,
+    Q_PER_SEQ: tl.constexpr,
+    GROUP: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
+    DEVICE_BOUND: tl.constexpr,
+    HOST_NUM_CHUNKS: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    num_heads: tl.constexpr = GROUP * NUM_KV_HEADS
+    # Row m of the tile is query token m // GROUP, q head kv_head * GROUP + m % GROUP.
+    rows = tl.arange(0, BLOCK_M)
+    token_in_seq = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    live_row = token_in_seq < Q_PER_SEQ
+    dims = tl.arange(0, BLOCK_D)
+    query_rows = (seq * Q_PER_SEQ + token_in_seq) * num_heads + head  # [BLOCK_M]
+    query = tl.load(
+        query_ptr + query_rows[:, None] * HEAD_DIM + dims[None, :],
+        mask=live_row[:, None] & (dims[None, :] < HEAD_DIM),
+        other=0.0,
+    )  # [BLOCK_M, BLOCK_D]
+    context_len = tl.load(context_lens_ptr + seq)
+    query_len = tl.load(query_lens_ptr + seq)
+    query_pos = context_len - query_len + token_in_seq  # [BLOCK_M]
+    row_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    row_sum = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    if DEVICE_BOUND:
+        for chunk in range(0, tl.cdiv(context_len, BLOCK_N)):
+            row_max, row_sum, acc = _attend_chunk(
+                chunk,
+                query,
+                query_pos,
+                context_len,
+                row_max,
+                row_sum,
+                acc,
+                k_cache_ptr,
+                v_cache_ptr,
+                block_tables_ptr + seq * block_table_stride,
+                kv_head,
+                scale,
+                NUM_KV_HEADS,
+                HEAD_DIM,
+                CACHE_BLOCK,
+                BLOCK_N,
+                BLOCK_D,
+                IEEE,
+            )
+    else:  # Triton's CPU interpreter cannot loop to a loaded bound; masks void extra chunks
+        for chunk in range(0, HOST_NUM_CHUNKS):
+            row_max, row_sum, acc = _attend_chunk(
+                chunk,
+                query,
+                query_pos,
+                context_len,
+                row_max,
+                row_sum,
+                acc,
+                k_cache_ptr,
+                v_cache_ptr,
+                block_tables_ptr + seq * block_table_stride,
+                kv_head,
+                scale,
+                NUM_KV_HEADS,
+                HEAD_DIM,
+                CACHE_BLOCK,
+                BLOCK_N,
+                BLOCK_D,
+                IEEE,
+            )
+    out = acc / tl.maximum(row_sum, 1e-30)[:, None]
+    tl.store(
+        out_ptr + query_rows[:, None] * HEAD_DIM + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=live_row[:, None] & (dims[None, :] < HEAD_DIM),
+    )
+
+
+def paged_decode_attention_triton(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: DecodeMetadata,
+    scale: float,
+) -> torch.Tensor:
+    num_seqs = meta.context_lens.shape[0]
+    _, num_heads, head_dim = query.shape
+    _, cache_block, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    if num_seqs:
+        _paged_decode_attention_kernel[(num_seqs, num_kv_heads)](
+            query.contiguous(),
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.context_lens,
+            meta.query_lens,
+            out,
+            meta.block_tables.stride(0),
+            scale,
+            Q_PER_SEQ=meta.query_per_seq,
+            GROUP=group,
+            NUM_KV_HEADS=num_kv_heads,
+            HEAD_DIM=head_dim,
+            CACHE_BLOCK=cache_block,
+            BLOCK_M=max(16, triton.next_power_of_2(meta.query_per_seq * group)),
+            BLOCK_N=64,
+            BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+            IEEE=query.dtype == torch.float32,
+            DEVICE_BOUND=query.is_cuda,
+            HOST_NUM_CHUNKS=0 if query.is_cuda else triton.cdiv(int(meta.context_lens.max()), 64),
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,138 @@
+"""The GPU decode path: fused Triton kernels against their PyTorch twins, CUDA-graph replay
+against the eager forward, and the engine on CUDA keeping its exactness guarantees."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models_fixtures import TINY_CONFIGS, compare_decode_path, make_hf_model, save_hf_model
+from specdec.engine.llm import LLM
+from specdec.models import fused
+from specdec.models.fused import DecodeMetadata
+from specdec.sampling import SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+DECODE_CONFIGS = [name for name in TINY_CONFIGS if name != "mistral_window"]
+
+
+def _randn(*shape, dtype, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=generator).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128, 24])
+def test_fused_kernels_match_twins(dtype: torch.dtype, head_dim: int) -> None:
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    num_heads, num_kv_heads, num_tokens, dim = 8, 2, 12, 512
+    x = _randn(num_tokens, dim, dtype=dtype, seed=1)
+    residual = _randn(num_tokens, dim, dtype=dtype, seed=2)
+    weight = 1 + 0.1 * _randn(dim, dtype=dtype, seed=3)
+    for res in (None, residual):
+        want = fused.add_rms_norm_ref(x, res, weight, 1e-5)
+        got = fused.add_rms_norm(x.cuda(), None if res is None else res.cuda(), weight.cuda(), 1e-5)
+        for w, g in zip(want, got, strict=True):
+            torch.testing.assert_close(g.cpu(), w, **tol)
+    gate_up = _randn(num_tokens, 2 * 1000, dtype=dtype, seed=4)
+    torch.testing.assert_close(
+        fused.silu_mul(gate_up.cuda()).cpu(), fused.silu_mul_ref(gate_up), **tol
+    )
+    # RoPE + cache write, then attention over scattered blocks with mixed query lengths.
+    num_blocks, block_size, q_per_seq = 64, 16, 5
+    qkv = _randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=5)
+    positions = torch.tensor([30, 31, 32, 33, 34, 0, 0, 0, 0, 0, 200, 201])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    slots = torch.tensor([30, 31, 32, 33, 34, -1, -1, -1, -1, -1, 520, 521])
+    caches = {}
+    for device in ("cpu", "cuda"):
+        k_cache = _randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, seed=6)
+        v_cache = _randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, seed=7)
+        k_cache, v_cache = k_cache.to(device), v_cache.to(device)
+        query = fused.rope_write_kv(
+            qkv.to(device),
+            positions.to(device),
+            inv_freq.to(device),
+            k_cache,
+            v_cache,
+            slots.to(device),
+            num_heads,
+            num_kv_heads,
+        )
+        caches[device] = (query, k_cache, v_cache)
+    for want, got in zip(caches["cpu"], caches["cuda"], strict=True):
+        torch.testing.assert_close(got.cpu(), want, **tol)
+    # 3 sequences of Q=5 rows (the middle one inert) plus a 4th, longer one.
+    query = _randn(4 * q_per_seq, num_heads, head_dim, dtype=dtype, seed=8)
+    tables = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(9))[:40]
+    meta = DecodeMetadata(
+        block_tables=tables.view(4, 10).to(torch.int32),
+        context_lens=torch.tensor([35, 0, 17, 160], dtype=torch.int32),
+        query_lens=torch.tensor([5, 0, 2, 1], dtype=torch.int32),
+        slot_mapping=torch.full((4 * q_per_seq,), -1),
+        query_per_seq=q_per_seq,
+    )
+    _, k_cache, v_cache = caches["cpu"]
+    want = fused.paged_decode_attention_ref(query, k_cache, v_cache, meta, head_dim**-0.5)
+    cuda_meta = DecodeMetadata(
+        meta.block_tables.cuda(),
+        meta.context_lens.cuda(),
+        meta.query_lens.cuda(),
+        meta.slot_mapping.cuda(),
+        q_per_seq,
+    )
+    got = fused.paged_decode_attention(
+        query.cuda(), k_cache.cuda(), v_cache.cuda(), cuda_meta, head_dim**-0.5
+    )
+    torch.testing.assert_close(got.cpu(), want, **tol)
+    assert (got[q_per_seq : 2 * q_per_seq] == 0).all()  # the inert sequence
+
+
+@pytest.mark.parametrize("name", DECODE_CONFIGS)
+@pytest.mark.parametrize("use_graphs", [False, True])
+def test_decode_path_matches_eager_on_cuda(name: str, use_graphs: bool) -> None:
+    runner, _ = compare_decode_path(name, "cuda", use_graphs=use_graphs, atol=1e-4)
+    assert bool(runner.graphs.graphs) == use_graphs
+
+
+VOCAB = 97
+PROMPTS = [[5, 17, 3, 9, 11], [40, 2, 7, 7, 7, 7, 7, 7, 7], [60, 61, 62, 60, 61, 62, 60, 61], [9]]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=1.0, max_tokens=24, seed=11, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("tiny-llama-gpu"))
+
+
+def _generate(model_dir, params, spec=None, **kwargs):
+    args = {"max_model_len": 64, "block_size": 4, "num_kv_blocks": 256, **kwargs}
+    args.update(device="cuda", dtype="float32")
+    llm = LLM(str(model_dir), speculative_config=spec, **args)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs], llm
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "truncated:1"])
+@pytest.mark.parametrize("method", ["standard", "block", "coupled"])
+def test_engine_on_cuda_keeps_its_guarantees(model_dir, drafter, method) -> None:
+    """CUDA graphs change nothing: greedy speculation == greedy plain; coupled sampling ==
+    plain sampling; graphs == enforce_eager for the same seeds."""
+    spec = {"num_speculative_tokens": 3, "rejection_sample_method": method}
+    if drafter == "ngram":
+        spec["method"] = "ngram"
+    else:
+        spec.update(method="draft_model", model=drafter)
+    plain_greedy, _ = _generate(model_dir, GREEDY)
+    spec_greedy, llm = _generate(model_dir, GREEDY, spec)
+    assert spec_greedy == plain_greedy
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
+    assert llm.get_metrics()["num_drafts"] > 0
+    graphed, _ = _generate(model_dir, SAMPLED, spec)
+    eager, _ = _generate(model_dir, SAMPLED, spec, enforce_eager=True)
+    assert graphed == eager
+    if method == "coupled":
+        plain_sampled, _ = _generate(model_dir, SAMPLED)
+        assert graphed == plain_sampled

@@ -1,0 +1,62 @@
+"""The fused decode path (the step CUDA graphs replay) against the eager forward, on the CPU
+twins of its kernels: same logits, features and K/V, and padded rows write nothing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from models_fixtures import TINY_CONFIGS, compare_decode_path, seeded_model
+from specdec.models.cuda_graph import batch_buckets
+from specdec.models.paged import PagedModelRunner, StepInput
+
+DECODE_CONFIGS = [name for name in TINY_CONFIGS if name != "mistral_window"]
+
+
+@pytest.mark.parametrize("name", DECODE_CONFIGS)
+def test_decode_path_matches_eager(name: str) -> None:
+    compare_decode_path(name, "cpu", use_graphs=False)
+
+
+def test_padded_rows_are_inert() -> None:
+    """Sentinel: blocks no live sequence owns still hold NaN after padded decode steps (3 live
+    sequences run as a batch of 4, each padded to 4 query tokens)."""
+    runner = PagedModelRunner(
+        seeded_model("llama", "cpu"),
+        num_blocks=12,
+        block_size=4,
+        max_num_seqs=4,
+        max_model_len=16,
+        max_query_len=4,
+        decode_path=True,
+        pad_batches=True,
+    )
+    runner.kv_cache.k_cache.fill_(math.nan)
+    runner.kv_cache.v_cache.fill_(math.nan)
+    inputs = [
+        StepInput([5, 6], 0, [3], 2),
+        StepInput([7], 0, [8], 1),
+        StepInput([9, 10, 11], 0, [1], 3),
+    ]
+    logits = runner.run(inputs)
+    assert [tuple(t.shape) for t in logits] == [(2, 97), (1, 97), (3, 97)]
+    assert all(torch.isfinite(t).all() for t in logits)
+    cache = runner.kv_cache.k_cache
+    written = {3: 2, 8: 1, 1: 3}
+    for block in range(12):
+        for slot in range(4):
+            finite = bool(torch.isfinite(cache[:, block, slot]).all())
+            assert finite == (slot < written.get(block, 0)), (block, slot)
+
+
+def test_decode_path_refuses_sliding_window() -> None:
+    with pytest.raises(ValueError, match="sliding"):
+        PagedModelRunner(seeded_model("mistral_window", "cpu"), 8, 4, decode_path=True)
+
+
+def test_batch_buckets() -> None:
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
