@@ -1,10 +1,10 @@
 """The decode/verify step on static buffers, replayed from CUDA graphs.
 
-A step of B sequences with at most Q query tokens each runs on a batch padded to a bucket size;
-padded sequences are inert (context 0: no K/V read or written, their logits are ignored) and padded
-query tokens of a live sequence have slot -1 (no K/V written). One graph is captured per (bucket,
-Q) on first use and shares one memory pool and one logits buffer with the others. Never samples or
-draws randomness.
+A step of B sequences with at most Q query tokens each runs on a batch padded to a bucket size
+(verify steps also padded to the largest Q). Padded sequences are inert (context 0: no K/V read or
+written, their logits ignored) and padded query tokens of a live sequence have slot -1 (no K/V
+written). One graph is captured per (bucket, Q) on first use; all share one memory pool and one
+logits buffer. Never samples or draws randomness.
 """
 
 from __future__ import annotations
@@ -152,6 +152,10 @@ class DecodeGraphs:
         """
         num_seqs = len(token_ids)
         query_per_seq = max(len(tokens) for tokens in token_ids)
+        if self.pad_batches and query_per_seq > 1:
+            # Verify steps always use the widest layout: the number of drafts varies from
+            # round to round, and one graph per width would mean many captures for little gain.
+            query_per_seq = self.max_query_len
         if self.pad_batches:
             num_padded = next(size for size in self.buckets if size >= num_seqs)
         else:
