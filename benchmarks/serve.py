@@ -1,12 +1,21 @@
-"""Drives a running `specdec serve` at several concurrency levels, speculation on vs off.
+"""Drives `specdec serve` at several concurrency levels, speculation on vs off (JSON + markdown).
+
+With `--serve MODEL` the script starts `specdec serve MODEL` itself on a free loopback port
+(engine flags: --device, --dtype, --speculative-config, and any --serve-arg), waits for /health,
+warms it up, runs the levels, and stops it; its log goes to OUT_DIR/server.log. Without it,
+`--url` names a server that is already running.
 
 Each level sends `--requests-per-level` (at least the concurrency) streaming chat requests with
-`--concurrency` in flight at once, greedy with ignore_eos and fixed seeds, and measures requests/s,
-output tokens/s, TTFT and TPOT percentiles; "spec" requests ask `speculative: {"enabled": true}`
-(the server's --speculative-config), "plain" ones `{"enabled": false}`. Writes JSON.
+`--concurrency` in flight at once, with ignore_eos and fixed seeds (greedy unless --temperature),
+and measures requests/s, output tokens/s, TTFT and TPOT percentiles; "spec" requests ask
+`speculative: {"enabled": true}` (the server's --speculative-config), "plain" ones
+`{"enabled": false}`, on the same server.
 
-    specdec serve --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' &
-    python benchmarks/serve.py --url http://127.0.0.1:8000 --out bench-results/serve.json
+    python benchmarks/make_checkpoint.py llama-3.2-1b --out /tmp/llama-3.2-1b --device cuda
+    python benchmarks/serve.py --serve /tmp/llama-3.2-1b --device cuda --dtype bfloat16 \\
+        --requests-per-level 8 --max-tokens 128 --out-dir bench-results/serve-h200
+    # against a running server:
+    python benchmarks/serve.py --url http://127.0.0.1:8000 --out-dir bench-results/serve-cpu
 """
 
 from __future__ import annotations
@@ -14,6 +23,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,8 +36,11 @@ from pathlib import Path
 import httpx
 
 from specdec.bench import DEFAULT_PROMPTS
+from specdec.cli import DEFAULT_SPECULATIVE_CONFIG
 
 REQUEST_TIMEOUT_S = 600.0
+# Warm-up requests are short: they only have to run every code path (and compile its kernels) once.
+WARMUP_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +58,7 @@ class LevelResult:
     mode: str
     concurrency: int
     num_requests: int
+    num_failed: int
     duration_s: float
     requests_per_s: float
     output_tokens_per_s: float
@@ -64,13 +83,18 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def one_request(
-    http: httpx.AsyncClient, model: str, prompt: str, seed: int, max_tokens: int, spec: bool
+    http: httpx.AsyncClient,
+    args: argparse.Namespace,
+    prompt: str,
+    seed: int,
+    max_tokens: int,
+    spec: bool,
 ) -> RequestResult:
     body = {
-        "model": model,
+        "model": args.model,
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
-        "temperature": 0.0,
+        "temperature": args.temperature,
         "seed": seed,
         "ignore_eos": True,
         "stream": True,
@@ -87,6 +111,8 @@ async def one_request(
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
             if first is None and any(c["delta"].get("content") for c in chunk["choices"]):
                 first = time.perf_counter()
             if chunk.get("usage"):
@@ -95,6 +121,8 @@ async def one_request(
     done = time.perf_counter()
     first = first if first is not None else done
     tokens = usage.get("completion_tokens", 0)
+    if tokens != max_tokens:
+        raise RuntimeError(f"expected {max_tokens} output tokens, got {tokens}")
     return RequestResult(
         ttft_s=first - started,
         tpot_s=(done - first) / (tokens - 1) if tokens > 1 else None,
@@ -105,24 +133,51 @@ async def one_request(
     )
 
 
+def prompt(i: int) -> str:
+    return DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)]
+
+
+def _client(args: argparse.Namespace, concurrency: int) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    return httpx.AsyncClient(
+        base_url=args.url,
+        timeout=REQUEST_TIMEOUT_S,
+        limits=httpx.Limits(max_connections=concurrency),
+        headers=headers,
+    )
+
+
+async def warm_up(args: argparse.Namespace) -> None:
+    """A few short requests of each mode, so that no level pays for first-use compilation."""
+    count = args.warmup_requests
+    async with _client(args, max(count, 1)) as http:
+        for spec in (False, True):
+            await asyncio.gather(
+                *[
+                    one_request(http, args, prompt(i), i, WARMUP_MAX_TOKENS, spec)
+                    for i in range(count)
+                ]
+            )
+
+
 async def run_level(args: argparse.Namespace, concurrency: int, spec: bool) -> LevelResult:
     num_requests = max(concurrency, args.requests_per_level)
     gate = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency)
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-
-    async with httpx.AsyncClient(
-        base_url=args.url, timeout=REQUEST_TIMEOUT_S, limits=limits, headers=headers
-    ) as http:
+    async with _client(args, concurrency) as http:
 
         async def gated(i: int) -> RequestResult:
             async with gate:
-                prompt = DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)]
-                return await one_request(http, args.model, prompt, i, args.max_tokens, spec)
+                return await one_request(http, args, prompt(i), i, args.max_tokens, spec)
 
         started = time.perf_counter()
-        results = await asyncio.gather(*[gated(i) for i in range(num_requests)])
+        outcomes = await asyncio.gather(
+            *[gated(i) for i in range(num_requests)], return_exceptions=True
+        )
         duration = time.perf_counter() - started
+    results = [r for r in outcomes if isinstance(r, RequestResult)]
+    failures = [r for r in outcomes if not isinstance(r, RequestResult)]
+    if failures:
+        print(f"  {len(failures)} requests failed; first: {failures[0]!r}", file=sys.stderr)
     ttft = [r.ttft_s * 1e3 for r in results]
     tpot = [r.tpot_s * 1e3 for r in results if r.tpot_s is not None]
     drafts = sum(r.drafts for r in results)
@@ -131,8 +186,9 @@ async def run_level(args: argparse.Namespace, concurrency: int, spec: bool) -> L
         mode="spec" if spec else "plain",
         concurrency=concurrency,
         num_requests=num_requests,
+        num_failed=len(failures),
         duration_s=duration,
-        requests_per_s=num_requests / duration,
+        requests_per_s=len(results) / duration,
         output_tokens_per_s=sum(r.output_tokens for r in results) / duration,
         ttft_p50_ms=percentile(ttft, 0.5),
         ttft_p90_ms=percentile(ttft, 0.9),
@@ -144,23 +200,135 @@ async def run_level(args: argparse.Namespace, concurrency: int, spec: bool) -> L
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", default="http://127.0.0.1:8000")
-    parser.add_argument("--model", default="default", help="the served model name")
-    parser.add_argument("--api-key", default=None)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
-    parser.add_argument("--requests-per-level", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--out", default="bench-results/serve.json")
-    args = parser.parse_args()
+# --------------------------------------------------------------------- the server
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
+
+def serve_command(args: argparse.Namespace, port: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "specdec.cli",
+        "serve",
+        args.serve,
+        "--port",
+        str(port),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--speculative-config",
+        json.dumps(args.speculative_config),
+        *args.serve_arg,
+    ]
+
+
+def start_server(args: argparse.Namespace, log_path: Path) -> subprocess.Popen:
+    """Starts `specdec serve` and waits until /health answers (or the process dies)."""
+    port = free_port()
+    args.url = f"http://127.0.0.1:{port}"
+    command = serve_command(args, port)
+    args.serve_command = command
+    print("starting:", " ".join(command), flush=True)
+    log = log_path.open("wb")
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    deadline = time.monotonic() + args.startup_timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-4000:]
+            raise RuntimeError(f"specdec serve exited with {server.returncode}:\n{tail}")
+        try:
+            if httpx.get(f"{args.url}/health", timeout=2.0).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    stop_server(server)
+    raise TimeoutError(f"specdec serve did not answer /health within {args.startup_timeout_s} s")
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    """SIGINT (uvicorn's graceful shutdown), then SIGKILL if it lingers."""
+    if server.poll() is not None:
+        return
+    server.send_signal(signal.SIGINT)
+    try:
+        server.wait(60)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
+# -------------------------------------------------------------------------- report
+def machine() -> dict:
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+            info["gpu_count"] = torch.cuda.device_count()
+    except ImportError:
+        pass
+    return info
+
+
+def markdown(meta: dict, levels: list[LevelResult]) -> str:
+    command = " ".join(meta["argv"])
+    lines = [
+        f"Date: {meta['date']}. Model: {meta['model']}. Machine: {json.dumps(meta['machine'])}.",
+        f"Speculation (server): {json.dumps(meta['speculative_config'])}. "
+        f"{meta['max_tokens']} output tokens per request (EOS ignored), temperature "
+        f"{meta['temperature']}, at least {meta['requests_per_level']} requests per level.",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        "| mode | concurrency | requests | failed | req/s | output tok/s | TTFT p50/p90/p99 ms "
+        "| TPOT p50/p90/p99 ms | mean acceptance length |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for x in levels:
+        lines.append(
+            f"| {x.mode} | {x.concurrency} | {x.num_requests} | {x.num_failed} "
+            f"| {x.requests_per_s:.2f} | {x.output_tokens_per_s:.1f} "
+            f"| {x.ttft_p50_ms:.0f}/{x.ttft_p90_ms:.0f}/{x.ttft_p99_ms:.0f} "
+            f"| {x.tpot_p50_ms:.1f}/{x.tpot_p90_ms:.1f}/{x.tpot_p99_ms:.1f} "
+            f"| {x.mean_acceptance_length:.2f} |"
+        )
+    lines += ["", "| concurrency | plain tok/s | spec tok/s | spec / plain |", "|---|---|---|---|"]
+    by_key = {(x.mode, x.concurrency): x for x in levels}
+    for concurrency in meta["concurrency"]:
+        plain, spec = by_key.get(("plain", concurrency)), by_key.get(("spec", concurrency))
+        if plain is None or spec is None:
+            continue
+        ratio = spec.output_tokens_per_s / plain.output_tokens_per_s
+        lines.append(
+            f"| {concurrency} | {plain.output_tokens_per_s:.1f} "
+            f"| {spec.output_tokens_per_s:.1f} | {ratio:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace) -> tuple[dict, list[LevelResult]]:
+    started = time.perf_counter()
+    if args.warmup_requests:
+        asyncio.run(warm_up(args))
     levels = []
-    header = (
-        f"{'mode':>5} {'conc':>4} {'reqs':>4} {'req/s':>6} {'tok/s':>7} "
-        f"{'TTFT p50/p90/p99 ms':>22} {'TPOT p50/p90/p99 ms':>22} {'acc len':>7}"
+    print(
+        f"{'mode':>5} {'conc':>4} {'reqs':>4} {'fail':>4} {'req/s':>6} {'tok/s':>7} "
+        f"{'TTFT p50/p90/p99 ms':>22} {'TPOT p50/p90/p99 ms':>22} {'acc len':>7} {'s':>5}"
     )
-    print(header)
     for concurrency in args.concurrency:
         for spec in (False, True):
             level = asyncio.run(run_level(args, concurrency, spec))
@@ -168,27 +336,88 @@ def main() -> None:
             ttft = f"{level.ttft_p50_ms:.0f}/{level.ttft_p90_ms:.0f}/{level.ttft_p99_ms:.0f}"
             tpot = f"{level.tpot_p50_ms:.1f}/{level.tpot_p90_ms:.1f}/{level.tpot_p99_ms:.1f}"
             print(
-                f"{level.mode:>5} {concurrency:>4} {level.num_requests:>4} "
+                f"{level.mode:>5} {concurrency:>4} {level.num_requests:>4} {level.num_failed:>4} "
                 f"{level.requests_per_s:>6.2f} {level.output_tokens_per_s:>7.1f} {ttft:>22} "
-                f"{tpot:>22} {level.mean_acceptance_length:>7.2f}",
+                f"{tpot:>22} {level.mean_acceptance_length:>7.2f} {level.duration_s:>5.1f}",
                 flush=True,
             )
-    models = httpx.get(
-        f"{args.url}/v1/models",
-        timeout=30.0,
-        headers=({"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}),
-    ).json()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    models = httpx.get(f"{args.url}/v1/models", timeout=30.0, headers=headers).json()
     meta = {
         "date": time.strftime("%Y-%m-%d"),
+        "argv": [Path(sys.argv[0]).as_posix(), *sys.argv[1:]],
         "url": args.url,
-        "model": models["data"][0]["id"],
+        "model": args.serve or models["data"][0]["id"],
+        "max_model_len": models["data"][0].get("max_model_len"),
+        "serve_command": getattr(args, "serve_command", None),
+        "speculative_config": args.speculative_config if args.serve else None,
+        "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
         "requests_per_level": args.requests_per_level,
+        "temperature": args.temperature,
+        "machine": machine(),
+        "benchmark_s": time.perf_counter() - started,
     }
-    out.write_text(json.dumps({"meta": meta, "levels": [asdict(x) for x in levels]}, indent=2))
-    print(f"wrote {out}")
+    return meta, levels
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    target = parser.add_argument_group("server")
+    target.add_argument("--url", default="http://127.0.0.1:8000", help="a running server")
+    target.add_argument(
+        "--serve", default=None, metavar="MODEL", help="start `specdec serve MODEL` and use it"
+    )
+    target.add_argument("--device", default="auto", help="--device of the started server")
+    target.add_argument("--dtype", default="auto", help="--dtype of the started server")
+    target.add_argument(
+        "--speculative-config",
+        type=json.loads,
+        default=DEFAULT_SPECULATIVE_CONFIG,
+        help=f"of the started server (default: {json.dumps(DEFAULT_SPECULATIVE_CONFIG)})",
+    )
+    target.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        help="a further flag of the started server, e.g. --serve-arg=--max-model-len=1024",
+    )
+    target.add_argument("--startup-timeout-s", type=float, default=900.0)
+    target.add_argument("--model", default="default", help="the served model name requests use")
+    target.add_argument("--api-key", default=None)
+    load = parser.add_argument_group("load")
+    load.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    load.add_argument("--requests-per-level", type=int, default=8)
+    load.add_argument("--max-tokens", type=int, default=128)
+    load.add_argument("--temperature", type=float, default=0.0)
+    load.add_argument(
+        "--warmup-requests", type=int, default=4, help="per mode, before the levels (0: none)"
+    )
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument(
+        "--out-dir", default="bench-results/serve", help="writes serve.json and serve.md here"
+    )
+    output.add_argument(
+        "--out", default=None, help="or: this JSON file, with the .md (and server.log) beside it"
+    )
+    args = parser.parse_args()
+    if args.serve is not None and args.api_key is not None:
+        parser.error("--api-key is for --url servers; a started server has none")
+
+    out_json = Path(args.out) if args.out else Path(args.out_dir) / "serve.json"
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    server = start_server(args, out_json.parent / "server.log") if args.serve else None
+    try:
+        meta, levels = run(args)
+    finally:
+        if server is not None:
+            stop_server(server)
+    report = {"meta": meta, "levels": [asdict(x) for x in levels]}
+    out_json.write_text(json.dumps(report, indent=2))
+    out_json.with_suffix(".md").write_text(markdown(meta, levels))
+    print(f"wrote {out_json} and {out_json.with_suffix('.md')}")
+    if any(x.num_failed for x in levels):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

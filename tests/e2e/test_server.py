@@ -26,6 +26,7 @@ pytestmark = pytest.mark.e2e
 API_KEY = "test-key"
 MODEL = "tiny"
 MAX_MODEL_LEN = 256
+MAX_PROMPTS = 8
 TIMEOUT_S = 60.0
 SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "rejection_sample_method": "coupled"}
 
@@ -47,6 +48,7 @@ def server(model_dir):
         max_request_bytes=1 << 16,
         max_tokens_limit=200,
         max_n=4,
+        max_prompts=MAX_PROMPTS,
     )
     thread = ServerThread(build_app(AsyncEngine(engine), config)).start()
     yield thread
@@ -182,6 +184,94 @@ def test_logprobs_completion_and_chat(client):
     )
     content = chat.choices[0].logprobs.content
     assert len(content) == 5 and all(len(t.top_logprobs) == 2 for t in content)
+
+
+def char_ids(text: str) -> list[int]:
+    """Token ids of `text` under the character tokenizer (3 + position in ' '..'}')."""
+    return [3 + ord(c) - 32 for c in text]
+
+
+def texts_of(out) -> list[str]:
+    return [c.text for c in sorted(out.choices, key=lambda c: c.index)]
+
+
+def test_prompt_lists_are_prompt_major_with_summed_usage(client):
+    """Strings, token ids and token-id lists give the texts of the same prompts sent alone
+    (one seed for all), numbered prompt * n + sample; usage counts each prompt once."""
+    prompts = ["first prompt", "the second", "3rd"]
+    extra = {"ignore_eos": True}
+    alone = [texts_of(complete(client, prompt=p, n=2, seed=9, extra_body=extra)) for p in prompts]
+    together = complete(client, prompt=prompts, n=2, seed=9, extra_body=extra)
+    assert [c.index for c in together.choices] == list(range(6))
+    assert texts_of(together) == [text for texts in alone for text in texts]
+    assert together.usage.prompt_tokens == sum(len(p) for p in prompts)
+    assert together.usage.completion_tokens == 6 * 12
+    assert together.model_extra["seed"] == 9
+    ids = complete(client, prompt=[char_ids(p) for p in prompts], n=2, seed=9, extra_body=extra)
+    assert texts_of(ids) == texts_of(together)
+    one = complete(client, prompt=char_ids(prompts[1]), n=2, seed=9, extra_body=extra)
+    assert texts_of(one) == alone[1]
+    unseeded = complete(client, prompt=prompts[:2], extra_body=extra)
+    replay = complete(
+        client, prompt=prompts[:2], seed=unseeded.model_extra["seed"], extra_body=extra
+    )
+    assert texts_of(replay) == texts_of(unseeded)
+
+
+def test_prompt_lists_stream_like_the_plain_response(client):
+    prompts = ["abc", "defgh"]
+    kwargs = {"prompt": prompts, "n": 2, "seed": 4, "extra_body": {"ignore_eos": True}}
+    plain = complete(client, **kwargs)
+    chunks = list(complete(client, **kwargs, stream=True, stream_options={"include_usage": True}))
+    streamed = [""] * 4
+    for chunk in chunks:
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == texts_of(plain)
+    assert chunks[-1].usage.total_tokens == plain.usage.total_tokens == 8 + 4 * 12
+    finishes = [c.index for chunk in chunks for c in chunk.choices if c.finish_reason]
+    assert sorted(finishes) == [0, 1, 2, 3]
+
+
+def test_echo_prepends_the_prompt(client):
+    extra = {"ignore_eos": True}
+    plain = complete(client, prompt=["echo me", "too"], seed=6, extra_body=extra)
+    echoed = complete(client, prompt=["echo me", "too"], seed=6, echo=True, extra_body=extra)
+    assert texts_of(echoed) == ["echo me" + plain.choices[0].text, "too" + plain.choices[1].text]
+    ids = complete(client, prompt=char_ids("echo me"), seed=6, echo=True, extra_body=extra)
+    assert ids.choices[0].text == echoed.choices[0].text  # token ids are echoed decoded
+    streamed = complete(client, prompt="echo me", seed=6, echo=True, stream=True, extra_body=extra)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == echoed.choices[0].text
+
+
+@pytest.mark.parametrize(
+    ("prompt", "words"),
+    [
+        ([], "empty list"),
+        ([[]], "empty"),
+        ([""], "empty"),
+        (["ok", ""], "prompt[1] is empty"),
+        (["a", [5, 6]], "mix"),
+        ([5, "a"], "mix"),
+        ([[5], [6, "a"]], "prompt[1]"),
+        ([True], "mix"),
+        ({"text": "a"}, "dict"),
+        (None, "NoneType"),
+        (["x", "x" * MAX_MODEL_LEN], "prompt[1] has 256 tokens"),
+        (["x"] * (MAX_PROMPTS + 1), "limit of 8"),
+        ([[5], [500]], "outside the vocabulary"),
+    ],
+)
+def test_bad_prompts_get_400(server, prompt, words):
+    error = assert_error(
+        post(server, "/v1/completions", {"model": MODEL, "prompt": prompt}), 400, "prompt"
+    )
+    assert words in error["message"], error["message"]
+
+
+def test_echo_with_logprobs_gets_400(client):
+    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
+        complete(client, echo=True, logprobs=1)
 
 
 # ----------------------------------------------------------------------- replay
@@ -354,6 +444,19 @@ def test_disconnect_aborts_and_frees_every_block(server, client):
             break
         asyncio.run(asyncio.sleep(0.05))
     assert metric(server, "specdec:request_aborts_total") == aborts + 4
+    assert metric(server, "specdec:kv_cache_free_blocks") == metric(
+        server, "specdec:kv_cache_num_blocks"
+    )
+    several = {**body, "prompt": ["one", "two", "three"], "n": 2}
+    with httpx.stream(  # every prompt's request is aborted
+        "POST", f"{server.url}/v1/completions", json=several, headers=headers, timeout=TIMEOUT_S
+    ) as response:
+        assert next(line for line in response.iter_lines() if line.startswith("data: "))
+    for _ in range(200):
+        if metric(server, "specdec:request_aborts_total") == aborts + 7:
+            break
+        asyncio.run(asyncio.sleep(0.05))
+    assert metric(server, "specdec:request_aborts_total") == aborts + 7
     assert metric(server, "specdec:kv_cache_free_blocks") == metric(
         server, "specdec:kv_cache_num_blocks"
     )

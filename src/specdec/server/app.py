@@ -8,13 +8,14 @@ error leaves as an OpenAI error body; no traceback ever reaches a client.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import itertools
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec import __version__
 from specdec.engine.outputs import CompletionOutput, RequestOutput
+from specdec.metrics import SpecDecodeStats
+from specdec.rng.seeds import fresh_seed
 from specdec.sampling import SamplingParams
 from specdec.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from specdec.server.config import ServerConfig
@@ -93,6 +96,7 @@ class OpenAIServer:
         self.config = config
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
+        self.vocab_size = engine.engine.model_config.vocab_size
         self.metrics = ServerMetrics(lambda: engine.snapshot, config.served_model_name)
         self._ids = itertools.count()
 
@@ -169,32 +173,56 @@ class OpenAIServer:
         except ValueError as err:
             raise APIError(400, str(err)) from None
 
-    def check_prompt(self, token_ids: list[int]) -> None:
+    def check_prompt(self, token_ids: list[int], name: str = "the prompt") -> None:
+        if not token_ids:
+            raise APIError(400, f"{name} is empty", param="prompt")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(
+                400,
+                f"{name} has token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})",
+                param="prompt",
+            )
         if len(token_ids) >= self.max_model_len:
             raise APIError(
                 400,
-                f"the prompt has {len(token_ids)} tokens, which leaves no room to generate within "
+                f"{name} has {len(token_ids)} tokens, which leaves no room to generate within "
                 f"this model's maximum context length of {self.max_model_len} tokens",
                 param="prompt",
                 code="context_length_exceeded",
             )
 
-    def completion_prompt(self, body: CompletionRequest) -> list[int]:
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise APIError(400, "only one prompt per request is supported", param="prompt")
-            prompt = prompt[0]
+    def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+        """The token ids of each prompt, all checked before any is submitted."""
+        if len(body.prompt) > self.config.max_prompts:
+            raise APIError(
+                400,
+                f"{len(body.prompt)} prompts exceed this server's limit of "
+                f"{self.config.max_prompts} per request",
+                param="prompt",
+            )
+        prompts = []
+        for index, prompt in enumerate(body.prompt):
+            name = "the prompt" if len(body.prompt) == 1 else f"prompt[{index}]"
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise APIError(
+                        400, "this model has no tokenizer: send token ids", param="prompt"
+                    )
+                token_ids = self.tokenizer.encode(prompt)
+            else:
+                token_ids = list(prompt)
+            self.check_prompt(token_ids, name)
+            prompts.append(token_ids)
+        return prompts
+
+    def echo_text(self, prompt: str | list[int]) -> str:
+        """The prompt as `echo` returns it: the text sent, or the decoded token ids."""
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise APIError(400, "this model has no tokenizer: send token ids", param="prompt")
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = list(prompt)
-        if not token_ids:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        self.check_prompt(token_ids)
-        return token_ids
+            return prompt
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(prompt, skip_special_tokens=False)
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         if self.tokenizer is None or not self.tokenizer.chat_template:
@@ -209,23 +237,52 @@ class OpenAIServer:
         self.check_prompt(token_ids)
         return token_ids
 
+    def new_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}"
+
     async def submit(
-        self, prefix: str, token_ids: list[int], params: SamplingParams, body: Any
-    ) -> RequestStream:
-        request_id = f"{prefix}-{next(self._ids)}"
+        self, request_id: str, prompts: list[list[int]], params: SamplingParams, body: Any
+    ) -> list[RequestStream]:
+        """Admits one engine request per prompt (`request_id`, or `request_id-i` for several);
+        if any is refused, the others are aborted and the error is raised as an APIError."""
         speculative = None if body.speculative is None else body.speculative.as_engine_dict()
-        try:
-            return await self.engine.add(request_id, token_ids, params, speculative)
-        except ValueError as err:
-            raise APIError(400, str(err)) from None
-        except EngineDeadError:
+        ids = [request_id]
+        if len(prompts) > 1:
+            ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        # Queued together, so that the engine thread admits them all between two steps.
+        results = await asyncio.gather(
+            *[
+                self.engine.add(engine_id, token_ids, params, speculative)
+                for engine_id, token_ids in zip(ids, prompts, strict=True)
+            ],
+            return_exceptions=True,
+        )
+        streams = [r for r in results if isinstance(r, RequestStream)]
+        errors = [r for r in results if not isinstance(r, RequestStream)]
+        if not errors:
+            return streams
+        for stream in streams:
+            stream.abort()
+        error = errors[0]
+        if isinstance(error, ValueError):
+            raise APIError(400, str(error)) from None
+        if isinstance(error, EngineDeadError):
             raise APIError(503, "the engine is not running", type="server_error") from None
+        raise error
 
     async def collect(
-        self, stream: RequestStream, timing: _Timing, request: Request
-    ) -> RequestOutput:
-        """Waits for the request to finish; aborts it if the client goes away first."""
-        done = asyncio.ensure_future(self._last_output(stream, timing))
+        self, streams: list[RequestStream], timings: list[_Timing], request: Request
+    ) -> list[RequestOutput]:
+        """Waits for every request to finish; aborts them all if the client goes away first."""
+        last: list[RequestOutput | None] = [None] * len(streams)
+
+        async def drain() -> None:
+            async with aclosing(_merged(streams)) as outputs:
+                async for index, output in outputs:
+                    timings[index].observe(self.metrics, output)
+                    last[index] = output
+
+        done = asyncio.ensure_future(drain())
         try:
             while True:
                 finished, _ = await asyncio.wait({done}, timeout=DISCONNECT_POLL_S)
@@ -234,23 +291,21 @@ class OpenAIServer:
                 if await request.is_disconnected():
                     done.cancel()
                     raise APIError(499, "the client closed the request", code="client_closed")
-            last = done.result()
+            done.result()
         except EngineDeadError:
             raise APIError(
                 503, "the request was aborted: the engine stopped", type="server_error"
             ) from None
         finally:
-            if stream.abort():
-                self.metrics.aborts.inc()
-        self.count_tokens(last)
-        return last
-
-    async def _last_output(self, stream: RequestStream, timing: _Timing) -> RequestOutput | None:
-        last = None
-        async for output in stream:
-            timing.observe(self.metrics, output)
-            last = output
-        return last
+            for stream in streams:
+                if stream.abort():
+                    self.metrics.aborts.inc()
+            for output in last:
+                self.count_tokens(output)
+        outputs = [output for output in last if output is not None and output.finished]
+        if len(outputs) != len(streams):
+            raise APIError(503, "the request was aborted", type="server_error")
+        return outputs
 
     def count_tokens(self, output: RequestOutput | None) -> None:
         if output is None:
@@ -300,9 +355,10 @@ class OpenAIServer:
         return {"content": content}
 
 
-def usage(output: RequestOutput) -> dict:
-    prompt = len(output.prompt_token_ids)
-    completion = sum(len(c.token_ids) for c in output.outputs)
+def usage(outputs: list[RequestOutput]) -> dict:
+    """OpenAI's usage summed over the prompts (each prompt counted once, whatever n)."""
+    prompt = sum(len(output.prompt_token_ids) for output in outputs)
+    completion = sum(len(c.token_ids) for output in outputs for c in output.outputs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -310,17 +366,74 @@ def usage(output: RequestOutput) -> dict:
     }
 
 
-def _full_response(head: dict, choices: list[dict], output) -> JSONResponse:
+def spec_decode_stats(outputs: list[RequestOutput]) -> dict:
+    """The per-request spec-decode counters summed over the prompts."""
+    if len(outputs) == 1:
+        return outputs[0].spec_decode_stats
+    total = SpecDecodeStats()
+    for output in outputs:
+        stats = output.spec_decode_stats
+        per_position = list(stats.get("accepted_per_position", []))
+        total.merge(
+            SpecDecodeStats(
+                num_spec_tokens=len(per_position),
+                num_drafts=stats.get("num_drafts", 0),
+                num_draft_tokens=stats.get("num_draft_tokens", 0),
+                num_accepted_tokens=stats.get("num_accepted_tokens", 0),
+                accepted_per_position=per_position,
+            )
+        )
+    return total.as_dict()
+
+
+def _tail(outputs: list[RequestOutput]) -> dict:
+    """What closes a response body: usage, the seed (shared by every prompt) and stats."""
+    return {
+        "usage": usage(outputs),
+        "seed": outputs[0].seed,
+        "spec_decode_stats": spec_decode_stats(outputs),
+    }
+
+
+def _full_response(head: dict, choices: list[dict], outputs: list[RequestOutput]) -> JSONResponse:
     """A non-streamed completion or chat body: the head, choices, usage, seed and stats."""
-    return JSONResponse(
-        {
-            **head,
-            "choices": choices,
-            "usage": usage(output),
-            "seed": output.seed,
-            "spec_decode_stats": output.spec_decode_stats,
-        }
-    )
+    return JSONResponse({**head, "choices": choices, **_tail(outputs)})
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(stream index, output) from several request streams as the outputs arrive.
+
+    Close it (`aclosing`) when stopping early: closing cancels the readers of the streams.
+    """
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    arrivals: asyncio.Queue = asyncio.Queue()
+
+    async def read(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                arrivals.put_nowait((index, output))
+        except Exception as err:
+            arrivals.put_nowait((index, err))
+        else:
+            arrivals.put_nowait((index, None))
+
+    readers = [asyncio.ensure_future(read(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, item = await arrivals.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for reader in readers:
+            reader.cancel()
 
 
 def _finish_reason(completion: CompletionOutput) -> str | None:
@@ -345,6 +458,8 @@ def _validation_error(errors: list[dict]) -> APIError:
     kind = first.get("type", "")
     if kind == "json_invalid":
         return APIError(400, "the request body is not valid JSON", code="invalid_json")
+    if kind == "value_error":  # a validator's own message, which names what it checked
+        return APIError(400, str(first.get("ctx", {}).get("error", "invalid request")), param=param)
     message = first.get("msg", "invalid request")
     return APIError(400, f"{param}: {message}" if param else message, param=param)
 
@@ -355,21 +470,21 @@ def _sse(payload: dict | str) -> bytes:
 
 
 class _Deltas:
-    """Text and token offsets already streamed for each of the n samples.
+    """Text and token offsets already streamed for each choice (prompt-major, then sample).
 
     Text that may still turn out to be the start of a stop string (or an incomplete UTF-8
     character) is held back until the sample finishes, so streamed text equals the final text.
     """
 
-    def __init__(self, n: int, stop: list[str] | None) -> None:
-        self.text = [0] * n
-        self.tokens = [0] * n
-        self.done = [False] * n
+    def __init__(self, num_choices: int, stop: list[str] | None) -> None:
+        self.text = [0] * num_choices
+        self.tokens = [0] * num_choices
+        self.done = [False] * num_choices
         self.hold = max((len(s) for s in stop or []), default=1) - 1
 
-    def next(self, completion: CompletionOutput) -> tuple[str, int] | None:
-        """(new text, token offset of the new logprobs), or None when nothing is to be sent."""
-        index = completion.index
+    def next(self, completion: CompletionOutput, index: int) -> tuple[str, int] | None:
+        """(new text, token offset of the new logprobs) of choice `index`, or None when nothing
+        is to be sent."""
         if self.done[index]:
             return None
         text = completion.text
@@ -456,35 +571,43 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def completions(request: Request) -> Response:
         body: CompletionRequest = await server.read_body(request, CompletionRequest)
         server.check_model(body.model)
-        if body.echo:
-            raise APIError(400, "echo is not supported", param="echo")
+        if body.echo and body.logprobs is not None:
+            raise APIError(
+                400,
+                "echo with logprobs is not supported: prompt log-probabilities are not computed",
+                param="echo",
+            )
         params = server.sampling_params(
             body, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs
         )
-        token_ids = server.completion_prompt(body)
-        timing = _Timing()
-        stream = await server.submit("cmpl", token_ids, params, body)
-        created = int(time.time())
+        prompts = server.completion_prompts(body)
+        if params.seed is None:  # one seed for every prompt, so the response replays whole
+            params = dataclasses.replace(params, seed=fresh_seed())
+        echoes = [server.echo_text(p) for p in body.prompt] if body.echo else None
+        timings = [_Timing() for _ in prompts]
+        request_id = server.new_id("cmpl")
+        streams = await server.submit(request_id, prompts, params, body)
         head = {
-            "id": stream.request_id,
+            "id": request_id,
             "object": "text_completion",
-            "created": created,
+            "created": int(time.time()),
             "model": config.served_model_name,
         }
         if body.stream:
-            return _streaming(server, stream, timing, body, head, chat=False)
-        output = await server.collect(stream, timing, request)
+            return _streaming(server, streams, timings, body, head, chat=False, echoes=echoes)
+        outputs = await server.collect(streams, timings, request)
         choices = [
             {
-                "index": c.index,
-                "text": c.text,
+                "index": prompt_index * body.n + c.index,
+                "text": c.text if echoes is None else echoes[prompt_index] + c.text,
                 "logprobs": None if body.logprobs is None else server.completion_logprobs(c, 0, 0),
                 "finish_reason": _finish_reason(c),
                 "stop_reason": c.stop_reason,
             }
+            for prompt_index, output in enumerate(outputs)
             for c in output.outputs
         ]
-        return _full_response(head, choices, output)
+        return _full_response(head, choices, outputs)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -500,19 +623,19 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = server.sampling_params(body, max_tokens, config.max_tokens_limit, logprobs)
         token_ids = server.chat_prompt(body)
-        timing = _Timing()
-        stream = await server.submit("chatcmpl", token_ids, params, body)
-        created = int(time.time())
+        timings = [_Timing()]
+        request_id = server.new_id("chatcmpl")
+        streams = await server.submit(request_id, [token_ids], params, body)
         head = {
-            "id": stream.request_id,
+            "id": request_id,
             "object": "chat.completion",
-            "created": created,
+            "created": int(time.time()),
             "model": config.served_model_name,
         }
         if body.stream:
             head["object"] = "chat.completion.chunk"
-            return _streaming(server, stream, timing, body, head, chat=True)
-        output = await server.collect(stream, timing, request)
+            return _streaming(server, streams, timings, body, head, chat=True)
+        (output,) = await server.collect(streams, timings, request)
         choices = [
             {
                 "index": c.index,
@@ -523,7 +646,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             }
             for c in output.outputs
         ]
-        return _full_response(head, choices, output)
+        return _full_response(head, choices, [output])
 
     return app
 
@@ -575,72 +698,77 @@ _ROUTES = frozenset(
 
 def _streaming(
     server: OpenAIServer,
-    stream: RequestStream,
-    timing: _Timing,
+    streams: list[RequestStream],
+    timings: list[_Timing],
     body: CompletionRequest | ChatCompletionRequest,
     head: dict,
     *,
     chat: bool,
+    echoes: list[str] | None = None,
 ) -> StreamingResponse:
-    """An SSE response of OpenAI chunks; the request is aborted if the client disconnects."""
+    """An SSE response of OpenAI chunks for one or more prompts (choices numbered prompt-major);
+    every request is aborted if the client disconnects. `echoes` (completions only): each
+    prompt's text, sent as the first text of its choices."""
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    deltas = _Deltas(body.n, [body.stop] if isinstance(body.stop, str) else body.stop)
+    n = body.n
+    deltas = _Deltas(len(streams) * n, [body.stop] if isinstance(body.stop, str) else body.stop)
     wants_logprobs = bool(body.logprobs) if chat else body.logprobs is not None
 
-    def choice(completion: CompletionOutput, text: str, start: int) -> dict:
+    def choice(completion: CompletionOutput, index: int, text: str, start: int) -> dict:
         finish = _finish_reason(completion)
         if chat:
             delta = {"content": text}
             logprobs = server.chat_logprobs(completion, start) if wants_logprobs else None
-            out = {"index": completion.index, "delta": delta, "logprobs": logprobs}
+            out = {"index": index, "delta": delta, "logprobs": logprobs}
         else:
-            offset = len(completion.text[: deltas.text[completion.index]]) - len(text)
+            offset = len(completion.text[: deltas.text[index]]) - len(text)
             logprobs = (
                 server.completion_logprobs(completion, start, offset) if wants_logprobs else None
             )
-            out = {"index": completion.index, "text": text, "logprobs": logprobs}
+            out = {"index": index, "text": text, "logprobs": logprobs}
         out["finish_reason"] = finish
         if finish is not None:
             out["stop_reason"] = completion.stop_reason
         return out
 
+    def opening(index: int) -> dict:
+        """The first choice chunk of choice `index`: the assistant role, or the echoed prompt."""
+        if chat:
+            return {
+                "index": index,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        text = echoes[index // n] if echoes is not None else ""
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": None}
+
     async def events() -> AsyncIterator[bytes]:
-        last = None
+        last: list[RequestOutput | None] = [None] * len(streams)
         try:
-            if chat:
-                for index in range(body.n):
-                    role = {
-                        "index": index,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                    yield _sse({**head, "choices": [role], "seed": None})
-            async for output in stream:
-                timing.observe(server.metrics, output)
-                last = output
-                choices = []
-                for completion in output.outputs:
-                    step = deltas.next(completion)
-                    if step is not None:
-                        choices.append(choice(completion, *step))
-                if choices:
-                    chunk = {**head, "choices": choices, "seed": output.seed}
-                    if output.finished:
-                        chunk["spec_decode_stats"] = output.spec_decode_stats
-                    if include_usage:
-                        chunk["usage"] = None
-                    yield _sse(chunk)
-            if include_usage and last is not None:
-                yield _sse(
-                    {
-                        **head,
-                        "choices": [],
-                        "usage": usage(last),
-                        "seed": last.seed,
-                        "spec_decode_stats": last.spec_decode_stats,
-                    }
-                )
+            if chat or echoes is not None:
+                for index in range(len(streams) * n):
+                    yield _sse({**head, "choices": [opening(index)], "seed": None})
+            async with aclosing(_merged(streams)) as arrivals:
+                async for prompt_index, output in arrivals:
+                    timings[prompt_index].observe(server.metrics, output)
+                    last[prompt_index] = output
+                    choices = []
+                    for completion in output.outputs:
+                        index = prompt_index * n + completion.index
+                        step = deltas.next(completion, index)
+                        if step is not None:
+                            choices.append(choice(completion, index, *step))
+                    if choices:
+                        chunk = {**head, "choices": choices, "seed": output.seed}
+                        if output.finished:
+                            chunk["spec_decode_stats"] = output.spec_decode_stats
+                        if include_usage:
+                            chunk["usage"] = None
+                        yield _sse(chunk)
+            finished = [output for output in last if output is not None]
+            if include_usage and len(finished) == len(streams):
+                yield _sse({**head, "choices": [], **_tail(finished)})
             yield _sse("[DONE]")
         except EngineDeadError:
             error = {
@@ -651,9 +779,11 @@ def _streaming(
             }
             yield _sse({"error": error})
         finally:
-            if stream.abort():
-                server.metrics.aborts.inc()
-            server.count_tokens(last)
+            for stream in streams:
+                if stream.abort():
+                    server.metrics.aborts.inc()
+            for output in last:
+                server.count_tokens(output)
 
     return StreamingResponse(
         events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}

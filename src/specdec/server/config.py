@@ -23,6 +23,7 @@ class ServerConfig:
         max_tokens_limit: largest `max_tokens` a request may ask for; also the default of chat
             requests that give none.
         max_n: largest `n` (samples per prompt).
+        max_prompts: most prompts one `/v1/completions` request may batch.
         max_logprobs: largest `logprobs` / `top_logprobs`.
         shutdown_timeout_s: how long shutdown waits for the engine thread.
     """
@@ -34,11 +35,12 @@ class ServerConfig:
     max_request_bytes: int = 1 << 20
     max_tokens_limit: int = 4096
     max_n: int = 16
+    max_prompts: int = 64
     max_logprobs: int = 20
     shutdown_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
-        for name in ("max_request_bytes", "max_tokens_limit", "max_n"):
+        for name in ("max_request_bytes", "max_tokens_limit", "max_n", "max_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.port < 65536:

