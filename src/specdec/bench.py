@@ -53,8 +53,10 @@ def run_workload(
     prompts: list[list[int]],
     params: SamplingParams,
     progress: bool = True,
+    speculative: dict | None = None,
 ) -> tuple[RunFigures, list[RequestOutput]]:
-    """Generates for every prompt; times first tokens and completions per request."""
+    """Generates for every prompt; times first tokens and completions per request.
+    `speculative` is a per-request override (e.g. {"num_speculative_tokens": 2})."""
     first_token_at: dict[str, float] = {}
     done_at: dict[str, float] = {}
     finished = [0]
@@ -71,7 +73,11 @@ def run_workload(
 
     before = llm.get_metrics()
     outputs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, on_tokens=on_tokens
+        [{"prompt_token_ids": p} for p in prompts],
+        params,
+        speculative=speculative,
+        use_tqdm=False,
+        on_tokens=on_tokens,
     )
     wall = time.perf_counter() - start
     if progress:
@@ -157,6 +163,153 @@ def write_results(path: Path, runs: list[RunFigures], meta: dict) -> Path:
     if right.lines:
         right.legend()
     fig.suptitle(meta.get("title", "specdec bench"))
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
+
+
+@dataclass(frozen=True, slots=True)
+class SweepPoint:
+    """One drafter at one K and temperature, beside plain decoding at that temperature."""
+
+    drafter: str
+    k: int
+    temperature: float
+    mean_acceptance_length: float
+    acceptance_per_position: list[float]
+    tokens_per_s: float
+    plain_tokens_per_s: float
+    speedup: float
+
+
+def run_sweep(
+    model: str | None,
+    drafters: dict[str, dict],
+    prompts: list[list[int]],
+    ks: list[int],
+    temperatures: list[float],
+    output_len: int,
+    seed: int,
+    engine_args: dict,
+) -> list[SweepPoint]:
+    """Acceptance and speed-up of each drafter for every K and temperature on the same prompts
+    and seeds; plain decoding is timed once per temperature. One engine per drafter (its K set
+    per request), so the model loads once per drafter."""
+
+    def params(temperature: float) -> list[SamplingParams]:
+        return [
+            SamplingParams(
+                temperature=temperature, max_tokens=output_len, ignore_eos=True, seed=seed + i
+            )
+            for i in range(len(prompts))
+        ]
+
+    plain = LLM(model, speculative_config=None, **engine_args)
+    plain_rate = {}
+    for temperature in temperatures:
+        figures, _ = run_workload(plain, f"plain T={temperature:g}", prompts, params(temperature))
+        plain_rate[temperature] = figures.tokens_per_s
+    del plain
+    points = []
+    for name, spec in drafters.items():
+        llm = LLM(
+            model, speculative_config={**spec, "num_speculative_tokens": max(ks)}, **engine_args
+        )
+        for temperature in temperatures:
+            for k in ks:
+                figures, _ = run_workload(
+                    llm,
+                    f"{name} K={k} T={temperature:g}",
+                    prompts,
+                    params(temperature),
+                    speculative={"num_speculative_tokens": k},
+                )
+                points.append(
+                    SweepPoint(
+                        drafter=name,
+                        k=k,
+                        temperature=temperature,
+                        mean_acceptance_length=figures.mean_acceptance_length,
+                        # The engine's counters span every K run so far: keep this K's positions.
+                        acceptance_per_position=figures.acceptance_per_position[:k],
+                        tokens_per_s=figures.tokens_per_s,
+                        plain_tokens_per_s=plain_rate[temperature],
+                        speedup=figures.tokens_per_s / plain_rate[temperature],
+                    )
+                )
+        del llm
+    return points
+
+
+def sweep_table(points: list[SweepPoint]) -> str:
+    """A Markdown table of the sweep."""
+    lines = [
+        "| drafter | K | T | mean acceptance length | acceptance per position | tokens/s "
+        "| plain tokens/s | speed-up |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for p in points:
+        per_position = " ".join(f"{rate:.2f}" for rate in p.acceptance_per_position)
+        lines.append(
+            f"| {p.drafter} | {p.k} | {p.temperature:g} | {p.mean_acceptance_length:.2f} | "
+            f"{per_position} | {p.tokens_per_s:.1f} | {p.plain_tokens_per_s:.1f} | "
+            f"{p.speedup:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def write_sweep(path: Path, points: list[SweepPoint], meta: dict) -> Path:
+    """Writes the sweep as JSON and a PNG (acceptance length and speed-up against K, one line per
+    drafter and temperature); returns the PNG path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta, "points": [asdict(p) for p in points]}, indent=2))
+    png = path.with_suffix(".png")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4.2))
+    series = sorted({(p.drafter, p.temperature) for p in points})
+    for drafter, temperature in series:
+        line = sorted(
+            (p for p in points if (p.drafter, p.temperature) == (drafter, temperature)),
+            key=lambda p: p.k,
+        )
+        label = f"{drafter}, T={temperature:g}"
+        style = "-" if temperature == 0 else "--"
+        left.plot(
+            [p.k for p in line],
+            [p.mean_acceptance_length for p in line],
+            style,
+            marker="o",
+            label=label,
+        )
+        right.plot([p.k for p in line], [p.speedup for p in line], style, marker="o", label=label)
+        widest = max(line, key=lambda p: p.k)
+        positions = range(1, len(widest.acceptance_per_position) + 1)
+        middle.plot(
+            positions,
+            widest.acceptance_per_position,
+            style,
+            marker="o",
+            label=f"{label}, K={widest.k}",
+        )
+    left.set_xlabel("K (drafts per round)")
+    left.set_ylabel("mean acceptance length")
+    left.set_title("acceptance length")
+    middle.set_xlabel("draft position")
+    middle.set_ylabel("P(accepted length >= position)")
+    middle.set_ylim(0, 1)
+    middle.set_title("acceptance per position")
+    right.axhline(1.0, color="gray", linewidth=0.8)
+    right.set_xlabel("K (drafts per round)")
+    right.set_ylabel("tokens/s over plain decoding")
+    right.set_title("speed-up")
+    for axis in (left, middle, right):
+        axis.legend(fontsize=7)
+    fig.suptitle(meta.get("title", "specdec bench --sweep"))
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)

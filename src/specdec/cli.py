@@ -1,4 +1,5 @@
-"""The `specdec` command line: one subcommand per task (`generate`, `bench`, `audit`).
+"""The `specdec` command line: one subcommand per task (`generate`, `bench`, `serve`, `audit`,
+`train-drafter`).
 
 Parses arguments and prints results; the work itself lives in the library (`specdec.conformance`
 for the audit), so that tests run exactly what the command runs.
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(commands)
     _add_bench(commands)
     _add_serve(commands)
+    _add_train_drafter(commands)
 
     audit = commands.add_parser(
         "audit",
@@ -57,8 +59,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 GENERATE_MAX_TOKENS = 256
-# The speculation `generate` and `bench` use when --speculative-config is not given.
+# The speculation `generate` and `bench` use when --speculative-config is not given: the shipped
+# EAGLE head for the built-in model (`default_spec`), prompt lookup for any other model.
 DEFAULT_SPECULATIVE_CONFIG = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+def default_spec(model: str | None) -> dict:
+    """The default speculation of `generate` and `bench` for `model` (None: the built-in one)."""
+    if model is None:
+        from specdec.drafters.default import default_speculative_config
+
+        shipped = default_speculative_config()
+        if shipped is not None:
+            return shipped
+    return DEFAULT_SPECULATIVE_CONFIG
 
 
 def _add_generate(commands) -> None:
@@ -67,9 +81,10 @@ def _add_generate(commands) -> None:
     generate = commands.add_parser(
         "generate",
         help="generate text for a prompt, streaming tokens, then print acceptance figures",
-        description="Generate for one prompt with speculative decoding (default: "
-        f"{DEFAULT_SPECULATIVE_CONFIG}) on the given model (default: the built-in "
-        "SmolLM2-135M-Instruct), streaming the text as it is produced.",
+        description="Generate for one prompt with speculative decoding on the given model "
+        "(default: the built-in SmolLM2-135M-Instruct), streaming the text as it is produced. "
+        "Default speculation: the shipped EAGLE head at K=2 for the built-in model, "
+        f"{DEFAULT_SPECULATIVE_CONFIG} for other models.",
     )
     generate.add_argument("prompt", help="the prompt (a user message for chat models)")
     generate.add_argument("--model", default=None, help="HF directory or GGUF file")
@@ -100,6 +115,27 @@ def _add_bench(commands) -> None:
     bench.add_argument(
         "--out", default="bench-results/bench.json", help="JSON path (the PNG goes beside it)"
     )
+    sweep = bench.add_argument_group(
+        "acceptance sweep (--sweep): every drafter x K x temperature against plain decoding"
+    )
+    sweep.add_argument("--sweep", action="store_true", help="run the sweep instead")
+    sweep.add_argument(
+        "--drafter",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help='a speculative_config to compare, e.g. ngram=\'{"method": "ngram"}\' (repeatable; '
+        "default: the shipped EAGLE head and n-gram for the built-in model, n-gram otherwise)",
+    )
+    sweep.add_argument("--ks", default="2,4,6", help="comma-separated K values (default 2,4,6)")
+    sweep.add_argument(
+        "--temperatures", default="0,1", help="comma-separated temperatures (default 0,1)"
+    )
+    sweep.add_argument(
+        "--prompts-file",
+        default=None,
+        help='.jsonl of {"prompt": ...} user messages (default: the built-in workload)',
+    )
     add_engine_arguments(bench)
     bench.set_defaults(handler=_bench)
 
@@ -128,13 +164,127 @@ def _add_serve(commands) -> None:
     serve.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 route"
     )
-    for name in ("max_request_bytes", "max_tokens_limit", "max_n", "max_logprobs"):
+    limits = ("max_request_bytes", "max_tokens_limit", "max_n", "max_prompts", "max_logprobs")
+    for name in limits:
         default = getattr(defaults, name)
         serve.add_argument(
             "--" + name.replace("_", "-"), type=int, default=default, help=f"(default: {default})"
         )
     add_engine_arguments(serve)
     serve.set_defaults(handler=_serve)
+
+
+def _add_train_drafter(commands) -> None:
+    from specdec.train.registry import TrainOptions
+    from specdec.train.trainer import TrainConfig
+
+    defaults, run = TrainOptions(), TrainConfig(kind="", data=(), out="")
+    train = commands.add_parser(
+        "train-drafter",
+        help="train a drafter (draft_model, eagle/mtp, ...) by distillation from the target",
+        description="Distil a drafter from the target: annotate the data with the target's hidden "
+        "features (self-distillation: the target's own answers to .jsonl chat prompts; or text "
+        "files), train with a progress bar, checkpoint every --checkpoint-every steps (resume "
+        "with --resume), then measure held-out acceptance at K=--eval-k through the engine. "
+        'DIR then holds config.json + model.safetensors: speculative_config={"method": KIND, '
+        '"model": DIR}.',
+    )
+    train.add_argument("--target", default=None, help="HF directory or GGUF (default: built-in)")
+    train.add_argument("--kind", required=True, help="draft_model, eagle, mtp, ...")
+    train.add_argument(
+        "--data", action="append", required=True, help=".jsonl prompts, text file or folder"
+    )
+    train.add_argument("--out", required=True, help="output directory DIR")
+    train.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt")
+    train.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="kind-specific setting (e.g. draft_vocab_size=8192, ttt_steps=3, draft_layers=2)",
+    )
+    for name in (
+        "seed",
+        "max_steps",
+        "batch_size",
+        "seq_len",
+        "lr",
+        "warmup_steps",
+        "weight_decay",
+        "grad_clip",
+        "checkpoint_every",
+    ):
+        default = getattr(defaults, name)
+        train.add_argument(
+            "--" + name.replace("_", "-"),
+            type=type(default),
+            default=default,
+            help=f"(default: {default})",
+        )
+    for name in (
+        "max_text_tokens",
+        "max_prompts",
+        "time_limit_s",
+        "gen_max_tokens",
+        "holdout_fraction",
+        "eval_prompts",
+        "eval_max_tokens",
+        "eval_k",
+        "device",
+    ):
+        default = getattr(run, name)
+        train.add_argument(
+            "--" + name.replace("_", "-"),
+            type=type(default),
+            default=default,
+            help=f"(default: {default})",
+        )
+    train.add_argument(
+        "--gen-temperatures",
+        default=",".join(str(t) for t in run.gen_temperatures),
+        help="comma-separated; prompt i is answered at temperature i mod len "
+        f"(default: {','.join(str(t) for t in run.gen_temperatures)})",
+    )
+    train.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    train.set_defaults(handler=_train_drafter)
+
+
+def _train_drafter(args: argparse.Namespace) -> int:
+    import torch
+
+    from specdec.train.registry import TrainOptions
+    from specdec.train.trainer import TrainConfig, train_drafter
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    extra = {}
+    for item in args.option:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--option expects KEY=VALUE, got {item!r}")
+        extra[key] = value
+    names = [f for f in TrainOptions.__dataclass_fields__ if f != "extra"]
+    options = TrainOptions(**{name: getattr(args, name) for name in names}, extra=extra)
+    config = TrainConfig(
+        kind=args.kind,
+        data=tuple(args.data),
+        out=args.out,
+        target=args.target,
+        options=options,
+        resume=args.resume,
+        max_text_tokens=args.max_text_tokens,
+        max_prompts=args.max_prompts,
+        time_limit_s=args.time_limit_s,
+        gen_max_tokens=args.gen_max_tokens,
+        gen_temperatures=tuple(float(t) for t in args.gen_temperatures.split(",")),
+        holdout_fraction=args.holdout_fraction,
+        eval_prompts=args.eval_prompts,
+        eval_max_tokens=args.eval_max_tokens,
+        eval_k=args.eval_k,
+        device=args.device,
+    )
+    train_drafter(config, log=lambda message: print(message, file=sys.stderr, flush=True))
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -156,6 +306,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         max_tokens_limit=args.max_tokens_limit,
         max_n=args.max_n,
+        max_prompts=args.max_prompts,
         max_logprobs=args.max_logprobs,
     )
     engine = LLMEngine(
@@ -175,7 +326,7 @@ def _generate(args: argparse.Namespace) -> int:
     from specdec.engine.args import engine_kwargs, sampling_params, speculative_config
     from specdec.engine.llm import LLM
 
-    spec = None if args.no_spec else speculative_config(args, DEFAULT_SPECULATIVE_CONFIG)
+    spec = None if args.no_spec else speculative_config(args, default_spec(args.model))
     llm = LLM(args.model, speculative_config=spec, **engine_kwargs(args))
     params = sampling_params(args)
     printed = [0]
@@ -223,8 +374,10 @@ def _bench(args: argparse.Namespace) -> int:
     from specdec.engine.llm import LLM
     from specdec.sampling import SamplingParams
 
-    spec = speculative_config(args, DEFAULT_SPECULATIVE_CONFIG)
-    plain = LLM(args.model, **engine_kwargs(args))
+    if args.sweep:
+        return _bench_sweep(args)
+    spec = speculative_config(args, default_spec(args.model))
+    plain = LLM(args.model, speculative_config=None, **engine_kwargs(args))
     prompts = [
         plain.tokenizer.encode_chat([{"role": "user", "content": text}])
         if plain.tokenizer is not None and plain.tokenizer.chat_template
@@ -277,6 +430,67 @@ def _bench(args: argparse.Namespace) -> int:
         "identical_outputs": sum(same),
     }
     png = bench.write_results(Path(args.out), runs, meta)
+    print(f"wrote {args.out} and {png}")
+    return 0
+
+
+def _bench_sweep(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from specdec import bench
+    from specdec.engine.args import engine_kwargs
+    from specdec.models import Tokenizer, default_model_path, load_model
+
+    drafters = {}
+    for item in args.drafter:
+        name, sep, text = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--drafter expects NAME=JSON, got {item!r}")
+        drafters[name] = json.loads(text)
+    if not drafters:
+        shipped = default_spec(args.model)
+        if shipped is not DEFAULT_SPECULATIVE_CONFIG:
+            drafters["eagle"] = shipped
+        drafters["ngram"] = DEFAULT_SPECULATIVE_CONFIG
+    if args.prompts_file:
+        lines = Path(args.prompts_file).read_text(encoding="utf-8").splitlines()
+        texts = [json.loads(line)["prompt"] for line in lines if line.strip()]
+    else:
+        texts = list(bench.DEFAULT_PROMPTS)
+    texts = (texts * args.num_prompts)[: args.num_prompts]
+    tokenizer: Tokenizer | None = load_model(args.model or default_model_path()).tokenizer
+    if tokenizer is None:
+        raise SystemExit("the sweep needs a model with a tokenizer")
+    prompts = [
+        tokenizer.encode_chat([{"role": "user", "content": text}])
+        if tokenizer.chat_template
+        else tokenizer.encode(text)
+        for text in texts
+    ]
+    points = bench.run_sweep(
+        args.model,
+        drafters,
+        prompts,
+        [int(k) for k in args.ks.split(",")],
+        [float(t) for t in args.temperatures.split(",")],
+        args.output_len,
+        args.seed,
+        engine_kwargs(args),
+    )
+    table = bench.sweep_table(points)
+    print(table)
+    meta = {
+        "title": f"specdec bench --sweep: {args.model or 'SmolLM2-135M-Instruct'}",
+        "machine": bench.machine_description(),
+        "date": time.strftime("%Y-%m-%d"),
+        "command": "specdec " + " ".join(sys.argv[1:]),
+        "num_prompts": len(prompts),
+        "output_len": args.output_len,
+        "drafters": drafters,
+        "table": table,
+    }
+    png = bench.write_sweep(Path(args.out), points, meta)
     print(f"wrote {args.out} and {png}")
     return 0
 

@@ -65,6 +65,29 @@ class Proposal:
     num_draft: torch.Tensor
 
 
+@dataclass(frozen=True, slots=True)
+class TargetFeatures:
+    """Target hidden features of newly committed tokens, one entry per request (drafters that
+    read the target receive these through `Drafter.observe` after every engine step).
+
+    Only tokens that are now part of the sequence are covered: a prefill chunk's tokens, or a
+    decode round's input token plus its accepted drafts (features computed for rejected drafts
+    are discarded). The token emitted by the step (sampled, recovered or bonus) has no feature
+    yet: it is fed to the target, and its feature delivered, in the request's next step.
+
+    Attributes:
+        request_ids: per request, its id.
+        starts: per request, the position of the first token covered (row 0 of its features).
+        features: per request, [n_b, F] features of the tokens at positions starts[b] ..
+            starts[b] + n_b - 1 (n_b >= 1), F = len(feature_layers) * hidden size, in the
+            target's dtype and device: the outputs of `feature_layers` concatenated in that order.
+    """
+
+    request_ids: list[str]
+    starts: list[int]
+    features: list[torch.Tensor]
+
+
 def draft_stream(method: str) -> Stream:
     """Coupled verification needs drafts drawn with the target's own noise; the ratio tests need
     noise of their own, keyed per round."""
@@ -72,7 +95,15 @@ def draft_stream(method: str) -> Stream:
 
 
 class Drafter(abc.ABC):
-    """Proposes drafts for a batch of requests. Subclasses implement `propose`."""
+    """Proposes drafts for a batch of requests. Subclasses implement `propose`.
+
+    Drafters that read the target set `feature_layers` (0-based target decoder layers, whose
+    outputs before the final norm make a token's feature) and receive the features of committed
+    tokens through `observe`, called after every engine step that ran the target on a request
+    with speculation on, and before the request's next `propose`.
+    """
+
+    feature_layers: tuple[int, ...] = ()
 
     def __init__(self, target_vocab_size: int, draft_to_target: torch.Tensor | None = None):
         """Args:
@@ -89,6 +120,11 @@ class Drafter(abc.ABC):
 
     def release(self, request_id: str) -> None:  # noqa: B027 - stateless drafters keep nothing
         """Forgets any state kept for a request that finished or was preempted."""
+
+    def observe(self, features: TargetFeatures) -> None:  # noqa: B027 - most read no features
+        """Receives the target features of newly committed tokens (only when `feature_layers`
+        is non-empty). For a request, successive calls cover consecutive positions, except
+        that after `release` (preemption) they restart from position 0."""
 
     def to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """[N, V_draft] -> [N, V_target] float32, -inf where the draft cannot go."""
@@ -135,15 +171,16 @@ class Drafter(abc.ABC):
         logsumexp = torch.empty(n, dtype=torch.float32, device=full.device)
         streams = torch.tensor([draft_stream(batch.methods[int(r)]) for r in rows.tolist()])
         for stream in (Stream.TARGET, Stream.DRAFT):
-            picked = (streams == stream).nonzero().squeeze(1).to(full.device)
-            if not picked.numel():
+            picked_host = (streams == stream).nonzero().squeeze(1)
+            if not picked_host.numel():
                 continue
-            req = rows[picked]
-            step = 0 if stream == Stream.TARGET else batch.anchors[req]
+            picked = picked_host.to(full.device)
+            req = rows.cpu()[picked_host]  # the batch's per-request tensors live on the host
+            step = 0 if stream == Stream.TARGET else batch.anchors[req].to(full.device)
             out = sample(
                 full[picked],
-                batch.seeds[req],
-                positions[picked],
+                batch.seeds[req].to(full.device),
+                positions.to(picked.device)[picked],
                 temperature=batch.params.temperature[req],
                 top_k=None if batch.params.top_k is None else batch.params.top_k[req],
                 top_p=None if batch.params.top_p is None else batch.params.top_p[req],

@@ -10,7 +10,9 @@ from typing import Any
 
 from specdec.verify import VERIFY_METHODS
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "mtp", "dflash", "dspark")
+# Methods whose drafter is loaded from `model` (a directory or file).
+MODEL_METHODS = ("draft_model", "eagle", "mtp", "dflash", "dspark")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 
 
@@ -19,9 +21,14 @@ class SpeculativeConfig:
     """vLLM's `speculative_config` keys.
 
     Attributes:
-        method: "ngram" (prompt lookup) or "draft_model".
+        method: "ngram" (prompt lookup), "draft_model", "eagle" (alias "mtp": a head over
+            the target's hidden features), "dflash" (a parallel block drafter over the target's
+            features) or "dspark" (dflash + Markov head + confidence-scheduled verify length).
         model: the draft model (a Hugging Face directory or a GGUF file) for "draft_model";
-            "truncated:N" uses the target's first N layers (with its embeddings and head).
+            "truncated:N" uses the target's first N layers (with its embeddings and head). For
+            "eagle"/"mtp": a head directory (config.json + model.safetensors, as written by
+            `specdec train-drafter --kind eagle`). For "dflash"/"dspark": a block drafter
+            directory (written by `specdec train-drafter --kind dflash|dspark`).
         num_speculative_tokens: drafts per round, K.
         draft_sample_method: "probabilistic" (drafts sampled from the draft distribution, which
             the verifier is given) or "greedy" (the draft's argmax, verified as a one-hot draft).
@@ -43,8 +50,8 @@ class SpeculativeConfig:
                 f"speculative_config.method must be one of {SPECULATIVE_METHODS}, "
                 f"got {self.method!r}"
             )
-        if self.method == "draft_model" and not self.model:
-            raise ValueError('speculative_config.method "draft_model" needs "model"')
+        if self.method in MODEL_METHODS and not self.model:
+            raise ValueError(f'speculative_config.method "{self.method}" needs "model"')
         if not isinstance(self.num_speculative_tokens, int) or not (
             1 <= self.num_speculative_tokens <= 32
         ):

@@ -28,15 +28,27 @@ class LLM:
         self,
         model: str | None = None,
         *,
-        speculative_config: dict | SpeculativeConfig | None = None,
+        speculative_config: dict | SpeculativeConfig | str | None = "auto",
         **engine_args: Any,
     ) -> None:
         """Args:
         model: a Hugging Face directory or GGUF file; None = the built-in SmolLM2-135M-Instruct.
         speculative_config: vLLM's keys (method, model, num_speculative_tokens,
-            draft_sample_method, rejection_sample_method, prompt_lookup_min/max).
+            draft_sample_method, rejection_sample_method, prompt_lookup_min/max); None = no
+            speculation; "auto" (the default) = the shipped EAGLE head at K = 2 for the built-in
+            model, no speculation for any other model.
         **engine_args: EngineConfig fields (max_num_seqs, max_model_len, dtype, device, ...).
         """
+        if isinstance(speculative_config, str):
+            if speculative_config != "auto":
+                raise ValueError(
+                    f'speculative_config must be a dict, None or "auto", got {speculative_config!r}'
+                )
+            speculative_config = None
+            if model is None:
+                from specdec.drafters.default import default_speculative_config
+
+                speculative_config = default_speculative_config()
         config = EngineConfig.from_kwargs(model=model, **engine_args)
         self.engine = LLMEngine(config, SpeculativeConfig.from_dict(speculative_config))
 
@@ -107,7 +119,7 @@ class LLM:
         bar = _progress_bar(len(ids)) if use_tqdm and sys.stderr.isatty() else None
         try:
             while self.engine.has_unfinished:
-                for output in self.engine.step():
+                for output in self.engine.step(only_finished=on_tokens is None):
                     if on_tokens is not None:
                         on_tokens(output)
                     if output.finished:

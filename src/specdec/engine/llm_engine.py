@@ -12,8 +12,9 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
-from specdec.drafters import DraftBatch, Drafter, NgramDrafter
+from specdec.drafters import DraftBatch, Drafter, NgramDrafter, TargetFeatures
 from specdec.engine.config import EngineConfig, SpeculativeConfig
 from specdec.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from specdec.engine.request import Request, RequestStatus, SpecSettings
@@ -38,7 +39,7 @@ class RequestGroup:
     prompt_token_ids: list[int]
     seed: int
     samples: list[Request]
-    texts: list[str] = field(default_factory=list)
+    texts: list[str | None] = field(default_factory=list)  # a stop-truncated text, else None
     stop_reasons: list[str | int | None] = field(default_factory=list)
     logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
 
@@ -87,7 +88,18 @@ class LLMEngine:
             )
             self.max_model_len = num_blocks * config.block_size
         self.allocator = BlockAllocator(num_blocks, config.block_size)
-        self.runner = PagedModelRunner(model, num_blocks, config.block_size)
+        self.runner = PagedModelRunner(
+            model,
+            num_blocks,
+            config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            # Verify rounds of the default K take the decode path; a request asking for more
+            # drafts runs its rounds eagerly.
+            max_query_len=1
+            + (speculative_config.num_speculative_tokens if speculative_config else 0),
+            enforce_eager=config.enforce_eager,
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -138,6 +150,20 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if spec.method == "ngram":
             return NgramDrafter(vocab, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if spec.method == "dflash":
+            from specdec.drafters.dflash import DFlashDrafter
+
+            return DFlashDrafter.from_config(spec, self.model)
+        if spec.method == "dspark":
+            from specdec.drafters.dspark import DSparkDrafter
+
+            return DSparkDrafter.from_config(spec, self.model)
+        if spec.method in ("eagle", "mtp"):
+            from specdec.drafters.eagle import EagleDrafter
+
+            return EagleDrafter.from_config(
+                spec, self.model, self.allocator.num_blocks, self.config.block_size
+            )
         from specdec.drafters.draft_model import DraftModelDrafter
 
         return DraftModelDrafter.from_config(
@@ -180,7 +206,7 @@ class LLMEngine:
             self.scheduler.add(request)
             samples.append(request)
         group = RequestGroup(request_id, text, list(token_ids), seed, samples)
-        group.texts = [""] * params.n
+        group.texts = [None] * params.n
         group.stop_reasons = [None] * params.n
         group.logprobs = [[] if params.logprobs is not None else None for _ in range(params.n)]
         self.groups[request_id] = group
@@ -242,9 +268,10 @@ class LLMEngine:
         return self.scheduler.has_unfinished
 
     # ------------------------------------------------------------------- step
-    def step(self) -> list[RequestOutput]:
+    def step(self, only_finished: bool = False) -> list[RequestOutput]:
         """Runs one step; returns the outputs of the requests that emitted tokens or finished
-        (finished groups are then forgotten)."""
+        (finished groups are then forgotten). `only_finished` skips building the outputs of
+        unfinished requests (callers that do not stream)."""
         out = self.scheduler.schedule()
         for request in out.preempted:
             if self.drafter is not None:
@@ -267,8 +294,14 @@ class LLMEngine:
                 start = request.num_computed_tokens
                 tokens = request.all_token_ids[start : start + share.num_query_tokens]
                 inputs.append(StepInput(tokens, start, request.block_ids, int(share.emits)))
-        logits = self.runner.run(inputs)
+        feature_layers = self.drafter.feature_layers if self.drafter is not None else ()
+        if feature_layers:
+            logits, features = self.runner.run_with_features(inputs, feature_layers)
+        else:
+            logits, features = self.runner.run(inputs), []
         emitted = self._emit(out.scheduled, logits, drafts)
+        if features:
+            self._deliver_features(out.scheduled, inputs, features, emitted)
         touched: dict[str, RequestGroup] = {}
         for share, step_input in zip(out.scheduled, inputs, strict=True):
             request = share.request
@@ -284,7 +317,30 @@ class LLMEngine:
                 self.stats.observe(num_draft, num_accepted)
             self._append(request, group, tokens, rows)
             touched[group.request_id] = group
+        if only_finished:
+            return [
+                self._output(group)
+                for group in touched.values()
+                if all(r.status.finished for r in group.samples)
+            ]
         return [self._output(group) for group in touched.values()]
+
+    def _deliver_features(self, scheduled, inputs, features, emitted) -> None:
+        """Hands the drafter the target features of this step's committed query tokens (a prefill
+        chunk; a round's input token and accepted drafts), never those of rejected drafts."""
+        request_ids, starts, kept = [], [], []
+        for share, step_input, rows in zip(scheduled, inputs, features, strict=True):
+            if share.request.spec is None:
+                continue
+            num_valid = len(step_input.token_ids)
+            if id(share.request) in emitted:
+                _, num_draft, num_accepted, _ = emitted[id(share.request)]
+                num_valid -= num_draft - num_accepted
+            request_ids.append(share.request.request_id)
+            starts.append(step_input.start)
+            kept.append(rows[:num_valid])
+        if request_ids:
+            self.drafter.observe(TargetFeatures(request_ids, starts, kept))
 
     def _propose(self, scheduled: list[ScheduledRequest]) -> dict[int, tuple[list[int], object]]:
         """Drafts for the decode shares with num_draft > 0: {id(request): (ids, (proposal, b))}."""
@@ -323,20 +379,24 @@ class LLMEngine:
         if plain:
             requests = [r for r, _, _ in plain]
             rows = torch.stack([row[-1] for _, row, _ in plain])  # [B, V]
-            params = _sampling_tensors([r.params for r in requests], rows.device)
-            out = sample(
-                rows,
-                torch.tensor([r.seed for r in requests], dtype=torch.int64, device=rows.device),
-                torch.tensor(
-                    [r.num_tokens for r in requests], dtype=torch.int64, device=rows.device
-                ),
-                temperature=params.temperature,
-                top_k=params.top_k,
-                top_p=params.top_p,
-                min_p=params.min_p,
-            )
+            if all(r.params.temperature == 0 for r in requests):
+                # All greedy: `sample` would take the argmax (first maximum) without noise; the
+                # filters never remove the maximum. One kernel instead of the sampler's setup.
+                token_ids = rows.argmax(dim=-1)
+            else:
+                params = _sampling_tensors([r.params for r in requests], rows.device)
+                token_ids = sample(
+                    rows,
+                    _device_tensor([r.seed for r in requests], torch.int64, rows.device),
+                    _device_tensor([r.num_tokens for r in requests], torch.int64, rows.device),
+                    temperature=params.temperature,
+                    top_k=params.top_k,
+                    top_p=params.top_p,
+                    min_p=params.min_p,
+                ).token_ids
+            sampled = token_ids.tolist()  # one device sync for the whole batch
             for i, (request, row, _) in enumerate(plain):
-                result[id(request)] = ([int(out.token_ids[i])], 0, 0, row[-1:])
+                result[id(request)] = ([sampled[i]], 0, 0, row[-1:])
         for method in VERIFY_METHODS:
             group = [entry for entry in spec if entry[0].spec.method == method]
             if group:
@@ -348,17 +408,24 @@ class LLMEngine:
         device = group[0][1].device
         k = max(n for _, _, n in group)
         vocab = group[0][1].shape[-1]
-        target = torch.zeros(len(group), k + 1, vocab, device=device)
-        draft_ids = torch.full((len(group), k), -1, dtype=torch.int64, device=device)
+        # [B, K+1, V] and [B, K, V], zero-padded past each request's drafts (one copy each).
+        target = pad_sequence([rows for _, rows, _ in group], batch_first=True)
+        if target.shape[1] < k + 1:
+            target = torch.cat(
+                [target, target.new_zeros(len(group), k + 1 - target.shape[1], vocab)], 1
+            )
+        host_ids = [drafts[id(r)][0] + [-1] * (k - n) for r, _, n in group]
+        draft_ids = _device_tensor(host_ids, torch.int64, device)
         proposals = [drafts[id(r)][1] for r in requests]
-        with_logits = proposals[0][0].draft_logits is not None
-        draft_logits = torch.zeros(len(group), k, vocab, device=device) if with_logits else None
-        for b, (request, rows, n) in enumerate(group):
-            target[b, : n + 1] = rows
-            draft_ids[b, :n] = torch.tensor(drafts[id(request)][0], dtype=torch.int64)
-            if draft_logits is not None:
-                proposal, index = proposals[b]
-                draft_logits[b, :n] = proposal.draft_logits[index, :n].to(device)
+        draft_logits = None
+        if proposals[0][0].draft_logits is not None:
+            draft_logits = pad_sequence(
+                [
+                    proposal.draft_logits[index, :n].to(device)
+                    for (proposal, index), (_, _, n) in zip(proposals, group, strict=True)
+                ],
+                batch_first=True,
+            )
         params = _sampling_tensors([r.params for r in requests], device)
         # Valid by construction (ids from the drafter, params from SamplingParams): skip the
         # value checks' host round trip.
@@ -366,21 +433,23 @@ class LLMEngine:
             target,
             draft_ids,
             draft_logits,
-            torch.tensor([r.seed for r in requests], dtype=torch.int64, device=device),
-            torch.tensor([r.num_tokens for r in requests], dtype=torch.int64, device=device),
+            _device_tensor([r.seed for r in requests], torch.int64, device),
+            _device_tensor([r.num_tokens for r in requests], torch.int64, device),
             temperature=params.temperature,
             top_k=params.top_k,
             top_p=params.top_p,
             min_p=params.min_p,
-            num_draft=torch.tensor([n for _, _, n in group], dtype=torch.int64, device=device),
+            num_draft=_device_tensor([n for _, _, n in group], torch.int64, device),
             method=method,
             check_values=False,
         )
         out = verify_checked(inputs)
         result = {}
+        host_accepted = out.num_accepted.tolist()  # one device sync each for the whole group
+        host_tokens = out.token_ids.tolist()
         for b, (request, rows, n) in enumerate(group):
-            accepted = int(out.num_accepted[b])
-            tokens = out.token_ids[b, : accepted + 1].tolist()
+            accepted = host_accepted[b]
+            tokens = host_tokens[b][: accepted + 1]
             result[id(request)] = (tokens, n, accepted, rows[: accepted + 1])
         return result
 
@@ -419,7 +488,6 @@ class LLMEngine:
             ):
                 self._finish(request, RequestStatus.FINISHED_LENGTH)
                 break
-        group.texts[index] = self._text(request)
 
     def _text(self, request: Request) -> str:
         if self.tokenizer is None:
@@ -442,7 +510,7 @@ class LLMEngine:
             outputs.append(
                 CompletionOutput(
                     index=index,
-                    text=group.texts[index],
+                    text=self._text(request) if group.texts[index] is None else group.texts[index],
                     token_ids=list(request.output_token_ids),
                     finish_reason=status.value if status.finished else None,
                     stop_reason=group.stop_reasons[index],
@@ -474,14 +542,23 @@ def _find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
     return min(hits) if hits else None
 
 
+def _device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of host values on `device`. A CUDA copy goes through pinned memory so that it
+    does not wait for the work already queued (the step's forward pass)."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def _sampling_tensors(params: list[SamplingParams], device: torch.device) -> SamplingTensors:
     def column(values, dtype, off):
         if all(v == off for v in values):
             return None
-        return torch.tensor(values, dtype=dtype, device=device)
+        return _device_tensor(values, dtype, device)
 
     return SamplingTensors(
-        temperature=torch.tensor([p.temperature for p in params], device=device),
+        temperature=_device_tensor([p.temperature for p in params], torch.float32, device),
         top_k=column([p.top_k for p in params], torch.int64, 0),
         top_p=column([p.top_p for p in params], torch.float32, 1.0),
         min_p=column([p.min_p for p in params], torch.float32, 0.0),

@@ -38,6 +38,9 @@ class Stream(enum.IntEnum):
     DRAFT = 1  # a draft proposal at Q. Keyed by (Q, round anchor).
     ACCEPT = 2  # the acceptance uniform for the draft at Q. Keyed by (Q, round anchor).
     RESIDUAL = 3  # the recovered token at the first rejection at Q. Keyed by (Q).
+    # Drafter training (specdec.train), never drawn while serving; the seed is the training seed.
+    TRAIN_INIT = 4  # weight initialisation. Keyed by (parameter index), lane = element index.
+    TRAIN_ORDER = 5  # the order of training examples. Keyed by (epoch), lane = example index.
 
 
 def _key_tensor(name: str, value: torch.Tensor | int, num_rows: int, device: torch.device):

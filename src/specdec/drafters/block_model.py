@@ -1,0 +1,432 @@
+"""The block drafter network of DFlash and DSpark, its config, and its checkpoint format.
+
+A few decoder layers run over one block of query rows ([anchor token, mask, mask, ...]); the rows
+attend to each other without a causal mask and to the context's target features, projected once
+into every layer's keys and values. DSpark adds a low-rank Markov head and a confidence head.
+The target's embedding table and LM head are borrowed, never stored. Nothing here samples or
+draws randomness: weights come from a checkpoint or from deterministic copies of the target's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.models import LlamaForCausalLM, ModelConfig
+from specdec.models.llama import (
+    Embedding,
+    Linear,
+    LlamaMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+)
+from specdec.models.weights import CheckpointError, assign_weights
+
+BLOCK_DRAFTER_KINDS = ("dflash", "dspark")
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+# Row offset of the first predicting row in a block, and its lag: DFlash mask rows predict their
+# own position (rows 1..K, anchor not predicting); DSpark rows predict the next position (rows
+# 0..K-1, anchor included). See the vLLM notes, section 2.2.
+FIRST_PREDICTING_ROW = {"dflash": 1, "dspark": 0}
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """Low, middle and high target layers (as EAGLE-3 picks them); all layers of a shallow one."""
+    if num_layers < 6:
+        return tuple(range(num_layers))
+    return (2, num_layers // 2, num_layers - 3)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockDrafterConfig:
+    """What a DFlash / DSpark checkpoint's config.json holds.
+
+    Attributes:
+        kind: "dflash" or "dspark".
+        feature_layers: 0-based target decoder layers whose outputs make a token's feature.
+        block_size: most drafts per round (K <= block_size); the block always has this many
+            predicting rows, as in training, so a row's output never depends on the K asked for.
+        num_hidden_layers: decoder layers of the drafter (shaped like the target's).
+        markov_rank: rank r of DSpark's Markov head (0 for DFlash).
+        min_survival_probability: DSpark's scheduler admits draft k while the product of the
+            confidences c_1..c_k stays at or above this (0 = admit every draft asked for).
+        min_draft: DSpark's scheduler always admits at least this many drafts.
+        target_hidden_size, target_vocab_size, target_num_hidden_layers: the target the drafter
+            was built for (checked at load time).
+    """
+
+    kind: str
+    feature_layers: tuple[int, ...]
+    target_hidden_size: int
+    target_vocab_size: int
+    target_num_hidden_layers: int
+    block_size: int = 8
+    num_hidden_layers: int = 1
+    markov_rank: int = 0
+    min_survival_probability: float = 0.0
+    min_draft: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in BLOCK_DRAFTER_KINDS:
+            raise ValueError(f"kind must be one of {BLOCK_DRAFTER_KINDS}, got {self.kind!r}")
+        if not self.feature_layers:
+            raise ValueError("feature_layers must name at least one target layer")
+        bad = [i for i in self.feature_layers if not 0 <= i < self.target_num_hidden_layers]
+        if bad:
+            raise ValueError(
+                f"feature_layers {bad} out of range for {self.target_num_hidden_layers} layers"
+            )
+        if not 1 <= self.num_hidden_layers <= self.target_num_hidden_layers:
+            raise ValueError(
+                f"num_hidden_layers must be in [1, {self.target_num_hidden_layers}], "
+                f"got {self.num_hidden_layers}"
+            )
+        if not 1 <= self.block_size <= 32:
+            raise ValueError(f"block_size must be in [1, 32], got {self.block_size}")
+        if self.kind == "dspark" and not 1 <= self.markov_rank <= self.target_hidden_size:
+            raise ValueError(
+                f"a dspark drafter needs 1 <= markov_rank <= {self.target_hidden_size}, "
+                f"got {self.markov_rank}"
+            )
+        if self.kind == "dflash" and self.markov_rank:
+            raise ValueError("a dflash drafter has no Markov head: markov_rank must be 0")
+        if not 0.0 <= self.min_survival_probability <= 1.0:
+            raise ValueError(
+                f"min_survival_probability must be in [0, 1], got {self.min_survival_probability}"
+            )
+        if not 0 <= self.min_draft <= self.block_size:
+            raise ValueError(f"min_draft must be in [0, block_size], got {self.min_draft}")
+
+    @property
+    def first_predicting_row(self) -> int:
+        return FIRST_PREDICTING_ROW[self.kind]
+
+    @property
+    def num_rows(self) -> int:
+        """Query rows of one block: the anchor, then masks."""
+        return self.block_size + self.first_predicting_row
+
+    def to_dict(self) -> dict[str, Any]:
+        values = dataclasses.asdict(self)
+        values["feature_layers"] = list(self.feature_layers)
+        return {"specdec_drafter": self.kind, **values}
+
+    @staticmethod
+    def from_dict(values: dict[str, Any]) -> BlockDrafterConfig:
+        known = {f.name for f in dataclasses.fields(BlockDrafterConfig)}
+        fields = {k: v for k, v in values.items() if k in known}
+        fields["feature_layers"] = tuple(fields.get("feature_layers", ()))
+        return BlockDrafterConfig(**fields)
+
+
+def layer_config(config: BlockDrafterConfig, target_config: ModelConfig) -> ModelConfig:
+    """The drafter's decoder layers are shaped like the target's (so they can start as copies)."""
+    return dataclasses.replace(target_config, num_hidden_layers=config.num_hidden_layers)
+
+
+class BlockAttention(nn.Module):
+    """Attention of block rows over [context keys/values, the block's own rows], no causal mask.
+
+    Parameter names match `LlamaAttention`, so a target layer's weights load as they are.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = Linear(config.hidden_size, q_size, config.attention_bias)
+        self.k_proj = Linear(config.hidden_size, kv_size, config.attention_bias)
+        self.v_proj = Linear(config.hidden_size, kv_size, config.attention_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, config.attention_out_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def keys_values(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Args: hidden [N, S, D]; cos, sin [N, S, head_dim] float32 of the rows' positions.
+
+        Returns: (keys [N, S, H_kv, head_dim] rotated, values [N, S, H_kv, head_dim])."""
+        n, s, _ = hidden.shape
+        key = self.k_proj(hidden).view(n, s, self.num_kv_heads, self.head_dim)
+        value = self.v_proj(hidden).view(n, s, self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            key = self.k_norm(key)
+        key = apply_rotary(key.flatten(0, 1), cos.flatten(0, 1), sin.flatten(0, 1))
+        return key.view(n, s, self.num_kv_heads, self.head_dim), value
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Args:
+            hidden: [N, R, D] normed block rows.
+            cos, sin: [N, R, head_dim] float32 of the rows' positions.
+            context: (keys, values) [N, S, H_kv, head_dim] of the context (from `keys_values`).
+            mask: [N, R, S + R] bool, True where row r may attend to key j (context, then rows).
+
+        Returns: [N, R, D].
+        """
+        n, r, _ = hidden.shape
+        query = self.q_proj(hidden).view(n, r, self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            query = self.q_norm(query)
+        query = apply_rotary(query.flatten(0, 1), cos.flatten(0, 1), sin.flatten(0, 1))
+        query = query.view(n, r, self.num_heads, self.head_dim)
+        key, value = self.keys_values(hidden, cos, sin)  # [N, R, H_kv, head_dim] each
+        keys = torch.cat([context[0], key], dim=1).transpose(1, 2)  # [N, H_kv, S + R, head_dim]
+        values = torch.cat([context[1], value], dim=1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            query.transpose(1, 2),  # [N, H, R, head_dim]
+            keys,
+            values,
+            attn_mask=mask[:, None],  # [N, 1, R, S + R]
+            scale=self.head_dim**-0.5,
+            enable_gqa=True,
+        )  # [N, H, R, head_dim]
+        return self.o_proj(out.transpose(1, 2).reshape(n, r, self.num_heads * self.head_dim))
+
+
+class BlockDecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x), context), then x + mlp(norm(x)) (Llama's names)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = BlockAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden, cos, sin, context, mask) -> torch.Tensor:
+        normed = self.input_layernorm(hidden)
+        hidden = hidden + self.self_attn(normed, cos, sin, context, mask)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class BlockDrafterModel(nn.Module):
+    """The DFlash backbone (and DSpark heads); parameters are empty until loaded or initialised.
+
+    Context path: target features [S, F] -> fc -> context_norm -> each layer's k/v projections.
+    Block path: [embed(anchor), mask_embedding, ...] -> layers (attending to context + block) ->
+    norm -> the target's LM head. DSpark: logits_i = base_i + W2 W1[x_{i-1}] with W1 =
+    `markov_in` [V, r] and W2 = `markov_out` [V, r]; confidence
+    c_i = sigmoid(w . [h_i; W1[x_{i-1}]]).
+    """
+
+    def __init__(self, config: BlockDrafterConfig, target_config: ModelConfig) -> None:
+        super().__init__()
+        if target_config.hidden_size != config.target_hidden_size:
+            raise ValueError(
+                f"the drafter was built for a target of hidden size {config.target_hidden_size}, "
+                f"this target has {target_config.hidden_size}"
+            )
+        if target_config.vocab_size != config.target_vocab_size:
+            raise ValueError(
+                f"the drafter was built for a vocabulary of {config.target_vocab_size} ids, "
+                f"this target has {target_config.vocab_size}"
+            )
+        if target_config.num_hidden_layers != config.target_num_hidden_layers:
+            raise ValueError(
+                f"the drafter was built for a target of {config.target_num_hidden_layers} "
+                f"layers, this target has {target_config.num_hidden_layers}"
+            )
+        self.config = config
+        layers = layer_config(config, target_config)
+        hidden = target_config.hidden_size
+        self.fc = Linear(len(config.feature_layers) * hidden, hidden, bias=False)
+        self.context_norm = RMSNorm(hidden, target_config.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.empty(hidden))  # [D]
+        self.layers = nn.ModuleList(
+            BlockDecoderLayer(layers) for _ in range(layers.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hidden, target_config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(layers)
+        self.markov_in = self.markov_out = self.confidence = None
+        if config.kind == "dspark":
+            self.markov_in = Embedding(target_config.vocab_size, config.markov_rank)  # W1 [V, r]
+            self.markov_out = Linear(config.markov_rank, target_config.vocab_size, bias=False)
+            self.confidence = Linear(hidden + config.markov_rank, 1, bias=True)
+
+    def context_keys_values(
+        self, features: torch.Tensor, positions: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Projects target features into every layer's context keys and values.
+
+        Args:
+            features: [N, S, F] target features (the `feature_layers` outputs, concatenated).
+            positions: [N, S] int64 positions of those tokens.
+
+        Returns: per layer, (keys, values) [N, S, H_kv, head_dim].
+        """
+        weight = self.fc.weight
+        context = self.context_norm(self.fc(features.to(weight.dtype)))  # [N, S, D]
+        cos, sin = self.rotary_emb(positions.flatten())
+        shape = (*positions.shape, cos.shape[-1])
+        cos, sin = cos.view(shape), sin.view(shape)
+        return [layer.self_attn.keys_values(context, cos, sin) for layer in self.layers]
+
+    def forward(
+        self,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        context: list[tuple[torch.Tensor, torch.Tensor]],
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Runs the block rows through the layers.
+
+        Args:
+            rows: [N, R, D] input rows (anchor embeddings and `mask_embedding`).
+            positions: [N, R] int64 positions of the rows.
+            context: per layer, (keys, values) [N, S, H_kv, head_dim] from `context_keys_values`.
+            mask: [N, R, S + R] bool, True where a row may attend (context keys, then rows).
+
+        Returns: [N, R, D] final hidden states (after the final norm).
+        """
+        cos, sin = self.rotary_emb(positions.flatten())
+        shape = (*positions.shape, cos.shape[-1])
+        cos, sin = cos.view(shape), sin.view(shape)
+        hidden = rows
+        for layer, layer_context in zip(self.layers, context, strict=True):
+            hidden = layer(hidden, cos, sin, layer_context, mask)
+        return self.norm(hidden)
+
+    def markov(self, previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DSpark's Markov head. Args: previous [M] int64 previous tokens x_{i-1}.
+
+        Returns: (W1[x_{i-1}] [M, r], bias W2 W1[x_{i-1}] [M, V] float32)."""
+        if self.markov_in is None or self.markov_out is None:
+            raise ValueError("a dflash drafter has no Markov head")
+        low_rank = self.markov_in(previous)
+        return low_rank, self.markov_out(low_rank).float()
+
+    def confidence_logit(self, hidden: torch.Tensor, low_rank: torch.Tensor) -> torch.Tensor:
+        """DSpark's confidence head before the sigmoid.
+
+        Args: hidden [M, D] the row's final hidden state h_i; low_rank [M, r] W1[x_{i-1}].
+        Returns: [M] float32 logit of c_i, the chance that draft i is accepted given the
+        earlier drafts were.
+        """
+        if self.confidence is None:
+            raise ValueError("a dflash drafter has no confidence head")
+        return self.confidence(torch.cat([hidden, low_rank], dim=-1)).squeeze(-1).float()
+
+
+def block_mask(context_lens: torch.Tensor, num_context: int, num_rows: int) -> torch.Tensor:
+    """[B, R, S + R] bool: each request's rows see its first context_lens[b] context keys and
+    every row of its own block."""
+    context = torch.arange(num_context, device=context_lens.device)[None, :] < context_lens[:, None]
+    rows = torch.ones(context_lens.shape[0], num_rows, dtype=torch.bool, device=context.device)
+    return torch.cat([context, rows], dim=1)[:, None, :].expand(-1, num_rows, -1)
+
+
+@torch.no_grad()
+def init_from_target(config: BlockDrafterConfig, target: LlamaForCausalLM) -> BlockDrafterModel:
+    """A drafter whose weights are deterministic functions of the target's (the start of training).
+
+    fc averages the feature layers; the decoder layers copy the target's last ones; the final norm
+    copies the target's; the mask embedding is the mean token embedding; W1 starts as the first r
+    embedding columns and W2 and the confidence head at zero (so DSpark starts as DFlash, c = 1/2).
+    """
+    target_config = target.config
+    weight = target.model.embed_tokens.weight
+    model = BlockDrafterModel(config, target_config).to(weight.device)
+    for param in model.parameters():  # the RoPE buffer stays float32
+        param.data = param.data.to(weight.dtype)
+    hidden = target_config.hidden_size
+    num_features = len(config.feature_layers)
+    eye = torch.eye(hidden, dtype=weight.dtype, device=weight.device) / num_features
+    model.fc.weight.copy_(eye.repeat(1, num_features))
+    model.context_norm.weight.fill_(1.0)
+    model.norm.weight.copy_(target.model.norm.weight)
+    model.mask_embedding.copy_(weight.mean(dim=0))
+    first = target_config.num_hidden_layers - config.num_hidden_layers
+    for index, layer in enumerate(model.layers):
+        layer.load_state_dict(target.model.layers[first + index].state_dict())
+    if model.markov_in is not None:
+        model.markov_in.weight.copy_(weight[:, : config.markov_rank])
+        model.markov_out.weight.zero_()
+        model.confidence.weight.zero_()
+        model.confidence.bias.zero_()
+    return model
+
+
+def save_block_drafter(
+    model: BlockDrafterModel, path: str | Path, dtype: torch.dtype | None = None
+) -> Path:
+    """Writes config.json and model.safetensors (the drafter's own weights, not the target's),
+    in `dtype` (None: as they are)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+    state = {
+        name: t.detach().to("cpu", dtype or t.dtype).contiguous()
+        for name, t in model.state_dict().items()
+    }
+    save_file(state, str(path / WEIGHTS_FILE))
+    return path
+
+
+def read_block_drafter_config(path: str | Path) -> BlockDrafterConfig:
+    """The BlockDrafterConfig of a checkpoint directory."""
+    file = Path(path) / CONFIG_FILE
+    if not file.is_file():
+        raise FileNotFoundError(f"no {CONFIG_FILE} in {path}")
+    try:
+        values = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise CheckpointError(f"cannot read {file}: {err}") from err
+    if values.get("specdec_drafter") not in BLOCK_DRAFTER_KINDS:
+        raise CheckpointError(
+            f'{file} is not a dflash/dspark drafter config (its "specdec_drafter" is '
+            f"{values.get('specdec_drafter')!r})"
+        )
+    return BlockDrafterConfig.from_dict(values)
+
+
+def load_block_drafter(path: str | Path, target: LlamaForCausalLM) -> BlockDrafterModel:
+    """Loads a checkpoint written by `save_block_drafter`, in the target's dtype and device.
+
+    Raises:
+        FileNotFoundError: no config.json or weights file.
+        CheckpointError: an unreadable file, a missing tensor or a shape mismatch.
+        ValueError: a checkpoint built for another target.
+    """
+    from safetensors import safe_open
+
+    config = read_block_drafter_config(path)
+    weights = Path(path) / WEIGHTS_FILE
+    if not weights.is_file():
+        raise FileNotFoundError(f"no {WEIGHTS_FILE} in {path}")
+    with torch.device("meta"):
+        model = BlockDrafterModel(config, target.config)
+    weight = target.model.embed_tokens.weight
+    with safe_open(str(weights), framework="pt", device="cpu") as file:
+        names = set(file.keys())
+        assign_weights(
+            model,
+            lambda name: file.get_tensor(name) if name in names else None,
+            str(weights),
+            weight.dtype,
+            weight.device,
+        )
+    return model

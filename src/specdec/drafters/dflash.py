@@ -1,0 +1,179 @@
+"""DFlash drafting (Chen, Liang, Liu 2026): one parallel pass of a small block drafter
+conditioned on the target's hidden features yields all K drafts of a round.
+
+The block is [anchor token at A-1, mask at A, ..., mask at A+K-1] (A = the round anchor); each mask
+row predicts the token at its own position Q = A + i, without seeing the other drafts. The K
+drafts are drawn in one batched `sample_draft` call, each row keyed at its Q. Target features
+arrive through `observe` and are kept per request as every drafter layer's context keys/values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.drafters.base import DraftBatch, Drafter, Proposal, TargetFeatures
+from specdec.drafters.block_model import BlockDrafterModel, block_mask, load_block_drafter
+from specdec.models import LlamaForCausalLM
+
+
+@dataclass(slots=True, eq=False)
+class _Context:
+    """One request's context keys/values per drafter layer, for positions 0..length-1."""
+
+    length: int = 0
+    keys: list[torch.Tensor] = field(default_factory=list)  # per layer [capacity, H_kv, D_head]
+    values: list[torch.Tensor] = field(default_factory=list)
+
+
+class DFlashDrafter(Drafter):
+    """vLLM's `dflash` method: a block drafter reading the target's features."""
+
+    kind = "dflash"
+
+    def __init__(self, model: BlockDrafterModel, target: LlamaForCausalLM, greedy: bool = False):
+        """Args:
+        model: the block drafter (its config names the feature layers and block size).
+        target: the target; its embedding table and LM head are shared with the drafter.
+        greedy: propose the drafter's argmax (one-hot drafts) instead of sampling.
+        """
+        super().__init__(target.config.vocab_size)
+        self.model = model
+        self.target = target
+        self.greedy = greedy
+        self.feature_layers = tuple(model.config.feature_layers)
+        self._contexts: dict[str, _Context] = {}
+
+    @classmethod
+    def from_config(cls, spec, target: LlamaForCausalLM) -> DFlashDrafter:
+        """Loads the drafter of a SpeculativeConfig (`model` is its checkpoint directory)."""
+        model = load_block_drafter(spec.model, target)
+        if model.config.kind != cls.kind:
+            raise ValueError(
+                f'{spec.model} holds a "{model.config.kind}" drafter, not "{cls.kind}"'
+            )
+        return cls(model, target, greedy=spec.draft_sample_method == "greedy")
+
+    # ---------------------------------------------------------------- context
+    def release(self, request_id: str) -> None:
+        self._contexts.pop(request_id, None)
+
+    @torch.inference_mode()
+    def observe(self, features: TargetFeatures) -> None:
+        """Projects the new tokens' features into every layer's context keys and values (one
+        batched projection for all requests).
+
+        Mutates: the per-request contexts (a start before a context's end rewinds it first)."""
+        if not features.request_ids:
+            return
+        counts = [rows.shape[0] for rows in features.features]
+        sizes = torch.tensor(counts)
+        firsts = torch.tensor(features.starts) - (sizes.cumsum(0) - sizes)  # start - row offset
+        positions = firsts.repeat_interleave(sizes) + torch.arange(int(sizes.sum()))  # [T]
+        joined = torch.cat(features.features)[None]  # [1, T, F]
+        layers = self.model.context_keys_values(joined, positions[None].to(joined.device))
+        split = [(keys[0].split(counts), values[0].split(counts)) for keys, values in layers]
+        for b, (request_id, start) in enumerate(
+            zip(features.request_ids, features.starts, strict=True)
+        ):
+            context = self._contexts.setdefault(request_id, _Context())
+            if start > context.length:
+                raise ValueError(
+                    f"request {request_id}: features start at position {start} but only "
+                    f"{context.length} positions are known"
+                )
+            for index, (keys, values) in enumerate(split):
+                _store(context, index, start, keys[b], values[b])
+            context.length = start + counts[b]
+
+    # ---------------------------------------------------------------- drafting
+    def block_hidden(self, batch: DraftBatch) -> torch.Tensor:
+        """Runs every request's block: [B, R, D] final hidden states of rows at positions
+        A-1 .. A-1+R-1 (R = the config's `num_rows`)."""
+        if batch.request_ids is None:
+            raise ValueError(f"the {self.kind} drafter needs request_ids in its DraftBatch")
+        model = self.model
+        device = model.mask_embedding.device
+        num_rows = model.config.num_rows
+        context_lens = batch.anchors - 1  # features are known for positions 0..A-2
+        contexts = []
+        for b, request_id in enumerate(batch.request_ids):
+            context = self._contexts.get(request_id)
+            needed = int(context_lens[b])
+            if context is None or context.length < needed:
+                have = 0 if context is None else context.length
+                raise ValueError(
+                    f"request {request_id}: the drafter has target features for {have} "
+                    f"positions, the round at anchor {needed + 1} needs {needed}"
+                )
+            contexts.append(context)
+        num_context = int(context_lens.max())
+        layer_context = []
+        for index in range(len(model.layers)):
+            keys = contexts[0].keys[index]
+            shape = (batch.batch_size, num_context, *keys.shape[1:])
+            padded_keys = keys.new_zeros(shape)  # [B, S, H_kv, D_head]
+            padded_values = keys.new_zeros(shape)
+            for b, context in enumerate(contexts):
+                n = int(context_lens[b])
+                padded_keys[b, :n] = context.keys[index][:n]
+                padded_values[b, :n] = context.values[index][:n]
+            layer_context.append((padded_keys, padded_values))
+        anchor_tokens = torch.tensor([t[-1] for t in batch.token_ids], device=device)
+        rows = model.mask_embedding.expand(batch.batch_size, num_rows, -1).clone()
+        rows[:, 0] = self.target.model.embed_tokens(anchor_tokens)
+        positions = (batch.anchors - 1).to(device)[:, None] + torch.arange(num_rows, device=device)
+        mask = block_mask(context_lens.to(device), num_context, num_rows)
+        return model(rows, positions, layer_context, mask)  # [B, R, D]
+
+    @torch.inference_mode()
+    def propose(self, batch: DraftBatch) -> Proposal:
+        """One block pass for the whole batch, then one `sample_draft` call for every draft.
+
+        Returns min(num_draft[b], block_size) drafts per request; draft i is keyed at
+        Q = anchors[b] + i.
+
+        RNG: through `sample_draft` only (none for greedy drafting).
+        """
+        size = batch.batch_size
+        num_draft = batch.num_draft.clamp(max=self.model.config.block_size)
+        k = int(num_draft.max()) if size else 0
+        draft_ids = torch.full((size, k), -1, dtype=torch.int64)
+        if k == 0:
+            return Proposal(draft_ids, None, None, num_draft)
+        hidden = self.block_hidden(batch)  # [B, R, D]
+        first = self.model.config.first_predicting_row
+        rows = torch.arange(size).repeat_interleave(num_draft)  # [N] request of each draft
+        index = torch.cat([torch.arange(int(n)) for n in num_draft])  # [N] draft i of its request
+        device = hidden.device
+        logits = self.target.compute_logits(hidden[rows.to(device), (first + index).to(device)])
+        positions = batch.anchors[rows] + index  # Q of each proposed token
+        vocab = self.target_vocab_size
+        if self.greedy:
+            draft_ids[rows, index] = self.to_target_vocab(logits).argmax(dim=-1).cpu()
+            return Proposal(draft_ids, None, None, num_draft)
+        out = self.sample_draft(logits, rows, positions, batch)
+        draft_ids[rows, index] = out.token_ids.cpu()
+        draft_logits = torch.full((size, k, vocab), float("-inf"), device=device)
+        draft_lse = torch.zeros(size, k, device=device)
+        draft_logits[rows.to(device), index.to(device)] = out.processed_logits.to(device)
+        draft_lse[rows.to(device), index.to(device)] = out.logsumexp.to(device)
+        return Proposal(draft_ids, draft_logits, draft_lse, num_draft)
+
+
+def _store(context: _Context, layer: int, start: int, keys, values) -> None:
+    """Writes keys/values [n, H_kv, D_head] at positions start.. of one layer, growing its buffer
+    geometrically so that a round costs O(new tokens)."""
+    end = start + keys.shape[0]
+    if layer == len(context.keys):
+        context.keys.append(keys.new_zeros((max(end, 16), *keys.shape[1:])))
+        context.values.append(values.new_zeros((max(end, 16), *values.shape[1:])))
+    if end > context.keys[layer].shape[0]:
+        capacity = max(end, 2 * context.keys[layer].shape[0])
+        for buffers in (context.keys, context.values):
+            grown = buffers[layer].new_zeros((capacity, *buffers[layer].shape[1:]))
+            grown[:start] = buffers[layer][:start]
+            buffers[layer] = grown
+    context.keys[layer][start:end] = keys
+    context.values[layer][start:end] = values

@@ -1,0 +1,194 @@
+"""EAGLE / MTP drafting: a one-layer head over [target feature, next token embedding] proposes K
+tokens autoregressively on its own paged cache.
+
+Position convention (head entry t = feature of the token at t + embedding of the token at t + 1,
+predicting the token at t + 2): at a round with anchor A the engine has delivered the features of
+positions 0 .. A-2 (`observe`), so the head first catches up on the entries it lacks, the last one
+(t = A-2, with the round's input token x_{A-1}) proposing the draft at Q = A; draft i > 0 comes from
+the entry t = A-2+i fed with the head's own previous output and the previous draft. Entries fed
+with draft tokens are overwritten next round. Draft noise comes only from `sample_draft` at Q.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.drafters.base import DraftBatch, Drafter, Proposal, TargetFeatures
+from specdec.models import AttentionMetadata, LlamaForCausalLM
+from specdec.models.eagle import EagleHead, head_logits, head_logits_weight, load_eagle_head
+from specdec.models.paged import BlockAllocator
+
+
+@dataclass(slots=True, eq=False)
+class _EagleState:
+    """One request's head cache: entries 0..num_fed-1 hold K/V computed from target features;
+    `pending` holds delivered features not fed yet (positions num_fed .. feature_end-1)."""
+
+    block_ids: list[int] = field(default_factory=list)
+    num_fed: int = 0
+    feature_end: int = 0
+    pending: list[torch.Tensor] = field(default_factory=list)
+
+
+class EagleDrafter(Drafter):
+    """vLLM's `eagle` / `mtp` methods (one head, chain drafting)."""
+
+    def __init__(
+        self,
+        head: EagleHead,
+        target: LlamaForCausalLM,
+        draft_to_target: torch.Tensor | None,
+        num_blocks: int,
+        block_size: int,
+        greedy: bool = False,
+    ) -> None:
+        """Args:
+        head: the loaded head.
+        target: the target (its embedding and LM head are shared, not copied, when the
+            vocabulary is full).
+        draft_to_target: [V_draft] int64 target id of each draft id, or None.
+        num_blocks, block_size: the head's own KV cache.
+        greedy: propose the head's argmax (one-hot drafts) instead of sampling.
+        """
+        super().__init__(target.config.vocab_size, draft_to_target)
+        self.head = head
+        self.feature_layers = tuple(head.config.feature_layers)
+        self.embed = target.model.embed_tokens
+        self.lm_weight = head_logits_weight(target, draft_to_target).to(head.fc.weight.dtype)
+        self.kv_cache = head.allocate_kv_cache(num_blocks, block_size)
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.block_size = block_size
+        self.greedy = greedy
+        self.device = head.fc.weight.device
+        self._states: dict[str, _EagleState] = {}
+
+    @classmethod
+    def from_config(
+        cls, spec, target: LlamaForCausalLM, num_blocks: int, block_size: int
+    ) -> EagleDrafter:
+        """Builds the drafter of a SpeculativeConfig whose `model` is a head directory."""
+        weight = target.model.embed_tokens.weight
+        head, draft_to_target = load_eagle_head(
+            spec.model, target.config, dtype=weight.dtype, device=weight.device
+        )
+        return cls(
+            head,
+            target,
+            draft_to_target,
+            num_blocks,
+            block_size,
+            greedy=spec.draft_sample_method == "greedy",
+        )
+
+    def release(self, request_id: str) -> None:
+        state = self._states.pop(request_id, None)
+        if state is not None:
+            self.allocator.free(state)
+
+    def observe(self, features: TargetFeatures) -> None:
+        for request_id, start, rows in zip(
+            features.request_ids, features.starts, features.features, strict=True
+        ):
+            state = self._states.setdefault(request_id, _EagleState())
+            if start != state.feature_end:
+                raise ValueError(
+                    f"request {request_id}: features start at {start}, expected "
+                    f"{state.feature_end} (features must arrive in order)"
+                )
+            # A copy: the engine's feature tensors may be views of buffers it reuses.
+            state.pending.append(rows.to(self.device, self.head.fc.weight.dtype, copy=True))
+            state.feature_end += rows.shape[0]
+
+    @torch.inference_mode()
+    def propose(self, batch: DraftBatch) -> Proposal:
+        if batch.request_ids is None:
+            raise ValueError("the EAGLE drafter needs request_ids in its DraftBatch")
+        size, k = batch.batch_size, batch.max_draft
+        device = self.device
+        draft_ids = torch.full((size, k), -1, dtype=torch.int64, device=device)
+        draft_logits = draft_lse = None
+        if not self.greedy:
+            draft_logits = torch.full((size, k, self.target_vocab_size), float("-inf"))
+            draft_logits = draft_logits.to(device)
+            draft_lse = torch.zeros(size, k, device=device)
+        num_draft = batch.num_draft.tolist()
+        states = []
+        hidden, tokens, positions, query_lens, context_lens = [], [], [], [], []
+        for b, (request_id, token_ids) in enumerate(
+            zip(batch.request_ids, batch.token_ids, strict=True)
+        ):
+            anchor = int(batch.anchors[b])
+            state = self._states.get(request_id)
+            if state is None or state.feature_end != anchor - 1 or not state.pending:
+                have = 0 if state is None else state.feature_end
+                raise ValueError(
+                    f"request {request_id}: the EAGLE drafter needs target features of positions "
+                    f"0..{anchor - 2}, has 0..{have - 1} (is it fed through the engine?)"
+                )
+            self.allocator.grow(state, anchor - 1 + max(num_draft[b] - 1, 0))
+            new = torch.cat(state.pending)  # [n_new, F]: entries num_fed .. anchor-2
+            hidden.append(new)
+            tokens.extend(token_ids[state.num_fed + 1 : anchor])
+            positions.extend(range(state.num_fed + 1, anchor))
+            query_lens.append(new.shape[0])
+            context_lens.append(anchor - 1)
+            state.pending.clear()
+            state.num_fed = anchor - 1
+            states.append(state)
+        out = self._step(
+            self.head.project_features(torch.cat(hidden)),
+            tokens,
+            positions,
+            query_lens,
+            context_lens,
+            states,
+        )
+        last = out[torch.tensor(query_lens, device=device).cumsum(0) - 1]  # [B, D]
+        live = list(range(size))
+        for i in range(k):
+            rows = torch.tensor(live, dtype=torch.int64)
+            logits = head_logits(self.head, last, self.lm_weight)  # [len(live), V_draft]
+            draft_positions = batch.anchors[rows] + i  # Q of the proposed tokens
+            if self.greedy:
+                chosen = self.to_target_vocab(logits).argmax(dim=-1)
+            else:
+                sampled = self.sample_draft(logits, rows, draft_positions, batch)
+                chosen = sampled.token_ids
+                draft_logits[rows.to(device), i] = sampled.processed_logits.to(device)
+                draft_lse[rows.to(device), i] = sampled.logsumexp.to(device)
+            draft_ids[rows.to(device), i] = chosen.to(device)
+            keep = [j for j, row in enumerate(live) if i + 1 < num_draft[row]]
+            if not keep:
+                break
+            live = [live[j] for j in keep]
+            chosen_ids = chosen.tolist()
+            # Entry t = A-2+(i+1): the previous head output and the draft just proposed (at A+i).
+            entry_positions = [int(batch.anchors[row]) + i for row in live]
+            out = self._step(
+                last[torch.tensor(keep, device=device)],
+                [chosen_ids[j] for j in keep],
+                entry_positions,
+                [1] * len(live),
+                entry_positions,
+                [states[row] for row in live],
+            )
+            last = out
+        return Proposal(draft_ids, draft_logits, draft_lse, batch.num_draft.clone())
+
+    def _step(self, hidden, tokens, positions, query_lens, context_lens, states) -> torch.Tensor:
+        """Runs head entries: [T, D] hidden, T token ids and positions -> [T, D] head outputs.
+        Entry t (token position t + 1) is written to cache slot t."""
+        device = self.device
+        attn = AttentionMetadata.build(
+            query_lens, context_lens, [s.block_ids for s in states], self.block_size, device
+        )
+        token_ids = torch.tensor(tokens, dtype=torch.int64, device=device)
+        return self.head.forward_paged(
+            hidden,
+            self.embed(token_ids),
+            torch.tensor(positions, dtype=torch.int64, device=device),
+            attn,
+            self.kv_cache,
+        )

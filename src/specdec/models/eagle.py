@@ -1,0 +1,289 @@
+"""The EAGLE / MTP draft head: one decoder layer over [target feature, embedding of the next token].
+
+Head entry t combines the feature of the token at position t with the embedding of the token at
+t + 1 and predicts the token at t + 2 (EAGLE, Li et al. 2024, section 3; EAGLE-3's multi-layer
+features, 2025, section 3.2). The head reuses the target's embedding and LM head (rows of a
+reduced draft vocabulary), so its directory stores only the head. Never samples or draws
+randomness; parameters are created empty and filled by a loader or by `specdec.train`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.models.attention import AttentionMetadata, AttentionPlan, KVCache
+from specdec.models.config import ModelConfig
+from specdec.models.llama import (
+    Linear,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    RMSNorm,
+    RotaryEmbedding,
+)
+from specdec.models.weights import CheckpointError, assign_weights
+
+EAGLE_ARCHITECTURE = "SpecdecEagleHead"
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True, slots=True)
+class EagleConfig:
+    """The shape of an EAGLE head and the target it was trained for.
+
+    Attributes:
+        hidden_size: D, the target's hidden size (the head works in the same width).
+        feature_layers: 0-based target layers whose outputs make a feature (F = len * D).
+        intermediate_size: the head layer's SwiGLU width.
+        num_attention_heads, num_key_value_heads, head_dim: the head layer's attention.
+        rms_norm_eps: epsilon of the head's norms.
+        rope_theta: RoPE base of the head layer.
+        max_position_embeddings: longest sequence the head is used for.
+        target_vocab_size: V of the target.
+        target_num_hidden_layers: layers of the target (a check at load time).
+        draft_vocab_size: V_draft when the head drafts over a reduced vocabulary (the
+            `draft_to_target` tensor stored beside the weights maps it), or None for the full one.
+    """
+
+    hidden_size: int
+    feature_layers: tuple[int, ...]
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    target_vocab_size: int
+    target_num_hidden_layers: int
+    draft_vocab_size: int | None = None
+
+    @property
+    def feature_size(self) -> int:
+        return len(self.feature_layers) * self.hidden_size
+
+    def layer_config(self) -> ModelConfig:
+        """The ModelConfig of the head's one decoder layer (Llama numerics)."""
+        return ModelConfig(
+            architecture="LlamaForCausalLM",
+            vocab_size=self.target_vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=1,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            max_position_embeddings=self.max_position_embeddings,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        values = dataclasses.asdict(self)
+        values["feature_layers"] = list(self.feature_layers)
+        return {"architectures": [EAGLE_ARCHITECTURE], **values}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> EagleConfig:
+        if values.get("architectures") != [EAGLE_ARCHITECTURE]:
+            raise ValueError(
+                f"not an EAGLE head config (architectures {values.get('architectures')!r}, "
+                f"expected [{EAGLE_ARCHITECTURE!r}])"
+            )
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in values.items() if k in names}
+        kwargs["feature_layers"] = tuple(kwargs["feature_layers"])
+        return cls(**kwargs)
+
+    @classmethod
+    def for_target(
+        cls,
+        target: ModelConfig,
+        feature_layers: tuple[int, ...] | None = None,
+        draft_vocab_size: int | None = None,
+        intermediate_size: int | None = None,
+    ) -> EagleConfig:
+        """A head shaped like one layer of `target` (default features: its last layer)."""
+        layers = feature_layers or (target.num_hidden_layers - 1,)
+        return cls(
+            hidden_size=target.hidden_size,
+            feature_layers=tuple(layers),
+            intermediate_size=intermediate_size or target.intermediate_size,
+            num_attention_heads=target.num_attention_heads,
+            num_key_value_heads=target.num_key_value_heads,
+            head_dim=target.head_dim,
+            rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope_theta,
+            max_position_embeddings=target.max_position_embeddings,
+            target_vocab_size=target.vocab_size,
+            target_num_hidden_layers=target.num_hidden_layers,
+            draft_vocab_size=draft_vocab_size,
+        )
+
+
+class FeatureNorm(nn.Module):
+    """RMSNorm of each layer's D-wide part of a concatenated feature, with weight [F].
+
+    The residual stream before the final norm carries a few channels hundreds of times larger
+    than the rest; normalising each part first (initialised with the target's final-norm weight,
+    so the last layer's part is exactly what the target's LM head reads) keeps them from drowning
+    the others."""
+
+    def __init__(self, num_parts: int, dim: int, eps: float) -> None:
+        super().__init__()
+        self.num_parts, self.dim, self.eps = num_parts, dim, eps
+        self.weight = nn.Parameter(torch.empty(num_parts * dim))  # [F]
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """[.., F] -> [.., F] in the input's dtype."""
+        shape = features.shape
+        x = features.to(torch.float32).view(*shape[:-1], self.num_parts, self.dim)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.view(shape).to(features.dtype)
+
+
+class EagleHead(nn.Module):
+    """fc(norm(target feature)) or the head's previous output -> one decoder layer -> [.., D].
+
+    Parameters: `feature_norm` [F], `fc` [D, F] (target features -> D), `embed_norm`,
+    `hidden_norm` [D],
+    `in_proj` [D, 2D] (over [norm(embedding), norm(hidden)]), `layer` (a Llama decoder layer),
+    `norm` [D] (before the shared LM head). Buffer `draft_to_target` [V_draft] int64 when the
+    vocabulary is reduced.
+    """
+
+    def __init__(self, config: EagleConfig) -> None:
+        super().__init__()
+        self.config = config
+        dim = config.hidden_size
+        layer_config = config.layer_config()
+        self.feature_norm = FeatureNorm(len(config.feature_layers), dim, config.rms_norm_eps)
+        self.fc = Linear(config.feature_size, dim, bias=False)
+        self.embed_norm = RMSNorm(dim, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(dim, config.rms_norm_eps)
+        self.in_proj = Linear(2 * dim, dim, bias=False)
+        self.layer = LlamaDecoderLayer(layer_config)
+        self.norm = RMSNorm(dim, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(layer_config)
+
+    def project_features(self, features: torch.Tensor) -> torch.Tensor:
+        """[.., F] target features -> [.., D] hidden input of a head entry."""
+        return self.fc(self.feature_norm(features))
+
+    def layer_input(self, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """[.., D] hidden (fc(feature) or a previous head output), [.., D] token embeddings ->
+        [.., D] input of the decoder layer."""
+        joined = torch.cat((self.embed_norm(embeds), self.hidden_norm(hidden)), dim=-1)
+        return self.in_proj(joined)
+
+    def forward_paged(
+        self,
+        hidden: torch.Tensor,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        """One step of head entries over the head's paged cache (inference).
+
+        Args:
+            hidden: [T, D] `project_features` of each entry's target feature, or the previous
+                head output.
+            embeds: [T, D] embedding of the token at each entry's position.
+            positions: [T] int64 position of that token (entry t sits at t + 1).
+            attn: the step's metadata over the head's cache (entry t in slot t).
+            kv_cache: the head's one-layer cache.
+
+        Returns:
+            [T, D] head outputs (before `norm`).
+
+        Mutates: the `kv_cache` slots in `attn.slot_mapping`.
+        """
+        cos, sin = self.rotary_emb(positions)
+        plan = AttentionPlan.build(attn, kv_cache.block_size, hidden.device)
+        x = self.layer_input(hidden, embeds)
+        return self.layer(x, cos, sin, plan, kv_cache.k_cache[0], kv_cache.v_cache[0])
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
+        weight = self.fc.weight
+        return KVCache.allocate(
+            1,
+            num_blocks,
+            block_size,
+            self.config.num_key_value_heads,
+            self.config.head_dim,
+            dtype=weight.dtype,
+            device=weight.device,
+        )
+
+
+def head_logits_weight(target: LlamaForCausalLM, draft_to_target: torch.Tensor | None):
+    """[V_draft, D] rows of the target's LM head the head scores (all rows when not reduced)."""
+    weight = target.model.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
+    if draft_to_target is None:
+        return weight
+    return weight.index_select(0, draft_to_target.to(weight.device))
+
+
+def head_logits(head: EagleHead, hidden: torch.Tensor, lm_weight: torch.Tensor) -> torch.Tensor:
+    """[.., D] head outputs -> [.., V_draft] float32 draft logits."""
+    return F.linear(head.norm(hidden), lm_weight).float()
+
+
+def check_target(config: EagleConfig, target: ModelConfig, source: str) -> None:
+    """Raises ValueError when the head was trained for a target of another shape."""
+    mismatches = [
+        f"{name} {mine} vs the target's {theirs}"
+        for name, mine, theirs in (
+            ("hidden_size", config.hidden_size, target.hidden_size),
+            ("vocab_size", config.target_vocab_size, target.vocab_size),
+            ("num_hidden_layers", config.target_num_hidden_layers, target.num_hidden_layers),
+        )
+        if mine != theirs
+    ]
+    if mismatches:
+        raise ValueError(f"{source}: this EAGLE head does not fit the target: {mismatches}")
+
+
+def load_eagle_head(
+    path: str | Path, target: ModelConfig, dtype: torch.dtype, device: torch.device | str
+) -> tuple[EagleHead, torch.Tensor | None]:
+    """Loads a head directory (config.json + model.safetensors).
+
+    Returns:
+        (head in eval mode without grads, draft_to_target [V_draft] int64 or None).
+
+    Raises:
+        FileNotFoundError, CheckpointError, ValueError: a missing file or tensor, a wrong shape,
+        a head made for another target.
+    """
+    path = Path(path)
+    config_file, weights_file = path / "config.json", path / WEIGHTS_FILE
+    for file in (config_file, weights_file):
+        if not file.is_file():
+            raise FileNotFoundError(f"no {file.name} in {path} (an EAGLE head directory)")
+    config = EagleConfig.from_dict(json.loads(config_file.read_text(encoding="utf-8")))
+    check_target(config, target, str(path))
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(weights_file))
+    draft_to_target = tensors.pop("draft_to_target", None)
+    if (draft_to_target is None) != (config.draft_vocab_size is None):
+        raise CheckpointError(f"{path}: draft_vocab_size and the draft_to_target tensor disagree")
+    if draft_to_target is not None:
+        draft_to_target = draft_to_target.to(torch.int64)
+        if draft_to_target.shape != (config.draft_vocab_size,) or not (
+            int(draft_to_target.min()) >= 0 and int(draft_to_target.max()) < target.vocab_size
+        ):
+            raise CheckpointError(f"{path}: draft_to_target is not a map into the target vocab")
+    with torch.device("meta"):
+        head = EagleHead(config)
+    assign_weights(head, tensors.get, str(path), dtype, device)
+    return head, draft_to_target

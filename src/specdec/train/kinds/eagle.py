@@ -1,0 +1,173 @@
+"""Training the EAGLE / MTP head: distillation of the target's next-token distributions from its
+own hidden features, with training-time test (EAGLE-3, Li et al. 2025, section 3.3): the head
+is unrolled for `ttt_steps` draft steps, later steps reading its own outputs as at inference.
+
+Options (`--option key=value`): feature_layers (comma-separated target layers; default the last),
+draft_vocab_size (0 = the full vocabulary; else the most frequent training tokens), ttt_steps
+(default 3), intermediate_size (default the target's), save_dtype (float16 | float32).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specdec.models import LlamaForCausalLM
+from specdec.models.eagle import WEIGHTS_FILE, EagleConfig, EagleHead, load_eagle_head
+from specdec.train.dense import causal_layer, chain_layer
+from specdec.train.init import init_parameters_
+from specdec.train.registry import DrafterKind, TrainBatch, TrainOptions, target_logits
+
+STEP_WEIGHT_DECAY = 0.8  # weight of draft step j is 0.8 ** (j - 1), as in EAGLE-3
+
+
+class EagleTrainable(nn.Module):
+    """The head being trained and its draft vocabulary ([V_draft] int64 target ids, or None)."""
+
+    def __init__(self, head: EagleHead, draft_to_target: torch.Tensor | None) -> None:
+        super().__init__()
+        self.head = head
+        self.register_buffer("draft_to_target", draft_to_target, persistent=False)
+
+
+def pick_draft_vocab(counts: torch.Tensor, size: int, always: list[int]) -> torch.Tensor:
+    """The `size` most frequent ids (ties by id), always including `always`; sorted ascending."""
+    order = sorted(range(counts.shape[0]), key=lambda i: (-int(counts[i]), i))
+    chosen = list(dict.fromkeys([*always, *order]))[:size]
+    return torch.tensor(sorted(chosen), dtype=torch.int64)
+
+
+class EagleKind(DrafterKind):
+    name = "eagle"
+
+    def __init__(self) -> None:
+        self._draft_to_target: torch.Tensor | None = None
+
+    def feature_layers(self, target: LlamaForCausalLM, options: TrainOptions) -> tuple[int, ...]:
+        text = options.get("feature_layers", "")
+        if not text:
+            return (target.config.num_hidden_layers - 1,)
+        return tuple(int(part) for part in text.split(","))
+
+    def prepare(self, target: LlamaForCausalLM, token_counts: torch.Tensor, options) -> None:
+        size = options.get("draft_vocab_size", 0, int)
+        vocab = target.config.vocab_size
+        if not 0 < size < vocab:
+            self._draft_to_target = None
+            return
+        always = [i for i in (target.config.bos_token_id, *target.config.eos_token_ids) if i]
+        self._draft_to_target = pick_draft_vocab(token_counts, size, always)
+
+    def build(self, target: LlamaForCausalLM, options: TrainOptions) -> nn.Module:
+        config = self._config(target, options, self._draft_to_target)
+        head = EagleHead(config).to(target.model.embed_tokens.weight.device)
+        init_parameters_(head, options.seed, residual_scale=0.5)
+        with torch.no_grad():  # each feature part starts normalised as the target's LM head reads
+            final_norm = target.model.norm.weight.detach().float()
+            head.feature_norm.weight.copy_(final_norm.repeat(len(config.feature_layers)))
+        return EagleTrainable(head, self._draft_to_target)
+
+    def _config(self, target, options, draft_to_target) -> EagleConfig:
+        return EagleConfig.for_target(
+            target.config,
+            feature_layers=self.feature_layers(target, options),
+            draft_vocab_size=None if draft_to_target is None else int(draft_to_target.shape[0]),
+            intermediate_size=options.get("intermediate_size", 0, int) or None,
+        )
+
+    def loss(
+        self, draft: nn.Module, target: LlamaForCausalLM, batch: TrainBatch, options: TrainOptions
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        head: EagleHead = draft.head
+        rows = draft.draft_to_target
+        steps = options.get("ttt_steps", 3, int)
+        device = head.fc.weight.device
+        tokens = batch.token_ids.to(device)
+        length = tokens.shape[1]
+        entries = length - 1
+        with torch.no_grad():
+            labels = target_logits(target, batch.last_hidden.to(device), rows).softmax(-1)
+            embeds = target.model.embed_tokens(tokens)  # [B, T, D]
+        lm_weight = _lm_weight(target, rows)
+        mask = batch.loss_mask.to(device)
+        positions = torch.arange(entries, device=device)  # entry t
+        hidden = head.project_features(batch.features[:, :entries].to(device))
+        prefix = None
+        chain: list[tuple[torch.Tensor, torch.Tensor]] = []
+        total = torch.zeros((), device=device)
+        figures: dict[str, float] = {}
+        for step in range(1, steps + 1):
+            if step >= length:
+                break
+            # Entry t at draft step j embeds the token at t + j and predicts the one after it.
+            emb = _shift(embeds, step, entries)
+            cos, sin = head.rotary_emb(positions + step)
+            x = head.layer_input(hidden, emb)
+            if prefix is None:
+                out, prefix = causal_layer(head.layer, x, cos, sin)
+            else:
+                out, kv = chain_layer(head.layer, x, cos, sin, prefix, chain)
+                chain.append(kv)
+            logits = torch.nn.functional.linear(head.norm(out), lm_weight).float()
+            step_labels = _shift(labels, step, entries)
+            step_mask = _shift(mask, step, entries)
+            ce = -(step_labels * logits.log_softmax(-1)).sum(-1)  # [B, N]
+            count = step_mask.sum().clamp_min(1)
+            step_loss = (ce * step_mask).sum() / count
+            total = total + STEP_WEIGHT_DECAY ** (step - 1) * step_loss
+            agree = (logits.argmax(-1) == step_labels.argmax(-1)) & step_mask
+            figures[f"acc{step}"] = float(agree.sum() / count)
+            hidden = out
+        return total, figures
+
+    def save(
+        self, draft: nn.Module, target: LlamaForCausalLM, out_dir: Path, options: TrainOptions
+    ) -> None:
+        from safetensors.torch import save_file
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        rows = draft.draft_to_target
+        config = self._config(target, options, rows)
+        dtype = getattr(torch, options.get("save_dtype", "float16"))
+        tensors = {
+            name: t.detach().to("cpu", dtype).contiguous()
+            for name, t in draft.head.state_dict().items()
+        }
+        if rows is not None:
+            tensors["draft_to_target"] = rows.to("cpu", torch.int64).contiguous()
+        save_file(tensors, str(out_dir / WEIGHTS_FILE))
+        (out_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+
+    def load(self, out_dir: Path, target: LlamaForCausalLM, options: TrainOptions) -> nn.Module:
+        device = target.model.embed_tokens.weight.device
+        head, rows = load_eagle_head(out_dir, target.config, torch.float32, device)
+        head.requires_grad_(True)
+        head.train()
+        self._draft_to_target = rows
+        return EagleTrainable(head, rows)
+
+
+def _lm_weight(target: LlamaForCausalLM, rows: torch.Tensor | None) -> torch.Tensor:
+    weight = target.model.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
+    return weight if rows is None else weight.index_select(0, rows)
+
+
+def _shift(values: torch.Tensor, step: int, entries: int) -> torch.Tensor:
+    """values[:, step : step + entries] zero-padded at the end to `entries` rows."""
+    part = values[:, step : step + entries]
+    missing = entries - part.shape[1]
+    if missing <= 0:
+        return part
+    pad = torch.zeros(
+        (part.shape[0], missing, *part.shape[2:]), dtype=part.dtype, device=part.device
+    )
+    return torch.cat([part, pad], dim=1)
+
+
+class MtpKind(EagleKind):
+    """`mtp`: the same head (vLLM's name for a one-module multi-token-prediction drafter)."""
+
+    name = "mtp"

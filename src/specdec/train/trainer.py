@@ -1,0 +1,329 @@
+"""`specdec train-drafter`: collect target-annotated data, train one drafter kind, checkpoint,
+resume, and measure held-out acceptance through the engine.
+
+Output directory: config.json + model.safetensors (what `speculative_config={"method": kind,
+"model": DIR}` loads), checkpoint.pt (resume state), train-data.pt (the annotated data, reused by
+--resume), acceptance.json (the held-out evaluation). Randomness: weight init and example order
+come from `specdec.train.init` (keyed by the training seed); generation noise from the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdec.models import LlamaForCausalLM, Tokenizer, default_model_path, load_model
+from specdec.train.data import (
+    TrainingSet,
+    annotate_token_lists,
+    read_corpus,
+    self_distill,
+    text_token_lists,
+)
+from specdec.train.init import permutation
+from specdec.train.registry import DrafterKind, TrainOptions, get_kind
+
+CHECKPOINT_FILE = "checkpoint.pt"
+DATA_FILE = "train-data.pt"
+ACCEPTANCE_FILE = "acceptance.json"
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    """One `train-drafter` run.
+
+    Attributes:
+        kind: the drafter kind ("eagle", "draft_model", ...).
+        data: corpus paths (`.jsonl` chat prompts for self-distillation, text files or folders).
+        out: output directory.
+        target: the target (HF directory or GGUF file); None = the built-in default model.
+        options: optimisation and kind settings.
+        resume: continue from out/checkpoint.pt (and reuse out/train-data.pt).
+        max_text_tokens: tokens taken from text files at most.
+        max_prompts: chat prompts taken at most (0 = all).
+        gen_max_tokens: answer length when self-distilling from prompts.
+        gen_temperatures: prompt i is answered at gen_temperatures[i % len].
+        holdout_fraction: share of sequences held out for evaluation.
+        eval_prompts: held-out prompts the acceptance evaluation runs (0 = skip it).
+        eval_max_tokens: tokens generated per evaluation prompt.
+        eval_k: drafts per round in the evaluation.
+        device: "auto", "cpu" or "cuda".
+        time_limit_s: stop training (checkpointing first) after this many seconds of it
+            (0 = no limit).
+    """
+
+    kind: str
+    data: tuple[str, ...]
+    out: str
+    target: str | None = None
+    options: TrainOptions = field(default_factory=TrainOptions)
+    resume: bool = False
+    max_text_tokens: int = 200_000
+    max_prompts: int = 0
+    gen_max_tokens: int = 192
+    gen_temperatures: tuple[float, ...] = (0.0, 1.0)
+    holdout_fraction: float = 0.05
+    eval_prompts: int = 16
+    eval_max_tokens: int = 64
+    eval_k: int = 4
+    device: str = "auto"
+    time_limit_s: float = 0.0
+
+
+def _progress(total: int, desc: str, unit: str, initial: int = 0):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, initial=initial, dynamic_ncols=True)
+
+
+def collect_data(
+    config: TrainConfig, target: LlamaForCausalLM, tokenizer: Tokenizer, layers: tuple[int, ...]
+) -> TrainingSet:
+    """Annotates the corpus with the outputs of `layers` (reusing out/train-data.pt on resume
+    when it holds the same layers)."""
+    cache = Path(config.out) / DATA_FILE
+    if config.resume and cache.is_file():
+        cached = TrainingSet.load(cache)
+        if cached.layers == layers:
+            return cached
+    texts, prompts = [], []
+    for path in config.data:
+        more_texts, more_prompts = read_corpus(Path(path))
+        texts += more_texts
+        prompts += more_prompts
+    if config.max_prompts:
+        prompts = prompts[: config.max_prompts]
+    sequences = []
+    if prompts:
+        bar = _progress(len(prompts) * config.gen_max_tokens, "self-distilling", "tok")
+        sequences += self_distill(
+            target,
+            tokenizer,
+            prompts,
+            layers,
+            max_tokens=config.gen_max_tokens,
+            temperatures=config.gen_temperatures,
+            seed=config.options.seed,
+            progress=lambda n: bar.update(n),
+        )
+        bar.close()
+    if texts:
+        chunks = text_token_lists(tokenizer, texts, config.options.seq_len, config.max_text_tokens)
+        bar = _progress(sum(map(len, chunks)), "annotating text", "tok")
+        sequences += annotate_token_lists(target, chunks, layers, progress=lambda n: bar.update(n))
+        bar.close()
+    data = TrainingSet(layers, sequences)
+    data.save(cache)
+    return data
+
+
+def learning_rate(step: int, options: TrainOptions) -> float:
+    """Linear warm-up, then cosine decay to 10% of the peak."""
+    if step < options.warmup_steps:
+        return options.lr * (step + 1) / options.warmup_steps
+    span = max(options.max_steps - options.warmup_steps, 1)
+    progress = min((step - options.warmup_steps) / span, 1.0)
+    return options.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_drafter(config: TrainConfig, log=print) -> dict:
+    """Runs the whole training; returns the acceptance evaluation (also in acceptance.json)."""
+    from specdec.engine.llm_engine import _resolve_device
+
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = _resolve_device(config.device)
+    target_path = config.target or str(default_model_path())
+    target, _, tokenizer = load_model(target_path, dtype=torch.float32, device=device)
+    kind = get_kind(config.kind)
+    options = config.options
+    feature_layers = kind.feature_layers(target, options)
+    layers = tuple(sorted({*feature_layers, target.config.num_hidden_layers - 1}))
+    data = collect_data(config, target, tokenizer, layers)
+    train_set, held_out = data.split(config.holdout_fraction)
+    log(
+        f"data: {len(train_set.sequences)} training sequences ({train_set.num_tokens} tokens), "
+        f"{len(held_out.sequences)} held out"
+    )
+    kind.prepare(target, train_set.token_counts(target.config.vocab_size), options)
+    draft = kind.build(target, options)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        params, lr=options.lr, betas=(0.9, 0.95), weight_decay=options.weight_decay
+    )
+    start = 0
+    checkpoint = out / CHECKPOINT_FILE
+    if config.resume and checkpoint.is_file():
+        state = torch.load(checkpoint, weights_only=True)
+        draft.load_state_dict(state["draft"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = int(state["step"])
+        log(f"resumed from {checkpoint} at step {start}")
+    windows = train_set.chunks(options.seq_len)
+    if not windows:
+        raise ValueError("no training windows: the data is too short")
+    log(
+        f"training {kind.name}: {sum(p.numel() for p in params):,} parameters, "
+        f"{len(windows)} windows of <= {options.seq_len} tokens"
+    )
+    bar = _progress(options.max_steps, f"train {kind.name}", "step", initial=start)
+    smoothed, tokens_seen, started = None, 0, time.perf_counter()
+    draft.train()
+    for step in range(start, options.max_steps):
+        batch = train_set.batch(
+            _windows_of_step(windows, step, options), options.seq_len, feature_layers
+        )
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, options)
+        loss, figures = kind.loss(draft, target, batch, options)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, options.grad_clip)
+        optimizer.step()
+        value = float(loss.detach())
+        smoothed = value if smoothed is None else 0.95 * smoothed + 0.05 * value
+        tokens_seen += batch.num_tokens
+        rate = tokens_seen / max(time.perf_counter() - started, 1e-9)
+        bar.set_postfix(
+            loss=f"{smoothed:.3f}",
+            **{k: f"{v:.2f}" for k, v in figures.items()},
+            tok_s=f"{rate:.0f}",
+        )
+        bar.update(1)
+        done = step + 1
+        out_of_time = 0 < config.time_limit_s < time.perf_counter() - started
+        if done % options.checkpoint_every == 0 or done == options.max_steps or out_of_time:
+            _save_checkpoint(kind, draft, target, optimizer, done, out, options)
+        if out_of_time:
+            log(f"time limit reached after {done} steps")
+            break
+    else:
+        done = options.max_steps
+    bar.close()
+    if start >= options.max_steps:
+        _save_checkpoint(kind, draft, target, optimizer, start, out, options)
+        done = start
+    result = {
+        "kind": kind.name,
+        "steps": done,
+        "train_tokens": train_set.num_tokens,
+        "options": asdict(options),
+    }
+    if held_out.sequences:
+        result["held_out_loss"] = held_out_loss(
+            kind, draft, target, held_out, options, feature_layers
+        )
+        log(f"held-out loss {result['held_out_loss']:.4f}")
+    if config.eval_prompts > 0 and held_out.sequences:
+        result["acceptance"] = evaluate_acceptance(
+            target_path, target, tokenizer, kind.name, out, held_out, config
+        )
+        for temperature, figures in result["acceptance"].items():
+            log(
+                f"held-out acceptance at K={config.eval_k}, temperature {temperature}: mean "
+                f"acceptance length {figures['mean_acceptance_length']:.3f}, per position "
+                + ", ".join(f"{r:.2f}" for r in figures["acceptance_per_position"])
+            )
+    (out / ACCEPTANCE_FILE).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _windows_of_step(windows, step: int, options: TrainOptions) -> list[tuple[int, int]]:
+    """The batch of `step`: consecutive slots of a per-epoch permutation (a pure function of the
+    step, so a resumed run sees the same batches)."""
+    picked = []
+    for slot in range(step * options.batch_size, (step + 1) * options.batch_size):
+        epoch, index = divmod(slot, len(windows))
+        picked.append(windows[_epoch_order(options.seed, epoch, len(windows))[index]])
+    return picked
+
+
+_ORDER_CACHE: dict[tuple[int, int, int], list[int]] = {}
+
+
+def _epoch_order(seed: int, epoch: int, count: int) -> list[int]:
+    key = (seed, epoch, count)
+    if key not in _ORDER_CACHE:
+        _ORDER_CACHE.clear()
+        _ORDER_CACHE[key] = permutation(seed, epoch, count)
+    return _ORDER_CACHE[key]
+
+
+def _save_checkpoint(kind: DrafterKind, draft, target, optimizer, step, out: Path, options):
+    kind.save(draft, target, out, options)
+    state = {"draft": draft.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+    torch.save(state, out / (CHECKPOINT_FILE + ".tmp"))
+    (out / (CHECKPOINT_FILE + ".tmp")).replace(out / CHECKPOINT_FILE)
+
+
+@torch.no_grad()
+def held_out_loss(kind, draft, target, held_out: TrainingSet, options, feature_layers) -> float:
+    draft.eval()
+    windows = held_out.chunks(options.seq_len)
+    total, count = 0.0, 0
+    for i in range(0, len(windows), options.batch_size):
+        batch = held_out.batch(windows[i : i + options.batch_size], options.seq_len, feature_layers)
+        loss, _ = kind.loss(draft, target, batch, options)
+        total += float(loss) * batch.num_tokens
+        count += batch.num_tokens
+    draft.train()
+    return total / max(count, 1)
+
+
+def evaluate_acceptance(
+    target_path: str,
+    target: LlamaForCausalLM,
+    tokenizer: Tokenizer,
+    method: str,
+    out: Path,
+    held_out: TrainingSet,
+    config: TrainConfig,
+) -> dict[str, dict]:
+    """Mean acceptance length and acceptance per position of the saved drafter at K = eval_k on
+    held-out prompts, at temperatures 0 and 1 (standard verification), through the engine."""
+    from specdec.engine.config import EngineConfig, SpeculativeConfig
+    from specdec.engine.llm_engine import LLMEngine
+    from specdec.sampling import SamplingParams
+
+    prompts = []
+    for seq in held_out.sequences[: config.eval_prompts]:
+        length = seq.prompt_len or min(32, int(seq.token_ids.shape[0]) // 2)
+        prompts.append(seq.token_ids[:length].tolist())
+    target.eval()
+    results = {}
+    for temperature in (0.0, 1.0):
+        engine = LLMEngine(
+            EngineConfig(
+                model=target_path,
+                device=target.model.embed_tokens.weight.device.type,
+                max_num_seqs=len(prompts),
+                max_model_len=min(target.config.max_position_embeddings, 2048),
+            ),
+            SpeculativeConfig(method=method, model=str(out), num_speculative_tokens=config.eval_k),
+            model=target,
+            tokenizer=tokenizer,
+        )
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(
+                temperature=temperature,
+                max_tokens=config.eval_max_tokens,
+                ignore_eos=True,
+                seed=config.options.seed + 1_000_000 + i,
+            )
+            engine.add_request(prompt, params)
+        while engine.has_unfinished:
+            engine.step()
+        stats = engine.stats.as_dict()
+        results[str(temperature)] = {
+            "mean_acceptance_length": stats["mean_acceptance_length"],
+            "acceptance_per_position": stats["acceptance_per_position"],
+            "num_prompts": len(prompts),
+            "max_tokens": config.eval_max_tokens,
+            "k": config.eval_k,
+        }
+    return results

@@ -1,0 +1,238 @@
+"""The EAGLE drafter: draft noise only through `sample_draft` at Q, on the method's stream and
+round anchor; greedy speculation emits exactly what greedy plain decoding emits; a head directory
+loads back with its reduced vocabulary."""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import pytest
+import torch
+
+from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
+from specdec.drafters import TargetFeatures
+from specdec.drafters.eagle import EagleDrafter
+from specdec.engine.config import SpeculativeConfig
+from specdec.engine.llm import LLM
+from specdec.models import AttentionMetadata, load_model
+from specdec.rng import Stream
+from specdec.sampling import SamplingParams, SamplingTensors
+from specdec.sampling import sampler as sampler_module
+from specdec.train.data import TrainingSet, annotate_token_lists
+from specdec.train.kinds.eagle import EagleKind
+from specdec.train.registry import TrainOptions
+
+VOCAB = 97
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("tiny"))
+
+
+def trained_head(target_dir, out, draft_vocab_size=0, steps=15):
+    """An EAGLE head briefly distilled on the target's features of random token sequences."""
+    target = load_model(target_dir).model
+    kind = EagleKind()
+    options = TrainOptions(
+        seed=3, lr=3e-3, extra={"draft_vocab_size": str(draft_vocab_size), "ttt_steps": "2"}
+    )
+    layers = kind.feature_layers(target, options)
+    data = TrainingSet(
+        layers, annotate_token_lists(target, prompt_tokens(VOCAB, [24] * 16), layers)
+    )
+    kind.prepare(target, data.token_counts(VOCAB), options)
+    draft = kind.build(target, options)
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=options.lr)
+    windows = data.chunks(24)
+    for step in range(steps):
+        batch = data.batch([windows[(step * 4 + i) % len(windows)] for i in range(4)], 24, layers)
+        loss, _ = kind.loss(draft, target, batch, options)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    kind.save(draft, target, out, options)
+    return out
+
+
+@pytest.fixture(scope="module")
+def head_dir(target_dir, tmp_path_factory):
+    return trained_head(target_dir, tmp_path_factory.mktemp("eagle"))
+
+
+@pytest.fixture(scope="module")
+def reduced_head_dir(target_dir, tmp_path_factory):
+    return trained_head(target_dir, tmp_path_factory.mktemp("eagle-reduced"), 40, steps=5)
+
+
+def fed_drafter(target_dir, head_dir, token_lists, anchors, greedy=False):
+    """A drafter that has observed the target features of positions 0 .. anchor - 2."""
+    target = load_model(target_dir).model
+    spec = SpeculativeConfig(
+        method="eagle",
+        model=str(head_dir),
+        draft_sample_method="greedy" if greedy else "probabilistic",
+    )
+    drafter = EagleDrafter.from_config(spec, target, num_blocks=64, block_size=4)
+    starts, rows = [], []
+    for tokens, anchor in zip(token_lists, anchors, strict=True):
+        fed = tokens[: anchor - 1]
+        kv = target.allocate_kv_cache(-(-len(fed) // 4), 4)
+        attn = AttentionMetadata.build([len(fed)], [len(fed)], [list(range(kv.num_blocks))], 4)
+        with torch.inference_mode():
+            _, layers = target.forward_with_layers(
+                torch.tensor(fed), torch.arange(len(fed)), attn, kv, drafter.feature_layers
+            )
+        starts.append(0)
+        rows.append(torch.cat(layers, dim=-1))
+    ids = [f"r{i}" for i in range(len(token_lists))]
+    drafter.observe(TargetFeatures(ids, starts, rows))
+    return drafter, ids
+
+
+@pytest.fixture
+def noise_calls(monkeypatch):
+    calls = []
+    real = sampler_module.gumbel
+
+    def spy(seeds, positions, stream, num_lanes, *, step=0):
+        callers = [frame.function for frame in inspect.stack()[1:8]]
+        steps = step.tolist() if isinstance(step, torch.Tensor) else [step] * len(seeds)
+        calls.append((seeds.tolist(), positions.tolist(), Stream(stream), steps, callers))
+        return real(seeds, positions, stream, num_lanes, step=step)
+
+    monkeypatch.setattr(sampler_module, "gumbel", spy)
+    return calls
+
+
+@pytest.mark.parametrize("reduced", [False, True])
+def test_eagle_draws_only_through_sample_draft_at_q(
+    target_dir, head_dir, reduced_head_dir, noise_calls, reduced
+):
+    from specdec.drafters import DraftBatch
+
+    tokens = [[5, 6, 7, 8, 5, 6], [9, 10, 11], [3, 1, 4, 1, 5, 9, 2, 6]]
+    anchors = [6, 3, 8]
+    drafter, ids = fed_drafter(
+        target_dir, reduced_head_dir if reduced else head_dir, tokens, anchors
+    )
+    batch = DraftBatch(
+        token_ids=tokens,
+        seeds=torch.tensor([11, -22, 33]),
+        anchors=torch.tensor(anchors),
+        num_draft=torch.tensor([3, 2, 3]),
+        methods=["standard", "block", "coupled"],
+        params=SamplingTensors.build(3, torch.device("cpu"), 0.9),
+        request_ids=ids,
+    )
+    proposal = drafter.propose(batch)
+    seen: dict[int, list[int]] = {}
+    for call_seeds, positions, stream, steps, callers in noise_calls:
+        assert "sample_draft" in callers
+        for seed, position, step in zip(call_seeds, positions, steps, strict=True):
+            row = batch.seeds.tolist().index(seed)
+            coupled = batch.methods[row] == "coupled"
+            assert stream == (Stream.TARGET if coupled else Stream.DRAFT)
+            assert step == (0 if coupled else anchors[row])
+            seen.setdefault(row, []).append(position)
+    for b in range(3):
+        n = int(batch.num_draft[b])
+        assert sorted(seen[b]) == list(range(anchors[b], anchors[b] + n))  # draft i at Q = A + i
+        for i in range(n):
+            token = int(proposal.draft_token_ids[b, i])
+            assert torch.isfinite(proposal.draft_logits[b, i, token])
+            if reduced:  # -inf outside the draft vocabulary, which has 40 ids
+                assert int(torch.isfinite(proposal.draft_logits[b, i]).sum()) <= 40
+
+
+def test_greedy_eagle_draws_no_noise(target_dir, head_dir, noise_calls):
+    from specdec.drafters import DraftBatch
+
+    drafter, ids = fed_drafter(target_dir, head_dir, [[5, 6, 7, 8]], [4], greedy=True)
+    batch = DraftBatch(
+        token_ids=[[5, 6, 7, 8]],
+        seeds=torch.tensor([1]),
+        anchors=torch.tensor([4]),
+        num_draft=torch.tensor([4]),
+        methods=["standard"],
+        params=SamplingTensors.build(1, torch.device("cpu"), 1.0),
+        request_ids=ids,
+    )
+    proposal = drafter.propose(batch)
+    assert proposal.draft_logits is None and (proposal.draft_token_ids >= 0).all()
+    assert noise_calls == []
+
+
+def test_head_directory_round_trip(head_dir, reduced_head_dir):
+    config = json.loads((reduced_head_dir / "config.json").read_text())
+    assert config["draft_vocab_size"] == 40 and config["feature_layers"] == [2]
+    assert json.loads((head_dir / "config.json").read_text())["draft_vocab_size"] is None
+
+
+@pytest.mark.parametrize("method", ["standard", "block", "coupled"])
+def test_greedy_eagle_equals_greedy_plain(target_dir, head_dir, method):
+    prompts = prompt_tokens(VOCAB, [5, 9, 14], seed=3)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    common = {"max_model_len": 64, "block_size": 4, "max_num_batched_tokens": 16}
+    plain = LLM(str(target_dir), **common).generate(prompts, params, use_tqdm=False)
+    spec = {
+        "method": "eagle" if method != "block" else "mtp",
+        "model": str(head_dir),
+        "num_speculative_tokens": 3,
+        "rejection_sample_method": method,
+    }
+    llm = LLM(str(target_dir), speculative_config=spec, **common)
+    drafted = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in plain]
+    metrics = llm.get_metrics()
+    assert metrics["num_drafts"] > 0 and metrics["num_accepted_tokens"] > 0
+
+
+def test_training_unroll_matches_paged_inference(target_dir, head_dir):
+    """The training-time-test unroll (dense, all entries at once) computes, for entry t and step
+    j, exactly the head output the drafter computes on its paged cache when it drafts from entry
+    t with the tokens x_{t+2} .. x_{t+j} fed back: the masks and positions agree."""
+    from specdec.train.dense import causal_layer, chain_layer
+
+    tokens = prompt_tokens(VOCAB, [12], seed=8)[0]
+    anchor = 8  # the drafter has features of positions 0 .. 6, entry t = 6 drafts Q = 8
+    drafter, ids = fed_drafter(target_dir, head_dir, [tokens], [anchor])
+    head, state = drafter.head, drafter._states[ids[0]]
+    drafter.allocator.grow(state, anchor + 2)
+    feats = torch.cat(state.pending)
+    with torch.inference_mode():
+        out = drafter._step(
+            head.project_features(feats),
+            tokens[1:anchor],
+            list(range(1, anchor)),
+            [anchor - 1],
+            [anchor - 1],
+            [state],
+        )
+        paged = [out[-1]]
+        for j in (2, 3):
+            entry = anchor - 3 + j  # the entry drafting step j from base entry anchor - 2
+            paged.append(
+                drafter._step(
+                    paged[-1][None], [tokens[entry + 1]], [entry + 1], [1], [entry + 1], [state]
+                )[0]
+            )
+        # Dense unroll over the same entries 0 .. anchor - 2 (true tokens at every step).
+        entries = anchor - 1
+        embeds = drafter.embed(torch.tensor(tokens))[None]
+        positions = torch.arange(entries)
+        hidden = head.project_features(feats)[None]
+        prefix, chain, dense = None, [], []
+        for j in (1, 2, 3):
+            emb = embeds[:, j : j + entries]
+            cos, sin = head.rotary_emb(positions + j)
+            x = head.layer_input(hidden, emb)
+            if prefix is None:
+                hidden, prefix = causal_layer(head.layer, x, cos, sin)
+            else:
+                hidden, kv = chain_layer(head.layer, x, cos, sin, prefix, chain)
+                chain.append(kv)
+            dense.append(hidden[0, anchor - 2])
+    for got, want in zip(paged, dense, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
