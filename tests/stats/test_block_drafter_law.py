@@ -11,23 +11,20 @@ computed from the target's own logits.
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
 from block_drafter_fixtures import save_tiny_block_drafter
+from law_fixtures import PROMPT, VOCAB, exact_continuation_law, save_vocab8_target
 from specdec.conformance import chi_square
 from specdec.drafters.base import Proposal
 from specdec.drafters.dspark import DSparkDrafter
 from specdec.engine.llm import LLM
-from specdec.models import load_model, prompt_logits
-from specdec.sampling import SamplingParams, process_logits
+from specdec.models import load_model
+from specdec.sampling import SamplingParams
 
 pytestmark = pytest.mark.stats
 
-VOCAB = 8
-PROMPT = [1, 5, 2, 7]
 NUM_TOKENS = 3
 NUM_TRIALS = 12_000
 K = 3
@@ -40,30 +37,7 @@ LOG10_ALPHA = -6.0  # reject at p < 1e-6
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-    )
-    model = transformers.LlamaForCausalLM(config)
-    generator = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            scale = 0.1 if name.endswith("norm.weight") else 0.6
-            base = 1.0 if name.endswith("norm.weight") else 0.0
-            param.copy_(base + scale * torch.randn(param.shape, generator=generator))
-    path = tmp_path_factory.mktemp("vocab8")
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return save_vocab8_target(tmp_path_factory.mktemp("vocab8"))
 
 
 @pytest.fixture(scope="module")
@@ -87,22 +61,7 @@ def drafter_dirs(target_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def exact_law(target_dir):
     """[V ** 3] float64 probability of each 3-token continuation under the processed target."""
-    model = load_model(target_dir).model
-    prefixes = [
-        list(p) for n in range(NUM_TOKENS) for p in itertools.product(range(VOCAB), repeat=n)
-    ]
-    logits = prompt_logits(model, [PROMPT + p for p in prefixes])
-    probs = {}
-    for prefix, row in zip(prefixes, logits, strict=True):
-        processed = process_logits(row[-1:].double(), torch.tensor([TEMPERATURE]))
-        probs[tuple(prefix)] = processed.softmax(-1)[0]
-    law = torch.zeros(VOCAB**NUM_TOKENS, dtype=torch.float64)
-    for cell, seq in enumerate(itertools.product(range(VOCAB), repeat=NUM_TOKENS)):
-        p = 1.0
-        for i in range(NUM_TOKENS):
-            p *= float(probs[seq[:i]][seq[i]])
-        law[cell] = p
-    return law
+    return exact_continuation_law(target_dir, TEMPERATURE, NUM_TOKENS)
 
 
 def emitted(target_dir, spec: dict) -> tuple[torch.Tensor, dict]:

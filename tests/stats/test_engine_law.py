@@ -9,21 +9,18 @@ law computed from the target's own logits.
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 from scipy import stats as scipy_stats
 
+from law_fixtures import PROMPT, VOCAB, exact_continuation_law, save_vocab8_target
 from specdec.drafters.base import Drafter
 from specdec.engine.llm import LLM
-from specdec.models import load_model, prompt_logits
-from specdec.sampling import SampleOutput, SamplingParams, process_logits
+from specdec.models import load_model
+from specdec.sampling import SampleOutput, SamplingParams
 
 pytestmark = pytest.mark.stats
 
-VOCAB = 8
-PROMPT = [1, 5, 2, 7]
 NUM_TOKENS = 3
 NUM_TRIALS = 12_000
 ALPHA = 1e-6
@@ -31,50 +28,12 @@ ALPHA = 1e-6
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-    )
-    model = transformers.LlamaForCausalLM(config)
-    generator = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            scale = 0.1 if name.endswith("norm.weight") else 0.6
-            base = 1.0 if name.endswith("norm.weight") else 0.0
-            param.copy_(base + scale * torch.randn(param.shape, generator=generator))
-    path = tmp_path_factory.mktemp("vocab8")
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return save_vocab8_target(tmp_path_factory.mktemp("vocab8"))
 
 
 def exact_law(model_dir, temperature: float) -> torch.Tensor:
     """[V ** 3] float64 probability of each 3-token continuation under the processed target."""
-    model = load_model(model_dir).model
-    prefixes = [
-        list(p) for n in range(NUM_TOKENS) for p in itertools.product(range(VOCAB), repeat=n)
-    ]
-    logits = prompt_logits(model, [PROMPT + p for p in prefixes])
-    probs = {}
-    for prefix, row in zip(prefixes, logits, strict=True):
-        processed = process_logits(row[-1:].double(), torch.tensor([temperature]))
-        probs[tuple(prefix)] = processed.softmax(-1)[0]
-    law = torch.zeros(VOCAB**NUM_TOKENS, dtype=torch.float64)
-    for cell, seq in enumerate(itertools.product(range(VOCAB), repeat=NUM_TOKENS)):
-        p = 1.0
-        for i in range(NUM_TOKENS):
-            p *= float(probs[seq[:i]][seq[i]])
-        law[cell] = p
-    return law
+    return exact_continuation_law(model_dir, temperature, NUM_TOKENS)
 
 
 def emitted_counts(model_dir, spec, temperature: float) -> torch.Tensor:

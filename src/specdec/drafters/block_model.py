@@ -23,6 +23,7 @@ from specdec.models import LlamaForCausalLM, ModelConfig
 from specdec.models.llama import (
     Embedding,
     Linear,
+    LlamaAttention,
     LlamaMLP,
     RMSNorm,
     RotaryEmbedding,
@@ -133,27 +134,12 @@ def layer_config(config: BlockDrafterConfig, target_config: ModelConfig) -> Mode
     return dataclasses.replace(target_config, num_hidden_layers=config.num_hidden_layers)
 
 
-class BlockAttention(nn.Module):
+class BlockAttention(LlamaAttention):
     """Attention of block rows over [context keys/values, the block's own rows], no causal mask.
 
-    Parameter names match `LlamaAttention`, so a target layer's weights load as they are.
+    The projections are `LlamaAttention`'s (same parameter names), so a target layer's weights
+    load as they are; `forward` attends over the block instead of the paged cache.
     """
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = Linear(config.hidden_size, q_size, config.attention_bias)
-        self.k_proj = Linear(config.hidden_size, kv_size, config.attention_bias)
-        self.v_proj = Linear(config.hidden_size, kv_size, config.attention_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, config.attention_out_bias)
-        if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
 
     def keys_values(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

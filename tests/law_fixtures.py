@@ -1,0 +1,64 @@
+"""Shared pieces of the engine-level law tests: a tiny vocabulary-8 Llama target and the exact
+probability of each continuation of its prompt (tests only; weights from a seeded generator)."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import torch
+
+from specdec.models import load_model, prompt_logits
+from specdec.sampling import process_logits
+
+VOCAB = 8
+PROMPT = [1, 5, 2, 7]
+
+
+def save_vocab8_target(path: Path) -> Path:
+    """Writes a 3-layer Llama over 8 tokens with seeded N(0, 0.6^2) weights (norms near 1) as a
+    Hugging Face directory at `path`; returns `path`."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            scale = 0.1 if name.endswith("norm.weight") else 0.6
+            base = 1.0 if name.endswith("norm.weight") else 0.0
+            param.copy_(base + scale * torch.randn(param.shape, generator=generator))
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def exact_continuation_law(model_dir: Path, temperature: float, num_tokens: int) -> torch.Tensor:
+    """[V ** num_tokens] float64 probability of each continuation of PROMPT under the processed
+    target (cells in `itertools.product` order)."""
+    model = load_model(model_dir).model
+    prefixes = [
+        list(p) for n in range(num_tokens) for p in itertools.product(range(VOCAB), repeat=n)
+    ]
+    logits = prompt_logits(model, [PROMPT + p for p in prefixes])
+    probs = {}
+    for prefix, row in zip(prefixes, logits, strict=True):
+        processed = process_logits(row[-1:].double(), torch.tensor([temperature]))
+        probs[tuple(prefix)] = processed.softmax(-1)[0]
+    law = torch.zeros(VOCAB**num_tokens, dtype=torch.float64)
+    for cell, seq in enumerate(itertools.product(range(VOCAB), repeat=num_tokens)):
+        p = 1.0
+        for i in range(num_tokens):
+            p *= float(probs[seq[:i]][seq[i]])
+        law[cell] = p
+    return law
