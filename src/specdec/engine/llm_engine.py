@@ -490,11 +490,14 @@ class LLMEngine:
                 break
 
     def _text(self, request: Request) -> str:
+        """The output text: decoded incrementally while the request runs (it may lag by an
+        incomplete character), decoded whole once it has finished."""
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(
-            request.output_token_ids, skip_special_tokens=request.params.skip_special_tokens
-        )
+        skip = request.params.skip_special_tokens
+        if request.status.finished:
+            return self.tokenizer.decode(request.output_token_ids, skip_special_tokens=skip)
+        return request.detokenized.update(self.tokenizer, request.output_token_ids, skip)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.scheduler.finish(request, status)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from specdec.engine.detokenize import IncrementalText
 from specdec.metrics import SpecDecodeStats
 from specdec.sampling.params import SamplingParams
 
@@ -50,6 +51,7 @@ class Request:
         num_computed_tokens: tokens whose K/V are in the cache (a prefix of all tokens).
         block_ids: KV cache blocks held, in order.
         stats: spec-decode counters of this request.
+        detokenized: the incremental text of output_token_ids (see `specdec.engine.detokenize`).
     """
 
     request_id: str
@@ -63,6 +65,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     num_preemptions: int = 0
+    detokenized: IncrementalText = field(default_factory=IncrementalText)
 
     @property
     def num_tokens(self) -> int:

@@ -111,3 +111,21 @@ def test_logits_match_transformers(smollm2: LoadedModel) -> None:
         with torch.no_grad():
             reference = hf_model(torch.tensor([prompt])).logits[0].float()
         assert (logits - reference).abs().max().item() <= 1e-4
+
+
+def test_incremental_detokenization_matches_whole_decode(smollm2: LoadedModel) -> None:
+    """The engine's incremental text equals decoding the whole output after every token (a
+    prefix of it while a character is incomplete), on the real byte-level BPE tokenizer."""
+    from specdec.engine.detokenize import IncrementalText
+
+    tokenizer = smollm2.tokenizer
+    for text in TEXTS:
+        tokens = tokenizer.encode(text)
+        for skip in (True, False):
+            state = IncrementalText()
+            for end in range(1, len(tokens) + 1):
+                whole = tokenizer.decode(tokens[:end], skip_special_tokens=skip)
+                got = state.update(tokenizer, tokens[:end], skip)
+                assert whole.startswith(got)
+                if not whole.endswith("\ufffd"):
+                    assert got == whole
