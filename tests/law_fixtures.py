@@ -62,3 +62,38 @@ def exact_continuation_law(model_dir: Path, temperature: float, num_tokens: int)
             p *= float(probs[seq[:i]][seq[i]])
         law[cell] = p
     return law
+
+
+def first_token_counts(
+    model_dir: Path,
+    spec: dict | None,
+    temperature: float,
+    max_tokens: int,
+    num_tokens: int,
+    num_trials: int,
+) -> tuple[torch.Tensor, dict]:
+    """(counts [V ** num_tokens] float64 of the first num_tokens emitted tokens of num_trials
+    requests seeded 0 .. num_trials - 1 through the engine, the engine's spec-decode metrics)."""
+    from specdec.engine.llm import LLM
+    from specdec.sampling import SamplingParams
+
+    llm = LLM(
+        str(model_dir),
+        speculative_config=spec,
+        max_model_len=32,
+        block_size=4,
+        max_num_seqs=512,
+        max_num_batched_tokens=4096,
+    )
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=s)
+        for s in range(num_trials)
+    ]
+    outputs = llm.generate([PROMPT] * num_trials, params, use_tqdm=False)
+    counts = torch.zeros(VOCAB**num_tokens, dtype=torch.float64)
+    for out in outputs:
+        cell = 0
+        for token in out.outputs[0].token_ids[:num_tokens]:
+            cell = cell * VOCAB + token
+        counts[cell] += 1
+    return counts, llm.get_metrics()

@@ -15,13 +15,15 @@ import pytest
 import torch
 
 from block_drafter_fixtures import save_tiny_block_drafter
-from law_fixtures import PROMPT, VOCAB, exact_continuation_law, save_vocab8_target
+from law_fixtures import (
+    exact_continuation_law,
+    first_token_counts,
+    save_vocab8_target,
+)
 from specdec.conformance import chi_square
 from specdec.drafters.base import Proposal
 from specdec.drafters.dspark import DSparkDrafter
-from specdec.engine.llm import LLM
 from specdec.models import load_model
-from specdec.sampling import SamplingParams
 
 pytestmark = pytest.mark.stats
 
@@ -66,24 +68,7 @@ def exact_law(target_dir):
 
 def emitted(target_dir, spec: dict) -> tuple[torch.Tensor, dict]:
     """(counts [V ** 3] of the first 3 emitted tokens of NUM_TRIALS seeded requests, metrics)."""
-    llm = LLM(
-        str(target_dir),
-        speculative_config=spec,
-        max_model_len=32,
-        block_size=4,
-        max_num_seqs=512,
-        max_num_batched_tokens=4096,
-    )
-    params = [
-        SamplingParams(temperature=TEMPERATURE, max_tokens=MAX_TOKENS, ignore_eos=True, seed=s)
-        for s in range(NUM_TRIALS)
-    ]
-    outputs = llm.generate([PROMPT] * NUM_TRIALS, params, use_tqdm=False)
-    counts = torch.zeros(VOCAB**NUM_TOKENS, dtype=torch.int64)
-    for out in outputs:
-        a, b, c = out.outputs[0].token_ids[:NUM_TOKENS]
-        counts[(a * VOCAB + b) * VOCAB + c] += 1
-    return counts, llm.get_metrics()
+    return first_token_counts(target_dir, spec, TEMPERATURE, MAX_TOKENS, NUM_TOKENS, NUM_TRIALS)
 
 
 def spec_config(kind: str, path, method: str) -> dict:

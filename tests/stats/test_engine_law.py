@@ -13,11 +13,15 @@ import pytest
 import torch
 from scipy import stats as scipy_stats
 
-from law_fixtures import PROMPT, VOCAB, exact_continuation_law, save_vocab8_target
+from law_fixtures import (
+    VOCAB,
+    exact_continuation_law,
+    first_token_counts,
+    save_vocab8_target,
+)
 from specdec.drafters.base import Drafter
-from specdec.engine.llm import LLM
 from specdec.models import load_model
-from specdec.sampling import SampleOutput, SamplingParams
+from specdec.sampling import SampleOutput
 
 pytestmark = pytest.mark.stats
 
@@ -37,24 +41,10 @@ def exact_law(model_dir, temperature: float) -> torch.Tensor:
 
 
 def emitted_counts(model_dir, spec, temperature: float) -> torch.Tensor:
-    llm = LLM(
-        str(model_dir),
-        speculative_config=spec,
-        max_model_len=32,
-        block_size=4,
-        max_num_seqs=512,
-        max_num_batched_tokens=4096,
+    counts, metrics = first_token_counts(
+        model_dir, spec, temperature, NUM_TOKENS, NUM_TOKENS, NUM_TRIALS
     )
-    params = [
-        SamplingParams(temperature=temperature, max_tokens=NUM_TOKENS, ignore_eos=True, seed=s)
-        for s in range(NUM_TRIALS)
-    ]
-    outputs = llm.generate([PROMPT] * NUM_TRIALS, params, use_tqdm=False)
-    counts = torch.zeros(VOCAB**NUM_TOKENS, dtype=torch.float64)
-    for out in outputs:
-        a, b, c = out.outputs[0].token_ids[:NUM_TOKENS]
-        counts[(a * VOCAB + b) * VOCAB + c] += 1
-    assert llm.get_metrics()["num_accepted_tokens"] > 0
+    assert metrics["num_accepted_tokens"] > 0
     return counts
 
 
