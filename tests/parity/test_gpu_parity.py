@@ -362,6 +362,49 @@ def test_verify_matches_reference(
 
 
 @pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("drafts", 10**9, "draft_token_ids must lie"),
+        ("drafts", -5, "draft_token_ids must lie"),
+        ("num_draft", 9, "num_draft must lie"),
+        ("num_draft", -3, "num_draft must lie"),
+        ("positions", -1, "positions must lie"),
+        ("temperature", float("nan"), "temperature must be finite"),
+    ],
+)
+def test_verify_invalid_values_raise_while_kernels_stay_in_bounds(
+    method: str, field: str, value: float, message: str
+) -> None:
+    """`verify` checks values while its kernels run: a bad value raises the reference's
+    ValueError, and the kernels, launched on it, touched no memory out of bounds (the device
+    keeps working and the next valid call matches the reference)."""
+    args, kwargs = _verify_case(11, method, "sampled")
+    drafts, anchors = args[1], args[4]
+    bad_args, bad_kwargs = list(args), dict(kwargs)
+    if field == "drafts":
+        bad = drafts.clone()
+        bad[0, 0] = int(value)
+        bad_args[1] = bad
+    elif field == "positions":
+        bad = anchors.clone()
+        bad[2] = int(value)
+        bad_args[4] = bad
+    else:
+        bad = kwargs[field].clone()
+        bad[0] = value
+        bad_kwargs[field] = bad
+    with pytest.raises(ValueError, match=message):
+        verify_ref(*bad_args, **bad_kwargs)
+    gpu_args = [a.to(CUDA) if a is not None else None for a in bad_args]
+    with pytest.raises(ValueError, match=message):
+        verify(*gpu_args, **_to(CUDA, bad_kwargs))
+    torch.cuda.synchronize()
+    got, want = _run_both(args, kwargs)
+    _assert_verify_equal(got, want)
+
+
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("draft_kind", ["sampled", "one_hot"])
 def test_verify_with_filters_matches_reference(method: str, draft_kind: str) -> None:
     """With top-k / top-p / min-p, against the reference run on the GPU copies: top-p thresholds

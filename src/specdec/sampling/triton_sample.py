@@ -5,9 +5,10 @@ Pipeline (one pass over the logits, grid over (row, vocabulary chunk) so one row
 2. `_sample_chunk_kernel`: scale (IEEE division, bit-identical to `logits.float() / T`), mask
    below the threshold, write the processed logits, online max / sum-exp, add keyed Gumbel noise
    (sampled rows only), per-chunk argmax (ties -> lowest id);
-3. `_sample_reduce_kernel`: combine the chunks into the token and the log-normaliser, and check
-   the reference's argument rules; the host reads that one flag (its only sync) and hands invalid
-   arguments to `sample_ref`, which raises its error.
+3. `_sample_reduce_kernel`: combine the chunks into the token and the log-normaliser.
+The per-row arguments are read back to the host by an asynchronous copy queued before the kernels
+(`Readback`), so the host checks them while the kernels run; invalid arguments are handed to
+`sample_ref`, which raises its error.
 Never creates noise itself: it evaluates `specdec.rng` keys through `triton_philox`.
 """
 
@@ -29,11 +30,11 @@ from specdec.sampling.processing import (
     row_param,
     scale_logits,
 )
+from specdec.sampling.readback import Readback
 from specdec.sampling.sampler import SampleOutput, sample_ref
 
 NEG_INF: tl.constexpr = tl.constexpr(float("-inf"))
 INT32_MAX: tl.constexpr = tl.constexpr(2**31 - 1)
-COUNTER_WORD_MAX: tl.constexpr = tl.constexpr(MAX_COUNTER_WORD)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -186,27 +187,10 @@ def _sample_reduce_kernel(
     chunk_sum_ptr,  # [N, C] float32
     chunk_best_ptr,  # [N, C] float32
     chunk_idx_ptr,  # [N, C] int32
-    temperature_ptr,  # [N] float32 (read when PER_ROW_TEMPERATURE)
-    top_k_ptr,  # [N] int64 (read when HAS_TOP_K)
-    top_p_ptr,  # [N] float32 (read when HAS_TOP_P)
-    min_p_ptr,  # [N] float32 (read when HAS_MIN_P)
-    positions_ptr,  # [N] int64
-    streams_ptr,  # [N] int64 (read when PER_ROW_STREAM)
-    steps_ptr,  # [N] int64 (read when PER_ROW_STEP)
     token_ids_ptr,  # [N] int64 out
     logsumexp_ptr,  # [N] float32 out
-    invalid_ptr,  # [1] int32 out: set to 1 when a row's parameters or keys are invalid
-    temperature_value,
-    stream_value,
-    step_value,
     num_chunks,
     CHUNKS: tl.constexpr,  # power of two >= num_chunks
-    PER_ROW_TEMPERATURE: tl.constexpr,
-    PER_ROW_STREAM: tl.constexpr,
-    PER_ROW_STEP: tl.constexpr,
-    HAS_TOP_K: tl.constexpr,
-    HAS_TOP_P: tl.constexpr,
-    HAS_MIN_P: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunks = tl.arange(0, CHUNKS)
@@ -224,27 +208,6 @@ def _sample_reduce_kernel(
     first = tl.minimum(first, num_chunks - 1)
     token = tl.load(chunk_idx_ptr + base + first)
     tl.store(token_ids_ptr + row, token.to(tl.int64))
-
-    # The reference's argument checks (`check_sampling_tensors`, `check_logits_and_keys`, the
-    # counter-word checks of the rows that draw noise), made here so that the host syncs once.
-    temperature = row_value(temperature_ptr, temperature_value, row, PER_ROW_TEMPERATURE)
-    position = tl.load(positions_ptr + row)
-    stream = row_value(streams_ptr, stream_value, row, PER_ROW_STREAM)
-    step = row_value(steps_ptr, step_value, row, PER_ROW_STEP)
-    bad = ~((temperature >= 0.0) & (temperature < float("inf"))) | (position < 0)
-    sampled = temperature > 0.0
-    bad |= sampled & ((position > COUNTER_WORD_MAX) | (stream < 0) | (stream > COUNTER_WORD_MAX))
-    bad |= sampled & ((step < 0) | (step > COUNTER_WORD_MAX))
-    if HAS_TOP_K:
-        bad |= tl.load(top_k_ptr + row) < 0
-    if HAS_TOP_P:
-        top_p = tl.load(top_p_ptr + row)
-        bad |= ~((top_p > 0.0) & (top_p <= 1.0))
-    if HAS_MIN_P:
-        min_p = tl.load(min_p_ptr + row)
-        bad |= ~((min_p >= 0.0) & (min_p <= 1.0))
-    if bad:
-        tl.store(invalid_ptr, 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -301,6 +264,32 @@ def _host_checks_pass(logits: torch.Tensor, seeds: object, positions: object) ->
         if t.shape != (logits.shape[0],) or t.device != logits.device:
             return False
     return logits.shape[0] > 0 and logits.shape[1] > 0
+
+
+def _row_checks_pass(
+    checks: Readback, temperature_value: float, stream_value: int, step_value: int
+) -> bool:
+    """The reference's per-row argument rules (`check_sampling_tensors`, `check_logits_and_keys`,
+    the counter-word checks of the rows that draw noise) on the values `checks` read back; scalar
+    parameters (the *_value arguments) were checked on the host already."""
+    values = checks.values()
+    positions = values["positions"]
+    temperature = values.get("temperature", torch.tensor([temperature_value]))
+    stream = values.get("stream", torch.tensor([stream_value]))
+    step = values.get("step", torch.tensor([step_value]))
+    bad = ~((temperature >= 0) & (temperature < math.inf)) | (positions < 0)
+    out_of_range = (positions > MAX_COUNTER_WORD) | (stream < 0) | (stream > MAX_COUNTER_WORD)
+    out_of_range |= (step < 0) | (step > MAX_COUNTER_WORD)
+    bad |= (temperature > 0) & out_of_range
+    if "top_k" in values:
+        bad |= values["top_k"] < 0
+    if "top_p" in values:
+        top_p = values["top_p"]
+        bad |= ~((top_p > 0) & (top_p <= 1))
+    if "min_p" in values:
+        min_p = values["min_p"]
+        bad |= ~((min_p >= 0) & (min_p <= 1))
+    return not bool(bad.any())
 
 
 def sample_triton(
@@ -378,6 +367,12 @@ def sample_triton(
 
     if logits.stride(1) != 1:
         logits = logits.contiguous()
+    # The per-row argument checks read their values back while the kernels run (the kernels
+    # never index memory by them); nothing is returned before they pass.
+    checks = Readback(
+        {"positions": positions, "stream": stream_t, "step": step_t, "top_k": top_k_t},
+        {"temperature": temperature_t, "top_p": top_p_t, "min_p": min_p_t},
+    )
     threshold = None
     if top_k_t is not None or top_p_t is not None or min_p_t is not None:
         rows_temperature = temperature_t
@@ -395,7 +390,6 @@ def sample_triton(
     rows, tiles, num_chunks, num_warps = chunk_plan(vocab)
     chunk_f32 = torch.empty(3, num_rows, num_chunks, dtype=torch.float32, device=device)
     chunk_idx = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=device)
-    invalid = torch.zeros(1, dtype=torch.int32, device=device)
     per_row = {
         "PER_ROW_TEMPERATURE": temperature_t is not None,
         "PER_ROW_STREAM": stream_t is not None,
@@ -430,25 +424,12 @@ def sample_triton(
         chunk_f32[1],
         chunk_f32[2],
         chunk_idx,
-        positions if temperature_t is None else temperature_t,
-        positions if top_k_t is None else top_k_t,
-        positions if top_p_t is None else top_p_t,
-        positions if min_p_t is None else min_p_t,
-        positions,
-        positions if stream_t is None else stream_t,
-        positions if step_t is None else step_t,
         token_ids,
         logsumexp,
-        invalid,
-        *scalars,
         num_chunks,
         CHUNKS=max(16, triton.next_power_of_2(num_chunks)),
-        HAS_TOP_K=top_k_t is not None,
-        HAS_TOP_P=top_p_t is not None,
-        HAS_MIN_P=min_p_t is not None,
         num_warps=1 if num_chunks <= 256 else 4,
-        **per_row,
     )
-    if invalid.item():  # the one host sync; invalid arguments get the reference's error
-        return reference()
+    if not _row_checks_pass(checks, temperature_value, stream_value, step_value):
+        return reference()  # invalid arguments get the reference's error
     return SampleOutput(token_ids, processed, logsumexp)

@@ -11,6 +11,7 @@ import torch
 from specdec.sampling.processing import RowParam
 from specdec.verify.reference import (
     VERIFY_METHODS,
+    ValueCheck,
     VerifyInputs,
     VerifyResult,
     check_verify_inputs,
@@ -74,8 +75,29 @@ def verify(
         method=method,
         draft_logsumexp=draft_logsumexp,
         active_rows=active_rows,
+        check_values=False,
     )
-    return verify_checked(inputs)
+    # The value checks read their values back while the kernels run: the kernels are memory-safe
+    # on any values (they clamp ids and counts), and nothing is returned before the checks pass.
+    # Filtering rows first compute thresholds from the parameters, so those wait for the checks.
+    check = ValueCheck(
+        draft_token_ids,
+        draft_logits,
+        positions,
+        inputs.num_draft,
+        inputs.params,
+        method,
+        inputs.active_rows,
+        target_logits.shape[-1],
+    )
+    params = inputs.params
+    if not target_logits.is_cuda or any(
+        t is not None for t in (params.top_k, params.top_p, params.min_p)
+    ):
+        check.wait()
+    result = verify_checked(inputs)
+    check.wait()
+    return result
 
 
 def verify_checked(inputs: VerifyInputs) -> VerifyResult:
@@ -90,6 +112,7 @@ def verify_checked(inputs: VerifyInputs) -> VerifyResult:
 
 __all__ = [
     "VERIFY_METHODS",
+    "ValueCheck",
     "VerifyInputs",
     "VerifyResult",
     "check_verify_inputs",

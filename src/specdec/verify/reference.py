@@ -22,6 +22,7 @@ from specdec.sampling.processing import (
     raise_first_violation,
     sampling_violations,
 )
+from specdec.sampling.readback import Readback
 from specdec.sampling.sampler import SamplingTensors, gumbel_argmax_ref
 
 VERIFY_METHODS = ("standard", "block", "coupled")
@@ -117,9 +118,9 @@ def check_verify_inputs(
     active_rows = int(active_rows)
     params = SamplingTensors.build(batch, device, temperature, top_k, top_p, min_p, check=False)
     if check_values:
-        _check_values(
+        ValueCheck(
             draft_token_ids, draft_logits, positions, num_draft, params, method, active_rows, vocab
-        )
+        ).wait()
     return VerifyInputs(
         target_logits,
         draft_token_ids,
@@ -134,71 +135,84 @@ def check_verify_inputs(
     )
 
 
-def _check_values(
-    draft_token_ids: torch.Tensor,
-    draft_logits: torch.Tensor | None,
-    positions: torch.Tensor,
-    num_draft: torch.Tensor,
-    params: SamplingTensors,
-    method: str,
-    active_rows: int,
-    vocab: int,
-) -> None:
-    """The value checks of `check_verify_inputs`. The small per-row tensors are packed and copied
-    to the host once (ints, floats), and checked there: a handful of device launches whatever the
-    number of rules, so validation stays cheap on a GPU."""
-    batch, k = draft_token_ids.shape
-    drafts = draft_token_ids[:active_rows]  # [A, K]
-    ints = [positions, num_draft, drafts.reshape(-1)]
-    if params.top_k is not None:
-        ints.append(params.top_k)
-    floats = [params.temperature]
-    floats += [t for t in (params.top_p, params.min_p) if t is not None]
-    check_draft_logits = draft_logits is not None and method != "coupled" and k and active_rows
-    if check_draft_logits:
-        at_draft = draft_logits[:active_rows].gather(-1, drafts.clamp(0, vocab - 1)[..., None])
-        floats.append(at_draft.reshape(-1).to(torch.float32))  # [A * K]
-    host_ints = torch.cat(ints).cpu()
-    host_floats = torch.cat([t.to(torch.float32) for t in floats]).cpu()
-    host_positions, host_num_draft, host_drafts, host_top_k = host_ints.split(
-        [batch, batch, active_rows * k, host_ints.numel() - 2 * batch - active_rows * k]
-    )
-    live = torch.arange(k)[None, :] < host_num_draft[:active_rows, None]  # [A, K]
-    host_drafts = host_drafts.view(active_rows, k)
-    sizes = [batch] * (len(floats) - bool(check_draft_logits))
-    sizes += [active_rows * k] if check_draft_logits else []
-    parts = host_floats.split(sizes)
-    params_host = SamplingTensors(
-        temperature=parts[0],
-        top_k=host_top_k if params.top_k is not None else None,
-        top_p=parts[1] if params.top_p is not None else None,
-        min_p=parts[1 + (params.top_p is not None)] if params.min_p is not None else None,
-    )
-    rules = [
-        (
-            ((host_positions < 0) | (host_positions > MAX_POSITION)).any(),
-            "positions must lie in [0, 2**32)",
-        ),
-        (((host_num_draft < 0) | (host_num_draft > k)).any(), f"num_draft must lie in [0, K={k}]"),
-        (
-            (live & ((host_drafts < 0) | (host_drafts >= vocab))).any(),
-            f"draft_token_ids must lie in [0, V={vocab}) within num_draft",
-        ),
-        *sampling_violations(
-            params_host.temperature, params_host.top_k, params_host.top_p, params_host.min_p
-        ),
-    ]
-    if check_draft_logits:
-        at_draft_host = parts[-1].view(active_rows, k)
-        bad = torch.isneginf(at_draft_host) | torch.isnan(at_draft_host)
-        rules.append(
-            (
-                (live & bad).any(),
-                "a draft token has zero probability under its draft_logits: draft_logits must "
-                "be the processed logits the drafts were sampled from",
-            )
+class ValueCheck:
+    """The value checks of one `verify` call, read back from the device without stalling it.
+
+    The per-row values the rules need (positions, num_draft, the live drafts, the sampling
+    parameters, each draft's logit under its draft_logits) are packed on the device and copied to
+    pinned host memory with one asynchronous copy; `wait()` waits for that copy only (not for work
+    queued after it, such as the verify kernels) and raises ValueError naming the first violated
+    rule. On the CPU the copy is immediate.
+    """
+
+    def __init__(
+        self,
+        draft_token_ids: torch.Tensor,
+        draft_logits: torch.Tensor | None,
+        positions: torch.Tensor,
+        num_draft: torch.Tensor,
+        params: SamplingTensors,
+        method: str,
+        active_rows: int,
+        vocab: int,
+    ) -> None:
+        k = draft_token_ids.shape[1]
+        drafts = draft_token_ids[:active_rows]  # [A, K]
+        at_draft = None
+        if draft_logits is not None and method != "coupled" and k and active_rows:
+            at_draft = draft_logits[:active_rows].gather(-1, drafts.clamp(0, vocab - 1)[..., None])
+        self._readback = Readback(
+            {
+                "positions": positions,
+                "num_draft": num_draft,
+                "drafts": drafts,
+                "top_k": params.top_k,
+            },
+            {
+                "temperature": params.temperature,
+                "top_p": params.top_p,
+                "min_p": params.min_p,
+                "at_draft": at_draft,
+            },
         )
-    raise_first_violation(rules)
+        self._layout = (k, active_rows, vocab)
+        self._checked = False
+
+    def wait(self) -> None:
+        """Waits for the values and raises ValueError naming the first violated rule."""
+        if self._checked:
+            return
+        k, active, vocab = self._layout
+        values = self._readback.values()
+        positions, num_draft = values["positions"], values["num_draft"]
+        drafts = values["drafts"].view(active, k)
+        live = torch.arange(k)[None, :] < num_draft[:active, None]  # [A, K]
+        rules = [
+            (
+                ((positions < 0) | (positions > MAX_POSITION)).any(),
+                "positions must lie in [0, 2**32)",
+            ),
+            (((num_draft < 0) | (num_draft > k)).any(), f"num_draft must lie in [0, K={k}]"),
+            (
+                (live & ((drafts < 0) | (drafts >= vocab))).any(),
+                f"draft_token_ids must lie in [0, V={vocab}) within num_draft",
+            ),
+            *sampling_violations(
+                values["temperature"], values.get("top_k"), values.get("top_p"), values.get("min_p")
+            ),
+        ]
+        if "at_draft" in values:
+            at_draft = values["at_draft"].view(active, k)
+            bad = torch.isneginf(at_draft) | torch.isnan(at_draft)
+            rules.append(
+                (
+                    (live & bad).any(),
+                    "a draft token has zero probability under its draft_logits: draft_logits "
+                    "must be the processed logits the drafts were sampled from",
+                )
+            )
+        raise_first_violation(rules)
+        self._checked = True
 
 
 def leading_true(mask: torch.Tensor) -> torch.Tensor:

@@ -52,6 +52,13 @@ def combine_chunks(chunk_max, chunk_sum, AXIS: tl.constexpr):
 
 
 @triton.jit
+def load_num_draft(num_draft_ptr, b, K: tl.constexpr):
+    """num_draft[b] clamped to [0, K]: with the drafts clamped to [0, V), the kernels stay in
+    bounds on values not yet checked (`verify` checks them while the kernels run)."""
+    return tl.minimum(tl.maximum(tl.load(num_draft_ptr + b), 0), K)
+
+
+@triton.jit
 def _verify_rows_kernel(
     target_ptr,  # [B, K+1, V] raw target logits, unit stride along V
     draft_ptr,  # [B, K, V] processed draft logits, unit stride along V (read when DRAFT_STATS)
@@ -88,7 +95,7 @@ def _verify_rows_kernel(
     if r < num_target_rows:
         b = (r // (K + 1)).to(tl.int64)
         i = r % (K + 1)
-        n = tl.load(num_draft_ptr + b)
+        n = load_num_draft(num_draft_ptr, b, K)
         temperature = tl.load(temperature_ptr + b)
         sampled = temperature > 0.0
         divisor = tl.where(sampled, temperature, 1.0)
@@ -146,7 +153,7 @@ def _verify_rows_kernel(
             rd = r - num_target_rows
             b = (rd // K).to(tl.int64)
             i = rd % K
-            n = tl.load(num_draft_ptr + b)
+            n = load_num_draft(num_draft_ptr, b, K)
             temperature = tl.load(temperature_ptr + b)
             if (temperature > 0.0) & (i < n):
                 row_ptr = draft_ptr + b * draft_stride_b + i * draft_stride_i
@@ -192,6 +199,7 @@ def _verify_accept_kernel(
     num_mass_chunks,
     num_target_rows,
     active_rows,
+    vocab,
     K: tl.constexpr,
     K1P: tl.constexpr,  # power of two > K
     CHUNKS: tl.constexpr,  # power of two >= num_chunks
@@ -207,8 +215,12 @@ def _verify_accept_kernel(
 ):
     b = tl.program_id(0).to(tl.int64)
     if b >= active_rows:
+        if not PREPARE:  # a padded row: emits nothing (its outputs are not initialised)
+            pad = tl.arange(0, K1P)
+            tl.store(token_ids_ptr + b * (K + 1) + pad, tl.full([K1P], -1, tl.int64), pad <= K)
+            tl.store(num_accepted_ptr + b, b * 0)
         return
-    n = tl.load(num_draft_ptr + b)
+    n = load_num_draft(num_draft_ptr, b, K)
     temperature = tl.load(temperature_ptr + b)
     sampled = temperature > 0.0
     seed = tl.load(seeds_ptr + b)
@@ -219,6 +231,7 @@ def _verify_accept_kernel(
     chunk_mask = chunks[None, :] < num_chunks
     target_rows = b * (K + 1) + rows
     drafts = tl.load(draft_ids_ptr + b * K + rows, mask=in_chain, other=0)
+    drafts = tl.minimum(tl.maximum(drafts, 0), vocab - 1)
 
     # Argmax rows (greedy rows, coupled rows, the bonus row): combine the chunks; ties -> low id.
     argmax_request = temperature == 0.0  # greedy; coupled requests take every row's argmax
@@ -355,7 +368,7 @@ def _verify_block_mass_kernel(
     chunk = tl.program_id(1)
     b = (r // K).to(tl.int64)
     i = r % K
-    n = tl.load(num_draft_ptr + b)
+    n = load_num_draft(num_draft_ptr, b, K)
     temperature = tl.load(temperature_ptr + b)
     if (temperature > 0.0) & (i >= 1) & (i < n):
         p = tl.load(row_p_ptr + b * (K + 1) + i)
@@ -410,7 +423,7 @@ def _verify_final_kernel(
     chunk = tl.program_id(1)
     j = tl.load(final_row_ptr + b)
     if j >= 0:
-        n = tl.load(num_draft_ptr + b)
+        n = load_num_draft(num_draft_ptr, b, K)
         temperature = tl.load(temperature_ptr + b)
         seed = tl.load(seeds_ptr + b)
         position = tl.load(positions_ptr + b) + j
@@ -508,14 +521,32 @@ def _verify_emit_kernel(
         tl.store(token_ids_ptr + b * (K + 1) + j, token.to(tl.int64))
 
 
+_WORKSPACES: dict[tuple, dict[str, torch.Tensor]] = {}
+MAX_WORKSPACES = 16
+
+
 def _carve(sizes: dict[str, tuple[int, int]], dtype: torch.dtype, device: torch.device):
-    """Views of one uninitialised allocation, one per named 2-D shape."""
+    """Views of one uninitialised allocation, one per named 2-D shape.
+
+    Reused by later calls with the same sizes on the same stream (the kernels write every
+    workspace cell before reading it, and stream order keeps calls apart); a fresh one while a
+    CUDA graph is being captured.
+    """
+    cached = device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
+    key = (device, dtype, torch.cuda.current_stream(device).cuda_stream if cached else None)
+    key += tuple(sizes.items())
+    if cached and key in _WORKSPACES:
+        return _WORKSPACES[key]
     total = sum(a * b for a, b in sizes.values())
     flat = torch.empty(total, dtype=dtype, device=device)
     views, offset = {}, 0
     for name, (a, b) in sizes.items():
         views[name] = flat[offset : offset + a * b].view(a, b)
         offset += a * b
+    if cached:
+        if len(_WORKSPACES) >= MAX_WORKSPACES:
+            _WORKSPACES.clear()
+        _WORKSPACES[key] = views
     return views
 
 
@@ -563,11 +594,13 @@ def verify_triton(inputs: VerifyInputs) -> VerifyResult:
     batch, num_rows, vocab = target.shape
     k = num_rows - 1
     device = target.device
-    token_ids = torch.full((batch, num_rows), -1, dtype=torch.int64, device=device)
-    num_accepted = torch.zeros(batch, dtype=torch.int64, device=device)
     active = inputs.active_rows
     if active == 0:
-        return VerifyResult(token_ids, num_accepted)
+        token_ids = torch.full((batch, num_rows), -1, dtype=torch.int64, device=device)
+        return VerifyResult(token_ids, torch.zeros(batch, dtype=torch.int64, device=device))
+    # The accept kernel writes every row of both outputs (padded rows: -1 and 0).
+    token_ids = torch.empty((batch, num_rows), dtype=torch.int64, device=device)
+    num_accepted = torch.empty(batch, dtype=torch.int64, device=device)
 
     coupled = inputs.method == "coupled"
     block = inputs.method == "block"
@@ -676,6 +709,7 @@ def verify_triton(inputs: VerifyInputs) -> VerifyResult:
         final_chunks,
         num_target_rows,
         active,
+        vocab,
     )
     accept_flags = {
         "K": k,
@@ -711,9 +745,7 @@ def verify_triton(inputs: VerifyInputs) -> VerifyResult:
             HAS_THRESHOLD=has_threshold,
             num_warps=final_warps,
         )
-    _verify_accept_kernel[(active,)](
-        *accept_args, HAS_MASS=need_mass, PREPARE=False, **accept_flags
-    )
+    _verify_accept_kernel[(batch,)](*accept_args, HAS_MASS=need_mass, PREPARE=False, **accept_flags)
     if coupled:
         return VerifyResult(token_ids, num_accepted)
 

@@ -1,0 +1,55 @@
+"""Reading small per-row values back to the host without stalling the device queue.
+
+`Readback` packs named int64 and float32 tensors into one int64 buffer (floats travel as their
+bit patterns), copies it to pinned host memory with one asynchronous copy and records an event.
+`values()` waits for that event only: work queued after the copy (the kernels that consume the
+same inputs) keeps running while the host checks the values. The argument checks of `sample` and
+`verify` use it, so they cost no device-wide synchronisation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Readback:
+    """An asynchronous device-to-host copy of a few small named tensors.
+
+    Args:
+        ints: name -> integer tensor (read back as flat int64), None entries skipped.
+        floats: name -> floating tensor (read back as flat float32), None entries skipped.
+    """
+
+    def __init__(
+        self, ints: dict[str, torch.Tensor | None], floats: dict[str, torch.Tensor | None]
+    ) -> None:
+        ints = {name: t for name, t in ints.items() if t is not None}
+        floats = {name: t for name, t in floats.items() if t is not None}
+        self._int_sizes = {name: t.numel() for name, t in ints.items()}
+        self._float_sizes = {name: t.numel() for name, t in floats.items()}
+        parts = [t.reshape(-1).to(torch.int64) for t in ints.values()]
+        if floats:
+            flat = torch.cat([t.reshape(-1).to(torch.float32) for t in floats.values()])
+            parts.append(flat.view(torch.int32).to(torch.int64))
+        packed = torch.cat(parts)
+        self._event = None
+        if packed.is_cuda:
+            self._host = torch.empty(packed.shape, dtype=torch.int64, pin_memory=True)
+            self._host.copy_(packed, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = packed
+
+    def values(self) -> dict[str, torch.Tensor]:
+        """name -> flat host tensor (int64 or float32); waits for the copy."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        total_ints = sum(self._int_sizes.values())
+        ints = self._host[:total_ints].split(list(self._int_sizes.values()))
+        bits = self._host[total_ints:].to(torch.int32)
+        floats = bits.view(torch.float32).split(list(self._float_sizes.values()))
+        return dict(zip(self._int_sizes, ints, strict=True)) | dict(
+            zip(self._float_sizes, floats, strict=True)
+        )
