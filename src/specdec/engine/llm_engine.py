@@ -3,10 +3,16 @@
 Owns the requests, the scheduler, the model runner and the drafter. Every token it emits comes
 from `specdec.sampling.sample` (no drafts) or `specdec.verify.verify` (drafts): the engine itself
 never draws randomness.
+
+The host work of a step is kept small, since it adds to every step's GPU time: per-request
+constants (seeds, sampling parameters) stay on the device while the batch keeps its requests,
+each step sends its per-request values with one copy per sampler or verifier call, and outputs
+(detokenized text included) are built only for the requests a caller is told about.
 """
 
 from __future__ import annotations
 
+import gc
 import itertools
 import warnings
 from dataclasses import dataclass, field
@@ -14,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from specdec.drafters import DraftBatch, Drafter, NgramDrafter, TargetFeatures
+from specdec.drafters import DraftBatch, Drafter, NgramDrafter, Proposal, TargetFeatures
 from specdec.engine.config import EngineConfig, SpeculativeConfig
 from specdec.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from specdec.engine.request import Request, RequestStatus, SpecSettings
@@ -27,6 +33,7 @@ from specdec.sampling import SamplingParams, SamplingTensors, compute_logprobs, 
 from specdec.verify import VERIFY_METHODS, check_verify_inputs, verify_checked
 
 CPU_KV_CACHE_BYTES = 1 << 30
+_CPU = torch.device("cpu")
 DEFAULT_MAX_MODEL_LEN = 4096
 
 
@@ -39,9 +46,57 @@ class RequestGroup:
     prompt_token_ids: list[int]
     seed: int
     samples: list[Request]
+    stop_token_ids: frozenset[int] = frozenset()  # stop_token_ids, and EOS unless ignored
     texts: list[str | None] = field(default_factory=list)  # a stop-truncated text, else None
     stop_reasons: list[str | int | None] = field(default_factory=list)
     logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
+
+
+# One share's result of a step: (emitted tokens, num_draft, num_accepted, the share's raw target
+# logits [num_draft + 1, V], whose first len(tokens) rows are the emitted tokens' distributions).
+_Emission = tuple[list[int], int, int, torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class _Drafts:
+    """One step's proposal, and for each request that got drafts (keyed by id(request)): its
+    row of the proposal and its draft ids."""
+
+    proposal: Proposal
+    rows: dict[int, tuple[int, list[int]]]
+
+
+class _BatchConstants:
+    """The seeds and sampling parameters of a batch of requests, as tensors on `device`.
+
+    They are fixed per request, so the engine keeps them while the same requests come in the same
+    order (`LLMEngine._constants`) instead of rebuilding them (and copying them to the device) at
+    every step. Each tensor is built on first use: an all-greedy batch of plain decoding never
+    needs them.
+    """
+
+    __slots__ = ("_params", "_seeds", "device", "greedy", "requests")
+
+    def __init__(self, requests: list[Request], device: torch.device) -> None:
+        self.requests = requests
+        self.device = device
+        self.greedy = all(r.params.temperature == 0 for r in requests)
+        self._seeds: torch.Tensor | None = None
+        self._params: SamplingTensors | None = None
+
+    @property
+    def seeds(self) -> torch.Tensor:
+        """[B] int64 request seeds."""
+        if self._seeds is None:
+            self._seeds = _device_tensor([r.seed for r in self.requests], torch.int64, self.device)
+        return self._seeds
+
+    @property
+    def params(self) -> SamplingTensors:
+        """[B] sampling parameters (see `_sampling_tensors`)."""
+        if self._params is None:
+            self._params = _sampling_tensors([r.params for r in self.requests], self.device)
+        return self._params
 
 
 class LLMEngine:
@@ -71,6 +126,7 @@ class LLMEngine:
             model, _, tokenizer = load_model(path, dtype=dtype, device=self.device)
         self.model = model
         self.tokenizer = tokenizer
+        self._eos_token_id = None if tokenizer is None else tokenizer.eos_token_id
         self.model_config = model.config
         context = self.model_config.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
         self.max_model_len = config.max_model_len or min(context, DEFAULT_MAX_MODEL_LEN)
@@ -116,6 +172,7 @@ class LLMEngine:
         self.groups: dict[str, RequestGroup] = {}
         self._group_of: dict[int, RequestGroup] = {}
         self._ids = itertools.count()
+        self._batch_constants: dict[str, _BatchConstants] = {}
 
     # ------------------------------------------------------------------ setup
     def _default_num_blocks(self) -> int:
@@ -123,6 +180,10 @@ class LLMEngine:
         itemsize = self.model.model.embed_tokens.weight.element_size()
         per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
         if self.device.type == "cuda":
+            # Memory of engines that are gone (e.g. an earlier one in this process) is garbage
+            # or cached by the allocator: give it back before measuring what is free.
+            gc.collect()
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - (1.0 - self.config.gpu_memory_utilization) * total
         else:
@@ -205,7 +266,12 @@ class LLMEngine:
             )
             self.scheduler.add(request)
             samples.append(request)
-        group = RequestGroup(request_id, text, list(token_ids), seed, samples)
+        stop_token_ids = set(params.stop_token_ids or [])
+        if self._eos_token_id is not None and not params.ignore_eos:
+            stop_token_ids.add(self._eos_token_id)
+        group = RequestGroup(
+            request_id, text, list(token_ids), seed, samples, frozenset(stop_token_ids)
+        )
         group.texts = [None] * params.n
         group.stop_reasons = [None] * params.n
         group.logprobs = [[] if params.logprobs is not None else None for _ in range(params.n)]
@@ -273,68 +339,85 @@ class LLMEngine:
         (finished groups are then forgotten). `only_finished` skips building the outputs of
         unfinished requests (callers that do not stream)."""
         out = self.scheduler.schedule()
-        for request in out.preempted:
-            if self.drafter is not None:
+        if self.drafter is not None:
+            for request in out.preempted:
                 self.drafter.release(request.request_id)
-        if not out.scheduled:
+        scheduled = out.scheduled
+        if not scheduled:
             if self.scheduler.has_unfinished:
                 raise RuntimeError("no request could be scheduled: the KV cache is too small")
             return []
-        drafts = self._propose(out.scheduled)
-        inputs = []
-        for share in out.scheduled:
-            request = share.request
-            if share.emits and not request.in_prefill:
-                draft_ids = drafts.get(id(request), ([], None))[0]
-                tokens = [request.all_token_ids[-1], *draft_ids]
-                inputs.append(
-                    StepInput(tokens, request.num_tokens - 1, request.block_ids, len(tokens))
-                )
-            else:
-                start = request.num_computed_tokens
-                tokens = request.all_token_ids[start : start + share.num_query_tokens]
-                inputs.append(StepInput(tokens, start, request.block_ids, int(share.emits)))
+        drafts = self._propose(scheduled)
+        inputs = self._step_inputs(scheduled, drafts)
         feature_layers = self.drafter.feature_layers if self.drafter is not None else ()
         if feature_layers:
             logits, features = self.runner.run_with_features(inputs, feature_layers)
         else:
             logits, features = self.runner.run(inputs), []
-        emitted = self._emit(out.scheduled, logits, drafts)
+        emitted = self._emit(scheduled, logits, drafts)
         if features:
-            self._deliver_features(out.scheduled, inputs, features, emitted)
-        touched: dict[str, RequestGroup] = {}
-        for share, step_input in zip(out.scheduled, inputs, strict=True):
+            self._deliver_features(scheduled, inputs, features, emitted)
+        # Streaming: every group that emitted; else only those with a request that finished.
+        reported: dict[str, RequestGroup] = {}
+        for share, step_input, emission in zip(scheduled, inputs, emitted, strict=True):
             request = share.request
-            group = self._group_of[id(request)]
-            if id(request) not in emitted:
-                self.scheduler.commit(request, step_input.start + len(step_input.token_ids))
+            end = step_input.start + len(step_input.token_ids)
+            if emission is None:
+                self.scheduler.commit(request, end)
                 continue
-            tokens, num_draft, num_accepted, rows = emitted[id(request)]
-            rejected = num_draft - num_accepted
-            self.scheduler.commit(request, step_input.start + len(step_input.token_ids) - rejected)
+            tokens, num_draft, num_accepted, rows = emission
+            self.scheduler.commit(request, end - (num_draft - num_accepted))
             if num_draft:
                 request.stats.observe(num_draft, num_accepted)
                 self.stats.observe(num_draft, num_accepted)
-            self._append(request, group, tokens, rows)
-            touched[group.request_id] = group
+            group = self._group_of[id(request)]
+            finished = self._append(request, group, tokens, rows)
+            if finished or not only_finished:
+                reported[group.request_id] = group
         if only_finished:
             return [
                 self._output(group)
-                for group in touched.values()
+                for group in reported.values()
                 if all(r.status.finished for r in group.samples)
             ]
-        return [self._output(group) for group in touched.values()]
+        return [self._output(group) for group in reported.values()]
+
+    def _step_inputs(
+        self, scheduled: list[ScheduledRequest], drafts: _Drafts | None
+    ) -> list[StepInput]:
+        """The runner's input of every share: a decode round feeds the last token and its drafts
+        (logits for all of them); a prefill chunk feeds its slice of the tokens (logits for the
+        last one when the chunk completes the prompt)."""
+        draft_rows = drafts.rows if drafts is not None else {}
+        inputs = []
+        for share in scheduled:
+            request = share.request
+            last = request.num_tokens - 1
+            if share.emits and request.num_computed_tokens >= last:  # not request.in_prefill
+                tokens = [request.last_token_id]
+                if draft_rows:
+                    entry = draft_rows.get(id(request))
+                    if entry is not None:
+                        tokens += entry[1]
+                inputs.append(StepInput(tokens, last, request.block_ids, len(tokens)))
+            else:
+                start = request.num_computed_tokens
+                tokens = request.all_token_ids[start : start + share.num_query_tokens]
+                inputs.append(StepInput(tokens, start, request.block_ids, int(share.emits)))
+        return inputs
 
     def _deliver_features(self, scheduled, inputs, features, emitted) -> None:
         """Hands the drafter the target features of this step's committed query tokens (a prefill
         chunk; a round's input token and accepted drafts), never those of rejected drafts."""
         request_ids, starts, kept = [], [], []
-        for share, step_input, rows in zip(scheduled, inputs, features, strict=True):
+        for share, step_input, rows, emission in zip(
+            scheduled, inputs, features, emitted, strict=True
+        ):
             if share.request.spec is None:
                 continue
             num_valid = len(step_input.token_ids)
-            if id(share.request) in emitted:
-                _, num_draft, num_accepted, _ = emitted[id(share.request)]
+            if emission is not None:
+                _, num_draft, num_accepted, _ = emission
                 num_valid -= num_draft - num_accepted
             request_ids.append(share.request.request_id)
             starts.append(step_input.start)
@@ -342,152 +425,198 @@ class LLMEngine:
         if request_ids:
             self.drafter.observe(TargetFeatures(request_ids, starts, kept))
 
-    def _propose(self, scheduled: list[ScheduledRequest]) -> dict[int, tuple[list[int], object]]:
-        """Drafts for the decode shares with num_draft > 0: {id(request): (ids, (proposal, b))}."""
-        shares = [s for s in scheduled if s.num_draft > 0 and not s.request.in_prefill]
-        if not shares or self.drafter is None:
-            return {}
+    def _constants(
+        self, purpose: str, requests: list[Request], device: torch.device
+    ) -> _BatchConstants:
+        """The constants of `requests` for `purpose` ("plain", "draft" or a verify method): the
+        cached ones while the batch keeps the same requests in the same order, else new ones."""
+        cached = self._batch_constants.get(purpose)
+        if cached is None or cached.device != device or cached.requests != requests:
+            cached = self._batch_constants[purpose] = _BatchConstants(requests, device)
+        return cached
+
+    def _propose(self, scheduled: list[ScheduledRequest]) -> _Drafts | None:
+        """Drafts for the decode shares with num_draft > 0 (None: no request got drafts)."""
+        if self.drafter is None:
+            return None
+        shares = [s for s in scheduled if s.num_draft > 0]
+        if not shares:
+            return None
         requests = [s.request for s in shares]
+        constants = self._constants("draft", requests, _CPU)
         batch = DraftBatch(
             token_ids=[r.all_token_ids for r in requests],
-            seeds=torch.tensor([r.seed for r in requests], dtype=torch.int64),
+            seeds=constants.seeds,
             anchors=torch.tensor([r.num_tokens for r in requests], dtype=torch.int64),
             num_draft=torch.tensor([s.num_draft for s in shares], dtype=torch.int64),
             methods=[r.spec.method for r in requests],
-            params=_sampling_tensors([r.params for r in requests], torch.device("cpu")),
+            params=constants.params,
             request_ids=[r.request_id for r in requests],
         )
         proposal = self.drafter.propose(batch)
-        result = {}
-        for b, request in enumerate(requests):
-            n = int(proposal.num_draft[b])
-            result[id(request)] = (proposal.draft_token_ids[b, :n].tolist(), (proposal, b))
-        return result
+        counts = proposal.num_draft.tolist()  # one device sync each for the whole batch
+        draft_ids = proposal.draft_token_ids.tolist()
+        rows = {
+            id(request): (b, draft_ids[b][:n])
+            for b, (request, n) in enumerate(zip(requests, counts, strict=True))
+            if n
+        }
+        return _Drafts(proposal, rows) if rows else None
 
     def _emit(
-        self, scheduled, logits, drafts
-    ) -> dict[int, tuple[list[int], int, int, torch.Tensor]]:
-        """Samples or verifies every emitting request: {id(request): (tokens, num_draft,
-        num_accepted, raw target logits rows [n + 1, V])}."""
-        plain, spec = [], []
-        for share, rows in zip(scheduled, logits, strict=True):
+        self, scheduled: list[ScheduledRequest], logits: list[torch.Tensor], drafts: _Drafts | None
+    ) -> list[_Emission | None]:
+        """Samples or verifies every emitting share: per share, its `_Emission` (None for a
+        prefill chunk that emits nothing)."""
+        emitted: list[_Emission | None] = [None] * len(scheduled)
+        plain: list[int] = []
+        spec: dict[str, list[int]] = {}
+        draft_rows = drafts.rows if drafts is not None else {}
+        for i, share in enumerate(scheduled):
             if not share.emits:
                 continue
-            num_draft = len(drafts.get(id(share.request), ([], None))[0])
-            (spec if num_draft else plain).append((share.request, rows, num_draft))
-        result = {}
-        if plain:
-            requests = [r for r, _, _ in plain]
-            rows = torch.stack([row[-1] for _, row, _ in plain])  # [B, V]
-            if all(r.params.temperature == 0 for r in requests):
-                # All greedy: `sample` would take the argmax (first maximum) without noise; the
-                # filters never remove the maximum. One kernel instead of the sampler's setup.
-                token_ids = rows.argmax(dim=-1)
+            if draft_rows and id(share.request) in draft_rows:
+                spec.setdefault(share.request.spec.method, []).append(i)
             else:
-                params = _sampling_tensors([r.params for r in requests], rows.device)
-                token_ids = sample(
-                    rows,
-                    _device_tensor([r.seed for r in requests], torch.int64, rows.device),
-                    _device_tensor([r.num_tokens for r in requests], torch.int64, rows.device),
-                    temperature=params.temperature,
-                    top_k=params.top_k,
-                    top_p=params.top_p,
-                    min_p=params.min_p,
-                ).token_ids
-            sampled = token_ids.tolist()  # one device sync for the whole batch
-            for i, (request, row, _) in enumerate(plain):
-                result[id(request)] = ([sampled[i]], 0, 0, row[-1:])
+                plain.append(i)
+        if plain:
+            self._sample_plain(plain, scheduled, logits, emitted)
         for method in VERIFY_METHODS:
-            group = [entry for entry in spec if entry[0].spec.method == method]
-            if group:
-                result.update(self._verify_group(group, drafts, method))
-        return result
+            if method in spec:
+                self._verify_group(spec[method], scheduled, logits, drafts, method, emitted)
+        return emitted
 
-    def _verify_group(self, group, drafts, method):
-        requests = [r for r, _, _ in group]
-        device = group[0][1].device
-        k = max(n for _, _, n in group)
-        vocab = group[0][1].shape[-1]
-        # [B, K+1, V] and [B, K, V], zero-padded past each request's drafts (one copy each).
-        target = pad_sequence([rows for _, rows, _ in group], batch_first=True)
-        if target.shape[1] < k + 1:
-            target = torch.cat(
-                [target, target.new_zeros(len(group), k + 1 - target.shape[1], vocab)], 1
-            )
-        host_ids = [drafts[id(r)][0] + [-1] * (k - n) for r, _, n in group]
-        draft_ids = _device_tensor(host_ids, torch.int64, device)
-        proposals = [drafts[id(r)][1] for r in requests]
+    def _sample_plain(
+        self,
+        indices: list[int],
+        scheduled: list[ScheduledRequest],
+        logits: list[torch.Tensor],
+        emitted: list[_Emission | None],
+    ) -> None:
+        """Samples one token for each share in `indices` (no drafts) with one sampler call; sets
+        their entries of `emitted`."""
+        requests = [scheduled[i].request for i in indices]
+        row_logits = [logits[i] for i in indices]  # [1, V] each: one logit row was asked for
+        rows = row_logits[0] if len(row_logits) == 1 else torch.cat(row_logits)  # [B, V]
+        constants = self._constants("plain", requests, rows.device)
+        if constants.greedy:
+            # All greedy: `sample` would take the argmax (first maximum) without noise; the
+            # filters never remove the maximum. One kernel instead of the sampler's setup.
+            token_ids = rows.argmax(dim=-1)
+        else:
+            params = constants.params
+            token_ids = sample(
+                rows,
+                constants.seeds,
+                _device_tensor([r.num_tokens for r in requests], torch.int64, rows.device),
+                temperature=params.temperature,
+                top_k=params.top_k,
+                top_p=params.top_p,
+                min_p=params.min_p,
+            ).token_ids
+        sampled = token_ids.tolist()  # one device sync for the whole batch
+        for i, token, row in zip(indices, sampled, row_logits, strict=True):
+            emitted[i] = ([token], 0, 0, row)
+
+    def _verify_group(
+        self,
+        indices: list[int],
+        scheduled: list[ScheduledRequest],
+        logits: list[torch.Tensor],
+        drafts: _Drafts,
+        method: str,
+        emitted: list[_Emission | None],
+    ) -> None:
+        """Verifies the drafts of the shares in `indices` (all of `method`) with one verifier
+        call; sets their entries of `emitted`."""
+        requests = [scheduled[i].request for i in indices]
+        entries = [drafts.rows[id(r)] for r in requests]  # (proposal row, draft ids)
+        counts = [len(ids) for _, ids in entries]
+        k = max(counts)
+        # [B, K+1, V], zero-padded past each request's drafts (one copy: pad_sequence copies
+        # row by row, so it is kept for ragged groups only).
+        target_rows = [logits[i] for i in indices]
+        if min(counts) == k:
+            target = torch.stack(target_rows)
+        else:
+            target = pad_sequence(target_rows, batch_first=True)
+        device = target.device
+        positions, num_draft, flat_ids = _device_int64(
+            [r.num_tokens for r in requests],
+            counts,
+            [t for _, ids in entries for t in ids + [-1] * (k - len(ids))],
+            device=device,
+        )
         draft_logits = None
-        if proposals[0][0].draft_logits is not None:
-            draft_logits = pad_sequence(
-                [
-                    proposal.draft_logits[index, :n].to(device)
-                    for (proposal, index), (_, _, n) in zip(proposals, group, strict=True)
-                ],
-                batch_first=True,
-            )
-        params = _sampling_tensors([r.params for r in requests], device)
+        if drafts.proposal.draft_logits is not None:
+            draft_logits = _draft_logits(
+                drafts.proposal.draft_logits, [b for b, _ in entries], counts, k
+            ).to(device)
+        constants = self._constants(method, requests, device)
+        params = constants.params
         # Valid by construction (ids from the drafter, params from SamplingParams): skip the
         # value checks' host round trip.
         inputs = check_verify_inputs(
             target,
-            draft_ids,
+            flat_ids.view(len(requests), k),
             draft_logits,
-            _device_tensor([r.seed for r in requests], torch.int64, device),
-            _device_tensor([r.num_tokens for r in requests], torch.int64, device),
+            constants.seeds,
+            positions,
             temperature=params.temperature,
             top_k=params.top_k,
             top_p=params.top_p,
             min_p=params.min_p,
-            num_draft=_device_tensor([n for _, _, n in group], torch.int64, device),
+            num_draft=num_draft,
             method=method,
             check_values=False,
         )
         out = verify_checked(inputs)
-        result = {}
         host_accepted = out.num_accepted.tolist()  # one device sync each for the whole group
         host_tokens = out.token_ids.tolist()
-        for b, (request, rows, n) in enumerate(group):
-            accepted = host_accepted[b]
-            tokens = host_tokens[b][: accepted + 1]
-            result[id(request)] = (tokens, n, accepted, rows[: accepted + 1])
-        return result
+        for i, tokens, accepted, n in zip(indices, host_tokens, host_accepted, counts, strict=True):
+            emitted[i] = (tokens[: accepted + 1], n, accepted, logits[i])
 
     # ----------------------------------------------------------------- output
-    def _append(self, request: Request, group: RequestGroup, tokens: list[int], rows) -> None:
-        """Appends emitted tokens one by one, stopping at the first stop condition."""
+    def _append(self, request: Request, group: RequestGroup, tokens: list[int], rows) -> bool:
+        """Appends emitted tokens one by one, stopping at the first stop condition. Returns
+        whether the request finished."""
         params = request.params
-        index = group.samples.index(request)
-        eos = None if self.tokenizer is None else self.tokenizer.eos_token_id
-        stop_ids = set(params.stop_token_ids or [])
-        if eos is not None and not params.ignore_eos:
-            stop_ids.add(eos)
+        output = request.output_token_ids
+        check_text = bool(params.stop) and self.tokenizer is not None
+        # max_tokens outputs, or max_model_len tokens in all.
+        limit = self.max_model_len - len(request.prompt_token_ids)
+        if params.max_tokens is not None:
+            limit = min(limit, params.max_tokens)
         for j, token in enumerate(tokens):
-            request.output_token_ids.append(token)
+            output.append(token)
             if params.logprobs is not None:
                 lp = compute_logprobs(rows[j : j + 1], torch.tensor([token]), params.logprobs)
                 top = dict(zip(lp.top_ids[0].tolist(), lp.top_logprobs[0].tolist(), strict=True))
-                group.logprobs[index].append(TokenLogprob(token, float(lp.token_logprobs[0]), top))
-            num_out = len(request.output_token_ids)
-            if token in stop_ids and num_out >= params.min_tokens:
-                group.stop_reasons[index] = None if token == eos else token
-                self._finish(request, RequestStatus.FINISHED_STOPPED)
-                break
-            if params.stop and self.tokenizer is not None and num_out >= params.min_tokens:
-                text = self._text(request)
-                hit = _find_stop(text, params.stop)
-                if hit is not None:
-                    position, stop = hit
-                    keep = position + (len(stop) if params.include_stop_str_in_output else 0)
-                    group.texts[index] = text[:keep]
-                    group.stop_reasons[index] = stop
+                group.logprobs[group.samples.index(request)].append(
+                    TokenLogprob(token, float(lp.token_logprobs[0]), top)
+                )
+            num_out = len(output)
+            if num_out >= params.min_tokens:
+                if token in group.stop_token_ids:
+                    reason = None if token == self._eos_token_id else token
+                    group.stop_reasons[group.samples.index(request)] = reason
                     self._finish(request, RequestStatus.FINISHED_STOPPED)
-                    return
-            if (params.max_tokens is not None and num_out >= params.max_tokens) or (
-                request.num_tokens >= self.max_model_len
-            ):
+                    return True
+                if check_text:
+                    text = self._text(request)
+                    hit = _find_stop(text, params.stop)
+                    if hit is not None:
+                        position, stop = hit
+                        keep = position + (len(stop) if params.include_stop_str_in_output else 0)
+                        index = group.samples.index(request)
+                        group.texts[index] = text[:keep]
+                        group.stop_reasons[index] = stop
+                        self._finish(request, RequestStatus.FINISHED_STOPPED)
+                        return True
+            if num_out >= limit:
                 self._finish(request, RequestStatus.FINISHED_LENGTH)
-                break
+                return True
+        return False
 
     def _text(self, request: Request) -> str:
         """The output text: decoded incrementally while the request runs (it may lag by an
@@ -506,16 +635,18 @@ class LLMEngine:
 
     def _output(self, group: RequestGroup) -> RequestOutput:
         outputs = []
-        stats = SpecDecodeStats()
+        finished = True
         for index, request in enumerate(group.samples):
             status = request.status
+            done = status.finished
+            finished = finished and done
             logprobs = group.logprobs[index]
             outputs.append(
                 CompletionOutput(
                     index=index,
                     text=self._text(request) if group.texts[index] is None else group.texts[index],
                     token_ids=list(request.output_token_ids),
-                    finish_reason=status.value if status.finished else None,
+                    finish_reason=status.value if done else None,
                     stop_reason=group.stop_reasons[index],
                     logprobs=None if logprobs is None else list(logprobs),
                     cumulative_logprob=None
@@ -523,8 +654,12 @@ class LLMEngine:
                     else sum(t.logprob for t in logprobs),
                 )
             )
-            stats.merge(request.stats)
-        finished = all(r.status.finished for r in group.samples)
+        if len(group.samples) == 1:
+            stats = group.samples[0].stats  # merging one set into empty counters copies it
+        else:
+            stats = SpecDecodeStats()
+            for request in group.samples:
+                stats.merge(request.stats)
         if finished:
             self.groups.pop(group.request_id, None)
             for request in group.samples:
@@ -552,6 +687,24 @@ def _device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> to
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def _device_int64(*columns: list[int], device: torch.device) -> list[torch.Tensor]:
+    """int64 tensors of host columns on `device`, sent with one copy (`_device_tensor`)."""
+    packed = _device_tensor(list(itertools.chain.from_iterable(columns)), torch.int64, device)
+    return list(packed.split_with_sizes([len(column) for column in columns]))
+
+
+def _draft_logits(logits: torch.Tensor, rows: list[int], counts: list[int], k: int) -> torch.Tensor:
+    """[len(rows), k, V] draft logits of the given rows of a proposal's [B, K, V] draft logits,
+    zero past each row's `counts` drafts (what padding each row's own drafts to k gives)."""
+    if min(counts) == k and rows == list(range(logits.shape[0])):
+        return logits[:, :k].contiguous()  # the whole proposal: no gather
+    picked = logits[_device_tensor(rows, torch.int64, logits.device), :k]  # a copy
+    for b, n in enumerate(counts):
+        if n < k:
+            picked[b, n:] = 0
+    return picked
 
 
 def _sampling_tensors(params: list[SamplingParams], device: torch.device) -> SamplingTensors:

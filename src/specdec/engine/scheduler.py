@@ -25,9 +25,10 @@ class SchedulerConfig:
     max_model_len: int = 2048
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ScheduledRequest:
-    """One request's share of a step.
+    """One request's share of a step (built for every running request at every step, so it is a
+    plain slotted class: a frozen dataclass costs several times as much to construct).
 
     Attributes:
         request: the request.
@@ -91,12 +92,18 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         index = 0
+        block_size = self.allocator.block_size
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             share = self._share(request, budget)
             if share is None:
                 break
             needed = request.num_computed_tokens + share.num_query_tokens
+            if needed <= len(request.block_ids) * block_size:  # most decode steps: no new block
+                scheduled.append(share)
+                budget -= share.num_query_tokens
+                index += 1
+                continue
             while not self.allocator.can_grow(request, needed):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -134,21 +141,22 @@ class Scheduler:
         limits) or waits. A preempted request recomputes its K/V up to (not including) its last
         token without emitting, then resumes the very round it would have run.
         """
-        if request.in_prefill:
-            end = request.num_tokens if not request.output_token_ids else request.num_tokens - 1
+        num_tokens = request.num_tokens
+        if request.num_computed_tokens < num_tokens - 1:  # request.in_prefill
+            end = num_tokens if not request.output_token_ids else num_tokens - 1
             remaining = end - request.num_computed_tokens
             chunk = min(remaining, budget)
             emits = chunk == remaining and not request.output_token_ids
-            return ScheduledRequest(request, chunk, 0, emits=emits)
-        num_draft = 0
-        if request.spec is not None:
-            room = self.config.max_model_len - request.num_tokens - 1
-            max_tokens = request.params.max_tokens
-            left = room + 1 if max_tokens is None else max_tokens - len(request.output_token_ids)
-            num_draft = max(0, min(request.spec.num_speculative_tokens, room, left - 1))
+            return ScheduledRequest(request, chunk, 0, emits)
+        if request.spec is None:
+            return ScheduledRequest(request, 1, 0, True)  # budget > 0 always fits one token
+        room = self.config.max_model_len - num_tokens - 1
+        max_tokens = request.params.max_tokens
+        left = room + 1 if max_tokens is None else max_tokens - len(request.output_token_ids)
+        num_draft = max(0, min(request.spec.num_speculative_tokens, room, left - 1))
         if 1 + num_draft > budget:
             return None
-        return ScheduledRequest(request, 1 + num_draft, num_draft, emits=True)
+        return ScheduledRequest(request, 1 + num_draft, num_draft, True)
 
     def _preempt(self, request: Request) -> None:
         self.allocator.free(request)
@@ -163,7 +171,8 @@ class Scheduler:
         releases the blocks of rejected draft slots beyond them.
         Mutates: request.num_computed_tokens, request.block_ids."""
         request.num_computed_tokens = num_computed_tokens
-        self.allocator.rollback(request, num_computed_tokens)
+        if (len(request.block_ids) - 1) * self.allocator.block_size >= num_computed_tokens:
+            self.allocator.rollback(request, num_computed_tokens)  # a block past the last needed
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Removes a request from the queues and frees its blocks. Mutates: queues, request."""
