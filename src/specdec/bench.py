@@ -205,9 +205,18 @@ def run_sweep(
             for i in range(len(prompts))
         ]
 
+    def warm_up(llm: LLM, temperature: float, speculative: dict | None = None) -> None:
+        """One short untimed request with the run's settings: Triton compiles and CUDA-graph
+        captures happen here, not inside the timed run (figures are counter deltas)."""
+        warm = SamplingParams(temperature=temperature, max_tokens=min(output_len, 16), seed=seed)
+        llm.generate(
+            [{"prompt_token_ids": prompts[0]}], warm, speculative=speculative, use_tqdm=False
+        )
+
     plain = LLM(model, speculative_config=None, **engine_args)
     plain_rate = {}
     for temperature in temperatures:
+        warm_up(plain, temperature)
         figures, _ = run_workload(plain, f"plain T={temperature:g}", prompts, params(temperature))
         plain_rate[temperature] = figures.tokens_per_s
     del plain
@@ -218,6 +227,7 @@ def run_sweep(
         )
         for temperature in temperatures:
             for k in ks:
+                warm_up(llm, temperature, {"num_speculative_tokens": k})
                 figures, _ = run_workload(
                     llm,
                     f"{name} K={k} T={temperature:g}",

@@ -136,3 +136,54 @@ def test_engine_on_cuda_keeps_its_guarantees(model_dir, drafter, method) -> None
     if method == "coupled":
         plain_sampled, _ = _generate(model_dir, SAMPLED)
         assert graphed == plain_sampled
+
+
+@pytest.fixture(scope="module")
+def trained_drafters(model_dir, tmp_path_factory):
+    """eagle, dflash and dspark heads trained on the GPU by `specdec train-drafter --device cuda`
+    (self-distillation through the CUDA engine, a few steps, the held-out evaluation)."""
+    import json
+
+    from models_fixtures import prompt_tokens
+    from specdec.cli import main
+
+    root = tmp_path_factory.mktemp("gpu-drafters")
+    prompts = root / "prompts.jsonl"
+    with prompts.open("w") as file:
+        for tokens in prompt_tokens(97, [6] * 12, seed=5):
+            file.write(json.dumps({"prompt_token_ids": tokens}) + "\n")
+    dirs = {}
+    for kind, options in (
+        ("eagle", ["ttt_steps=2"]),
+        ("dflash", ["block_size=3"]),
+        ("dspark", ["block_size=3", "markov_rank=8"]),
+    ):
+        out = root / kind
+        args = ["train-drafter", "--target", str(model_dir), "--kind", kind]
+        args += ["--data", str(prompts), "--out", str(out), "--device", "cuda"]
+        args += ["--seq-len", "32", "--batch-size", "4", "--max-steps", "6", "--warmup-steps", "2"]
+        args += ["--gen-max-tokens", "24", "--gen-repeats", "2", "--gen-batch", "16"]
+        args += ["--holdout-fraction", "0.25", "--eval-prompts", "2", "--eval-max-tokens", "8"]
+        args += ["--eval-k", "3"]
+        for option in options:
+            args += ["--option", option]
+        assert main(args) == 0
+        result = json.loads((out / "acceptance.json").read_text())
+        assert result["steps"] == 6
+        dirs[kind] = out
+    return dirs
+
+
+@pytest.mark.parametrize("kind", ["eagle", "dflash", "dspark"])
+def test_target_reading_drafters_on_cuda(model_dir, trained_drafters, kind) -> None:
+    """Drafters that read target features, trained on the GPU, run under CUDA graphs: greedy
+    speculation == greedy plain, and graphs == enforce_eager for sampled standard verification."""
+    spec = {"method": kind, "model": str(trained_drafters[kind]), "num_speculative_tokens": 3}
+    plain_greedy, _ = _generate(model_dir, GREEDY)
+    spec_greedy, llm = _generate(model_dir, GREEDY, spec)
+    assert spec_greedy == plain_greedy
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
+    assert llm.get_metrics()["num_drafts"] > 0
+    graphed, _ = _generate(model_dir, SAMPLED, spec)
+    eager, _ = _generate(model_dir, SAMPLED, spec, enforce_eager=True)
+    assert graphed == eager

@@ -1,11 +1,20 @@
 """The OpenAI-compatible HTTP server: `build_app(engine, config)` and `ServerConfig`.
 
 HTTP, JSON and Prometheus only; every token comes from `specdec.engine.LLMEngine`, which one
-background thread owns (`AsyncEngine`).
+background thread owns (`AsyncEngine`). The web framework is imported on first use of
+`build_app`, so the CLI's other commands run where it is not installed.
 """
 
-from specdec.server.app import build_app
 from specdec.server.async_engine import AsyncEngine
 from specdec.server.config import ServerConfig
+
+
+def __getattr__(name: str):
+    if name == "build_app":
+        from specdec.server.app import build_app
+
+        return build_app
+    raise AttributeError(f"module 'specdec.server' has no attribute {name!r}")
+
 
 __all__ = ["AsyncEngine", "ServerConfig", "build_app"]

@@ -82,8 +82,18 @@ class TrainingSet:
         """[V] int64 occurrences of each token id where a label is taken."""
         counts = torch.zeros(vocab_size, dtype=torch.int64)
         for seq in self.sequences:
-            counts += torch.bincount(seq.token_ids, minlength=vocab_size)
+            counts += torch.bincount(seq.token_ids.cpu(), minlength=vocab_size)
         return counts
+
+    def to(self, device: torch.device) -> TrainingSet:
+        """The same set with every tensor on `device` (batches are then built there)."""
+        moved = [
+            AnnotatedSequence(
+                s.token_ids.to(device), s.layers.to(device), s.loss_mask.to(device), s.prompt_len
+            )
+            for s in self.sequences
+        ]
+        return TrainingSet(self.layers, moved)
 
     def split(self, holdout_fraction: float) -> tuple[TrainingSet, TrainingSet]:
         """(train, held-out): every round(1 / fraction)-th sequence is held out."""
@@ -120,9 +130,10 @@ class TrainingSet:
             )
         width = max(p[0].shape[0] for p in parts)
         size, dim = len(parts), parts[0][1].shape[-1]
-        token_ids = torch.zeros(size, width, dtype=torch.int64)
-        hidden = torch.zeros(size, width, len(self.layers), dim, dtype=torch.float32)
-        mask = torch.zeros(size, width, dtype=torch.bool)
+        device = parts[0][0].device
+        token_ids = torch.zeros(size, width, dtype=torch.int64, device=device)
+        hidden = torch.zeros(size, width, len(self.layers), dim, device=device)
+        mask = torch.zeros(size, width, dtype=torch.bool, device=device)
         for b, (tokens, layers, loss_mask) in enumerate(parts):
             n = tokens.shape[0]
             token_ids[b, :n] = tokens
@@ -222,13 +233,18 @@ class FeatureRecorder(Drafter):
         self.recorded: dict[str, list[torch.Tensor]] = {}
 
     def observe(self, features: TargetFeatures) -> None:
+        if not features.features:
+            return
+        # One device-to-host copy per step for the whole batch.
+        host = torch.cat(features.features).to("cpu", torch.float16)
+        sizes = [int(rows.shape[0]) for rows in features.features]
         for request_id, start, rows in zip(
-            features.request_ids, features.starts, features.features, strict=True
+            features.request_ids, features.starts, host.split(sizes), strict=True
         ):
             parts = self.recorded.setdefault(request_id, [])
             if start == 0:
                 parts.clear()  # a recompute after preemption starts over
-            parts.append(rows.to("cpu", torch.float16, copy=True))
+            parts.append(rows)
 
     def propose(self, batch: DraftBatch) -> Proposal:
         size = batch.batch_size
@@ -245,11 +261,13 @@ def self_distill(
     max_tokens: int,
     temperatures: tuple[float, ...],
     seed: int,
+    repeats: int = 1,
     max_num_seqs: int = 32,
     progress: Callable[[int], None] | None = None,
 ) -> list[AnnotatedSequence]:
-    """The target's own answers to `prompts` (prompt i at temperatures[i % len]), with the
-    features of every token but the last. loss_mask covers the answer."""
+    """The target's own answers to `prompts` (answer r of prompt i at temperatures[(i + r) %
+    len], seed + r * len(prompts) + i), with the features of every token but the last.
+    loss_mask covers the answer."""
     from specdec.engine.config import EngineConfig, SpeculativeConfig
     from specdec.engine.llm_engine import LLMEngine
     from specdec.sampling import SamplingParams
@@ -275,10 +293,14 @@ def self_distill(
             if tokenizer.chat_template
             else tokenizer.encode(prompt["prompt"])
         )
-        params = SamplingParams(
-            temperature=temperatures[i % len(temperatures)], max_tokens=max_tokens, seed=seed + i
-        )
-        prompt_ids[engine.add_request(ids, params, request_id=f"p{i}")] = ids
+        for r in range(repeats):
+            params = SamplingParams(
+                temperature=temperatures[(i + r) % len(temperatures)],
+                max_tokens=max_tokens,
+                seed=seed + r * len(prompts) + i,
+            )
+            request_id = f"p{i}" if r == 0 else f"p{i}r{r}"
+            prompt_ids[engine.add_request(ids, params, request_id=request_id)] = ids
     outputs = {}
     while engine.has_unfinished:
         for out in engine.step():

@@ -47,7 +47,9 @@ class TrainConfig:
         max_text_tokens: tokens taken from text files at most.
         max_prompts: chat prompts taken at most (0 = all).
         gen_max_tokens: answer length when self-distilling from prompts.
-        gen_temperatures: prompt i is answered at gen_temperatures[i % len].
+        gen_temperatures: answer r of prompt i is at gen_temperatures[(i + r) % len].
+        gen_repeats: answers per prompt (each with its own seed).
+        gen_batch: requests decoded together when self-distilling (the engine's max_num_seqs).
         holdout_fraction: share of sequences held out for evaluation.
         eval_prompts: held-out prompts the acceptance evaluation runs (0 = skip it).
         eval_max_tokens: tokens generated per evaluation prompt.
@@ -67,6 +69,8 @@ class TrainConfig:
     max_prompts: int = 0
     gen_max_tokens: int = 192
     gen_temperatures: tuple[float, ...] = (0.0, 1.0)
+    gen_repeats: int = 1
+    gen_batch: int = 32
     holdout_fraction: float = 0.05
     eval_prompts: int = 16
     eval_max_tokens: int = 64
@@ -100,7 +104,8 @@ def collect_data(
         prompts = prompts[: config.max_prompts]
     sequences = []
     if prompts:
-        bar = _progress(len(prompts) * config.gen_max_tokens, "self-distilling", "tok")
+        total = len(prompts) * config.gen_repeats * config.gen_max_tokens
+        bar = _progress(total, "self-distilling", "tok")
         sequences += self_distill(
             target,
             tokenizer,
@@ -109,6 +114,8 @@ def collect_data(
             max_tokens=config.gen_max_tokens,
             temperatures=config.gen_temperatures,
             seed=config.options.seed,
+            repeats=config.gen_repeats,
+            max_num_seqs=config.gen_batch,
             progress=lambda n: bar.update(n),
         )
         bar.close()
@@ -146,6 +153,12 @@ def train_drafter(config: TrainConfig, log=print) -> dict:
     layers = tuple(sorted({*feature_layers, target.config.num_hidden_layers - 1}))
     data = collect_data(config, target, tokenizer, layers)
     train_set, held_out = data.split(config.holdout_fraction)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    if device.type == "cuda":
+        # The whole set lives on the GPU (float16): batches are gathered there, not on the host;
+        # matrix products of the float32 draft run in TF32 while training.
+        train_set = train_set.to(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
     log(
         f"data: {len(train_set.sequences)} training sequences ({train_set.num_tokens} tokens), "
         f"{len(held_out.sequences)} held out"
@@ -205,6 +218,7 @@ def train_drafter(config: TrainConfig, log=print) -> dict:
     else:
         done = options.max_steps
     bar.close()
+    torch.backends.cuda.matmul.allow_tf32 = tf32
     if start >= options.max_steps:
         _save_checkpoint(kind, draft, target, optimizer, start, out, options)
         done = start
@@ -319,6 +333,7 @@ def evaluate_acceptance(
         while engine.has_unfinished:
             engine.step()
         stats = engine.stats.as_dict()
+        del engine  # its KV cache is freed before the next engine sizes its own
         results[str(temperature)] = {
             "mean_acceptance_length": stats["mean_acceptance_length"],
             "acceptance_per_position": stats["acceptance_per_position"],

@@ -115,3 +115,39 @@ def test_initialisation_and_order_are_pure_functions_of_the_seed():
     assert permutation(3, 0, 10) == permutation(3, 0, 10)
     assert sorted(permutation(3, 1, 10)) == list(range(10))
     assert permutation(3, 0, 10) != permutation(3, 1, 10)
+
+
+def test_self_distill_repeats_answer_each_prompt_with_its_own_seed(target_dir):
+    """--gen-repeats R: every prompt is answered R times (answer r at temperatures[(i + r) %
+    len], seed + r * len(prompts) + i), independently of the batch size; features cover every
+    fed token."""
+    from specdec.models import load_model
+    from specdec.train.data import self_distill
+
+    target, _, tokenizer = load_model(str(target_dir), dtype=torch.float32, device="cpu")
+    prompts = [{"prompt_token_ids": p} for p in prompt_tokens(VOCAB, [5, 7], seed=3)]
+    runs = [
+        self_distill(
+            target,
+            tokenizer,
+            prompts,
+            (1,),
+            max_tokens=12,
+            temperatures=(0.0, 1.0),
+            seed=0,
+            repeats=repeats,
+            max_num_seqs=batch,
+        )
+        for repeats, batch in ((3, 8), (3, 1), (1, 8))
+    ]
+    wide, narrow, single = runs
+    assert len(wide) == 3 * len(prompts) and len(single) == len(prompts)
+    for a, b in zip(wide, narrow, strict=True):  # the batch changes nothing
+        assert torch.equal(a.token_ids, b.token_ids)
+    # In order prompt by prompt; prompt 0's answers 0 and 2 are greedy, so equal, and equal to
+    # its only answer without repeats.
+    first = wide[:3]
+    assert torch.equal(first[0].token_ids, first[2].token_ids)
+    assert torch.equal(single[0].token_ids, first[0].token_ids)
+    for seq in wide:
+        assert seq.layers.shape[:2] == (seq.token_ids.shape[0], 1)

