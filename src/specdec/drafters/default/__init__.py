@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 DEFAULT_EAGLE_DIR = Path(__file__).parent / "smollm2-135m-instruct-eagle"
-# K = 2: with this head K = 4 ran slower on the CPU (0.70x, against 0.92-1.00x at K = 2).
-# See BENCHMARKS.md.
+# K = 2: the fastest K for this head on the CPU (1.28x at T = 0, 1.14x at T = 1; K = 4 is
+# 0.98x / 0.81x). See BENCHMARKS.md.
 DEFAULT_NUM_SPECULATIVE_TOKENS = 2
 
 
