@@ -254,3 +254,21 @@ def test_sample_validates_its_inputs(change, error, match):
     logits, seeds, positions = args.pop("logits"), args.pop("seeds"), args.pop("positions")
     with pytest.raises(error, match=match):
         sample(logits, seeds, positions, **args)
+
+
+def test_readback_returns_every_named_value_bit_for_bit():
+    """The packed copy behind the asynchronous argument checks: int64 values exactly, float32
+    values bit for bit (NaN, infinities, -0.0 included), None entries absent."""
+    from specdec.sampling.readback import Readback
+
+    ints = {"a": torch.tensor([0, -1, 2**40]), "none": None, "b": torch.tensor([[3], [4]])}
+    floats = {
+        "x": torch.tensor([float("nan"), float("-inf"), -0.0, 1e-30], dtype=torch.float32),
+        "gone": None,
+        "y": torch.tensor([2.5], dtype=torch.float64),
+    }
+    values = Readback(ints, floats).values()
+    assert set(values) == {"a", "b", "x", "y"}
+    assert torch.equal(values["a"], ints["a"]) and torch.equal(values["b"], torch.tensor([3, 4]))
+    assert torch.equal(values["x"].view(torch.int32), floats["x"].view(torch.int32))
+    assert values["y"].dtype == torch.float32 and values["y"].tolist() == [2.5]
