@@ -110,8 +110,9 @@ class EagleDrafter(Drafter):
         draft_ids = torch.full((size, k), -1, dtype=torch.int64, device=device)
         draft_logits = draft_lse = None
         if not self.greedy:
-            draft_logits = torch.full((size, k, self.target_vocab_size), float("-inf"))
-            draft_logits = draft_logits.to(device)
+            draft_logits = torch.full(
+                (size, k, self.target_vocab_size), float("-inf"), device=device
+            )
             draft_lse = torch.zeros(size, k, device=device)
         num_draft = batch.num_draft.tolist()
         states = []

@@ -32,6 +32,7 @@ class AttentionMetadata:
             is written to; -1 means do not write.
         max_seqlen_q: max query length over the batch (a host int, so no device sync is needed).
         max_context_len: max context length over the batch (host int).
+        all_written: True when no slot is -1, if known on the host (None: read from the device).
     """
 
     cu_seqlens_q: torch.Tensor
@@ -40,6 +41,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     max_seqlen_q: int
     max_context_len: int
+    all_written: bool | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -97,6 +99,7 @@ class AttentionMetadata:
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             max_seqlen_q=max(query_lens, default=0),
             max_context_len=max(context_lens, default=0),
+            all_written=True,
         )
 
 
@@ -223,7 +226,13 @@ class AttentionPlan:
             blocks=blocks,
             mask=mask[:, None],
             slot_mapping=slot_mapping,
-            all_written=bool((slot_mapping >= 0).all()) if num_tokens else True,
+            all_written=(
+                attn.all_written
+                if attn.all_written is not None
+                else bool((slot_mapping >= 0).all())
+                if num_tokens
+                else True
+            ),
             num_seqs=num_seqs,
             max_seqlen_q=max_q,
             max_context_len=max_ctx,
