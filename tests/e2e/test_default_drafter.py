@@ -45,6 +45,17 @@ def test_llm_defaults_to_the_eagle_head_and_greedy_output_is_unchanged(llm):
     assert on.spec_decode_stats["num_accepted_tokens"] > 0
 
 
+def test_one_token_prompts_speculate_from_their_second_round(llm):
+    """A one-token prompt's first round has no target feature for the head yet: it drafts
+    nothing then (it used to raise), and the output is plain greedy's."""
+    prompts = [[1], [1, 2], "Hello"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    on = llm.generate(prompts, params, use_tqdm=False)
+    off = llm.generate(prompts, params, speculative={"enabled": False}, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
+    assert all(o.spec_decode_stats["num_drafts"] > 0 for o in on)
+
+
 @pytest.mark.slow
 def test_bench_sweep_writes_the_acceptance_table(tmp_path, capsys):
     out = tmp_path / "sweep.json"

@@ -115,12 +115,18 @@ class EagleDrafter(Drafter):
             )
             draft_lse = torch.zeros(size, k, device=device)
         num_draft = batch.num_draft.tolist()
-        states = []
+        # A round anchored at A = 1 (a one-token prompt, fed as its first round) has no target
+        # feature yet for the head's first entry (t = A - 2): such rows draft nothing this round.
+        anchors = batch.anchors.tolist()
+        live = [b for b in range(size) if anchors[b] >= 2]
+        proposed = batch.num_draft.clone()
+        proposed[[b for b in range(size) if anchors[b] < 2]] = 0
+        if not live:
+            return Proposal(draft_ids, draft_logits, draft_lse, proposed)
+        states: list[_EagleState | None] = [None] * size
         hidden, tokens, positions, query_lens, context_lens = [], [], [], [], []
-        for b, (request_id, token_ids) in enumerate(
-            zip(batch.request_ids, batch.token_ids, strict=True)
-        ):
-            anchor = int(batch.anchors[b])
+        for b in live:
+            request_id, token_ids, anchor = batch.request_ids[b], batch.token_ids[b], anchors[b]
             state = self._states.get(request_id)
             if state is None or state.feature_end != anchor - 1 or not state.pending:
                 have = 0 if state is None else state.feature_end
@@ -137,7 +143,7 @@ class EagleDrafter(Drafter):
             context_lens.append(anchor - 1)
             state.pending.clear()
             state.num_fed = anchor - 1
-            states.append(state)
+            states[b] = state
         out = self._step(
             self.head.project_features(torch.cat(hidden)),
             tokens,
@@ -146,8 +152,7 @@ class EagleDrafter(Drafter):
             context_lens,
             states,
         )
-        last = out[torch.tensor(query_lens, device=device).cumsum(0) - 1]  # [B, D]
-        live = list(range(size))
+        last = out[torch.tensor(query_lens, device=device).cumsum(0) - 1]  # [len(live), D]
         for i in range(k):
             rows = torch.tensor(live, dtype=torch.int64)
             logits = head_logits(self.head, last, self.lm_weight)  # [len(live), V_draft]
@@ -176,7 +181,7 @@ class EagleDrafter(Drafter):
                 [states[row] for row in live],
             )
             last = out
-        return Proposal(draft_ids, draft_logits, draft_lse, batch.num_draft.clone())
+        return Proposal(draft_ids, draft_logits, draft_lse, proposed)
 
     def _step(self, hidden, tokens, positions, query_lens, context_lens, states) -> torch.Tensor:
         """Runs head entries: [T, D] hidden, T token ids and positions -> [T, D] head outputs.
