@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from specdec.bench import DEFAULT_PROMPTS
+from specdec.drafters.default import DEFAULT_EAGLE_DIR
 from specdec.engine.llm import LLM
 from specdec.models import default_model_path
 from specdec.sampling import SamplingParams
@@ -94,6 +95,8 @@ def main() -> None:
     runs.append(specdec_run("specdec plain, batch 8", prompts, 8, None))
     ngram = {"method": "ngram", "num_speculative_tokens": 4}
     runs.append(specdec_run("specdec ngram K=4, batch 1", prompts, 1, ngram))
+    eagle = {"method": "eagle", "model": str(DEFAULT_EAGLE_DIR), "num_speculative_tokens": 2}
+    runs.append(specdec_run("specdec shipped EAGLE head K=2, batch 1", prompts, 1, eagle))
     truncated = {"method": "draft_model", "model": "truncated:10", "num_speculative_tokens": 4}
     runs.append(specdec_run("specdec draft truncated:10 K=4, batch 1", prompts, 1, truncated))
     reference = runs[1]["outputs"]
