@@ -243,6 +243,19 @@ def test_sample_arguments_like_the_reference(kwargs: dict, bad_position: bool) -
     _assert_sample_equal(sample(*gpu, **_to(CUDA, kwargs)), want)
 
 
+def test_sample_without_value_checks_is_the_same_sample() -> None:
+    """`check_values=False` (the engine's and drafters' calls) skips only the read-back checks:
+    tokens, processed logits and log-normalisers equal the checked call's, bit for bit."""
+    gen, logits, seeds, positions, temperature = _sample_inputs(64, 32000, torch.float32, 5)
+    kwargs = {"temperature": temperature, **_filters("top_p", 64, 32000, gen)}
+    args = (logits.to(CUDA), seeds.to(CUDA), positions.to(CUDA))
+    checked = sample(*args, **_to(CUDA, kwargs))
+    unchecked = sample(*args, check_values=False, **_to(CUDA, kwargs))
+    assert torch.equal(checked.token_ids, unchecked.token_ids)
+    assert torch.equal(_bits(checked.processed_logits), _bits(unchecked.processed_logits))
+    assert torch.equal(_bits(checked.logsumexp), _bits(unchecked.logsumexp))
+
+
 def test_sample_batch_invariance() -> None:
     """A row alone == in a batch == permuted, bit for bit (processed logits, token, logsumexp)."""
     _, logits, seeds, positions, temperature = _sample_inputs(16, 151936, torch.bfloat16, 3)

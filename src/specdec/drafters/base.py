@@ -187,6 +187,7 @@ class Drafter(abc.ABC):
                 min_p=None if batch.params.min_p is None else batch.params.min_p[req],
                 stream=stream,
                 step=step,
+                check_values=False,  # the engine's parameters, valid by construction
             )
             token_ids[picked] = out.token_ids
             processed[picked] = out.processed_logits

@@ -107,6 +107,11 @@ class EngineConfig:
             from max_num_seqs x max_model_len (CPU).
         gpu_memory_utilization: fraction of GPU memory the engine may use.
         enforce_eager: never capture CUDA graphs.
+        async_scheduling: while a plain decode step runs on the device, schedule and launch the
+            next one, feeding it the sampled tokens on the device, and read the earlier step's
+            tokens meanwhile (host work overlaps the GPU; outputs are the same, reported one
+            step later). Only steps in which every request decodes without speculation or
+            logprobs are overlapped; the others run as usual.
     """
 
     model: str | None = None
@@ -119,6 +124,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -30,6 +30,7 @@ from specdec.models import LlamaForCausalLM, Tokenizer, default_model_path, load
 from specdec.models.paged import BlockAllocator, PagedModelRunner, StepInput
 from specdec.rng import derive_seed, fresh_seed, to_signed64
 from specdec.sampling import SamplingParams, SamplingTensors, compute_logprobs, sample
+from specdec.sampling.readback import Readback
 from specdec.verify import VERIFY_METHODS, check_verify_inputs, verify_checked
 
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -64,6 +65,16 @@ class _Drafts:
 
     proposal: Proposal
     rows: dict[int, tuple[int, list[int]]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Inflight:
+    """A plain decode step launched but not read (asynchronous scheduling): its requests in
+    batch order, their sampled tokens on the device, and the asynchronous copy reading them."""
+
+    requests: list[Request]
+    token_ids: torch.Tensor
+    readback: Readback
 
 
 class _BatchConstants:
@@ -171,6 +182,7 @@ class LLMEngine:
         self.stats = SpecDecodeStats()
         self.groups: dict[str, RequestGroup] = {}
         self._group_of: dict[int, RequestGroup] = {}
+        self._inflight: _Inflight | None = None
         self._ids = itertools.count()
         self._batch_constants: dict[str, _BatchConstants] = {}
 
@@ -331,22 +343,34 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._inflight is not None
 
     # ------------------------------------------------------------------- step
     def step(self, only_finished: bool = False) -> list[RequestOutput]:
         """Runs one step; returns the outputs of the requests that emitted tokens or finished
         (finished groups are then forgotten). `only_finished` skips building the outputs of
-        unfinished requests (callers that do not stream)."""
+        unfinished requests (callers that do not stream). With `async_scheduling`, a step may
+        launch work whose tokens the next call reports."""
+        if self.config.async_scheduling and self.drafter is None:
+            return self._step_async(only_finished)
+        scheduled = self._schedule()
+        if not scheduled:
+            return []
+        return self._run_step(scheduled, only_finished)
+
+    def _schedule(self) -> list[ScheduledRequest]:
         out = self.scheduler.schedule()
         if self.drafter is not None:
             for request in out.preempted:
                 self.drafter.release(request.request_id)
-        scheduled = out.scheduled
-        if not scheduled:
-            if self.scheduler.has_unfinished:
-                raise RuntimeError("no request could be scheduled: the KV cache is too small")
-            return []
+        if not out.scheduled and self.scheduler.has_unfinished:
+            raise RuntimeError("no request could be scheduled: the KV cache is too small")
+        return out.scheduled
+
+    def _run_step(
+        self, scheduled: list[ScheduledRequest], only_finished: bool
+    ) -> list[RequestOutput]:
+        """Proposes, runs, samples or verifies, and commits one scheduled step."""
         drafts = self._propose(scheduled)
         inputs = self._step_inputs(scheduled, drafts)
         feature_layers = self.drafter.feature_layers if self.drafter is not None else ()
@@ -374,6 +398,11 @@ class LLMEngine:
             finished = self._append(request, group, tokens, rows)
             if finished or not only_finished:
                 reported[group.request_id] = group
+        return self._outputs(reported, only_finished)
+
+    def _outputs(
+        self, reported: dict[str, RequestGroup], only_finished: bool
+    ) -> list[RequestOutput]:
         if only_finished:
             return [
                 self._output(group)
@@ -381,6 +410,96 @@ class LLMEngine:
                 if all(r.status.finished for r in group.samples)
             ]
         return [self._output(group) for group in reported.values()]
+
+    # ------------------------------------------------------- asynchronous scheduling
+    def _step_async(self, only_finished: bool) -> list[RequestOutput]:
+        """One call of the overlapped loop. With a step in flight: launch the next one when the
+        batch is certain to be the same requests (its input tokens are the in-flight step's
+        samples, still on the device), then read and commit the in-flight step's tokens while
+        the new one runs; otherwise read the in-flight step first. With none in flight: run the
+        scheduled step as usual, or launch it without reading when it can be overlapped."""
+        inflight = self._inflight
+        if inflight is not None:
+            self._inflight = None
+            if self._can_overlap(inflight):
+                self._inflight = self._launch(self._schedule(), inflight)
+            return self._resolve(inflight, only_finished)
+        scheduled = self._schedule()
+        if not scheduled:
+            return []
+        if all(self._overlappable(share) for share in scheduled):
+            self._inflight = self._launch(scheduled, None)
+            return []
+        return self._run_step(scheduled, only_finished)
+
+    def _overlappable(self, share: ScheduledRequest) -> bool:
+        """A plain decode share whose output needs nothing but the sampled token."""
+        request = share.request
+        return (
+            share.emits
+            and share.num_query_tokens == 1
+            and request.spec is None
+            and request.num_computed_tokens == request.num_tokens - 1
+            and request.params.logprobs is None
+        )
+
+    def _can_overlap(self, inflight: _Inflight) -> bool:
+        """Whether the next schedule is certainly the in-flight requests again, each decoding
+        one more token: nothing waits, nothing finished or was aborted, every request may still
+        emit after its pending token, and the cache has a slot for each without preempting."""
+        scheduler = self.scheduler
+        running = scheduler.running
+        if scheduler.waiting or len(running) != len(inflight.requests):
+            return False
+        if len(running) > scheduler.config.max_num_batched_tokens:
+            return False
+        block_size = scheduler.allocator.block_size
+        new_blocks = 0
+        for request, expected in zip(running, inflight.requests, strict=True):
+            if request is not expected or request.status.finished:
+                return False
+            params = request.params
+            limit = self.max_model_len - len(request.prompt_token_ids)
+            if params.max_tokens is not None:
+                limit = min(limit, params.max_tokens)
+            if len(request.output_token_ids) + request.num_pending >= limit:
+                return False
+            if request.num_computed_tokens + 1 > len(request.block_ids) * block_size:
+                new_blocks += 1
+        return new_blocks <= scheduler.allocator.num_free_blocks
+
+    def _launch(self, scheduled: list[ScheduledRequest], previous: _Inflight | None) -> _Inflight:
+        """Runs and samples a plain decode step without reading its tokens. With `previous`,
+        each request's input token is that step's sample (same requests, same order)."""
+        requests = [share.request for share in scheduled]
+        first_tokens = None
+        if previous is not None:
+            if requests != previous.requests:
+                raise RuntimeError("asynchronous scheduling: the batch changed unexpectedly")
+            first_tokens = previous.token_ids
+        inputs = self._step_inputs(scheduled, None)
+        logits = self.runner.run(inputs, first_tokens)
+        rows = logits[0] if len(logits) == 1 else torch.cat(logits)  # [B, V]
+        token_ids = self._sample_rows(requests, rows)
+        for request, step_input in zip(requests, inputs, strict=True):
+            self.scheduler.commit(request, step_input.start + 1)
+            request.num_pending += 1
+        return _Inflight(requests, token_ids, Readback({"tokens": token_ids}, {}))
+
+    def _resolve(self, inflight: _Inflight, only_finished: bool) -> list[RequestOutput]:
+        """Reads a launched step's tokens and commits them as a synchronous step would have
+        (requests that finished meanwhile drop theirs)."""
+        tokens = inflight.readback.values()["tokens"].tolist()
+        reported: dict[str, RequestGroup] = {}
+        for request, token in zip(inflight.requests, tokens, strict=True):
+            request.num_pending -= 1
+            if request.status.finished:
+                continue
+            group = self._group_of[id(request)]
+            finished = self._append(request, group, [token], None)
+            if finished or not only_finished:
+                reported[group.request_id] = group
+        return self._outputs(reported, only_finished)
 
     def _step_inputs(
         self, scheduled: list[ScheduledRequest], drafts: _Drafts | None
@@ -498,25 +617,29 @@ class LLMEngine:
         requests = [scheduled[i].request for i in indices]
         row_logits = [logits[i] for i in indices]  # [1, V] each: one logit row was asked for
         rows = row_logits[0] if len(row_logits) == 1 else torch.cat(row_logits)  # [B, V]
+        sampled = self._sample_rows(requests, rows).tolist()  # one device sync for the batch
+        for i, token, row in zip(indices, sampled, row_logits, strict=True):
+            emitted[i] = ([token], 0, 0, row)
+
+    def _sample_rows(self, requests: list[Request], rows: torch.Tensor) -> torch.Tensor:
+        """[B] int64 device tokens sampled from [B, V] logit rows at each request's next
+        position (not read by the host)."""
         constants = self._constants("plain", requests, rows.device)
         if constants.greedy:
             # All greedy: `sample` would take the argmax (first maximum) without noise; the
             # filters never remove the maximum. One kernel instead of the sampler's setup.
-            token_ids = rows.argmax(dim=-1)
-        else:
-            params = constants.params
-            token_ids = sample(
-                rows,
-                constants.seeds,
-                _device_tensor([r.num_tokens for r in requests], torch.int64, rows.device),
-                temperature=params.temperature,
-                top_k=params.top_k,
-                top_p=params.top_p,
-                min_p=params.min_p,
-            ).token_ids
-        sampled = token_ids.tolist()  # one device sync for the whole batch
-        for i, token, row in zip(indices, sampled, row_logits, strict=True):
-            emitted[i] = ([token], 0, 0, row)
+            return rows.argmax(dim=-1)
+        params = constants.params
+        return sample(
+            rows,
+            constants.seeds,
+            _device_tensor([r.num_tokens for r in requests], torch.int64, rows.device),
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            min_p=params.min_p,
+            check_values=False,  # parameters validated by SamplingParams, keys by the engine
+        ).token_ids
 
     def _verify_group(
         self,

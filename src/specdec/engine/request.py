@@ -53,6 +53,8 @@ class Request:
         block_ids: KV cache blocks held, in order.
         stats: spec-decode counters of this request.
         detokenized: the incremental text of output_token_ids (see `specdec.engine.detokenize`).
+        num_pending: tokens sampled on the device but not read yet (asynchronous scheduling);
+            they count in num_tokens, not in output_token_ids.
     """
 
     request_id: str
@@ -67,10 +69,11 @@ class Request:
     stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     num_preemptions: int = 0
     detokenized: IncrementalText = field(default_factory=IncrementalText)
+    num_pending: int = 0
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
 
     @property
     def all_token_ids(self) -> list[int]:

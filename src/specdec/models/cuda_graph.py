@@ -133,6 +133,7 @@ class DecodeGraphs:
         starts: Sequence[int],
         block_ids: Sequence[Sequence[int]],
         feature_layers: tuple[int, ...] = (),
+        first_tokens: torch.Tensor | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """One decode/verify step.
 
@@ -142,6 +143,9 @@ class DecodeGraphs:
             block_ids: per sequence, its cache blocks (covering start + len(token_ids) slots).
             feature_layers: decoder layers whose outputs are wanted (see
                 `LlamaForCausalLM.forward_with_layers`).
+            first_tokens: optional [num_seqs] int64 device tensor that replaces each sequence's
+                first query token (tokens sampled by a step whose results the host has not read:
+                the engine's asynchronous scheduling).
 
         Returns:
             (per sequence [len(token_ids[b]), V] float32 logits, per sequence
@@ -201,6 +205,9 @@ class DecodeGraphs:
         self._inputs[:table_end].copy_(self._host_inputs[:table_end], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
+        if first_tokens is not None:
+            device_ids = self.input_ids[:rows].view(num_padded, query_per_seq)
+            device_ids[:num_seqs, 0].copy_(first_tokens)
         if self.use_graphs:
             key = (num_padded, query_per_seq, feature_layers)
             if key not in self.graphs:

@@ -160,8 +160,12 @@ class PagedModelRunner:
             for s in inputs
         )
 
-    def run(self, inputs: list[StepInput]) -> list[torch.Tensor]:
+    def run(
+        self, inputs: list[StepInput], first_tokens: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
         """One forward step over every input; K/V of all query tokens are written.
+        `first_tokens` (optional [len(inputs)] int64, on the model's device) replaces each
+        input's first query token: tokens sampled on the device and not read by the host yet.
 
         Returns:
             Per input, [num_logit_rows, V] float32 logits predicting the token after each of its
@@ -170,11 +174,14 @@ class PagedModelRunner:
 
         Mutates: the KV cache slots of the query tokens.
         """
-        return self.run_with_features(inputs, ())[0]
+        return self.run_with_features(inputs, (), first_tokens)[0]
 
     @torch.inference_mode()
     def run_with_features(
-        self, inputs: list[StepInput], feature_layers: Sequence[int]
+        self,
+        inputs: list[StepInput],
+        feature_layers: Sequence[int],
+        first_tokens: torch.Tensor | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """`run`, also returning the target features of every query token.
 
@@ -199,11 +206,15 @@ class PagedModelRunner:
                 [s.start for s in inputs],
                 [s.block_ids for s in inputs],
                 layers,
+                first_tokens,
             )
-        return self._run_eager(inputs, layers)
+        return self._run_eager(inputs, layers, first_tokens)
 
     def _run_eager(
-        self, inputs: list[StepInput], feature_layers: tuple[int, ...]
+        self,
+        inputs: list[StepInput],
+        feature_layers: tuple[int, ...],
+        first_tokens: torch.Tensor | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         token_ids: list[int] = []
         positions: list[int] = []
@@ -222,6 +233,12 @@ class PagedModelRunner:
             device=self.device,
         )
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        if first_tokens is not None:
+            firsts, offset = [], 0
+            for step_input in inputs:
+                firsts.append(offset)
+                offset += len(step_input.token_ids)
+            input_ids[torch.tensor(firsts, device=self.device)] = first_tokens
         position_ids = torch.tensor(positions, dtype=torch.int64, device=self.device)
         hidden, layers = self.model.forward_with_layers(
             input_ids, position_ids, attn, self.kv_cache, feature_layers

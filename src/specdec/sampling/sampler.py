@@ -165,6 +165,7 @@ def sample(
     min_p: RowParam = None,
     stream: Stream | int = Stream.TARGET,
     step: int | torch.Tensor = 0,
+    check_values: bool = True,
 ) -> SampleOutput:
     """Samples one token per row by Gumbel-max on keyed noise.
 
@@ -179,6 +180,9 @@ def sample(
         stream: `Stream.TARGET` for plain sampling (and coupled drafts); `Stream.DRAFT` for
             drafts verified by "standard"/"block".
         step: 0, or the round anchor (int or [N] int64) for round-keyed streams.
+        check_values: on CUDA, False skips the per-row value checks and their read-back to the
+            host, for callers whose arguments are valid by construction (the engine, the
+            drafters): the call then never waits for the device. Shapes are always checked.
 
     Returns:
         SampleOutput(token_ids [N] int64, processed_logits [N, V] float32, logsumexp [N] float32).
@@ -198,6 +202,7 @@ def sample(
             min_p=min_p,
             stream=stream,
             step=step,
+            check_values=check_values,
         )
     return sample_ref(
         logits,

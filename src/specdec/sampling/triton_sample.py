@@ -303,6 +303,7 @@ def sample_triton(
     min_p: RowParam = None,
     stream: Stream | int = Stream.TARGET,
     step: int | torch.Tensor = 0,
+    check_values: bool = True,
 ) -> SampleOutput:
     """`sample` on CUDA tensors: same arguments, same results as `sample_ref`.
 
@@ -321,6 +322,7 @@ def sample_triton(
         min_p: float or [N], 0 = off.
         stream: the `Stream` (or [N] int64 stream ids).
         step: 0, or the round anchor (int or [N] int64) for round-keyed streams.
+        check_values: False skips the per-row value checks (inputs valid by construction).
 
     Returns:
         SampleOutput(token_ids [N] int64, processed_logits [N, V] float32, logsumexp [N] float32).
@@ -369,19 +371,22 @@ def sample_triton(
         logits = logits.contiguous()
     # The per-row argument checks read their values back while the kernels run (the kernels
     # never index memory by them); nothing is returned before they pass.
-    checks = Readback(
-        {"positions": positions, "stream": stream_t, "step": step_t, "top_k": top_k_t},
-        {"temperature": temperature_t, "top_p": top_p_t, "min_p": min_p_t},
-    )
+    checks = None
+    if check_values:
+        checks = Readback(
+            {"positions": positions, "stream": stream_t, "step": step_t, "top_k": top_k_t},
+            {"temperature": temperature_t, "top_p": top_p_t, "min_p": min_p_t},
+        )
     threshold = None
     if top_k_t is not None or top_p_t is not None or min_p_t is not None:
         rows_temperature = temperature_t
         if rows_temperature is None:
             rows_temperature = torch.full((num_rows,), temperature_value, device=device)
-        try:
-            check_sampling_tensors(rows_temperature, top_k_t, top_p_t, min_p_t)
-        except ValueError:
-            return reference()
+        if check_values:
+            try:
+                check_sampling_tensors(rows_temperature, top_k_t, top_p_t, min_p_t)
+            except ValueError:
+                return reference()
         scaled = scale_logits(logits, rows_temperature)
         threshold = filter_threshold(scaled, top_k_t, top_p_t, min_p_t)
     processed = torch.empty(num_rows, vocab, dtype=torch.float32, device=device)
@@ -430,6 +435,8 @@ def sample_triton(
         CHUNKS=max(16, triton.next_power_of_2(num_chunks)),
         num_warps=1 if num_chunks <= 256 else 4,
     )
-    if not _row_checks_pass(checks, temperature_value, stream_value, step_value):
+    if checks is not None and not _row_checks_pass(
+        checks, temperature_value, stream_value, step_value
+    ):
         return reference()  # invalid arguments get the reference's error
     return SampleOutput(token_ids, processed, logsumexp)

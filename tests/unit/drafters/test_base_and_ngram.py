@@ -34,7 +34,8 @@ def make_batch(methods, temperature=1.0):
 def test_sample_draft_keys_by_position_and_method(monkeypatch):
     calls = []
 
-    def spy(logits, seeds, positions, **kwargs):
+    def spy(logits, seeds, positions, *, check_values=True, **kwargs):
+        assert not check_values  # the engine's parameters: no read-back checks on the device
         calls.append((positions.tolist(), kwargs["stream"], kwargs["step"]))
         return sample_ref(logits, seeds, positions, **kwargs)
 

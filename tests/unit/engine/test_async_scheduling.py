@@ -1,0 +1,124 @@
+"""Asynchronous scheduling (`async_scheduling=True`) changes when tokens are read, never which:
+every request ends with the tokens, text, finish reason and logprobs of the synchronous loop,
+through stop tokens and strings, length limits, n > 1, requests joining mid-run, aborts,
+preemption and mixed batches where some steps cannot be overlapped; and the overlapped path
+really runs (steps are launched before the previous step's tokens are read)."""
+
+from __future__ import annotations
+
+import pytest
+
+from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
+from specdec.engine.config import EngineConfig, SpeculativeConfig
+from specdec.engine.llm_engine import LLMEngine
+from specdec.sampling import SamplingParams
+
+VOCAB = 97
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("tiny-llama-async"))
+
+
+def make_engine(model_dir, async_scheduling: bool, **kwargs) -> LLMEngine:
+    args = {"model": str(model_dir), "max_model_len": 64, "block_size": 4, **kwargs}
+    config = EngineConfig(**args, async_scheduling=async_scheduling)
+    return LLMEngine(config, SpeculativeConfig.from_dict(None))
+
+
+def drive(engine: LLMEngine, requests, *, late=(), abort_after=None, only_finished=True):
+    """Final outputs by request id (tokens, finish reasons, stop reasons, text, logprobs), and
+    how many steps were launched while another was in flight."""
+    for prompt, params in requests:
+        engine.add_request(prompt, params)
+    finals, steps, overlapped = {}, 0, 0
+    while engine.has_unfinished:
+        in_flight_before = engine._inflight is not None
+        outputs = engine.step(only_finished=only_finished)
+        steps += 1
+        overlapped += in_flight_before and engine._inflight is not None
+        if steps == 3:
+            for prompt, params in late:
+                engine.add_request(prompt, params)
+        if abort_after is not None and steps == abort_after[1]:
+            engine.abort(abort_after[0])
+        for out in outputs:
+            if out.finished:
+                finals[out.request_id] = [
+                    (o.token_ids, o.finish_reason, o.stop_reason, o.text, o.logprobs)
+                    for o in out.outputs
+                ]
+    return finals, overlapped
+
+
+def both(model_dir, requests, **kwargs):
+    engine_args = kwargs.pop("engine_args", {})
+    sync, _ = drive(make_engine(model_dir, False, **engine_args), requests, **kwargs)
+    overlapped_run, overlapped = drive(
+        make_engine(model_dir, True, **engine_args), requests, **kwargs
+    )
+    return sync, overlapped_run, overlapped
+
+
+def test_sampled_and_greedy_batches_match_and_overlap(model_dir):
+    prompts = prompt_tokens(VOCAB, [5, 9, 3, 12, 6, 4], seed=4)
+    params = [
+        SamplingParams(temperature=1.0, top_k=7, seed=1, max_tokens=19, ignore_eos=True),
+        SamplingParams(temperature=0.6, top_p=0.8, seed=2, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=15, ignore_eos=True, seed=3),
+        SamplingParams(temperature=1.3, min_p=0.1, seed=4, max_tokens=21, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=17, n=2, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=6, max_tokens=30, ignore_eos=True),
+    ]
+    sync, overlapped_run, overlapped = both(model_dir, list(zip(prompts, params, strict=True)))
+    assert overlapped_run == sync
+    assert overlapped > 10  # the overlapped path ran for most steps
+
+
+def test_stops_limits_late_requests_and_logprobs(model_dir):
+    prompts = prompt_tokens(VOCAB, [5, 9, 3, 7, 6, 8], seed=11)
+    probe = drive(
+        make_engine(model_dir, False),
+        [(prompts[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))],
+    )[0]
+    stop_token = probe["0"][0][0][4]  # greedy request 0 stops at its 5th token
+    requests = [
+        (prompts[0], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_token])),
+        (prompts[1], SamplingParams(temperature=1.0, seed=7, max_tokens=25, min_tokens=3)),
+        (prompts[2], SamplingParams(temperature=0.8, seed=8, max_tokens=40)),
+    ]
+    late = [
+        (prompts[3], SamplingParams(temperature=1.0, seed=9, max_tokens=9, logprobs=2)),
+        (prompts[4], SamplingParams(temperature=0.7, seed=10, max_tokens=13, stop=["a"])),
+        (prompts[5], SamplingParams(temperature=0, max_tokens=6)),
+    ]
+    sync, overlapped_run, overlapped = both(model_dir, requests, late=late)
+    assert overlapped_run == sync
+    assert overlapped > 0
+    assert sync["0"][0][1] == "stop"
+
+
+def test_preemption_and_aborts(model_dir):
+    prompts = prompt_tokens(VOCAB, [7, 5, 9, 6, 8], seed=21)
+    requests = [
+        (p, SamplingParams(temperature=1.0, seed=30 + i, max_tokens=28, ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
+    # A small cache preempts; an abort removes a request while a step holding it is in flight.
+    for engine_args in ({"num_kv_blocks": 18}, {}):
+        sync, overlapped_run, _ = both(
+            model_dir, requests, abort_after=("2", 6), engine_args=engine_args
+        )
+        assert "2" not in sync
+        assert overlapped_run == sync
+
+
+def test_streamed_outputs_end_the_same(model_dir):
+    prompts = prompt_tokens(VOCAB, [4, 6], seed=5)
+    requests = [
+        (prompts[0], SamplingParams(temperature=1.0, seed=1, max_tokens=12, ignore_eos=True)),
+        (prompts[1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)),
+    ]
+    sync, overlapped_run, _ = both(model_dir, requests, only_finished=False)
+    assert overlapped_run == sync
