@@ -159,8 +159,17 @@ def bench_ours(shapes, batches, new_tokens: int, plain_only: bool = False) -> di
             log(f"[ours] {shape} b{batch}: {row}")
         del plain
         torch.cuda.empty_cache()
+        # The same workload with async_scheduling: host work overlapped with the GPU.
+        overlapped = make_llm(model, async_scheduling=True)
+        async_rows = {}
+        for batch in batches:
+            prompts = random_prompts(batch, COMMON["vocab_size"], seed=batch)
+            async_rows[batch] = engine_tpot(overlapped, prompts, new_tokens)
+            log(f"[ours] {shape} b{batch} async_scheduling: {async_rows[batch]}")
+        del overlapped
+        torch.cuda.empty_cache()
         if plain_only:
-            results[shape] = {"plain": rows}
+            results[shape] = {"plain": rows, "plain_async_scheduling": async_rows}
             del model
             torch.cuda.empty_cache()
             continue
@@ -221,7 +230,12 @@ def bench_ours(shapes, batches, new_tokens: int, plain_only: bool = False) -> di
                 log(f"[ours] {shape} b{batch} {name}: {row}")
                 del llm
                 torch.cuda.empty_cache()
-        results[shape] = {"plain": rows, "verify_cost": verify_cost, "speculative": spec_rows}
+        results[shape] = {
+            "plain": rows,
+            "plain_async_scheduling": async_rows,
+            "verify_cost": verify_cost,
+            "speculative": spec_rows,
+        }
         del model
         torch.cuda.empty_cache()
     return results
