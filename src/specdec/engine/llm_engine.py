@@ -458,11 +458,7 @@ class LLMEngine:
         for request, expected in zip(running, inflight.requests, strict=True):
             if request is not expected or request.status.finished:
                 return False
-            params = request.params
-            limit = self.max_model_len - len(request.prompt_token_ids)
-            if params.max_tokens is not None:
-                limit = min(limit, params.max_tokens)
-            if len(request.output_token_ids) + request.num_pending >= limit:
+            if len(request.output_token_ids) + request.num_pending >= self._output_limit(request):
                 return False
             if request.num_computed_tokens + 1 > len(request.block_ids) * block_size:
                 new_blocks += 1
@@ -706,10 +702,7 @@ class LLMEngine:
         params = request.params
         output = request.output_token_ids
         check_text = bool(params.stop) and self.tokenizer is not None
-        # max_tokens outputs, or max_model_len tokens in all.
-        limit = self.max_model_len - len(request.prompt_token_ids)
-        if params.max_tokens is not None:
-            limit = min(limit, params.max_tokens)
+        limit = self._output_limit(request)
         for j, token in enumerate(tokens):
             output.append(token)
             if params.logprobs is not None:
@@ -740,6 +733,12 @@ class LLMEngine:
                 self._finish(request, RequestStatus.FINISHED_LENGTH)
                 return True
         return False
+
+    def _output_limit(self, request: Request) -> int:
+        """Output tokens the request may have: max_tokens, or max_model_len tokens in all."""
+        limit = self.max_model_len - len(request.prompt_token_ids)
+        max_tokens = request.params.max_tokens
+        return limit if max_tokens is None else min(limit, max_tokens)
 
     def _text(self, request: Request) -> str:
         """The output text: decoded incrementally while the request runs (it may lag by an
