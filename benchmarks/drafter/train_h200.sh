@@ -8,16 +8,20 @@
 # log, the command's held-out evaluation (eagle/acceptance.json) and the acceptance / speed-up
 # sweep on the held-out prompts (sweep.json, sweep.png). Self-distillation: the target answers
 # every training prompt 6 times (T = 0 and 1 alternately, <= 320 tokens, ending at EOS) through
-# the CUDA engine, 256 requests at a time.
+# the CUDA engine, 256 requests at a time. DATA and REPEATS override the prompts file and the
+# answers per prompt (e.g. DATA=benchmarks/drafter/train_prompts_wide.jsonl REPEATS=1: 10,170
+# prompts over 330 topics and 31 kinds of request, for a head that generalises further).
 set -euo pipefail
 gguf=$1
 out=$2
 time_limit=${3:-330}
+data=${DATA:-benchmarks/drafter/train_prompts.jsonl}
+repeats=${REPEATS:-6}
 mkdir -p "$out"
 
 python3 -m specdec train-drafter --target "$gguf" --kind eagle --device cuda \
-    --data benchmarks/drafter/train_prompts.jsonl --out "$out/eagle" \
-    --gen-max-tokens 320 --gen-repeats 6 --gen-batch 256 --gen-temperatures 0,1 \
+    --data "$data" --out "$out/eagle" \
+    --gen-max-tokens 320 --gen-repeats "$repeats" --gen-batch 256 --gen-temperatures 0,1 \
     --max-steps 3000 --batch-size 64 --seq-len 512 --lr 2e-3 --warmup-steps 100 \
     --checkpoint-every 500 --time-limit-s "$time_limit" --holdout-fraction 0.02 \
     --option draft_vocab_size=16384 --option ttt_steps=4 --option feature_layers=2,15,29 \
