@@ -115,6 +115,20 @@ def _generate(model_dir, params, spec=None, **kwargs):
     return [o.outputs[0].token_ids for o in outputs], llm
 
 
+def _speculation_keeps_its_guarantees(model_dir, spec) -> list[list[int]]:
+    """Greedy speculation under CUDA graphs == greedy plain (drafts were proposed), and sampled
+    speculation with graphs == with enforce_eager; returns the sampled tokens."""
+    plain_greedy, _ = _generate(model_dir, GREEDY)
+    spec_greedy, llm = _generate(model_dir, GREEDY, spec)
+    assert spec_greedy == plain_greedy
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
+    assert llm.get_metrics()["num_drafts"] > 0
+    graphed, _ = _generate(model_dir, SAMPLED, spec)
+    eager, _ = _generate(model_dir, SAMPLED, spec, enforce_eager=True)
+    assert graphed == eager
+    return graphed
+
+
 @pytest.mark.parametrize("drafter", ["ngram", "truncated:1"])
 @pytest.mark.parametrize("method", ["standard", "block", "coupled"])
 def test_engine_on_cuda_keeps_its_guarantees(model_dir, drafter, method) -> None:
@@ -125,14 +139,7 @@ def test_engine_on_cuda_keeps_its_guarantees(model_dir, drafter, method) -> None
         spec["method"] = "ngram"
     else:
         spec.update(method="draft_model", model=drafter)
-    plain_greedy, _ = _generate(model_dir, GREEDY)
-    spec_greedy, llm = _generate(model_dir, GREEDY, spec)
-    assert spec_greedy == plain_greedy
-    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
-    assert llm.get_metrics()["num_drafts"] > 0
-    graphed, _ = _generate(model_dir, SAMPLED, spec)
-    eager, _ = _generate(model_dir, SAMPLED, spec, enforce_eager=True)
-    assert graphed == eager
+    graphed = _speculation_keeps_its_guarantees(model_dir, spec)
     if method == "coupled":
         plain_sampled, _ = _generate(model_dir, SAMPLED)
         assert graphed == plain_sampled
@@ -179,14 +186,7 @@ def test_target_reading_drafters_on_cuda(model_dir, trained_drafters, kind) -> N
     """Drafters that read target features, trained on the GPU, run under CUDA graphs: greedy
     speculation == greedy plain, and graphs == enforce_eager for sampled standard verification."""
     spec = {"method": kind, "model": str(trained_drafters[kind]), "num_speculative_tokens": 3}
-    plain_greedy, _ = _generate(model_dir, GREEDY)
-    spec_greedy, llm = _generate(model_dir, GREEDY, spec)
-    assert spec_greedy == plain_greedy
-    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
-    assert llm.get_metrics()["num_drafts"] > 0
-    graphed, _ = _generate(model_dir, SAMPLED, spec)
-    eager, _ = _generate(model_dir, SAMPLED, spec, enforce_eager=True)
-    assert graphed == eager
+    _speculation_keeps_its_guarantees(model_dir, spec)
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED])

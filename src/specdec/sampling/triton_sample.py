@@ -28,6 +28,7 @@ from specdec.sampling.processing import (
     check_sampling_tensors,
     filter_threshold,
     row_param,
+    sampling_violations,
     scale_logits,
 )
 from specdec.sampling.readback import Readback
@@ -277,19 +278,13 @@ def _row_checks_pass(
     temperature = values.get("temperature", torch.tensor([temperature_value]))
     stream = values.get("stream", torch.tensor([stream_value]))
     step = values.get("step", torch.tensor([step_value]))
-    bad = ~((temperature >= 0) & (temperature < math.inf)) | (positions < 0)
     out_of_range = (positions > MAX_COUNTER_WORD) | (stream < 0) | (stream > MAX_COUNTER_WORD)
     out_of_range |= (step < 0) | (step > MAX_COUNTER_WORD)
-    bad |= (temperature > 0) & out_of_range
-    if "top_k" in values:
-        bad |= values["top_k"] < 0
-    if "top_p" in values:
-        top_p = values["top_p"]
-        bad |= ~((top_p > 0) & (top_p <= 1))
-    if "min_p" in values:
-        min_p = values["min_p"]
-        bad |= ~((min_p >= 0) & (min_p <= 1))
-    return not bool(bad.any())
+    bad = (positions < 0) | ((temperature > 0) & out_of_range)
+    rules = sampling_violations(
+        temperature, values.get("top_k"), values.get("top_p"), values.get("min_p")
+    )
+    return not (bool(bad.any()) or any(bool(violated) for violated, _ in rules))
 
 
 def sample_triton(
