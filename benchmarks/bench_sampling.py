@@ -39,6 +39,19 @@ def bench(fn: Callable[[], object], rep_ms: int = 120) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
 
 
+def back_to_back(fn: Callable[[], object], calls: int = 200) -> float:
+    """Milliseconds per call of `calls` calls in a row (wall clock, no L2 flush between them):
+    the rate a caller issuing one call after another gets, host work included."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e3
+
+
 def copy_bandwidth() -> float:
     """Bytes read + written per second by a large fp32 device-to-device copy_."""
     numel = 2**29  # 2 GiB
@@ -217,7 +230,13 @@ def run_shape(batch: int, vocab: int, dtype: torch.dtype, copy_bw: float, flashi
     positions = seeds + 1000
     fns = [lambda x=x: sample(x, seeds, positions, temperature=TEMPERATURE) for x in logits]
     record("sample", bench(rotating(fns)), sample_bytes)
-    del logits, fns
+    record("sample_back_to_back", back_to_back(rotating(fns)), sample_bytes)
+    unchecked = [
+        lambda x=x: sample(x, seeds, positions, temperature=TEMPERATURE, check_values=False)
+        for x in logits
+    ]
+    record("sample_unchecked", bench(rotating(unchecked)), sample_bytes)
+    del logits, fns, unchecked
 
     round_bytes = batch * vocab * ((K + 1) * elt + K * 4)
     copies = num_copies(round_bytes)
@@ -243,6 +262,8 @@ def run_shape(batch: int, vocab: int, dtype: torch.dtype, copy_bw: float, flashi
             accepted = float(result.num_accepted.float().mean())
             ms = bench(rotating([lambda r=r: call(r) for r in rounds]))
             record("verify", ms, nbytes, method=method, lse=lse_given, mean_accepted=accepted)
+            ms = back_to_back(rotating([lambda r=r: call(r) for r in rounds]))
+            record("verify_back_to_back", ms, nbytes, method=method, lse=lse_given)
             inputs = [
                 check_verify_inputs(
                     r["target"],

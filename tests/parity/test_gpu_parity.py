@@ -417,6 +417,86 @@ def test_verify_invalid_values_raise_while_kernels_stay_in_bounds(
     _assert_verify_equal(got, want)
 
 
+def _invalid_value_case(gen: torch.Generator, trial: int):
+    """Random `ValueCheck` arguments where each rule is broken in some row with probability 0.15
+    (positions, num_draft, drafts, temperature, top_k, top_p, min_p, the drafts' logits)."""
+    batch = int(torch.randint(1, 700, (1,), generator=gen))
+    k = int(torch.randint(0, 6, (1,), generator=gen))
+    vocab = 50
+    active = int(torch.randint(0, batch + 1, (1,), generator=gen))
+    drafts = torch.randint(0, vocab, (batch, k), generator=gen)
+    positions = torch.randint(0, 1000, (batch,), generator=gen)
+    num_draft = torch.randint(0, k + 1, (batch,), generator=gen)
+    logits = torch.randn(batch, k, vocab, generator=gen)
+    temperature = torch.rand(batch, generator=gen)
+    top_k = torch.randint(0, 10, (batch,), generator=gen)
+    top_p = 0.1 + 0.9 * torch.rand(batch, generator=gen)
+    min_p = torch.rand(batch, generator=gen)
+
+    def row() -> int:
+        return int(torch.randint(0, batch, (1,), generator=gen))
+
+    def col() -> int:
+        return int(torch.randint(0, k, (1,), generator=gen))
+
+    breakers = [
+        lambda r: positions.__setitem__(r, [-1, 2**32, 2**40][r % 3]),
+        lambda r: num_draft.__setitem__(r, [-1, k + 1, 100][r % 3]),
+        lambda r: k and drafts.__setitem__((r, col()), [-1, vocab, 10**9][r % 3]),
+        lambda r: temperature.__setitem__(r, [float("nan"), float("inf"), -0.5][r % 3]),
+        lambda r: top_k.__setitem__(r, -1),
+        lambda r: top_p.__setitem__(r, [0.0, 1.5, float("nan")][r % 3]),
+        lambda r: min_p.__setitem__(r, [-0.1, 1.5, float("nan")][r % 3]),
+        lambda r: k and logits.__setitem__((r, col(), 7), [float("-inf"), float("nan")][r % 2]),
+    ]
+    for breaker in breakers:
+        if torch.rand(1, generator=gen) < 0.15:
+            breaker(row())
+    given = torch.rand(3, generator=gen) < 0.6
+    params = SamplingTensors(
+        temperature,
+        top_k if given[0] else None,
+        top_p if given[1] else None,
+        min_p if given[2] else None,
+    )
+    draft_logits = None if trial % 4 == 0 else logits
+    if trial % 5 == 0 and draft_logits is not None:
+        draft_logits = draft_logits.to(torch.bfloat16)
+    method = METHODS[trial % 3]
+    return drafts, draft_logits, positions, num_draft, params, method, active, vocab
+
+
+def test_value_rules_kernel_matches_the_cpu_rules() -> None:
+    """The GPU's rule word (one bit per `verify` value rule) equals the PyTorch rules' on random
+    arguments that break each rule in some trials; every rule is seen broken and intact."""
+    from specdec.verify import ValueCheck
+
+    gen = _generator(2024)
+    seen = 0
+    clean = 0
+    for trial in range(400):
+        drafts, logits, positions, num_draft, params, method, active, vocab = _invalid_value_case(
+            gen, trial
+        )
+        want = ValueCheck(drafts, logits, positions, num_draft, params, method, active, vocab)
+        fields = (params.temperature, params.top_k, params.top_p, params.min_p)
+        gpu_params = SamplingTensors(*(None if t is None else t.to(CUDA) for t in fields))
+        got = ValueCheck(
+            drafts.to(CUDA),
+            None if logits is None else logits.to(CUDA),
+            positions.to(CUDA),
+            num_draft.to(CUDA),
+            gpu_params,
+            method,
+            active,
+            vocab,
+        )
+        assert got.bits() == want.bits(), trial
+        seen |= want.bits()
+        clean += want.bits() == 0
+    assert seen == 0xFF and clean > 20
+
+
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("draft_kind", ["sampled", "one_hot"])
 def test_verify_with_filters_matches_reference(method: str, draft_kind: str) -> None:

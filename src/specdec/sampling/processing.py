@@ -29,6 +29,30 @@ def row_param(
     return torch.full((num_rows,), value, dtype=dtype, device=device)
 
 
+SAMPLING_RULE_MESSAGES = (
+    "temperature must be finite and >= 0",
+    "top_k must be >= 0 (0 disables)",
+    "top_p must be in (0, 1]",
+    "min_p must be in [0, 1]",
+)
+
+
+def sampling_rule_flags(
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+) -> list[torch.Tensor | None]:
+    """0-d bool tensors, True when the rule of `SAMPLING_RULE_MESSAGES` with the same index is
+    violated by some row (None for a parameter not given)."""
+    return [
+        ~torch.isfinite(temperature).all() | (temperature < 0).any(),
+        None if top_k is None else (top_k < 0).any(),
+        None if top_p is None else ((top_p <= 0) | (top_p > 1) | top_p.isnan()).any(),
+        None if min_p is None else ((min_p < 0) | (min_p > 1) | min_p.isnan()).any(),
+    ]
+
+
 def sampling_violations(
     temperature: torch.Tensor,
     top_k: torch.Tensor | None,
@@ -37,21 +61,12 @@ def sampling_violations(
 ) -> list[tuple[torch.Tensor, str]]:
     """(0-d bool tensor that is True when violated, message) for each per-row parameter rule;
     the caller reads them all with one device sync (`raise_first_violation`)."""
-    rules = [
-        (
-            ~torch.isfinite(temperature).all() | (temperature < 0).any(),
-            "temperature must be finite and >= 0",
-        ),
+    flags = sampling_rule_flags(temperature, top_k, top_p, min_p)
+    return [
+        (flag, message)
+        for flag, message in zip(flags, SAMPLING_RULE_MESSAGES, strict=True)
+        if flag is not None
     ]
-    if top_k is not None:
-        rules.append(((top_k < 0).any(), "top_k must be >= 0 (0 disables)"))
-    if top_p is not None:
-        rules.append(
-            (((top_p <= 0) | (top_p > 1) | top_p.isnan()).any(), "top_p must be in (0, 1]")
-        )
-    if min_p is not None:
-        rules.append((((min_p < 0) | (min_p > 1) | min_p.isnan()).any(), "min_p must be in [0, 1]"))
-    return rules
 
 
 def raise_first_violation(rules: list[tuple[torch.Tensor, str]]) -> None:

@@ -162,17 +162,21 @@ def _sample_chunk_kernel(
     run_sum = tl.zeros([ROWS], tl.float32)
     best = tl.full([ROWS], float("-inf"), tl.float32)
     best_idx = chunk_first + 4 * tl.arange(0, ROWS)
+    # No runtime branch inside the tile loop (measured: branching on `sampled` and on the
+    # divisor made the kernel ~1.5x slower); greedy rows compute the noise and add zero.
+    noise_scale = tl.where(sampled, 1.0, 0.0)
     for t in tl.static_range(TILES):
         first_lane = chunk_first + t * (4 * ROWS)
         lanes = tile_lanes(first_lane, ROWS)
-        x = processed_tile(logits_row, lanes, vocab, divisor, threshold, HAS_THRESHOLD)
-        tl.store(processed_row + lanes, x, mask=lanes < vocab)
+        in_vocab = lanes < vocab
+        x = tl.load(logits_row + lanes, mask=in_vocab, other=float("-inf")).to(tl.float32)
+        x = tl.math.div_rn(x, divisor)
+        if HAS_THRESHOLD:
+            x = tl.where(x < threshold, float("-inf"), x)
+        tl.store(processed_row + lanes, x, mask=in_vocab)
         run_max, run_sum = lse_update(run_max, run_sum, x)
-        if sampled:  # noqa: SIM108 (a runtime branch: greedy rows draw no noise)
-            val = x + gumbel_tile(seed, position, stream, step, first_lane // 4, ROWS)
-        else:
-            val = x
-        best, best_idx = argmax_update(best, best_idx, val, lanes)
+        noise = gumbel_tile(seed, position, stream, step, first_lane // 4, ROWS)
+        best, best_idx = argmax_update(best, best_idx, x + noise * noise_scale, lanes)
     chunk_max, chunk_sum = lse_finish(run_max, run_sum)
     top, top_idx = argmax_finish(best, best_idx)
     out = row * num_chunks + chunk
@@ -218,6 +222,9 @@ def _sample_reduce_kernel(
 # Tile shape of the streaming passes: rows of 4 lanes per thread, warps, tiles per program. Few
 # rows per thread keep registers low, so several programs per SM keep loads in flight.
 STREAM_PLAN = {"rows_per_thread": 2, "num_warps": 4, "tiles": 4}
+# `sample`'s pass adds keyed noise to every element: one row of lanes per thread (measured on the
+# H200 at B=256, V=151,936: 0.115 ms against 0.140 ms with two rows per thread).
+SAMPLE_PLAN = {"rows_per_thread": 1, "num_warps": 4, "tiles": 4}
 
 
 def chunk_plan(vocab: int, plan: dict[str, int] | None = None) -> tuple[int, int, int, int]:
@@ -387,7 +394,7 @@ def sample_triton(
     processed = torch.empty(num_rows, vocab, dtype=torch.float32, device=device)
     token_ids = torch.empty(num_rows, dtype=torch.int64, device=device)
     logsumexp = torch.empty(num_rows, dtype=torch.float32, device=device)
-    rows, tiles, num_chunks, num_warps = chunk_plan(vocab)
+    rows, tiles, num_chunks, num_warps = chunk_plan(vocab, SAMPLE_PLAN)
     chunk_f32 = torch.empty(3, num_rows, num_chunks, dtype=torch.float32, device=device)
     chunk_idx = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=device)
     per_row = {

@@ -17,12 +17,11 @@ import torch
 
 from specdec.rng import Stream, uniform
 from specdec.sampling.processing import (
+    SAMPLING_RULE_MESSAGES,
     RowParam,
     process_logits,
-    raise_first_violation,
-    sampling_violations,
+    sampling_rule_flags,
 )
-from specdec.sampling.readback import Readback
 from specdec.sampling.sampler import SamplingTensors, gumbel_argmax_ref
 
 VERIFY_METHODS = ("standard", "block", "coupled")
@@ -135,14 +134,26 @@ def check_verify_inputs(
     )
 
 
-class ValueCheck:
-    """The value checks of one `verify` call, read back from the device without stalling it.
+def value_rule_messages(k: int, vocab: int) -> list[str]:
+    """The messages of `verify`'s value rules, in the order they are checked (rule r is bit r of
+    the GPU's rule word, `specdec.verify.triton_checks`)."""
+    return [
+        "positions must lie in [0, 2**32)",
+        f"num_draft must lie in [0, K={k}]",
+        f"draft_token_ids must lie in [0, V={vocab}) within num_draft",
+        *SAMPLING_RULE_MESSAGES,
+        "a draft token has zero probability under its draft_logits: draft_logits "
+        "must be the processed logits the drafts were sampled from",
+    ]
 
-    The per-row values the rules need (positions, num_draft, the live drafts, the sampling
-    parameters, each draft's logit under its draft_logits) are packed on the device and copied to
-    pinned host memory with one asynchronous copy; `wait()` waits for that copy only (not for work
-    queued after it, such as the verify kernels) and raises ValueError naming the first violated
-    rule. On the CPU the copy is immediate.
+
+class ValueCheck:
+    """The value checks of one `verify` call, made without stalling the device.
+
+    On CUDA one small kernel evaluates every rule (`specdec.verify.triton_checks`) ahead of the
+    verify kernels and one asynchronous copy brings the rule word to pinned host memory; `wait()`
+    waits for that copy only (not for work queued after it, such as the verify kernels) and raises
+    ValueError naming the first violated rule. Elsewhere the same rules run as PyTorch ops.
     """
 
     def __init__(
@@ -157,61 +168,62 @@ class ValueCheck:
         vocab: int,
     ) -> None:
         k = draft_token_ids.shape[1]
-        drafts = draft_token_ids[:active_rows]  # [A, K]
-        at_draft = None
-        if draft_logits is not None and method != "coupled" and k and active_rows:
-            at_draft = draft_logits[:active_rows].gather(-1, drafts.clamp(0, vocab - 1)[..., None])
-        self._readback = Readback(
-            {
-                "positions": positions,
-                "num_draft": num_draft,
-                "drafts": drafts,
-                "top_k": params.top_k,
-            },
-            {
-                "temperature": params.temperature,
-                "top_p": params.top_p,
-                "min_p": params.min_p,
-                "at_draft": at_draft,
-            },
-        )
-        self._layout = (k, active_rows, vocab)
+        at_draft = draft_logits is not None and method != "coupled" and k > 0 and active_rows > 0
+        self._messages = value_rule_messages(k, vocab)
         self._checked = False
+        self._device_bits = None
+        if positions.is_cuda:
+            from specdec.verify.triton_checks import DeviceRuleBits
+
+            self._device_bits = DeviceRuleBits(
+                draft_token_ids,
+                draft_logits,
+                positions,
+                num_draft,
+                params,
+                active_rows,
+                vocab,
+                MAX_POSITION,
+                at_draft,
+            )
+            return
+        drafts = draft_token_ids[:active_rows]  # [A, K]
+        live = torch.arange(k, device=positions.device)[None, :] < num_draft[:active_rows, None]
+        none = torch.zeros((), dtype=torch.bool)
+        flags = [
+            ((positions < 0) | (positions > MAX_POSITION)).any(),
+            ((num_draft < 0) | (num_draft > k)).any(),
+            (live & ((drafts < 0) | (drafts >= vocab))).any(),
+            *(
+                none if flag is None else flag
+                for flag in sampling_rule_flags(
+                    params.temperature, params.top_k, params.top_p, params.min_p
+                )
+            ),
+        ]
+        if at_draft:
+            logit = draft_logits[:active_rows].gather(-1, drafts.clamp(0, vocab - 1)[..., None])
+            logit = logit[..., 0]
+            flags.append((live & (torch.isneginf(logit) | torch.isnan(logit))).any())
+        else:
+            flags.append(none)
+        self._flags = torch.stack(flags).tolist()
+
+    def bits(self) -> int:
+        """The rule word: bit r set when rule r of `value_rule_messages` is violated (waits for
+        the device's copy on CUDA)."""
+        if self._device_bits is not None:
+            return self._device_bits.bits()
+        return sum(1 << r for r, violated in enumerate(self._flags) if violated)
 
     def wait(self) -> None:
         """Waits for the values and raises ValueError naming the first violated rule."""
         if self._checked:
             return
-        k, active, vocab = self._layout
-        values = self._readback.values()
-        positions, num_draft = values["positions"], values["num_draft"]
-        drafts = values["drafts"].view(active, k)
-        live = torch.arange(k)[None, :] < num_draft[:active, None]  # [A, K]
-        rules = [
-            (
-                ((positions < 0) | (positions > MAX_POSITION)).any(),
-                "positions must lie in [0, 2**32)",
-            ),
-            (((num_draft < 0) | (num_draft > k)).any(), f"num_draft must lie in [0, K={k}]"),
-            (
-                (live & ((drafts < 0) | (drafts >= vocab))).any(),
-                f"draft_token_ids must lie in [0, V={vocab}) within num_draft",
-            ),
-            *sampling_violations(
-                values["temperature"], values.get("top_k"), values.get("top_p"), values.get("min_p")
-            ),
-        ]
-        if "at_draft" in values:
-            at_draft = values["at_draft"].view(active, k)
-            bad = torch.isneginf(at_draft) | torch.isnan(at_draft)
-            rules.append(
-                (
-                    (live & bad).any(),
-                    "a draft token has zero probability under its draft_logits: draft_logits "
-                    "must be the processed logits the drafts were sampled from",
-                )
-            )
-        raise_first_violation(rules)
+        bits = self.bits()
+        if bits:
+            first = (bits & -bits).bit_length() - 1
+            raise ValueError(self._messages[first])
         self._checked = True
 
 
