@@ -101,6 +101,11 @@ class DFlashDrafter(Drafter):
         for b, request_id in enumerate(batch.request_ids):
             context = self._contexts.get(request_id)
             needed = int(context_lens[b])
+            if context is None and needed == 0:
+                # A first round of a one-token prompt: no feature yet; the caller drafts
+                # nothing for this row, which attends to its block only.
+                contexts.append(None)
+                continue
             if context is None or context.length < needed:
                 have = 0 if context is None else context.length
                 raise ValueError(
@@ -110,12 +115,15 @@ class DFlashDrafter(Drafter):
             contexts.append(context)
         num_context = int(context_lens.max())
         layer_context = []
+        template = next(context for context in contexts if context is not None)
         for index in range(len(model.layers)):
-            keys = contexts[0].keys[index]
+            keys = template.keys[index]
             shape = (batch.batch_size, num_context, *keys.shape[1:])
             padded_keys = keys.new_zeros(shape)  # [B, S, H_kv, D_head]
             padded_values = keys.new_zeros(shape)
             for b, context in enumerate(contexts):
+                if context is None:
+                    continue
                 n = int(context_lens[b])
                 padded_keys[b, :n] = context.keys[index][:n]
                 padded_values[b, :n] = context.values[index][:n]
@@ -138,6 +146,9 @@ class DFlashDrafter(Drafter):
         """
         size = batch.batch_size
         num_draft = batch.num_draft.clamp(max=self.model.config.block_size)
+        # A round anchored at A = 1 (a one-token prompt) has no target feature yet: such rows
+        # draft nothing this round.
+        num_draft = torch.where(batch.anchors.cpu() < 2, 0, num_draft)
         k = int(num_draft.max()) if size else 0
         draft_ids = torch.full((size, k), -1, dtype=torch.int64)
         if k == 0:

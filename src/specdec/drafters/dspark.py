@@ -91,6 +91,9 @@ class DSparkDrafter(DFlashDrafter):
         """
         size = batch.batch_size
         wanted = batch.num_draft.clamp(max=self.model.config.block_size)  # [B]
+        # A round anchored at A = 1 (a one-token prompt) has no target feature yet: such rows
+        # draft nothing this round.
+        wanted = torch.where(batch.anchors.cpu() < 2, 0, wanted)
         k = int(wanted.max()) if size else 0
         draft_ids = torch.full((size, k), -1, dtype=torch.int64)
         num_draft = torch.zeros(size, dtype=torch.int64)

@@ -273,6 +273,23 @@ def test_greedy_speculation_equals_greedy_decoding(
         assert outputs[method] == outputs[None]
 
 
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_one_token_prompts_draft_from_their_second_round(target_dir, target, tmp_path, kind):
+    """A one-token prompt's first round has no target feature yet: the block drafters draft
+    nothing for it then (they raised before), alone and beside longer prompts."""
+    path = save_tiny_block_drafter(tmp_path / kind, kind, target, block_size=3, noise=0.05)
+    spec = {"method": kind, "model": str(path), "num_speculative_tokens": 3}
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = [[5], [5, 9, 3], [7]]
+    plain = LLM(str(target_dir), max_model_len=64, block_size=4)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(target_dir), speculative_config=spec, max_model_len=64, block_size=4)
+    for batch in ([prompts[0]], prompts):
+        got = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+        assert got == want[: len(batch)]
+    assert llm.get_metrics()["num_drafts"] > 0
+
+
 @pytest.mark.parametrize(("kind", "method"), [("dflash", "standard"), ("dspark", "block")])
 def test_seeded_runs_replay_alone_batched_permuted_and_preempted(
     target_dir, target, tmp_path, kind, method
