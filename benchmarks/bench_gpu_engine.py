@@ -147,7 +147,7 @@ def bench_ours(shapes, batches, new_tokens: int, plain_only: bool = False) -> di
     for shape in shapes:
         model = build_ours(shape)
         log(f"[ours] {shape}: built")
-        plain = make_llm(model)
+        plain = make_llm(model, async_scheduling=False)
         rows = {}
         for batch in batches:
             prompts = random_prompts(batch, COMMON["vocab_size"], seed=batch)

@@ -207,7 +207,9 @@ def flashinfer_pipeline(flashinfer, round_: dict):
     )
 
 
-def run_shape(batch: int, vocab: int, dtype: torch.dtype, copy_bw: float, flashinfer) -> list:
+def run_shape(
+    batch: int, vocab: int, dtype: torch.dtype, copy_bw: float, flashinfer, sample_only=False
+) -> list:
     results = []
     elt = ELEMENT_SIZE[dtype]
 
@@ -238,6 +240,8 @@ def run_shape(batch: int, vocab: int, dtype: torch.dtype, copy_bw: float, flashi
     record("sample_unchecked", bench(rotating(unchecked)), sample_bytes)
     del logits, fns, unchecked
 
+    if sample_only:
+        return results
     round_bytes = batch * vocab * ((K + 1) * elt + K * 4)
     copies = num_copies(round_bytes)
     for method in ("standard", "block", "coupled"):
@@ -402,6 +406,7 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="JSON results path")
     parser.add_argument("--sweep", action="store_true", help="only sweep tile plans")
     parser.add_argument("--no-flashinfer", action="store_true")
+    parser.add_argument("--sample-only", action="store_true", help="time sample() only")
     parser.add_argument("--batches", default="256,64,1")
     parser.add_argument("--vocabs", default="151936,32000")
     parser.add_argument("--dtypes", default="float32,bfloat16")
@@ -421,7 +426,7 @@ def main() -> None:
         for vocab in map(int, args.vocabs.split(",")):
             for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
                 for batch in map(int, args.batches.split(",")):
-                    results += run_shape(batch, vocab, dtype, copy_bw, flashinfer)
+                    results += run_shape(batch, vocab, dtype, copy_bw, flashinfer, args.sample_only)
                     with open(args.out, "w") as f:  # after every shape: a timeout keeps them
                         json.dump(report, f, indent=1)
         print_table(results, copy_bw)

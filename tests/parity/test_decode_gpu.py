@@ -193,8 +193,10 @@ def test_target_reading_drafters_on_cuda(model_dir, trained_drafters, kind) -> N
 def test_async_scheduling_on_cuda_emits_the_same_tokens(model_dir, params) -> None:
     """Overlapped steps feed the previous step's samples to the graph on the device: the tokens
     equal the synchronous loop's, with graphs and eagerly."""
-    plain, _ = _generate(model_dir, params)
-    overlapped, llm = _generate(model_dir, params, async_scheduling=True)
+    plain, synchronous = _generate(model_dir, params, async_scheduling=False)
+    assert not synchronous.engine.async_scheduling
+    overlapped, llm = _generate(model_dir, params)  # "auto": on for CUDA
+    assert llm.engine.async_scheduling
     assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
     eager, _ = _generate(model_dir, params, async_scheduling=True, enforce_eager=True)
     assert overlapped == plain

@@ -8,6 +8,8 @@ tests, so collecting this module needs no GPU stack.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -495,6 +497,60 @@ def test_value_rules_kernel_matches_the_cpu_rules() -> None:
         seen |= want.bits()
         clean += want.bits() == 0
     assert seen == 0xFF and clean > 20
+
+
+def test_sample_rules_kernel_agrees_with_the_reference() -> None:
+    """`sample` on CUDA raises exactly when `sample_ref` does, on random arguments that break
+    each per-row rule (positions, temperature, stream, step, top-k, top-p, min-p) in some trials;
+    valid calls return the reference's tokens."""
+    gen = _generator(77)
+    raised = 0
+    for trial in range(150):
+        num = int(torch.randint(1, 600, (1,), generator=gen))
+        logits = torch.randn(num, 20, generator=gen)
+        positions = torch.randint(0, 1000, (num,), generator=gen)
+        seeds = _seeds(num, gen)
+        temperature = torch.rand(num, generator=gen)
+        temperature[torch.rand(num, generator=gen) < 0.3] = 0.0
+        stream = torch.randint(0, 4, (num,), generator=gen)
+        step = torch.randint(0, 100, (num,), generator=gen)
+        top_k = torch.randint(0, 10, (num,), generator=gen)
+        top_p = 0.1 + 0.9 * torch.rand(num, generator=gen)
+        min_p = 0.5 * torch.rand(num, generator=gen)
+        breakers = [
+            (positions, [-1, 2**32]),
+            (temperature, [float("nan"), float("inf"), -1.0]),
+            (stream, [-1, 2**32]),
+            (step, [-1, 2**33]),
+            (top_k, [-2]),
+            (top_p, [0.0, 1.2, float("nan")]),
+            (min_p, [-0.5, 1.5, float("nan")]),
+        ]
+        for tensor, values in breakers:
+            if torch.rand(1, generator=gen) < 0.12:
+                row = int(torch.randint(0, num, (1,), generator=gen))
+                tensor[row] = values[row % len(values)]
+        use = (torch.rand(6, generator=gen) < 0.6).tolist()
+        kwargs = {
+            "temperature": temperature if use[0] else 0.7,
+            "stream": stream if use[1] else 1,
+            "step": step if use[2] else 0,
+            "top_k": top_k if use[3] else None,
+            "top_p": top_p if use[4] else None,
+            "min_p": min_p if use[5] else None,
+        }
+        try:
+            want = sample_ref(logits, seeds, positions, **kwargs)
+        except ValueError as error:
+            raised += 1
+            with pytest.raises(ValueError, match=re.escape(str(error))):
+                sample(logits.to(CUDA), seeds.to(CUDA), positions.to(CUDA), **_to(CUDA, kwargs))
+            continue
+        got = sample(logits.to(CUDA), seeds.to(CUDA), positions.to(CUDA), **_to(CUDA, kwargs))
+        # The first rows only: with 20 tokens a row, a near-tie between the GPU's and the CPU's
+        # noise (they differ by ~3e-7) would show up about once in 1e5 rows.
+        assert torch.equal(got.token_ids[:8].cpu(), want.token_ids[:8]), trial
+    assert 20 < raised < 130
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -111,7 +111,9 @@ class EngineConfig:
             next one, feeding it the sampled tokens on the device, and read the earlier step's
             tokens meanwhile (host work overlaps the GPU; outputs are the same, reported one
             step later). Only steps in which every request decodes without speculation or
-            logprobs are overlapped; the others run as usual.
+            logprobs are overlapped; the others run as usual. True / "on", False / "off", or
+            "auto" (the default): on for CUDA, off on the CPU (where nothing runs beside the
+            host, so there is nothing to overlap).
     """
 
     model: str | None = None
@@ -124,9 +126,20 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
-    async_scheduling: bool = False
+    async_scheduling: bool | str = "auto"
 
     def __post_init__(self) -> None:
+        choices = {"on": True, "true": True, "off": False, "false": False, "auto": "auto"}
+        if isinstance(self.async_scheduling, str):
+            if self.async_scheduling.lower() not in choices:
+                raise ValueError(
+                    f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}"
+                )
+            object.__setattr__(self, "async_scheduling", choices[self.async_scheduling.lower()])
+        elif not isinstance(self.async_scheduling, bool):
+            raise ValueError(
+                f"async_scheduling must be True, False or 'auto', got {self.async_scheduling!r}"
+            )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"

@@ -132,6 +132,9 @@ class LLMEngine:
         self.config = config
         self.device = _resolve_device(config.device)
         dtype = _resolve_dtype(config.dtype, self.device)
+        self.async_scheduling = config.async_scheduling
+        if self.async_scheduling == "auto":
+            self.async_scheduling = self.device.type == "cuda"
         if model is None:
             path = config.model or str(default_model_path())
             model, _, tokenizer = load_model(path, dtype=dtype, device=self.device)
@@ -351,7 +354,7 @@ class LLMEngine:
         (finished groups are then forgotten). `only_finished` skips building the outputs of
         unfinished requests (callers that do not stream). With `async_scheduling`, a step may
         launch work whose tokens the next call reports."""
-        if self.config.async_scheduling and self.drafter is None:
+        if self.async_scheduling and self.drafter is None:
             return self._step_async(only_finished)
         scheduled = self._schedule()
         if not scheduled:

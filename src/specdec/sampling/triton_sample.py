@@ -4,11 +4,11 @@ Pipeline (one pass over the logits, grid over (row, vocabulary chunk) so one row
 1. top-k / top-p / min-p thresholds from the torch `filter_threshold`, only when a row filters;
 2. `_sample_chunk_kernel`: scale (IEEE division, bit-identical to `logits.float() / T`), mask
    below the threshold, write the processed logits, online max / sum-exp, add keyed Gumbel noise
-   (sampled rows only), per-chunk argmax (ties -> lowest id);
+   (times 0 on greedy rows), per-chunk argmax (ties -> lowest id);
 3. `_sample_reduce_kernel`: combine the chunks into the token and the log-normaliser.
-The per-row arguments are read back to the host by an asynchronous copy queued before the kernels
-(`Readback`), so the host checks them while the kernels run; invalid arguments are handed to
-`sample_ref`, which raises its error.
+The per-row argument rules are evaluated by one small kernel queued before these
+(`triton_checks.SampleRuleBits`) and its word is read back by an asynchronous copy, so the host
+waits for that copy only; invalid arguments are handed to `sample_ref`, which raises its error.
 Never creates noise itself: it evaluates `specdec.rng` keys through `triton_philox`.
 """
 
@@ -28,11 +28,10 @@ from specdec.sampling.processing import (
     check_sampling_tensors,
     filter_threshold,
     row_param,
-    sampling_violations,
     scale_logits,
 )
-from specdec.sampling.readback import Readback
 from specdec.sampling.sampler import SampleOutput, sample_ref
+from specdec.sampling.triton_checks import SampleRuleBits
 
 NEG_INF: tl.constexpr = tl.constexpr(float("-inf"))
 INT32_MAX: tl.constexpr = tl.constexpr(2**31 - 1)
@@ -274,26 +273,6 @@ def _host_checks_pass(logits: torch.Tensor, seeds: object, positions: object) ->
     return logits.shape[0] > 0 and logits.shape[1] > 0
 
 
-def _row_checks_pass(
-    checks: Readback, temperature_value: float, stream_value: int, step_value: int
-) -> bool:
-    """The reference's per-row argument rules (`check_sampling_tensors`, `check_logits_and_keys`,
-    the counter-word checks of the rows that draw noise) on the values `checks` read back; scalar
-    parameters (the *_value arguments) were checked on the host already."""
-    values = checks.values()
-    positions = values["positions"]
-    temperature = values.get("temperature", torch.tensor([temperature_value]))
-    stream = values.get("stream", torch.tensor([stream_value]))
-    step = values.get("step", torch.tensor([step_value]))
-    out_of_range = (positions > MAX_COUNTER_WORD) | (stream < 0) | (stream > MAX_COUNTER_WORD)
-    out_of_range |= (step < 0) | (step > MAX_COUNTER_WORD)
-    bad = (positions < 0) | ((temperature > 0) & out_of_range)
-    rules = sampling_violations(
-        temperature, values.get("top_k"), values.get("top_p"), values.get("min_p")
-    )
-    return not (bool(bad.any()) or any(bool(violated) for violated, _ in rules))
-
-
 def sample_triton(
     logits: torch.Tensor,
     seeds: torch.Tensor,
@@ -375,9 +354,16 @@ def sample_triton(
     # never index memory by them); nothing is returned before they pass.
     checks = None
     if check_values:
-        checks = Readback(
-            {"positions": positions, "stream": stream_t, "step": step_t, "top_k": top_k_t},
-            {"temperature": temperature_t, "top_p": top_p_t, "min_p": min_p_t},
+        checks = SampleRuleBits(
+            positions,
+            temperature_t,
+            stream_t,
+            step_t,
+            top_k_t,
+            top_p_t,
+            min_p_t,
+            (temperature_value, stream_value, step_value),
+            MAX_COUNTER_WORD,
         )
     threshold = None
     if top_k_t is not None or top_p_t is not None or min_p_t is not None:
@@ -437,8 +423,6 @@ def sample_triton(
         CHUNKS=max(16, triton.next_power_of_2(num_chunks)),
         num_warps=1 if num_chunks <= 256 else 4,
     )
-    if checks is not None and not _row_checks_pass(
-        checks, temperature_value, stream_value, step_value
-    ):
+    if checks is not None and checks.violated():
         return reference()  # invalid arguments get the reference's error
     return SampleOutput(token_ids, processed, logsumexp)

@@ -136,7 +136,7 @@ def check_verify_inputs(
 
 def value_rule_messages(k: int, vocab: int) -> list[str]:
     """The messages of `verify`'s value rules, in the order they are checked (rule r is bit r of
-    the GPU's rule word, `specdec.verify.triton_checks`)."""
+    the GPU's rule word, `specdec.sampling.triton_checks`)."""
     return [
         "positions must lie in [0, 2**32)",
         f"num_draft must lie in [0, K={k}]",
@@ -150,7 +150,7 @@ def value_rule_messages(k: int, vocab: int) -> list[str]:
 class ValueCheck:
     """The value checks of one `verify` call, made without stalling the device.
 
-    On CUDA one small kernel evaluates every rule (`specdec.verify.triton_checks`) ahead of the
+    On CUDA one small kernel evaluates every rule (`specdec.sampling.triton_checks`) ahead of the
     verify kernels and one asynchronous copy brings the rule word to pinned host memory; `wait()`
     waits for that copy only (not for work queued after it, such as the verify kernels) and raises
     ValueError naming the first violated rule. Elsewhere the same rules run as PyTorch ops.
@@ -173,7 +173,7 @@ class ValueCheck:
         self._checked = False
         self._device_bits = None
         if positions.is_cuda:
-            from specdec.verify.triton_checks import DeviceRuleBits
+            from specdec.sampling.triton_checks import DeviceRuleBits
 
             self._device_bits = DeviceRuleBits(
                 draft_token_ids,

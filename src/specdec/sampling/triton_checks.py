@@ -1,4 +1,4 @@
-"""The value rules of `verify`, evaluated on the GPU by one small kernel.
+"""The value rules of `verify` and `sample`, evaluated on the GPU by one small kernel each.
 
 `ValueCheck` on CUDA launches `_value_rules_kernel` ahead of the verify kernels: each program reads
 the values the rules need for 256 rows (positions, num_draft, the live drafts, the sampling
@@ -7,7 +7,8 @@ set when rule r of `specdec.verify.reference.value_rule_messages` is violated by
 One asynchronous copy brings those words to pinned host memory; the host waits for the copy only,
 ORs the words and raises the message of the lowest set bit, which is the message the PyTorch
 rules raise on the CPU. The rules are the CPU's (`ValueCheck` there) written out element-wise; a
-GPU test compares the two on every rule.
+GPU test compares the two on every rule. `sample`'s rules (`SampleRuleBits`) work the same way
+with a single bit: set, `sample` hands the call to its reference, which raises the error.
 """
 
 from __future__ import annotations
@@ -101,11 +102,11 @@ _BUFFERS = _Buffers()
 
 
 def _buffers(
-    device: torch.device, words: int
+    kind: str, device: torch.device, words: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:
     """Reused buffers for `words` rule words: a call waits for its read-back before returning,
     so the next call on the same thread and stream may overwrite them."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream, words)
+    key = (kind, device, torch.cuda.current_stream(device).cuda_stream, words)
     found = _BUFFERS.by_stream.get(key)
     if found is None:
         found = (
@@ -138,7 +139,7 @@ class DeviceRuleBits:
         device = positions.device
         batch, k = draft_token_ids.shape
         words = triton.cdiv(batch, ROW_BLOCK)
-        word, self._host, self._event = _buffers(device, words)
+        word, self._host, self._event = _buffers("verify", device, words)
         drafts = (
             draft_token_ids if draft_token_ids.stride(-1) == 1 else draft_token_ids.contiguous()
         )
@@ -180,3 +181,107 @@ class DeviceRuleBits:
         """Waits for the copy of the rule word (not for later work) and returns it."""
         self._event.synchronize()
         return int(numpy.bitwise_or.reduce(self._host.numpy()))
+
+
+@triton.jit
+def _sample_rules_kernel(
+    positions_ptr,  # [N] int64
+    temperature_ptr,  # [N] float32 (PER_ROW_TEMPERATURE)
+    stream_ptr,  # [N] int64 (PER_ROW_STREAM)
+    step_ptr,  # [N] int64 (PER_ROW_STEP)
+    top_k_ptr,  # [N] int64 (HAS_TOP_K)
+    top_p_ptr,  # [N] float32 (HAS_TOP_P)
+    min_p_ptr,  # [N] float32 (HAS_MIN_P)
+    out_ptr,  # [cdiv(N, BLOCK)] int32: 1 where a row of the block breaks a rule
+    num_rows,
+    temperature_value,
+    stream_value,
+    step_value,
+    max_counter,
+    BLOCK: tl.constexpr,
+    PER_ROW_TEMPERATURE: tl.constexpr,
+    PER_ROW_STREAM: tl.constexpr,
+    PER_ROW_STEP: tl.constexpr,
+    HAS_TOP_K: tl.constexpr,
+    HAS_TOP_P: tl.constexpr,
+    HAS_MIN_P: tl.constexpr,
+):
+    n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    rows = n < num_rows
+    position = tl.load(positions_ptr + n, mask=rows, other=0)
+    temperature = tl.zeros([BLOCK], tl.float32) + temperature_value
+    if PER_ROW_TEMPERATURE:
+        temperature = tl.load(temperature_ptr + n, mask=rows, other=1.0)
+    stream = tl.zeros([BLOCK], tl.int64) + stream_value
+    if PER_ROW_STREAM:
+        stream = tl.load(stream_ptr + n, mask=rows, other=0)
+    step = tl.zeros([BLOCK], tl.int64) + step_value
+    if PER_ROW_STEP:
+        step = tl.load(step_ptr + n, mask=rows, other=0)
+    # Counter words are checked only where the row draws noise (T > 0), as the reference does.
+    out_of_range = (position > max_counter) | (stream < 0) | (stream > max_counter)
+    out_of_range = out_of_range | (step < 0) | (step > max_counter)
+    bad = (position < 0) | ((temperature > 0.0) & out_of_range)
+    bad = bad | ~((temperature >= 0.0) & (temperature <= FLT_MAX))
+    if HAS_TOP_K:
+        bad = bad | (tl.load(top_k_ptr + n, mask=rows, other=0) < 0)
+    if HAS_TOP_P:
+        top_p = tl.load(top_p_ptr + n, mask=rows, other=1.0)
+        bad = bad | ~((top_p > 0.0) & (top_p <= 1.0))
+    if HAS_MIN_P:
+        min_p = tl.load(min_p_ptr + n, mask=rows, other=0.0)
+        bad = bad | ~((min_p >= 0.0) & (min_p <= 1.0))
+    tl.store(out_ptr + tl.program_id(0), tl.max((rows & bad).to(tl.int32), axis=0))
+
+
+class SampleRuleBits:
+    """Whether some row of one `sample` call breaks an argument rule, computed on the GPU and
+    read back asynchronously (scalar parameters are passed as *_value, checked on the host)."""
+
+    def __init__(
+        self,
+        positions: torch.Tensor,
+        temperature: torch.Tensor | None,
+        stream: torch.Tensor | None,
+        step: torch.Tensor | None,
+        top_k: torch.Tensor | None,
+        top_p: torch.Tensor | None,
+        min_p: torch.Tensor | None,
+        scalars: tuple[float, int, int],
+        max_counter: int,
+    ) -> None:
+        num_rows = positions.shape[0]
+        words = triton.cdiv(num_rows, ROW_BLOCK)
+        word, self._host, self._event = _buffers("sample", positions.device, words)
+
+        def given(t: torch.Tensor | None) -> torch.Tensor:
+            return positions if t is None else t
+
+        _sample_rules_kernel[(words,)](
+            positions,
+            given(temperature),
+            given(stream),
+            given(step),
+            given(top_k),
+            given(top_p),
+            given(min_p),
+            word,
+            num_rows,
+            *scalars,
+            max_counter,
+            BLOCK=ROW_BLOCK,
+            PER_ROW_TEMPERATURE=temperature is not None,
+            PER_ROW_STREAM=stream is not None,
+            PER_ROW_STEP=step is not None,
+            HAS_TOP_K=top_k is not None,
+            HAS_TOP_P=top_p is not None,
+            HAS_MIN_P=min_p is not None,
+            num_warps=4,
+        )
+        self._host.copy_(word, non_blocking=True)
+        self._event.record()
+
+    def violated(self) -> bool:
+        """Waits for the copy of the rule words (not for later work)."""
+        self._event.synchronize()
+        return bool(self._host.numpy().any())
