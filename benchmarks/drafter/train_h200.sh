@@ -11,6 +11,10 @@
 # the CUDA engine, 256 requests at a time. DATA and REPEATS override the prompts file and the
 # answers per prompt (e.g. DATA=benchmarks/drafter/train_prompts_wide.jsonl REPEATS=1: 10,170
 # prompts over 330 topics and 31 kinds of request, for a head that generalises further).
+# MAX_PROMPTS caps the prompts used; SWEEP=0 skips the sweep; RESUME=1 continues in the same OUT
+# (reusing its self-distilled data and checkpoint), so that generation and training can run in
+# two calls of a time-limited machine:
+#   SWEEP=0 bash train_h200.sh GGUF OUT 10 && RESUME=1 bash train_h200.sh GGUF OUT 300
 set -euo pipefail
 gguf=$1
 out=$2
@@ -25,9 +29,11 @@ python3 -m specdec train-drafter --target "$gguf" --kind eagle --device cuda \
     --max-steps 3000 --batch-size 64 --seq-len 512 --lr 2e-3 --warmup-steps 100 \
     --checkpoint-every 500 --time-limit-s "$time_limit" --holdout-fraction 0.02 \
     --option draft_vocab_size=16384 --option ttt_steps=4 --option feature_layers=2,15,29 \
-    --eval-prompts 32 --eval-max-tokens 128 --eval-k 4 ${RESUME:+--resume} 2>&1 | tr '\r' '\n' |
-    awk '!/(step|tok)\/s/ || NR % 100 == 0' | tee "$out/train.log"
+    --eval-prompts 32 --eval-max-tokens 128 --eval-k 4 ${RESUME:+--resume} \
+    ${MAX_PROMPTS:+--max-prompts "$MAX_PROMPTS"} 2>&1 | tr '\r' '\n' |
+    awk '!/(step|tok)\/s/ || NR % 100 == 0' | tee -a "$out/train.log"
 
+if [ "${SWEEP:-1}" = 0 ]; then exit 0; fi
 python3 -m specdec bench --sweep --model "$gguf" --device cuda \
     --drafter eagle="{\"method\": \"eagle\", \"model\": \"$out/eagle\"}" \
     --drafter ngram='{"method": "ngram"}' \
