@@ -499,6 +499,46 @@ def test_value_rules_kernel_matches_the_cpu_rules() -> None:
     assert seen == 0xFF and clean > 20
 
 
+def test_strided_and_zero_dim_key_tensors() -> None:
+    """Seeds, positions and steps given as strided CUDA views or a 0-d step: the kernels read
+    them as the reference does (they index per-row tensors with unit stride, so `sample` and the
+    argument checks make them contiguous), and invalid values in a strided view still raise."""
+    gen = _generator(5)
+    logits = torch.randn(16, 3000, generator=gen)
+    all_seeds = _seeds(32, gen)
+    all_positions = torch.randint(0, 1000, (32,), generator=gen)
+    seeds, positions = all_seeds[::2], all_positions[::2]
+    cuda_seeds, cuda_positions = all_seeds.to(CUDA)[::2], all_positions.to(CUDA)[::2]
+    assert cuda_positions.stride(0) == 2
+    all_steps = torch.arange(32)
+    for step, cuda_step in (
+        (torch.tensor(7), torch.tensor(7, device=CUDA)),
+        (all_steps[::2], all_steps.to(CUDA)[::2]),
+    ):
+        want = sample_ref(logits, seeds, positions, temperature=0.9, stream=Stream.DRAFT, step=step)
+        got = sample(
+            logits.to(CUDA),
+            cuda_seeds,
+            cuda_positions,
+            temperature=0.9,
+            stream=Stream.DRAFT,
+            step=cuda_step,
+        )
+        _assert_sample_equal(got, want)
+    bad = all_positions.clone()
+    bad[6] = -1  # row 3 of the strided view
+    with pytest.raises(ValueError, match="positions"):
+        sample_ref(logits, seeds, bad[::2], temperature=0.9)
+    with pytest.raises(ValueError, match="positions"):
+        sample(logits.to(CUDA), cuda_seeds, bad.to(CUDA)[::2], temperature=0.9)
+    args, kwargs = _verify_case(3, "standard", "sampled", batch=8)
+    want = verify_ref(*args, **kwargs)
+    gpu_args = [a.to(CUDA) if a is not None else None for a in args]
+    wide = torch.stack([gpu_args[4], torch.full_like(gpu_args[4], -1)], dim=1)
+    gpu_args[4] = wide[:, 0]  # the anchors as a stride-2 view (the -1 between them is invalid)
+    _assert_verify_equal(verify(*gpu_args, **_to(CUDA, kwargs)), want)
+
+
 def test_sample_rules_kernel_agrees_with_the_reference() -> None:
     """`sample` on CUDA raises exactly when `sample_ref` does, on random arguments that break
     each per-row rule (positions, temperature, stream, step, top-k, top-p, min-p) in some trials;

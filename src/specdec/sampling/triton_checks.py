@@ -118,6 +118,11 @@ def _buffers(
     return found
 
 
+def _fields(params) -> tuple:
+    """A `SamplingTensors`' tensors in field order (temperature, top_k, top_p, min_p)."""
+    return (params.temperature, params.top_k, params.top_p, params.min_p)
+
+
 class DeviceRuleBits:
     """The rule bits of one `verify` call, computed on the GPU and read back asynchronously.
 
@@ -138,8 +143,14 @@ class DeviceRuleBits:
     ) -> None:
         device = positions.device
         batch, k = draft_token_ids.shape
+        self._empty = batch == 0
+        if self._empty:
+            return
         words = triton.cdiv(batch, ROW_BLOCK)
         word, self._host, self._event = _buffers("verify", device, words)
+        # The kernel indexes every [B] tensor with unit stride.
+        positions, num_draft = positions.contiguous(), num_draft.contiguous()
+        params = type(params)(*(None if t is None else t.contiguous() for t in _fields(params)))
         drafts = (
             draft_token_ids if draft_token_ids.stride(-1) == 1 else draft_token_ids.contiguous()
         )
@@ -179,6 +190,8 @@ class DeviceRuleBits:
 
     def bits(self) -> int:
         """Waits for the copy of the rule word (not for later work) and returns it."""
+        if self._empty:
+            return 0
         self._event.synchronize()
         return int(numpy.bitwise_or.reduce(self._host.numpy()))
 
@@ -252,6 +265,12 @@ class SampleRuleBits:
     ) -> None:
         num_rows = positions.shape[0]
         words = triton.cdiv(num_rows, ROW_BLOCK)
+        # The kernel indexes every [N] tensor with unit stride.
+        positions = positions.contiguous()
+        temperature, stream, step, top_k, top_p, min_p = (
+            None if t is None else t.contiguous()
+            for t in (temperature, stream, step, top_k, top_p, min_p)
+        )
         word, self._host, self._event = _buffers("sample", positions.device, words)
 
         def given(t: torch.Tensor | None) -> torch.Tensor:

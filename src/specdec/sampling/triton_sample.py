@@ -350,6 +350,11 @@ def sample_triton(
 
     if logits.stride(1) != 1:
         logits = logits.contiguous()
+    # The kernels index the per-row tensors with unit stride (a 0-d stream or step tensor
+    # arrives expanded, with stride 0).
+    seeds, positions = seeds.contiguous(), positions.contiguous()
+    stream_t = stream_t.contiguous() if stream_t is not None else None
+    step_t = step_t.contiguous() if step_t is not None else None
     # The per-row argument checks read their values back while the kernels run (the kernels
     # never index memory by them); nothing is returned before they pass.
     checks = None
