@@ -169,7 +169,7 @@ class ValueCheck:
     ) -> None:
         k = draft_token_ids.shape[1]
         at_draft = draft_logits is not None and method != "coupled" and k > 0 and active_rows > 0
-        self._messages = value_rule_messages(k, vocab)
+        self._layout = (k, vocab)
         self._checked = False
         self._device_bits = None
         if positions.is_cuda:
@@ -223,7 +223,7 @@ class ValueCheck:
         bits = self.bits()
         if bits:
             first = (bits & -bits).bit_length() - 1
-            raise ValueError(self._messages[first])
+            raise ValueError(value_rule_messages(*self._layout)[first])
         self._checked = True
 
 
