@@ -478,8 +478,7 @@ class LLMEngine:
                 raise RuntimeError("asynchronous scheduling: the batch changed unexpectedly")
             first_tokens = previous.token_ids
         inputs = self._step_inputs(scheduled, None)
-        logits = self.runner.run(inputs, first_tokens)
-        rows = logits[0] if len(logits) == 1 else torch.cat(logits)  # [B, V]
+        rows = self.runner.run_rows(inputs, first_tokens)  # [B, V]
         token_ids = self._sample_rows(requests, rows)
         for request, step_input in zip(requests, inputs, strict=True):
             self.scheduler.commit(request, step_input.start + 1)

@@ -134,6 +134,7 @@ class DecodeGraphs:
         block_ids: Sequence[Sequence[int]],
         feature_layers: tuple[int, ...] = (),
         first_tokens: torch.Tensor | None = None,
+        stacked: bool = False,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """One decode/verify step.
 
@@ -146,6 +147,8 @@ class DecodeGraphs:
             first_tokens: optional [num_seqs] int64 device tensor that replaces each sequence's
                 first query token (tokens sampled by a step whose results the host has not read:
                 the engine's asynchronous scheduling).
+            stacked: when every sequence has one query token, return the logits as one
+                [num_seqs, V] view (a one-element list) instead of a view per sequence.
 
         Returns:
             (per sequence [len(token_ids[b]), V] float32 logits, per sequence
@@ -216,6 +219,10 @@ class DecodeGraphs:
             graph.replay()
         else:
             features = self._forward(num_padded, query_per_seq, feature_layers)
+        if stacked and query_per_seq == 1:
+            # One view instead of num_seqs: host work each overlapped decode step.
+            stacked_features = [] if features is None else [features[:num_seqs]]
+            return [self.logits[:num_seqs]], stacked_features
         starts_of_rows = [b * query_per_seq for b in range(num_seqs)]
         logits = [
             self.logits[row : row + len(tokens)]

@@ -177,6 +177,27 @@ class PagedModelRunner:
         return self.run_with_features(inputs, (), first_tokens)[0]
 
     @torch.inference_mode()
+    def run_rows(
+        self, inputs: list[StepInput], first_tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`run` for inputs of one query token each that want its logits (plain decode):
+        [len(inputs), V] float32 logits, one row per input (on the decode path a view of a
+        static buffer, valid until the next `run`)."""
+        if any(len(s.token_ids) != 1 or s.num_logit_rows != 1 for s in inputs):
+            raise ValueError("run_rows takes inputs of one query token with its logits")
+        if self.graphs is not None and self._is_decode_step(inputs):
+            logits, _ = self.graphs.run(
+                [s.token_ids for s in inputs],
+                [s.start for s in inputs],
+                [s.block_ids for s in inputs],
+                first_tokens=first_tokens,
+                stacked=True,
+            )
+        else:
+            logits, _ = self._run_eager(inputs, (), first_tokens)
+        return logits[0] if len(logits) == 1 else torch.cat(logits)
+
+    @torch.inference_mode()
     def run_with_features(
         self,
         inputs: list[StepInput],

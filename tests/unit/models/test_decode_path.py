@@ -60,3 +60,29 @@ def test_batch_buckets() -> None:
     assert batch_buckets(1) == [1]
     assert batch_buckets(8) == [1, 2, 4, 8]
     assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
+
+
+@pytest.mark.parametrize("decode_path", [True, False])
+def test_run_rows_stacks_the_logits_of_run(decode_path: bool) -> None:
+    """`run_rows` (the overlapped decode step's call) gives `run`'s logits as one [B, V] tensor,
+    padded to a bucket or not, and refuses inputs of several query tokens."""
+
+    def runner() -> PagedModelRunner:
+        return PagedModelRunner(
+            seeded_model("llama", "cpu"),
+            num_blocks=12,
+            block_size=4,
+            max_num_seqs=4,
+            max_model_len=16,
+            decode_path=decode_path,
+            pad_batches=decode_path,
+        )
+
+    inputs = [StepInput([5], 0, [3], 1), StepInput([7], 0, [8], 1), StepInput([9], 0, [1], 1)]
+    first = torch.tensor([11, 12, 13])
+    expected = torch.cat(runner().run(inputs, first))
+    rows = runner().run_rows(inputs, first)
+    assert rows.shape == (3, 97)
+    torch.testing.assert_close(rows, expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="one query token"):
+        runner().run_rows([StepInput([5, 6], 0, [3], 2)])
