@@ -1,6 +1,7 @@
 """Where `sample()`'s GPU time goes: its chunk kernel with parts switched off or replaced.
 
     python benchmarks/sample_variants.py --out variants.json [--batch 256] [--vocab 151936]
+        [--dtype bfloat16] [--plans-only]
 
 Times (median of `triton.testing.do_bench`, L2 flushed) a copy of `_sample_chunk_kernel` with
 knobs: DIV (0 IEEE division `div_rn`, 1 multiplication by the reciprocal (not exact, timing only),
@@ -179,24 +180,37 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument(
+        "--plans-only",
+        action="store_true",
+        help="only the tile plans of the shipped kernel's knobs (no knob sets, no division count)",
+    )
     args = parser.parse_args()
     device = torch.device("cuda")
     batch, vocab = args.batch, args.vocab
     gen = torch.Generator(device=device).manual_seed(1)
     copies = 4
-    logits = [torch.randn(batch, vocab, generator=gen, device=device) for _ in range(copies)]
+    dtype = getattr(torch, args.dtype)
+    logits = [
+        torch.randn(batch, vocab, generator=gen, device=device).to(dtype) for _ in range(copies)
+    ]
     temperature = torch.full((batch,), 0.7, device=device)
     seeds = torch.arange(batch, device=device, dtype=torch.int64) * 7919
     positions = torch.arange(batch, device=device, dtype=torch.int64) + 100
     processed = torch.empty(batch, vocab, device=device)
-    floor_bytes = 2 * batch * vocab * 4
-    results = {"batch": batch, "vocab": vocab, "variants": []}
+    floor_bytes = batch * vocab * (logits[0].element_size() + 4)  # read logits, write fp32
+    results = {"batch": batch, "vocab": vocab, "dtype": args.dtype, "variants": []}
     start = time.time()
     plans = [(2, 4, 4), (1, 4, 4), (4, 4, 4), (2, 8, 4), (2, 4, 8), (2, 4, 2), (1, 8, 8)]
     knob_sets = [(0, 1, 1, 1), (2, 1, 1, 1), (1, 1, 1, 1), (0, 0, 1, 1), (0, 2, 1, 1)]
     knob_sets += [(0, 3, 1, 1), (0, 1, 0, 1), (0, 1, 1, 0), (0, 0, 0, 1), (2, 3, 1, 1)]
     configs = [(p, k) for p in plans[:1] for k in knob_sets]
     configs += [(p, (0, 1, 1, 1)) for p in plans[1:]] + [(p, (2, 1, 1, 1)) for p in plans[1:]]
+    if args.plans_only:  # the shipped kernel's knobs (IEEE division, its noise, lse, store)
+        plans = [(1, 4, 4), (2, 4, 4), (1, 4, 8), (1, 4, 2), (2, 4, 2), (1, 8, 4), (1, 2, 4)]
+        plans += [(2, 2, 4), (1, 2, 8), (4, 2, 2), (1, 8, 2)]
+        configs = [(p, (0, 1, 1, 1)) for p in plans]
     for (rows_per_thread, warps, tiles), (div, noise, lse, store) in configs:
         rows = 32 * warps * rows_per_thread
         num_chunks = triton.cdiv(vocab, 4 * rows * tiles)
@@ -220,8 +234,9 @@ def main() -> None:
         }
         print(entry, flush=True)
         results["variants"].append(entry)
-    results["division_mismatches_of_2**27"] = division_mismatches(2**27, device)
-    print(results["division_mismatches_of_2**27"], flush=True)
+    if not args.plans_only:
+        results["division_mismatches_of_2**27"] = division_mismatches(2**27, device)
+        print(results["division_mismatches_of_2**27"], flush=True)
     results["seconds"] = time.time() - start
     with open(args.out, "w") as file:
         json.dump(results, file, indent=1)

@@ -15,6 +15,7 @@ import torch
 
 from specdec.rng import Stream
 from specdec.sampling import SampleOutput, SamplingTensors, sample
+from specdec.sampling.readback import to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +127,14 @@ class Drafter(abc.ABC):
         is non-empty). For a request, successive calls cover consecutive positions, except
         that after `release` (preemption) they restart from position 0."""
 
+    def _draft_to_target_on(self, device: torch.device) -> torch.Tensor:
+        """`draft_to_target` on `device`, copied there once (not at every draft step)."""
+        source, cached = getattr(self, "_draft_to_target_cache", (None, None))
+        if source is not self.draft_to_target or cached.device != device:
+            cached = self.draft_to_target.to(device)
+            self._draft_to_target_cache = (self.draft_to_target, cached)
+        return cached
+
     def to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """[N, V_draft] -> [N, V_target] float32, -inf where the draft cannot go."""
         if self.draft_to_target is None:
@@ -138,7 +147,7 @@ class Drafter(abc.ABC):
         out = torch.full(
             (logits.shape[0], self.target_vocab_size), float("-inf"), device=logits.device
         )
-        out[:, self.draft_to_target.to(logits.device)] = logits.to(torch.float32)
+        out[:, self._draft_to_target_on(logits.device)] = logits.to(torch.float32)
         return out
 
     def sample_draft(
@@ -163,33 +172,55 @@ class Drafter(abc.ABC):
         RNG: per row, `Stream.DRAFT` at (Q, anchor) for "standard"/"block" requests, or
         `Stream.TARGET` at (Q) for "coupled" requests; V lanes per sampled row.
         """
-        rows = rows.to(torch.int64)
+        rows = rows.to(device="cpu", dtype=torch.int64)  # indices into the host batch
         full = self.to_target_vocab(logits)
-        n, vocab = full.shape
-        token_ids = torch.empty(n, dtype=torch.int64, device=full.device)
-        processed = torch.empty(n, vocab, dtype=torch.float32, device=full.device)
-        logsumexp = torch.empty(n, dtype=torch.float32, device=full.device)
-        streams = torch.tensor([draft_stream(batch.methods[int(r)]) for r in rows.tolist()])
+        device = full.device
+        n = full.shape[0]
+        positions = positions.to(torch.int64)
+        if positions.device != device:
+            positions = to_device(positions, torch.int64, device)
+        streams = [draft_stream(batch.methods[r]) for r in rows.tolist()]
+        outputs = []
         for stream in (Stream.TARGET, Stream.DRAFT):
-            picked_host = (streams == stream).nonzero().squeeze(1)
-            if not picked_host.numel():
+            picked = [i for i, s in enumerate(streams) if s == stream]
+            if not picked:
                 continue
-            picked = picked_host.to(full.device)
-            req = rows.cpu()[picked_host]  # the batch's per-request tensors live on the host
-            step = 0 if stream == Stream.TARGET else batch.anchors[req].to(full.device)
+            whole = len(picked) == n  # every row draws from this stream: no gather, no scatter
+            req = rows if whole else rows[picked]
+            # The batch's per-request tensors live on the host: one pinned copy per dtype.
+            params = batch.params
+            ints = [batch.seeds[req]]
+            if stream == Stream.DRAFT:
+                ints.append(batch.anchors[req])
+            if params.top_k is not None:
+                ints.append(params.top_k[req])
+            floats = [params.temperature[req]]
+            floats += [t[req] for t in (params.top_p, params.min_p) if t is not None]
+            ints = iter(to_device(torch.cat(ints), torch.int64, device).split(len(picked)))
+            floats = iter(to_device(torch.cat(floats), torch.float32, device).split(len(picked)))
+            seeds = next(ints)
+            step = next(ints) if stream == Stream.DRAFT else 0
+            index = None if whole else to_device(picked, torch.int64, device)
             out = sample(
-                full[picked],
-                batch.seeds[req].to(full.device),
-                positions.to(picked.device)[picked],
-                temperature=batch.params.temperature[req],
-                top_k=None if batch.params.top_k is None else batch.params.top_k[req],
-                top_p=None if batch.params.top_p is None else batch.params.top_p[req],
-                min_p=None if batch.params.min_p is None else batch.params.min_p[req],
+                full if whole else full[index],
+                seeds,
+                positions if whole else positions[index],
+                temperature=next(floats),
+                top_k=None if params.top_k is None else next(ints),
+                top_p=None if params.top_p is None else next(floats),
+                min_p=None if params.min_p is None else next(floats),
                 stream=stream,
                 step=step,
                 check_values=False,  # the engine's parameters, valid by construction
             )
-            token_ids[picked] = out.token_ids
-            processed[picked] = out.processed_logits
-            logsumexp[picked] = out.logsumexp
+            if whole:
+                return out
+            outputs.append((index, out))
+        token_ids = torch.empty(n, dtype=torch.int64, device=device)
+        processed = torch.empty_like(full)
+        logsumexp = torch.empty(n, dtype=torch.float32, device=device)
+        for index, out in outputs:
+            token_ids[index] = out.token_ids
+            processed[index] = out.processed_logits
+            logsumexp[index] = out.logsumexp
         return SampleOutput(token_ids, processed, logsumexp)

@@ -17,6 +17,7 @@ from torch import nn
 from specdec.drafters.base import DraftBatch, Drafter, Proposal
 from specdec.models import LlamaForCausalLM, load_model
 from specdec.models.paged import BlockAllocator, PagedModelRunner, StepInput
+from specdec.sampling.readback import to_device
 
 TRUNCATED_PREFIX = "truncated:"
 
@@ -127,29 +128,44 @@ class DraftModelDrafter(Drafter):
             self.allocator.grow(state, len(tokens) + max(n - 1, 0))
             inputs.append(StepInput(tokens[start:], start, state.block_ids, 1))
             state.token_ids = list(tokens)
+        # Each draft step feeds the previous step's drafts straight from the device
+        # (`first_tokens`); the host reads every draft once, after the loop.
+        lengths = [len(state.token_ids) for state in states]
         live = list(range(size))
+        first_tokens = None
         for i in range(k):
-            logits = torch.cat(self.runner.run(inputs))  # [len(live), V]
+            if first_tokens is None:
+                logits = torch.cat(self.runner.run(inputs))  # [len(live), V]
+            else:
+                logits = self.runner.run_rows(inputs, first_tokens)
             rows = torch.tensor(live, dtype=torch.int64)
+            index = slice(None) if len(live) == size else to_device(rows, torch.int64, device)
             positions = batch.anchors[rows] + i  # Q of the proposed tokens
             if self.greedy:
                 tokens = self.to_target_vocab(logits).argmax(dim=-1)
             else:
                 out = self.sample_draft(logits, rows, positions, batch)
                 tokens = out.token_ids
-                draft_logits[rows, i] = out.processed_logits.to(device)
-                draft_lse[rows, i] = out.logsumexp.to(device)
-            draft_ids[rows, i] = tokens.to(device)
-            nxt_live, inputs = [], []
-            for row, token in zip(live, tokens.tolist(), strict=False):
-                if i + 1 < int(batch.num_draft[row]):
-                    state = states[row]
-                    inputs.append(StepInput([token], len(state.token_ids), state.block_ids, 1))
-                    state.token_ids.append(token)
-                    nxt_live.append(row)
-            live = nxt_live
-            if not live:
+                draft_logits[index, i] = out.processed_logits
+                draft_lse[index, i] = out.logsumexp
+            draft_ids[index, i] = tokens
+            keep = [j for j, row in enumerate(live) if i + 1 < int(batch.num_draft[row])]
+            if not keep:
                 break
+            inputs = []
+            for j in keep:
+                state = states[live[j]]
+                inputs.append(StepInput([0], len(state.token_ids), state.block_ids, 1))
+                state.token_ids.append(-1)  # this step's draft, filled in after the loop
+            if len(keep) < len(live):
+                tokens = tokens[to_device(keep, torch.int64, tokens.device)]
+            first_tokens = tokens
+            live = [live[j] for j in keep]
+        if k > 1:
+            host_ids = draft_ids.tolist()
+            for state, length, ids in zip(states, lengths, host_ids, strict=True):
+                fed = len(state.token_ids) - length
+                state.token_ids[length:] = ids[:fed]
         return Proposal(draft_ids, draft_logits, draft_lse, batch.num_draft.clone())
 
     def _sync(self, request_id: str, tokens: list[int]) -> _DraftState:

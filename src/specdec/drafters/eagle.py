@@ -19,6 +19,7 @@ from specdec.drafters.base import DraftBatch, Drafter, Proposal, TargetFeatures
 from specdec.models import AttentionMetadata, LlamaForCausalLM
 from specdec.models.eagle import EagleHead, head_logits, head_logits_weight, load_eagle_head
 from specdec.models.paged import BlockAllocator
+from specdec.sampling.readback import to_device
 
 
 @dataclass(slots=True, eq=False)
@@ -155,6 +156,8 @@ class EagleDrafter(Drafter):
         last = out[torch.tensor(query_lens, device=device).cumsum(0) - 1]  # [len(live), D]
         for i in range(k):
             rows = torch.tensor(live, dtype=torch.int64)
+            # Every row live: a slice; else one (pinned, asynchronous) copy of the row indices.
+            index = slice(None) if len(live) == size else to_device(rows, torch.int64, device)
             logits = head_logits(self.head, last, self.lm_weight)  # [len(live), V_draft]
             draft_positions = batch.anchors[rows] + i  # Q of the proposed tokens
             if self.greedy:
@@ -162,9 +165,9 @@ class EagleDrafter(Drafter):
             else:
                 sampled = self.sample_draft(logits, rows, draft_positions, batch)
                 chosen = sampled.token_ids
-                draft_logits[rows.to(device), i] = sampled.processed_logits.to(device)
-                draft_lse[rows.to(device), i] = sampled.logsumexp.to(device)
-            draft_ids[rows.to(device), i] = chosen.to(device)
+                draft_logits[index, i] = sampled.processed_logits.to(device)
+                draft_lse[index, i] = sampled.logsumexp.to(device)
+            draft_ids[index, i] = chosen.to(device)
             keep = [j for j, row in enumerate(live) if i + 1 < num_draft[row]]
             if not keep:
                 break

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import gc
 import itertools
-import threading
 import warnings
 from dataclasses import dataclass, field
 
@@ -31,7 +30,7 @@ from specdec.models import LlamaForCausalLM, Tokenizer, default_model_path, load
 from specdec.models.paged import BlockAllocator, PagedModelRunner, StepInput
 from specdec.rng import derive_seed, fresh_seed, to_signed64
 from specdec.sampling import SamplingParams, SamplingTensors, compute_logprobs, sample
-from specdec.sampling.readback import Readback
+from specdec.sampling.readback import Readback, to_device
 from specdec.verify import VERIFY_METHODS, check_verify_inputs, verify_checked
 
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -100,7 +99,7 @@ class _BatchConstants:
     def seeds(self) -> torch.Tensor:
         """[B] int64 request seeds."""
         if self._seeds is None:
-            self._seeds = _device_tensor([r.seed for r in self.requests], torch.int64, self.device)
+            self._seeds = to_device([r.seed for r in self.requests], torch.int64, self.device)
         return self._seeds
 
     @property
@@ -632,7 +631,7 @@ class LLMEngine:
         return sample(
             rows,
             constants.seeds,
-            _device_tensor([r.num_tokens for r in requests], torch.int64, rows.device),
+            to_device([r.num_tokens for r in requests], torch.int64, rows.device),
             temperature=params.temperature,
             top_k=params.top_k,
             top_p=params.top_p,
@@ -805,50 +804,9 @@ def _find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
     return min(hits) if hits else None
 
 
-class _PinnedStaging(threading.local):
-    """Reused pinned host buffers for the engine's small host-to-device copies, by (dtype,
-    length); a buffer is reused once the event recorded after its copy has completed.
-
-    This saves a pinned allocation per copy (host work every speculative or sampled step; its
-    cost on the H200 host was not measured on its own)."""
-
-    MAX_PER_SIZE = 8
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple[torch.dtype, int], list[tuple[torch.Tensor, torch.cuda.Event]]]
-        self.buffers = {}
-
-    def to_device(self, values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        entries = self.buffers.setdefault((dtype, len(values)), [])
-        for index, (_, event) in enumerate(entries):
-            if event.query():
-                host, event = entries.pop(index)
-                break
-        else:
-            host = torch.empty(len(values), dtype=dtype, pin_memory=True)
-            event = torch.cuda.Event()
-        host.numpy()[:] = values
-        out = host.to(device, non_blocking=True)
-        event.record()
-        if len(entries) < self.MAX_PER_SIZE:
-            entries.append((host, event))
-        return out
-
-
-_STAGING = _PinnedStaging()
-
-
-def _device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A tensor of host values on `device`. A CUDA copy goes through (reused) pinned memory so
-    that it does not wait for the work already queued (the step's forward pass)."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype).to(device)
-    return _STAGING.to_device(values, dtype, device)
-
-
 def _device_int64(*columns: list[int], device: torch.device) -> list[torch.Tensor]:
     """int64 tensors of host columns on `device`, sent with one copy (`_device_tensor`)."""
-    packed = _device_tensor(list(itertools.chain.from_iterable(columns)), torch.int64, device)
+    packed = to_device(list(itertools.chain.from_iterable(columns)), torch.int64, device)
     return list(packed.split_with_sizes([len(column) for column in columns]))
 
 
@@ -857,7 +815,7 @@ def _draft_logits(logits: torch.Tensor, rows: list[int], counts: list[int], k: i
     zero past each row's `counts` drafts (what padding each row's own drafts to k gives)."""
     if min(counts) == k and rows == list(range(logits.shape[0])):
         return logits[:, :k].contiguous()  # the whole proposal: no gather
-    picked = logits[_device_tensor(rows, torch.int64, logits.device), :k]  # a copy
+    picked = logits[to_device(rows, torch.int64, logits.device), :k]  # a copy
     for b, n in enumerate(counts):
         if n < k:
             picked[b, n:] = 0
@@ -868,10 +826,10 @@ def _sampling_tensors(params: list[SamplingParams], device: torch.device) -> Sam
     def column(values, dtype, off):
         if all(v == off for v in values):
             return None
-        return _device_tensor(values, dtype, device)
+        return to_device(values, dtype, device)
 
     return SamplingTensors(
-        temperature=_device_tensor([p.temperature for p in params], torch.float32, device),
+        temperature=to_device([p.temperature for p in params], torch.float32, device),
         top_k=column([p.top_k for p in params], torch.int64, 0),
         top_p=column([p.top_p for p in params], torch.float32, 1.0),
         min_p=column([p.min_p for p in params], torch.float32, 0.0),

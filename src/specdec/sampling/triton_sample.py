@@ -222,8 +222,12 @@ def _sample_reduce_kernel(
 # rows per thread keep registers low, so several programs per SM keep loads in flight.
 STREAM_PLAN = {"rows_per_thread": 2, "num_warps": 4, "tiles": 4}
 # `sample`'s pass adds keyed noise to every element: one row of lanes per thread (measured on the
-# H200 at B=256, V=151,936: 0.115 ms against 0.140 ms with two rows per thread).
-SAMPLE_PLAN = {"rows_per_thread": 1, "num_warps": 4, "tiles": 4}
+# H200 at B=256, V=151,936 fp32: 0.115 ms against 0.140 ms with two rows per thread). By the
+# logits' element size: a plan may differ per dtype (still never per number of rows).
+SAMPLE_PLANS = {
+    4: {"rows_per_thread": 1, "num_warps": 4, "tiles": 4},
+    2: {"rows_per_thread": 1, "num_warps": 4, "tiles": 4},
+}
 
 
 def chunk_plan(vocab: int, plan: dict[str, int] | None = None) -> tuple[int, int, int, int]:
@@ -385,7 +389,8 @@ def sample_triton(
     processed = torch.empty(num_rows, vocab, dtype=torch.float32, device=device)
     token_ids = torch.empty(num_rows, dtype=torch.int64, device=device)
     logsumexp = torch.empty(num_rows, dtype=torch.float32, device=device)
-    rows, tiles, num_chunks, num_warps = chunk_plan(vocab, SAMPLE_PLAN)
+    plan = SAMPLE_PLANS.get(logits.element_size(), SAMPLE_PLANS[4])
+    rows, tiles, num_chunks, num_warps = chunk_plan(vocab, plan)
     chunk_f32 = torch.empty(3, num_rows, num_chunks, dtype=torch.float32, device=device)
     chunk_idx = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=device)
     per_row = {

@@ -107,3 +107,40 @@ def test_no_drafter_or_model_file_draws_noise_itself():
             if FORBIDDEN.search(code) and not code.lstrip().startswith(('"', "'")):
                 offenders.append(f"{path.relative_to(SRC)}:{number}: {line.strip()}")
     assert offenders == []
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_draft_model_ragged_batch_matches_requests_alone(tiny_model, greedy):
+    """Drafts fed back from the device (`first_tokens`) and read once per round: a batch whose
+    requests want 3, 2 and 3 drafts gets each request's drafts and logits as proposing it alone
+    does, and each request's draft state then holds its tokens plus the drafts it fed."""
+
+    def drafter():
+        made = DraftModelDrafter(truncated_copy(tiny_model, 1), 97, num_blocks=64, block_size=4)
+        made.greedy = greedy
+        return made
+
+    methods = ["standard", "block", "coupled"]
+    batch = make_batch(methods)
+    together = drafter()
+    proposal = together.propose(batch)
+    for b in range(batch.batch_size):
+        alone = DraftBatch(
+            token_ids=[batch.token_ids[b]],
+            seeds=batch.seeds[b : b + 1],
+            anchors=batch.anchors[b : b + 1],
+            num_draft=batch.num_draft[b : b + 1],
+            methods=[methods[b]],
+            params=SamplingTensors.build(1, torch.device("cpu"), 0.9),
+            request_ids=[batch.request_ids[b]],
+        )
+        single = drafter().propose(alone)
+        n = int(batch.num_draft[b])
+        assert proposal.draft_token_ids[b, :n].tolist() == single.draft_token_ids[0, :n].tolist()
+        if not greedy:
+            torch.testing.assert_close(
+                proposal.draft_logits[b, :n], single.draft_logits[0, :n], rtol=1e-5, atol=1e-5
+            )
+        state = together._states[batch.request_ids[b]]
+        fed = proposal.draft_token_ids[b, : n - 1].tolist()
+        assert state.token_ids == batch.token_ids[b] + fed

@@ -1,13 +1,13 @@
-"""The engine's reused pinned staging buffers (`_PinnedStaging`, CUDA only in use): a buffer is
-reused only after the event recorded behind its copy has completed, and every copy carries its
-own values. Run on the CPU with a fake event and pinning switched off."""
+"""Reused pinned staging buffers of host-to-device copies (`readback._PinnedStaging`, CUDA
+only in use): a buffer is reused only after the event recorded behind its copy has completed,
+and every copy carries its own values. Run on the CPU with a fake event and pinning switched off."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from specdec.engine import llm_engine
+from specdec.sampling import readback
 
 
 class FakeEvent:
@@ -32,7 +32,7 @@ def staging(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch, "empty", empty)
-    return llm_engine._PinnedStaging()
+    return readback._PinnedStaging()
 
 
 def test_a_buffer_is_reused_only_after_its_copy_completed(staging) -> None:
@@ -58,3 +58,12 @@ def test_sizes_and_dtypes_have_their_own_buffers_and_the_pool_is_bounded(staging
         assert staging.to_device([i], torch.int64, cpu).tolist() == [i]
     assert len(staging.buffers[(torch.int64, 1)]) == staging.MAX_PER_SIZE
     assert len(staging.buffers[(torch.float32, 2)]) == 1
+
+
+def test_tensor_values_are_copied_like_lists(staging) -> None:
+    cpu = torch.device("cpu")
+    source = torch.tensor([3, 1, 2])
+    out = staging.to_device(source, torch.int64, cpu)
+    source[0] = 9  # the copy is the caller's values at call time
+    assert out.tolist() == [3, 1, 2]
+    assert readback.to_device(torch.tensor([1.5]), torch.float32, cpu).tolist() == [1.5]

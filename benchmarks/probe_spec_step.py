@@ -1,0 +1,109 @@
+"""Where a speculative engine step spends its time on the GPU: a diagnostic, not a benchmark.
+
+    python benchmarks/probe_spec_step.py --out DIR [--shape llama-3.2-1b] [--batch 1]
+
+With random weights on a Llama-3.2-1B shape, a draft model made of the target's first 2 layers
+(K = 4) took 7.7 ms per token against 1.9 ms for plain decoding (BENCHMARKS.md, machine A), and
+the SmolLM2 EAGLE head ran at 0.15-0.24x plain decoding on the H200. This script times the host
+side of each part of one speculative step (propose, the target's forward, verify and commit),
+lists the lines that synchronise the device, and writes the busiest host operations of a
+`torch.profiler` run to DIR/spec_profile.txt, for the draft model and for n-gram drafting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_gpu_engine import COMMON, build_ours, make_llm, random_prompts
+from probe_async_scheduling import generate, synchronising_calls
+
+SPECS = {
+    "draft_model": {"method": "draft_model", "model": "truncated:2", "num_speculative_tokens": 4},
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4},
+}
+PARTS = ("_schedule", "_propose", "_step_inputs", "_emit", "_deliver_features", "step")
+
+
+def timed_parts(llm, prompts, tokens: int) -> dict:
+    """Median host milliseconds per call of each part of the synchronous step, and of the
+    drafter's `propose`."""
+    engine = llm.engine
+    host = collections.defaultdict(list)
+    targets = [(engine, name) for name in PARTS] + [(engine.runner, "run_with_features")]
+    targets += [(engine.drafter, "propose")]
+    originals = []
+    for obj, name in targets:
+        original = getattr(obj, name)
+
+        def timed(*args, _original=original, _name=name, **kwargs):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                torch.cuda.synchronize()
+                host[_name].append((time.perf_counter() - start) * 1e3)
+
+        setattr(obj, name, timed)
+        originals.append((obj, name))
+    try:
+        generate(llm, prompts, tokens)
+    finally:
+        for obj, name in originals:
+            delattr(obj, name)  # the instance attribute hid the class's method
+    summary = {name: round(statistics.median(v), 3) for name, v in host.items()}
+    summary["calls"] = {name: len(v) for name, v in host.items()}
+    return summary
+
+
+def profile(llm, prompts) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        generate(llm, prompts, 16)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--shape", default="llama-3.2-1b")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=33)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = build_ours(args.shape)
+    prompts = random_prompts(args.batch, COMMON["vocab_size"], seed=args.batch)
+    report = {}
+    for name, spec in SPECS.items():
+        llm = make_llm(model, spec, max_num_seqs=8)
+        generate(llm, prompts, args.tokens)  # warm-up: kernels compiled, graphs captured
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        generate(llm, prompts, args.tokens)
+        wall = (time.perf_counter() - start) * 1e3
+        report[name] = {"ms_per_generate": round(wall, 2), **timed_parts(llm, prompts, args.tokens)}
+        print(name, json.dumps(report[name]), flush=True)
+        report[name]["synchronising_calls"] = synchronising_calls(llm, prompts)
+        print("synchronising calls:", *report[name]["synchronising_calls"], sep="\n", flush=True)
+        table = profile(llm, prompts)
+        (out / f"spec_profile_{name}.txt").write_text(table)
+        print(table, flush=True)
+        del llm
+        torch.cuda.empty_cache()
+    (out / "spec_probe.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
