@@ -153,7 +153,7 @@ class EagleDrafter(Drafter):
             context_lens,
             states,
         )
-        last = out[torch.tensor(query_lens, device=device).cumsum(0) - 1]  # [len(live), D]
+        last = out[to_device(query_lens, torch.int64, device).cumsum(0) - 1]  # [len(live), D]
         for i in range(k):
             rows = torch.tensor(live, dtype=torch.int64)
             # Every row live: a slice; else one (pinned, asynchronous) copy of the row indices.
@@ -171,13 +171,15 @@ class EagleDrafter(Drafter):
             keep = [j for j, row in enumerate(live) if i + 1 < num_draft[row]]
             if not keep:
                 break
+            if len(keep) < len(live):  # drafts stay on the device: no read-back per step
+                kept = to_device(keep, torch.int64, device)
+                last, chosen = last[kept], chosen.to(device)[kept]
             live = [live[j] for j in keep]
-            chosen_ids = chosen.tolist()
             # Entry t = A-2+(i+1): the previous head output and the draft just proposed (at A+i).
             entry_positions = [int(batch.anchors[row]) + i for row in live]
             out = self._step(
-                last[torch.tensor(keep, device=device)],
-                [chosen_ids[j] for j in keep],
+                last,
+                chosen.to(device),
                 entry_positions,
                 [1] * len(live),
                 entry_positions,
@@ -187,17 +189,21 @@ class EagleDrafter(Drafter):
         return Proposal(draft_ids, draft_logits, draft_lse, proposed)
 
     def _step(self, hidden, tokens, positions, query_lens, context_lens, states) -> torch.Tensor:
-        """Runs head entries: [T, D] hidden, T token ids and positions -> [T, D] head outputs.
-        Entry t (token position t + 1) is written to cache slot t."""
+        """Runs head entries: [T, D] hidden, T token ids (a list, or a device tensor) and
+        positions -> [T, D] head outputs. Entry t (token position t + 1) is written to cache
+        slot t."""
         device = self.device
         attn = AttentionMetadata.build(
             query_lens, context_lens, [s.block_ids for s in states], self.block_size, device
         )
-        token_ids = torch.tensor(tokens, dtype=torch.int64, device=device)
+        if isinstance(tokens, torch.Tensor):
+            token_ids = tokens.to(device=device, dtype=torch.int64)
+        else:
+            token_ids = to_device(tokens, torch.int64, device)
         return self.head.forward_paged(
             hidden,
             self.embed(token_ids),
-            torch.tensor(positions, dtype=torch.int64, device=device),
+            to_device(positions, torch.int64, device),
             attn,
             self.kv_cache,
         )

@@ -7,11 +7,14 @@ allocates blocks or decides which slots to use (the engine does) and never draws
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from specdec.sampling.readback import to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,13 +93,19 @@ class AttentionMetadata:
         cu = [0]
         for q_len in query_lens:
             cu.append(cu[-1] + q_len)
+        # One copy for all four (through reused pinned memory on CUDA: a copy from pageable
+        # memory would first wait for the work already queued).
+        num_seqs = len(block_tables)
+        flat = list(itertools.chain(cu, context_lens, *padded_tables, slots))
+        packed = to_device(flat, torch.int64, torch.device(device))
+        cu_t, context_t, tables_t, slots_t = packed.split(
+            [len(cu), num_seqs, num_seqs * max_blocks, len(slots)]
+        )
         return cls(
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int64, device=device),
-            context_lens=torch.tensor(list(context_lens), dtype=torch.int64, device=device),
-            block_tables=torch.tensor(padded_tables, dtype=torch.int64, device=device).reshape(
-                len(block_tables), max_blocks
-            ),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            cu_seqlens_q=cu_t,
+            context_lens=context_t,
+            block_tables=tables_t.view(num_seqs, max_blocks),
+            slot_mapping=slots_t,
             max_seqlen_q=max(query_lens, default=0),
             max_context_len=max(context_lens, default=0),
             all_written=True,

@@ -83,8 +83,10 @@ class Readback:
 
 
 class _PinnedStaging(threading.local):
-    """Reused pinned host buffers for small host-to-device copies, by (dtype, length); a buffer
-    is reused once the event recorded after its copy has completed.
+    """Reused pinned host buffers for small host-to-device copies, by (dtype, capacity: the
+    length rounded up to a power of two, at least 64); a buffer is reused once the event
+    recorded after its copy has completed. Capacities bound the pool for copies of many lengths
+    (eager steps: attention metadata of every prefill chunk).
 
     This saves a pinned allocation per copy (host work every speculative or sampled step; its
     cost on the H200 host was not measured on its own)."""
@@ -95,15 +97,21 @@ class _PinnedStaging(threading.local):
         self.buffers: dict[tuple[torch.dtype, int], list[tuple[torch.Tensor, torch.cuda.Event]]]
         self.buffers = {}
 
+    @staticmethod
+    def capacity(length: int) -> int:
+        return max(64, 1 << (length - 1).bit_length())
+
     def to_device(self, values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        entries = self.buffers.setdefault((dtype, len(values)), [])
+        length = len(values)
+        entries = self.buffers.setdefault((dtype, self.capacity(length)), [])
         for index, (_, event) in enumerate(entries):
             if event.query():
-                host, event = entries.pop(index)
+                buffer, event = entries.pop(index)
                 break
         else:
-            host = torch.empty(len(values), dtype=dtype, pin_memory=True)
+            buffer = torch.empty(self.capacity(length), dtype=dtype, pin_memory=True)
             event = torch.cuda.Event()
+        host = buffer[:length]
         if isinstance(values, torch.Tensor):
             host.copy_(values)
         else:
@@ -111,7 +119,7 @@ class _PinnedStaging(threading.local):
         out = host.to(device, non_blocking=True)
         event.record()
         if len(entries) < self.MAX_PER_SIZE:
-            entries.append((host, event))
+            entries.append((buffer, event))
         return out
 
 

@@ -39,12 +39,12 @@ def test_a_buffer_is_reused_only_after_its_copy_completed(staging) -> None:
     cpu = torch.device("cpu")
     first = staging.to_device([1, 2, 3], torch.int64, cpu)
     second = staging.to_device([4, 5, 6], torch.int64, cpu)  # the first copy is still pending
-    (host_a, event_a), (host_b, _) = staging.buffers[(torch.int64, 3)]
+    (host_a, event_a), (host_b, _) = staging.buffers[(torch.int64, 64)]
     assert host_a is not host_b
     assert first.tolist() == [1, 2, 3] and second.tolist() == [4, 5, 6]
     event_a.done = True
     third = staging.to_device([7, 8, 9], torch.int64, cpu)
-    hosts = [host for host, _ in staging.buffers[(torch.int64, 3)]]
+    hosts = [host for host, _ in staging.buffers[(torch.int64, 64)]]
     assert len(hosts) == 2 and hosts[-1] is host_a  # reused, and queued again behind its copy
     assert third.tolist() == [7, 8, 9]
     assert event_a.records == 2
@@ -56,8 +56,13 @@ def test_sizes_and_dtypes_have_their_own_buffers_and_the_pool_is_bounded(staging
     assert values.dtype == torch.float32 and values.tolist() == [0.5, 1.5]
     for i in range(3 * staging.MAX_PER_SIZE):
         assert staging.to_device([i], torch.int64, cpu).tolist() == [i]
-    assert len(staging.buffers[(torch.int64, 1)]) == staging.MAX_PER_SIZE
-    assert len(staging.buffers[(torch.float32, 2)]) == 1
+    assert len(staging.buffers[(torch.int64, 64)]) == staging.MAX_PER_SIZE
+    assert len(staging.buffers[(torch.float32, 64)]) == 1
+    # Lengths share power-of-two capacities: 65 .. 128 values use one size of buffer.
+    for length in (65, 100, 128):
+        out = staging.to_device(list(range(length)), torch.int64, cpu)
+        assert out.tolist() == list(range(length))
+    assert set(staging.buffers) == {(torch.int64, 64), (torch.float32, 64), (torch.int64, 128)}
 
 
 def test_tensor_values_are_copied_like_lists(staging) -> None:
