@@ -16,6 +16,7 @@ import torch
 from specdec.drafters.base import DraftBatch, Drafter, Proposal, TargetFeatures
 from specdec.drafters.block_model import BlockDrafterModel, block_mask, load_block_drafter
 from specdec.models import LlamaForCausalLM
+from specdec.sampling.readback import to_device
 
 
 @dataclass(slots=True, eq=False)
@@ -128,7 +129,7 @@ class DFlashDrafter(Drafter):
                 padded_keys[b, :n] = context.keys[index][:n]
                 padded_values[b, :n] = context.values[index][:n]
             layer_context.append((padded_keys, padded_values))
-        anchor_tokens = torch.tensor([t[-1] for t in batch.token_ids], device=device)
+        anchor_tokens = to_device([t[-1] for t in batch.token_ids], torch.int64, device)
         rows = model.mask_embedding.expand(batch.batch_size, num_rows, -1).clone()
         rows[:, 0] = self.target.model.embed_tokens(anchor_tokens)
         positions = (batch.anchors - 1).to(device)[:, None] + torch.arange(num_rows, device=device)

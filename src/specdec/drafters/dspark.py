@@ -24,6 +24,7 @@ from specdec.drafters.base import DraftBatch, Proposal
 from specdec.drafters.block_model import BlockDrafterModel
 from specdec.drafters.dflash import DFlashDrafter
 from specdec.models import LlamaForCausalLM
+from specdec.sampling.readback import to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +107,7 @@ class DSparkDrafter(DFlashDrafter):
         if not self.greedy:
             draft_logits = torch.full_like(base, float("-inf"))  # [B, K, V]
             draft_lse = torch.zeros(size, k, device=device)
-        previous = torch.tensor([t[-1] for t in batch.token_ids], device=device)  # x_{-1}
+        previous = to_device([t[-1] for t in batch.token_ids], torch.int64, device)  # x_{-1}
         survival = torch.ones(size, device=device)
         live = torch.ones(size, dtype=torch.bool)
         for i in range(k):

@@ -16,6 +16,7 @@ import torch
 from specdec.models.attention import AttentionMetadata
 from specdec.models.cuda_graph import DecodeGraphs
 from specdec.models.llama import LlamaForCausalLM
+from specdec.sampling.readback import to_device
 
 
 class BlockHolder(Protocol):
@@ -253,18 +254,22 @@ class PagedModelRunner:
             block_size=self.block_size,
             device=self.device,
         )
-        input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        firsts: list[int] = []
         if first_tokens is not None:
-            firsts, offset = [], 0
+            offset = 0
             for step_input in inputs:
                 firsts.append(offset)
                 offset += len(step_input.token_ids)
-            input_ids[torch.tensor(firsts, device=self.device)] = first_tokens
-        position_ids = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        # One copy (pinned on CUDA, so it does not wait for the work already queued).
+        packed = to_device(token_ids + positions + logit_rows + firsts, torch.int64, self.device)
+        input_ids, position_ids, rows, first_rows = packed.split(
+            [len(token_ids), len(positions), len(logit_rows), len(firsts)]
+        )
+        if first_tokens is not None:
+            input_ids[first_rows] = first_tokens  # a view of this step's own packed copy
         hidden, layers = self.model.forward_with_layers(
             input_ids, position_ids, attn, self.kv_cache, feature_layers
         )  # [T, D], [T, D] per layer
-        rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden[rows])  # [N, V]
         logits_per_input = list(logits.split([s.num_logit_rows for s in inputs]))
         if not layers:
