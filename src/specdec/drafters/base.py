@@ -189,15 +189,17 @@ class Drafter(abc.ABC):
             req = rows if whole else rows[picked]
             # The batch's per-request tensors live on the host: one pinned copy per dtype.
             params = batch.params
-            ints = [batch.seeds[req]]
+            int_columns = [batch.seeds[req]]
             if stream == Stream.DRAFT:
-                ints.append(batch.anchors[req])
+                int_columns.append(batch.anchors[req])
             if params.top_k is not None:
-                ints.append(params.top_k[req])
-            floats = [params.temperature[req]]
-            floats += [t[req] for t in (params.top_p, params.min_p) if t is not None]
-            ints = iter(to_device(torch.cat(ints), torch.int64, device).split(len(picked)))
-            floats = iter(to_device(torch.cat(floats), torch.float32, device).split(len(picked)))
+                int_columns.append(params.top_k[req])
+            float_columns = [params.temperature[req]]
+            float_columns += [t[req] for t in (params.top_p, params.min_p) if t is not None]
+            sent = to_device(torch.cat(int_columns), torch.int64, device)
+            ints = iter(sent.split(len(picked)))  # in the order appended above
+            sent = to_device(torch.cat(float_columns), torch.float32, device)
+            floats = iter(sent.split(len(picked)))
             seeds = next(ints)
             step = next(ints) if stream == Stream.DRAFT else 0
             index = None if whole else to_device(picked, torch.int64, device)
