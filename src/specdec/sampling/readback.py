@@ -132,6 +132,6 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     already queued."""
     if device.type != "cuda":
         if isinstance(values, torch.Tensor):
-            return values.to(device=device, dtype=dtype)
+            return values.to(device=device, dtype=dtype, copy=True)  # a copy, as on CUDA
         return torch.tensor(values, dtype=dtype, device=device)
     return _STAGING.to_device(values, dtype, device)
