@@ -40,6 +40,17 @@ SHAPES = {
         "num_key_value_heads": 8,
         "tie_word_embeddings": False,
     },
+    # SmolLM2-135M-Instruct's shape (probes only: the engine benchmark runs the two above).
+    "smollm2-135m": {
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "tie_word_embeddings": True,
+        "vocab_size": 49152,
+        "rope_theta": 100000.0,
+    },
 }
 COMMON = {
     "architectures": ["LlamaForCausalLM"],

@@ -24,13 +24,43 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu_engine import COMMON, build_ours, make_llm, random_prompts
+from bench_gpu_engine import build_ours, make_llm, random_prompts
 from probe_async_scheduling import generate, synchronising_calls
 
 SPECS = {
     "draft_model": {"method": "draft_model", "model": "truncated:2", "num_speculative_tokens": 4},
     "ngram": {"method": "ngram", "num_speculative_tokens": 4},
+    # EAGLE heads with random weights (speed only): K = 2 and 4.
+    "eagle2": {"method": "eagle", "num_speculative_tokens": 2},
+    "eagle4": {"method": "eagle", "num_speculative_tokens": 4},
 }
+
+
+def random_eagle_head(model, out: Path, draft_vocab: int = 16384) -> str:
+    """Writes an EAGLE head directory for `model` with random weights (shaped like the shipped
+    SmolLM2 head: features of three layers, a reduced draft vocabulary)."""
+    from safetensors.torch import save_file
+
+    from specdec.models.eagle import EagleConfig, EagleHead
+
+    layers = model.config.num_hidden_layers
+    config = EagleConfig.for_target(
+        model.config, feature_layers=(2, layers // 2, layers - 1), draft_vocab_size=draft_vocab
+    )
+    head = EagleHead(config)
+    tensors = {}
+    for name, param in head.named_parameters():
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(param.shape)
+        else:
+            tensors[name] = torch.randn(param.shape) * 0.02
+    tensors["draft_to_target"] = torch.randperm(model.config.vocab_size)[:draft_vocab]
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config.to_dict()))
+    return str(out)
+
+
 PARTS = ("_schedule", "_propose", "_step_inputs", "_emit", "_deliver_features", "step")
 
 
@@ -80,14 +110,28 @@ def main() -> None:
     parser.add_argument("--shape", default="llama-3.2-1b")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=33)
+    parser.add_argument("--specs", default="draft_model,ngram")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = build_ours(args.shape)
-    prompts = random_prompts(args.batch, COMMON["vocab_size"], seed=args.batch)
+    prompts = random_prompts(args.batch, model.config.vocab_size, seed=args.batch)
     report = {}
-    for name, spec in SPECS.items():
+    head_dir = None
+    for name in args.specs.split(","):
+        spec = SPECS.get(name)
+        if name.startswith("eagle"):
+            head_dir = head_dir or random_eagle_head(model, out / "random_eagle_head")
+            spec = {**spec, "model": head_dir}
         llm = make_llm(model, spec, max_num_seqs=8)
+        if spec is None:  # plain decoding, the default loop, for comparison
+            generate(llm, prompts, args.tokens)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            generate(llm, prompts, args.tokens)
+            report[name] = {"ms_per_generate": round((time.perf_counter() - start) * 1e3, 2)}
+            print(name, json.dumps(report[name]), flush=True)
+            continue
         generate(llm, prompts, args.tokens)  # warm-up: kernels compiled, graphs captured
         torch.cuda.synchronize()
         start = time.perf_counter()

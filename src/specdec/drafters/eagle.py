@@ -18,6 +18,7 @@ import torch
 from specdec.drafters.base import DraftBatch, Drafter, Proposal, TargetFeatures
 from specdec.models import AttentionMetadata, LlamaForCausalLM
 from specdec.models.eagle import EagleHead, head_logits, head_logits_weight, load_eagle_head
+from specdec.models.fused import DecodeMetadata
 from specdec.models.paged import BlockAllocator
 from specdec.sampling.readback import to_device
 
@@ -35,6 +36,10 @@ class _EagleState:
 
 class EagleDrafter(Drafter):
     """vLLM's `eagle` / `mtp` methods (one head, chain drafting)."""
+
+    # Rounds in which every request brings at most this many new entries run the fused decode
+    # path; a request's first round (its whole prompt) runs the general one.
+    MAX_DECODE_ENTRIES = 16
 
     def __init__(
         self,
@@ -55,6 +60,8 @@ class EagleDrafter(Drafter):
         """
         super().__init__(target.config.vocab_size, draft_to_target)
         self.head = head
+        head.layer.self_attn.fuse()  # one q/k/v and one gate/up matrix for the decode path
+        head.layer.mlp.fuse()
         self.feature_layers = tuple(head.config.feature_layers)
         self.embed = target.model.embed_tokens
         self.lm_weight = head_logits_weight(target, draft_to_target).to(head.fc.weight.dtype)
@@ -125,7 +132,7 @@ class EagleDrafter(Drafter):
         if not live:
             return Proposal(draft_ids, draft_logits, draft_lse, proposed)
         states: list[_EagleState | None] = [None] * size
-        hidden, tokens, positions, query_lens, context_lens = [], [], [], [], []
+        hidden, tokens, first_positions, query_lens = [], [], [], []
         for b in live:
             request_id, token_ids, anchor = batch.request_ids[b], batch.token_ids[b], anchors[b]
             state = self._states.get(request_id)
@@ -138,22 +145,48 @@ class EagleDrafter(Drafter):
             self.allocator.grow(state, anchor - 1 + max(num_draft[b] - 1, 0))
             new = torch.cat(state.pending)  # [n_new, F]: entries num_fed .. anchor-2
             hidden.append(new)
-            tokens.extend(token_ids[state.num_fed + 1 : anchor])
-            positions.extend(range(state.num_fed + 1, anchor))
+            tokens.append(token_ids[state.num_fed + 1 : anchor])
+            first_positions.append(state.num_fed + 1)
             query_lens.append(new.shape[0])
-            context_lens.append(anchor - 1)
             state.pending.clear()
             state.num_fed = anchor - 1
             states[b] = state
-        out = self._step(
-            self.head.project_features(torch.cat(hidden)),
-            tokens,
-            positions,
-            query_lens,
-            context_lens,
-            states,
-        )
-        last = out[to_device(query_lens, torch.int64, device).cumsum(0) - 1]  # [len(live), D]
+        live_states = [states[b] for b in live]
+        projected = self.head.project_features(torch.cat(hidden))  # [sum(query_lens), D]
+        width = max(query_lens)
+        if width <= self.MAX_DECODE_ENTRIES:
+            # The usual round: a few new entries per request, through the fused decode path in
+            # the padded layout (request j's entries at rows j * width ..).
+            if width > 1 and min(query_lens) < width:
+                rows = [j * width + i for j, n in enumerate(query_lens) for i in range(n)]
+                padded = projected.new_zeros(len(live) * width, projected.shape[1])
+                projected = padded.index_copy_(0, to_device(rows, torch.int64, device), projected)
+            padded_tokens = [0] * (len(live) * width)
+            for j, row_tokens in enumerate(tokens):
+                padded_tokens[j * width : j * width + len(row_tokens)] = row_tokens
+            out = self._decode_step(
+                projected, padded_tokens, first_positions, query_lens, live_states, width
+            )
+            if width == 1:
+                last = out
+            else:
+                ends = [j * width + n - 1 for j, n in enumerate(query_lens)]
+                last = out[to_device(ends, torch.int64, device)]  # [len(live), D]
+        else:  # a request's first round catches up on its whole prompt: the general path
+            positions = [
+                pos
+                for first, n in zip(first_positions, query_lens, strict=True)
+                for pos in range(first, first + n)
+            ]
+            out = self._step(
+                projected,
+                [t for row_tokens in tokens for t in row_tokens],
+                positions,
+                query_lens,
+                [first - 1 + n for first, n in zip(first_positions, query_lens, strict=True)],
+                live_states,
+            )
+            last = out[to_device(query_lens, torch.int64, device).cumsum(0) - 1]  # [len(live), D]
         for i in range(k):
             rows = torch.tensor(live, dtype=torch.int64)
             # Every row live: a slice; else one (pinned, asynchronous) copy of the row indices.
@@ -176,17 +209,55 @@ class EagleDrafter(Drafter):
                 last, chosen = last[kept], chosen.to(device)[kept]
             live = [live[j] for j in keep]
             # Entry t = A-2+(i+1): the previous head output and the draft just proposed (at A+i).
-            entry_positions = [int(batch.anchors[row]) + i for row in live]
-            out = self._step(
+            entry_positions = [anchors[row] + i for row in live]
+            last = self._decode_step(
                 last,
                 chosen.to(device),
                 entry_positions,
                 [1] * len(live),
-                entry_positions,
                 [states[row] for row in live],
+                1,
             )
-            last = out
         return Proposal(draft_ids, draft_logits, draft_lse, proposed)
+
+    def _decode_step(self, hidden, tokens, first_positions, query_lens, states, width):
+        """Head entries through the fused decode path: request j brings query_lens[j] <= width
+        entries at token positions first_positions[j] .., in rows j * width .. of `hidden`
+        ([len(states) * width, D]) and `tokens` (a list, or a device tensor, of that length;
+        padding rows anything). Entry t (token position t + 1) goes to cache slot t. Returns the
+        [len(states) * width, D] head outputs (padding rows garbage)."""
+        device, size = self.device, self.block_size
+        num_seqs = len(states)
+        max_blocks = max(len(state.block_ids) for state in states)
+        slots, positions, tables, context_lens = [], [], [], []
+        for state, first, count in zip(states, first_positions, query_lens, strict=True):
+            entries = range(first - 1, first - 1 + count)
+            blocks = state.block_ids
+            slots += [blocks[t // size] * size + t % size for t in entries] + [-1] * (width - count)
+            positions += [t + 1 for t in entries] + [0] * (width - count)
+            tables += blocks + [0] * (max_blocks - len(blocks))
+            context_lens.append(first - 1 + count)
+        host = slots + positions + context_lens + list(query_lens) + tables
+        if not isinstance(tokens, torch.Tensor):
+            host += tokens
+        packed = to_device(host, torch.int64, device)  # one copy
+        rows = num_seqs * width
+        sizes = [rows, rows, num_seqs, num_seqs, num_seqs * max_blocks]
+        slots_t, positions_t, context_t, query_t, tables_t = packed[: sum(sizes)].split(sizes)
+        if isinstance(tokens, torch.Tensor):
+            token_ids = tokens.to(device=device, dtype=torch.int64)
+        else:
+            token_ids = packed[sum(sizes) :]
+        meta = DecodeMetadata(
+            block_tables=tables_t.view(num_seqs, max_blocks),
+            context_lens=context_t,
+            query_lens=query_t,
+            slot_mapping=slots_t,
+            query_per_seq=width,
+        )
+        return self.head.forward_decode(
+            hidden, self.embed(token_ids), positions_t, meta, self.kv_cache
+        )
 
     def _step(self, hidden, tokens, positions, query_lens, context_lens, states) -> torch.Tensor:
         """Runs head entries: [T, D] hidden, T token ids (a list, or a device tensor) and

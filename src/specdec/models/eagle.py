@@ -21,6 +21,7 @@ from torch import nn
 
 from specdec.models.attention import AttentionMetadata, AttentionPlan, KVCache
 from specdec.models.config import ModelConfig
+from specdec.models.fused import DecodeMetadata, add_rms_norm
 from specdec.models.llama import (
     Linear,
     LlamaDecoderLayer,
@@ -211,6 +212,41 @@ class EagleHead(nn.Module):
         x = self.layer_input(hidden, embeds)
         return self.layer(x, cos, sin, plan, kv_cache.k_cache[0], kv_cache.v_cache[0])
 
+    def forward_decode(
+        self,
+        hidden: torch.Tensor,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        meta: DecodeMetadata,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        """`forward_paged` through the fused decode kernels, for steps in which each sequence
+        brings at most `meta.query_per_seq` entries in the uniform layout of `DecodeMetadata`
+        (a draft step: one entry per sequence). About a sixth of `forward_paged`'s operations,
+        and no host sync. Same arguments and result (rows of padding entries are garbage).
+
+        Mutates: the `kv_cache` slots in `meta.slot_mapping`.
+        """
+        layer = self.layer
+        embeds, _ = add_rms_norm(embeds, None, self.embed_norm.weight, self.embed_norm.eps)
+        hidden, _ = add_rms_norm(hidden, None, self.hidden_norm.weight, self.hidden_norm.eps)
+        x = self.in_proj(torch.cat((embeds, hidden), dim=-1))
+        normed, residual = add_rms_norm(
+            x, None, layer.input_layernorm.weight, layer.input_layernorm.eps
+        )
+        out = layer.self_attn.forward_decode(
+            normed,
+            positions,
+            self.rotary_emb.inv_freq,
+            meta,
+            kv_cache.k_cache[0],
+            kv_cache.v_cache[0],
+        )
+        normed, residual = add_rms_norm(
+            out, residual, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps
+        )
+        return layer.mlp.forward_decode(normed) + residual
+
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         weight = self.fc.weight
         return KVCache.allocate(
@@ -234,6 +270,11 @@ def head_logits_weight(target: LlamaForCausalLM, draft_to_target: torch.Tensor |
 
 def head_logits(head: EagleHead, hidden: torch.Tensor, lm_weight: torch.Tensor) -> torch.Tensor:
     """[.., D] head outputs -> [.., V_draft] float32 draft logits."""
+    if (
+        hidden.dim() == 2 and not torch.is_grad_enabled()
+    ):  # the fused norm kernel on CUDA (the same numerics as `head.norm`)
+        normed, _ = add_rms_norm(hidden, None, head.norm.weight, head.norm.eps)
+        return F.linear(normed, lm_weight).float()
     return F.linear(head.norm(hidden), lm_weight).float()
 
 

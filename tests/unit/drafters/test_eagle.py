@@ -236,3 +236,61 @@ def test_training_unroll_matches_paged_inference(target_dir, head_dir):
             dense.append(hidden[0, anchor - 2])
     for got, want in zip(paged, dense, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_path_matches_general_path(target_dir, head_dir):
+    """The fused decode path (ragged entries padded to a common width, then one entry per
+    request) computes the head outputs and cache the general paged path computes."""
+    token_lists = prompt_tokens(VOCAB, [14, 14], seed=5)
+    anchors = [12, 9]
+    drafter, ids = fed_drafter(target_dir, head_dir, token_lists, anchors)
+    states = [drafter._states[i] for i in ids]
+    feats = [drafter.head.project_features(torch.cat(s.pending)) for s in states]
+    for state, anchor in zip(states, anchors, strict=True):
+        drafter.allocator.grow(state, anchor + 2)
+    done = [6, 7]  # entries fed by the general path first; then 4 and 1 more (ragged)
+    new = [anchors[j] - 1 - done[j] for j in range(2)]
+    with torch.inference_mode():
+        drafter._step(
+            torch.cat([f[:n] for f, n in zip(feats, done, strict=True)]),
+            [t for toks, n in zip(token_lists, done, strict=True) for t in toks[1 : n + 1]],
+            [p for n in done for p in range(1, n + 1)],
+            done,
+            done,
+            states,
+        )
+
+        def general(hidden, first, counts):
+            tokens = [
+                t
+                for toks, f, n in zip(token_lists, first, counts, strict=True)
+                for t in toks[f : f + n]
+            ]
+            positions = [p for f, n in zip(first, counts, strict=True) for p in range(f, f + n)]
+            context = [f - 1 + n for f, n in zip(first, counts, strict=True)]
+            return drafter._step(hidden, tokens, positions, counts, context, states)
+
+        def decode(rows, first, counts, width):
+            hidden = torch.zeros(2 * width, rows[0].shape[-1])
+            tokens = [0] * (2 * width)
+            for j in range(2):
+                hidden[j * width : j * width + counts[j]] = rows[j]
+                tokens[j * width : j * width + counts[j]] = token_lists[j][
+                    first[j] : first[j] + counts[j]
+                ]
+            out = drafter._decode_step(hidden, tokens, first, counts, states, width)
+            return torch.cat([out[j * width : j * width + counts[j]] for j in range(2)])
+
+        rows = [f[n : n + m] for f, n, m in zip(feats, done, new, strict=True)]
+        first = [n + 1 for n in done]
+        want = general(torch.cat(rows), first, new)
+        cache = drafter.kv_cache.k_cache.clone()
+        got = decode(rows, first, new, max(new))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(drafter.kv_cache.k_cache, cache, rtol=1e-5, atol=1e-5)
+        # One entry per request (a draft step), fed with the previous outputs.
+        last = [want[new[0] - 1 : new[0]], want[-1:]]
+        first = anchors
+        want = general(torch.cat(last), first, [1, 1])
+        got = decode(last, first, [1, 1], 1)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
