@@ -187,6 +187,11 @@ def test_target_reading_drafters_on_cuda(model_dir, trained_drafters, kind) -> N
     speculation == greedy plain, and graphs == enforce_eager for sampled standard verification."""
     spec = {"method": kind, "model": str(trained_drafters[kind]), "num_speculative_tokens": 3}
     _speculation_keeps_its_guarantees(model_dir, spec)
+    if kind == "eagle":  # its draft steps were replayed from CUDA graphs (eagerly with
+        # enforce_eager: the equality above covers both)
+        _, llm = _generate(model_dir, SAMPLED, spec)
+        graphs = llm.engine.drafter._graphs
+        assert graphs is not None and graphs.use_graphs and graphs.graphs
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED])

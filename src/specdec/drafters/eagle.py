@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specdec.drafters.base import DraftBatch, Drafter, Proposal, TargetFeatures
@@ -49,6 +50,10 @@ class EagleDrafter(Drafter):
         num_blocks: int,
         block_size: int,
         greedy: bool = False,
+        *,
+        max_num_seqs: int = 64,
+        max_entries: int | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         """Args:
         head: the loaded head.
@@ -57,6 +62,10 @@ class EagleDrafter(Drafter):
         draft_to_target: [V_draft] int64 target id of each draft id, or None.
         num_blocks, block_size: the head's own KV cache.
         greedy: propose the head's argmax (one-hot drafts) instead of sampling.
+        max_num_seqs: requests per round (sizes the draft-step graphs).
+        max_entries: most head entries a request can hold (max_model_len + K); None: no
+            draft-step graphs.
+        enforce_eager: never capture CUDA graphs.
         """
         super().__init__(target.config.vocab_size, draft_to_target)
         self.head = head
@@ -71,12 +80,26 @@ class EagleDrafter(Drafter):
         self.greedy = greedy
         self.device = head.fc.weight.device
         self._states: dict[str, _EagleState] = {}
+        self._graphs: _DraftStepGraphs | None = None
+        if max_entries is not None:  # (on the CPU: the same static buffers, run op by op)
+            use_graphs = self.device.type == "cuda" and not enforce_eager
+            max_blocks = -(-max_entries // block_size)
+            self._graphs = _DraftStepGraphs(self, max_num_seqs, max_blocks, use_graphs)
 
     @classmethod
     def from_config(
-        cls, spec, target: LlamaForCausalLM, num_blocks: int, block_size: int
+        cls,
+        spec,
+        target: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        *,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
     ) -> EagleDrafter:
-        """Builds the drafter of a SpeculativeConfig whose `model` is a head directory."""
+        """Builds the drafter of a SpeculativeConfig whose `model` is a head directory (with
+        CUDA graphs of its draft steps when max_model_len is given and the target is on CUDA)."""
         weight = target.model.embed_tokens.weight
         head, draft_to_target = load_eagle_head(
             spec.model, target.config, dtype=weight.dtype, device=weight.device
@@ -88,6 +111,11 @@ class EagleDrafter(Drafter):
             num_blocks,
             block_size,
             greedy=spec.draft_sample_method == "greedy",
+            max_num_seqs=max_num_seqs,
+            max_entries=None
+            if max_model_len is None
+            else max_model_len + spec.num_speculative_tokens,
+            enforce_eager=enforce_eager,
         )
 
     def release(self, request_id: str) -> None:
@@ -187,11 +215,11 @@ class EagleDrafter(Drafter):
                 live_states,
             )
             last = out[to_device(query_lens, torch.int64, device).cumsum(0) - 1]  # [len(live), D]
+        logits = head_logits(self.head, last, self.lm_weight)  # [len(live), V_draft]
         for i in range(k):
             rows = torch.tensor(live, dtype=torch.int64)
             # Every row live: a slice; else one (pinned, asynchronous) copy of the row indices.
             index = slice(None) if len(live) == size else to_device(rows, torch.int64, device)
-            logits = head_logits(self.head, last, self.lm_weight)  # [len(live), V_draft]
             draft_positions = batch.anchors[rows] + i  # Q of the proposed tokens
             if self.greedy:
                 chosen = self.to_target_vocab(logits).argmax(dim=-1)
@@ -210,14 +238,15 @@ class EagleDrafter(Drafter):
             live = [live[j] for j in keep]
             # Entry t = A-2+(i+1): the previous head output and the draft just proposed (at A+i).
             entry_positions = [anchors[row] + i for row in live]
-            last = self._decode_step(
-                last,
-                chosen.to(device),
-                entry_positions,
-                [1] * len(live),
-                [states[row] for row in live],
-                1,
-            )
+            live_states = [states[row] for row in live]
+            if self._graphs is not None:
+                last, logits = self._graphs.run(last, chosen, entry_positions, live_states)
+            else:
+                ones = [1] * len(live)
+                last = self._decode_step(
+                    last, chosen.to(device), entry_positions, ones, live_states, 1
+                )
+                logits = head_logits(self.head, last, self.lm_weight)
         return Proposal(draft_ids, draft_logits, draft_lse, proposed)
 
     def _decode_step(self, hidden, tokens, first_positions, query_lens, states, width):
@@ -226,17 +255,12 @@ class EagleDrafter(Drafter):
         ([len(states) * width, D]) and `tokens` (a list, or a device tensor, of that length;
         padding rows anything). Entry t (token position t + 1) goes to cache slot t. Returns the
         [len(states) * width, D] head outputs (padding rows garbage)."""
-        device, size = self.device, self.block_size
+        device = self.device
         num_seqs = len(states)
         max_blocks = max(len(state.block_ids) for state in states)
-        slots, positions, tables, context_lens = [], [], [], []
-        for state, first, count in zip(states, first_positions, query_lens, strict=True):
-            entries = range(first - 1, first - 1 + count)
-            blocks = state.block_ids
-            slots += [blocks[t // size] * size + t % size for t in entries] + [-1] * (width - count)
-            positions += [t + 1 for t in entries] + [0] * (width - count)
-            tables += blocks + [0] * (max_blocks - len(blocks))
-            context_lens.append(first - 1 + count)
+        slots, positions, context_lens, tables = self._entry_inputs(
+            first_positions, query_lens, states, width, max_blocks
+        )
         host = slots + positions + context_lens + list(query_lens) + tables
         if not isinstance(tokens, torch.Tensor):
             host += tokens
@@ -259,6 +283,23 @@ class EagleDrafter(Drafter):
             hidden, self.embed(token_ids), positions_t, meta, self.kv_cache
         )
 
+    def _entry_inputs(self, first_positions, query_lens, states, width, max_blocks):
+        """Host lists of a decode-path step (see `_decode_step`): cache slots and token positions
+        ([len(states) * width], padding rows -1 and 0), context lengths [len(states)], and the
+        block tables [len(states) * max_blocks] (padded with 0)."""
+        size = self.block_size
+        slots, positions, tables, context_lens = [], [], [], []
+        for state, first, count in zip(states, first_positions, query_lens, strict=True):
+            entries = range(first - 1, first - 1 + count)
+            blocks = state.block_ids
+            if len(blocks) > max_blocks:
+                raise RuntimeError(f"a head entry table of {len(blocks)} blocks (> {max_blocks})")
+            slots += [blocks[t // size] * size + t % size for t in entries] + [-1] * (width - count)
+            positions += [t + 1 for t in entries] + [0] * (width - count)
+            tables += blocks + [0] * (max_blocks - len(blocks))
+            context_lens.append(first - 1 + count)
+        return slots, positions, context_lens, tables
+
     def _step(self, hidden, tokens, positions, query_lens, context_lens, states) -> torch.Tensor:
         """Runs head entries: [T, D] hidden, T token ids (a list, or a device tensor) and
         positions -> [T, D] head outputs. Entry t (token position t + 1) is written to cache
@@ -278,3 +319,111 @@ class EagleDrafter(Drafter):
             attn,
             self.kv_cache,
         )
+
+
+class _DraftStepGraphs:
+    """CUDA graphs of one chained draft step (a head entry per request over the previous head
+    output and draft, then the head's draft logits), one per padded batch size, over static
+    input buffers. Replaying one costs a launch where the same step run op by op costs about
+    twenty, each of which the host pays for at batch 1. Without `use_graphs` (the CPU) the step
+    runs op by op on the same buffers, unpadded."""
+
+    def __init__(
+        self, drafter: EagleDrafter, max_num_seqs: int, max_blocks: int, use_graphs: bool
+    ) -> None:
+        from specdec.models.cuda_graph import batch_buckets
+
+        self.drafter = drafter
+        self.use_graphs = use_graphs
+        self.buckets = batch_buckets(max_num_seqs)
+        self.max_blocks = max_blocks
+        device = drafter.device
+        dim = drafter.head.config.hidden_size
+        self.hidden = torch.zeros(
+            max_num_seqs, dim, dtype=drafter.head.fc.weight.dtype, device=device
+        )
+        self.tokens = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+        # slots, positions, context lengths, query lengths, block tables: one int64 buffer.
+        self._sizes = [max_num_seqs] * 4 + [max_num_seqs * max_blocks]
+        self._inputs = torch.zeros(sum(self._sizes), dtype=torch.int64, device=device)
+        on_cuda = device.type == "cuda"
+        self._host = torch.zeros(sum(self._sizes), dtype=torch.int64, pin_memory=on_cuda)
+        self._copied = torch.cuda.Event() if on_cuda else None
+        views = self._inputs.split(self._sizes)
+        self.slots, self.positions, self.context_lens, self.query_lens = views[:4]
+        self.tables = views[4].view(max_num_seqs, max_blocks)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._pool = None
+
+    def _forward(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        drafter = self.drafter
+        meta = DecodeMetadata(
+            block_tables=self.tables[:num_seqs],
+            context_lens=self.context_lens[:num_seqs],
+            query_lens=self.query_lens[:num_seqs],
+            slot_mapping=self.slots[:num_seqs],
+            query_per_seq=1,
+        )
+        out = drafter.head.forward_decode(
+            self.hidden[:num_seqs],
+            drafter.embed(self.tokens[:num_seqs]),
+            self.positions[:num_seqs],
+            meta,
+            drafter.kv_cache,
+        )
+        return out, head_logits(drafter.head, out, drafter.lm_weight)
+
+    def run(
+        self, hidden: torch.Tensor, tokens: torch.Tensor, positions: list[int], states: list
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step for len(states) requests: hidden [n, D] (the previous head outputs),
+        tokens [n] (the drafts just proposed, target ids on the device), positions (each draft's
+        position). Returns views (valid until the next run) of the [n, D] head outputs and the
+        [n, V_draft] float32 draft logits. Mutates: the head cache slots of the new entries."""
+        num_seqs = len(states)
+        padded = next(size for size in self.buckets if size >= num_seqs)
+        if not self.use_graphs:
+            padded = num_seqs
+        slots, token_positions, context_lens, tables = self.drafter._entry_inputs(
+            positions, [1] * num_seqs, states, 1, self.max_blocks
+        )
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copy has left the pinned buffer
+        host = self._host.numpy()
+        offsets = [0]
+        for size in self._sizes:
+            offsets.append(offsets[-1] + size)
+        pad = padded - num_seqs
+        host[offsets[0] : offsets[0] + padded] = slots + [-1] * pad
+        host[offsets[1] : offsets[1] + padded] = token_positions + [0] * pad
+        host[offsets[2] : offsets[2] + padded] = context_lens + [0] * pad  # padding: inert
+        host[offsets[3] : offsets[3] + padded] = [1] * num_seqs + [0] * pad
+        table_rows = host[offsets[4] : offsets[5]].reshape(-1, self.max_blocks)
+        table_rows[:num_seqs] = np.asarray(tables, dtype=np.int64).reshape(num_seqs, -1)
+        end = offsets[4] + padded * self.max_blocks  # the tables of the rows in use
+        self._inputs[:end].copy_(self._host[:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        self.hidden[:num_seqs].copy_(hidden)
+        self.tokens[:num_seqs].copy_(tokens)
+        if not self.use_graphs:
+            return self._forward(num_seqs)
+        if padded not in self.graphs:
+            self.graphs[padded] = self._capture(padded)
+        graph, out, logits = self.graphs[padded]
+        graph.replay()
+        return out[:num_seqs], logits[:num_seqs]
+
+    def _capture(self, num_seqs: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+        # The warm-up run computes (and writes to the head cache) exactly what the replay that
+        # follows the capture will: running the step twice changes nothing.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._forward(num_seqs)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out, logits = self._forward(num_seqs)
+        self._pool = graph.pool()
+        return graph, out, logits

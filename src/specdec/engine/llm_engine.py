@@ -238,7 +238,13 @@ class LLMEngine:
             from specdec.drafters.eagle import EagleDrafter
 
             return EagleDrafter.from_config(
-                spec, self.model, self.allocator.num_blocks, self.config.block_size
+                spec,
+                self.model,
+                self.allocator.num_blocks,
+                self.config.block_size,
+                max_num_seqs=self.config.max_num_seqs,
+                max_model_len=self.max_model_len,
+                enforce_eager=self.config.enforce_eager,
             )
         from specdec.drafters.draft_model import DraftModelDrafter
 

@@ -294,3 +294,32 @@ def test_decode_path_matches_general_path(target_dir, head_dir):
         want = general(torch.cat(last), first, [1, 1])
         got = decode(last, first, [1, 1], 1)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_draft_step_buffers_give_the_drafts_of_the_plain_path(target_dir, head_dir):
+    """Chained draft steps through the static input buffers that CUDA graphs replay (run op
+    by op here) propose exactly what the plain decode path proposes, in a ragged batch."""
+    from specdec.drafters import DraftBatch
+    from specdec.drafters.eagle import _DraftStepGraphs
+
+    tokens = [[5, 6, 7, 8, 5, 6], [9, 10, 11], [3, 1, 4, 1, 5, 9, 2, 6]]
+    anchors = [6, 3, 8]
+    proposals = []
+    for buffered in (False, True):
+        drafter, ids = fed_drafter(target_dir, head_dir, tokens, anchors)
+        if buffered:
+            drafter._graphs = _DraftStepGraphs(drafter, 4, 8, use_graphs=False)
+        batch = DraftBatch(
+            token_ids=tokens,
+            seeds=torch.tensor([11, -22, 33]),
+            anchors=torch.tensor(anchors),
+            num_draft=torch.tensor([4, 2, 3]),
+            methods=["standard", "block", "coupled"],
+            params=SamplingTensors.build(3, torch.device("cpu"), 0.9),
+            request_ids=ids,
+        )
+        proposals.append(drafter.propose(batch))
+    plain, buffered = proposals
+    assert torch.equal(plain.draft_token_ids, buffered.draft_token_ids)
+    assert torch.equal(plain.draft_logits, buffered.draft_logits)
+    assert torch.equal(plain.draft_logsumexp, buffered.draft_logsumexp)
