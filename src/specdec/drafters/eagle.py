@@ -53,6 +53,7 @@ class EagleDrafter(Drafter):
         *,
         max_num_seqs: int = 64,
         max_entries: int | None = None,
+        max_width: int = 1,
         enforce_eager: bool = False,
     ) -> None:
         """Args:
@@ -64,7 +65,9 @@ class EagleDrafter(Drafter):
         greedy: propose the head's argmax (one-hot drafts) instead of sampling.
         max_num_seqs: requests per round (sizes the draft-step graphs).
         max_entries: most head entries a request can hold (max_model_len + K); None: no
-            draft-step graphs.
+            head-step graphs.
+        max_width: most new entries per request that a round's first head step takes through
+            its graphs (K + 1); more (a request's first round) take the general path.
         enforce_eager: never capture CUDA graphs.
         """
         super().__init__(target.config.vocab_size, draft_to_target)
@@ -80,11 +83,11 @@ class EagleDrafter(Drafter):
         self.greedy = greedy
         self.device = head.fc.weight.device
         self._states: dict[str, _EagleState] = {}
-        self._graphs: _DraftStepGraphs | None = None
+        self._graphs: _HeadGraphs | None = None
         if max_entries is not None:  # (on the CPU: the same static buffers, run op by op)
             use_graphs = self.device.type == "cuda" and not enforce_eager
             max_blocks = -(-max_entries // block_size)
-            self._graphs = _DraftStepGraphs(self, max_num_seqs, max_blocks, use_graphs)
+            self._graphs = _HeadGraphs(self, max_num_seqs, max_width, max_blocks, use_graphs)
 
     @classmethod
     def from_config(
@@ -115,6 +118,7 @@ class EagleDrafter(Drafter):
             max_entries=None
             if max_model_len is None
             else max_model_len + spec.num_speculative_tokens,
+            max_width=spec.num_speculative_tokens + 1,
             enforce_eager=enforce_eager,
         )
 
@@ -180,42 +184,14 @@ class EagleDrafter(Drafter):
             state.num_fed = anchor - 1
             states[b] = state
         live_states = [states[b] for b in live]
-        projected = self.head.project_features(torch.cat(hidden))  # [sum(query_lens), D]
         width = max(query_lens)
-        if width <= self.MAX_DECODE_ENTRIES:
-            # The usual round: a few new entries per request, through the fused decode path in
-            # the padded layout (request j's entries at rows j * width ..).
-            if width > 1 and min(query_lens) < width:
-                rows = [j * width + i for j, n in enumerate(query_lens) for i in range(n)]
-                padded = projected.new_zeros(len(live) * width, projected.shape[1])
-                projected = padded.index_copy_(0, to_device(rows, torch.int64, device), projected)
-            padded_tokens = [0] * (len(live) * width)
-            for j, row_tokens in enumerate(tokens):
-                padded_tokens[j * width : j * width + len(row_tokens)] = row_tokens
-            out = self._decode_step(
-                projected, padded_tokens, first_positions, query_lens, live_states, width
+        if self._graphs is not None and width <= self._graphs.width:
+            last, logits = self._graphs.catch_up(
+                torch.cat(hidden), tokens, first_positions, query_lens, live_states
             )
-            if width == 1:
-                last = out
-            else:
-                ends = [j * width + n - 1 for j, n in enumerate(query_lens)]
-                last = out[to_device(ends, torch.int64, device)]  # [len(live), D]
-        else:  # a request's first round catches up on its whole prompt: the general path
-            positions = [
-                pos
-                for first, n in zip(first_positions, query_lens, strict=True)
-                for pos in range(first, first + n)
-            ]
-            out = self._step(
-                projected,
-                [t for row_tokens in tokens for t in row_tokens],
-                positions,
-                query_lens,
-                [first - 1 + n for first, n in zip(first_positions, query_lens, strict=True)],
-                live_states,
-            )
-            last = out[to_device(query_lens, torch.int64, device).cumsum(0) - 1]  # [len(live), D]
-        logits = head_logits(self.head, last, self.lm_weight)  # [len(live), V_draft]
+        else:
+            last = self._catch_up(hidden, tokens, first_positions, query_lens, live_states)
+            logits = head_logits(self.head, last, self.lm_weight)  # [len(live), V_draft]
         for i in range(k):
             rows = torch.tensor(live, dtype=torch.int64)
             # Every row live: a slice; else one (pinned, asynchronous) copy of the row indices.
@@ -240,7 +216,7 @@ class EagleDrafter(Drafter):
             entry_positions = [anchors[row] + i for row in live]
             live_states = [states[row] for row in live]
             if self._graphs is not None:
-                last, logits = self._graphs.run(last, chosen, entry_positions, live_states)
+                last, logits = self._graphs.chain(last, chosen, entry_positions, live_states)
             else:
                 ones = [1] * len(live)
                 last = self._decode_step(
@@ -248,6 +224,46 @@ class EagleDrafter(Drafter):
                 )
                 logits = head_logits(self.head, last, self.lm_weight)
         return Proposal(draft_ids, draft_logits, draft_lse, proposed)
+
+    def _catch_up(self, hidden, tokens, first_positions, query_lens, live_states):
+        """The round's first head step without graphs: [len(live_states), D] last outputs."""
+        device = self.device
+        projected = self.head.project_features(torch.cat(hidden))  # [sum(query_lens), D]
+        width = max(query_lens)
+        if width <= self.MAX_DECODE_ENTRIES:
+            # The usual round: a few new entries per request, through the fused decode path in
+            # the padded layout (request j's entries at rows j * width ..).
+            if width > 1 and min(query_lens) < width:
+                rows = [j * width + i for j, n in enumerate(query_lens) for i in range(n)]
+                padded = projected.new_zeros(len(live_states) * width, projected.shape[1])
+                projected = padded.index_copy_(0, to_device(rows, torch.int64, device), projected)
+            padded_tokens = [0] * (len(live_states) * width)
+            for j, row_tokens in enumerate(tokens):
+                padded_tokens[j * width : j * width + len(row_tokens)] = row_tokens
+            out = self._decode_step(
+                projected, padded_tokens, first_positions, query_lens, live_states, width
+            )
+            if width == 1:
+                last = out
+            else:
+                ends = [j * width + n - 1 for j, n in enumerate(query_lens)]
+                last = out[to_device(ends, torch.int64, device)]  # [len(live_states), D]
+        else:  # a request's first round catches up on its whole prompt: the general path
+            positions = [
+                pos
+                for first, n in zip(first_positions, query_lens, strict=True)
+                for pos in range(first, first + n)
+            ]
+            out = self._step(
+                projected,
+                [t for row_tokens in tokens for t in row_tokens],
+                positions,
+                query_lens,
+                [first - 1 + n for first, n in zip(first_positions, query_lens, strict=True)],
+                live_states,
+            )
+            last = out[to_device(query_lens, torch.int64, device).cumsum(0) - 1]  # [len(live), D]
+        return last
 
     def _decode_step(self, hidden, tokens, first_positions, query_lens, states, width):
         """Head entries through the fused decode path: request j brings query_lens[j] <= width
@@ -321,109 +337,161 @@ class EagleDrafter(Drafter):
         )
 
 
-class _DraftStepGraphs:
-    """CUDA graphs of one chained draft step (a head entry per request over the previous head
-    output and draft, then the head's draft logits), one per padded batch size, over static
-    input buffers. Replaying one costs a launch where the same step run op by op costs about
-    twenty, each of which the host pays for at batch 1. Without `use_graphs` (the CPU) the step
-    runs op by op on the same buffers, unpadded."""
+class _HeadGraphs:
+    """CUDA graphs of the head's two kinds of step, over static input buffers, one graph per
+    (kind, padded batch size):
+
+    - "catch_up": each request's new entries (at most `width`: the round's K + 1) from target
+      features, padded to `width` rows per request; returns each request's last output;
+    - "chain": one entry per request over its previous head output and the draft just
+      proposed.
+
+    Both end with the head's draft logits. Replaying a step costs one launch where running it
+    op by op costs twenty to forty, each paid by the host at batch 1. Without `use_graphs`
+    (the CPU, or enforce_eager) the same padded step runs op by op on the same buffers, so both
+    modes compute the same shapes and hence the same numbers.
+    """
 
     def __init__(
-        self, drafter: EagleDrafter, max_num_seqs: int, max_blocks: int, use_graphs: bool
+        self,
+        drafter: EagleDrafter,
+        max_num_seqs: int,
+        width: int,
+        max_blocks: int,
+        use_graphs: bool,
     ) -> None:
         from specdec.models.cuda_graph import batch_buckets
 
         self.drafter = drafter
         self.use_graphs = use_graphs
         self.buckets = batch_buckets(max_num_seqs)
+        self.width = width
         self.max_blocks = max_blocks
-        device = drafter.device
-        dim = drafter.head.config.hidden_size
-        self.hidden = torch.zeros(
-            max_num_seqs, dim, dtype=drafter.head.fc.weight.dtype, device=device
-        )
-        self.tokens = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
-        # slots, positions, context lengths, query lengths, block tables: one int64 buffer.
-        self._sizes = [max_num_seqs] * 4 + [max_num_seqs * max_blocks]
-        self._inputs = torch.zeros(sum(self._sizes), dtype=torch.int64, device=device)
+        head = drafter.head
+        device, dtype = drafter.device, head.fc.weight.dtype
+        rows = max_num_seqs * width
+        self.features = torch.zeros(rows, head.config.feature_size, dtype=dtype, device=device)
+        self.hidden = torch.zeros(max_num_seqs, head.config.hidden_size, dtype=dtype, device=device)
+        # slots, positions, tokens, context lengths, query lengths, last rows, block tables:
+        # one int64 buffer, filled in a host twin and sent with one copy.
+        self._sizes = [rows] * 3 + [max_num_seqs] * 3 + [max_num_seqs * max_blocks]
+        self._offsets = [0]
+        for size in self._sizes:
+            self._offsets.append(self._offsets[-1] + size)
+        self._inputs = torch.zeros(self._offsets[-1], dtype=torch.int64, device=device)
         on_cuda = device.type == "cuda"
-        self._host = torch.zeros(sum(self._sizes), dtype=torch.int64, pin_memory=on_cuda)
+        self._host = torch.zeros(self._offsets[-1], dtype=torch.int64, pin_memory=on_cuda)
         self._copied = torch.cuda.Event() if on_cuda else None
         views = self._inputs.split(self._sizes)
-        self.slots, self.positions, self.context_lens, self.query_lens = views[:4]
-        self.tables = views[4].view(max_num_seqs, max_blocks)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.slots, self.positions, self.tokens = views[:3]
+        self.context_lens, self.query_lens, self.ends = views[3:6]
+        self.tables = views[6].view(max_num_seqs, max_blocks)
+        self.graphs: dict[tuple[str, int], tuple] = {}
         self._pool = None
 
-    def _forward(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        drafter = self.drafter
+    def _forward(self, kind: str, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        drafter, head = self.drafter, self.drafter.head
+        width = self.width if kind == "catch_up" else 1
+        rows = num_seqs * width
         meta = DecodeMetadata(
             block_tables=self.tables[:num_seqs],
             context_lens=self.context_lens[:num_seqs],
             query_lens=self.query_lens[:num_seqs],
-            slot_mapping=self.slots[:num_seqs],
-            query_per_seq=1,
+            slot_mapping=self.slots[:rows],
+            query_per_seq=width,
         )
-        out = drafter.head.forward_decode(
-            self.hidden[:num_seqs],
-            drafter.embed(self.tokens[:num_seqs]),
-            self.positions[:num_seqs],
-            meta,
-            drafter.kv_cache,
+        if kind == "catch_up":
+            hidden = head.project_features(self.features[:rows])
+        else:
+            hidden = self.hidden[:num_seqs]
+        out = head.forward_decode(
+            hidden, drafter.embed(self.tokens[:rows]), self.positions[:rows], meta, drafter.kv_cache
         )
-        return out, head_logits(drafter.head, out, drafter.lm_weight)
+        if kind == "catch_up":
+            out = out.index_select(0, self.ends[:num_seqs])  # each request's last entry
+        return out, head_logits(head, out, drafter.lm_weight)
 
-    def run(
-        self, hidden: torch.Tensor, tokens: torch.Tensor, positions: list[int], states: list
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step for len(states) requests: hidden [n, D] (the previous head outputs),
-        tokens [n] (the drafts just proposed, target ids on the device), positions (each draft's
-        position). Returns views (valid until the next run) of the [n, D] head outputs and the
-        [n, V_draft] float32 draft logits. Mutates: the head cache slots of the new entries."""
+    def catch_up(self, features, tokens, first_positions, query_lens, states):
+        """The round's first head step: request j feeds its query_lens[j] (<= width) new
+        entries, whose features are rows sum(query_lens[:j]) .. of `features` [sum, F] and whose
+        tokens are tokens[j] (a list). Returns views (valid until the next call) of each
+        request's last head output [n, D] and draft logits [n, V_draft] float32."""
+        num_seqs, width = len(states), self.width
+        padded = self._fill(first_positions, query_lens, states, width, tokens)
+        if len(set(query_lens)) == 1 and query_lens[0] == width:
+            self.features[: num_seqs * width].copy_(features)
+        elif num_seqs == 1:
+            self.features[: query_lens[0]].copy_(features)
+        else:
+            rows = [j * width + i for j, n in enumerate(query_lens) for i in range(n)]
+            index = to_device(rows, torch.int64, self.drafter.device)
+            self.features.index_copy_(0, index, features)
+        return self._run("catch_up", padded, num_seqs)
+
+    def chain(self, hidden, tokens, positions, states):
+        """One draft step for len(states) requests: hidden [n, D] (their previous head outputs),
+        tokens [n] (the drafts just proposed, target ids on the device), positions (each
+        draft's position). Returns views (valid until the next call) of the [n, D] head outputs
+        and the [n, V_draft] float32 draft logits."""
+        num_seqs = len(states)
+        padded = self._fill(positions, [1] * num_seqs, states, 1, None)
+        self.hidden[:num_seqs].copy_(hidden)
+        self.tokens[:num_seqs].copy_(tokens)
+        return self._run("chain", padded, num_seqs)
+
+    def _fill(self, first_positions, query_lens, states, width, tokens) -> int:
+        """Writes a step's integer inputs (padded to a bucket of requests, `width` rows each)
+        and sends them in one copy. Returns the padded number of requests."""
         num_seqs = len(states)
         padded = next(size for size in self.buckets if size >= num_seqs)
-        if not self.use_graphs:
-            padded = num_seqs
-        slots, token_positions, context_lens, tables = self.drafter._entry_inputs(
-            positions, [1] * num_seqs, states, 1, self.max_blocks
+        slots, positions, context_lens, tables = self.drafter._entry_inputs(
+            first_positions, query_lens, states, width, self.max_blocks
         )
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copy has left the pinned buffer
-        host = self._host.numpy()
-        offsets = [0]
-        for size in self._sizes:
-            offsets.append(offsets[-1] + size)
-        pad = padded - num_seqs
-        host[offsets[0] : offsets[0] + padded] = slots + [-1] * pad
-        host[offsets[1] : offsets[1] + padded] = token_positions + [0] * pad
-        host[offsets[2] : offsets[2] + padded] = context_lens + [0] * pad  # padding: inert
-        host[offsets[3] : offsets[3] + padded] = [1] * num_seqs + [0] * pad
-        table_rows = host[offsets[4] : offsets[5]].reshape(-1, self.max_blocks)
+        host, at = self._host.numpy(), self._offsets
+        rows, pad = padded * width, padded - num_seqs
+        host[at[0] : at[0] + rows] = slots + [-1] * (pad * width)
+        host[at[1] : at[1] + rows] = positions + [0] * (pad * width)
+        if tokens is not None:
+            flat = host[at[2] : at[2] + rows]
+            flat[:] = 0
+            for j, row_tokens in enumerate(tokens):
+                flat[j * width : j * width + len(row_tokens)] = row_tokens
+        host[at[3] : at[3] + padded] = context_lens + [0] * pad  # padding requests: inert
+        host[at[4] : at[4] + padded] = list(query_lens) + [0] * pad
+        host[at[5] : at[5] + padded] = [j * width + n - 1 for j, n in enumerate(query_lens)] + [
+            0
+        ] * pad
+        table_rows = host[at[6] : at[7]].reshape(-1, self.max_blocks)
         table_rows[:num_seqs] = np.asarray(tables, dtype=np.int64).reshape(num_seqs, -1)
-        end = offsets[4] + padded * self.max_blocks  # the tables of the rows in use
+        end = at[6] + padded * self.max_blocks  # the tables of the requests in use
         self._inputs[:end].copy_(self._host[:end], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        self.hidden[:num_seqs].copy_(hidden)
-        self.tokens[:num_seqs].copy_(tokens)
+        return padded
+
+    def _run(self, kind: str, padded: int, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.use_graphs:
-            return self._forward(num_seqs)
-        if padded not in self.graphs:
-            self.graphs[padded] = self._capture(padded)
-        graph, out, logits = self.graphs[padded]
-        graph.replay()
+            out, logits = self._forward(kind, padded)
+        else:
+            key = (kind, padded)
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(kind, padded)
+            graph, out, logits = self.graphs[key]
+            graph.replay()
         return out[:num_seqs], logits[:num_seqs]
 
-    def _capture(self, num_seqs: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+    def _capture(self, kind: str, num_seqs: int) -> tuple:
         # The warm-up run computes (and writes to the head cache) exactly what the replay that
         # follows the capture will: running the step twice changes nothing.
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self._forward(num_seqs)
+            self._forward(kind, num_seqs)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out, logits = self._forward(num_seqs)
+            out, logits = self._forward(kind, num_seqs)
         self._pool = graph.pool()
         return graph, out, logits

@@ -296,11 +296,14 @@ def test_decode_path_matches_general_path(target_dir, head_dir):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_draft_step_buffers_give_the_drafts_of_the_plain_path(target_dir, head_dir):
-    """Chained draft steps through the static input buffers that CUDA graphs replay (run op
-    by op here) propose exactly what the plain decode path proposes, in a ragged batch."""
+@pytest.mark.parametrize("width", [5, 8])
+def test_draft_step_buffers_give_the_drafts_of_the_plain_path(target_dir, head_dir, width):
+    """Head steps through the static input buffers that CUDA graphs replay (run op by op here,
+    padded to the graphs' shapes) propose exactly what the plain path proposes, in a ragged
+    batch: the chained draft steps, and (width 8 >= the 7 entries a request brings) the
+    round's first step too."""
     from specdec.drafters import DraftBatch
-    from specdec.drafters.eagle import _DraftStepGraphs
+    from specdec.drafters.eagle import _HeadGraphs
 
     tokens = [[5, 6, 7, 8, 5, 6], [9, 10, 11], [3, 1, 4, 1, 5, 9, 2, 6]]
     anchors = [6, 3, 8]
@@ -308,7 +311,7 @@ def test_draft_step_buffers_give_the_drafts_of_the_plain_path(target_dir, head_d
     for buffered in (False, True):
         drafter, ids = fed_drafter(target_dir, head_dir, tokens, anchors)
         if buffered:
-            drafter._graphs = _DraftStepGraphs(drafter, 4, 8, use_graphs=False)
+            drafter._graphs = _HeadGraphs(drafter, 4, width, 8, use_graphs=False)
         batch = DraftBatch(
             token_ids=tokens,
             seeds=torch.tensor([11, -22, 33]),
