@@ -91,6 +91,25 @@ def fed_drafter(target_dir, head_dir, token_lists, anchors, greedy=False):
     return drafter, ids
 
 
+RAGGED_TOKENS = [[5, 6, 7, 8, 5, 6], [9, 10, 11], [3, 1, 4, 1, 5, 9, 2, 6]]
+RAGGED_ANCHORS = [6, 3, 8]
+
+
+def ragged_batch(ids, num_draft):
+    """The DraftBatch of RAGGED_TOKENS: one request per verify method, temperature 0.9."""
+    from specdec.drafters import DraftBatch
+
+    return DraftBatch(
+        token_ids=RAGGED_TOKENS,
+        seeds=torch.tensor([11, -22, 33]),
+        anchors=torch.tensor(RAGGED_ANCHORS),
+        num_draft=torch.tensor(num_draft),
+        methods=["standard", "block", "coupled"],
+        params=SamplingTensors.build(3, torch.device("cpu"), 0.9),
+        request_ids=ids,
+    )
+
+
 @pytest.fixture
 def noise_calls(monkeypatch):
     calls = []
@@ -110,22 +129,11 @@ def noise_calls(monkeypatch):
 def test_eagle_draws_only_through_sample_draft_at_q(
     target_dir, head_dir, reduced_head_dir, noise_calls, reduced
 ):
-    from specdec.drafters import DraftBatch
-
-    tokens = [[5, 6, 7, 8, 5, 6], [9, 10, 11], [3, 1, 4, 1, 5, 9, 2, 6]]
-    anchors = [6, 3, 8]
+    anchors = RAGGED_ANCHORS
     drafter, ids = fed_drafter(
-        target_dir, reduced_head_dir if reduced else head_dir, tokens, anchors
+        target_dir, reduced_head_dir if reduced else head_dir, RAGGED_TOKENS, anchors
     )
-    batch = DraftBatch(
-        token_ids=tokens,
-        seeds=torch.tensor([11, -22, 33]),
-        anchors=torch.tensor(anchors),
-        num_draft=torch.tensor([3, 2, 3]),
-        methods=["standard", "block", "coupled"],
-        params=SamplingTensors.build(3, torch.device("cpu"), 0.9),
-        request_ids=ids,
-    )
+    batch = ragged_batch(ids, [3, 2, 3])
     proposal = drafter.propose(batch)
     seen: dict[int, list[int]] = {}
     for call_seeds, positions, stream, steps, callers in noise_calls:
@@ -302,26 +310,14 @@ def test_draft_step_buffers_give_the_drafts_of_the_plain_path(target_dir, head_d
     padded to the graphs' shapes) propose exactly what the plain path proposes, in a ragged
     batch: the chained draft steps, and (width 8 >= the 7 entries a request brings) the
     round's first step too."""
-    from specdec.drafters import DraftBatch
     from specdec.drafters.eagle import _HeadGraphs
 
-    tokens = [[5, 6, 7, 8, 5, 6], [9, 10, 11], [3, 1, 4, 1, 5, 9, 2, 6]]
-    anchors = [6, 3, 8]
     proposals = []
     for buffered in (False, True):
-        drafter, ids = fed_drafter(target_dir, head_dir, tokens, anchors)
+        drafter, ids = fed_drafter(target_dir, head_dir, RAGGED_TOKENS, RAGGED_ANCHORS)
         if buffered:
             drafter._graphs = _HeadGraphs(drafter, 4, width, 8, use_graphs=False)
-        batch = DraftBatch(
-            token_ids=tokens,
-            seeds=torch.tensor([11, -22, 33]),
-            anchors=torch.tensor(anchors),
-            num_draft=torch.tensor([4, 2, 3]),
-            methods=["standard", "block", "coupled"],
-            params=SamplingTensors.build(3, torch.device("cpu"), 0.9),
-            request_ids=ids,
-        )
-        proposals.append(drafter.propose(batch))
+        proposals.append(drafter.propose(ragged_batch(ids, [4, 2, 3])))
     plain, buffered = proposals
     assert torch.equal(plain.draft_token_ids, buffered.draft_token_ids)
     assert torch.equal(plain.draft_logits, buffered.draft_logits)
