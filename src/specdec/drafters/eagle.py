@@ -164,7 +164,7 @@ class EagleDrafter(Drafter):
         if not live:
             return Proposal(draft_ids, draft_logits, draft_lse, proposed)
         states: list[_EagleState | None] = [None] * size
-        hidden, tokens, first_positions, query_lens = [], [], [], []
+        features, tokens, first_positions, query_lens = [], [], [], []
         for b in live:
             request_id, token_ids, anchor = batch.request_ids[b], batch.token_ids[b], anchors[b]
             state = self._states.get(request_id)
@@ -176,7 +176,7 @@ class EagleDrafter(Drafter):
                 )
             self.allocator.grow(state, anchor - 1 + max(num_draft[b] - 1, 0))
             new = torch.cat(state.pending)  # [n_new, F]: entries num_fed .. anchor-2
-            hidden.append(new)
+            features.append(new)
             tokens.append(token_ids[state.num_fed + 1 : anchor])
             first_positions.append(state.num_fed + 1)
             query_lens.append(new.shape[0])
@@ -187,10 +187,10 @@ class EagleDrafter(Drafter):
         width = max(query_lens)
         if self._graphs is not None and width <= self._graphs.width:
             last, logits = self._graphs.catch_up(
-                torch.cat(hidden), tokens, first_positions, query_lens, live_states
+                torch.cat(features), tokens, first_positions, query_lens, live_states
             )
         else:
-            last = self._catch_up(hidden, tokens, first_positions, query_lens, live_states)
+            last = self._catch_up(features, tokens, first_positions, query_lens, live_states)
             logits = head_logits(self.head, last, self.lm_weight)  # [len(live), V_draft]
         for i in range(k):
             rows = torch.tensor(live, dtype=torch.int64)
@@ -225,10 +225,12 @@ class EagleDrafter(Drafter):
                 logits = head_logits(self.head, last, self.lm_weight)
         return Proposal(draft_ids, draft_logits, draft_lse, proposed)
 
-    def _catch_up(self, hidden, tokens, first_positions, query_lens, live_states):
-        """The round's first head step without graphs: [len(live_states), D] last outputs."""
+    def _catch_up(self, features, tokens, first_positions, query_lens, live_states):
+        """The round's first head step without graphs: request j feeds the entries whose target
+        features are features[j] ([query_lens[j], F]) and tokens tokens[j]. Returns each
+        request's last head output [len(live_states), D]."""
         device = self.device
-        projected = self.head.project_features(torch.cat(hidden))  # [sum(query_lens), D]
+        projected = self.head.project_features(torch.cat(features))  # [sum(query_lens), D]
         width = max(query_lens)
         if width <= self.MAX_DECODE_ENTRIES:
             # The usual round: a few new entries per request, through the fused decode path in
