@@ -115,9 +115,8 @@ class EagleDrafter(Drafter):
             block_size,
             greedy=spec.draft_sample_method == "greedy",
             max_num_seqs=max_num_seqs,
-            max_entries=None
-            if max_model_len is None
-            else max_model_len + spec.num_speculative_tokens,
+            # A request may ask for up to 32 drafts a round, more than the configured K.
+            max_entries=None if max_model_len is None else max_model_len + 32,
             max_width=spec.num_speculative_tokens + 1,
             enforce_eager=enforce_eager,
         )

@@ -322,3 +322,20 @@ def test_draft_step_buffers_give_the_drafts_of_the_plain_path(target_dir, head_d
     assert torch.equal(plain.draft_token_ids, buffered.draft_token_ids)
     assert torch.equal(plain.draft_logits, buffered.draft_logits)
     assert torch.equal(plain.draft_logsumexp, buffered.draft_logsumexp)
+
+
+def test_requests_may_draft_more_than_the_configured_k(target_dir, head_dir):
+    """A request asking for more drafts than speculative_config's K (per-request override)
+    drafts through the same head buffers, up to max_model_len, and greedy output is unchanged."""
+    prompts = prompt_tokens(VOCAB, [5, 17], seed=4)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    common = {"max_model_len": 48, "block_size": 4}
+    plain = LLM(str(target_dir), **common).generate(prompts, params, use_tqdm=False)
+    spec = {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": 2}
+    llm = LLM(str(target_dir), speculative_config=spec, **common)
+    drafted = llm.generate(
+        prompts, params, use_tqdm=False, speculative={"num_speculative_tokens": 7}
+    )
+    assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in plain]
+    assert llm.engine.drafter._graphs is not None
+    assert llm.get_metrics()["num_draft_tokens"] > 2 * llm.get_metrics()["num_drafts"]
