@@ -222,8 +222,8 @@ class EagleHead(nn.Module):
     ) -> torch.Tensor:
         """`forward_paged` through the fused decode kernels, for steps in which each sequence
         brings at most `meta.query_per_seq` entries in the uniform layout of `DecodeMetadata`
-        (a draft step: one entry per sequence). About a sixth of `forward_paged`'s operations,
-        and no host sync. Same arguments and result (rows of padding entries are garbage).
+        (a draft step: one entry per sequence). A fraction of `forward_paged`'s operations (about
+        20), and no host sync. Same arguments and result (rows of padding entries are garbage).
 
         Mutates: the `kv_cache` slots in `meta.slot_mapping`.
         """
@@ -270,12 +270,12 @@ def head_logits_weight(target: LlamaForCausalLM, draft_to_target: torch.Tensor |
 
 def head_logits(head: EagleHead, hidden: torch.Tensor, lm_weight: torch.Tensor) -> torch.Tensor:
     """[.., D] head outputs -> [.., V_draft] float32 draft logits."""
-    if (
-        hidden.dim() == 2 and not torch.is_grad_enabled()
-    ):  # the fused norm kernel on CUDA (the same numerics as `head.norm`)
+    inference = hidden.dim() == 2 and not torch.is_grad_enabled()
+    if inference:  # one fused kernel on CUDA, the numerics of `head.norm` (it has no backward)
         normed, _ = add_rms_norm(hidden, None, head.norm.weight, head.norm.eps)
-        return F.linear(normed, lm_weight).float()
-    return F.linear(head.norm(hidden), lm_weight).float()
+    else:
+        normed = head.norm(hidden)
+    return F.linear(normed, lm_weight).float()
 
 
 def check_target(config: EagleConfig, target: ModelConfig, source: str) -> None:
