@@ -23,10 +23,10 @@ import triton
 import triton.testing
 
 from specdec.rng import Stream
-from specdec.rng.triton_philox import uniform_triton
-from specdec.sampling import sample, triton_sample
-from specdec.verify import check_verify_inputs, triton_verify, verify
-from specdec.verify.triton_verify import verify_triton
+from specdec.rng.philox_triton import uniform_triton
+from specdec.sampling import sample, sampler_triton
+from specdec.verify import check_verify_inputs, verifier_triton, verify
+from specdec.verify.verifier_triton import verify_triton
 
 K = 4
 TEMPERATURE = 0.7
@@ -147,7 +147,7 @@ def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
 def launch_overhead_us() -> dict:
     """Host microseconds per launch: a Triton kernel of ~10 arguments that exits at once, and a
     one-element torch fill, each launched 500 times back to back."""
-    from specdec.verify.triton_verify import _verify_emit_kernel
+    from specdec.verify.verifier_triton import _verify_emit_kernel
 
     final_row = torch.full((1,), -1, dtype=torch.int32, device="cuda")
     best = torch.zeros(1, 16, device="cuda")
@@ -327,11 +327,11 @@ def sweep(copy_bw: float) -> list:
     round_ = make_round(batch, vocab, torch.float32, "standard", 0)
     logits = normal_logits(batch, vocab, 50, 2.0)
     seeds = torch.arange(batch, dtype=torch.int64, device="cuda")
-    saved = dict(triton_sample.STREAM_PLAN), dict(triton_verify.FINAL_PLAN)
+    saved = dict(sampler_triton.STREAM_PLAN), dict(verifier_triton.FINAL_PLAN)
     for rows_per_thread, num_warps, tiles in plans:
         plan = {"rows_per_thread": rows_per_thread, "num_warps": num_warps, "tiles": tiles}
-        triton_sample.STREAM_PLAN.update(plan)
-        triton_verify.FINAL_PLAN.update(plan)
+        sampler_triton.STREAM_PLAN.update(plan)
+        verifier_triton.FINAL_PLAN.update(plan)
         inputs = check_verify_inputs(
             round_["target"],
             round_["drafts"],
@@ -345,8 +345,8 @@ def sweep(copy_bw: float) -> list:
         row = {"plan": plan, "verify_triton_ms": verify_ms, "sample_ms": sample_ms}
         results.append(row)
         print(json.dumps(row), flush=True)
-    triton_sample.STREAM_PLAN.update(saved[0])
-    triton_verify.FINAL_PLAN.update(saved[1])
+    sampler_triton.STREAM_PLAN.update(saved[0])
+    verifier_triton.FINAL_PLAN.update(saved[1])
     return results
 
 

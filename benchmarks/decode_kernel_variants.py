@@ -24,7 +24,7 @@ import triton.language as tl
 from triton.testing import do_bench
 
 from specdec.models.fused import DecodeMetadata
-from specdec.models.triton_fused import _paged_decode_attention_kernel
+from specdec.models.fused_triton import _paged_decode_attention_kernel
 
 ATTENTION_SHAPES = {"8b": (32, 8, 128), "1b": (32, 8, 64)}  # H_q, H_kv, D
 ATTENTION_PLANS = [(64, 4, 1), (64, 4, 2), (64, 4, 3), (32, 4, 2), (32, 2, 2), (128, 4, 2)]

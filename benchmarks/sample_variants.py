@@ -23,13 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.rng.triton_philox import (
+from specdec.rng.philox_triton import (
     fast_log,
     gumbel_tile,
     keyed_words_tile,
     words_to_uniform32,
 )
-from specdec.sampling.triton_sample import (
+from specdec.sampling.sampler_triton import (
     argmax_finish,
     argmax_update,
     lse_finish,

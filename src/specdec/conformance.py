@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 import specdec.sampling.sampler as sampler_module
-import specdec.verify.reference as verify_reference
+import specdec.verify.verifier as verify_reference
 from specdec.rng import Stream, gumbel, random_words, uniform, uniform_to_gumbel, words_to_uniform32
 from specdec.sampling import process_logits, sample
 from specdec.verify import VerifyResult, verify

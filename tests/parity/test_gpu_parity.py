@@ -55,7 +55,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_philox_known_answers_and_torch_twin() -> None:
-    from specdec.rng.triton_philox import philox_triton
+    from specdec.rng.philox_triton import philox_triton
 
     counters = torch.tensor([c for c, _, _ in PHILOX_KAT], dtype=torch.int64)
     keys = torch.tensor([k for _, k, _ in PHILOX_KAT], dtype=torch.int64)
@@ -71,7 +71,7 @@ def test_philox_known_answers_and_torch_twin() -> None:
 
 @pytest.mark.parametrize("num_lanes", [1, 2, 3, 4, 5, 13, 1000, 4099, 32003])
 def test_uniform_bitwise(num_lanes: int) -> None:
-    from specdec.rng.triton_philox import uniform_triton
+    from specdec.rng.philox_triton import uniform_triton
 
     gen = _generator(num_lanes)
     num_rows = 24

@@ -259,7 +259,7 @@ def test_sample_validates_its_inputs(change, error, match):
 def test_readback_returns_every_named_value_bit_for_bit():
     """The packed copy behind the asynchronous argument checks: int64 values exactly, float32
     values bit for bit (NaN, infinities, -0.0 included), None entries absent."""
-    from specdec.sampling.readback import Readback
+    from specdec.transfer import Readback
 
     ints = {"a": torch.tensor([0, -1, 2**40]), "none": None, "b": torch.tensor([[3], [4]])}
     floats = {

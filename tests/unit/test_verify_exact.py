@@ -20,7 +20,7 @@ from unittest import mock
 import pytest
 import torch
 
-import specdec.verify.reference as verify_reference
+import specdec.verify.verifier as verify_reference
 from specdec import conformance as c
 from specdec.rng import Stream
 from specdec.sampling import sample

@@ -15,7 +15,7 @@ import torch
 
 from specdec.rng import Stream
 from specdec.sampling import SampleOutput, SamplingTensors, sample
-from specdec.sampling.readback import to_device
+from specdec.transfer import to_device
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ import torch
 from specdec.drafters.base import DraftBatch, Drafter, Proposal, TargetFeatures
 from specdec.drafters.block_model import BlockDrafterModel, block_mask, load_block_drafter
 from specdec.models import LlamaForCausalLM
-from specdec.sampling.readback import to_device
+from specdec.transfer import to_device
 
 
 @dataclass(slots=True, eq=False)

@@ -24,7 +24,7 @@ from specdec.drafters.base import DraftBatch, Proposal
 from specdec.drafters.block_model import BlockDrafterModel
 from specdec.drafters.dflash import DFlashDrafter
 from specdec.models import LlamaForCausalLM
-from specdec.sampling.readback import to_device
+from specdec.transfer import to_device
 
 
 @dataclass(frozen=True, slots=True)

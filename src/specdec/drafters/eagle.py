@@ -21,7 +21,7 @@ from specdec.models import AttentionMetadata, LlamaForCausalLM
 from specdec.models.eagle import EagleHead, head_logits, head_logits_weight, load_eagle_head
 from specdec.models.fused import DecodeMetadata
 from specdec.models.paged import BlockAllocator
-from specdec.sampling.readback import to_device
+from specdec.transfer import to_device
 
 
 @dataclass(slots=True, eq=False)

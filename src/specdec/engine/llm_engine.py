@@ -30,7 +30,7 @@ from specdec.models import LlamaForCausalLM, Tokenizer, default_model_path, load
 from specdec.models.paged import BlockAllocator, PagedModelRunner, StepInput
 from specdec.rng import derive_seed, fresh_seed, to_signed64
 from specdec.sampling import SamplingParams, SamplingTensors, compute_logprobs, sample
-from specdec.sampling.readback import Readback, to_device
+from specdec.transfer import Readback, to_device
 from specdec.verify import VERIFY_METHODS, check_verify_inputs, verify_checked
 
 CPU_KV_CACHE_BYTES = 1 << 30

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdec.sampling.readback import to_device
+from specdec.transfer import to_device
 
 
 @dataclass(frozen=True, slots=True)

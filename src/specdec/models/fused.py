@@ -176,9 +176,9 @@ def add_rms_norm(
     """See `add_rms_norm_ref`; one fused kernel on CUDA."""
     if not x.is_cuda:
         return add_rms_norm_ref(x, residual, weight, eps)
-    from specdec.models import triton_fused
+    from specdec.models import fused_triton
 
-    return triton_fused.add_rms_norm_triton(x, residual, weight, eps)
+    return fused_triton.add_rms_norm_triton(x, residual, weight, eps)
 
 
 def rope_write_kv(
@@ -196,9 +196,9 @@ def rope_write_kv(
         return rope_write_kv_ref(
             qkv, positions, inv_freq, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads
         )
-    from specdec.models import triton_fused
+    from specdec.models import fused_triton
 
-    return triton_fused.rope_write_kv_triton(
+    return fused_triton.rope_write_kv_triton(
         qkv, positions, inv_freq, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads
     )
 
@@ -207,9 +207,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """See `silu_mul_ref`; one fused kernel on CUDA."""
     if not gate_up.is_cuda:
         return silu_mul_ref(gate_up)
-    from specdec.models import triton_fused
+    from specdec.models import fused_triton
 
-    return triton_fused.silu_mul_triton(gate_up)
+    return fused_triton.silu_mul_triton(gate_up)
 
 
 def paged_decode_attention(
@@ -223,6 +223,6 @@ def paged_decode_attention(
     it can be captured in a CUDA graph)."""
     if not query.is_cuda:
         return paged_decode_attention_ref(query, k_cache, v_cache, meta, scale)
-    from specdec.models import triton_fused
+    from specdec.models import fused_triton
 
-    return triton_fused.paged_decode_attention_triton(query, k_cache, v_cache, meta, scale)
+    return fused_triton.paged_decode_attention_triton(query, k_cache, v_cache, meta, scale)

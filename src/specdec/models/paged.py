@@ -16,7 +16,7 @@ import torch
 from specdec.models.attention import AttentionMetadata
 from specdec.models.cuda_graph import DecodeGraphs
 from specdec.models.llama import LlamaForCausalLM
-from specdec.sampling.readback import to_device
+from specdec.transfer import to_device
 
 
 class BlockHolder(Protocol):

@@ -5,7 +5,7 @@ with key = the request seed (two 32-bit words) and counter = (lane block, positi
 Nothing here keeps state, so a draw never depends on batch slot, batch size, padding or what
 else was drawn.
 
-Lane mapping (shared with the Triton twin, `triton_philox.py`):
+Lane mapping (shared with the Triton twin, `philox_triton.py`):
 - float32: lane L reads word L % 4 of the block at counter word 0 = L // 4.
 - float64: lane L reads words 2 (L % 2) (high) and 2 (L % 2) + 1 (low) of block L // 2.
 A stream is always drawn in one dtype, so the two mappings never meet on one key.

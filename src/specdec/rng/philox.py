@@ -1,6 +1,6 @@
 """Philox4x32-10 (Salmon et al., SC'11, "Parallel random numbers: as easy as 1, 2, 3") in torch.
 
-The reference twin of `specdec.rng.triton_philox`: integer arithmetic only, so it is bit-exact on
+The reference twin of `specdec.rng.philox_triton`: integer arithmetic only, so it is bit-exact on
 any device. Words are held in int64 tensors with values in [0, 2**32); no intermediate ever
 exceeds 2**49, so nothing relies on signed overflow.
 """

@@ -190,7 +190,7 @@ def sample(
     RNG: `stream` at (position, step), one Gumbel value per vocabulary id for each sampled row.
     """
     if logits.is_cuda:
-        from specdec.sampling.triton_sample import sample_triton
+        from specdec.sampling.sampler_triton import sample_triton
 
         return sample_triton(
             logits,

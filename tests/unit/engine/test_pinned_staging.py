@@ -1,4 +1,4 @@
-"""Reused pinned staging buffers of host-to-device copies (`readback._PinnedStaging`, CUDA
+"""Reused pinned staging buffers of host-to-device copies (`transfer._PinnedStaging`, CUDA
 only in use): a buffer is reused only after the event recorded behind its copy has completed,
 and every copy carries its own values. Run on the CPU with a fake event and pinning switched off."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.sampling import readback
+from specdec import transfer
 
 
 class FakeEvent:
@@ -32,7 +32,7 @@ def staging(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch, "empty", empty)
-    return readback._PinnedStaging()
+    return transfer._PinnedStaging()
 
 
 def test_a_buffer_is_reused_only_after_its_copy_completed(staging) -> None:
@@ -71,4 +71,4 @@ def test_tensor_values_are_copied_like_lists(staging) -> None:
     out = staging.to_device(source, torch.int64, cpu)
     source[0] = 9  # the copy is the caller's values at call time
     assert out.tolist() == [3, 1, 2]
-    assert readback.to_device(torch.tensor([1.5]), torch.float32, cpu).tolist() == [1.5]
+    assert transfer.to_device(torch.tensor([1.5]), torch.float32, cpu).tolist() == [1.5]

@@ -1,4 +1,4 @@
-"""Fused Triton `verify`: the GPU twin of `specdec.verify.reference.verify_checked_ref`.
+"""Fused Triton `verify`: the GPU twin of `specdec.verify.verifier.verify_checked_ref`.
 
 Pipeline (each pass is a grid over (row or request, vocabulary chunk), so B = 1 fills the GPU):
 1. `_verify_rows_kernel`, one read of every live row: per-chunk max / sum-exp of the processed
@@ -22,9 +22,9 @@ import triton
 import triton.language as tl
 
 from specdec.rng import Stream
-from specdec.rng.triton_philox import exp_f32, gumbel_tile, lane0_uniform, log_f32, neg_log1p_neg
+from specdec.rng.philox_triton import exp_f32, gumbel_tile, lane0_uniform, log_f32, neg_log1p_neg
 from specdec.sampling.processing import filter_threshold, scale_logits
-from specdec.sampling.triton_sample import (
+from specdec.sampling.sampler_triton import (
     argmax_finish,
     argmax_update,
     chunk_plan,
@@ -33,7 +33,7 @@ from specdec.sampling.triton_sample import (
     processed_tile,
     tile_lanes,
 )
-from specdec.verify.reference import VerifyInputs, VerifyResult
+from specdec.verify.inputs import VerifyInputs, VerifyResult
 
 STREAM_TARGET: tl.constexpr = tl.constexpr(int(Stream.TARGET))
 STREAM_ACCEPT: tl.constexpr = tl.constexpr(int(Stream.ACCEPT))

@@ -3,7 +3,7 @@
 `ValueCheck` on CUDA launches `_value_rules_kernel` ahead of the verify kernels: each program reads
 the values the rules need for 256 rows (positions, num_draft, the live drafts, the sampling
 parameters, each live draft's logit under its draft_logits) and writes one int32 whose bit r is
-set when rule r of `specdec.verify.reference.value_rule_messages` is violated by one of its rows.
+set when rule r of `specdec.verify.inputs.value_rule_messages` is violated by one of its rows.
 One asynchronous copy brings those words to pinned host memory; the host waits for the copy only,
 ORs the words and raises the message of the lowest set bit, which is the message the PyTorch
 rules raise on the CPU. The rules are the CPU's (`ValueCheck` there) written out element-wise; a

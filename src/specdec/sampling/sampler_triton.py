@@ -7,9 +7,9 @@ Pipeline (one pass over the logits, grid over (row, vocabulary chunk) so one row
    (times 0 on greedy rows), per-chunk argmax (ties -> lowest id);
 3. `_sample_reduce_kernel`: combine the chunks into the token and the log-normaliser.
 The per-row argument rules are evaluated by one small kernel queued before these
-(`triton_checks.SampleRuleBits`) and its word is read back by an asynchronous copy, so the host
+(`checks_triton.SampleRuleBits`) and its word is read back by an asynchronous copy, so the host
 waits for that copy only; invalid arguments are handed to `sample_ref`, which raises its error.
-Never creates noise itself: it evaluates `specdec.rng` keys through `triton_philox`.
+Never creates noise itself: it evaluates `specdec.rng` keys through `philox_triton`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import triton.language as tl
 
 from specdec.rng import Stream
 from specdec.rng.draws import MAX_COUNTER_WORD, _key_tensor
-from specdec.rng.triton_philox import gumbel_tile
+from specdec.rng.philox_triton import gumbel_tile
+from specdec.sampling.checks_triton import SampleRuleBits
 from specdec.sampling.processing import (
     RowParam,
     check_sampling_tensors,
@@ -31,7 +32,6 @@ from specdec.sampling.processing import (
     scale_logits,
 )
 from specdec.sampling.sampler import SampleOutput, sample_ref
-from specdec.sampling.triton_checks import SampleRuleBits
 
 NEG_INF: tl.constexpr = tl.constexpr(float("-inf"))
 INT32_MAX: tl.constexpr = tl.constexpr(2**31 - 1)

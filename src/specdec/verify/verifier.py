@@ -1,4 +1,5 @@
-"""The PyTorch twin of `verify`: token-level, block and coupled verification, written as the
+"""`verify` (dispatch: the fused Triton kernels on CUDA, the PyTorch twin elsewhere) and
+`verify_ref`, the PyTorch twin: token-level, block and coupled verification, written as the
 algorithms read. Exact in law for every method; keyed per DESIGN.md so that a row's outcome
 depends only on its own inputs and key. Never creates noise itself (all of it comes from
 `specdec.rng`).
@@ -11,52 +12,15 @@ Streams, for the draft at position Q of a round anchored at A (A = positions[b])
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from specdec.rng import Stream, uniform
-from specdec.sampling.processing import (
-    SAMPLING_RULE_MESSAGES,
-    RowParam,
-    process_logits,
-    sampling_rule_flags,
-)
+from specdec.sampling.processing import RowParam, process_logits
 from specdec.sampling.sampler import SamplingTensors, gumbel_argmax_ref
-
-VERIFY_METHODS = ("standard", "block", "coupled")
-MAX_POSITION = 2**32 - 1
+from specdec.verify.inputs import ValueCheck, VerifyInputs, VerifyResult, check_verify_inputs
 
 
-@dataclass(frozen=True, slots=True)
-class VerifyResult:
-    """Attributes:
-    token_ids: [B, K+1] int64 emitted tokens (accepted drafts, then the recovered or bonus
-        token), padded with -1.
-    num_accepted: [B] int64 accepted drafts per row; the row emits num_accepted + 1 tokens.
-    """
-
-    token_ids: torch.Tensor
-    num_accepted: torch.Tensor
-
-
-@dataclass(frozen=True, slots=True)
-class VerifyInputs:
-    """Validated `verify` arguments (see `check_verify_inputs`)."""
-
-    target_logits: torch.Tensor  # [B, K+1, V]
-    draft_token_ids: torch.Tensor  # [B, K] int64
-    draft_logits: torch.Tensor | None  # [B, K, V]
-    draft_logsumexp: torch.Tensor | None  # [B, K] float32
-    seeds: torch.Tensor  # [B] int64
-    positions: torch.Tensor  # [B] int64
-    params: SamplingTensors  # [B] each
-    num_draft: torch.Tensor  # [B] int64 in [0, K]
-    method: str
-    active_rows: int
-
-
-def check_verify_inputs(
+def verify(
     target_logits: torch.Tensor,
     draft_token_ids: torch.Tensor,
     draft_logits: torch.Tensor | None,
@@ -71,160 +35,79 @@ def check_verify_inputs(
     method: str = "standard",
     draft_logsumexp: torch.Tensor | None = None,
     active_rows: int | None = None,
-    check_values: bool = True,
-) -> VerifyInputs:
-    """Checks shapes, dtypes and values; raises ValueError/TypeError naming the problem.
+) -> VerifyResult:
+    """Verifies one round of drafts per request and emits the accepted prefix plus one token.
 
-    `check_values=False` skips the value checks (the one host round trip) for callers that build
-    their inputs valid by construction (the engine); shapes and dtypes are always checked."""
-    if method not in VERIFY_METHODS:
-        raise ValueError(f"method must be one of {VERIFY_METHODS}, got {method!r}")
-    if target_logits.dim() != 3 or not target_logits.is_floating_point():
-        raise ValueError(
-            f"target_logits must be a float tensor [B, K+1, V], got {list(target_logits.shape)}"
-        )
-    batch, num_rows, vocab = target_logits.shape
-    k = num_rows - 1
-    if k < 0:
-        raise ValueError("target_logits must have K+1 >= 1 rows per request")
-    device = target_logits.device
-    if draft_token_ids.dtype != torch.int64 or draft_token_ids.shape != (batch, k):
-        raise ValueError(
-            f"draft_token_ids must be int64 [B={batch}, K={k}], got "
-            f"{draft_token_ids.dtype} {list(draft_token_ids.shape)}"
-        )
-    if draft_logits is not None and draft_logits.shape != (batch, k, vocab):
-        raise ValueError(
-            f"draft_logits must have shape [B={batch}, K={k}, V={vocab}] (target vocabulary), "
-            f"got {list(draft_logits.shape)}"
-        )
-    if draft_logsumexp is not None:
-        if draft_logits is None:
-            raise ValueError("draft_logsumexp is given without draft_logits")
-        if draft_logsumexp.shape != (batch, k):
-            raise ValueError(f"draft_logsumexp must have shape [{batch}, {k}]")
-    for name, t in (("seeds", seeds), ("positions", positions)):
-        if t.dtype != torch.int64 or t.shape != (batch,):
-            raise ValueError(f"{name} must be int64 [B={batch}], got {t.dtype} {list(t.shape)}")
-    if num_draft is None:
-        num_draft = torch.full((batch,), k, dtype=torch.int64, device=device)
-    elif num_draft.dtype != torch.int64 or num_draft.shape != (batch,):
-        raise ValueError(f"num_draft must be int64 [B={batch}], got {list(num_draft.shape)}")
-    if active_rows is None:
-        active_rows = batch
-    if not 0 <= int(active_rows) <= batch:
-        raise ValueError(f"active_rows must lie in [0, B={batch}], got {active_rows}")
-    active_rows = int(active_rows)
-    params = SamplingTensors.build(batch, device, temperature, top_k, top_p, min_p, check=False)
-    if check_values:
-        ValueCheck(
-            draft_token_ids, draft_logits, positions, num_draft, params, method, active_rows, vocab
-        ).wait()
-    return VerifyInputs(
+    Args:
+        target_logits: [B, K+1, V] raw target logits; row i is the distribution of the token at
+            positions[b] + i (row K is the bonus row).
+        draft_token_ids: [B, K] int64 drafts; entries at or beyond num_draft[b] are ignored.
+        draft_logits: [B, K, V] processed logits the drafts were sampled from (what `sample`
+            returned; -inf where the draft cannot go), or None for deterministic (one-hot) drafts.
+        seeds: [B] int64 request seeds.
+        positions: [B] int64 position of draft_token_ids[b, 0]; also the round anchor.
+        temperature, top_k, top_p, min_p: scalars or [B]; processed exactly as `sample` does.
+        num_draft: [B] int64 in [0, K] drafts per row (None = K); 0 means one plain sample.
+        method: "standard" (Leviathan et al. 2023), "block" (Sun et al. 2024) or "coupled"
+            (Daliri et al. 2024: drafts sampled with Stream.TARGET; accept iff equal).
+        draft_logsumexp: optional [B, K] float32 log-normaliser of draft_logits (what `sample`
+            returned as `logsumexp`); it must be exactly that, and saves a pass over the drafts.
+        active_rows: rows >= active_rows are padding: they emit -1, accept nothing and draw no
+            noise (None = all rows are live).
+
+    Returns:
+        VerifyResult(token_ids [B, K+1] int64 padded with -1, num_accepted [B] int64).
+
+    RNG: ACCEPT at (Q, anchor) per draft; RESIDUAL at the first rejected Q; TARGET at the bonus
+    position (and at every row for "coupled"). Keys never depend on the batch row.
+    """
+    inputs = check_verify_inputs(
         target_logits,
         draft_token_ids,
         draft_logits,
-        draft_logsumexp,
         seeds,
         positions,
-        params,
-        num_draft,
-        method,
-        active_rows,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        num_draft=num_draft,
+        method=method,
+        draft_logsumexp=draft_logsumexp,
+        active_rows=active_rows,
+        check_values=False,
     )
+    # The value checks read their values back while the kernels run: the kernels are memory-safe
+    # on any values (they clamp ids and counts), and nothing is returned before the checks pass.
+    # Filtering rows first compute thresholds from the parameters, so those wait for the checks.
+    check = ValueCheck(
+        draft_token_ids,
+        draft_logits,
+        positions,
+        inputs.num_draft,
+        inputs.params,
+        method,
+        inputs.active_rows,
+        target_logits.shape[-1],
+    )
+    params = inputs.params
+    if not target_logits.is_cuda or any(
+        t is not None for t in (params.top_k, params.top_p, params.min_p)
+    ):
+        check.wait()
+    result = verify_checked(inputs)
+    check.wait()
+    return result
 
 
-def value_rule_messages(k: int, vocab: int) -> list[str]:
-    """The messages of `verify`'s value rules, in the order they are checked (rule r is bit r of
-    the GPU's rule word, `specdec.sampling.triton_checks`)."""
-    return [
-        "positions must lie in [0, 2**32)",
-        f"num_draft must lie in [0, K={k}]",
-        f"draft_token_ids must lie in [0, V={vocab}) within num_draft",
-        *SAMPLING_RULE_MESSAGES,
-        "a draft token has zero probability under its draft_logits: draft_logits "
-        "must be the processed logits the drafts were sampled from",
-    ]
+def verify_checked(inputs: VerifyInputs) -> VerifyResult:
+    """`verify` on inputs already built by `check_verify_inputs`: the fused Triton kernels on
+    CUDA, the PyTorch twin elsewhere."""
+    if inputs.target_logits.is_cuda:
+        from specdec.verify.verifier_triton import verify_triton
 
-
-class ValueCheck:
-    """The value checks of one `verify` call, made without stalling the device.
-
-    On CUDA one small kernel evaluates every rule (`specdec.sampling.triton_checks`) ahead of the
-    verify kernels and one asynchronous copy brings the rule word to pinned host memory; `wait()`
-    waits for that copy only (not for work queued after it, such as the verify kernels) and raises
-    ValueError naming the first violated rule. Elsewhere the same rules run as PyTorch ops.
-    """
-
-    def __init__(
-        self,
-        draft_token_ids: torch.Tensor,
-        draft_logits: torch.Tensor | None,
-        positions: torch.Tensor,
-        num_draft: torch.Tensor,
-        params: SamplingTensors,
-        method: str,
-        active_rows: int,
-        vocab: int,
-    ) -> None:
-        k = draft_token_ids.shape[1]
-        at_draft = draft_logits is not None and method != "coupled" and k > 0 and active_rows > 0
-        self._layout = (k, vocab)
-        self._checked = False
-        self._device_bits = None
-        if positions.is_cuda:
-            from specdec.sampling.triton_checks import DeviceRuleBits
-
-            self._device_bits = DeviceRuleBits(
-                draft_token_ids,
-                draft_logits,
-                positions,
-                num_draft,
-                params,
-                active_rows,
-                vocab,
-                MAX_POSITION,
-                at_draft,
-            )
-            return
-        drafts = draft_token_ids[:active_rows]  # [A, K]
-        live = torch.arange(k, device=positions.device)[None, :] < num_draft[:active_rows, None]
-        none = torch.zeros((), dtype=torch.bool)
-        flags = [
-            ((positions < 0) | (positions > MAX_POSITION)).any(),
-            ((num_draft < 0) | (num_draft > k)).any(),
-            (live & ((drafts < 0) | (drafts >= vocab))).any(),
-            *(
-                none if flag is None else flag
-                for flag in sampling_rule_flags(
-                    params.temperature, params.top_k, params.top_p, params.min_p
-                )
-            ),
-        ]
-        if at_draft:
-            logit = draft_logits[:active_rows].gather(-1, drafts.clamp(0, vocab - 1)[..., None])
-            logit = logit[..., 0]
-            flags.append((live & (torch.isneginf(logit) | torch.isnan(logit))).any())
-        else:
-            flags.append(none)
-        self._flags = torch.stack(flags).tolist()
-
-    def bits(self) -> int:
-        """The rule word: bit r set when rule r of `value_rule_messages` is violated (waits for
-        the device's copy on CUDA)."""
-        if self._device_bits is not None:
-            return self._device_bits.bits()
-        return sum(1 << r for r, violated in enumerate(self._flags) if violated)
-
-    def wait(self) -> None:
-        """Waits for the values and raises ValueError naming the first violated rule."""
-        if self._checked:
-            return
-        bits = self.bits()
-        if bits:
-            first = (bits & -bits).bit_length() - 1
-            raise ValueError(value_rule_messages(*self._layout)[first])
-        self._checked = True
+        return verify_triton(inputs)
+    return verify_checked_ref(inputs)
 
 
 def leading_true(mask: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,219 @@
+"""The arguments of `verify`: their shapes and types (`check_verify_inputs`), their value rules
+(`ValueCheck`: checked on the host on the CPU, by one small kernel on CUDA), and the result type.
+Never creates noise and never verifies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.sampling.processing import (
+    SAMPLING_RULE_MESSAGES,
+    RowParam,
+    sampling_rule_flags,
+)
+from specdec.sampling.sampler import SamplingTensors
+
+VERIFY_METHODS = ("standard", "block", "coupled")
+MAX_POSITION = 2**32 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyResult:
+    """Attributes:
+    token_ids: [B, K+1] int64 emitted tokens (accepted drafts, then the recovered or bonus
+        token), padded with -1.
+    num_accepted: [B] int64 accepted drafts per row; the row emits num_accepted + 1 tokens.
+    """
+
+    token_ids: torch.Tensor
+    num_accepted: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyInputs:
+    """Validated `verify` arguments (see `check_verify_inputs`)."""
+
+    target_logits: torch.Tensor  # [B, K+1, V]
+    draft_token_ids: torch.Tensor  # [B, K] int64
+    draft_logits: torch.Tensor | None  # [B, K, V]
+    draft_logsumexp: torch.Tensor | None  # [B, K] float32
+    seeds: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64
+    params: SamplingTensors  # [B] each
+    num_draft: torch.Tensor  # [B] int64 in [0, K]
+    method: str
+    active_rows: int
+
+
+def check_verify_inputs(
+    target_logits: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    draft_logits: torch.Tensor | None,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    temperature: RowParam,
+    top_k: RowParam = None,
+    top_p: RowParam = None,
+    min_p: RowParam = None,
+    num_draft: torch.Tensor | None = None,
+    method: str = "standard",
+    draft_logsumexp: torch.Tensor | None = None,
+    active_rows: int | None = None,
+    check_values: bool = True,
+) -> VerifyInputs:
+    """Checks shapes, dtypes and values; raises ValueError/TypeError naming the problem.
+
+    `check_values=False` skips the value checks (the one host round trip) for callers that build
+    their inputs valid by construction (the engine); shapes and dtypes are always checked."""
+    if method not in VERIFY_METHODS:
+        raise ValueError(f"method must be one of {VERIFY_METHODS}, got {method!r}")
+    if target_logits.dim() != 3 or not target_logits.is_floating_point():
+        raise ValueError(
+            f"target_logits must be a float tensor [B, K+1, V], got {list(target_logits.shape)}"
+        )
+    batch, num_rows, vocab = target_logits.shape
+    k = num_rows - 1
+    if k < 0:
+        raise ValueError("target_logits must have K+1 >= 1 rows per request")
+    device = target_logits.device
+    if draft_token_ids.dtype != torch.int64 or draft_token_ids.shape != (batch, k):
+        raise ValueError(
+            f"draft_token_ids must be int64 [B={batch}, K={k}], got "
+            f"{draft_token_ids.dtype} {list(draft_token_ids.shape)}"
+        )
+    if draft_logits is not None and draft_logits.shape != (batch, k, vocab):
+        raise ValueError(
+            f"draft_logits must have shape [B={batch}, K={k}, V={vocab}] (target vocabulary), "
+            f"got {list(draft_logits.shape)}"
+        )
+    if draft_logsumexp is not None:
+        if draft_logits is None:
+            raise ValueError("draft_logsumexp is given without draft_logits")
+        if draft_logsumexp.shape != (batch, k):
+            raise ValueError(f"draft_logsumexp must have shape [{batch}, {k}]")
+    for name, t in (("seeds", seeds), ("positions", positions)):
+        if t.dtype != torch.int64 or t.shape != (batch,):
+            raise ValueError(f"{name} must be int64 [B={batch}], got {t.dtype} {list(t.shape)}")
+    if num_draft is None:
+        num_draft = torch.full((batch,), k, dtype=torch.int64, device=device)
+    elif num_draft.dtype != torch.int64 or num_draft.shape != (batch,):
+        raise ValueError(f"num_draft must be int64 [B={batch}], got {list(num_draft.shape)}")
+    if active_rows is None:
+        active_rows = batch
+    if not 0 <= int(active_rows) <= batch:
+        raise ValueError(f"active_rows must lie in [0, B={batch}], got {active_rows}")
+    active_rows = int(active_rows)
+    params = SamplingTensors.build(batch, device, temperature, top_k, top_p, min_p, check=False)
+    if check_values:
+        ValueCheck(
+            draft_token_ids, draft_logits, positions, num_draft, params, method, active_rows, vocab
+        ).wait()
+    return VerifyInputs(
+        target_logits,
+        draft_token_ids,
+        draft_logits,
+        draft_logsumexp,
+        seeds,
+        positions,
+        params,
+        num_draft,
+        method,
+        active_rows,
+    )
+
+
+def value_rule_messages(k: int, vocab: int) -> list[str]:
+    """The messages of `verify`'s value rules, in the order they are checked (rule r is bit r of
+    the GPU's rule word, `specdec.sampling.checks_triton`)."""
+    return [
+        "positions must lie in [0, 2**32)",
+        f"num_draft must lie in [0, K={k}]",
+        f"draft_token_ids must lie in [0, V={vocab}) within num_draft",
+        *SAMPLING_RULE_MESSAGES,
+        "a draft token has zero probability under its draft_logits: draft_logits "
+        "must be the processed logits the drafts were sampled from",
+    ]
+
+
+class ValueCheck:
+    """The value checks of one `verify` call, made without stalling the device.
+
+    On CUDA one small kernel evaluates every rule (`specdec.sampling.checks_triton`) ahead of the
+    verify kernels and one asynchronous copy brings the rule word to pinned host memory; `wait()`
+    waits for that copy only (not for work queued after it, such as the verify kernels) and raises
+    ValueError naming the first violated rule. Elsewhere the same rules run as PyTorch ops.
+    """
+
+    def __init__(
+        self,
+        draft_token_ids: torch.Tensor,
+        draft_logits: torch.Tensor | None,
+        positions: torch.Tensor,
+        num_draft: torch.Tensor,
+        params: SamplingTensors,
+        method: str,
+        active_rows: int,
+        vocab: int,
+    ) -> None:
+        k = draft_token_ids.shape[1]
+        at_draft = draft_logits is not None and method != "coupled" and k > 0 and active_rows > 0
+        self._layout = (k, vocab)
+        self._checked = False
+        self._device_bits = None
+        if positions.is_cuda:
+            from specdec.sampling.checks_triton import DeviceRuleBits
+
+            self._device_bits = DeviceRuleBits(
+                draft_token_ids,
+                draft_logits,
+                positions,
+                num_draft,
+                params,
+                active_rows,
+                vocab,
+                MAX_POSITION,
+                at_draft,
+            )
+            return
+        drafts = draft_token_ids[:active_rows]  # [A, K]
+        live = torch.arange(k, device=positions.device)[None, :] < num_draft[:active_rows, None]
+        none = torch.zeros((), dtype=torch.bool)
+        flags = [
+            ((positions < 0) | (positions > MAX_POSITION)).any(),
+            ((num_draft < 0) | (num_draft > k)).any(),
+            (live & ((drafts < 0) | (drafts >= vocab))).any(),
+            *(
+                none if flag is None else flag
+                for flag in sampling_rule_flags(
+                    params.temperature, params.top_k, params.top_p, params.min_p
+                )
+            ),
+        ]
+        if at_draft:
+            logit = draft_logits[:active_rows].gather(-1, drafts.clamp(0, vocab - 1)[..., None])
+            logit = logit[..., 0]
+            flags.append((live & (torch.isneginf(logit) | torch.isnan(logit))).any())
+        else:
+            flags.append(none)
+        self._flags = torch.stack(flags).tolist()
+
+    def bits(self) -> int:
+        """The rule word: bit r set when rule r of `value_rule_messages` is violated (waits for
+        the device's copy on CUDA)."""
+        if self._device_bits is not None:
+            return self._device_bits.bits()
+        return sum(1 << r for r, violated in enumerate(self._flags) if violated)
+
+    def wait(self) -> None:
+        """Waits for the values and raises ValueError naming the first violated rule."""
+        if self._checked:
+            return
+        bits = self.bits()
+        if bits:
+            first = (bits & -bits).bit_length() - 1
+            raise ValueError(value_rule_messages(*self._layout)[first])
+        self._checked = True
