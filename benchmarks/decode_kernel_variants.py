@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
-from specdec.models.fused import DecodeMetadata
+from specdec.models.attention import DecodeMetadata
 from specdec.models.fused_triton import _paged_decode_attention_kernel
 
 ATTENTION_SHAPES = {"8b": (32, 8, 128), "1b": (32, 8, 64)}  # H_q, H_kv, D

@@ -9,7 +9,7 @@ import torch
 from models_fixtures import TINY_CONFIGS, compare_decode_path, make_hf_model, save_hf_model
 from specdec.engine.llm import LLM
 from specdec.models import fused
-from specdec.models.fused import DecodeMetadata
+from specdec.models.attention import DecodeMetadata
 from specdec.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu

@@ -18,8 +18,8 @@ import torch
 
 from specdec.drafters.base import DraftBatch, Drafter, Proposal, TargetFeatures
 from specdec.models import AttentionMetadata, LlamaForCausalLM
+from specdec.models.attention import DecodeMetadata
 from specdec.models.eagle import EagleHead, head_logits, head_logits_weight, load_eagle_head
-from specdec.models.fused import DecodeMetadata
 from specdec.models.paged import BlockAllocator
 from specdec.transfer import to_device
 

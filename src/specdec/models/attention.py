@@ -114,6 +114,32 @@ class AttentionMetadata:
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeMetadata:
+    """A step in which every sequence brings at most `query_per_seq` query tokens, laid out
+    uniformly: token j of sequence b is row b * query_per_seq + j of the flattened batch.
+
+    Query token j < query_lens[b] of sequence b sits at position context_lens[b] - query_lens[b] + j
+    and sees cached positions up to its own. Rows j >= query_lens[b] are padding (their K/V are not
+    written: slot -1); sequences with context_lens[b] == 0 are inert padding rows (no K/V read or
+    written, output 0).
+
+    Attributes:
+        block_tables: [B, max_blocks] int32/int64 cache blocks of each sequence (entries past a
+            sequence's context are never read).
+        context_lens: [B] int32/int64 tokens in the cache after the step, the new ones included.
+        query_lens: [B] int32/int64 live query tokens of each sequence (<= query_per_seq).
+        slot_mapping: [B * query_per_seq] int64 cache slot of each query token's K/V (-1: skip).
+        query_per_seq: Q, query rows per sequence in the flattened layout.
+    """
+
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    query_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_per_seq: int
+
+
+@dataclass(frozen=True, slots=True)
 class KVCache:
     """The paged K/V cache of every layer (the holder is frozen; the tensors are written in place).
 

@@ -14,8 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from specdec.models.attention import KVCache
-from specdec.models.fused import DecodeMetadata
+from specdec.models.attention import DecodeMetadata, KVCache
 from specdec.models.llama import LlamaForCausalLM
 
 

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.models.attention import AttentionMetadata, AttentionPlan, KVCache
+from specdec.models.attention import AttentionMetadata, AttentionPlan, DecodeMetadata, KVCache
 from specdec.models.config import ModelConfig
-from specdec.models.fused import DecodeMetadata, add_rms_norm
+from specdec.models.fused import add_rms_norm
 from specdec.models.llama import (
     Linear,
     LlamaDecoderLayer,

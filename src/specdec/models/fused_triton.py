@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.models.fused import DecodeMetadata
+from specdec.models.attention import DecodeMetadata
 
 
 @triton.jit

@@ -17,13 +17,13 @@ from torch import nn
 from specdec.models.attention import (
     AttentionMetadata,
     AttentionPlan,
+    DecodeMetadata,
     KVCache,
     paged_attention,
     write_kv_planned,
 )
 from specdec.models.config import ModelConfig
 from specdec.models.fused import (
-    DecodeMetadata,
     add_rms_norm,
     paged_decode_attention,
     rope_write_kv,
