@@ -6,13 +6,8 @@ Never creates noise itself: every random value comes from `specdec.rng`.
 from specdec.sampling.logprobs import Logprobs, compute_logprobs
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.processing import filter_threshold, process_logits, scale_logits
-from specdec.sampling.sampler import (
-    SampleOutput,
-    SamplingTensors,
-    gumbel_argmax_ref,
-    sample,
-    sample_ref,
-)
+from specdec.sampling.sampler import gumbel_argmax_ref, sample, sample_ref
+from specdec.sampling.tensors import SampleOutput, SamplingTensors
 
 __all__ = [
     "Logprobs",

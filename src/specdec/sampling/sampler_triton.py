@@ -31,7 +31,8 @@ from specdec.sampling.processing import (
     row_param,
     scale_logits,
 )
-from specdec.sampling.sampler import SampleOutput, sample_ref
+from specdec.sampling.sampler import sample_ref
+from specdec.sampling.tensors import SampleOutput
 
 NEG_INF: tl.constexpr = tl.constexpr(float("-inf"))
 INT32_MAX: tl.constexpr = tl.constexpr(2**31 - 1)

@@ -14,7 +14,7 @@ from specdec.sampling.processing import (
     RowParam,
     sampling_rule_flags,
 )
-from specdec.sampling.sampler import SamplingTensors
+from specdec.sampling.tensors import SamplingTensors
 
 VERIFY_METHODS = ("standard", "block", "coupled")
 MAX_POSITION = 2**32 - 1

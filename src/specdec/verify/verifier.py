@@ -16,7 +16,8 @@ import torch
 
 from specdec.rng import Stream, uniform
 from specdec.sampling.processing import RowParam, process_logits
-from specdec.sampling.sampler import SamplingTensors, gumbel_argmax_ref
+from specdec.sampling.sampler import gumbel_argmax_ref
+from specdec.sampling.tensors import SamplingTensors
 from specdec.verify.inputs import ValueCheck, VerifyInputs, VerifyResult, check_verify_inputs
 
 
