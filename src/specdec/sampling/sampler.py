@@ -127,7 +127,7 @@ def sample(
     if logits.is_cuda:
         from specdec.sampling.sampler_triton import sample_triton
 
-        return sample_triton(
+        out = sample_triton(
             logits,
             seeds,
             positions,
@@ -139,6 +139,8 @@ def sample(
             step=step,
             check_values=check_values,
         )
+        if out is not None:
+            return out
     return sample_ref(
         logits,
         seeds,

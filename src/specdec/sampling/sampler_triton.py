@@ -8,7 +8,8 @@ Pipeline (one pass over the logits, grid over (row, vocabulary chunk) so one row
 3. `_sample_reduce_kernel`: combine the chunks into the token and the log-normaliser.
 The per-row argument rules are evaluated by one small kernel queued before these
 (`checks_triton.SampleRuleBits`) and its word is read back by an asynchronous copy, so the host
-waits for that copy only; invalid arguments are handed to `sample_ref`, which raises its error.
+waits for that copy only; for invalid arguments it returns None and `sample` hands them to
+`sample_ref`, which raises its error.
 Never creates noise itself: it evaluates `specdec.rng` keys through `philox_triton`.
 """
 
@@ -31,7 +32,6 @@ from specdec.sampling.processing import (
     row_param,
     scale_logits,
 )
-from specdec.sampling.sampler import sample_ref
 from specdec.sampling.tensors import SampleOutput
 
 NEG_INF: tl.constexpr = tl.constexpr(float("-inf"))
@@ -290,13 +290,14 @@ def sample_triton(
     stream: Stream | int = Stream.TARGET,
     step: int | torch.Tensor = 0,
     check_values: bool = True,
-) -> SampleOutput:
+) -> SampleOutput | None:
     """`sample` on CUDA tensors: same arguments, same results as `sample_ref`.
 
     processed_logits are bit-identical to `sample_ref`'s; token_ids are identical on inputs
     without near-ties (the Gumbel transform's log / log1p may differ from the CPU's by an ulp);
-    logsumexp agrees to float32 rounding. Invalid arguments raise exactly what `sample_ref`
-    raises (such inputs are handed to it).
+    logsumexp agrees to float32 rounding. Returns None for arguments it cannot take (invalid
+    ones, or keys out of range), which the caller hands to `sample_ref`: it raises exactly its
+    own error, or samples a greedy batch whose keys are never used.
 
     Args:
         logits: [N, V] raw logits (float32, bfloat16 or float16), CUDA.
@@ -316,21 +317,8 @@ def sample_triton(
     RNG: `stream` at (position, step), one Gumbel value per vocabulary id for each sampled row.
     """
 
-    def reference() -> SampleOutput:
-        return sample_ref(
-            logits,
-            seeds,
-            positions,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            stream=stream,
-            step=step,
-        )
-
     if temperature is None or not _host_checks_pass(logits, seeds, positions):
-        return reference()
+        return None
     num_rows, vocab = logits.shape
     device = logits.device
     # Per-row parameters travel as tensors, scalar ones as kernel arguments (no fill launches).
@@ -342,16 +330,16 @@ def sample_triton(
         stream_t = _key_tensor("stream", stream, num_rows, device) if _is_tensor(stream) else None
         step_t = _key_tensor("step", step, num_rows, device) if _is_tensor(step) else None
     except (TypeError, ValueError):
-        return reference()
+        return None
     temperature_value = 1.0
     if temperature_t is None:
         temperature_value = float(torch.tensor(float(temperature), dtype=torch.float32))
         if not 0.0 <= temperature_value < math.inf:
-            return reference()
+            return None
     stream_value = 0 if stream_t is not None else int(stream)
     step_value = 0 if step_t is not None else int(step)
     if not (0 <= stream_value <= MAX_COUNTER_WORD and 0 <= step_value <= MAX_COUNTER_WORD):
-        return reference()  # it raises if a row draws noise, else samples greedily
+        return None  # the reference raises if a row draws noise, else samples greedily
 
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -384,7 +372,7 @@ def sample_triton(
             try:
                 check_sampling_tensors(rows_temperature, top_k_t, top_p_t, min_p_t)
             except ValueError:
-                return reference()
+                return None
         scaled = scale_logits(logits, rows_temperature)
         threshold = filter_threshold(scaled, top_k_t, top_p_t, min_p_t)
     processed = torch.empty(num_rows, vocab, dtype=torch.float32, device=device)
@@ -435,5 +423,5 @@ def sample_triton(
         num_warps=1 if num_chunks <= 256 else 4,
     )
     if checks is not None and checks.violated():
-        return reference()  # invalid arguments get the reference's error
+        return None  # invalid arguments: the reference raises its error
     return SampleOutput(token_ids, processed, logsumexp)
