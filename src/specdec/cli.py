@@ -175,7 +175,7 @@ def _add_serve(commands) -> None:
 
 
 def _add_train_drafter(commands) -> None:
-    from specdec.train.registry import TrainOptions
+    from specdec.train.kind import TrainOptions
     from specdec.train.trainer import TrainConfig
 
     defaults, run = TrainOptions(), TrainConfig(kind="", data=(), out="")
@@ -254,7 +254,7 @@ def _add_train_drafter(commands) -> None:
 def _train_drafter(args: argparse.Namespace) -> int:
     import torch
 
-    from specdec.train.registry import TrainOptions
+    from specdec.train.kind import TrainOptions
     from specdec.train.trainer import TrainConfig, train_drafter
 
     if args.threads:

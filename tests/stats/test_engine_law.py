@@ -107,8 +107,8 @@ def test_negative_control_verifier_given_the_raw_draft_distribution(model_dir, m
 def eagle_dir(model_dir, tmp_path_factory):
     """An untrained EAGLE head (keyed init) over the target's last layer: its drafts differ from
     the target's, so rounds both accept and reject."""
+    from specdec.train.kind import TrainOptions
     from specdec.train.kinds.eagle import EagleKind
-    from specdec.train.registry import TrainOptions
 
     target = load_model(model_dir).model
     kind, options = EagleKind(), TrainOptions(seed=5)

@@ -2,7 +2,7 @@
 per drafter (registered by name), the training loop with checkpoints and resume, and the held-out
 acceptance evaluation. Randomness only through `specdec.train.init` (keyed Philox streams)."""
 
-from specdec.train.registry import (
+from specdec.train.kind import (
     DrafterKind,
     TrainBatch,
     TrainOptions,

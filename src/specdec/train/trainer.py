@@ -26,7 +26,7 @@ from specdec.train.data import (
     text_token_lists,
 )
 from specdec.train.init import permutation
-from specdec.train.registry import DrafterKind, TrainOptions, get_kind
+from specdec.train.kind import DrafterKind, TrainOptions, get_kind
 
 CHECKPOINT_FILE = "checkpoint.pt"
 DATA_FILE = "train-data.pt"

@@ -20,8 +20,8 @@ from specdec.rng import Stream
 from specdec.sampling import SamplingParams, SamplingTensors
 from specdec.sampling import sampler as sampler_module
 from specdec.train.data import TrainingSet, annotate_token_lists
+from specdec.train.kind import TrainOptions
 from specdec.train.kinds.eagle import EagleKind
-from specdec.train.registry import TrainOptions
 
 VOCAB = 97
 

@@ -31,7 +31,7 @@ from specdec.drafters.block_model import (
     save_block_drafter,
 )
 from specdec.models import LlamaForCausalLM
-from specdec.train.registry import DrafterKind, TrainBatch, TrainOptions, target_logits
+from specdec.train.kind import DrafterKind, TrainBatch, TrainOptions, target_logits
 
 
 class DFlashKind(DrafterKind):

@@ -17,7 +17,7 @@ from torch import nn
 from specdec.models import LlamaForCausalLM, load_model
 from specdec.models.config import ModelConfig
 from specdec.train.dense import causal_layer
-from specdec.train.registry import DrafterKind, TrainBatch, TrainOptions, target_logits
+from specdec.train.kind import DrafterKind, TrainBatch, TrainOptions, target_logits
 
 
 def hf_config_dict(config: ModelConfig) -> dict:

@@ -19,7 +19,7 @@ from specdec.models import LlamaForCausalLM
 from specdec.models.eagle import WEIGHTS_FILE, EagleConfig, EagleHead, load_eagle_head
 from specdec.train.dense import causal_layer, chain_layer
 from specdec.train.init import init_parameters_
-from specdec.train.registry import DrafterKind, TrainBatch, TrainOptions, target_logits
+from specdec.train.kind import DrafterKind, TrainBatch, TrainOptions, target_logits
 
 STEP_WEIGHT_DECAY = 0.8  # weight of draft step j is 0.8 ** (j - 1), as in EAGLE-3
 
