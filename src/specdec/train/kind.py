@@ -1,8 +1,8 @@
-"""The pluggable part of drafter training: one `DrafterKind` per drafter (eagle, draft_model,
-dflash, dspark), registered by name. A kind builds and initialises its network, computes its
-loss on a batch of target features, and saves/loads the directory the engine loads with
-`speculative_config={"method": kind, "model": DIR}`. Kinds never draw randomness themselves:
-`specdec.train.init` does.
+"""The pluggable part of drafter training: the `DrafterKind` interface, one subclass per drafter
+(eagle, draft_model, dflash, dspark; their table is `specdec.train.registry`). A kind builds and
+initialises its network, computes its loss on a batch of target features, and saves/loads the
+directory the engine loads with `speculative_config={"method": kind, "model": DIR}`. Kinds never
+draw randomness themselves: `specdec.train.init` does.
 """
 
 from __future__ import annotations
@@ -116,27 +116,3 @@ class DrafterKind(abc.ABC):
     @abc.abstractmethod
     def load(self, out_dir: Path, target: LlamaForCausalLM, options: TrainOptions) -> nn.Module:
         """Reads what `save` wrote back as a trainable float32 network (to resume training)."""
-
-
-_KINDS: dict[str, DrafterKind] = {}
-
-
-def register_kind(kind: DrafterKind) -> DrafterKind:
-    """Makes `kind` available to `train-drafter --kind <kind.name>`."""
-    _KINDS[kind.name] = kind
-    return kind
-
-
-def get_kind(name: str) -> DrafterKind:
-    """The registered kind `name` (the built-in kinds are imported on first use)."""
-    import specdec.train.kinds  # noqa: F401 - registers the built-in kinds
-
-    if name not in _KINDS:
-        raise ValueError(f"unknown drafter kind {name!r}; known: {sorted(_KINDS)}")
-    return _KINDS[name]
-
-
-def kind_names() -> list[str]:
-    import specdec.train.kinds  # noqa: F401
-
-    return sorted(_KINDS)

@@ -26,7 +26,8 @@ from specdec.train.data import (
     text_token_lists,
 )
 from specdec.train.init import permutation
-from specdec.train.kind import DrafterKind, TrainOptions, get_kind
+from specdec.train.kind import DrafterKind, TrainOptions
+from specdec.train.registry import get_kind
 
 CHECKPOINT_FILE = "checkpoint.pt"
 DATA_FILE = "train-data.pt"
