@@ -192,7 +192,7 @@ def bench_ours(shapes, batches, new_tokens: int, plain_only: bool = False) -> di
             continue
         # Verification cost: one runner step (host preparation + graph replay) with K + 1 = 5
         # query tokens per request against one with 1.
-        from specdec.models.paged import PagedModelRunner
+        from specdec.runner.model_runner import PagedModelRunner
 
         runner = PagedModelRunner(
             model, 64 * 40 + 8, 16, max_num_seqs=64, max_model_len=640, max_query_len=5

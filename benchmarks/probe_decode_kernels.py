@@ -30,7 +30,7 @@ def step_census(model, batch: int, context: int) -> dict:
     """Kernels of one eager decode step at `batch` sequences of `context` cached tokens."""
     from torch.profiler import ProfilerActivity, profile
 
-    from specdec.models.paged import PagedModelRunner
+    from specdec.runner.model_runner import PagedModelRunner
 
     blocks_per_seq = -(-(context + 1) // 16)
     runner = PagedModelRunner(

@@ -19,7 +19,7 @@ from specdec.drafters.block_model import (
     save_block_drafter,
 )
 from specdec.models import LlamaForCausalLM
-from specdec.models.paged import PagedModelRunner, StepInput
+from specdec.runner.model_runner import PagedModelRunner, StepInput
 
 
 def tiny_block_drafter(

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from specdec.models import AttentionMetadata, LlamaForCausalLM, ModelConfig
-from specdec.models.paged import PagedModelRunner, StepInput
 from specdec.models.weights import assign_weights
+from specdec.runner.model_runner import PagedModelRunner, StepInput
 
 # Tiny configs of each supported architecture (head_dim 16, GQA 4:2, a few layers).
 _COMMON: dict[str, Any] = {

@@ -16,7 +16,7 @@ from torch import nn
 
 from specdec.drafters.base import DraftBatch, Drafter, Proposal
 from specdec.models import LlamaForCausalLM, load_model
-from specdec.models.paged import BlockAllocator, PagedModelRunner, StepInput
+from specdec.runner import BlockAllocator, PagedModelRunner, StepInput
 from specdec.transfer import to_device
 
 TRUNCATED_PREFIX = "truncated:"

@@ -20,7 +20,7 @@ from specdec.drafters.base import DraftBatch, Drafter, Proposal, TargetFeatures
 from specdec.models import AttentionMetadata, LlamaForCausalLM
 from specdec.models.attention import DecodeMetadata
 from specdec.models.eagle import EagleHead, head_logits, head_logits_weight, load_eagle_head
-from specdec.models.paged import BlockAllocator
+from specdec.runner.kv_cache import BlockAllocator
 from specdec.transfer import to_device
 
 
@@ -361,7 +361,7 @@ class _HeadGraphs:
         max_blocks: int,
         use_graphs: bool,
     ) -> None:
-        from specdec.models.cuda_graph import batch_buckets
+        from specdec.runner.cuda_graph import batch_buckets
 
         self.drafter = drafter
         self.use_graphs = use_graphs

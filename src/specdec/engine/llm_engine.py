@@ -27,8 +27,8 @@ from specdec.engine.request import Request, RequestStatus, SpecSettings
 from specdec.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from specdec.metrics import SpecDecodeStats
 from specdec.models import LlamaForCausalLM, Tokenizer, default_model_path, load_model
-from specdec.models.paged import BlockAllocator, PagedModelRunner, StepInput
 from specdec.rng import derive_seed, fresh_seed, to_signed64
+from specdec.runner import BlockAllocator, PagedModelRunner, StepInput
 from specdec.sampling import SamplingParams, SamplingTensors, compute_logprobs, sample
 from specdec.transfer import Readback, to_device
 from specdec.verify import VERIFY_METHODS, check_verify_inputs, verify_checked

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from specdec.engine.request import Request, RequestStatus
-from specdec.models.paged import BlockAllocator
+from specdec.runner.kv_cache import BlockAllocator
 
 
 @dataclass(frozen=True, slots=True)

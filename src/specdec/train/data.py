@@ -18,7 +18,7 @@ import torch
 
 from specdec.drafters.base import DraftBatch, Drafter, Proposal, TargetFeatures
 from specdec.models import LlamaForCausalLM, Tokenizer
-from specdec.models.paged import PagedModelRunner, StepInput
+from specdec.runner.model_runner import PagedModelRunner, StepInput
 from specdec.train.kind import TrainBatch
 
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst")

@@ -128,7 +128,7 @@ def test_rolled_back_cache_equals_a_cache_that_never_saw_the_drafts(model_dir, p
     while len(request.output_token_ids) < 10 and not request.status.finished:
         engine.step()
     assert engine.stats.num_draft_tokens > engine.stats.num_accepted_tokens  # some rejections
-    from specdec.models.paged import StepInput
+    from specdec.runner.model_runner import StepInput
 
     tokens = request.all_token_ids
     cached = engine.runner.run(

@@ -4,7 +4,7 @@ import pytest
 
 from specdec.engine.request import Request, RequestStatus, SpecSettings
 from specdec.engine.scheduler import Scheduler, SchedulerConfig
-from specdec.models.paged import BlockAllocator
+from specdec.runner.kv_cache import BlockAllocator
 from specdec.sampling.params import SamplingParams
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from models_fixtures import TINY_CONFIGS, compare_decode_path, seeded_model
-from specdec.models.cuda_graph import batch_buckets
-from specdec.models.paged import PagedModelRunner, StepInput
+from specdec.runner.cuda_graph import batch_buckets
+from specdec.runner.model_runner import PagedModelRunner, StepInput
 
 DECODE_CONFIGS = [name for name in TINY_CONFIGS if name != "mistral_window"]
 
