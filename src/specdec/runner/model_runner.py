@@ -13,7 +13,7 @@ import torch
 
 from specdec.models.attention import AttentionMetadata
 from specdec.models.llama import LlamaForCausalLM
-from specdec.runner.cuda_graph import DecodeGraphs
+from specdec.runner.decode_step import DecodeGraphs
 from specdec.transfer import to_device
 
 
