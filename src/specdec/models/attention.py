@@ -12,10 +12,28 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from specdec.transfer import to_device
+
+
+def cache_slots(block_ids, positions, block_size: int) -> np.ndarray:
+    """Flat KV-cache slots of token positions: slot = block * block_size + offset, where the block
+    is entry position // block_size of the sequence's block table. The one place this layout is
+    written down.
+
+    Args:
+        block_ids: [..., W] int cache blocks of each sequence (a list for one sequence).
+        positions: [..., Q] int token positions (same leading dims; each < W * block_size).
+
+    Returns: [..., Q] int64 slots.
+    """
+    blocks = np.asarray(block_ids, dtype=np.int64)
+    positions = np.asarray(positions, dtype=np.int64)
+    owning = np.take_along_axis(blocks, positions // block_size, axis=-1)
+    return owning * block_size + positions % block_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +105,8 @@ class AttentionMetadata:
                 raise ValueError(
                     f"{len(table)} blocks of {block_size} tokens cannot hold a context of {ctx_len}"
                 )
-            for pos in range(ctx_len - q_len, ctx_len):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
+            if q_len:
+                slots += cache_slots(table, range(ctx_len - q_len, ctx_len), block_size).tolist()
         max_blocks = max((len(t) for t in block_tables), default=0)
         padded_tables = [list(t) + [-1] * (max_blocks - len(t)) for t in block_tables]
         cu = [0]

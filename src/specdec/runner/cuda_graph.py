@@ -1,8 +1,21 @@
-"""The CUDA-graph helper every graphed step uses (the target's decode/verify step and the drafters'
-steps): padded batch sizes. Never samples or draws randomness.
+"""The CUDA-graph helper every graphed step uses (the target's decode/verify step and each
+drafter's steps): padded batch sizes, static int64 inputs sent from a pinned host twin with one
+copy per step, and graphs captured on first use per key in one shared memory pool.
+
+A step is written once, as a function of static buffers; `GraphCache.run` either calls it (the
+CPU, `enforce_eager`) or replays its graph, so both modes compute the same shapes and the same
+numbers. Never samples or draws randomness.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+T = TypeVar("T")
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -10,3 +23,94 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     sizes = [size for size in (1, 2, 4) if size < max_num_seqs]
     sizes += list(range(8, max_num_seqs, 8))
     return sorted({*sizes, max_num_seqs})
+
+
+def bucket_for(buckets: list[int], num_seqs: int) -> int:
+    """The smallest bucket holding `num_seqs` sequences."""
+    return next(size for size in buckets if size >= num_seqs)
+
+
+class StaticInputs:
+    """Named int64 inputs of a graphed step: one device buffer, laid out field by field in the
+    order given, with a pinned host twin (pageable on the CPU) that the host fills and sends with
+    one asynchronous copy per step.
+
+    A step calls `begin()` (waits until the previous step's copy has left the host twin), writes
+    the host views (`host(name)`, numpy), then `send(last, count)`: one copy of every field up to
+    the first `count` entries of `last` (the fields after it are not sent).
+    """
+
+    def __init__(self, sizes: dict[str, int], device: torch.device) -> None:
+        self.offsets: dict[str, int] = {}
+        total = 0
+        for name, size in sizes.items():
+            self.offsets[name] = total
+            total += size
+        self.sizes = dict(sizes)
+        on_cuda = device.type == "cuda"
+        self.buffer = torch.zeros(total, dtype=torch.int64, device=device)
+        self._host = torch.zeros(total, dtype=torch.int64, pin_memory=on_cuda)
+        self._host_view = self._host.numpy()
+        self._copied = torch.cuda.Event() if on_cuda else None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        """The device view of field `name` (its whole size)."""
+        start = self.offsets[name]
+        return self.buffer[start : start + self.sizes[name]]
+
+    def host(self, name: str, count: int | None = None) -> np.ndarray:
+        """The host view of the first `count` entries of field `name` (all when None)."""
+        start = self.offsets[name]
+        return self._host_view[start : start + (self.sizes[name] if count is None else count)]
+
+    def begin(self) -> None:
+        """Waits until the previous `send` has read the host twin (it may be rewritten then)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def send(self, last: str, count: int) -> None:
+        """Copies the host twin to the device, from the first field through the first `count`
+        entries of field `last` (asynchronous: the host does not wait for it)."""
+        end = self.offsets[last] + count
+        self.buffer[:end].copy_(self._host[:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+
+class GraphCache:
+    """CUDA graphs of a step, one per key, captured on first use; all share one memory pool.
+
+    Without `use_graphs` (the CPU, `enforce_eager`) `run` calls the step itself. `graphs` maps each
+    key to (graph, the outputs the captured step returned).
+    """
+
+    def __init__(self, use_graphs: bool) -> None:
+        self.use_graphs = use_graphs
+        self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
+        self._pool = None
+
+    def run(self, key: Hashable, step: Callable[[], T]) -> T:
+        """Runs `step` (a function of static buffers returning tensors in static memory): calls it,
+        or replays the graph captured for `key`. Returns what `step` returns (in graph mode, the
+        tensors the captured step returned, rewritten by every replay)."""
+        if not self.use_graphs:
+            return step()
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(step)
+        graph, outputs = self.graphs[key]
+        graph.replay()
+        return outputs
+
+    def _capture(self, step: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+        # A warm-up run compiles the kernels; it computes (and writes to any cache) exactly what
+        # the replay that follows the capture will, so running the step twice changes nothing.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            outputs = step()
+        self._pool = graph.pool()
+        return graph, outputs

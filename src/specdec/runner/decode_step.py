@@ -14,9 +14,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from specdec.models.attention import DecodeMetadata, KVCache
+from specdec.models.attention import DecodeMetadata, KVCache, cache_slots
 from specdec.models.llama import LlamaForCausalLM
-from specdec.runner.cuda_graph import batch_buckets
+from specdec.runner.cuda_graph import GraphCache, StaticInputs, batch_buckets, bucket_for
 
 
 class DecodeGraphs:
@@ -46,28 +46,28 @@ class DecodeGraphs:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.max_query_len = max_query_len
-        self.use_graphs = use_graphs
         self.pad_batches = use_graphs if pad_batches is None else pad_batches
         self.buckets = batch_buckets(max_num_seqs)
         device = model.model.embed_tokens.weight.device
         max_rows = max_num_seqs * max_query_len
-        # Every per-step input lives in one int64 buffer (block tables last), filled on the host
-        # in a pinned twin and sent with one copy per step.
-        sizes = [max_rows, max_rows, max_rows, max_num_seqs, max_num_seqs]
-        self._tables_offset = sum(sizes)
+        # Every per-step input in one int64 buffer (block tables last), sent with one copy.
+        self.inputs = StaticInputs(
+            {
+                "input_ids": max_rows,
+                "positions": max_rows,
+                "slot_mapping": max_rows,
+                "context_lens": max_num_seqs,
+                "query_lens": max_num_seqs,
+                "block_tables": max_num_seqs * max_blocks_per_seq,
+            },
+            device,
+        )
         self._tables_width = max_blocks_per_seq
-        total = self._tables_offset + max_num_seqs * max_blocks_per_seq
-        self._inputs = torch.zeros(total, dtype=torch.int64, device=device)
-        self._host_inputs = torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self._host_view = self._host_inputs.numpy()
-        self._copied = torch.cuda.Event() if device.type == "cuda" else None
-        views = self._inputs[: self._tables_offset].split(sizes)
-        self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.query_lens = (
-            views
+        self.input_ids, self.positions, self.slot_mapping = (
+            self.inputs[name] for name in ("input_ids", "positions", "slot_mapping")
         )
-        self.block_tables = self._inputs[self._tables_offset :].view(
-            max_num_seqs, max_blocks_per_seq
-        )
+        self.context_lens, self.query_lens = self.inputs["context_lens"], self.inputs["query_lens"]
+        self.block_tables = self.inputs["block_tables"].view(max_num_seqs, max_blocks_per_seq)
         vocab = model.config.vocab_size
         self.logits = torch.empty(max_rows, vocab, dtype=torch.float32, device=device)
         weight_dtype = model.model.embed_tokens.weight.dtype
@@ -77,8 +77,7 @@ class DecodeGraphs:
             else torch.empty(max_rows, vocab, dtype=weight_dtype, device=device)
         )
         # (padded batch, Q, feature layers) -> (graph, features the graph writes or None)
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
-        self._pool = None
+        self.graph_cache = GraphCache(use_graphs)
 
     def _forward(
         self, num_seqs: int, query_per_seq: int, feature_layers: tuple[int, ...]
@@ -104,21 +103,18 @@ class DecodeGraphs:
             self.logits[:rows].copy_(self._logits_lowp[:rows])
         return torch.cat(layers, dim=-1) if layers else None
 
-    def _capture(
-        self, num_seqs: int, query_per_seq: int, feature_layers: tuple[int, ...]
-    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:
-        # A warm-up run compiles the kernels; it computes (and writes to the cache) exactly what
-        # the replay will, so running the step twice changes nothing.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._forward(num_seqs, query_per_seq, feature_layers)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            features = self._forward(num_seqs, query_per_seq, feature_layers)
-        self._pool = graph.pool()
-        return graph, features
+    @property
+    def use_graphs(self) -> bool:
+        return self.graph_cache.use_graphs
+
+    @use_graphs.setter
+    def use_graphs(self, value: bool) -> None:
+        self.graph_cache.use_graphs = value
+
+    @property
+    def graphs(self) -> dict:
+        """(padded batch, Q, feature layers) -> (graph, features it writes or None)."""
+        return self.graph_cache.graphs
 
     def run(
         self,
@@ -156,23 +152,17 @@ class DecodeGraphs:
             # Verify steps always use the widest layout: the number of drafts varies from
             # round to round, and one graph per width would mean many captures for little gain.
             query_per_seq = self.max_query_len
-        if self.pad_batches:
-            num_padded = next(size for size in self.buckets if size >= num_seqs)
-        else:
-            num_padded = num_seqs
+        num_padded = bucket_for(self.buckets, num_seqs) if self.pad_batches else num_seqs
         rows = num_padded * query_per_seq
-        if self._copied is not None:
-            self._copied.synchronize()  # the last step's copy has left the pinned buffer
-        host = self._host_view
-        max_rows = self.input_ids.shape[0]
-        max_seqs = self.context_lens.shape[0]
-        ids = host[:rows].reshape(num_padded, query_per_seq)
-        positions = host[max_rows : max_rows + rows].reshape(num_padded, query_per_seq)
-        slots = host[2 * max_rows : 2 * max_rows + rows].reshape(num_padded, query_per_seq)
-        context_lens = host[3 * max_rows : 3 * max_rows + num_padded]
-        query_lens = host[3 * max_rows + max_seqs : 3 * max_rows + max_seqs + num_padded]
-        table_end = self._tables_offset + num_padded * self._tables_width
-        tables = host[self._tables_offset : table_end].reshape(num_padded, self._tables_width)
+        inputs = self.inputs
+        inputs.begin()
+        ids = inputs.host("input_ids", rows).reshape(num_padded, query_per_seq)
+        positions = inputs.host("positions", rows).reshape(num_padded, query_per_seq)
+        slots = inputs.host("slot_mapping", rows).reshape(num_padded, query_per_seq)
+        context_lens = inputs.host("context_lens", num_padded)
+        query_lens = inputs.host("query_lens", num_padded)
+        width = self._tables_width
+        tables = inputs.host("block_tables", num_padded * width).reshape(num_padded, width)
         ids.fill(0)
         positions.fill(0)
         slots.fill(-1)
@@ -185,8 +175,7 @@ class DecodeGraphs:
             start_arr = np.asarray(starts, dtype=np.int64)
             ids[:num_seqs, 0] = [tokens[0] for tokens in token_ids]
             positions[:num_seqs, 0] = start_arr
-            owning = tables[np.arange(num_seqs), start_arr // size]
-            slots[:num_seqs, 0] = owning * size + start_arr % size
+            slots[:num_seqs] = cache_slots(tables[:num_seqs], start_arr[:, None], size)
             context_lens[:num_seqs] = start_arr + 1
             query_lens[:num_seqs] = 1
         else:
@@ -195,23 +184,17 @@ class DecodeGraphs:
                 token_pos = np.arange(start, start + count)
                 ids[b, :count] = tokens
                 positions[b, :count] = token_pos
-                slots[b, :count] = tables[b, token_pos // size] * size + token_pos % size
+                slots[b, :count] = cache_slots(tables[b], token_pos, size)
                 context_lens[b] = start + count
                 query_lens[b] = count
-        self._inputs[:table_end].copy_(self._host_inputs[:table_end], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        inputs.send("block_tables", num_padded * width)
         if first_tokens is not None:
             device_ids = self.input_ids[:rows].view(num_padded, query_per_seq)
             device_ids[:num_seqs, 0].copy_(first_tokens)
-        if self.use_graphs:
-            key = (num_padded, query_per_seq, feature_layers)
-            if key not in self.graphs:
-                self.graphs[key] = self._capture(num_padded, query_per_seq, feature_layers)
-            graph, features = self.graphs[key]
-            graph.replay()
-        else:
-            features = self._forward(num_padded, query_per_seq, feature_layers)
+        features = self.graph_cache.run(
+            (num_padded, query_per_seq, feature_layers),
+            lambda: self._forward(num_padded, query_per_seq, feature_layers),
+        )
         if stacked and query_per_seq == 1:
             # One view instead of num_seqs: host work each overlapped decode step.
             stacked_features = [] if features is None else [features[:num_seqs]]

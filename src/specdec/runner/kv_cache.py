@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Protocol
 
+from specdec.models.attention import cache_slots
+
 
 class BlockHolder(Protocol):
     """Anything that holds KV blocks (a request, a drafter's per-request state)."""
@@ -66,5 +68,5 @@ class BlockAllocator:
 
     def slots(self, holder: BlockHolder, start: int, count: int) -> list[int]:
         """Cache slots of token positions start .. start+count-1 of `holder`."""
-        size = self.block_size
-        return [holder.block_ids[p // size] * size + p % size for p in range(start, start + count)]
+        positions = range(start, start + count)
+        return cache_slots(holder.block_ids, positions, self.block_size).tolist() if count else []
