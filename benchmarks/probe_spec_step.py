@@ -41,7 +41,7 @@ def random_eagle_head(model, out: Path, draft_vocab: int = 16384) -> str:
     SmolLM2 head: features of three layers, a reduced draft vocabulary)."""
     from safetensors.torch import save_file
 
-    from specdec.models.eagle import EagleConfig, EagleHead
+    from specdec.drafters.eagle.head import EagleConfig, EagleHead
 
     layers = model.config.num_hidden_layers
     config = EagleConfig.for_target(

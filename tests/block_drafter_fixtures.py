@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from specdec.drafters import TargetFeatures
-from specdec.drafters.block_model import (
+from specdec.drafters.block.network import (
     BlockDrafterConfig,
     BlockDrafterModel,
     default_feature_layers,

@@ -22,7 +22,7 @@ from law_fixtures import (
 )
 from specdec.conformance import chi_square
 from specdec.drafters.base import Proposal
-from specdec.drafters.dspark import DSparkDrafter
+from specdec.drafters.block.dspark import DSparkDrafter
 from specdec.models import load_model
 
 pytestmark = pytest.mark.stats

@@ -227,15 +227,15 @@ class LLMEngine:
         if spec.method == "ngram":
             return NgramDrafter(vocab, spec.prompt_lookup_min, spec.prompt_lookup_max)
         if spec.method == "dflash":
-            from specdec.drafters.dflash import DFlashDrafter
+            from specdec.drafters.block.dflash import DFlashDrafter
 
             return DFlashDrafter.from_config(spec, self.model)
         if spec.method == "dspark":
-            from specdec.drafters.dspark import DSparkDrafter
+            from specdec.drafters.block.dspark import DSparkDrafter
 
             return DSparkDrafter.from_config(spec, self.model)
         if spec.method in ("eagle", "mtp"):
-            from specdec.drafters.eagle import EagleDrafter
+            from specdec.drafters.eagle.drafter import EagleDrafter
 
             return EagleDrafter.from_config(
                 spec,

@@ -12,7 +12,7 @@ import torch
 
 from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
 from specdec.drafters import TargetFeatures
-from specdec.drafters.eagle import EagleDrafter
+from specdec.drafters.eagle.drafter import EagleDrafter
 from specdec.engine.config import SpeculativeConfig
 from specdec.engine.llm import LLM
 from specdec.models import AttentionMetadata, load_model
@@ -310,7 +310,7 @@ def test_draft_step_buffers_give_the_drafts_of_the_plain_path(target_dir, head_d
     padded to the graphs' shapes) propose exactly what the plain path proposes, in a ragged
     batch: the chained draft steps, and (width 8 >= the 7 entries a request brings) the
     round's first step too."""
-    from specdec.drafters.eagle import _HeadGraphs
+    from specdec.drafters.eagle.drafter import _HeadGraphs
 
     proposals = []
     for buffered in (False, True):

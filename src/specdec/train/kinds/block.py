@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.drafters.block_model import (
+from specdec.drafters.block.network import (
     BlockDrafterConfig,
     BlockDrafterModel,
     default_feature_layers,

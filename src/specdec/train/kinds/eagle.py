@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specdec.drafters.eagle.head import WEIGHTS_FILE, EagleConfig, EagleHead, load_eagle_head
 from specdec.models import LlamaForCausalLM
-from specdec.models.eagle import WEIGHTS_FILE, EagleConfig, EagleHead, load_eagle_head
 from specdec.train.dense import causal_layer, chain_layer
 from specdec.train.init import init_parameters_
 from specdec.train.kind import DrafterKind, TrainBatch, TrainOptions, target_logits

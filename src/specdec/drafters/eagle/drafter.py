@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from specdec.drafters.base import DraftBatch, Drafter, Proposal, TargetFeatures
+from specdec.drafters.eagle.head import EagleHead, head_logits, head_logits_weight, load_eagle_head
 from specdec.models import AttentionMetadata, LlamaForCausalLM
 from specdec.models.attention import DecodeMetadata
-from specdec.models.eagle import EagleHead, head_logits, head_logits_weight, load_eagle_head
 from specdec.runner.kv_cache import BlockAllocator
 from specdec.transfer import to_device
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from specdec.drafters.base import DraftBatch, Proposal
-from specdec.drafters.block_model import BlockDrafterModel
-from specdec.drafters.dflash import DFlashDrafter
+from specdec.drafters.block.dflash import DFlashDrafter
+from specdec.drafters.block.network import BlockDrafterModel
 from specdec.models import LlamaForCausalLM
 from specdec.transfer import to_device
 

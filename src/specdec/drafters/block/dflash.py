@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.drafters.base import DraftBatch, Drafter, Proposal, TargetFeatures
-from specdec.drafters.block_model import BlockDrafterModel, block_mask, load_block_drafter
+from specdec.drafters.block.network import BlockDrafterModel, block_mask, load_block_drafter
 from specdec.models import LlamaForCausalLM
 from specdec.transfer import to_device
 

@@ -1,0 +1,2 @@
+"""EAGLE / MTP: a one-layer head over the target's features (`head`) and its chain drafter
+(`drafter`)."""
