@@ -1,0 +1,91 @@
+"""Speculation settings with vLLM's names (`speculative_config`); their defaults and limits are
+defined here once. Validation only: no tensors, no randomness.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from specdec.verify import VERIFY_METHODS
+
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "mtp", "dflash", "dspark")
+# Methods whose drafter is loaded from `model` (a directory or file).
+MODEL_METHODS = ("draft_model", "eagle", "mtp", "dflash", "dspark")
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config` keys.
+
+    Attributes:
+        method: "ngram" (prompt lookup), "draft_model", "eagle" (alias "mtp": a head over
+            the target's hidden features), "dflash" (a parallel block drafter over the target's
+            features) or "dspark" (dflash + Markov head + confidence-scheduled verify length).
+        model: the draft model (a Hugging Face directory or a GGUF file) for "draft_model";
+            "truncated:N" uses the target's first N layers (with its embeddings and head). For
+            "eagle"/"mtp": a head directory (config.json + model.safetensors, as written by
+            `specdec train-drafter --kind eagle`). For "dflash"/"dspark": a block drafter
+            directory (written by `specdec train-drafter --kind dflash|dspark`).
+        num_speculative_tokens: drafts per round, K.
+        draft_sample_method: "probabilistic" (drafts sampled from the draft distribution, which
+            the verifier is given) or "greedy" (the draft's argmax, verified as a one-hot draft).
+        rejection_sample_method: "standard", "block" or "coupled".
+        prompt_lookup_min / prompt_lookup_max: n-gram sizes tried by "ngram".
+    """
+
+    method: str = "ngram"
+    model: str | None = None
+    num_speculative_tokens: int = 4
+    draft_sample_method: str = "probabilistic"
+    rejection_sample_method: str = "standard"
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config.method must be one of {SPECULATIVE_METHODS}, "
+                f"got {self.method!r}"
+            )
+        if self.method in MODEL_METHODS and not self.model:
+            raise ValueError(f'speculative_config.method "{self.method}" needs "model"')
+        if not isinstance(self.num_speculative_tokens, int) or not (
+            1 <= self.num_speculative_tokens <= 32
+        ):
+            raise ValueError(
+                "speculative_config.num_speculative_tokens must be an integer in [1, 32], got "
+                f"{self.num_speculative_tokens!r}"
+            )
+        if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
+            raise ValueError(
+                f"speculative_config.draft_sample_method must be one of {DRAFT_SAMPLE_METHODS}, "
+                f"got {self.draft_sample_method!r}"
+            )
+        if self.rejection_sample_method not in VERIFY_METHODS:
+            raise ValueError(
+                f"speculative_config.rejection_sample_method must be one of {VERIFY_METHODS}, "
+                f"got {self.rejection_sample_method!r}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min}, {self.prompt_lookup_max}"
+            )
+
+    @staticmethod
+    def from_dict(values: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """Builds a config from vLLM-style keys; unknown keys raise ValueError naming them."""
+        if values is None or isinstance(values, SpeculativeConfig):
+            return values
+        if not isinstance(values, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(values).__name__}")
+        known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown speculative_config keys {unknown}; known keys: {sorted(known)}"
+            )
+        return SpeculativeConfig(**values)
