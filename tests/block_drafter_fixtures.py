@@ -76,7 +76,7 @@ def target_features(
     """[len(tokens), F] target features of a whole token list (one prefill on a scratch cache)."""
     block_size = 4
     num_blocks = -(-len(tokens) // block_size)
-    runner = PagedModelRunner(target, num_blocks, block_size)
+    runner = PagedModelRunner(target, num_blocks, block_size, max_num_seqs=1)
     _, features = runner.run_with_features(
         [StepInput(list(tokens), 0, list(range(num_blocks)), 1)], layers
     )

@@ -314,7 +314,9 @@ def compare_decode_path(
     4 and 8). Returns the decode-path runner and the blocks its sequences hold.
     """
     num_blocks, block_size = 40, 4
-    eager = PagedModelRunner(seeded_model(name, device, dtype), num_blocks, block_size)
+    eager = PagedModelRunner(
+        seeded_model(name, device, dtype), num_blocks, block_size, max_num_seqs=8
+    )
     fast = PagedModelRunner(
         seeded_model(name, device, dtype),
         num_blocks,

@@ -1,21 +1,46 @@
 """The Drafter interface; the base class owns draft sampling (the single call site of draft noise).
 
-Subclasses compute draft logits and pass them to `sample_draft` with the position Q of the token
-they propose. `sample_draft` picks the stream from the request's verify method, maps a reduced
-draft vocabulary to target ids (-inf elsewhere), applies the target's processing, and returns
-exactly the logits it sampled from. Subclasses never call the sampler or `specdec.rng` themselves.
+Subclasses compute draft logits and pass them to `draw` (or `sample_draft`) with the position Q
+of the token they propose. `sample_draft` picks the stream from the request's verify method, maps
+a reduced draft vocabulary to target ids (-inf elsewhere), applies the target's processing, and
+returns exactly the logits it sampled from. Subclasses never call the sampler or `specdec.rng`
+themselves. Every drafter is built the same way, `from_config(spec, target, setup)`.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from specdec.drafters.config import SpeculativeConfig
 from specdec.rng import Stream
 from specdec.sampling import SampleOutput, SamplingTensors, sample
 from specdec.transfer import to_device
+
+if TYPE_CHECKING:
+    from specdec.models import LlamaForCausalLM
+
+
+@dataclass(frozen=True, slots=True)
+class DrafterSetup:
+    """What the engine lends a drafter besides its config and the target.
+
+    Attributes:
+        num_blocks, block_size: the geometry of the drafter's own KV cache (as many blocks as the
+            target's: a draft never holds more slots than the target for the same request).
+        max_num_seqs: most requests in one round (sizes static buffers and graph buckets).
+        max_model_len: longest request, in tokens.
+        enforce_eager: never capture CUDA graphs.
+    """
+
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_model_len: int
+    enforce_eager: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +91,29 @@ class Proposal:
     num_draft: torch.Tensor
 
 
+class ProposalBuffer:
+    """The tensors of a proposal being drafted, in target vocabulary, on `device`: [B, K] draft ids
+    (-1 where nothing is drafted) and, for sampled drafts, [B, K, V] processed draft logits (-inf
+    where nothing is drafted) with their [B, K] log-normalisers. `Drafter.draw` writes into it."""
+
+    __slots__ = ("draft_logits", "draft_logsumexp", "draft_token_ids")
+
+    def __init__(
+        self, batch_size: int, k: int, vocab_size: int, device: torch.device, greedy: bool
+    ) -> None:
+        self.draft_token_ids = torch.full((batch_size, k), -1, dtype=torch.int64, device=device)
+        self.draft_logits = None
+        self.draft_logsumexp = None
+        if not greedy:
+            self.draft_logits = torch.full(
+                (batch_size, k, vocab_size), float("-inf"), device=device
+            )
+            self.draft_logsumexp = torch.zeros(batch_size, k, device=device)
+
+    def proposal(self, num_draft: torch.Tensor) -> Proposal:
+        return Proposal(self.draft_token_ids, self.draft_logits, self.draft_logsumexp, num_draft)
+
+
 @dataclass(frozen=True, slots=True)
 class TargetFeatures:
     """Target hidden features of newly committed tokens, one entry per request (drafters that
@@ -106,18 +154,75 @@ class Drafter(abc.ABC):
 
     feature_layers: tuple[int, ...] = ()
 
-    def __init__(self, target_vocab_size: int, draft_to_target: torch.Tensor | None = None):
+    def __init__(
+        self,
+        target_vocab_size: int,
+        draft_to_target: torch.Tensor | None = None,
+        greedy: bool = False,
+    ):
         """Args:
         target_vocab_size: V of the target.
         draft_to_target: [V_draft] int64 target id of each draft id, when the drafter works
             over a reduced vocabulary (None: the vocabularies are the same).
+        greedy: propose the draft's argmax (one-hot drafts, no noise) instead of sampling.
         """
         self.target_vocab_size = target_vocab_size
         self.draft_to_target = draft_to_target
+        self.greedy = greedy
+
+    @classmethod
+    def from_config(
+        cls, spec: SpeculativeConfig, target: LlamaForCausalLM, setup: DrafterSetup
+    ) -> Drafter:
+        """Builds the drafter of `spec` for `target` (the one signature of every drafter)."""
+        raise NotImplementedError(f"{cls.__name__} has no from_config")
 
     @abc.abstractmethod
     def propose(self, batch: DraftBatch) -> Proposal:
         """Returns drafts for every request of `batch` (num_draft[b] of them)."""
+
+    @staticmethod
+    def num_draft_with_features(batch: DraftBatch) -> torch.Tensor:
+        """[B] int64 drafts a drafter that reads target features can propose: none for a round
+        anchored at A < 2 (a one-token prompt in its first round has no feature yet for the
+        token before the anchor), else what the batch asks for. On the host."""
+        anchors = batch.anchors.to("cpu")
+        return torch.where(anchors < 2, 0, batch.num_draft.to("cpu"))
+
+    def draw(
+        self,
+        logits: torch.Tensor,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        batch: DraftBatch,
+        out: ProposalBuffer,
+        at: tuple,
+    ) -> torch.Tensor:
+        """Proposes one draft per row (the shared per-draft step of every model drafter): the
+        argmax when `greedy`, else a sample through `sample_draft`; writes each row's draft id,
+        processed logits and log-normaliser into `out` at the [B, K] index `at`.
+
+        Args:
+            logits: [N, V_draft] raw draft logits.
+            rows: [N] int64 request index (into `batch`) of each row, on the host.
+            positions: [N] int64 position Q of the token each row proposes.
+            batch: the round's batch.
+            out: the proposal being filled.
+            at: an index of `out.draft_token_ids` ([B, K]) selecting the N entries, in row order.
+
+        Returns: [N] int64 drafts (target ids) on the logits' device.
+
+        RNG: as `sample_draft` (none when greedy).
+        """
+        if self.greedy:
+            tokens = self.to_target_vocab(logits).argmax(dim=-1)
+        else:
+            sampled = self.sample_draft(logits, rows, positions, batch)
+            tokens = sampled.token_ids
+            out.draft_logits[at] = sampled.processed_logits.to(out.draft_logits.device)
+            out.draft_logsumexp[at] = sampled.logsumexp.to(out.draft_logsumexp.device)
+        out.draft_token_ids[at] = tokens.to(out.draft_token_ids.device)
+        return tokens
 
     def release(self, request_id: str) -> None:  # noqa: B027 - stateless drafters keep nothing
         """Forgets any state kept for a request that finished or was preempted."""

@@ -10,10 +10,20 @@ from typing import Any
 
 from specdec.verify import VERIFY_METHODS
 
+# Most drafts a round may verify (a request may ask for more than the configured K, up to this).
+MAX_NUM_SPECULATIVE_TOKENS = 32
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "mtp", "dflash", "dspark")
 # Methods whose drafter is loaded from `model` (a directory or file).
 MODEL_METHODS = ("draft_model", "eagle", "mtp", "dflash", "dspark")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+
+
+def check_num_speculative_tokens(k: object, name: str = "num_speculative_tokens") -> None:
+    """Raises ValueError naming `name` unless k is an int in [1, MAX_NUM_SPECULATIVE_TOKENS]."""
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_NUM_SPECULATIVE_TOKENS:
+        raise ValueError(
+            f"{name} must be an integer in [1, {MAX_NUM_SPECULATIVE_TOKENS}], got {k!r}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,13 +62,9 @@ class SpeculativeConfig:
             )
         if self.method in MODEL_METHODS and not self.model:
             raise ValueError(f'speculative_config.method "{self.method}" needs "model"')
-        if not isinstance(self.num_speculative_tokens, int) or not (
-            1 <= self.num_speculative_tokens <= 32
-        ):
-            raise ValueError(
-                "speculative_config.num_speculative_tokens must be an integer in [1, 32], got "
-                f"{self.num_speculative_tokens!r}"
-            )
+        check_num_speculative_tokens(
+            self.num_speculative_tokens, "speculative_config.num_speculative_tokens"
+        )
         if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
             raise ValueError(
                 f"speculative_config.draft_sample_method must be one of {DRAFT_SAMPLE_METHODS}, "

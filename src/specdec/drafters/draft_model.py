@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from specdec.drafters.base import DraftBatch, Drafter, Proposal
+from specdec.drafters.base import DraftBatch, Drafter, DrafterSetup, Proposal, ProposalBuffer
+from specdec.drafters.config import SpeculativeConfig
 from specdec.models import LlamaForCausalLM, load_model
 from specdec.runner import BlockAllocator, PagedModelRunner, StepInput
 from specdec.transfer import to_device
@@ -57,31 +58,31 @@ class DraftModelDrafter(Drafter):
         num_blocks: int,
         block_size: int,
         greedy: bool = False,
+        *,
+        max_num_seqs: int,
     ) -> None:
         """Args:
         model: the draft model (its vocabulary must be the target's).
         target_vocab_size: V of the target.
         num_blocks, block_size: the draft's own KV cache.
         greedy: propose the draft's argmax (one-hot drafts) instead of sampling.
+        max_num_seqs: most requests in one round.
         """
         if model.config.vocab_size != target_vocab_size:
             raise ValueError(
                 f"the draft model's vocabulary ({model.config.vocab_size}) differs from the "
                 f"target's ({target_vocab_size}); a draft model must share the target's tokenizer"
             )
-        super().__init__(target_vocab_size)
-        self.runner = PagedModelRunner(model, num_blocks, block_size)
+        super().__init__(target_vocab_size, greedy=greedy)
+        self.runner = PagedModelRunner(model, num_blocks, block_size, max_num_seqs=max_num_seqs)
         self.allocator = BlockAllocator(num_blocks, block_size)
-        self.greedy = greedy
         self._states: dict[str, _DraftState] = {}
 
     @classmethod
     def from_config(
-        cls, spec, target: LlamaForCausalLM, num_blocks: int, block_size: int
+        cls, spec: SpeculativeConfig, target: LlamaForCausalLM, setup: DrafterSetup
     ) -> DraftModelDrafter:
-        """Builds the drafter of a SpeculativeConfig ("truncated:N" or a model path), with a
-        cache of as many blocks as the target's (a draft never holds more slots than the
-        target for the same request)."""
+        """Builds the drafter of a SpeculativeConfig ("truncated:N" or a model path)."""
         weight = target.model.embed_tokens.weight
         if spec.model.startswith(TRUNCATED_PREFIX):
             layers = spec.model[len(TRUNCATED_PREFIX) :]
@@ -93,9 +94,10 @@ class DraftModelDrafter(Drafter):
         return cls(
             draft,
             target.config.vocab_size,
-            num_blocks,
-            block_size,
+            setup.num_blocks,
+            setup.block_size,
             greedy=spec.draft_sample_method == "greedy",
+            max_num_seqs=setup.max_num_seqs,
         )
 
     def release(self, request_id: str) -> None:
@@ -110,12 +112,7 @@ class DraftModelDrafter(Drafter):
         size, k = batch.batch_size, batch.max_draft
         vocab = self.target_vocab_size
         device = self.runner.device
-        draft_ids = torch.full((size, k), -1, dtype=torch.int64, device=device)
-        draft_logits = None
-        draft_lse = None
-        if not self.greedy:
-            draft_logits = torch.full((size, k, vocab), float("-inf"), device=device)
-            draft_lse = torch.zeros(size, k, device=device)
+        out = ProposalBuffer(size, k, vocab, device, self.greedy)
         states = [
             self._sync(rid, tokens)
             for rid, tokens in zip(batch.request_ids, batch.token_ids, strict=False)
@@ -141,14 +138,7 @@ class DraftModelDrafter(Drafter):
             rows = torch.tensor(live, dtype=torch.int64)
             index = slice(None) if len(live) == size else to_device(rows, torch.int64, device)
             positions = batch.anchors[rows] + i  # Q of the proposed tokens
-            if self.greedy:
-                tokens = self.to_target_vocab(logits).argmax(dim=-1)
-            else:
-                out = self.sample_draft(logits, rows, positions, batch)
-                tokens = out.token_ids
-                draft_logits[index, i] = out.processed_logits
-                draft_lse[index, i] = out.logsumexp
-            draft_ids[index, i] = tokens
+            tokens = self.draw(logits, rows, positions, batch, out, (index, i))
             keep = [j for j, row in enumerate(live) if i + 1 < int(batch.num_draft[row])]
             if not keep:
                 break
@@ -162,11 +152,11 @@ class DraftModelDrafter(Drafter):
             first_tokens = tokens
             live = [live[j] for j in keep]
         if k > 1:
-            host_ids = draft_ids.tolist()
+            host_ids = out.draft_token_ids.tolist()
             for state, length, ids in zip(states, lengths, host_ids, strict=True):
                 fed = len(state.token_ids) - length
                 state.token_ids[length:] = ids[:fed]
-        return Proposal(draft_ids, draft_logits, draft_lse, batch.num_draft.clone())
+        return out.proposal(batch.num_draft.clone())
 
     def _sync(self, request_id: str, tokens: list[int]) -> _DraftState:
         """The request's draft state, rolled back to the longest prefix it shares with `tokens`

@@ -3,9 +3,15 @@ of the sequence's trailing n-gram. Deterministic (one-hot) drafts: no noise, no 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from specdec.drafters.base import DraftBatch, Drafter, Proposal
+from specdec.drafters.base import DraftBatch, Drafter, DrafterSetup, Proposal
+from specdec.drafters.config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from specdec.models import LlamaForCausalLM
 
 
 def ngram_lookup(tokens: list[int], num_draft: int, min_n: int, max_n: int) -> list[int]:
@@ -38,6 +44,13 @@ class NgramDrafter(Drafter):
             )
         self.prompt_lookup_min = prompt_lookup_min
         self.prompt_lookup_max = prompt_lookup_max
+
+    @classmethod
+    def from_config(
+        cls, spec: SpeculativeConfig, target: LlamaForCausalLM, setup: DrafterSetup | None = None
+    ) -> NgramDrafter:
+        """Prompt lookup with the config's n-gram sizes (no model, no cache: `setup` unused)."""
+        return cls(target.config.vocab_size, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def propose(self, batch: DraftBatch) -> Proposal:
         k = batch.max_draft

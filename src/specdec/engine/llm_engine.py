@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from specdec.drafters import DraftBatch, Drafter, NgramDrafter, Proposal, TargetFeatures
+from specdec.drafters import DraftBatch, Drafter, DrafterSetup, Proposal, TargetFeatures
+from specdec.drafters.config import check_num_speculative_tokens
+from specdec.drafters.registry import build_drafter
 from specdec.engine.config import EngineConfig, SpeculativeConfig
 from specdec.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from specdec.engine.request import Request, RequestStatus, SpecSettings
@@ -223,34 +225,14 @@ class LLMEngine:
     def _build_drafter(self, spec: SpeculativeConfig | None) -> Drafter | None:
         if spec is None:
             return None
-        vocab = self.model_config.vocab_size
-        if spec.method == "ngram":
-            return NgramDrafter(vocab, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        if spec.method == "dflash":
-            from specdec.drafters.block.dflash import DFlashDrafter
-
-            return DFlashDrafter.from_config(spec, self.model)
-        if spec.method == "dspark":
-            from specdec.drafters.block.dspark import DSparkDrafter
-
-            return DSparkDrafter.from_config(spec, self.model)
-        if spec.method in ("eagle", "mtp"):
-            from specdec.drafters.eagle.drafter import EagleDrafter
-
-            return EagleDrafter.from_config(
-                spec,
-                self.model,
-                self.allocator.num_blocks,
-                self.config.block_size,
-                max_num_seqs=self.config.max_num_seqs,
-                max_model_len=self.max_model_len,
-                enforce_eager=self.config.enforce_eager,
-            )
-        from specdec.drafters.draft_model import DraftModelDrafter
-
-        return DraftModelDrafter.from_config(
-            spec, self.model, self.allocator.num_blocks, self.config.block_size
+        setup = DrafterSetup(
+            num_blocks=self.allocator.num_blocks,
+            block_size=self.config.block_size,
+            max_num_seqs=self.config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            enforce_eager=self.config.enforce_eager,
         )
+        return build_drafter(spec, self.model, setup)
 
     # --------------------------------------------------------------- requests
     def add_request(
@@ -332,8 +314,7 @@ class LLMEngine:
             raise ValueError("speculation was requested but the engine has no speculative_config")
         k = override.get("num_speculative_tokens", default.num_speculative_tokens)
         method = override.get("method", default.rejection_sample_method)
-        if not isinstance(k, int) or not 1 <= k <= 32:
-            raise ValueError(f"num_speculative_tokens must be an integer in [1, 32], got {k!r}")
+        check_num_speculative_tokens(k)
         if method not in VERIFY_METHODS:
             raise ValueError(f"method must be one of {VERIFY_METHODS}, got {method!r}")
         self._check_round_fits(k)
@@ -674,11 +655,13 @@ class LLMEngine:
             [t for _, ids in entries for t in ids + [-1] * (k - len(ids))],
             device=device,
         )
-        draft_logits = None
-        if drafts.proposal.draft_logits is not None:
-            draft_logits = _draft_logits(
-                drafts.proposal.draft_logits, [b for b, _ in entries], counts, k
-            ).to(device)
+        draft_logits = draft_logsumexp = None
+        proposal = drafts.proposal
+        if proposal.draft_logits is not None:
+            rows = [b for b, _ in entries]
+            draft_logits = _draft_rows(proposal.draft_logits, rows, counts, k).to(device)
+            if proposal.draft_logsumexp is not None:
+                draft_logsumexp = _draft_rows(proposal.draft_logsumexp, rows, counts, k).to(device)
         constants = self._constants(method, requests, device)
         params = constants.params
         # Valid by construction (ids from the drafter, params from SamplingParams): skip the
@@ -695,6 +678,7 @@ class LLMEngine:
             min_p=params.min_p,
             num_draft=num_draft,
             method=method,
+            draft_logsumexp=draft_logsumexp,
             check_values=False,
         )
         out = verify_checked(inputs)
@@ -816,12 +800,13 @@ def _device_int64(*columns: list[int], device: torch.device) -> list[torch.Tenso
     return list(packed.split_with_sizes([len(column) for column in columns]))
 
 
-def _draft_logits(logits: torch.Tensor, rows: list[int], counts: list[int], k: int) -> torch.Tensor:
-    """[len(rows), k, V] draft logits of the given rows of a proposal's [B, K, V] draft logits,
-    zero past each row's `counts` drafts (what padding each row's own drafts to k gives)."""
-    if min(counts) == k and rows == list(range(logits.shape[0])):
-        return logits[:, :k].contiguous()  # the whole proposal: no gather
-    picked = logits[to_device(rows, torch.int64, logits.device), :k]  # a copy
+def _draft_rows(values: torch.Tensor, rows: list[int], counts: list[int], k: int) -> torch.Tensor:
+    """[len(rows), k, ...] entries of the given rows of a proposal's [B, K, ...] draft tensor
+    (draft logits or their log-normalisers), zero past each row's `counts` drafts (what padding
+    each row's own drafts to k gives)."""
+    if min(counts) == k and rows == list(range(values.shape[0])):
+        return values[:, :k].contiguous()  # the whole proposal: no gather
+    picked = values[to_device(rows, torch.int64, values.device), :k]  # a copy
     for b, n in enumerate(counts):
         if n < k:
             picked[b, n:] = 0

@@ -18,11 +18,12 @@ from specdec.runner.kv_cache import BlockAllocator
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """max_num_seqs: requests per step; max_num_batched_tokens: query tokens per step;
-    max_model_len: tokens per request (prompt + output)."""
+    max_model_len: tokens per request (prompt + output). No defaults: the engine's settings
+    (`EngineConfig`) are the only place they are chosen."""
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
 
 
 @dataclass(slots=True)

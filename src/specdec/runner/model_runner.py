@@ -49,7 +49,7 @@ class PagedModelRunner:
         num_blocks: int,
         block_size: int,
         *,
-        max_num_seqs: int = 64,
+        max_num_seqs: int,
         max_model_len: int | None = None,
         max_query_len: int = 1,
         enforce_eager: bool = False,

@@ -182,7 +182,7 @@ def annotate_token_lists(
         ):
             group.append(token_lists[index + len(group)])
         num_blocks = sum(-(-len(t) // block_size) for t in group)
-        runner = PagedModelRunner(target, num_blocks, block_size)
+        runner = PagedModelRunner(target, num_blocks, block_size, max_num_seqs=len(group))
         inputs, next_block = [], 0
         for tokens in group:
             count = -(-len(tokens) // block_size)

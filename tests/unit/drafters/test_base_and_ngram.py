@@ -99,3 +99,12 @@ def test_ngram_drafter_proposal_is_one_hot_and_ragged():
     assert proposal.draft_logits is None
     assert proposal.num_draft.tolist() == [2, 0]
     assert proposal.draft_token_ids.tolist() == [[2, 1, -1], [-1, -1, -1]]
+
+
+def test_the_drafter_table_covers_every_method():
+    """One class per `speculative_config.method`, and every class builds through from_config."""
+    from specdec.drafters.config import SPECULATIVE_METHODS
+    from specdec.drafters.registry import DRAFTERS
+
+    assert tuple(DRAFTERS) == SPECULATIVE_METHODS
+    assert all(cls.from_config is not Drafter.from_config for cls in DRAFTERS.values())

@@ -58,7 +58,9 @@ def noise_calls(monkeypatch):
 
 @pytest.mark.parametrize("methods", [["standard", "block", "coupled"], ["coupled", "coupled"]])
 def test_draft_model_draws_only_through_sample_draft_at_q(tiny_model, noise_calls, methods):
-    drafter = DraftModelDrafter(truncated_copy(tiny_model, 1), 97, num_blocks=64, block_size=4)
+    drafter = DraftModelDrafter(
+        truncated_copy(tiny_model, 1), 97, num_blocks=64, block_size=4, max_num_seqs=4
+    )
     batch = make_batch(methods)
     proposal = drafter.propose(batch)
     assert noise_calls, "a probabilistic drafter must draw noise"
@@ -84,7 +86,9 @@ def test_draft_model_draws_only_through_sample_draft_at_q(tiny_model, noise_call
 
 
 def test_greedy_and_ngram_drafters_draw_no_noise(tiny_model, noise_calls):
-    greedy = DraftModelDrafter(tiny_model, 97, num_blocks=64, block_size=4, greedy=True)
+    greedy = DraftModelDrafter(
+        tiny_model, 97, num_blocks=64, block_size=4, greedy=True, max_num_seqs=4
+    )
     assert greedy.propose(make_batch(["standard", "block"])).draft_logits is None
     assert NgramDrafter(97).propose(make_batch(["standard"])).draft_logits is None
     assert noise_calls == []
@@ -122,7 +126,9 @@ def test_draft_model_ragged_batch_matches_requests_alone(tiny_model, greedy):
     does, and each request's draft state then holds its tokens plus the drafts it fed."""
 
     def drafter():
-        made = DraftModelDrafter(truncated_copy(tiny_model, 1), 97, num_blocks=64, block_size=4)
+        made = DraftModelDrafter(
+            truncated_copy(tiny_model, 1), 97, num_blocks=64, block_size=4, max_num_seqs=4
+        )
         made.greedy = greedy
         return made
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
-from specdec.drafters import TargetFeatures
+from specdec.drafters import DrafterSetup, TargetFeatures
 from specdec.drafters.eagle.drafter import EagleDrafter
 from specdec.engine.config import SpeculativeConfig
 from specdec.engine.llm import LLM
@@ -74,7 +74,9 @@ def fed_drafter(target_dir, head_dir, token_lists, anchors, greedy=False):
         model=str(head_dir),
         draft_sample_method="greedy" if greedy else "probabilistic",
     )
-    drafter = EagleDrafter.from_config(spec, target, num_blocks=64, block_size=4)
+    setup = DrafterSetup(num_blocks=64, block_size=4, max_num_seqs=4, max_model_len=64)
+    drafter = EagleDrafter.from_config(spec, target, setup)
+    drafter._graphs = None  # the plain path (tests that want the head buffers set their own)
     starts, rows = [], []
     for tokens, anchor in zip(token_lists, anchors, strict=True):
         fed = tokens[: anchor - 1]

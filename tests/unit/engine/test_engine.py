@@ -230,3 +230,32 @@ def test_abort_frees_blocks_and_forgets_the_request(model_dir, prompts):
     assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
     assert engine.drafter.allocator.num_free_blocks == engine.drafter.allocator.num_blocks
     engine.abort(request_id)  # unknown ids are ignored
+
+
+def test_sampled_drafts_reach_verify_with_their_log_normalisers(model_dir, prompts, monkeypatch):
+    """The engine hands `verify` the draft log-normalisers the drafter recorded (exactly those of
+    the draft logits it passes), and nothing for one-hot drafts."""
+    from specdec.engine import llm_engine
+
+    seen = []
+    original = llm_engine.check_verify_inputs
+
+    def spy(*args, **kwargs):
+        inputs = original(*args, **kwargs)
+        seen.append(inputs)
+        return inputs
+
+    monkeypatch.setattr(llm_engine, "check_verify_inputs", spy)
+    spec = {"method": "draft_model", "model": "truncated:1", "num_speculative_tokens": 3}
+    make_llm(model_dir, spec).generate(prompts[:2], SAMPLED, use_tqdm=False)
+    assert seen
+    for inputs in seen:
+        assert inputs.draft_logsumexp is not None
+        for b, n in enumerate(inputs.num_draft.tolist()):
+            torch.testing.assert_close(
+                inputs.draft_logsumexp[b, :n], inputs.draft_logits[b, :n].logsumexp(-1)
+            )
+    seen.clear()
+    spec["draft_sample_method"] = "greedy"
+    make_llm(model_dir, spec).generate(prompts[:2], SAMPLED, use_tqdm=False)
+    assert seen and all(inputs.draft_logsumexp is None for inputs in seen)

@@ -2,10 +2,22 @@
 
 import pytest
 
+from specdec.engine.config import EngineConfig
 from specdec.engine.request import Request, RequestStatus, SpecSettings
 from specdec.engine.scheduler import Scheduler, SchedulerConfig
 from specdec.runner.kv_cache import BlockAllocator
 from specdec.sampling.params import SamplingParams
+
+
+def config(**overrides) -> SchedulerConfig:
+    """The scheduler settings of an engine with EngineConfig's defaults, with `overrides`."""
+    engine = EngineConfig()
+    values = {
+        "max_num_seqs": engine.max_num_seqs,
+        "max_num_batched_tokens": engine.max_num_batched_tokens,
+        "max_model_len": 2048,
+    }
+    return SchedulerConfig(**{**values, **overrides})
 
 
 def make_request(rid: str, prompt_len: int, k: int | None = None, max_tokens: int = 50):
@@ -30,7 +42,7 @@ def run_step(scheduler: Scheduler, accepted: int = 0):
 
 def test_chunked_prefill_then_decode_with_drafts():
     allocator = BlockAllocator(num_blocks=64, block_size=4)
-    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_model_len=64), allocator)
+    scheduler = Scheduler(config(max_num_batched_tokens=8, max_model_len=64), allocator)
     request = make_request("a", 20, k=3)
     scheduler.add(request)
     shares = [run_step(scheduler).scheduled[0] for _ in range(3)]
@@ -46,7 +58,7 @@ def test_chunked_prefill_then_decode_with_drafts():
 
 def test_drafts_capped_by_max_tokens_and_model_len():
     allocator = BlockAllocator(num_blocks=64, block_size=4)
-    scheduler = Scheduler(SchedulerConfig(max_model_len=12), allocator)
+    scheduler = Scheduler(config(max_model_len=12), allocator)
     request = make_request("a", 8, k=5, max_tokens=3)
     scheduler.add(request)
     run_step(scheduler)  # prefill emits 1 token: 9 tokens, 2 left to generate
@@ -59,7 +71,7 @@ def test_drafts_capped_by_max_tokens_and_model_len():
 
 
 def test_rejects_prompts_that_cannot_fit():
-    scheduler = Scheduler(SchedulerConfig(max_model_len=16), BlockAllocator(2, 4))
+    scheduler = Scheduler(config(max_model_len=16), BlockAllocator(2, 4))
     with pytest.raises(ValueError, match="max_model_len"):
         scheduler.add(make_request("long", 16))
     with pytest.raises(ValueError, match="whole KV cache"):
@@ -70,7 +82,7 @@ def test_rejects_prompts_that_cannot_fit():
 
 def test_preemption_frees_blocks_and_requeues_first():
     allocator = BlockAllocator(num_blocks=6, block_size=4)
-    scheduler = Scheduler(SchedulerConfig(max_model_len=64), allocator)
+    scheduler = Scheduler(config(max_model_len=64), allocator)
     first, second = make_request("first", 8), make_request("second", 8)
     scheduler.add(first)
     scheduler.add(second)

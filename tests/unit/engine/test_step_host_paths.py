@@ -10,7 +10,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
 from specdec.engine.config import EngineConfig, SpeculativeConfig
-from specdec.engine.llm_engine import LLMEngine, _draft_logits
+from specdec.engine.llm_engine import LLMEngine, _draft_rows
 from specdec.sampling import SamplingParams
 
 VOCAB = 97
@@ -104,5 +104,5 @@ def test_draft_logits_of_a_group_are_its_rows_zero_padded(rows, counts):
     expected = pad_sequence(
         [proposal[row, :n] for row, n in zip(rows, counts, strict=True)], batch_first=True
     )
-    got = _draft_logits(proposal, rows, counts, k)
+    got = _draft_rows(proposal, rows, counts, k)
     assert torch.equal(got, expected) and got.is_contiguous()

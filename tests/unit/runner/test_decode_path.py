@@ -53,7 +53,9 @@ def test_padded_rows_are_inert() -> None:
 
 def test_decode_path_refuses_sliding_window() -> None:
     with pytest.raises(ValueError, match="sliding"):
-        PagedModelRunner(seeded_model("mistral_window", "cpu"), 8, 4, decode_path=True)
+        PagedModelRunner(
+            seeded_model("mistral_window", "cpu"), 8, 4, max_num_seqs=4, decode_path=True
+        )
 
 
 def test_batch_buckets() -> None:

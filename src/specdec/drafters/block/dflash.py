@@ -13,8 +13,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.drafters.base import DraftBatch, Drafter, Proposal, TargetFeatures
+from specdec.drafters.base import (
+    DraftBatch,
+    Drafter,
+    DrafterSetup,
+    Proposal,
+    ProposalBuffer,
+    TargetFeatures,
+)
 from specdec.drafters.block.network import BlockDrafterModel, block_mask, load_block_drafter
+from specdec.drafters.config import SpeculativeConfig
 from specdec.models import LlamaForCausalLM
 from specdec.transfer import to_device
 
@@ -39,16 +47,18 @@ class DFlashDrafter(Drafter):
         target: the target; its embedding table and LM head are shared with the drafter.
         greedy: propose the drafter's argmax (one-hot drafts) instead of sampling.
         """
-        super().__init__(target.config.vocab_size)
+        super().__init__(target.config.vocab_size, greedy=greedy)
         self.model = model
         self.target = target
-        self.greedy = greedy
         self.feature_layers = tuple(model.config.feature_layers)
         self._contexts: dict[str, _Context] = {}
 
     @classmethod
-    def from_config(cls, spec, target: LlamaForCausalLM) -> DFlashDrafter:
-        """Loads the drafter of a SpeculativeConfig (`model` is its checkpoint directory)."""
+    def from_config(
+        cls, spec: SpeculativeConfig, target: LlamaForCausalLM, setup: DrafterSetup | None = None
+    ) -> DFlashDrafter:
+        """Loads the drafter of a SpeculativeConfig (`model` is its checkpoint directory). The
+        drafter keeps its context per request in buffers of its own: `setup` is not needed."""
         model = load_block_drafter(spec.model, target)
         if model.config.kind != cls.kind:
             raise ValueError(
@@ -146,32 +156,21 @@ class DFlashDrafter(Drafter):
         RNG: through `sample_draft` only (none for greedy drafting).
         """
         size = batch.batch_size
-        num_draft = batch.num_draft.clamp(max=self.model.config.block_size)
-        # A round anchored at A = 1 (a one-token prompt) has no target feature yet: such rows
-        # draft nothing this round.
-        num_draft = torch.where(batch.anchors.cpu() < 2, 0, num_draft)
+        num_draft = self.num_draft_with_features(batch).clamp(max=self.model.config.block_size)
         k = int(num_draft.max()) if size else 0
-        draft_ids = torch.full((size, k), -1, dtype=torch.int64)
         if k == 0:
-            return Proposal(draft_ids, None, None, num_draft)
+            return Proposal(torch.full((size, 0), -1, dtype=torch.int64), None, None, num_draft)
         hidden = self.block_hidden(batch)  # [B, R, D]
         first = self.model.config.first_predicting_row
         rows = torch.arange(size).repeat_interleave(num_draft)  # [N] request of each draft
         index = torch.cat([torch.arange(int(n)) for n in num_draft])  # [N] draft i of its request
         device = hidden.device
-        logits = self.target.compute_logits(hidden[rows.to(device), (first + index).to(device)])
+        at = (rows.to(device), index.to(device))
+        logits = self.target.compute_logits(hidden[at[0], first + at[1]])
         positions = batch.anchors[rows] + index  # Q of each proposed token
-        vocab = self.target_vocab_size
-        if self.greedy:
-            draft_ids[rows, index] = self.to_target_vocab(logits).argmax(dim=-1).cpu()
-            return Proposal(draft_ids, None, None, num_draft)
-        out = self.sample_draft(logits, rows, positions, batch)
-        draft_ids[rows, index] = out.token_ids.cpu()
-        draft_logits = torch.full((size, k, vocab), float("-inf"), device=device)
-        draft_lse = torch.zeros(size, k, device=device)
-        draft_logits[rows.to(device), index.to(device)] = out.processed_logits.to(device)
-        draft_lse[rows.to(device), index.to(device)] = out.logsumexp.to(device)
-        return Proposal(draft_ids, draft_logits, draft_lse, num_draft)
+        out = ProposalBuffer(size, k, self.target_vocab_size, device, self.greedy)
+        self.draw(logits, rows, positions, batch, out, at)
+        return out.proposal(num_draft)
 
 
 def _store(context: _Context, layer: int, start: int, keys, values) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.drafters.base import DraftBatch, Proposal
+from specdec.drafters.base import DraftBatch, Proposal, ProposalBuffer
 from specdec.drafters.block.dflash import DFlashDrafter
 from specdec.drafters.block.network import BlockDrafterModel
 from specdec.models import LlamaForCausalLM
@@ -91,22 +91,15 @@ class DSparkDrafter(DFlashDrafter):
         the scheduler draws nothing.
         """
         size = batch.batch_size
-        wanted = batch.num_draft.clamp(max=self.model.config.block_size)  # [B]
-        # A round anchored at A = 1 (a one-token prompt) has no target feature yet: such rows
-        # draft nothing this round.
-        wanted = torch.where(batch.anchors.cpu() < 2, 0, wanted)
+        wanted = self.num_draft_with_features(batch).clamp(max=self.model.config.block_size)
         k = int(wanted.max()) if size else 0
-        draft_ids = torch.full((size, k), -1, dtype=torch.int64)
         num_draft = torch.zeros(size, dtype=torch.int64)
         if k == 0:
-            return Proposal(draft_ids, None, None, num_draft)
+            return Proposal(torch.full((size, 0), -1, dtype=torch.int64), None, None, num_draft)
         hidden = self.block_hidden(batch)  # [B, R, D]; row i predicts Q = A + i
         device = hidden.device
         base = self.target.compute_logits(hidden[:, :k].flatten(0, 1)).view(size, k, -1)
-        draft_logits = draft_lse = None
-        if not self.greedy:
-            draft_logits = torch.full_like(base, float("-inf"))  # [B, K, V]
-            draft_lse = torch.zeros(size, k, device=device)
+        out = ProposalBuffer(size, k, self.target_vocab_size, device, self.greedy)
         previous = to_device([t[-1] for t in batch.token_ids], torch.int64, device)  # x_{-1}
         survival = torch.ones(size, device=device)
         live = torch.ones(size, dtype=torch.bool)
@@ -129,14 +122,6 @@ class DSparkDrafter(DFlashDrafter):
                 on = rows.to(device)
             logits = base[on, i] + markov  # [M, V]
             positions = batch.anchors[rows] + i  # Q of the proposed tokens
-            if self.greedy:
-                tokens = self.to_target_vocab(logits).argmax(dim=-1)
-            else:
-                out = self.sample_draft(logits, rows, positions, batch)
-                tokens = out.token_ids.to(device)
-                draft_logits[on, i] = out.processed_logits.to(device)
-                draft_lse[on, i] = out.logsumexp.to(device)
-            draft_ids[rows, i] = tokens.cpu()
-            previous[on] = tokens
+            previous[on] = self.draw(logits, rows, positions, batch, out, (on, i))
             num_draft[rows] = i + 1
-        return Proposal(draft_ids, draft_logits, draft_lse, num_draft)
+        return out.proposal(num_draft)

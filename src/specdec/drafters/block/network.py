@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.drafters.config import MAX_NUM_SPECULATIVE_TOKENS
 from specdec.models import LlamaForCausalLM, ModelConfig
 from specdec.models.llama import (
     Embedding,
@@ -91,8 +92,10 @@ class BlockDrafterConfig:
                 f"num_hidden_layers must be in [1, {self.target_num_hidden_layers}], "
                 f"got {self.num_hidden_layers}"
             )
-        if not 1 <= self.block_size <= 32:
-            raise ValueError(f"block_size must be in [1, 32], got {self.block_size}")
+        if not 1 <= self.block_size <= MAX_NUM_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"block_size must be in [1, {MAX_NUM_SPECULATIVE_TOKENS}], got {self.block_size}"
+            )
         if self.kind == "dspark" and not 1 <= self.markov_rank <= self.target_hidden_size:
             raise ValueError(
                 f"a dspark drafter needs 1 <= markov_rank <= {self.target_hidden_size}, "

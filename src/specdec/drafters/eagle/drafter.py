@@ -16,7 +16,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specdec.drafters.base import DraftBatch, Drafter, Proposal, TargetFeatures
+from specdec.drafters.base import (
+    DraftBatch,
+    Drafter,
+    DrafterSetup,
+    Proposal,
+    ProposalBuffer,
+    TargetFeatures,
+)
+from specdec.drafters.config import MAX_NUM_SPECULATIVE_TOKENS, SpeculativeConfig
 from specdec.drafters.eagle.head import EagleHead, head_logits, head_logits_weight, load_eagle_head
 from specdec.models import AttentionMetadata, LlamaForCausalLM
 from specdec.models.attention import DecodeMetadata
@@ -51,7 +59,7 @@ class EagleDrafter(Drafter):
         block_size: int,
         greedy: bool = False,
         *,
-        max_num_seqs: int = 64,
+        max_num_seqs: int,
         max_entries: int | None = None,
         max_width: int = 1,
         enforce_eager: bool = False,
@@ -70,7 +78,7 @@ class EagleDrafter(Drafter):
             its graphs (K + 1); more (a request's first round) take the general path.
         enforce_eager: never capture CUDA graphs.
         """
-        super().__init__(target.config.vocab_size, draft_to_target)
+        super().__init__(target.config.vocab_size, draft_to_target, greedy)
         self.head = head
         head.layer.self_attn.fuse()  # one q/k/v and one gate/up matrix for the decode path
         head.layer.mlp.fuse()
@@ -80,7 +88,6 @@ class EagleDrafter(Drafter):
         self.kv_cache = head.allocate_kv_cache(num_blocks, block_size)
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.block_size = block_size
-        self.greedy = greedy
         self.device = head.fc.weight.device
         self._states: dict[str, _EagleState] = {}
         self._graphs: _HeadGraphs | None = None
@@ -91,18 +98,11 @@ class EagleDrafter(Drafter):
 
     @classmethod
     def from_config(
-        cls,
-        spec,
-        target: LlamaForCausalLM,
-        num_blocks: int,
-        block_size: int,
-        *,
-        max_num_seqs: int = 64,
-        max_model_len: int | None = None,
-        enforce_eager: bool = False,
+        cls, spec: SpeculativeConfig, target: LlamaForCausalLM, setup: DrafterSetup
     ) -> EagleDrafter:
-        """Builds the drafter of a SpeculativeConfig whose `model` is a head directory (with
-        CUDA graphs of its draft steps when max_model_len is given and the target is on CUDA)."""
+        """Builds the drafter of a SpeculativeConfig whose `model` is a head directory, with
+        graphs (CUDA graphs on the GPU, the same static buffers op by op elsewhere) for its draft
+        steps."""
         weight = target.model.embed_tokens.weight
         head, draft_to_target = load_eagle_head(
             spec.model, target.config, dtype=weight.dtype, device=weight.device
@@ -111,14 +111,14 @@ class EagleDrafter(Drafter):
             head,
             target,
             draft_to_target,
-            num_blocks,
-            block_size,
+            setup.num_blocks,
+            setup.block_size,
             greedy=spec.draft_sample_method == "greedy",
-            max_num_seqs=max_num_seqs,
-            # A request may ask for up to 32 drafts a round, more than the configured K.
-            max_entries=None if max_model_len is None else max_model_len + 32,
+            max_num_seqs=setup.max_num_seqs,
+            # A request may ask for more drafts a round than the configured K.
+            max_entries=setup.max_model_len + MAX_NUM_SPECULATIVE_TOKENS,
             max_width=spec.num_speculative_tokens + 1,
-            enforce_eager=enforce_eager,
+            enforce_eager=setup.enforce_eager,
         )
 
     def release(self, request_id: str) -> None:
@@ -146,22 +146,13 @@ class EagleDrafter(Drafter):
             raise ValueError("the EAGLE drafter needs request_ids in its DraftBatch")
         size, k = batch.batch_size, batch.max_draft
         device = self.device
-        draft_ids = torch.full((size, k), -1, dtype=torch.int64, device=device)
-        draft_logits = draft_lse = None
-        if not self.greedy:
-            draft_logits = torch.full(
-                (size, k, self.target_vocab_size), float("-inf"), device=device
-            )
-            draft_lse = torch.zeros(size, k, device=device)
+        out = ProposalBuffer(size, k, self.target_vocab_size, device, self.greedy)
+        proposed = self.num_draft_with_features(batch)
         num_draft = batch.num_draft.tolist()
-        # A round anchored at A = 1 (a one-token prompt, fed as its first round) has no target
-        # feature yet for the head's first entry (t = A - 2): such rows draft nothing this round.
         anchors = batch.anchors.tolist()
-        live = [b for b in range(size) if anchors[b] >= 2]
-        proposed = batch.num_draft.clone()
-        proposed[[b for b in range(size) if anchors[b] < 2]] = 0
+        live = [b for b in range(size) if anchors[b] >= 2]  # rows with a feature to start from
         if not live:
-            return Proposal(draft_ids, draft_logits, draft_lse, proposed)
+            return out.proposal(proposed)
         states: list[_EagleState | None] = [None] * size
         features, tokens, first_positions, query_lens = [], [], [], []
         for b in live:
@@ -196,14 +187,7 @@ class EagleDrafter(Drafter):
             # Every row live: a slice; else one (pinned, asynchronous) copy of the row indices.
             index = slice(None) if len(live) == size else to_device(rows, torch.int64, device)
             draft_positions = batch.anchors[rows] + i  # Q of the proposed tokens
-            if self.greedy:
-                chosen = self.to_target_vocab(logits).argmax(dim=-1)
-            else:
-                sampled = self.sample_draft(logits, rows, draft_positions, batch)
-                chosen = sampled.token_ids
-                draft_logits[index, i] = sampled.processed_logits.to(device)
-                draft_lse[index, i] = sampled.logsumexp.to(device)
-            draft_ids[index, i] = chosen.to(device)
+            chosen = self.draw(logits, rows, draft_positions, batch, out, (index, i))
             keep = [j for j, row in enumerate(live) if i + 1 < num_draft[row]]
             if not keep:
                 break
@@ -222,7 +206,7 @@ class EagleDrafter(Drafter):
                     last, chosen.to(device), entry_positions, ones, live_states, 1
                 )
                 logits = head_logits(self.head, last, self.lm_weight)
-        return Proposal(draft_ids, draft_logits, draft_lse, proposed)
+        return out.proposal(proposed)
 
     def _catch_up(self, features, tokens, first_positions, query_lens, live_states):
         """The round's first head step without graphs: request j feeds the entries whose target
