@@ -20,7 +20,7 @@ from law_fixtures import (
     first_token_counts,
     save_vocab8_target,
 )
-from specdec.conformance import chi_square
+from specdec.audit import chi_square
 from specdec.drafters.base import Proposal
 from specdec.drafters.block.dspark import DSparkDrafter
 from specdec.models import load_model

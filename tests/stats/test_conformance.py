@@ -1,6 +1,6 @@
 """Statistical conformance of sampling and verification: the checks `specdec audit` runs.
 
-Each test drives the real `sample` and `verify` through `specdec.conformance` and states H0, the
+Each test drives the real `sample` and `verify` through `specdec.audit` and states H0, the
 statistic, the sample count, the threshold and the false-failure rate. Draws are keyed (Philox),
 so a test is deterministic: the false-failure rate is the probability that a fresh seed would
 fail it. Every check has a negative control, a deliberately broken variant the same check must
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdec import conformance as c
+from specdec import audit as c
 
 pytestmark = pytest.mark.stats
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy import integrate, stats
 
-from specdec import conformance as c
+from specdec import audit as c
 
 pytestmark = pytest.mark.stats
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from specdec import cli, conformance
-from specdec.conformance import CheckResult
+from specdec import audit, cli
+from specdec.audit import CheckResult
 
 PASS = CheckResult("joint/a", 1.2, 6.0, True, True, "-log10 p; chi2 1, df 1, n 1")
 CONTROL_REJECTED = CheckResult("joint/a/broken", 40.0, 6.0, False, False, "-log10 p; chi2 9")
@@ -27,7 +27,7 @@ def canned(monkeypatch):
                 on_result(result, 0.1)
             return results
 
-        monkeypatch.setattr(conformance, "run_audit", fake_run_audit)
+        monkeypatch.setattr(audit, "run_audit", fake_run_audit)
         return calls
 
     return install

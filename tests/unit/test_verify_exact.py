@@ -4,7 +4,7 @@ For small V and K, every draft chain is enumerated with its draft probability. A
 depends on its acceptance uniforms only through which side of each threshold they fall, so the
 uniforms are integrated analytically: one representative uniform vector per cell, weighted by the
 cell's probability (Leviathan et al.'s ratios, Sun et al.'s block thresholds, in float64 from
-`specdec.conformance`). The real `verify` runs on every (chain, cell) with the ACCEPT uniforms
+`specdec.audit.laws`). The real `verify` runs on every (chain, cell) with the ACCEPT uniforms
 patched to the representatives and the final Gumbel-max draw intercepted, so the decisions and
 the recovered/bonus token's distribution come from the code under test. Composed with the
 target's continuation, the emitted tokens must have exactly the target's joint law.
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import specdec.verify.verifier as verify_reference
-from specdec import conformance as c
+from specdec import audit as c
 from specdec.rng import Stream
 from specdec.sampling import sample
 from specdec.verify import verify
