@@ -1,7 +1,7 @@
 """The `specdec` command line: one subcommand per task (`generate`, `bench`, `serve`, `audit`,
 `train-drafter`).
 
-Parses arguments and prints results; the work itself lives in the library (`specdec.conformance`
+Parses arguments and prints results; the work itself lives in the library (`specdec.audit`
 for the audit), so that tests run exactly what the command runs.
 """
 
@@ -514,7 +514,7 @@ def _verdict(result) -> str:
 def _audit(args: argparse.Namespace) -> int:
     import torch
 
-    from specdec.conformance import run_audit
+    from specdec.audit import run_audit
 
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
