@@ -141,11 +141,11 @@ def learning_rate(step: int, options: TrainOptions) -> float:
 
 def train_drafter(config: TrainConfig, log=print) -> dict:
     """Runs the whole training; returns the acceptance evaluation (also in acceptance.json)."""
-    from specdec.engine.llm_engine import _resolve_device
+    from specdec.engine.setup import resolve_device
 
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
-    device = _resolve_device(config.device)
+    device = resolve_device(config.device)
     target_path = config.target or str(default_model_path())
     target, _, tokenizer = load_model(target_path, dtype=torch.float32, device=device)
     kind = get_kind(config.kind)

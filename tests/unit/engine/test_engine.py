@@ -226,7 +226,7 @@ def test_abort_frees_blocks_and_forgets_the_request(model_dir, prompts):
     engine.step()
     engine.step()
     engine.abort(request_id)
-    assert not engine.has_unfinished and engine.groups == {} and engine._group_of == {}
+    assert not engine.has_unfinished and engine.groups == {} and engine.outputs.empty
     assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
     assert engine.drafter.allocator.num_free_blocks == engine.drafter.allocator.num_blocks
     engine.abort(request_id)  # unknown ids are ignored
@@ -235,17 +235,17 @@ def test_abort_frees_blocks_and_forgets_the_request(model_dir, prompts):
 def test_sampled_drafts_reach_verify_with_their_log_normalisers(model_dir, prompts, monkeypatch):
     """The engine hands `verify` the draft log-normalisers the drafter recorded (exactly those of
     the draft logits it passes), and nothing for one-hot drafts."""
-    from specdec.engine import llm_engine
+    from specdec.engine import emitter
 
     seen = []
-    original = llm_engine.check_verify_inputs
+    original = emitter.check_verify_inputs
 
     def spy(*args, **kwargs):
         inputs = original(*args, **kwargs)
         seen.append(inputs)
         return inputs
 
-    monkeypatch.setattr(llm_engine, "check_verify_inputs", spy)
+    monkeypatch.setattr(emitter, "check_verify_inputs", spy)
     spec = {"method": "draft_model", "model": "truncated:1", "num_speculative_tokens": 3}
     make_llm(model_dir, spec).generate(prompts[:2], SAMPLED, use_tqdm=False)
     assert seen

@@ -10,7 +10,8 @@ from torch.nn.utils.rnn import pad_sequence
 
 from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
 from specdec.engine.config import EngineConfig, SpeculativeConfig
-from specdec.engine.llm_engine import LLMEngine, _draft_rows
+from specdec.engine.emitter import _draft_rows
+from specdec.engine.llm_engine import LLMEngine
 from specdec.sampling import SamplingParams
 
 VOCAB = 97

@@ -1,0 +1,190 @@
+"""Turns a step's logits into emitted tokens: one sampler call for the shares without drafts, one
+verifier call per verify method for the shares with drafts. Every emitted token comes from
+`specdec.sampling.sample` or `specdec.verify.verify`; nothing here draws randomness itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from specdec.engine.batch_constants import ConstantsCache
+from specdec.engine.proposals import StepDrafts
+from specdec.engine.request import Request
+from specdec.engine.scheduler import ScheduledRequest
+from specdec.sampling import sample
+from specdec.transfer import to_device
+from specdec.verify import VERIFY_METHODS, check_verify_inputs, verify_checked
+
+
+@dataclass(frozen=True, slots=True)
+class Emission:
+    """One share's result of a step.
+
+    Attributes:
+        tokens: the emitted tokens (accepted drafts, then the sampled, recovered or bonus one).
+        num_draft: drafts verified (0: plain sampling).
+        num_accepted: drafts accepted.
+        rows: the share's raw target logits [num_draft + 1, V]; the first len(tokens) rows are the
+            emitted tokens' distributions (None when the step's logits were not kept).
+    """
+
+    tokens: list[int]
+    num_draft: int
+    num_accepted: int
+    rows: torch.Tensor | None
+
+    @property
+    def num_rejected(self) -> int:
+        return self.num_draft - self.num_accepted
+
+
+class Emitter:
+    """Samples or verifies the emitting shares of a step, keeping the batches' constants."""
+
+    def __init__(self) -> None:
+        self.constants = ConstantsCache()
+
+    def emit(
+        self,
+        scheduled: list[ScheduledRequest],
+        logits: list[torch.Tensor],
+        drafts: StepDrafts | None,
+    ) -> list[Emission | None]:
+        """Per share, its `Emission` (None for a prefill chunk that emits nothing)."""
+        emitted: list[Emission | None] = [None] * len(scheduled)
+        plain: list[int] = []
+        spec: dict[str, list[int]] = {}
+        draft_rows = drafts.rows if drafts is not None else {}
+        for i, share in enumerate(scheduled):
+            if not share.emits:
+                continue
+            if draft_rows and id(share.request) in draft_rows:
+                spec.setdefault(share.request.spec.method, []).append(i)
+            else:
+                plain.append(i)
+        if plain:
+            self._sample_plain(plain, scheduled, logits, emitted)
+        for method in VERIFY_METHODS:
+            if method in spec:
+                self._verify_group(spec[method], scheduled, logits, drafts, method, emitted)
+        return emitted
+
+    def _sample_plain(
+        self,
+        indices: list[int],
+        scheduled: list[ScheduledRequest],
+        logits: list[torch.Tensor],
+        emitted: list[Emission | None],
+    ) -> None:
+        """Samples one token for each share in `indices` (no drafts) with one sampler call; sets
+        their entries of `emitted`."""
+        requests = [scheduled[i].request for i in indices]
+        row_logits = [logits[i] for i in indices]  # [1, V] each: one logit row was asked for
+        rows = row_logits[0] if len(row_logits) == 1 else torch.cat(row_logits)  # [B, V]
+        sampled = self.sample_rows(requests, rows).tolist()  # one device sync for the batch
+        for i, token, row in zip(indices, sampled, row_logits, strict=True):
+            emitted[i] = Emission([token], 0, 0, row)
+
+    def sample_rows(self, requests: list[Request], rows: torch.Tensor) -> torch.Tensor:
+        """[B] int64 device tokens sampled from [B, V] logit rows at each request's next
+        position (not read by the host)."""
+        constants = self.constants.get("plain", requests, rows.device)
+        if constants.greedy:
+            # All greedy: `sample` would take the argmax (first maximum) without noise; the
+            # filters never remove the maximum. One kernel instead of the sampler's setup.
+            return rows.argmax(dim=-1)
+        params = constants.params
+        return sample(
+            rows,
+            constants.seeds,
+            to_device([r.num_tokens for r in requests], torch.int64, rows.device),
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            min_p=params.min_p,
+            check_values=False,  # parameters validated by SamplingParams, keys by the engine
+        ).token_ids
+
+    def _verify_group(
+        self,
+        indices: list[int],
+        scheduled: list[ScheduledRequest],
+        logits: list[torch.Tensor],
+        drafts: StepDrafts,
+        method: str,
+        emitted: list[Emission | None],
+    ) -> None:
+        """Verifies the drafts of the shares in `indices` (all of `method`) with one verifier
+        call; sets their entries of `emitted`."""
+        requests = [scheduled[i].request for i in indices]
+        entries = [drafts.rows[id(r)] for r in requests]  # (proposal row, draft ids)
+        counts = [len(ids) for _, ids in entries]
+        k = max(counts)
+        # [B, K+1, V], zero-padded past each request's drafts (one copy: pad_sequence copies
+        # row by row, so it is kept for ragged groups only).
+        target_rows = [logits[i] for i in indices]
+        if min(counts) == k:
+            target = torch.stack(target_rows)
+        else:
+            target = pad_sequence(target_rows, batch_first=True)
+        device = target.device
+        positions, num_draft, flat_ids = _device_int64(
+            [r.num_tokens for r in requests],
+            counts,
+            [t for _, ids in entries for t in ids + [-1] * (k - len(ids))],
+            device=device,
+        )
+        draft_logits = draft_logsumexp = None
+        proposal = drafts.proposal
+        if proposal.draft_logits is not None:
+            rows = [b for b, _ in entries]
+            draft_logits = _draft_rows(proposal.draft_logits, rows, counts, k).to(device)
+            if proposal.draft_logsumexp is not None:
+                draft_logsumexp = _draft_rows(proposal.draft_logsumexp, rows, counts, k).to(device)
+        constants = self.constants.get(method, requests, device)
+        params = constants.params
+        # Valid by construction (ids from the drafter, params from SamplingParams): skip the
+        # value checks' host round trip.
+        inputs = check_verify_inputs(
+            target,
+            flat_ids.view(len(requests), k),
+            draft_logits,
+            constants.seeds,
+            positions,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            min_p=params.min_p,
+            num_draft=num_draft,
+            method=method,
+            draft_logsumexp=draft_logsumexp,
+            check_values=False,
+        )
+        out = verify_checked(inputs)
+        host_accepted = out.num_accepted.tolist()  # one device sync each for the whole group
+        host_tokens = out.token_ids.tolist()
+        for i, tokens, accepted, n in zip(indices, host_tokens, host_accepted, counts, strict=True):
+            emitted[i] = Emission(tokens[: accepted + 1], n, accepted, logits[i])
+
+
+def _device_int64(*columns: list[int], device: torch.device) -> list[torch.Tensor]:
+    """int64 tensors of host columns on `device`, sent with one copy."""
+    packed = to_device(list(itertools.chain.from_iterable(columns)), torch.int64, device)
+    return list(packed.split_with_sizes([len(column) for column in columns]))
+
+
+def _draft_rows(values: torch.Tensor, rows: list[int], counts: list[int], k: int) -> torch.Tensor:
+    """[len(rows), k, ...] entries of the given rows of a proposal's [B, K, ...] draft tensor
+    (draft logits or their log-normalisers), zero past each row's `counts` drafts (what padding
+    each row's own drafts to k gives)."""
+    if min(counts) == k and rows == list(range(values.shape[0])):
+        return values[:, :k].contiguous()  # the whole proposal: no gather
+    picked = values[to_device(rows, torch.int64, values.device), :k]  # a copy
+    for b, n in enumerate(counts):
+        if n < k:
+            picked[b, n:] = 0
+    return picked

@@ -1,0 +1,189 @@
+"""Output processing: a prompt's request group, appending emitted tokens with the stop rules
+(stop tokens, stop strings, `max_tokens`, `max_model_len`), logprobs, detokenization, and the
+`RequestOutput`s callers are given. Host work only: it never runs a model or draws randomness.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from specdec.engine.request import Request, RequestStatus
+from specdec.metrics import SpecDecodeStats
+from specdec.models import Tokenizer
+from specdec.sampling import compute_logprobs
+
+
+@dataclass(slots=True, eq=False)
+class RequestGroup:
+    """The n samples of one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seed: int
+    samples: list[Request]
+    stop_token_ids: frozenset[int] = frozenset()  # stop_token_ids, and EOS unless ignored
+    texts: list[str | None] = field(default_factory=list)  # a stop-truncated text, else None
+    stop_reasons: list[str | int | None] = field(default_factory=list)
+    logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
+
+
+class OutputProcessor:
+    """The request groups in flight and how their outputs are built.
+
+    `finish(request, status)` is called when a stop rule ends a request (the engine frees its
+    blocks and its drafter state there).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        max_model_len: int,
+        finish: Callable[[Request, RequestStatus], None],
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_id = None if tokenizer is None else tokenizer.eos_token_id
+        self.max_model_len = max_model_len
+        self.finish = finish
+        self.groups: dict[str, RequestGroup] = {}
+        self._group_of: dict[int, RequestGroup] = {}
+
+    def add(self, group: RequestGroup) -> None:
+        """Registers a new group. Mutates: group.texts, stop_reasons, logprobs (one per sample)."""
+        n = len(group.samples)
+        group.texts = [None] * n
+        group.stop_reasons = [None] * n
+        wants_logprobs = group.samples[0].params.logprobs is not None
+        group.logprobs = [[] if wants_logprobs else None for _ in range(n)]
+        self.groups[group.request_id] = group
+        for request in group.samples:
+            self._group_of[id(request)] = group
+
+    def group_of(self, request: Request) -> RequestGroup:
+        return self._group_of[id(request)]
+
+    def forget(self, group: RequestGroup) -> None:
+        self.groups.pop(group.request_id, None)
+        for request in group.samples:
+            self._group_of.pop(id(request), None)
+
+    @property
+    def empty(self) -> bool:
+        return not self.groups and not self._group_of
+
+    def append(self, request: Request, tokens: list[int], rows: torch.Tensor | None) -> bool:
+        """Appends emitted tokens one by one, stopping at the first stop condition (the tokens
+        after it are dropped). `rows` ([len(tokens), V] raw logits) give the logprobs. Returns
+        whether the request finished."""
+        group = self._group_of[id(request)]
+        params = request.params
+        output = request.output_token_ids
+        check_text = bool(params.stop) and self.tokenizer is not None
+        limit = self.output_limit(request)
+        for j, token in enumerate(tokens):
+            output.append(token)
+            if params.logprobs is not None:
+                lp = compute_logprobs(rows[j : j + 1], torch.tensor([token]), params.logprobs)
+                top = dict(zip(lp.top_ids[0].tolist(), lp.top_logprobs[0].tolist(), strict=True))
+                group.logprobs[group.samples.index(request)].append(
+                    TokenLogprob(token, float(lp.token_logprobs[0]), top)
+                )
+            num_out = len(output)
+            if num_out >= params.min_tokens:
+                if token in group.stop_token_ids:
+                    reason = None if token == self.eos_token_id else token
+                    group.stop_reasons[group.samples.index(request)] = reason
+                    self.finish(request, RequestStatus.FINISHED_STOPPED)
+                    return True
+                if check_text:
+                    text = self.text(request)
+                    hit = _find_stop(text, params.stop)
+                    if hit is not None:
+                        position, stop = hit
+                        keep = position + (len(stop) if params.include_stop_str_in_output else 0)
+                        index = group.samples.index(request)
+                        group.texts[index] = text[:keep]
+                        group.stop_reasons[index] = stop
+                        self.finish(request, RequestStatus.FINISHED_STOPPED)
+                        return True
+            if num_out >= limit:
+                self.finish(request, RequestStatus.FINISHED_LENGTH)
+                return True
+        return False
+
+    def output_limit(self, request: Request) -> int:
+        """Output tokens the request may have: max_tokens, or max_model_len tokens in all."""
+        limit = self.max_model_len - len(request.prompt_token_ids)
+        max_tokens = request.params.max_tokens
+        return limit if max_tokens is None else min(limit, max_tokens)
+
+    def text(self, request: Request) -> str:
+        """The output text: decoded incrementally while the request runs (it may lag by an
+        incomplete character), decoded whole once it has finished."""
+        if self.tokenizer is None:
+            return ""
+        skip = request.params.skip_special_tokens
+        if request.status.finished:
+            return self.tokenizer.decode(request.output_token_ids, skip_special_tokens=skip)
+        return request.detokenized.update(self.tokenizer, request.output_token_ids, skip)
+
+    def outputs(
+        self, reported: dict[str, RequestGroup], only_finished: bool
+    ) -> list[RequestOutput]:
+        """The outputs of the reported groups (only the finished ones with `only_finished`);
+        finished groups are forgotten."""
+        if only_finished:
+            return [
+                self.output(group)
+                for group in reported.values()
+                if all(r.status.finished for r in group.samples)
+            ]
+        return [self.output(group) for group in reported.values()]
+
+    def output(self, group: RequestGroup) -> RequestOutput:
+        outputs = []
+        finished = True
+        for index, request in enumerate(group.samples):
+            status = request.status
+            done = status.finished
+            finished = finished and done
+            logprobs = group.logprobs[index]
+            outputs.append(
+                CompletionOutput(
+                    index=index,
+                    text=self.text(request) if group.texts[index] is None else group.texts[index],
+                    token_ids=list(request.output_token_ids),
+                    finish_reason=status.value if done else None,
+                    stop_reason=group.stop_reasons[index],
+                    logprobs=None if logprobs is None else list(logprobs),
+                    cumulative_logprob=None
+                    if logprobs is None
+                    else sum(t.logprob for t in logprobs),
+                )
+            )
+        if len(group.samples) == 1:
+            stats = group.samples[0].stats  # merging one set into empty counters copies it
+        else:
+            stats = SpecDecodeStats()
+            for request in group.samples:
+                stats.merge(request.stats)
+        if finished:
+            self.forget(group)
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            seed=group.seed,
+            spec_decode_stats=stats.as_dict(),
+        )
+
+
+def _find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    hits = [(text.find(stop), stop) for stop in stops if stop in text]
+    return min(hits) if hits else None

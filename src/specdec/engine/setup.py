@@ -1,0 +1,92 @@
+"""Engine set-up, run once at start-up: the device and dtype an `EngineConfig` resolves to, the
+longest request it allows, and the KV cache's size. Never steps, samples or draws randomness.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import torch
+
+from specdec.engine.config import EngineConfig
+from specdec.models import LlamaForCausalLM
+
+CPU_KV_CACHE_BYTES = 1 << 30
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but no CUDA device is available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def resolve_max_model_len(config: EngineConfig, model: LlamaForCausalLM) -> int:
+    """max_model_len: the configured one, else the model's context up to DEFAULT_MAX_MODEL_LEN.
+
+    Raises:
+        ValueError: the configured one exceeds the model's context.
+    """
+    context = model.config.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
+    max_model_len = config.max_model_len or min(context, DEFAULT_MAX_MODEL_LEN)
+    if max_model_len > context:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {context}")
+    return max_model_len
+
+
+def size_kv_cache(
+    config: EngineConfig, model: LlamaForCausalLM, max_model_len: int, device: torch.device
+) -> tuple[int, int]:
+    """(KV-cache blocks, max_model_len): `num_kv_blocks` or what memory allows (the free GPU
+    memory under gpu_memory_utilization on CUDA; max_num_seqs x max_model_len tokens, at most
+    CPU_KV_CACHE_BYTES, on the CPU), and max_model_len lowered (with a warning) to what the
+    cache holds, since a request alone must always fit.
+
+    Raises:
+        ValueError: the cache would not hold one request of max_model_len.
+    """
+    num_blocks = config.num_kv_blocks or _default_num_blocks(config, model, max_model_len, device)
+    if num_blocks * config.block_size < max_model_len:
+        # A request alone must always fit, or it could neither run nor be preempted for.
+        warnings.warn(
+            f"max_model_len lowered from {max_model_len} to the KV cache's "
+            f"{num_blocks * config.block_size} slots",
+            stacklevel=3,
+        )
+        max_model_len = num_blocks * config.block_size
+    return num_blocks, max_model_len
+
+
+def _default_num_blocks(
+    config: EngineConfig, model: LlamaForCausalLM, max_model_len: int, device: torch.device
+) -> int:
+    cfg = model.config
+    itemsize = model.model.embed_tokens.weight.element_size()
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
+    if device.type == "cuda":
+        # Memory of engines that are gone (e.g. an earlier one in this process) is garbage
+        # or cached by the allocator: give it back before measuring what is free.
+        gc.collect()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        budget = free - (1.0 - config.gpu_memory_utilization) * total
+    else:
+        needed = config.max_num_seqs * max_model_len * per_token
+        budget = min(CPU_KV_CACHE_BYTES, needed)
+    num_blocks = int(budget // (per_token * config.block_size))
+    minimum = -(-max_model_len // config.block_size)
+    if num_blocks < minimum:
+        raise ValueError(
+            f"the KV cache fits {num_blocks} blocks, fewer than one request of "
+            f"max_model_len={max_model_len} needs ({minimum}); lower max_model_len"
+        )
+    return num_blocks
