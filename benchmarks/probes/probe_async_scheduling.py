@@ -1,6 +1,6 @@
 """Where the asynchronous engine loop loses time on the GPU: a diagnostic, not a benchmark.
 
-    python benchmarks/probe_async_scheduling.py --out DIR [--shape llama-3.2-1b] [--batch 64]
+    python benchmarks/probes/probe_async_scheduling.py --out DIR [--shape llama-3.2-1b] [--batch 64]
 
 At batch 64 on a Llama-3.2-1B shape, the overlapped loop measured 1.62-1.77 ms per step against a
 1.24 ms graph replay (BENCHMARKS.md, session 4), although the host work per step should fit under
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_gpu_engine
 
 from bench_gpu_engine import COMMON, build_ours, make_llm, random_prompts
 
