@@ -3,7 +3,7 @@
 templates that never occur in the training set.
 
     python benchmarks/drafter/make_prompts.py
-    # -> benchmarks/drafter/train_prompts.jsonl, train_prompts_wide.jsonl, heldout_prompts.jsonl
+    # -> benchmarks/data/train_prompts.jsonl, train_prompts_wide.jsonl, heldout_prompts.jsonl
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ HELD_OUT_TEMPLATES = [
 
 
 def main() -> None:
-    here = Path(__file__).parent
+    data_dir = Path(__file__).resolve().parents[1] / "data"  # benchmarks/data/
     topics, held = TOPICS, HELD_OUT_TOPICS
     train = [tpl.format(t=t) for t, tpl in itertools.product(topics, TEMPLATES)]
     # Interleave so that any prefix of the file covers many topics and templates.
@@ -147,7 +147,7 @@ def main() -> None:
     wide = [wide[(i * stride) % len(wide)] for i in range(len(wide))]
     sets = (("train_prompts", train), ("train_prompts_wide", wide), ("heldout_prompts", heldout))
     for name, prompts in sets:
-        path = here / f"{name}.jsonl"
+        path = data_dir / f"{name}.jsonl"
         path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
         print(f"{path}: {len(prompts)} prompts")
 

@@ -9,7 +9,7 @@
 # sweep on the held-out prompts (sweep.json, sweep.png). Self-distillation: the target answers
 # every training prompt 6 times (T = 0 and 1 alternately, <= 320 tokens, ending at EOS) through
 # the CUDA engine, 256 requests at a time. DATA and REPEATS override the prompts file and the
-# answers per prompt (e.g. DATA=benchmarks/drafter/train_prompts_wide.jsonl REPEATS=1: 10,170
+# answers per prompt (e.g. DATA=benchmarks/data/train_prompts_wide.jsonl REPEATS=1: 10,170
 # prompts over 330 topics and 31 kinds of request, for a head that generalises further).
 # MAX_PROMPTS caps the prompts used; SWEEP=0 skips the sweep; RESUME=1 continues in the same OUT
 # (reusing its self-distilled data and checkpoint), so that generation and training can run in
@@ -19,7 +19,7 @@ set -euo pipefail
 gguf=$1
 out=$2
 time_limit=${3:-330}
-data=${DATA:-benchmarks/drafter/train_prompts.jsonl}
+data=${DATA:-benchmarks/data/train_prompts.jsonl}
 repeats=${REPEATS:-6}
 mkdir -p "$out"
 
@@ -37,6 +37,6 @@ if [ "${SWEEP:-1}" = 0 ]; then exit 0; fi
 python3 -m specdec bench --sweep --model "$gguf" --device cuda \
     --drafter eagle="{\"method\": \"eagle\", \"model\": \"$out/eagle\"}" \
     --drafter ngram='{"method": "ngram"}' \
-    --prompts-file benchmarks/drafter/heldout_prompts.jsonl --num-prompts 16 --output-len 128 \
+    --prompts-file benchmarks/data/heldout_prompts.jsonl --num-prompts 16 --output-len 128 \
     --ks 2,4,6 --temperatures 0,1 --max-num-seqs 1 --num-kv-blocks 4096 --out "$out/sweep.json" 2>&1 |
     tr '\r' '\n' | awk '!/it\/s\]$/' | tee "$out/sweep.log"

@@ -7,11 +7,13 @@ import json
 import re
 from pathlib import Path
 
-DRAFTER = Path(__file__).resolve().parents[3] / "benchmarks" / "drafter"
+BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
+DRAFTER = BENCHMARKS / "drafter"  # make_prompts.py
+DATA = BENCHMARKS / "data"  # the prompt files it writes
 
 
 def _prompts(name: str) -> list[str]:
-    lines = (DRAFTER / name).read_text().splitlines()
+    lines = (DATA / name).read_text().splitlines()
     return [json.loads(line)["prompt"] for line in lines if line.strip()]
 
 

@@ -1,6 +1,7 @@
 """What a decode step's GPU time is made of: a diagnostic, not a benchmark.
 
-    python benchmarks/probe_decode_kernels.py --out DIR [--shapes llama-3-8b] [--batches 1,64]
+    python benchmarks/probes/probe_decode_kernels.py --out DIR [--shapes llama-3-8b]
+        [--batches 1,64]
 
 For each shape and batch: (1) the decode step run eagerly (the same kernels the CUDA graph
 replays) under `torch.profiler`, its kernels summed by name, with the replay time beside it;
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_gpu_engine
 
 from bench_gpu_engine import build_ours, cuda_ms
 

@@ -1,13 +1,13 @@
 """Where a speculative engine step spends its time on the GPU: a diagnostic, not a benchmark.
 
-    python benchmarks/probe_spec_step.py --out DIR [--shape llama-3.2-1b] [--batch 1]
+    python benchmarks/probes/probe_spec_step.py --out DIR [--shape llama-3.2-1b] [--batch 1]
 
 With random weights on a Llama-3.2-1B shape, a draft model made of the target's first 2 layers
-(K = 4) took 7.7 ms per token against 1.9 ms for plain decoding (BENCHMARKS.md, machine A), and
-the SmolLM2 EAGLE head ran at 0.15-0.24x plain decoding on the H200. This script times the host
-side of each part of one speculative step (propose, the target's forward, verify and commit),
-lists the lines that synchronise the device, and writes the busiest host operations of a
-`torch.profiler` run to DIR/spec_profile.txt, for the draft model and for n-gram drafting.
+(K = 4) took 7.7 ms per token against 1.9 ms for plain decoding (benchmarks/history.md, machine A),
+and the SmolLM2 EAGLE head ran at 0.15-0.24x plain decoding on the H200. This script times the host
+side of each part of one speculative step (propose, the target's forward, verify and commit), lists
+the lines that synchronise the device, and writes the busiest host operations of a `torch.profiler`
+run to DIR/spec_profile.txt, for the draft model and for n-gram drafting.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # probes/: probe_async_scheduling
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_gpu_engine
 
 from bench_gpu_engine import build_ours, make_llm, random_prompts
 from probe_async_scheduling import generate, synchronising_calls

@@ -1,6 +1,6 @@
 """Where `sample()`'s GPU time goes: its chunk kernel with parts switched off or replaced.
 
-    python benchmarks/sample_variants.py --out variants.json [--batch 256] [--vocab 151936]
+    python benchmarks/probes/sample_variants.py --out variants.json [--batch 256] [--vocab 151936]
         [--dtype bfloat16] [--plans-only]
 
 Times (median of `triton.testing.do_bench`, L2 flushed) a copy of `_sample_chunk_kernel` with

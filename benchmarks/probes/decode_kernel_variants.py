@@ -1,7 +1,7 @@
 """Launch plans of the decode step's own kernels, and a Triton GEMM beside cuBLAS for the thin
 (M <= 64) matrix products of a decode step: a diagnostic, not a benchmark.
 
-    python benchmarks/decode_kernel_variants.py --out variants.json
+    python benchmarks/probes/decode_kernel_variants.py --out variants.json
 
 (1) `_paged_decode_attention_kernel` under several (BLOCK_N, num_warps, num_stages) at the
 Llama-3-8B and Llama-3.2-1B head shapes, batch 1 and 64, 1 and 5 query tokens per sequence,

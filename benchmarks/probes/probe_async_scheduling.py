@@ -1,14 +1,14 @@
 """Where the asynchronous engine loop loses time on the GPU: a diagnostic, not a benchmark.
 
-    python benchmarks/probe_async_scheduling.py --out DIR [--shape llama-3.2-1b] [--batch 64]
+    python benchmarks/probes/probe_async_scheduling.py --out DIR [--shape llama-3.2-1b] [--batch 64]
 
 At batch 64 on a Llama-3.2-1B shape, the overlapped loop measured 1.62-1.77 ms per step against a
-1.24 ms graph replay (BENCHMARKS.md, session 4), although the host work per step should fit under
-the replay. This script (1) runs one generate under `torch.cuda.set_sync_debug_mode("warn")` and
-lists the Python lines whose operations synchronise the device; (2) times every part of
-the overlapped step on the host (schedule, launch, resolve) and the GPU time between consecutive
-graph launches (CUDA events recorded right after each replay is queued); (3) writes a
-`torch.profiler` trace of a few steps (DIR/trace.json) and prints its busiest host operations.
+1.24 ms graph replay (benchmarks/history.md, session 4), although the host work per step should fit
+under the replay. This script (1) runs one generate under `torch.cuda.set_sync_debug_mode("warn")`
+and lists the Python lines whose operations synchronise the device; (2) times every part of the
+overlapped step on the host (schedule, launch, resolve) and the GPU time between consecutive graph
+launches (CUDA events recorded right after each replay is queued); (3) writes a `torch.profiler`
+trace of a few steps (DIR/trace.json) and prints its busiest host operations.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_gpu_engine
 
 from bench_gpu_engine import COMMON, build_ours, make_llm, random_prompts
 
