@@ -62,21 +62,28 @@ def random_eagle_head(model, out: Path, draft_vocab: int = 16384) -> str:
     return str(out)
 
 
-PARTS = ("_schedule", "_propose", "_step_inputs", "_emit", "_deliver_features", "step")
+# The parts of a synchronous step, as the step loop calls them: engine methods, the step's
+# module functions (looked up in specdec.engine.llm_engine's namespace) and the emitter.
+ENGINE_PARTS = ("_schedule", "step")
+LOOP_FUNCTIONS = ("propose", "step_inputs", "deliver_features")
 
 
 def timed_parts(llm, prompts, tokens: int) -> dict:
     """Median host milliseconds per call of each part of the synchronous step, and of the
     drafter's `propose`."""
+    from specdec.engine import llm_engine
+
     engine = llm.engine
     host = collections.defaultdict(list)
-    targets = [(engine, name) for name in PARTS] + [(engine.runner, "run_with_features")]
-    targets += [(engine.drafter, "propose")]
+    targets = [(engine, name, name) for name in ENGINE_PARTS]
+    targets += [(llm_engine, name, name) for name in LOOP_FUNCTIONS]
+    targets += [(engine.emitter, "emit", "emit"), (engine.runner, "run_with_features", "run")]
+    targets += [(engine.drafter, "propose", "drafter.propose")]
     originals = []
-    for obj, name in targets:
+    for obj, name, label in targets:
         original = getattr(obj, name)
 
-        def timed(*args, _original=original, _name=name, **kwargs):
+        def timed(*args, _original=original, _name=label, **kwargs):
             torch.cuda.synchronize()
             start = time.perf_counter()
             try:
@@ -86,12 +93,15 @@ def timed_parts(llm, prompts, tokens: int) -> dict:
                 host[_name].append((time.perf_counter() - start) * 1e3)
 
         setattr(obj, name, timed)
-        originals.append((obj, name))
+        originals.append((obj, name, original))
     try:
         generate(llm, prompts, tokens)
     finally:
-        for obj, name in originals:
-            delattr(obj, name)  # the instance attribute hid the class's method
+        for obj, name, original in originals:
+            if obj is llm_engine:
+                setattr(obj, name, original)
+            else:
+                delattr(obj, name)  # the instance attribute hid the class's method
     summary = {name: round(statistics.median(v), 3) for name, v in host.items()}
     summary["calls"] = {name: len(v) for name, v in host.items()}
     return summary

@@ -80,3 +80,19 @@ def sampling_params(args: argparse.Namespace, **overrides: Any) -> SamplingParam
     values = {name: getattr(args, name) for name in SAMPLING_FLAGS}
     values.update(overrides)
     return SamplingParams(**values)
+
+
+# The speculation `generate` and `bench` use when --speculative-config is not given: the shipped
+# EAGLE head for the built-in model (`default_spec`), prompt lookup for any other model.
+DEFAULT_SPECULATIVE_CONFIG = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+def default_spec(model: str | None) -> dict:
+    """The default speculation of `generate` and `bench` for `model` (None: the built-in one)."""
+    if model is None:
+        from specdec.drafters.default import default_speculative_config
+
+        shipped = default_speculative_config()
+        if shipped is not None:
+            return shipped
+    return DEFAULT_SPECULATIVE_CONFIG

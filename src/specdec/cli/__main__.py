@@ -1,0 +1,7 @@
+"""`python -m specdec.cli`."""
+
+import sys
+
+from specdec.cli import main
+
+sys.exit(main())
