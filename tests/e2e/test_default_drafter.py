@@ -25,7 +25,8 @@ def test_the_shipped_head_is_small_and_the_default():
     files = list(DEFAULT_EAGLE_DIR.iterdir())
     assert {f.name for f in files} >= {"config.json", "model.safetensors"}
     assert sum(f.stat().st_size for f in files) <= 16 * 2**20
-    assert default_speculative_config()["method"] == "eagle"
+    assert default_speculative_config(None)["method"] == "eagle"
+    assert default_speculative_config("some/other/model") is None
     assert default_spec(None)["model"] == str(DEFAULT_EAGLE_DIR)
     assert default_spec("some/other/model") == DEFAULT_SPECULATIVE_CONFIG
 

@@ -5,12 +5,24 @@ from __future__ import annotations
 import argparse
 import sys
 
+from specdec.cli.flags import add_config_flags, config_values
+from specdec.server.config import ServerConfig
+
+# ServerConfig fields that are flags of `serve` (served_model_name and api_key have their own).
+SERVER_FLAGS = (
+    "host",
+    "port",
+    "max_request_bytes",
+    "max_tokens_limit",
+    "max_n",
+    "max_prompts",
+    "max_logprobs",
+)
+
 
 def add_serve(commands) -> None:
     from specdec.cli.flags import add_engine_arguments
-    from specdec.server.config import ServerConfig
 
-    defaults = ServerConfig()
     serve = commands.add_parser(
         "serve",
         help="an OpenAI-compatible HTTP server (completions, chat, SSE streaming, /metrics)",
@@ -23,19 +35,10 @@ def add_serve(commands) -> None:
     )
     serve.add_argument("model", nargs="?", default=None, help="HF directory or GGUF file")
     serve.add_argument("--served-model-name", default=None, help="the model name requests use")
-    serve.add_argument("--host", default=defaults.host, help=f"(default: {defaults.host})")
-    serve.add_argument(
-        "--port", type=int, default=defaults.port, help=f"(default: {defaults.port})"
-    )
     serve.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 route"
     )
-    limits = ("max_request_bytes", "max_tokens_limit", "max_n", "max_prompts", "max_logprobs")
-    for name in limits:
-        default = getattr(defaults, name)
-        serve.add_argument(
-            "--" + name.replace("_", "-"), type=int, default=default, help=f"(default: {default})"
-        )
+    add_config_flags(serve, ServerConfig, SERVER_FLAGS)
     add_engine_arguments(serve)
     serve.set_defaults(handler=_serve)
 
@@ -53,14 +56,8 @@ def _serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or (Path(args.model).stem if args.model else "default")
     config = ServerConfig(
         served_model_name=name,
-        host=args.host,
-        port=args.port,
         api_key=args.api_key,
-        max_request_bytes=args.max_request_bytes,
-        max_tokens_limit=args.max_tokens_limit,
-        max_n=args.max_n,
-        max_prompts=args.max_prompts,
-        max_logprobs=args.max_logprobs,
+        **config_values(args, ServerConfig, SERVER_FLAGS),
     )
     engine = LLMEngine(
         EngineConfig(model=args.model, **engine_kwargs(args)), speculative_config(args, None)

@@ -5,12 +5,41 @@ from __future__ import annotations
 import argparse
 import sys
 
+from specdec.cli.flags import add_config_flags, config_values
+
+# Training settings that are flags of `train-drafter` (kind, data, out, target, resume and
+# gen_temperatures have flags of their own).
+OPTION_FLAGS = (
+    "seed",
+    "max_steps",
+    "batch_size",
+    "seq_len",
+    "lr",
+    "warmup_steps",
+    "weight_decay",
+    "grad_clip",
+    "checkpoint_every",
+)
+RUN_FLAGS = (
+    "max_text_tokens",
+    "max_prompts",
+    "time_limit_s",
+    "gen_max_tokens",
+    "gen_repeats",
+    "gen_batch",
+    "holdout_fraction",
+    "eval_prompts",
+    "eval_max_tokens",
+    "eval_k",
+    "device",
+)
+
 
 def add_train_drafter(commands) -> None:
     from specdec.train.kind import TrainOptions
     from specdec.train.trainer import TrainConfig
 
-    defaults, run = TrainOptions(), TrainConfig(kind="", data=(), out="")
+    run = TrainConfig(kind="", data=(), out="")
     train = commands.add_parser(
         "train-drafter",
         help="train a drafter (draft_model, eagle/mtp, ...) by distillation from the target",
@@ -35,44 +64,8 @@ def add_train_drafter(commands) -> None:
         metavar="KEY=VALUE",
         help="kind-specific setting (e.g. draft_vocab_size=8192, ttt_steps=3, draft_layers=2)",
     )
-    for name in (
-        "seed",
-        "max_steps",
-        "batch_size",
-        "seq_len",
-        "lr",
-        "warmup_steps",
-        "weight_decay",
-        "grad_clip",
-        "checkpoint_every",
-    ):
-        default = getattr(defaults, name)
-        train.add_argument(
-            "--" + name.replace("_", "-"),
-            type=type(default),
-            default=default,
-            help=f"(default: {default})",
-        )
-    for name in (
-        "max_text_tokens",
-        "max_prompts",
-        "time_limit_s",
-        "gen_max_tokens",
-        "gen_repeats",
-        "gen_batch",
-        "holdout_fraction",
-        "eval_prompts",
-        "eval_max_tokens",
-        "eval_k",
-        "device",
-    ):
-        default = getattr(run, name)
-        train.add_argument(
-            "--" + name.replace("_", "-"),
-            type=type(default),
-            default=default,
-            help=f"(default: {default})",
-        )
+    add_config_flags(train, TrainOptions, OPTION_FLAGS)
+    add_config_flags(train, TrainConfig, RUN_FLAGS)
     train.add_argument(
         "--gen-temperatures",
         default=",".join(str(t) for t in run.gen_temperatures),
@@ -97,8 +90,7 @@ def _train_drafter(args: argparse.Namespace) -> int:
         if not sep:
             raise SystemExit(f"--option expects KEY=VALUE, got {item!r}")
         extra[key] = value
-    names = [f for f in TrainOptions.__dataclass_fields__ if f != "extra"]
-    options = TrainOptions(**{name: getattr(args, name) for name in names}, extra=extra)
+    options = TrainOptions(**config_values(args, TrainOptions, OPTION_FLAGS), extra=extra)
     config = TrainConfig(
         kind=args.kind,
         data=tuple(args.data),
@@ -106,18 +98,8 @@ def _train_drafter(args: argparse.Namespace) -> int:
         target=args.target,
         options=options,
         resume=args.resume,
-        max_text_tokens=args.max_text_tokens,
-        max_prompts=args.max_prompts,
-        time_limit_s=args.time_limit_s,
-        gen_max_tokens=args.gen_max_tokens,
-        gen_temperatures=tuple(float(t) for t in args.gen_temperatures.split(",")),
-        gen_repeats=args.gen_repeats,
-        gen_batch=args.gen_batch,
-        holdout_fraction=args.holdout_fraction,
-        eval_prompts=args.eval_prompts,
-        eval_max_tokens=args.eval_max_tokens,
-        eval_k=args.eval_k,
-        device=args.device,
+        **config_values(args, TrainConfig, RUN_FLAGS),
+        gen_temperatures=tuple(float(x) for x in args.gen_temperatures.split(",")),
     )
     train_drafter(config, log=lambda message: print(message, file=sys.stderr, flush=True))
     return 0

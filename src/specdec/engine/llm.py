@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from specdec.drafters.default import default_speculative_config
 from specdec.engine.config import EngineConfig, SpeculativeConfig
 from specdec.engine.llm_engine import LLMEngine
 from specdec.engine.outputs import RequestOutput
@@ -44,11 +45,7 @@ class LLM:
                 raise ValueError(
                     f'speculative_config must be a dict, None or "auto", got {speculative_config!r}'
                 )
-            speculative_config = None
-            if model is None:
-                from specdec.drafters.default import default_speculative_config
-
-                speculative_config = default_speculative_config()
+            speculative_config = default_speculative_config(model)
         config = EngineConfig.from_kwargs(model=model, **engine_args)
         self.engine = LLMEngine(config, SpeculativeConfig.from_dict(speculative_config))
 

@@ -7,15 +7,16 @@ from __future__ import annotations
 from pathlib import Path
 
 DEFAULT_EAGLE_DIR = Path(__file__).parent / "smollm2-135m-instruct-eagle"
-# K = 2: the fastest K for this head on the CPU (1.28x at T = 0, 1.14x at T = 1; K = 4 is
-# 0.98x / 0.81x). See BENCHMARKS.md.
+# K = 2: the fastest K for this head on the CPU (1.21x at T = 0, 1.13x at T = 1; K = 4 is
+# 0.97x / 0.81x; session 6). See BENCHMARKS.md.
 DEFAULT_NUM_SPECULATIVE_TOKENS = 2
 
 
-def default_speculative_config() -> dict | None:
-    """The speculation used for the built-in model when none is asked for: the shipped EAGLE
-    head at K = 2 (None if the head's files are missing from this installation)."""
-    if not (DEFAULT_EAGLE_DIR / "model.safetensors").is_file():
+def default_speculative_config(model: str | None) -> dict | None:
+    """The speculation used when none is asked for (the one rule, for `LLM` and the commands):
+    the shipped EAGLE head at K = 2 for the built-in model (`model` None), if its files are in
+    this installation; None otherwise."""
+    if model is not None or not (DEFAULT_EAGLE_DIR / "model.safetensors").is_file():
         return None
     return {
         "method": "eagle",
