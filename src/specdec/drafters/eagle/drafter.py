@@ -27,7 +27,8 @@ from specdec.drafters.base import (
 from specdec.drafters.config import MAX_NUM_SPECULATIVE_TOKENS, SpeculativeConfig
 from specdec.drafters.eagle.head import EagleHead, head_logits, head_logits_weight, load_eagle_head
 from specdec.models import AttentionMetadata, LlamaForCausalLM
-from specdec.models.attention import DecodeMetadata
+from specdec.models.attention import DecodeMetadata, cache_slots
+from specdec.runner.cuda_graph import GraphCache, StaticInputs, batch_buckets, bucket_for
 from specdec.runner.kv_cache import BlockAllocator
 from specdec.transfer import to_device
 
@@ -295,7 +296,7 @@ class EagleDrafter(Drafter):
             blocks = state.block_ids
             if len(blocks) > max_blocks:
                 raise RuntimeError(f"a head entry table of {len(blocks)} blocks (> {max_blocks})")
-            slots += [blocks[t // size] * size + t % size for t in entries] + [-1] * (width - count)
+            slots += cache_slots(blocks, entries, size).tolist() + [-1] * (width - count)
             positions += [t + 1 for t in entries] + [0] * (width - count)
             tables += blocks + [0] * (max_blocks - len(blocks))
             context_lens.append(first - 1 + count)
@@ -345,10 +346,7 @@ class _HeadGraphs:
         max_blocks: int,
         use_graphs: bool,
     ) -> None:
-        from specdec.runner.cuda_graph import batch_buckets
-
         self.drafter = drafter
-        self.use_graphs = use_graphs
         self.buckets = batch_buckets(max_num_seqs)
         self.width = width
         self.max_blocks = max_blocks
@@ -357,22 +355,36 @@ class _HeadGraphs:
         rows = max_num_seqs * width
         self.features = torch.zeros(rows, head.config.feature_size, dtype=dtype, device=device)
         self.hidden = torch.zeros(max_num_seqs, head.config.hidden_size, dtype=dtype, device=device)
-        # slots, positions, tokens, context lengths, query lengths, last rows, block tables:
-        # one int64 buffer, filled in a host twin and sent with one copy.
-        self._sizes = [rows] * 3 + [max_num_seqs] * 3 + [max_num_seqs * max_blocks]
-        self._offsets = [0]
-        for size in self._sizes:
-            self._offsets.append(self._offsets[-1] + size)
-        self._inputs = torch.zeros(self._offsets[-1], dtype=torch.int64, device=device)
-        on_cuda = device.type == "cuda"
-        self._host = torch.zeros(self._offsets[-1], dtype=torch.int64, pin_memory=on_cuda)
-        self._copied = torch.cuda.Event() if on_cuda else None
-        views = self._inputs.split(self._sizes)
-        self.slots, self.positions, self.tokens = views[:3]
-        self.context_lens, self.query_lens, self.ends = views[3:6]
-        self.tables = views[6].view(max_num_seqs, max_blocks)
-        self.graphs: dict[tuple[str, int], tuple] = {}
-        self._pool = None
+        # Every integer input in one buffer (block tables last), sent with one copy per step.
+        self.inputs = StaticInputs(
+            {
+                "slots": rows,
+                "positions": rows,
+                "tokens": rows,
+                "context_lens": max_num_seqs,
+                "query_lens": max_num_seqs,
+                "ends": max_num_seqs,
+                "tables": max_num_seqs * max_blocks,
+            },
+            device,
+        )
+        self.slots, self.positions, self.tokens = (
+            self.inputs[name] for name in ("slots", "positions", "tokens")
+        )
+        self.context_lens, self.query_lens, self.ends = (
+            self.inputs[name] for name in ("context_lens", "query_lens", "ends")
+        )
+        self.tables = self.inputs["tables"].view(max_num_seqs, max_blocks)
+        self.graph_cache = GraphCache(use_graphs)
+
+    @property
+    def use_graphs(self) -> bool:
+        return self.graph_cache.use_graphs
+
+    @property
+    def graphs(self) -> dict:
+        """(step kind, padded batch) -> (graph, its outputs)."""
+        return self.graph_cache.graphs
 
     def _forward(self, kind: str, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
         drafter, head = self.drafter, self.drafter.head
@@ -428,55 +440,29 @@ class _HeadGraphs:
         """Writes a step's integer inputs (padded to a bucket of requests, `width` rows each)
         and sends them in one copy. Returns the padded number of requests."""
         num_seqs = len(states)
-        padded = next(size for size in self.buckets if size >= num_seqs)
+        padded = bucket_for(self.buckets, num_seqs)
         slots, positions, context_lens, tables = self.drafter._entry_inputs(
             first_positions, query_lens, states, width, self.max_blocks
         )
-        if self._copied is not None:
-            self._copied.synchronize()  # the last step's copy has left the pinned buffer
-        host, at = self._host.numpy(), self._offsets
+        inputs = self.inputs
+        inputs.begin()  # the last step's copy has left the host buffer
         rows, pad = padded * width, padded - num_seqs
-        host[at[0] : at[0] + rows] = slots + [-1] * (pad * width)
-        host[at[1] : at[1] + rows] = positions + [0] * (pad * width)
+        inputs.host("slots", rows)[:] = slots + [-1] * (pad * width)
+        inputs.host("positions", rows)[:] = positions + [0] * (pad * width)
         if tokens is not None:
-            flat = host[at[2] : at[2] + rows]
+            flat = inputs.host("tokens", rows)
             flat[:] = 0
             for j, row_tokens in enumerate(tokens):
                 flat[j * width : j * width + len(row_tokens)] = row_tokens
-        host[at[3] : at[3] + padded] = context_lens + [0] * pad  # padding requests: inert
-        host[at[4] : at[4] + padded] = list(query_lens) + [0] * pad
-        host[at[5] : at[5] + padded] = [j * width + n - 1 for j, n in enumerate(query_lens)] + [
-            0
-        ] * pad
-        table_rows = host[at[6] : at[7]].reshape(-1, self.max_blocks)
+        inputs.host("context_lens", padded)[:] = context_lens + [0] * pad  # padding: inert
+        inputs.host("query_lens", padded)[:] = list(query_lens) + [0] * pad
+        ends = [j * width + n - 1 for j, n in enumerate(query_lens)]
+        inputs.host("ends", padded)[:] = ends + [0] * pad
+        table_rows = inputs.host("tables").reshape(-1, self.max_blocks)
         table_rows[:num_seqs] = np.asarray(tables, dtype=np.int64).reshape(num_seqs, -1)
-        end = at[6] + padded * self.max_blocks  # the tables of the requests in use
-        self._inputs[:end].copy_(self._host[:end], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        inputs.send("tables", padded * self.max_blocks)  # the tables of the requests in use
         return padded
 
     def _run(self, kind: str, padded: int, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.use_graphs:
-            out, logits = self._forward(kind, padded)
-        else:
-            key = (kind, padded)
-            if key not in self.graphs:
-                self.graphs[key] = self._capture(kind, padded)
-            graph, out, logits = self.graphs[key]
-            graph.replay()
+        out, logits = self.graph_cache.run((kind, padded), lambda: self._forward(kind, padded))
         return out[:num_seqs], logits[:num_seqs]
-
-    def _capture(self, kind: str, num_seqs: int) -> tuple:
-        # The warm-up run computes (and writes to the head cache) exactly what the replay that
-        # follows the capture will: running the step twice changes nothing.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._forward(kind, num_seqs)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out, logits = self._forward(kind, num_seqs)
-        self._pool = graph.pool()
-        return graph, out, logits
