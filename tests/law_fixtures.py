@@ -71,9 +71,11 @@ def first_token_counts(
     max_tokens: int,
     num_tokens: int,
     num_trials: int,
+    **engine_args,
 ) -> tuple[torch.Tensor, dict]:
     """(counts [V ** num_tokens] float64 of the first num_tokens emitted tokens of num_trials
-    requests seeded 0 .. num_trials - 1 through the engine, the engine's spec-decode metrics)."""
+    requests seeded 0 .. num_trials - 1 through the engine (with `engine_args`), the engine's
+    spec-decode metrics)."""
     from specdec.engine.llm import LLM
     from specdec.sampling import SamplingParams
 
@@ -84,6 +86,7 @@ def first_token_counts(
         block_size=4,
         max_num_seqs=512,
         max_num_batched_tokens=4096,
+        **engine_args,
     )
     params = [
         SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=s)

@@ -40,11 +40,15 @@ def exact_law(model_dir, temperature: float) -> torch.Tensor:
     return exact_continuation_law(model_dir, temperature, NUM_TOKENS)
 
 
-def emitted_counts(model_dir, spec, temperature: float) -> torch.Tensor:
+def emitted_counts(
+    model_dir, spec, temperature: float, max_tokens: int = NUM_TOKENS, **engine_args
+) -> torch.Tensor:
     counts, metrics = first_token_counts(
-        model_dir, spec, temperature, NUM_TOKENS, NUM_TOKENS, NUM_TRIALS
+        model_dir, spec, temperature, max_tokens, NUM_TOKENS, NUM_TRIALS, **engine_args
     )
     assert metrics["num_accepted_tokens"] > 0
+    if engine_args.get("async_scheduling"):
+        assert metrics["loop"]["num_device_rounds"] > 0  # the rounds ran on the device path
     return counts
 
 
@@ -153,4 +157,43 @@ def test_negative_control_eagle_verifier_given_the_raw_draft_distribution(
 
     monkeypatch.setattr(Drafter, "sample_draft", wrong_distribution)
     counts = emitted_counts(model_dir, eagle_config(eagle_dir, "standard"), 1.6)
+    assert chi_square_pvalue(counts, law) < ALPHA
+
+
+@pytest.mark.parametrize(
+    ("drafter", "method"), [("draft_model", "standard"), ("eagle", "block"), ("eagle", "coupled")]
+)
+def test_device_rounds_with_adaptive_k_follow_the_target(model_dir, eagle_dir, drafter, method):
+    """H0: through speculative rounds on the device (asynchronous scheduling; op by op on the
+    CPU) with the adaptive policy choosing K in [0, 2] round by round, the first 3 emitted tokens
+    still have the target's exact joint law (requests run to 6 tokens, so that rounds past the
+    first decide some of the 3). Same statistic, N and threshold as above (Pearson chi-square,
+    512 cells, temperature 0.7, reject at p < 1e-6: false-failure rate <= 1e-6 per case, 3
+    cases)."""
+    if drafter == "eagle":
+        spec = eagle_config(eagle_dir, method)
+    else:
+        spec = spec_config(method, "probabilistic")
+    spec["adaptive"] = True
+    law = exact_law(model_dir, 0.7)
+    counts = emitted_counts(model_dir, spec, 0.7, 6, async_scheduling=True)
+    assert chi_square_pvalue(counts, law) > ALPHA
+
+
+def test_negative_control_device_rounds_reading_a_stale_anchor(model_dir, monkeypatch):
+    """The device-round test has power: it rejects (p < 1e-6; seen: 1e-87) rounds whose next
+    round reads the previous round's anchor instead of advancing it past the emitted tokens
+    (positions, cache slots and keys then repeat). Temperature 0.7, requests of 6 tokens.
+    (Reading a stale input token instead barely moves this model's law, p = 0.12: the equality
+    test in tests/unit/engine/test_device_rounds.py is the control for that one.)"""
+    from specdec.engine import device_round
+
+    def stale_anchor(rounds, view, accepted, final):
+        rows = view.num_rows
+        rounds.last_tokens[:rows].copy_(torch.where(view.live, final, view.last_tokens))
+
+    monkeypatch.setattr(device_round.DeviceRounds, "_advance", stale_anchor)
+    law = exact_law(model_dir, 0.7)
+    spec = {**spec_config("standard", "probabilistic"), "adaptive": False}
+    counts = emitted_counts(model_dir, spec, 0.7, 6, async_scheduling=True)
     assert chi_square_pvalue(counts, law) < ALPHA

@@ -21,6 +21,7 @@ from specdec.sampling import SampleOutput, SamplingTensors, sample
 from specdec.transfer import to_device
 
 if TYPE_CHECKING:
+    from specdec.drafters.device import DeviceDrafting, RoundView
     from specdec.models import LlamaForCausalLM
 
 
@@ -34,6 +35,8 @@ class DrafterSetup:
         max_num_seqs: most requests in one round (sizes static buffers and graph buckets).
         max_model_len: longest request, in tokens.
         enforce_eager: never capture CUDA graphs.
+        device_rounds: the engine may run rounds on the device (`device_drafting`): build the
+            static buffers they need (on the CPU too, where they run op by op).
     """
 
     num_blocks: int
@@ -41,6 +44,7 @@ class DrafterSetup:
     max_num_seqs: int
     max_model_len: int
     enforce_eager: bool = False
+    device_rounds: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +235,64 @@ class Drafter(abc.ABC):
         """Receives the target features of newly committed tokens (only when `feature_layers`
         is non-empty). For a request, successive calls cover consecutive positions, except
         that after `release` (preemption) they restart from position 0."""
+
+    def device_drafting(
+        self, num_slots: int, width: int, max_model_len: int, device: torch.device
+    ) -> DeviceDrafting | None:
+        """This drafter's steps for device rounds on `device` over `num_slots` slots, each
+        committing at most `width` tokens per round and holding at most `max_model_len`, or None
+        when it drafts on the host only (then the engine runs its rounds synchronously)."""
+        return None
+
+    def draw_on_device(
+        self,
+        logits: torch.Tensor,
+        positions: torch.Tensor,
+        view: RoundView,
+        out: ProposalBuffer,
+        column: int,
+    ) -> torch.Tensor:
+        """`draw` for a device round: one draft per slot of `view` (all S rows, in slot order),
+        written into column `column` of `out`. Device work only (no host reads), so a round that
+        calls it can be replayed from a CUDA graph.
+
+        Args:
+            logits: [S, V_draft] raw draft logits.
+            positions: [S] int64 position Q of the token each slot proposes.
+            view: the round (seeds, anchors, sampling parameters, verify method).
+            out: the round's proposal buffers ([S_max, K, ...]).
+            column: the draft index i.
+
+        Returns: [S] int64 drafts (target ids) on the logits' device.
+
+        RNG: as `sample_draft`: `Stream.DRAFT` at (Q, anchor) for "standard"/"block", or
+        `Stream.TARGET` at (Q) for "coupled"; V lanes per slot. Inert slots have temperature 0
+        and take the argmax: their keys decide nothing.
+        """
+        num_rows = view.num_rows
+        full = self.to_target_vocab(logits)
+        if self.greedy:
+            tokens = full.argmax(dim=-1)
+        else:
+            stream = draft_stream(view.method)
+            params = view.params
+            sampled = sample(
+                full,
+                view.seeds,
+                positions,
+                temperature=params.temperature,
+                top_k=params.top_k,
+                top_p=params.top_p,
+                min_p=params.min_p,
+                stream=stream,
+                step=view.anchors if stream == Stream.DRAFT else 0,
+                check_values=False,  # the engine's parameters, valid by construction
+            )
+            tokens = sampled.token_ids
+            out.draft_logits[:num_rows, column] = sampled.processed_logits
+            out.draft_logsumexp[:num_rows, column] = sampled.logsumexp
+        out.draft_token_ids[:num_rows, column] = tokens
+        return tokens
 
     def _draft_to_target_on(self, device: torch.device) -> torch.Tensor:
         """`draft_to_target` on `device`, copied there once (not at every draft step)."""

@@ -44,6 +44,12 @@ class SpeculativeConfig:
             the verifier is given) or "greedy" (the draft's argmax, verified as a one-hot draft).
         rejection_sample_method: "standard", "block" or "coupled".
         prompt_lookup_min / prompt_lookup_max: n-gram sizes tried by "ngram".
+        adaptive: when rounds run on the device (asynchronous scheduling), choose each round's
+            K in [0, num_speculative_tokens] from measured round costs and the running
+            acceptance (`specdec.engine.spec_policy`); False pins K to num_speculative_tokens.
+            Standard/block outputs stay exact in law either way, but a seeded request replays
+            token for token only with K pinned (the chosen K depends on the batch and on
+            measured timings); coupled and greedy outputs equal plain decoding's whatever K is.
     """
 
     method: str = "ngram"
@@ -53,6 +59,7 @@ class SpeculativeConfig:
     rejection_sample_method: str = "standard"
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -74,6 +81,10 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.rejection_sample_method must be one of {VERIFY_METHODS}, "
                 f"got {self.rejection_sample_method!r}"
+            )
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(
+                f"speculative_config.adaptive must be true or false, got {self.adaptive!r}"
             )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(

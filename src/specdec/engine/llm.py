@@ -108,8 +108,10 @@ class LLM:
         return self.generate(prompts, sampling_params, **kwargs)
 
     def get_metrics(self) -> dict:
-        """Engine-wide spec-decode counters (vLLM's definitions)."""
-        return self.engine.stats.as_dict()
+        """Engine-wide spec-decode counters (vLLM's definitions), and which path served the
+        steps ("loop": overlapped plain steps, device rounds, rounds replayed from CUDA graphs,
+        synchronous steps, and the K the policy chose per device round)."""
+        return {**self.engine.stats.as_dict(), "loop": self.engine.loop_stats.as_dict()}
 
     def _run(self, ids, use_tqdm, on_tokens) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}

@@ -22,6 +22,7 @@ from specdec.drafters import Drafter, DrafterSetup
 from specdec.drafters.config import check_num_speculative_tokens
 from specdec.drafters.registry import build_drafter
 from specdec.engine.config import EngineConfig, SpeculativeConfig
+from specdec.engine.device_round import DeviceRounds
 from specdec.engine.emitter import Emission, Emitter
 from specdec.engine.output_processor import OutputProcessor, RequestGroup
 from specdec.engine.outputs import RequestOutput
@@ -34,7 +35,8 @@ from specdec.engine.setup import (
     resolve_max_model_len,
     size_kv_cache,
 )
-from specdec.metrics import SpecDecodeStats
+from specdec.engine.spec_policy import SpeculationPolicy
+from specdec.metrics import LoopStats, SpecDecodeStats
 from specdec.models import LlamaForCausalLM, Tokenizer, default_model_path, load_model
 from specdec.rng import derive_seed, fresh_seed, to_signed64
 from specdec.runner import BlockAllocator, PagedModelRunner
@@ -88,6 +90,9 @@ class LLMEngine:
             config, model, resolve_max_model_len(config, model), self.device
         )
         self.allocator = BlockAllocator(num_blocks, config.block_size)
+        # Speculative rounds on the device (overlapped with the host) need the decode path's
+        # static buffers, on the CPU too (where they run op by op).
+        self.device_rounds = bool(self.async_scheduling and speculative_config is not None)
         self.runner = PagedModelRunner(
             model,
             num_blocks,
@@ -99,6 +104,7 @@ class LLMEngine:
             max_query_len=1
             + (speculative_config.num_speculative_tokens if speculative_config else 0),
             enforce_eager=config.enforce_eager,
+            decode_path=True if self.device_rounds else None,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -115,7 +121,15 @@ class LLMEngine:
         self.emitter = Emitter()
         self.outputs = OutputProcessor(tokenizer, self.max_model_len, self._finish)
         self.stats = SpecDecodeStats()
+        self.loop_stats = LoopStats()
         self._inflight: _Inflight | None = None
+        self._rounds: DeviceRounds | None = None  # built on first use
+        self._in_rounds = False
+        self.policy = None
+        if speculative_config is not None:
+            self.policy = SpeculationPolicy(
+                speculative_config.num_speculative_tokens, speculative_config.adaptive
+            )
         self._ids = itertools.count()
 
     def _build_drafter(self, spec: SpeculativeConfig | None) -> Drafter | None:
@@ -127,6 +141,7 @@ class LLMEngine:
             max_num_seqs=self.config.max_num_seqs,
             max_model_len=self.max_model_len,
             enforce_eager=self.config.enforce_eager,
+            device_rounds=self.device_rounds,
         )
         return build_drafter(spec, self.model, setup)
 
@@ -237,7 +252,8 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or self._inflight is not None
+        rounds_inflight = self._rounds is not None and bool(self._rounds.inflight)
+        return self.scheduler.has_unfinished or self._inflight is not None or rounds_inflight
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.scheduler.finish(request, status)
@@ -252,10 +268,16 @@ class LLMEngine:
         launch work whose tokens the next call reports."""
         if self.async_scheduling and self.drafter is None:
             return self._step_async(only_finished)
+        if self._in_rounds:
+            return self._step_rounds(only_finished)
         scheduled = self._schedule()
         if not scheduled:
             return []
-        return self._run_step(scheduled, only_finished)
+        outputs = self._run_step(scheduled, only_finished)
+        self.loop_stats.num_sync_steps += 1
+        if self.device_rounds:
+            self._enter_rounds()
+        return outputs
 
     def _run_step(
         self, scheduled: list[ScheduledRequest], only_finished: bool
@@ -378,6 +400,7 @@ class LLMEngine:
         for request, step_input in zip(requests, inputs, strict=True):
             self.scheduler.commit(request, step_input.start + 1)
             request.num_pending += 1
+        self.loop_stats.num_overlapped_steps += 1
         return _Inflight(requests, token_ids, Readback({"tokens": token_ids}, {}))
 
     def _resolve(self, inflight: _Inflight, only_finished: bool) -> list[RequestOutput]:
@@ -390,3 +413,100 @@ class LLMEngine:
             if not request.status.finished:
                 commits.append((request, None, Emission([token], 0, 0, None)))
         return self._commit(commits, only_finished)
+
+    # ------------------------------------------------------- speculative rounds on the device
+    def _enter_rounds(self) -> None:
+        """Hands the batch to device rounds when every running request decodes with speculation
+        (one verify method, no logprobs) and no waiting request could join; else the
+        synchronous step goes on."""
+        scheduler = self.scheduler
+        requests = list(scheduler.running)
+        if not requests or self._admission_pending():
+            return
+        method = requests[0].spec.method if requests[0].spec is not None else None
+        for request in requests:
+            if (
+                request.spec is None
+                or request.spec.method != method
+                or request.params.logprobs is not None
+                or request.num_computed_tokens != request.num_tokens - 1
+                or request.num_tokens < 2
+            ):
+                return
+        rounds = self._device_round_runner()
+        if rounds is None:
+            return
+        rounds.begin(requests)
+        self._in_rounds = True
+
+    def _admission_pending(self) -> bool:
+        """Whether a waiting request could join the batch now (the rounds then drain)."""
+        scheduler = self.scheduler
+        return bool(scheduler.waiting) and len(scheduler.running) < self.config.max_num_seqs
+
+    def _device_round_runner(self) -> DeviceRounds | None:
+        if self._rounds is None:
+            k = self.speculative_config.num_speculative_tokens
+            drafting = self.drafter.device_drafting(
+                self.config.max_num_seqs, k + 1, self.max_model_len, self.device
+            )
+            if drafting is None or self.runner.graphs is None:
+                self.device_rounds = False  # this drafter drafts on the host only
+                return None
+            self._rounds = DeviceRounds(
+                self.runner,
+                self.drafter,
+                drafting,
+                max_k=k,
+                max_num_seqs=self.config.max_num_seqs,
+                max_model_len=self.max_model_len,
+                use_graphs=self.runner.graphs.use_graphs,
+            )
+        return self._rounds
+
+    def _step_rounds(self, only_finished: bool) -> list[RequestOutput]:
+        """One call of the device-round loop: launch the next round unless the batch must go
+        back to the synchronous step (a waiting request could join, one nears its length limit,
+        or the cache cannot hold what the round may write), then read the round before it."""
+        rounds = self._rounds
+        launched = False
+        if not self._admission_pending() and rounds.live_requests:
+            k = self.policy.choose(rounds.num_rows)
+            last = rounds.launch_room(k)
+            if last is not None and self._grow_ahead(rounds.live_requests, last):
+                rounds.launch(k, last)
+                self.loop_stats.observe_round(k, rounds.graph_cache.use_graphs)
+                launched = True
+        outputs: list[RequestOutput] = []
+        if rounds.inflight and (len(rounds.inflight) > 1 or not launched):
+            emissions, k, seconds = rounds.read()
+            outcomes = [(e.num_draft, e.num_accepted) for _, e in emissions]
+            self.policy.observe(rounds.num_rows, k, seconds, outcomes)
+            outputs = self._commit([(r, None, e) for r, e in emissions], only_finished)
+        if not launched and not rounds.inflight:
+            self._leave_rounds()
+        return outputs
+
+    def _grow_ahead(self, requests: list[Request], last_positions: list[int]) -> bool:
+        """Blocks for every position a launched round may write (False, growing nothing, when
+        the cache cannot hold them all)."""
+        allocator = self.allocator
+        needed = [
+            max(allocator.blocks_needed(last + 1) - len(r.block_ids), 0)
+            for r, last in zip(requests, last_positions, strict=True)
+        ]
+        if sum(needed) > allocator.num_free_blocks:
+            return False
+        for request, last in zip(requests, last_positions, strict=True):
+            allocator.grow(request, last + 1)
+        return True
+
+    def _leave_rounds(self) -> None:
+        """Back to the synchronous step: the drafter's host state from the device, and the
+        blocks grown ahead for rounds that did not run given back."""
+        rounds = self._rounds
+        live = [r for r in rounds.live_requests if not r.status.finished]
+        rounds.end()
+        for request in live:
+            self.scheduler.commit(request, request.num_computed_tokens)
+        self._in_rounds = False

@@ -79,11 +79,13 @@ class DecodeGraphs:
         # (padded batch, Q, feature layers) -> (graph, features the graph writes or None)
         self.graph_cache = GraphCache(use_graphs)
 
-    def _forward(
+    def forward(
         self, num_seqs: int, query_per_seq: int, feature_layers: tuple[int, ...]
     ) -> torch.Tensor | None:
-        """The step over the first num_seqs x query_per_seq rows of the static buffers; writes
-        `self.logits[:rows]` and returns the [rows, F] features of `feature_layers` (or None)."""
+        """The step over the first num_seqs x query_per_seq rows of the static buffers, as
+        they are (device work only: what `run` replays, and what a caller that fills the
+        buffers on the device runs inside its own graph); writes `self.logits[:rows]` and
+        returns the [rows, F] features of `feature_layers` (or None)."""
         rows = num_seqs * query_per_seq
         meta = DecodeMetadata(
             block_tables=self.block_tables[:num_seqs],
@@ -193,7 +195,7 @@ class DecodeGraphs:
             device_ids[:num_seqs, 0].copy_(first_tokens)
         features = self.graph_cache.run(
             (num_padded, query_per_seq, feature_layers),
-            lambda: self._forward(num_padded, query_per_seq, feature_layers),
+            lambda: self.forward(num_padded, query_per_seq, feature_layers),
         )
         if stacked and query_per_seq == 1:
             # One view instead of num_seqs: host work each overlapped decode step.
