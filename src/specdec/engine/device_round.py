@@ -120,6 +120,7 @@ class DeviceRounds:
         self._last_end: torch.cuda.Event | float | None = None
         self.num_rounds = 0  # rounds launched (all replayed from graphs when use_graphs)
         self.num_overlapped_reads = 0  # rounds read while the next one was already launched
+        self.round_seconds: deque[float] = deque(maxlen=4096)  # each read round's cost
 
     # ------------------------------------------------------------------ set-up
     def begin(self, requests: list[Request]) -> None:
@@ -238,6 +239,7 @@ class DeviceRounds:
             launched.done.synchronize()
         values = self._ring[launched.ring].tolist()
         seconds = self._seconds(launched)
+        self.round_seconds.append(seconds)
         rows, width = len(self.slots), self.width
         size = self.out.shape[0] // (width + 2)
         emissions = []
