@@ -38,7 +38,7 @@ from specdec.metrics import SpecDecodeStats
 from specdec.models import LlamaForCausalLM, Tokenizer, default_model_path, load_model
 from specdec.rng import derive_seed, fresh_seed, to_signed64
 from specdec.runner import BlockAllocator, PagedModelRunner
-from specdec.sampling import SamplingParams
+from specdec.sampling import LogitsRules, SamplingParams
 from specdec.transfer import Readback
 from specdec.verify import VERIFY_METHODS
 
@@ -164,11 +164,17 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         spec = self._spec_settings(speculative)
+        rules = self._logits_rules(params)
         seed = to_signed64(params.seed) if params.seed is not None else fresh_seed()
         samples = []
         for index in range(params.n):
             request = Request(
-                f"{request_id}#{index}", list(token_ids), params, derive_seed(seed, index), spec
+                f"{request_id}#{index}",
+                list(token_ids),
+                params,
+                derive_seed(seed, index),
+                spec,
+                rules=rules,
             )
             self.scheduler.add(request)
             samples.append(request)
@@ -182,6 +188,23 @@ class LLMEngine:
             )
         )
         return request_id
+
+    def _logits_rules(self, params: SamplingParams) -> LogitsRules | None:
+        """The request's penalties, biases and bans resolved to token ids (ValueError naming a
+        field whose token ids lie outside the vocabulary)."""
+        tokenizer = self.tokenizer
+        encode = None
+        if tokenizer is not None:
+
+            def encode(text: str) -> list[int]:
+                return tokenizer.encode(text, add_special_tokens=False)
+
+        return LogitsRules.from_params(
+            params,
+            vocab_size=self.model_config.vocab_size,
+            eos_token_id=self.outputs.eos_token_id,
+            encode=encode,
+        )
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -339,6 +362,7 @@ class LLMEngine:
             and request.spec is None
             and request.num_computed_tokens == request.num_tokens - 1
             and request.params.logprobs is None
+            and request.rules is None  # processed with the output so far, read on the host
         )
 
     def _can_overlap(self, inflight: _Inflight) -> bool:

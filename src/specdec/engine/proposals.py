@@ -11,6 +11,7 @@ import torch
 
 from specdec.drafters import DraftBatch, Drafter, Proposal, TargetFeatures
 from specdec.engine.batch_constants import ConstantsCache
+from specdec.engine.request import logits_context
 from specdec.engine.scheduler import ScheduledRequest
 from specdec.runner import StepInput
 
@@ -45,6 +46,7 @@ def propose(
         methods=[r.spec.method for r in requests],
         params=batch_constants.params,
         request_ids=[r.request_id for r in requests],
+        context=logits_context(requests),
     )
     proposal = drafter.propose(batch)
     counts = proposal.num_draft.tolist()  # one device sync each for the whole batch

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.sampling.context import LogitsContext
 from specdec.sampling.processing import (
     SAMPLING_RULE_MESSAGES,
     RowParam,
@@ -64,11 +65,14 @@ def check_verify_inputs(
     draft_logsumexp: torch.Tensor | None = None,
     active_rows: int | None = None,
     check_values: bool = True,
+    context: LogitsContext | None = None,
 ) -> VerifyInputs:
     """Checks shapes, dtypes and values; raises ValueError/TypeError naming the problem.
 
     `check_values=False` skips the value checks (the one host round trip) for callers that build
-    their inputs valid by construction (the engine); shapes and dtypes are always checked."""
+    their inputs valid by construction (the engine); shapes and dtypes are always checked.
+    With a `context`, the returned target logits are the context-processed ones
+    (`context_target_logits`)."""
     if method not in VERIFY_METHODS:
         raise ValueError(f"method must be one of {VERIFY_METHODS}, got {method!r}")
     if target_logits.dim() != 3 or not target_logits.is_floating_point():
@@ -108,6 +112,10 @@ def check_verify_inputs(
         raise ValueError(f"active_rows must lie in [0, B={batch}], got {active_rows}")
     active_rows = int(active_rows)
     params = SamplingTensors.build(batch, device, temperature, top_k, top_p, min_p, check=False)
+    if context is not None:
+        if context.num_rows != batch:
+            raise ValueError(f"context has {context.num_rows} requests for B={batch}")
+        target_logits = context_target_logits(target_logits, draft_token_ids, num_draft, context)
     if check_values:
         ValueCheck(
             draft_token_ids, draft_logits, positions, num_draft, params, method, active_rows, vocab
@@ -124,6 +132,40 @@ def check_verify_inputs(
         method,
         active_rows,
     )
+
+
+def context_target_logits(
+    target_logits: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    num_draft: torch.Tensor,
+    context: LogitsContext,
+) -> torch.Tensor:
+    """Target logits processed by each request's context, row j as if drafts 0..j-1 had been
+    accepted: verify row j of request b is processed with drafts b, 0..min(j, num_draft[b])-1
+    appended to the request's output, which is how plain decoding processes that position
+    once they are (so verification stays exact for penalties and context-dependent bans).
+
+    Args:
+        target_logits: [B, K+1, V] raw target logits.
+        draft_token_ids: [B, K] int64 drafts (entries at or beyond num_draft[b] are ignored).
+        num_draft: [B] int64.
+        context: the B requests' `LogitsContext`.
+
+    Returns:
+        [B, K+1, V] float32.
+    """
+    batch, num_rows, vocab = target_logits.shape
+    k = num_rows - 1
+    device = target_logits.device
+    columns = torch.arange(k, device=device)
+    before = columns[None, None, :] < torch.arange(num_rows, device=device)[None, :, None]
+    live = columns[None, :] < num_draft[:, None]  # [B, K]
+    # [B, K+1, K]: draft i counts in row j's context iff i < j and i < num_draft.
+    valid = before & live[:, None, :]
+    prefix = torch.where(valid, draft_token_ids[:, None, :], -1).reshape(batch * num_rows, k)
+    rows = torch.arange(batch, device=device).repeat_interleave(num_rows)
+    flat = target_logits.reshape(batch * num_rows, vocab)
+    return context.apply(flat, rows, prefix).view(batch, num_rows, vocab)
 
 
 def value_rule_messages(k: int, vocab: int) -> list[str]:

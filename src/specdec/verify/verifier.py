@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from specdec.rng import Stream, uniform
+from specdec.sampling.context import LogitsContext
 from specdec.sampling.processing import RowParam, process_logits
 from specdec.sampling.sampler import gumbel_argmax_ref
 from specdec.sampling.tensors import SamplingTensors
@@ -36,6 +37,7 @@ def verify(
     method: str = "standard",
     draft_logsumexp: torch.Tensor | None = None,
     active_rows: int | None = None,
+    context: LogitsContext | None = None,
 ) -> VerifyResult:
     """Verifies one round of drafts per request and emits the accepted prefix plus one token.
 
@@ -55,6 +57,9 @@ def verify(
             returned as `logsumexp`); it must be exactly that, and saves a pass over the drafts.
         active_rows: rows >= active_rows are padding: they emit -1, accept nothing and draw no
             noise (None = all rows are live).
+        context: the B requests' penalties, biases and bans (`specdec.sampling.LogitsContext`):
+            row j of request b is processed as if drafts 0..j-1 had been accepted; the drafts
+            must have been sampled from logits processed the same way (`Drafter.sample_draft`).
 
     Returns:
         VerifyResult(token_ids [B, K+1] int64 padded with -1, num_accepted [B] int64).
@@ -77,6 +82,7 @@ def verify(
         draft_logsumexp=draft_logsumexp,
         active_rows=active_rows,
         check_values=False,
+        context=context,
     )
     # The value checks read their values back while the kernels run: the kernels are memory-safe
     # on any values (they clamp ids and counts), and nothing is returned before the checks pass.
@@ -157,6 +163,7 @@ def verify_ref(
     method: str = "standard",
     draft_logsumexp: torch.Tensor | None = None,
     active_rows: int | None = None,
+    context: LogitsContext | None = None,
 ) -> VerifyResult:
     """The PyTorch twin of `specdec.verify.verify` (same arguments and results)."""
     inputs = check_verify_inputs(
@@ -173,6 +180,7 @@ def verify_ref(
         method=method,
         draft_logsumexp=draft_logsumexp,
         active_rows=active_rows,
+        context=context,
     )
     return verify_checked_ref(inputs)
 
