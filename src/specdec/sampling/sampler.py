@@ -12,9 +12,11 @@ import torch
 from specdec.rng import Stream, gumbel
 from specdec.sampling.context import LogitsContext
 from specdec.sampling.processing import (
+    UNUSABLE_ROW_MESSAGE,
     RowParam,
     filter_threshold,
     scale_logits,
+    unusable_rows,
 )
 from specdec.sampling.tensors import SampleOutput, SamplingTensors
 
@@ -91,6 +93,9 @@ def sample_ref(
     """The PyTorch twin of `sample` (same arguments and results); runs on any device."""
     check_logits_and_keys(logits, seeds, positions)
     logits = apply_context(logits, context)
+    bad = unusable_rows(logits)
+    if logits.shape[0] and bool(bad.any()):
+        raise ValueError(f"logits row {int(bad.nonzero()[0])} {UNUSABLE_ROW_MESSAGE}")
     params = SamplingTensors.build(logits.shape[0], logits.device, temperature, top_k, top_p, min_p)
     scaled = scale_logits(logits, params.temperature)
     threshold = filter_threshold(scaled, params.top_k, params.top_p, params.min_p)
@@ -120,7 +125,9 @@ def sample(
     """Samples one token per row by Gumbel-max on keyed noise.
 
     Args:
-        logits: [N, V] raw logits (float32, bfloat16 or float16).
+        logits: [N, V] raw logits (float32, bfloat16 or float16). NaN counts as -inf; a row
+            with no finite logit, or with a +inf one, is refused (ValueError) unless
+            `check_values` is False on CUDA, where it is not looked for.
         seeds: [N] int64 request seeds.
         positions: [N] int64 position Q of the token being sampled.
         temperature: float or [N]; 0 = greedy (argmax, no noise).
@@ -159,6 +166,8 @@ def sample(
             step=step,
             check_values=check_values,
         )
+        if out is not None and check_values and bool((~torch.isfinite(out.logsumexp)).any()):
+            out = None  # a row without a distribution: the reference raises the error
         if out is not None:
             return out
     return sample_ref(

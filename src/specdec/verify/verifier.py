@@ -43,12 +43,14 @@ def verify(
 
     Args:
         target_logits: [B, K+1, V] raw target logits; row i is the distribution of the token at
-            positions[b] + i (row K is the bonus row).
+            positions[b] + i (row K is the bonus row). NaN counts as -inf; a row (up to
+            num_draft[b]) without a finite logit, or with a +inf, is refused.
         draft_token_ids: [B, K] int64 drafts; entries at or beyond num_draft[b] are ignored.
         draft_logits: [B, K, V] processed logits the drafts were sampled from (what `sample`
             returned; -inf where the draft cannot go), or None for deterministic (one-hot) drafts.
         seeds: [B] int64 request seeds.
-        positions: [B] int64 position of draft_token_ids[b, 0]; also the round anchor.
+        positions: [B] int64 position of draft_token_ids[b, 0]; also the round anchor; at most
+            2**32 - 1 - K (the round keys positions .. positions + K, on every device).
         temperature, top_k, top_p, min_p: scalars or [B]; processed exactly as `sample` does.
         num_draft: [B] int64 in [0, K] drafts per row (None = K); 0 means one plain sample.
         method: "standard" (Leviathan et al. 2023), "block" (Sun et al. 2024) or "coupled"
@@ -96,6 +98,7 @@ def verify(
         method,
         inputs.active_rows,
         target_logits.shape[-1],
+        inputs.target_logits,
     )
     params = inputs.params
     if not target_logits.is_cuda or any(
