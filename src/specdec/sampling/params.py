@@ -29,7 +29,8 @@ class SamplingParams:
         min_p: keep tokens with probability >= min_p * max probability; in [0, 1]; 0 disables.
         seed: 64-bit request seed; None draws a fresh one at admission (recorded in the output).
         max_tokens: maximum number of generated tokens (>= 1), or None for up to max_model_len.
-        min_tokens: EOS and stop tokens are not honoured before this many tokens.
+        min_tokens: before this many tokens, EOS (unless ignored) and stop_token_ids are never
+            sampled (vLLM's rule) and stop strings are not honoured.
         stop: strings that end generation (not included in the output unless asked).
         stop_token_ids: token ids that end generation.
         ignore_eos: keep generating after EOS.
