@@ -693,8 +693,26 @@ def test_prompt_logprobs_and_chat_continuation(client):
         )
 
 
-def test_metrics_count_preemptions(server):
-    assert metric(server, "vllm:num_preemptions_total") >= 0
+def test_metrics_count_preemptions(model_dir):
+    """vllm:num_preemptions_total is the engine's count: 0 at start, then the preemptions of a
+    cache too small for its requests."""
+    from specdec.server.prometheus import ServerMetrics
+
+    engine = LLMEngine(
+        EngineConfig(model=str(model_dir), max_model_len=48, num_kv_blocks=12, block_size=4)
+    )
+    async_engine = AsyncEngine(engine)
+    metrics = ServerMetrics(lambda: async_engine.snapshot, MODEL)
+    assert 'vllm:num_preemptions_total{model_name="tiny"} 0.0' in metrics.render().decode()
+    params = SamplingParams(max_tokens=40, ignore_eos=True, seed=1)
+    for i in range(4):
+        engine.add_request([5 + i] * 6, params)
+    while engine.has_unfinished:
+        engine.step()
+    async_engine.snapshot = async_engine._take_snapshot()
+    assert engine.num_preemptions > 0
+    line = f'vllm:num_preemptions_total{{model_name="tiny"}} {float(engine.num_preemptions)}'
+    assert line in metrics.render().decode()
 
 
 def test_drain_ends_open_requests_with_a_final_abort_output(model_dir):

@@ -115,6 +115,7 @@ def test_preemption_happens_with_a_small_cache(model_dir, prompts):
     plain = token_ids(make_llm(model_dir).generate(prompts, SAMPLED, use_tqdm=False))
     assert token_ids(llm.generate(prompts, SAMPLED, use_tqdm=False)) == plain
     assert seen, "the cache was meant to be too small for all requests at once"
+    assert llm.engine.num_preemptions == len(seen)  # what /metrics exports
 
 
 def test_rolled_back_cache_equals_a_cache_that_never_saw_the_drafts(model_dir, prompts):
