@@ -100,5 +100,8 @@ class OracleDeviceDrafting(DeviceDrafting):
     def observe(self, view, features, token_ids, num_accepted) -> None:
         return None
 
+    def state(self) -> list[torch.Tensor]:
+        return []
+
     def end(self, slots) -> None:
         return None

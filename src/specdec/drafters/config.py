@@ -15,6 +15,8 @@ MAX_NUM_SPECULATIVE_TOKENS = 32
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "mtp", "dflash", "dspark")
 # Methods whose drafter is loaded from `model` (a directory or file).
 MODEL_METHODS = ("draft_model", "eagle", "mtp", "dflash", "dspark")
+# Methods whose `model` may be left out for the built-in target: the shipped head is used.
+SHIPPED_HEAD_METHODS = ("eagle", "mtp")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 
 
@@ -38,7 +40,8 @@ class SpeculativeConfig:
             "truncated:N" uses the target's first N layers (with its embeddings and head). For
             "eagle"/"mtp": a head directory (config.json + model.safetensors, as written by
             `specdec train-drafter --kind eagle`). For "dflash"/"dspark": a block drafter
-            directory (written by `specdec train-drafter --kind dflash|dspark`).
+            directory (written by `specdec train-drafter --kind dflash|dspark`). "eagle"/"mtp"
+            without a model on the built-in target take the head shipped in the package.
         num_speculative_tokens: drafts per round, K.
         draft_sample_method: "probabilistic" (drafts sampled from the draft distribution, which
             the verifier is given) or "greedy" (the draft's argmax, verified as a one-hot draft).
@@ -67,7 +70,11 @@ class SpeculativeConfig:
                 f"speculative_config.method must be one of {SPECULATIVE_METHODS}, "
                 f"got {self.method!r}"
             )
-        if self.method in MODEL_METHODS and not self.model:
+        if (
+            self.method in MODEL_METHODS
+            and not self.model
+            and self.method not in SHIPPED_HEAD_METHODS
+        ):
             raise ValueError(f'speculative_config.method "{self.method}" needs "model"')
         check_num_speculative_tokens(
             self.num_speculative_tokens, "speculative_config.num_speculative_tokens"

@@ -105,6 +105,11 @@ class DeviceDrafting(abc.ABC):
         reads none), the emitted tokens [S, W] (-1 padded) and num_accepted [S]."""
 
     @abc.abstractmethod
+    def state(self) -> list[torch.Tensor]:
+        """The device buffers `propose` reads and `observe` updates (saved and put back around
+        a graph's warm-up run, so that a captured round runs once)."""
+
+    @abc.abstractmethod
     def end(self, slots: list[DeviceSlot]) -> None:
         """Writes the device state of `slots` (each one's token_ids now covering everything the
         last read round committed) back to the drafter's host state. Called once, after the

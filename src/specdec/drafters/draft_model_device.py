@@ -121,6 +121,9 @@ class DraftModelDeviceDrafting(DeviceDrafting):
         self.entry_tokens[:rows].copy_(token_ids.clamp_min(0))
         self.entry_count[:rows].copy_(num_accepted + 1)
 
+    def state(self) -> list[torch.Tensor]:
+        return [self.entry_tokens, self.entry_count]
+
     def end(self, slots: list[DeviceSlot]) -> None:
         counts = self.entry_count.tolist()
         for slot in slots:

@@ -89,5 +89,8 @@ class NgramDeviceDrafting(DeviceDrafting):
         current = self.history[:rows].gather(1, positions)
         self.history[:rows].scatter_(1, positions, torch.where(keep, token_ids, current))
 
+    def state(self) -> list[torch.Tensor]:
+        return [self.history]
+
     def end(self, slots: list[DeviceSlot]) -> None:
         return None  # the host drafter keeps no state

@@ -216,7 +216,7 @@ class DeviceRounds:
         inputs.send("tables", self.num_rows * self.max_blocks)
         started = self._mark()
         key = (self.num_rows, k, self.method, self._filters)
-        self.graph_cache.run(key, lambda: self._round(k))
+        self.graph_cache.run(key, lambda: self._round(k), self._state)
         ended = self._mark()
         ring = self.num_rounds % 2
         self._ring[ring].copy_(self.out, non_blocking=True)
@@ -255,6 +255,10 @@ class DeviceRounds:
             if not request.status.finished:
                 emissions.append((request, Emission(tokens, num_draft, accepted, None)))
         return emissions, launched.k, seconds
+
+    def _state(self) -> list[torch.Tensor]:
+        """The buffers a round both reads and updates (its own and the drafter's)."""
+        return [self.anchors, self.last_tokens, *self.drafting.state()]
 
     def _mark(self) -> torch.cuda.Event | float:
         if self.device.type == "cuda":

@@ -20,6 +20,7 @@ import torch
 
 from specdec.drafters import Drafter, DrafterSetup
 from specdec.drafters.config import check_num_speculative_tokens
+from specdec.drafters.default import with_shipped_head
 from specdec.drafters.registry import build_drafter
 from specdec.engine.config import EngineConfig, SpeculativeConfig
 from specdec.engine.device_round import DeviceRounds
@@ -38,9 +39,9 @@ from specdec.engine.setup import (
 from specdec.engine.spec_policy import SpeculationPolicy
 from specdec.metrics import LoopStats, SpecDecodeStats
 from specdec.models import LlamaForCausalLM, Tokenizer, default_model_path, load_model
-from specdec.rng import derive_seed, fresh_seed, to_signed64
-from specdec.runner import BlockAllocator, PagedModelRunner
-from specdec.sampling import SamplingParams
+from specdec.rng import derive_seed, engine_request_seed, fresh_seed, to_signed64
+from specdec.runner import BlockAllocator, PagedModelRunner, StepInput
+from specdec.sampling import LogitsRules, SamplingParams
 from specdec.transfer import Readback
 from specdec.verify import VERIFY_METHODS
 
@@ -75,6 +76,8 @@ class LLMEngine:
             model, tokenizer: an already loaded model (tests); `config.model` is then ignored.
         """
         self.config = config
+        builtin_target = model is None and config.model is None
+        speculative_config = with_shipped_head(speculative_config, builtin_target)
         self.device = resolve_device(config.device)
         self.async_scheduling = config.async_scheduling
         if self.async_scheduling == "auto":
@@ -122,6 +125,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(tokenizer, self.max_model_len, self._finish)
         self.stats = SpecDecodeStats()
         self.loop_stats = LoopStats()
+        self.num_preemptions = 0  # engine-wide, for vllm:num_preemptions
         self._inflight: _Inflight | None = None
         self._rounds: DeviceRounds | None = None  # built on first use
         self._in_rounds = False
@@ -131,6 +135,7 @@ class LLMEngine:
                 speculative_config.num_speculative_tokens, speculative_config.adaptive
             )
         self._ids = itertools.count()
+        self._unseeded = itertools.count()  # requests without a seed, for `config.seed`
 
     def _build_drafter(self, spec: SpeculativeConfig | None) -> Drafter | None:
         if spec is None:
@@ -168,7 +173,8 @@ class LLMEngine:
             params: sampling settings (defaults: SamplingParams()).
             request_id: an id of the caller's; a fresh one when None.
             speculative: per-request override {"enabled": bool, "num_speculative_tokens": int,
-                "method": "standard" | "block" | "coupled"}; None follows speculative_config.
+                "rejection_sample_method": "standard" | "block" | "coupled"}; None follows
+                speculative_config (whose drafter, `method`, every request shares).
 
         Raises:
             ValueError: bad prompt, bad override, or a prompt too long for max_model_len.
@@ -179,11 +185,17 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         spec = self._spec_settings(speculative)
-        seed = to_signed64(params.seed) if params.seed is not None else fresh_seed()
+        rules = self._logits_rules(params)
+        seed = to_signed64(params.seed) if params.seed is not None else self.new_request_seed()
         samples = []
         for index in range(params.n):
             request = Request(
-                f"{request_id}#{index}", list(token_ids), params, derive_seed(seed, index), spec
+                f"{request_id}#{index}",
+                list(token_ids),
+                params,
+                derive_seed(seed, index),
+                spec,
+                rules=rules,
             )
             self.scheduler.add(request)
             samples.append(request)
@@ -197,6 +209,30 @@ class LLMEngine:
             )
         )
         return request_id
+
+    def new_request_seed(self) -> int:
+        """The seed of a request that brings none: derived from `config.seed` in arrival order,
+        or fresh (it is recorded in the request's output either way)."""
+        if self.config.seed is None:
+            return fresh_seed()
+        return engine_request_seed(self.config.seed, next(self._unseeded))
+
+    def _logits_rules(self, params: SamplingParams) -> LogitsRules | None:
+        """The request's penalties, biases and bans resolved to token ids (ValueError naming a
+        field whose token ids lie outside the vocabulary)."""
+        tokenizer = self.tokenizer
+        encode = None
+        if tokenizer is not None:
+
+            def encode(text: str) -> list[int]:
+                return tokenizer.encode(text, add_special_tokens=False)
+
+        return LogitsRules.from_params(
+            params,
+            vocab_size=self.model_config.vocab_size,
+            eos_token_id=self.outputs.eos_token_id,
+            encode=encode,
+        )
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -219,7 +255,13 @@ class LLMEngine:
             if default is None:
                 return None
             return SpecSettings(default.num_speculative_tokens, default.rejection_sample_method)
-        known = {"enabled", "num_speculative_tokens", "method"}
+        if "method" in override:
+            raise ValueError(
+                'the speculative override has no "method": the verifier is '
+                '"rejection_sample_method" (standard, block or coupled); "method" names the '
+                "drafter, which is the engine's speculative_config.method"
+            )
+        known = {"enabled", "num_speculative_tokens", "rejection_sample_method"}
         unknown = sorted(set(override) - known)
         if unknown:
             raise ValueError(f"unknown speculative keys {unknown}; known: {sorted(known)}")
@@ -228,22 +270,27 @@ class LLMEngine:
         if self.drafter is None:
             raise ValueError("speculation was requested but the engine has no speculative_config")
         k = override.get("num_speculative_tokens", default.num_speculative_tokens)
-        method = override.get("method", default.rejection_sample_method)
+        method = override.get("rejection_sample_method", default.rejection_sample_method)
         check_num_speculative_tokens(k)
         if method not in VERIFY_METHODS:
-            raise ValueError(f"method must be one of {VERIFY_METHODS}, got {method!r}")
+            raise ValueError(
+                f"rejection_sample_method must be one of {VERIFY_METHODS}, got {method!r}"
+            )
         self._check_round_fits(k)
         return SpecSettings(k, method)
 
-    def abort(self, request_id: str) -> None:
-        """Stops a request and frees its KV blocks (unknown ids are ignored)."""
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stops a request and frees its KV blocks. Returns its final output (finish_reason
+        "abort" for the samples it stopped), or None for an unknown id."""
         group = self.outputs.groups.get(request_id)
         if group is None:
-            return
+            return None
         for request in group.samples:
             if not request.status.finished:
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
+        output = self.outputs.output(group)
         self.outputs.forget(group)
+        return output
 
     @property
     def groups(self) -> dict[str, RequestGroup]:
@@ -285,9 +332,10 @@ class LLMEngine:
         """The algorithm: propose drafts, run the target over [last token + drafts] (or a prefill
         chunk), sample or verify, commit (advance, roll back rejected slots), report."""
         drafts = propose(self.drafter, self.emitter.constants, scheduled)
-        inputs = step_inputs(scheduled, drafts)
+        inputs = step_inputs(scheduled, drafts, self.outputs.wants_prompt_logprobs)
         layers = self.drafter.feature_layers if self.drafter is not None else ()
         logits, features = self.runner.run_with_features(inputs, layers)
+        logits = self._take_prompt_logprobs(scheduled, inputs, logits)
         emitted = self.emitter.emit(scheduled, logits, drafts)
         if features:
             rejected = [0 if e is None else e.num_rejected for e in emitted]
@@ -298,6 +346,24 @@ class LLMEngine:
             rejected = 0 if emission is None else emission.num_rejected
             commits.append((share.request, end - rejected, emission))
         return self._commit(commits, only_finished)
+
+    def _take_prompt_logprobs(
+        self,
+        scheduled: list[ScheduledRequest],
+        inputs: list[StepInput],
+        logits: list[torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """Records the prompt logprobs of prefill chunks that asked for all their logit rows,
+        and returns each share's logits as the emitter expects them (the last row of a chunk
+        that emits)."""
+        out = list(logits)
+        for i, (share, step_input) in enumerate(zip(scheduled, inputs, strict=True)):
+            request = share.request
+            decode = share.emits and request.num_computed_tokens >= request.num_tokens - 1
+            if not decode and step_input.num_logit_rows > int(share.emits):
+                self.outputs.add_prompt_logprobs(request, step_input.start, logits[i])
+                out[i] = logits[i][-1:] if share.emits else logits[i][:0]
+        return out
 
     def _commit(
         self, commits: list[tuple[Request, int | None, Emission | None]], only_finished: bool
@@ -324,6 +390,7 @@ class LLMEngine:
 
     def _schedule(self) -> list[ScheduledRequest]:
         out = self.scheduler.schedule()
+        self.num_preemptions += len(out.preempted)
         if self.drafter is not None:
             for request in out.preempted:
                 self.drafter.release(request.request_id)
@@ -361,6 +428,7 @@ class LLMEngine:
             and request.spec is None
             and request.num_computed_tokens == request.num_tokens - 1
             and request.params.logprobs is None
+            and request.rules is None  # processed with the output so far, read on the host
         )
 
     def _can_overlap(self, inflight: _Inflight) -> bool:
@@ -417,8 +485,8 @@ class LLMEngine:
     # ------------------------------------------------------- speculative rounds on the device
     def _enter_rounds(self) -> None:
         """Hands the batch to device rounds when every running request decodes with speculation
-        (one verify method, no logprobs) and no waiting request could join; else the
-        synchronous step goes on."""
+        (one verify method, no logprobs, no penalties, biases or bans) and no waiting request
+        could join; else the synchronous step goes on."""
         scheduler = self.scheduler
         requests = list(scheduler.running)
         if not requests or self._admission_pending():
@@ -429,6 +497,7 @@ class LLMEngine:
                 request.spec is None
                 or request.spec.method != method
                 or request.params.logprobs is not None
+                or request.rules is not None  # processed with the output so far, on the host
                 or request.num_computed_tokens != request.num_tokens - 1
                 or request.num_tokens < 2
             ):

@@ -13,6 +13,7 @@ from specdec.engine.config import EngineConfig
 from specdec.models import LlamaForCausalLM
 
 CPU_KV_CACHE_BYTES = 1 << 30
+# max_model_len of a model whose config declares no context length.
 DEFAULT_MAX_MODEL_LEN = 4096
 
 
@@ -31,13 +32,14 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_max_model_len(config: EngineConfig, model: LlamaForCausalLM) -> int:
-    """max_model_len: the configured one, else the model's context up to DEFAULT_MAX_MODEL_LEN.
+    """max_model_len: the configured one, else the model's declared context (`size_kv_cache`
+    may lower it, saying why, when the KV cache cannot hold it).
 
     Raises:
         ValueError: the configured one exceeds the model's context.
     """
     context = model.config.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
-    max_model_len = config.max_model_len or min(context, DEFAULT_MAX_MODEL_LEN)
+    max_model_len = config.max_model_len or context
     if max_model_len > context:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {context}")
     return max_model_len
@@ -59,11 +61,25 @@ def size_kv_cache(
         # A request alone must always fit, or it could neither run nor be preempted for.
         warnings.warn(
             f"max_model_len lowered from {max_model_len} to the KV cache's "
-            f"{num_blocks * config.block_size} slots",
+            f"{num_blocks * config.block_size} slots ({num_blocks} blocks of "
+            f"{config.block_size}: "
+            + ("num_kv_blocks" if config.num_kv_blocks else "what memory allows")
+            + "), since one request must always fit",
             stacklevel=3,
         )
         max_model_len = num_blocks * config.block_size
     return num_blocks, max_model_len
+
+
+def max_model_len_note(config: EngineConfig, model: LlamaForCausalLM, max_model_len: int) -> str:
+    """Where the engine's max_model_len comes from, for the start-up log."""
+    context = model.config.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
+    wanted = config.max_model_len or context
+    if max_model_len < wanted:
+        return f"{max_model_len} (lowered from {wanted}: the KV cache holds {max_model_len} tokens)"
+    if config.max_model_len:
+        return f"{max_model_len} (as configured; the model's context is {context})"
+    return f"{max_model_len} (the model's context)"
 
 
 def _default_num_blocks(
@@ -84,7 +100,7 @@ def _default_num_blocks(
         budget = min(CPU_KV_CACHE_BYTES, needed)
     num_blocks = int(budget // (per_token * config.block_size))
     minimum = -(-max_model_len // config.block_size)
-    if num_blocks < minimum:
+    if num_blocks < minimum and (config.max_model_len is not None or num_blocks < 1):
         raise ValueError(
             f"the KV cache fits {num_blocks} blocks, fewer than one request of "
             f"max_model_len={max_model_len} needs ({minimum}); lower max_model_len"

@@ -79,6 +79,29 @@ def reverse_permute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
+def _checked_reader(gguf: Any) -> type:
+    """`gguf.GGUFReader` that compares the file's size with the extent its header declares
+    before mapping any tensor (a truncated file otherwise fails with a numpy reshape error)."""
+
+    class CheckedReader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs: int, fields: list) -> None:
+            declared = start_offs
+            for field in fields:
+                _, _, _, dims, raw_dtype, offset = field.parts
+                block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(raw_dtype[0])]
+                n_bytes = int(np.prod(dims)) * type_size // block
+                declared = max(declared, int(start_offs + offset[0]) + n_bytes)
+            size = len(self.data)
+            if declared > size:
+                raise CheckpointError(
+                    f"{self.data.filename} is truncated or corrupt: the file is {size:,} bytes; "
+                    f"its header declares {declared:,}"
+                )
+            super()._build_tensors(start_offs, fields)
+
+    return CheckedReader
+
+
 class GGUFFile:
     """One opened GGUF file: its metadata, config, tokenizer and tensors.
 
@@ -100,13 +123,19 @@ class GGUFFile:
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"no such GGUF file: {self.path}")
+        size = self.path.stat().st_size
         try:
-            self._reader = gguf.GGUFReader(self.path)
+            self._reader = _checked_reader(gguf)(self.path)
             self.metadata: dict[str, Any] = {
                 key: field.contents() for key, field in self._reader.fields.items()
             }
+        except CheckpointError:
+            raise
         except Exception as err:
-            raise CheckpointError(f"cannot read GGUF file {self.path}: {err}") from err
+            raise CheckpointError(
+                f"cannot read GGUF file {self.path}: the file is {size:,} bytes and its header "
+                f"does not parse within them (truncated or corrupt: {err})"
+            ) from err
         self._tensors = {tensor.name: tensor for tensor in self._reader.tensors}
         self._hf_names = {
             hf_name: gguf_name

@@ -90,7 +90,8 @@ def check_sampling_tensors(
 
 
 def scale_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """logits / T in float32; greedy rows (T = 0) are divided by 1.
+    """logits / T in float32; greedy rows (T = 0) are divided by 1. NaN logits become -inf
+    (such a token is never drawn), as in the GPU kernels.
 
     Args:
         logits: [N, V] any float dtype.
@@ -100,7 +101,20 @@ def scale_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tenso
         [N, V] float32 (a new tensor).
     """
     divisor = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    return logits.to(torch.float32) / divisor[:, None]
+    scaled = logits.to(torch.float32) / divisor[:, None]
+    return scaled.masked_fill_(scaled.isnan(), float("-inf"))
+
+
+def unusable_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[...] bool: rows of [..., V] logits with no finite value (all NaN or -inf: nothing can be
+    drawn) or with a +inf (no distribution); a failed forward pass, never valid input."""
+    return ~torch.isfinite(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1)
+
+
+UNUSABLE_ROW_MESSAGE = (
+    "has no finite logit (all NaN or -inf) or a +inf one: there is no distribution to draw "
+    "from (NaN logits count as -inf)"
+)
 
 
 def filter_threshold(

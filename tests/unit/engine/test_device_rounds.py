@@ -195,3 +195,29 @@ def test_negative_control_a_stale_input_token_breaks_the_equality(
     monkeypatch.setattr(device_round.DeviceRounds, "_advance", stale_advance)
     rounds, _ = drive(make_engine(model_dir, spec, True), requests)
     assert rounds != sync
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model", "eagle"])
+def test_a_round_run_twice_around_its_saved_state_runs_once(
+    model_dir, head_dir, prompts, drafter, monkeypatch
+):
+    """A CUDA graph's capture runs the round once as a warm-up before the replay runs it
+    again: with the buffers the round names as its state saved and put back in between, the
+    round still takes effect once. Emulated on the CPU by running every round that way: the
+    output is the synchronous step's."""
+    from specdec.runner.cuda_graph import GraphCache
+
+    def twice(self, key, step, state=None):
+        if state is None:
+            return step()
+        saved = [(t, t.clone()) for t in state()]
+        step()
+        for tensor, copy in saved:
+            tensor.copy_(copy)
+        return step()
+
+    monkeypatch.setattr(GraphCache, "run", twice)
+    spec = spec_for(drafter, head_dir, "standard")
+    requests = [(p, params_for(1.0, 60 + i)) for i, p in enumerate(prompts)]
+    sync, rounds, engine, _ = both(model_dir, spec, requests)
+    assert rounds == sync and engine.loop_stats.num_device_rounds > 0
