@@ -47,7 +47,13 @@ class OracleDrafter(Drafter):
         recorded = torch.where(positions < span, recorded, -1)
         flat_seeds = seeds[:, None].expand(-1, k).reshape(-1)
         flat_anchors = anchors[:, None].expand(-1, k).reshape(-1)
-        u = uniform(flat_seeds, positions.reshape(-1), Stream.DRAFT, 1, step=flat_anchors)
+        keys = (flat_seeds, positions.reshape(-1), Stream.DRAFT, 1)
+        if flat_seeds.is_cuda:  # the Triton twin: one kernel (bit-identical uniforms)
+            from specdec.rng.philox_triton import uniform_triton
+
+            u = uniform_triton(*keys, step=flat_anchors)
+        else:
+            u = uniform(*keys, step=flat_anchors)
         replaced = (u.view(-1, k) > self.acceptance) & (recorded >= 0)
         drafts = torch.where(replaced, (recorded + 1) % self.target_vocab_size, recorded)
         present = (recorded >= 0).to(torch.int64).cumprod(dim=1)

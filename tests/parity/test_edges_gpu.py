@@ -154,7 +154,11 @@ def test_engine_with_penalties_on_cuda(tmp_path):
         "stop_token_ids": [7],
     }
     spec = {"method": "draft_model", "model": "truncated:2", "num_speculative_tokens": 3}
-    plain = LLM(str(model_dir), speculative_config=None, device="cuda", max_model_len=64)
+    # Explicit caches: two engines live at once here, and a cache sized from free memory would
+    # leave the second none.
+    plain = LLM(
+        str(model_dir), speculative_config=None, device="cuda", max_model_len=64, num_kv_blocks=256
+    )
     for temperature, method in ((0.0, "standard"), (0.0, "block"), (1.0, "coupled")):
         params = SamplingParams(
             temperature=temperature, max_tokens=24, seed=5, ignore_eos=True, **rules
@@ -165,6 +169,7 @@ def test_engine_with_penalties_on_cuda(tmp_path):
             speculative_config={**spec, "rejection_sample_method": method},
             device="cuda",
             max_model_len=64,
+            num_kv_blocks=256,
         )
         outputs = llm.generate(prompts, params)
         assert [o.outputs[0].token_ids for o in outputs] == expected, method

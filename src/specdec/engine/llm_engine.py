@@ -31,6 +31,7 @@ from specdec.engine.proposals import deliver_features, propose, step_inputs
 from specdec.engine.request import Request, RequestStatus, SpecSettings
 from specdec.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from specdec.engine.setup import (
+    draft_cache_layers,
     resolve_device,
     resolve_dtype,
     resolve_max_model_len,
@@ -90,7 +91,11 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.model_config = model.config
         num_blocks, self.max_model_len = size_kv_cache(
-            config, model, resolve_max_model_len(config, model), self.device
+            config,
+            model,
+            resolve_max_model_len(config, model),
+            self.device,
+            draft_cache_layers(speculative_config, model),
         )
         self.allocator = BlockAllocator(num_blocks, config.block_size)
         # Speculative rounds on the device (overlapped with the host) need the decode path's

@@ -46,17 +46,25 @@ def resolve_max_model_len(config: EngineConfig, model: LlamaForCausalLM) -> int:
 
 
 def size_kv_cache(
-    config: EngineConfig, model: LlamaForCausalLM, max_model_len: int, device: torch.device
+    config: EngineConfig,
+    model: LlamaForCausalLM,
+    max_model_len: int,
+    device: torch.device,
+    draft_layers: int = 0,
 ) -> tuple[int, int]:
     """(KV-cache blocks, max_model_len): `num_kv_blocks` or what memory allows (the free GPU
     memory under gpu_memory_utilization on CUDA; max_num_seqs x max_model_len tokens, at most
     CPU_KV_CACHE_BYTES, on the CPU), and max_model_len lowered (with a warning) to what the
-    cache holds, since a request alone must always fit.
+    cache holds, since a request alone must always fit. `draft_layers`: layers of a drafter's own
+    paged cache with as many blocks as the target's (an EAGLE head, a draft model), counted in
+    what memory must hold.
 
     Raises:
         ValueError: the cache would not hold one request of max_model_len.
     """
-    num_blocks = config.num_kv_blocks or _default_num_blocks(config, model, max_model_len, device)
+    num_blocks = config.num_kv_blocks or _default_num_blocks(
+        config, model, max_model_len, device, draft_layers
+    )
     if num_blocks * config.block_size < max_model_len:
         # A request alone must always fit, or it could neither run nor be preempted for.
         warnings.warn(
@@ -83,11 +91,16 @@ def max_model_len_note(config: EngineConfig, model: LlamaForCausalLM, max_model_
 
 
 def _default_num_blocks(
-    config: EngineConfig, model: LlamaForCausalLM, max_model_len: int, device: torch.device
+    config: EngineConfig,
+    model: LlamaForCausalLM,
+    max_model_len: int,
+    device: torch.device,
+    draft_layers: int = 0,
 ) -> int:
     cfg = model.config
     itemsize = model.model.embed_tokens.weight.element_size()
-    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
+    layers = cfg.num_hidden_layers + draft_layers
+    per_token = 2 * layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
     if device.type == "cuda":
         # Memory of engines that are gone (e.g. an earlier one in this process) is garbage
         # or cached by the allocator: give it back before measuring what is free.
@@ -106,3 +119,19 @@ def _default_num_blocks(
             f"max_model_len={max_model_len} needs ({minimum}); lower max_model_len"
         )
     return num_blocks
+
+
+def draft_cache_layers(spec, model: LlamaForCausalLM) -> int:
+    """Layers of the paged cache a drafter keeps beside the target's (same blocks): an EAGLE
+    head's one layer, a truncated draft's N, another draft model counted as large as the target
+    (its config is read only when it loads); none for the other methods."""
+    if spec is None:
+        return 0
+    if spec.method in ("eagle", "mtp"):
+        return 1
+    if spec.method == "draft_model":
+        prefix = "truncated:"
+        if spec.model and spec.model.startswith(prefix) and spec.model[len(prefix) :].isdigit():
+            return int(spec.model[len(prefix) :])
+        return model.config.num_hidden_layers
+    return 0
