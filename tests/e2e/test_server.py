@@ -486,6 +486,10 @@ def test_metrics_expose_vllm_names(server):
         "vllm:prompt_tokens_total",
         "vllm:generation_tokens_total",
         'specdec:http_requests_total{route="/v1/completions",status="200"}',
+        "specdec:num_device_rounds_total",
+        "specdec:num_graph_rounds_total",
+        "specdec:num_overlapped_steps_total",
+        "specdec:num_sync_steps_total",
     ):
         assert name in text, name
 

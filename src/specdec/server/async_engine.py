@@ -42,6 +42,11 @@ class EngineSnapshot:
     num_accepted_tokens: int = 0
     accepted_per_position: tuple[int, ...] = field(default_factory=tuple)
     num_preemptions: int = 0
+    num_overlapped_steps: int = 0
+    num_device_rounds: int = 0
+    num_graph_rounds: int = 0
+    num_sync_steps: int = 0
+    k_chosen: tuple[tuple[int, int], ...] = field(default_factory=tuple)  # (K, rounds)
 
 
 @dataclass(slots=True)
@@ -223,6 +228,7 @@ class AsyncEngine:
         engine = self.engine
         stats = engine.stats
         allocator = engine.allocator
+        loop = engine.loop_stats
         return EngineSnapshot(
             num_waiting=len(engine.scheduler.waiting),
             num_running=len(engine.scheduler.running),
@@ -234,6 +240,11 @@ class AsyncEngine:
             num_accepted_tokens=stats.num_accepted_tokens,
             accepted_per_position=tuple(stats.accepted_per_position),
             num_preemptions=engine.num_preemptions,
+            num_overlapped_steps=loop.num_overlapped_steps,
+            num_device_rounds=loop.num_device_rounds,
+            num_graph_rounds=loop.num_graph_rounds,
+            num_sync_steps=loop.num_sync_steps,
+            k_chosen=tuple(sorted(loop.k_chosen.items())),
         )
 
 

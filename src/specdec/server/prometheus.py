@@ -75,6 +75,33 @@ class _EngineCollector(Collector):
         for position, count in enumerate(snap.accepted_per_position):
             per_position.add_metric([*values, str(position)], count)
         yield per_position
+        # Which path served the steps.
+        yield counter(
+            "specdec:num_overlapped_steps",
+            "Plain decode steps launched before the previous one was read.",
+            snap.num_overlapped_steps,
+        )
+        yield counter(
+            "specdec:num_device_rounds",
+            "Speculative rounds run on the device, launched before the previous one was read.",
+            snap.num_device_rounds,
+        )
+        yield counter(
+            "specdec:num_graph_rounds",
+            "Device rounds replayed from CUDA graphs.",
+            snap.num_graph_rounds,
+        )
+        yield counter(
+            "specdec:num_sync_steps", "Steps of the synchronous path.", snap.num_sync_steps
+        )
+        chosen = CounterMetricFamily(
+            "specdec:spec_k_chosen",
+            "Device rounds by the number of drafts the policy chose (0: plain decoding).",
+            labels=[*labels, "k"],
+        )
+        for k, count in snap.k_chosen:
+            chosen.add_metric([*values, str(k)], count)
+        yield chosen
 
 
 class ServerMetrics:
