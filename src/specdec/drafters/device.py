@@ -15,8 +15,10 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from specdec.runner.cuda_graph import StaticInputs
 from specdec.sampling import SamplingTensors
 
 
@@ -114,3 +116,26 @@ class DeviceDrafting(abc.ABC):
         """Writes the device state of `slots` (each one's token_ids now covering everything the
         last read round committed) back to the drafter's host state. Called once, after the
         last round was read."""
+
+
+class BlockTables:
+    """The block tables of a drafter's own paged cache, one row per slot: written on the host
+    before a launch and sent with one copy (`send`), read by the round on the device (`rows`)."""
+
+    def __init__(self, num_slots: int, max_blocks: int, device: torch.device) -> None:
+        self.max_blocks = max_blocks
+        self._inputs = StaticInputs({"tables": num_slots * max_blocks}, device)
+
+    def send(self, tables: list[tuple[int, list[int]]]) -> None:
+        """(slot, block ids) of the slots in the next round."""
+        self._inputs.begin()
+        host = self._inputs.host("tables").reshape(-1, self.max_blocks)
+        for slot, blocks in tables:
+            if len(blocks) > self.max_blocks:
+                raise RuntimeError(f"a block table of {len(blocks)} blocks (> {self.max_blocks})")
+            host[slot, : len(blocks)] = np.asarray(blocks, dtype=np.int64)
+        self._inputs.send("tables", host.shape[0] * self.max_blocks)
+
+    def rows(self, num_rows: int) -> torch.Tensor:
+        """[num_rows, max_blocks] int64 tables on the device."""
+        return self._inputs["tables"][: num_rows * self.max_blocks].view(num_rows, self.max_blocks)

@@ -6,25 +6,18 @@ through `Drafter.draw_on_device`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-import numpy as np
 import torch
 
-from specdec.drafters.base import ProposalBuffer
-from specdec.drafters.device import DeviceDrafting, DeviceSlot, RoundView
+from specdec.drafters.base import Drafter, ProposalBuffer
+from specdec.drafters.device import BlockTables, DeviceDrafting, DeviceSlot, RoundView
 from specdec.runner import StepInput
-from specdec.runner.cuda_graph import StaticInputs
-
-if TYPE_CHECKING:
-    from specdec.drafters.draft_model import DraftModelDrafter
 
 
 class DraftModelDeviceDrafting(DeviceDrafting):
     """Per slot: the tokens the next round feeds first (`entry_*`, at most `width`: what the last
     round committed) and the draft cache's block table."""
 
-    def __init__(self, drafter: DraftModelDrafter, num_slots: int, width: int) -> None:
+    def __init__(self, drafter: Drafter, num_slots: int, width: int) -> None:
         graphs = drafter.runner.graphs
         if graphs is None or graphs.max_query_len != width:
             raise ValueError("the draft model's runner needs its decode path at width K + 1")
@@ -33,7 +26,7 @@ class DraftModelDeviceDrafting(DeviceDrafting):
         self.entry_tokens = torch.zeros(num_slots, width, dtype=torch.int64, device=device)
         self.entry_count = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.max_blocks = graphs.block_tables.shape[1]
-        self.tables = StaticInputs({"tables": num_slots * self.max_blocks}, device)
+        self.tables = BlockTables(num_slots, self.max_blocks, device)
         self.out = ProposalBuffer(
             num_slots, width - 1, drafter.target_vocab_size, device, drafter.greedy
         )
@@ -58,14 +51,12 @@ class DraftModelDeviceDrafting(DeviceDrafting):
     def prepare(self, slots: list[DeviceSlot], last_positions: list[int]) -> None:
         # The draft cache holds the round's first step (up to anchor - 1) and the drafts it feeds
         # (up to anchor + k - 2 = P - 1 for a round whose target writes up to position P).
-        drafter, inputs = self.drafter, self.tables
-        inputs.begin()
-        tables = inputs.host("tables").reshape(-1, self.max_blocks)
+        drafter, tables = self.drafter, []
         for slot, last in zip(slots, last_positions, strict=True):
             state = drafter._states[slot.request_id]
             drafter.allocator.grow(state, last)
-            tables[slot.slot, : len(state.block_ids)] = np.asarray(state.block_ids)
-        inputs.send("tables", tables.shape[0] * self.max_blocks)
+            tables.append((slot.slot, state.block_ids))
+        self.tables.send(tables)
 
     def propose(self, view: RoundView) -> tuple:
         graphs, drafter = self.graphs, self.drafter
@@ -73,7 +64,7 @@ class DraftModelDeviceDrafting(DeviceDrafting):
         device = self.entry_count.device
         live, anchors = view.live, view.anchors
         size = drafter.runner.block_size
-        tables = self.tables["tables"][: rows * self.max_blocks].view(rows, self.max_blocks)
+        tables = self.tables.rows(rows)
         count = self.entry_count[:rows]
         out = self.out
         # The first step (also when k = 0: the cache must not fall behind): tokens at

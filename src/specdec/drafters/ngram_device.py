@@ -6,22 +6,16 @@ draft. Deterministic (one-hot) drafts: no noise, no logits.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from specdec.drafters.base import Drafter
 from specdec.drafters.device import DeviceDrafting, DeviceSlot, RoundView
-
-if TYPE_CHECKING:
-    from specdec.drafters.ngram import NgramDrafter
 
 
 class NgramDeviceDrafting(DeviceDrafting):
     """history[b, :anchor] holds slot b's committed tokens (the round appends what it emitted)."""
 
-    def __init__(
-        self, drafter: NgramDrafter, num_slots: int, width: int, max_model_len: int
-    ) -> None:
+    def __init__(self, drafter: Drafter, num_slots: int, width: int, max_model_len: int) -> None:
         self.drafter, self.width = drafter, width
         self.max_len = max_model_len + width  # a round may append up to `width` past the limit
         self.history = torch.zeros(num_slots, self.max_len, dtype=torch.int64)

@@ -7,24 +7,17 @@ and its K - 1 chained steps, through the same static buffers and head steps as t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-import numpy as np
 import torch
 
-from specdec.drafters.base import ProposalBuffer
-from specdec.drafters.device import DeviceDrafting, DeviceSlot, RoundView
-from specdec.runner.cuda_graph import StaticInputs
-
-if TYPE_CHECKING:
-    from specdec.drafters.eagle.drafter import EagleDrafter
+from specdec.drafters.base import Drafter, ProposalBuffer
+from specdec.drafters.device import BlockTables, DeviceDrafting, DeviceSlot, RoundView
 
 
 class EagleDeviceDrafting(DeviceDrafting):
     """Per slot: the head entries the next round feeds first (`entry_*`: at most `width`, the
     features and tokens of what the last round committed), and the head's block table."""
 
-    def __init__(self, drafter: EagleDrafter, num_slots: int) -> None:
+    def __init__(self, drafter: Drafter, num_slots: int) -> None:
         graphs = drafter._graphs
         self.drafter, self.graphs = drafter, graphs
         self.width = width = graphs.width
@@ -36,7 +29,7 @@ class EagleDeviceDrafting(DeviceDrafting):
         self.entry_tokens = torch.zeros(num_slots, width, dtype=torch.int64, device=device)
         self.entry_count = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.max_blocks = graphs.max_blocks
-        self.tables = StaticInputs({"tables": num_slots * self.max_blocks}, device)
+        self.tables = BlockTables(num_slots, self.max_blocks, device)
         self.out = ProposalBuffer(
             num_slots, width - 1, drafter.target_vocab_size, device, drafter.greedy
         )
@@ -69,16 +62,12 @@ class EagleDeviceDrafting(DeviceDrafting):
     def prepare(self, slots: list[DeviceSlot], last_positions: list[int]) -> None:
         # A round whose target writes up to position P (= anchor - 1 + k) writes head entries
         # up to P - 2 (the last chained draft's entry, t = anchor - 2 + (k - 1)).
-        drafter, inputs = self.drafter, self.tables
-        inputs.begin()
-        tables = inputs.host("tables").reshape(-1, self.max_blocks)
+        drafter, tables = self.drafter, []
         for slot, last in zip(slots, last_positions, strict=True):
             state = drafter._states[slot.request_id]
             drafter.allocator.grow(state, max(last - 1, 1))
-            if len(state.block_ids) > self.max_blocks:
-                raise RuntimeError(f"a head table of {len(state.block_ids)} blocks")
-            tables[slot.slot, : len(state.block_ids)] = np.asarray(state.block_ids)
-        inputs.send("tables", tables.shape[0] * self.max_blocks)
+            tables.append((slot.slot, state.block_ids))
+        self.tables.send(tables)
 
     def propose(self, view: RoundView) -> tuple:
         graphs, drafter = self.graphs, self.drafter
@@ -86,7 +75,7 @@ class EagleDeviceDrafting(DeviceDrafting):
         device = self.entry_count.device
         live, anchors = view.live, view.anchors
         size = drafter.block_size
-        tables = self.tables["tables"][: rows * self.max_blocks].view(rows, self.max_blocks)
+        tables = self.tables.rows(rows)
         count = self.entry_count[:rows]
         # The round's first head step: entries t = anchor - 1 - n .. anchor - 2 (token t + 1).
         column = torch.arange(width, device=device)
