@@ -70,7 +70,7 @@ def _default_num_blocks(
     config: EngineConfig, model: LlamaForCausalLM, max_model_len: int, device: torch.device
 ) -> int:
     cfg = model.config
-    itemsize = model.model.embed_tokens.weight.element_size()
+    itemsize = torch.empty((), dtype=model.dtype).element_size()
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
     if device.type == "cuda":
         # Memory of engines that are gone (e.g. an earlier one in this process) is garbage

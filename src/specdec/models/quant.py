@@ -24,7 +24,8 @@ import torch.nn.functional as F
 # The `quantization=` engine argument: what a model's linear layers run as (None: float).
 QUANTIZATIONS = ("gguf", "int8", "int4", "fp8")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-INT4_GROUP_SIZES = (128, 64, 32)  # group sizes tried, largest first, when quantizing to int4
+# Group sizes tried, largest first, when quantizing to int4 (a K none divides: one group per row).
+INT4_GROUP_SIZES = (128, 64, 32, 16)
 # On the CPU a product of more rows than this dequantizes the weight to bfloat16 and runs one
 # bfloat16 GEMM (oneDNN, AMX where present): the int4 kernel redoes the dequantization every
 # four rows, so it loses to a GEMM from a few tens of rows on (a prefill chunk).
@@ -182,13 +183,11 @@ def quantize_int8(weight: torch.Tensor) -> GroupQuantized:
 
 
 def int4_group_size(num_cols: int) -> int:
-    """The largest of INT4_GROUP_SIZES dividing K.
-
-    Raises: ValueError when none does."""
+    """The largest of INT4_GROUP_SIZES dividing K, else K (one group per row)."""
     for size in INT4_GROUP_SIZES:
         if num_cols % size == 0:
             return size
-    raise ValueError(f"int4 needs K divisible by one of {INT4_GROUP_SIZES}, got K={num_cols}")
+    return num_cols
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int | None = None) -> GroupQuantized:

@@ -69,7 +69,7 @@ class PagedModelRunner:
         self.model = model
         self.block_size = block_size
         self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
-        self.device = model.model.embed_tokens.weight.device
+        self.device = model.device
         self.max_query_len = max_query_len
         self.max_num_seqs = max_num_seqs
         if decode_path is None:
