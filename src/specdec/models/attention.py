@@ -181,8 +181,12 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> KVCache:
-        """A zero-filled cache."""
+        """A zero-filled cache. On the CPU its memory comes from calloc (through numpy), whose
+        zero pages the OS commits only when first written: the resident cache is what requests
+        have used, however many blocks it has."""
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        if torch.device(device).type == "cpu":
+            return cls(k_cache=_lazy_zeros(shape, dtype), v_cache=_lazy_zeros(shape, dtype))
         return cls(
             k_cache=torch.zeros(shape, dtype=dtype, device=device),
             v_cache=torch.zeros(shape, dtype=dtype, device=device),
@@ -195,6 +199,14 @@ class KVCache:
     @property
     def block_size(self) -> int:
         return self.k_cache.shape[2]
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor whose pages are committed on first write (np.zeros uses calloc, which
+    maps fresh zero pages for large sizes instead of writing them)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
 
 
 def write_kv(
