@@ -34,9 +34,10 @@ def add_rms_norm_ref(
         (normed [T, D], new residual [T, D]), both in x's dtype.
     """
     summed = x if residual is None else x + residual
-    hidden = summed.to(torch.float32)
+    # (`.to` only where the dtype changes: on the CPU decode path each dispatch counts)
+    hidden = summed if summed.dtype == torch.float32 else summed.to(torch.float32)
     hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * hidden.to(x.dtype), summed
+    return weight * (hidden if x.dtype == torch.float32 else hidden.to(x.dtype)), summed
 
 
 def rope_write_kv_ref(

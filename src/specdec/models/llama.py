@@ -23,6 +23,7 @@ from specdec.models.attention import (
     write_kv_planned,
 )
 from specdec.models.config import ModelConfig
+from specdec.models.decode_cpu import DecodePlanCPU, decode_attention_cpu, rope_write_kv_cpu
 from specdec.models.fused import (
     add_rms_norm,
     paged_decode_attention,
@@ -241,9 +242,11 @@ class LlamaAttention(nn.Module):
         self.qkv_proj: Linear | None = None
 
     def fuse(self) -> None:
-        """One [(H_q + 2 H_kv) D, hidden] projection for the decode path (weights shared)."""
-        if self.qkv_proj is None:
-            set_fused(self, "qkv_proj", fuse_linears([self.q_proj, self.k_proj, self.v_proj]))
+        """One [(H_q + 2 H_kv) D, hidden] projection for the decode path (weights shared);
+        quantized parts are fused at load, or stay apart when their formats differ."""
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        if self.qkv_proj is None and all(part.quantized is None for part in parts):
+            set_fused(self, "qkv_proj", fuse_linears(parts))
 
     def project_qkv(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> [T, (H_q + 2 H_kv) D]: q, k and v side by side."""
@@ -259,8 +262,11 @@ class LlamaAttention(nn.Module):
         meta: DecodeMetadata,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        plan: DecodePlanCPU | None = None,
     ) -> torch.Tensor:
         """`forward` for a decode/verify step through the fused kernels: [T, D] -> [T, D].
+        On the CPU, RoPE and attention run as planned by `plan` (the step's, shared by its
+        layers; built here when None).
 
         Mutates: writes the live query tokens' K/V into `k_cache`/`v_cache`.
         """
@@ -273,6 +279,14 @@ class LlamaAttention(nn.Module):
             query = self.q_norm(query.view(num_tokens, self.num_heads, self.head_dim))
             key = self.k_norm(key.view(num_tokens, self.num_kv_heads, self.head_dim))
             qkv = torch.cat([query.flatten(1), key.flatten(1), value], dim=-1)
+        if not hidden.is_cuda:
+            if plan is None:
+                plan = DecodePlanCPU.build(meta, positions, inv_freq, k_cache.shape[1])
+            query = rope_write_kv_cpu(
+                qkv, plan, k_cache, v_cache, self.num_heads, self.num_kv_heads
+            )
+            out = decode_attention_cpu(query, k_cache, v_cache, plan, self.head_dim**-0.5)
+            return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
         query = rope_write_kv(
             qkv,
             positions,
@@ -327,8 +341,9 @@ class LlamaMLP(nn.Module):
 
     def fuse(self) -> None:
         """One [2 F, hidden] gate/up projection for the decode path (weights shared)."""
-        if self.gate_up_proj is None:
-            set_fused(self, "gate_up_proj", fuse_linears([self.gate_proj, self.up_proj]))
+        parts = [self.gate_proj, self.up_proj]
+        if self.gate_up_proj is None and all(part.quantized is None for part in parts):
+            set_fused(self, "gate_up_proj", fuse_linears(parts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None and self.gate_up_proj.quantized is not None:
@@ -418,6 +433,9 @@ class LlamaModel(nn.Module):
         wanted = set(return_layers)
         captured: dict[int, torch.Tensor] = {}
         inv_freq = self.rotary_emb.inv_freq
+        plan = None
+        if not input_ids.is_cuda:  # the step's index work, once for every layer
+            plan = DecodePlanCPU.build(meta, positions, inv_freq, kv_cache.block_size)
         out = self.embed_tokens(input_ids)  # [T, D]
         residual: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
@@ -431,6 +449,7 @@ class LlamaModel(nn.Module):
                 meta,
                 kv_cache.k_cache[index],
                 kv_cache.v_cache[index],
+                plan,
             )
             normed, residual = add_rms_norm(
                 out,

@@ -575,7 +575,7 @@ class QuantizedWeight:
         """[M, K] -> [M, N] in x's dtype; see `quant_linear`."""
         layout = self.layout
         if layout == "cpu_int4":
-            xk = x.to(KERNEL_DTYPE_CPU)
+            xk = x if x.dtype == KERNEL_DTYPE_CPU else x.to(KERNEL_DTYPE_CPU)
             if x.shape[0] >= CPU_DEQUANT_MIN_ROWS and self.can_dequantize_cpu():
                 weight = self._unpacked_dequantize(KERNEL_DTYPE_CPU)
                 out = F.linear(expand_input(xk, self._meta["source_group"]), weight)
@@ -586,9 +586,9 @@ class QuantizedWeight:
                     self._meta["group_size"],
                     self._tensors["scale_zero"],
                 )
-            return out.to(x.dtype)
+            return out if out.dtype == x.dtype else out.to(x.dtype)
         if layout == "cpu_int8":
-            xk = x.to(KERNEL_DTYPE_CPU)
+            xk = x if x.dtype == KERNEL_DTYPE_CPU else x.to(KERNEL_DTYPE_CPU)
             if x.shape[0] >= CPU_DEQUANT_MIN_ROWS:
                 weight = (
                     self._tensors["values"].to(KERNEL_DTYPE_CPU) * self._tensors["scale"][:, None]
