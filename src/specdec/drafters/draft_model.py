@@ -45,6 +45,8 @@ def truncated_copy(model: LlamaForCausalLM, num_layers: int) -> LlamaForCausalLM
     draft.model.norm = model.model.norm
     draft.model.rotary_emb = model.model.rotary_emb
     draft.lm_head = model.lm_head
+    draft.tied_head = model.tied_head  # a quantized tied head, shared too
+    draft.quantization = model.quantization
     return draft.eval()
 
 

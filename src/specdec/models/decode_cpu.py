@@ -1,13 +1,13 @@
 """The decode/verify step's attention on the CPU, with few PyTorch operations per layer.
 
 Once the weights are quantized, a CPU decode step is bound by per-operation overhead, not by
-arithmetic. `DecodePlanCPU` does a step's index work once (RoPE angles, K/V slots, the key
-gather and the mask, from a `DecodeMetadata`) and every layer reuses it: RoPE for q and k in one
-pass, K/V written with `index_copy_`, attention as one SDPA call over the gathered context (a
-view of the cache when it is contiguous). The CPU counterpart of `fused_triton.py`'s RoPE and
-attention kernels, with the same twins (`fused.rope_write_kv_ref`,
-`fused.paged_decode_attention_ref`; tests compare them). Never allocates cache blocks or draws
-randomness.
+arithmetic. `DecodePlanCPU` does a step's index work once (RoPE angles, K/V slots, each
+sequence's keys as a view of the cache or a slot list, from a `DecodeMetadata`) and every layer
+reuses it: RoPE for q and k in one pass, K/V written with `index_copy_`, attention one SDPA call
+per query row over exactly its keys (so rows do not depend on the step's shape). The CPU
+counterpart of `fused_triton.py`'s RoPE and attention kernels, with the same twins
+(`fused.rope_write_kv_ref`, `fused.paged_decode_attention_ref`; tests compare them). Never
+allocates cache blocks or draws randomness.
 """
 
 from __future__ import annotations
@@ -25,31 +25,28 @@ from specdec.models.attention import DecodeMetadata, cache_slots
 class DecodePlanCPU:
     """A decode/verify step's index work, shared by every layer.
 
+    Attention is planned row by row: each live query row attends over exactly its own keys
+    (positions 0 .. its position) with no mask, the very call a plain decode step makes for
+    the same token, so a verify row equals the decode row and a request's rows do not depend
+    on the rest of the batch (greedy speculative decoding emits what greedy plain decoding
+    emits, within a quantized format whose kernels round to bfloat16).
+
     Attributes:
         cos, sin: [T, 1, D] float32 RoPE tables ("rotate half" layout) of the query rows.
         slots: [T_w] int64 cache slots of the rows whose K/V are written.
         write_rows: [T_w] int64 rows written, or None when every row is (slots[i] is row i's).
-        gather: [B, S] int64 cache slot of each key position of each sequence (S: the longest
-            context; positions past a sequence's context read its position 0, masked).
-        span: (first slot, S) when one sequence's context occupies consecutive slots (then the
-            keys are a view of the cache, not a gathered copy), else None.
-        mask: [B, 1, Q, S] bool (True: the query sees the key), or None when every query sees
-            every key (one sequence, one query token).
-        live: [B * Q, 1, 1] bool, the query rows of sequences with a context (inert padding
-            sequences attend to nothing: their rows are 0), or None when all are.
-        num_seqs, query_per_seq: B and Q of the uniform layout.
+        sequences: per sequence with a context, (first row, its rows' key counts, and either
+            the first cache slot of its consecutive context (an int: keys are a view) or the
+            [context] int64 slots to gather).
+        all_live: every row is a live query row (no padding rows to zero).
     """
 
     cos: torch.Tensor
     sin: torch.Tensor
     slots: torch.Tensor
     write_rows: torch.Tensor | None
-    gather: torch.Tensor
-    span: tuple[int, int] | None
-    mask: torch.Tensor | None
-    live: torch.Tensor | None
-    num_seqs: int
-    query_per_seq: int
+    sequences: list[tuple[int, list[int], int | torch.Tensor]]
+    all_live: bool
 
     @classmethod
     def build(
@@ -67,7 +64,7 @@ class DecodePlanCPU:
             inv_freq: [D / 2] float32 RoPE inverse frequencies.
             block_size: tokens per cache block.
         """
-        num_seqs, per_seq = meta.context_lens.shape[0], meta.query_per_seq
+        per_seq = meta.query_per_seq
         context = meta.context_lens.numpy().astype(np.int64)  # [B]
         query_lens = meta.query_lens.numpy().astype(np.int64)  # [B]
         slot_mapping = meta.slot_mapping
@@ -77,28 +74,24 @@ class DecodePlanCPU:
         else:
             write_rows = torch.from_numpy(np.flatnonzero(keep))
             slots = slot_mapping[write_rows]
-        longest = max(int(context.max()), 1)
-        width = -(-longest // block_size)
-        tables = meta.block_tables[:, :width].numpy().astype(np.int64).clip(min=0)  # [B, W]
-        key_pos = np.arange(longest)
-        # Positions past a sequence's context read its position 0 (written, so finite) and are
-        # masked: another sequence's blocks are never read.
-        own = np.where(key_pos[None] < context[:, None], key_pos[None], 0)  # [B, S]
-        gather_np = cache_slots(tables, own, block_size)  # [B, S]
-        span = None
-        if num_seqs == 1 and (np.diff(gather_np[0]) == 1).all():
-            span = (int(gather_np[0, 0]), longest)
-        gather = torch.from_numpy(gather_np)
-        mask = live = None
-        if not (num_seqs == 1 and per_seq == 1 and context[0] > 0):
-            query_pos = (context - query_lens)[:, None] + np.arange(per_seq)  # [B, Q]
-            visible = (key_pos[None, None] <= query_pos[:, :, None]) & (
-                key_pos[None, None] < context[:, None, None]
-            )  # [B, Q, S]
-            visible[:, :, 0] |= ~visible.any(axis=-1)  # a row that sees nothing sees key 0
-            mask = torch.from_numpy(visible[:, None])
-            if (context == 0).any():
-                live = torch.from_numpy(np.repeat(context > 0, per_seq)).view(-1, 1, 1)
+        tables = meta.block_tables.numpy()
+        sequences: list[tuple[int, list[int], int | torch.Tensor]] = []
+        for b, (length, count) in enumerate(
+            zip(context.tolist(), query_lens.tolist(), strict=True)
+        ):
+            if length == 0:
+                continue  # an inert padding sequence: its rows stay 0
+            width = -(-length // block_size)
+            seq_slots = cache_slots(
+                tables[b, :width].astype(np.int64), np.arange(length), block_size
+            )
+            first = int(seq_slots[0])
+            keys: int | torch.Tensor = first
+            if seq_slots[-1] - first != length - 1:  # not consecutive: gather the slots
+                keys = torch.from_numpy(seq_slots)
+            counts = list(range(length - count + 1, length + 1))  # row j sees its prefix
+            sequences.append((b * per_seq, counts, keys))
+        all_live = bool((query_lens == per_seq).all())
         freqs = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)  # [T, D / 2]
         angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [T, 1, D]
         return cls(
@@ -106,12 +99,8 @@ class DecodePlanCPU:
             sin=angles.sin(),
             slots=slots,
             write_rows=write_rows,
-            gather=gather,
-            span=span,
-            mask=mask,
-            live=live,
-            num_seqs=num_seqs,
-            query_per_seq=per_seq,
+            sequences=sequences,
+            all_live=all_live,
         )
 
 
@@ -163,7 +152,7 @@ def decode_attention_cpu(
     plan: DecodePlanCPU,
     scale: float,
 ) -> torch.Tensor:
-    """`fused.paged_decode_attention_ref` over the gathered contexts, all sequences at once.
+    """`fused.paged_decode_attention_ref`, one SDPA call per live query row over its own keys.
 
     Args:
         query: [B * Q, H_q, D] rotated queries in the plan's uniform layout.
@@ -172,31 +161,36 @@ def decode_attention_cpu(
         plan: the step's plan.
         scale: softmax scale.
 
-    Returns: [B * Q, H_q, D] in query's dtype; rows of inert sequences are 0.
+    Returns: [B * Q, H_q, D] in query's dtype; padding rows (and inert sequences) are 0.
     """
     num_rows, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-    if plan.span is not None:  # one sequence in consecutive slots: views, no gather
-        start, length = plan.span
-        keys = flat_k[start : start + length][None]  # [1, S, H_kv, D]
-        values = flat_v[start : start + length][None]
-    else:
-        index = plan.gather.view(-1)
-        shape = (*plan.gather.shape, num_kv_heads, head_dim)
-        keys = flat_k.index_select(0, index).view(shape)  # [B, S, H_kv, D]
-        values = flat_v.index_select(0, index).view(shape)
-    if keys.dtype != query.dtype:
-        keys, values = keys.to(query.dtype), values.to(query.dtype)
-    batched = query.view(plan.num_seqs, plan.query_per_seq, num_heads, head_dim)
-    out = F.scaled_dot_product_attention(
-        batched.transpose(1, 2),  # [B, H_q, Q, D]
-        keys.transpose(1, 2),  # [B, H_kv, S, D]
-        values.transpose(1, 2),
-        attn_mask=plan.mask,
-        scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
-    )  # [B, H_q, Q, D]
-    out = out.transpose(1, 2).reshape(num_rows, num_heads, head_dim)
-    return out if plan.live is None else torch.where(plan.live, out, 0.0)
+    rows = query.transpose(0, 1)[None]  # [1, H_q, B * Q, D]
+    outputs: list[tuple[int, torch.Tensor]] = []
+    for first_row, counts, keys_at in plan.sequences:
+        if isinstance(keys_at, int):  # consecutive slots: views of the cache
+            keys = flat_k[keys_at : keys_at + counts[-1]]
+            values = flat_v[keys_at : keys_at + counts[-1]]
+        else:
+            keys, values = flat_k.index_select(0, keys_at), flat_v.index_select(0, keys_at)
+        if keys.dtype != query.dtype:
+            keys, values = keys.to(query.dtype), values.to(query.dtype)
+        keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, H_kv, S, D]
+        for j, count in enumerate(counts):
+            row = first_row + j
+            out = F.scaled_dot_product_attention(
+                rows[:, :, row : row + 1],
+                keys[:, :, :count],
+                values[:, :, :count],
+                scale=scale,
+                enable_gqa=num_heads != num_kv_heads,
+            )  # [1, H_q, 1, D]
+            outputs.append((row, out[0, :, 0]))
+    if len(outputs) == num_rows and plan.all_live:
+        return torch.stack([out for _, out in outputs])  # rows in order: [B * Q, H_q, D]
+    result = query.new_zeros(num_rows, num_heads, head_dim)
+    for row, out in outputs:
+        result[row] = out
+    return result

@@ -35,6 +35,7 @@ from specdec.models.quant import (
     QuantizedWeight,
     embedding_lookup,
     quant_linear,
+    rowwise_linear,
 )
 
 
@@ -66,6 +67,15 @@ class Linear(nn.Module):
         if self.quantized is not None:
             return quant_linear(x, self.quantized, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` for a decode/verify step, computing each row as it would be computed
+        alone (so a verify row equals the plain decode row of the same token): a quantized
+        weight always goes through its weight-only kernel (`forward` may dequantize for a GEMM
+        when there are many rows: a prefill chunk), a float one on the CPU row by row."""
+        if self.quantized is not None:
+            return quant_linear(x, self.quantized, self.bias, kernel_only=True)
+        return rowwise_linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Module):
@@ -249,10 +259,11 @@ class LlamaAttention(nn.Module):
             set_fused(self, "qkv_proj", fuse_linears(parts))
 
     def project_qkv(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[T, hidden] -> [T, (H_q + 2 H_kv) D]: q, k and v side by side."""
+        """[T, hidden] -> [T, (H_q + 2 H_kv) D]: q, k and v side by side (decode products)."""
         if self.qkv_proj is not None:
-            return self.qkv_proj(hidden)
-        return torch.cat([self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)], -1)
+            return self.qkv_proj.decode(hidden)
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        return torch.cat([part.decode(hidden) for part in parts], -1)
 
     def forward_decode(
         self,
@@ -286,7 +297,7 @@ class LlamaAttention(nn.Module):
                 qkv, plan, k_cache, v_cache, self.num_heads, self.num_kv_heads
             )
             out = decode_attention_cpu(query, k_cache, v_cache, plan, self.head_dim**-0.5)
-            return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+            return self.o_proj.decode(out.reshape(num_tokens, self.num_heads * self.head_dim))
         query = rope_write_kv(
             qkv,
             positions,
@@ -298,7 +309,7 @@ class LlamaAttention(nn.Module):
             self.num_kv_heads,
         )  # [T, H_q, D_head]
         out = paged_decode_attention(query, k_cache, v_cache, meta, self.head_dim**-0.5)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return self.o_proj.decode(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
     def forward(
         self,
@@ -354,10 +365,10 @@ class LlamaMLP(nn.Module):
     def forward_decode(self, x: torch.Tensor) -> torch.Tensor:
         """`forward` through one gate/up GEMM and the fused silu * up kernel."""
         if self.gate_up_proj is not None:
-            gate_up = self.gate_up_proj(x)
+            gate_up = self.gate_up_proj.decode(x)
         else:
-            gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
-        return self.down_proj(silu_mul(gate_up))
+            gate_up = torch.cat([self.gate_proj.decode(x), self.up_proj.decode(x)], dim=-1)
+        return self.down_proj.decode(silu_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -563,11 +574,16 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("the LM head is quantized: it has no float weight")
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Args: hidden: [N, D] final hidden states. Returns: [N, V] float32 logits."""
+    def compute_logits(self, hidden: torch.Tensor, decode: bool = False) -> torch.Tensor:
+        """Args: hidden: [N, D] final hidden states; decode: rows of a decode/verify step
+        (computed as each would be alone, see `Linear.decode`).
+
+        Returns: [N, V] float32 logits."""
         head = self.lm_head_quantized
         if head is not None:
-            return quant_linear(hidden, head).float()
+            return quant_linear(hidden, head, kernel_only=decode).float()
+        if decode:
+            return rowwise_linear(hidden, self.lm_head_weight).float()
         return F.linear(hidden, self.lm_head_weight).float()
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:

@@ -571,12 +571,13 @@ class QuantizedWeight:
         return _int4_pack_block() is not None
 
     # ------------------------------------------------------------------ kernels
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, kernel_only: bool = False) -> torch.Tensor:
         """[M, K] -> [M, N] in x's dtype; see `quant_linear`."""
         layout = self.layout
+        dequant = not kernel_only
         if layout == "cpu_int4":
             xk = x if x.dtype == KERNEL_DTYPE_CPU else x.to(KERNEL_DTYPE_CPU)
-            if x.shape[0] >= CPU_DEQUANT_MIN_ROWS and self.can_dequantize_cpu():
+            if dequant and x.shape[0] >= CPU_DEQUANT_MIN_ROWS and self.can_dequantize_cpu():
                 weight = self._unpacked_dequantize(KERNEL_DTYPE_CPU)
                 out = F.linear(expand_input(xk, self._meta["source_group"]), weight)
             else:
@@ -589,7 +590,7 @@ class QuantizedWeight:
             return out if out.dtype == x.dtype else out.to(x.dtype)
         if layout == "cpu_int8":
             xk = x if x.dtype == KERNEL_DTYPE_CPU else x.to(KERNEL_DTYPE_CPU)
-            if x.shape[0] >= CPU_DEQUANT_MIN_ROWS:
+            if dequant and x.shape[0] >= CPU_DEQUANT_MIN_ROWS:
                 weight = (
                     self._tensors["values"].to(KERNEL_DTYPE_CPU) * self._tensors["scale"][:, None]
                 )
@@ -597,17 +598,31 @@ class QuantizedWeight:
             out = torch.ops.aten._weight_int8pack_mm(
                 xk, self._tensors["values"], self._tensors["scale"]
             )
-            return out.to(x.dtype)
+            return out if out.dtype == x.dtype else out.to(x.dtype)
         if layout in ("triton_int", "triton_fp8"):
             from specdec.models import quant_triton
 
-            if x.shape[0] >= CUDA_DEQUANT_MIN_ROWS:  # a prefill chunk: one cuBLAS GEMM
+            if dequant and x.shape[0] >= CUDA_DEQUANT_MIN_ROWS:  # a prefill chunk: cuBLAS
                 weight = quant_triton.dequantize_triton(
                     self._tensors, self._meta, self.shape, x.dtype
                 )
                 return F.linear(x, weight)
             return quant_triton.quant_matmul_triton(x, self._tensors, self._meta, self.shape)
-        return F.linear(x, self.dequantize().to(x.dtype))
+        weight = self.dequantize().to(x.dtype)
+        return rowwise_linear(x, weight) if kernel_only else F.linear(x, weight)
+
+
+def rowwise_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """F.linear one row at a time on the CPU: a GEMM's result for a row may depend on how many
+    rows it multiplies (its blocking), one row's never does. For float weights on the decode
+    path (verify rows must equal decode rows); on CUDA the plain product.
+
+    Args: x: [M, K]. weight: [N, K]. bias: [N] or None. Returns: [M, N]."""
+    if x.is_cuda or x.shape[0] <= 1:
+        return F.linear(x, weight, bias)
+    return torch.cat([F.linear(x[row : row + 1], weight, bias) for row in range(x.shape[0])])
 
 
 def _pack_int4_rows(nibbles: torch.Tensor, rows_per_call: int = 4096) -> torch.Tensor:
@@ -679,21 +694,29 @@ def quant_linear_ref(
 
 
 def quant_linear(
-    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    *,
+    kernel_only: bool = False,
 ) -> torch.Tensor:
     """x @ W^T (+ bias) through the weight's kernel: on the CPU PyTorch's int4/int8 kernels in
     bfloat16 (x rounded to bfloat16, float32 accumulation, the result rounded to bfloat16, then
-    cast to x's dtype), on CUDA the Triton kernels; see `quant_linear_ref` for the value.
+    cast to x's dtype), on CUDA the Triton kernels; see `quant_linear_ref` for the value. Many
+    rows (CPU_DEQUANT_MIN_ROWS, CUDA_DEQUANT_MIN_ROWS: a prefill chunk) dequantize the weight
+    for one GEMM instead, unless `kernel_only`.
 
     Args:
         x: [..., K] activations.
         weight: [N, K].
         bias: [N] or None.
+        kernel_only: always the weight-only kernel (decode/verify steps: each row's result is
+            then independent of the number of rows).
 
     Returns: [..., N] in x's dtype.
     """
     lead = x.shape[:-1]
-    out = weight.matmul(x.reshape(-1, x.shape[-1]))
+    out = weight.matmul(x.reshape(-1, x.shape[-1]), kernel_only)
     if bias is not None:
         out = out + bias
     return out.view(*lead, out.shape[-1])

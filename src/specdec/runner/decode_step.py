@@ -95,8 +95,9 @@ class DecodeGraphs:
         hidden, layers = self.model.model(
             self.input_ids[:rows], self.positions[:rows], meta, self.kv_cache, feature_layers
         )
-        if self.model.lm_head_quantized is not None:
-            self.logits[:rows].copy_(self.model.compute_logits(hidden))
+        if self.model.lm_head_quantized is not None or not hidden.is_cuda:
+            # Rows as each would be alone: a verify row's logits equal the decode row's.
+            self.logits[:rows].copy_(self.model.compute_logits(hidden, decode=True))
         elif self._logits_lowp is None:
             torch.mm(hidden, self.model.lm_head_weight.t(), out=self.logits[:rows])
         else:

@@ -66,13 +66,23 @@ def test_cpu_step_matches_twins(case: str) -> None:
     assert torch.equal(query, ref_query)  # the same float32 products
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
     scale = DIM**-0.5
-    want = paged_decode_attention_ref(ref_query, ref_k, ref_v, meta, scale)
+    live = torch.tensor([j < count for count in counts for j in range(per_seq)])
+    want = paged_decode_attention_ref(ref_query, ref_k, ref_v, meta, scale)[live]
     got = decode_attention_cpu(query, k_cache, v_cache, plan, scale)
-    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(got[live], want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[~live], torch.zeros_like(got[~live]))  # padding rows stay 0
+    # Each row is what a one-row step of that token computes (verify row == decode row).
+    for b, (start, count) in enumerate(zip(starts, counts, strict=True)):
+        for j in range(count):
+            one, one_pos = _step([tables[b]], [start + j], [1], 1)
+            alone = DecodePlanCPU.build(one, one_pos, inv_freq, BLOCK)
+            row = b * per_seq + j
+            single = decode_attention_cpu(query[row : row + 1], k_cache, v_cache, alone, scale)
+            assert torch.equal(single[0], got[row])
     # Negative control: attention over a cache with one written key changed differs.
     k_cache.view(-1, KV_HEADS, DIM)[int(meta.slot_mapping[0])] += 1.0
     changed = decode_attention_cpu(query, k_cache, v_cache, plan, scale)
-    assert not torch.allclose(changed, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(changed[live], want, atol=1e-5, rtol=1e-5)
 
 
 def test_inert_rows_read_no_other_sequence() -> None:
