@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -181,9 +182,9 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> KVCache:
-        """A zero-filled cache. On the CPU its memory comes from calloc (through numpy), whose
-        zero pages the OS commits only when first written: the resident cache is what requests
-        have used, however many blocks it has."""
+        """A zero-filled cache. On the CPU its memory is an anonymous memory map, whose zero
+        pages the OS commits only when first written: the resident cache is what requests have
+        used, however many blocks it has."""
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         if torch.device(device).type == "cpu":
             return cls(k_cache=_lazy_zeros(shape, dtype), v_cache=_lazy_zeros(shape, dtype))
@@ -202,10 +203,13 @@ class KVCache:
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero CPU tensor whose pages are committed on first write (np.zeros uses calloc, which
-    maps fresh zero pages for large sizes instead of writing them)."""
+    """A zero CPU tensor whose pages are committed on first write: an anonymous memory map (zero
+    pages, lazily backed; not NumPy's allocator, which asks for 2 MB huge pages, so that the
+    first token of each layer would commit 2 MB of K and of V)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8)
+    size = max(int(np.prod(shape)) * itemsize, 1)
+    region = mmap.mmap(-1, size)
+    raw = np.frombuffer(region, dtype=np.uint8)  # keeps the map alive
     return torch.from_numpy(raw).view(dtype).view(shape)
 
 

@@ -110,15 +110,29 @@ def load_model(
     """
     path = Path(path)
     if path.is_dir():
-        return _load_hf_dir(path, dtype, device, resolve_quantization(path, quantization))
-    if not path.exists():
+        loaded = _load_hf_dir(path, dtype, device, resolve_quantization(path, quantization))
+    elif not path.exists():
         raise FileNotFoundError(f"no such model path: {path}")
-    if not is_gguf(path):
+    elif not is_gguf(path):
         raise CheckpointError(
             f"{path} is neither a directory nor a GGUF file (expected a HF model directory with "
             "config.json and *.safetensors, or a .gguf file)"
         )
-    return _load_gguf(path, dtype, device, resolve_quantization(path, quantization))
+    else:
+        loaded = _load_gguf(path, dtype, device, resolve_quantization(path, quantization))
+    _release_freed_memory()
+    return loaded
+
+
+def _release_freed_memory() -> None:
+    """Returns the heap that loading freed (file bytes, unpacked integers) to the OS: glibc
+    keeps freed chunks of this size for reuse, which would stay in the resident set."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def _load_gguf(

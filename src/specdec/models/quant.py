@@ -437,19 +437,8 @@ class QuantizedWeight:
         self._tensors: dict[str, torch.Tensor] = {}
         self._meta: dict[str, int | None] = {}
         if self.layout == "cpu_int4":
-            ops = int4_operands(quantized)  # type: ignore[arg-type]
-            if ops is None:
-                raise ValueError(f"the CPU int4 kernel cannot take this weight {self.shape}")
-            self._tensors["packed"] = _pack_int4_rows(ops.nibbles)
-            scale_zero = torch.stack([ops.scale, ops.zero], dim=-1)  # [N, G', 2]
-            self._tensors["scale_zero"] = (
-                scale_zero.transpose(0, 1).contiguous().to(KERNEL_DTYPE_CPU)
-            )  # [G', N, 2]
-            self._meta = {
-                "group_size": ops.group_size,
-                "source_group": ops.source_group,
-                "expanded_cols": ops.nibbles.shape[1],
-            }
+            assert isinstance(quantized, GroupQuantized)
+            self._pack_cpu_int4(quantized)
         elif self.layout == "cpu_int8":
             assert isinstance(quantized, GroupQuantized)
             self._tensors["values"] = quantized.values.contiguous()
@@ -480,6 +469,33 @@ class QuantizedWeight:
             keep_source = True  # the source is what this layout multiplies by
         if keep_source:  # on the host beside a device layout (only `select_rows` reads it)
             self.source = quantized.to(device if self.layout == "reference" else "cpu")
+
+    def _pack_cpu_int4(self, quantized: GroupQuantized, rows_per_chunk: int = 4096) -> None:
+        """The cpu_int4 tensors, a few thousand rows (whole packing blocks) at a time: the
+        operands of a whole LM head would take several bytes per value at once."""
+        num_rows = quantized.shape[0]
+        packed = scale_zero = None
+        meta: dict[str, int | None] = {}
+        for start in range(0, num_rows, rows_per_chunk):
+            stop = min(start + rows_per_chunk, num_rows)
+            ops = int4_operands(quantized.map_rows(lambda t, a=start, b=stop: t[a:b]))
+            if ops is None:
+                raise ValueError(f"the CPU int4 kernel cannot take this weight {self.shape}")
+            if packed is None or scale_zero is None:
+                cols, groups = ops.nibbles.shape[1], ops.scale.shape[1]
+                packed = torch.empty(num_rows, cols // 2, dtype=torch.uint8)
+                scale_zero = torch.empty(groups, num_rows, 2, dtype=KERNEL_DTYPE_CPU)
+                meta = {
+                    "group_size": ops.group_size,
+                    "source_group": ops.source_group,
+                    "expanded_cols": cols,
+                }
+            packed[start:stop] = _pack_int4_rows(ops.nibbles)
+            scale_zero[:, start:stop, 0] = ops.scale.t()
+            scale_zero[:, start:stop, 1] = ops.zero.t()
+        assert packed is not None and scale_zero is not None
+        self._tensors["packed"], self._tensors["scale_zero"] = packed, scale_zero  # [G', N, 2]
+        self._meta = meta
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -561,9 +577,10 @@ class QuantizedWeight:
         group = self._meta["group_size"]
         assert group is not None
         scale_zero = self._tensors["scale_zero"].transpose(0, 1)  # [N, G', 2]
-        values = nibbles.to(dtype).view(num_rows, cols // group, group) - 8
-        out = values * scale_zero[:, :, 0:1].to(dtype) + scale_zero[:, :, 1:2].to(dtype)
-        return out.view(num_rows, cols)
+        # In place: one [N, K'] buffer (prefill chunks dequantize every weight, every chunk).
+        values = nibbles.to(dtype).view(num_rows, cols // group, group).sub_(8)
+        values.mul_(scale_zero[:, :, 0:1].to(dtype)).add_(scale_zero[:, :, 1:2].to(dtype))
+        return values.view(num_rows, cols)
 
     def can_dequantize_cpu(self) -> bool:
         if self.layout != "cpu_int4":
