@@ -17,6 +17,7 @@ from specdec.models.loader import (
     LoadedModel,
     default_quantization,
     load_model,
+    quantize_model,
     resolve_quantization,
 )
 from specdec.models.quant import QUANTIZATIONS, QuantizedWeight
@@ -42,6 +43,7 @@ __all__ = [
     "load_model",
     "paged_attention",
     "prompt_logits",
+    "quantize_model",
     "resolve_quantization",
     "write_kv",
 ]

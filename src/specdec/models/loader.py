@@ -262,6 +262,48 @@ def _load_weights(
         )
 
 
+def quantize_model(model: LlamaForCausalLM, quantization: str) -> LlamaForCausalLM:
+    """Quantizes a loaded float model in place ("int8", "int4" or "fp8"), as `load_model` would
+    have: each layer's linears (q/k/v and gate/up fused) and the LM head, one weight at a time.
+
+    Raises: ValueError: an unknown quantization, "gguf", or a model already quantized.
+
+    Mutates: `model` (its float weights are dropped). Returns: `model`.
+    """
+    check_quantization(quantization)
+    if quantization == "gguf":
+        raise ValueError("quantization='gguf' is a GGUF file's own formats: load the file")
+    if model.quantization is not None:
+        raise ValueError(f"the model is already quantized ({model.quantization})")
+    device, dtype = model.device, model.dtype
+    for layer in model.model.layers:
+        for block_name, fused_name, names in _FUSED_GROUPS:
+            block = getattr(layer, block_name)
+            linears = [getattr(block, name) for name in names]
+            weights = [quantize(linear.weight.detach(), quantization) for linear in linears]
+            fused = _fuse(linears, weights, device)
+            assert fused is not None  # one format for all
+            biases = [linear.bias for linear in linears]
+            bias = None
+            if all(b is not None for b in biases):
+                parts = [b.detach() for b in biases if b is not None]
+                bias = torch.cat(parts).to(device=device, dtype=dtype)
+            set_fused(block, fused_name, fused_quantized(linears, fused, bias))
+        for block_name, name in _SINGLE_LINEARS:
+            linear = getattr(getattr(layer, block_name), name)
+            linear.set_quantized(
+                QuantizedWeight(quantize(linear.weight.detach(), quantization), device)
+            )
+    if model.lm_head is not None:
+        head = quantize(model.lm_head.weight.detach(), quantization)
+        model.lm_head.set_quantized(QuantizedWeight(head, device, keep_source=True))
+    else:
+        table = quantize(model.model.embed_tokens.weight.detach(), quantization)
+        model.tied_head = QuantizedWeight(table, device, keep_source=True)
+    model.quantization = quantization
+    return model
+
+
 def _fuse(
     linears: list[Linear], weights: list[Quantized | None], device: torch.device
 ) -> QuantizedWeight | None:

@@ -159,3 +159,18 @@ def test_truncated_gguf_is_one_clear_error(tmp_path: Path) -> None:
             load_model(tmp_path / "cut.gguf", quantization="gguf")
         message = str(err.value)
         assert "\n" not in message and ("truncated" in message or "cannot read" in message)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4", "fp8"])
+def test_quantize_model_equals_quantized_load(tmp_path: Path, quantization: str) -> None:
+    """`quantize_model` on a loaded float model gives the model `load_model` quantizes."""
+    from specdec.models import quantize_model
+
+    path = save_hf_model(make_hf_model("qwen2_bias"), tmp_path / "hf")
+    loaded = load_model(path, quantization=quantization).model
+    converted = quantize_model(load_model(path).model, quantization)
+    assert converted.model.layers[0].self_attn.q_proj.weight is None
+    prompts = prompt_tokens(97, [6])
+    assert torch.equal(prompt_logits(converted, prompts)[0], prompt_logits(loaded, prompts)[0])
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_model(converted, quantization)
