@@ -43,10 +43,12 @@ def save_vocab8_target(path: Path) -> Path:
     return path
 
 
-def exact_continuation_law(model_dir: Path, temperature: float, num_tokens: int) -> torch.Tensor:
+def exact_continuation_law(
+    model_dir: Path, temperature: float, num_tokens: int, quantization: str | None = None
+) -> torch.Tensor:
     """[V ** num_tokens] float64 probability of each continuation of PROMPT under the processed
-    target (cells in `itertools.product` order)."""
-    model = load_model(model_dir).model
+    target (cells in `itertools.product` order), the target quantized as `quantization`."""
+    model = load_model(model_dir, quantization=quantization).model
     prefixes = [
         list(p) for n in range(num_tokens) for p in itertools.product(range(VOCAB), repeat=n)
     ]
@@ -71,6 +73,7 @@ def first_token_counts(
     max_tokens: int,
     num_tokens: int,
     num_trials: int,
+    quantization: str | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """(counts [V ** num_tokens] float64 of the first num_tokens emitted tokens of num_trials
     requests seeded 0 .. num_trials - 1 through the engine, the engine's spec-decode metrics)."""
@@ -80,6 +83,7 @@ def first_token_counts(
     llm = LLM(
         str(model_dir),
         speculative_config=spec,
+        quantization=quantization,
         max_model_len=32,
         block_size=4,
         max_num_seqs=512,
