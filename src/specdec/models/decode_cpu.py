@@ -32,7 +32,10 @@ class DecodePlanCPU:
     emits, within a quantized format whose kernels round to bfloat16).
 
     Attributes:
-        cos, sin: [T, 1, D] float32 RoPE tables ("rotate half" layout) of the query rows.
+        cos: [T, 1, D] float32 RoPE cosines ("rotate half" layout) of the query rows.
+        sin: [T, 1, D] float32 sines with the first half negated, and `half_swap` the [D]
+            int64 index that swaps the halves: x * cos + x[half_swap] * sin is the rotation
+            (each product as the twin computes it).
         slots: [T_w] int64 cache slots of the rows whose K/V are written.
         write_rows: [T_w] int64 rows written, or None when every row is (slots[i] is row i's).
         sequences: per sequence with a context, (first row, its rows' key counts, and either
@@ -43,6 +46,7 @@ class DecodePlanCPU:
 
     cos: torch.Tensor
     sin: torch.Tensor
+    half_swap: torch.Tensor
     slots: torch.Tensor
     write_rows: torch.Tensor | None
     sequences: list[tuple[int, list[int], int | torch.Tensor]]
@@ -93,10 +97,13 @@ class DecodePlanCPU:
             sequences.append((b * per_seq, counts, keys))
         all_live = bool((query_lens == per_seq).all())
         freqs = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)  # [T, D / 2]
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [T, 1, D]
+        cos, sin = freqs.cos(), freqs.sin()
+        half = freqs.shape[1]
+        half_swap = torch.cat((torch.arange(half, 2 * half), torch.arange(half)))
         return cls(
-            cos=angles.cos(),
-            sin=angles.sin(),
+            cos=torch.cat((cos, cos), dim=-1)[:, None],  # [T, 1, D]
+            sin=torch.cat((-sin, sin), dim=-1)[:, None],
+            half_swap=half_swap,
             slots=slots,
             write_rows=write_rows,
             sequences=sequences,
@@ -131,8 +138,7 @@ def rope_write_kv_cpu(
     qk = heads[:, : num_heads + num_kv_heads]
     if qk.dtype != torch.float32:
         qk = qk.to(torch.float32)
-    half = head_dim // 2
-    rotated = qk * plan.cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * plan.sin
+    rotated = qk * plan.cos + qk.index_select(-1, plan.half_swap) * plan.sin
     if rotated.dtype != qkv.dtype:
         rotated = rotated.to(qkv.dtype)
     key, value = rotated[:, num_heads:], heads[:, num_heads + num_kv_heads :]

@@ -34,10 +34,13 @@ def add_rms_norm_ref(
         (normed [T, D], new residual [T, D]), both in x's dtype.
     """
     summed = x if residual is None else x + residual
-    # (`.to` only where the dtype changes: on the CPU decode path each dispatch counts)
-    hidden = summed if summed.dtype == torch.float32 else summed.to(torch.float32)
+    if summed.dtype == torch.float32 and weight.dtype == torch.float32:
+        # The same products in one call (bit for bit: x * rsqrt(mean(x^2) + eps), then * w):
+        # on the CPU decode path each Python-level operation counts.
+        return F.rms_norm(summed, (summed.shape[-1],), weight, eps), summed
+    hidden = summed.to(torch.float32)
     hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * (hidden if x.dtype == torch.float32 else hidden.to(x.dtype)), summed
+    return weight * hidden.to(x.dtype), summed
 
 
 def rope_write_kv_ref(

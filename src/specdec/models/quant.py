@@ -732,6 +732,9 @@ def quant_linear(
 
     Returns: [..., N] in x's dtype.
     """
+    if x.dim() == 2:  # (the decode path's case: no reshapes)
+        out = weight.matmul(x, kernel_only)
+        return out if bias is None else out + bias
     lead = x.shape[:-1]
     out = weight.matmul(x.reshape(-1, x.shape[-1]), kernel_only)
     if bias is not None:
