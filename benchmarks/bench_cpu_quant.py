@@ -6,7 +6,7 @@ each engine's peak resident memory, in one interleaved run.
     python benchmarks/bench_cpu_quant.py --out bench-results/cpu_quant.json \
         --llama-python /tmp/llamacpp-venv/bin/python [--threads 2] [--rounds 3] \
         [--new-tokens 64] [--engines llama.cpp,specdec-plain,specdec-spec,specdec-float] \
-        [--llama-kwargs '{"use_extra_bufts": false}']
+        [--llama-kwargs '{"use_extra_bufts": true}']
 
 llama.cpp runs through llama-cpp-python, which is not a dependency of this project: install it
 in a virtual environment of its own (`python -m venv /tmp/llamacpp-venv &&
@@ -15,6 +15,9 @@ in a virtual environment of its own (`python -m venv /tmp/llamacpp-venv &&
 and the driver alternates them request by request, round after round, so that drift in the
 machine's load hits all alike. All engines get the same prompt token ids (the chat template
 rendered by specdec's tokenizer) and the same thread count, decode greedily and ignore EOS.
+llama.cpp's extra buffer types (its AMX / repacked Q4 and Q8 weights) are off by default: with
+them this build crashed on its first decode on an AMX machine; `--llama-kwargs
+'{"use_extra_bufts": true}'` turns them on where they work.
 
 Reported per engine: batch-1 tokens/s (generation wall time over generated tokens, the prompt's
 prefill included) and decode-only TPOT (generation minus a 1-token run of the same prompt),
@@ -105,7 +108,21 @@ class SpecdecWorker:
 class LlamaCppWorker:
     def __init__(self, threads: int, model: str, kwargs: dict) -> None:
         import llama_cpp
+        import llama_cpp.llama_cpp as low
 
+        # llama.cpp's extra buffer types (the AMX/CPU repacking of Q4/Q8 weights) crash this
+        # build on the first decode (AMX_INT8 machine, 0.3.36); `Llama` has no argument for
+        # them, so the default model parameters are patched (--llama-extra-bufts: keep them).
+        extra_bufts = kwargs.pop("use_extra_bufts", False)
+        default_params = low.llama_model_default_params
+
+        def model_params():
+            params = default_params()
+            params.use_extra_bufts = extra_bufts
+            return params
+
+        low.llama_model_default_params = model_params
+        self.extra_bufts = extra_bufts
         start = time.perf_counter()
         self.llm = llama_cpp.Llama(
             model_path=model,
@@ -136,7 +153,11 @@ class LlamaCppWorker:
         return seconds, outputs
 
     def info(self) -> dict:
-        return {"load_s": self.load_s, "llama_cpp_python": self.version}
+        return {
+            "load_s": self.load_s,
+            "llama_cpp_python": self.version,
+            "use_extra_bufts": self.extra_bufts,
+        }
 
 
 def worker_main(kind: str, threads: int, model: str | None, kwargs: dict) -> None:
