@@ -48,8 +48,9 @@ def size_kv_cache(
 ) -> tuple[int, int]:
     """(KV-cache blocks, max_model_len): `num_kv_blocks` or what memory allows (the free GPU
     memory under gpu_memory_utilization on CUDA; max_num_seqs x max_model_len tokens, at most
-    CPU_KV_CACHE_BYTES, on the CPU), and max_model_len lowered (with a warning) to what the
-    cache holds, since a request alone must always fit.
+    CPU_KV_CACHE_BYTES, on the CPU, where that is an address range: its pages are committed as
+    requests write them, so the resident cache is what the requests need), and max_model_len
+    lowered (with a warning) to what the cache holds, since a request alone must always fit.
 
     Raises:
         ValueError: the cache would not hold one request of max_model_len.
