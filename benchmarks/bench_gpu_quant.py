@@ -4,7 +4,8 @@ at batch 1 and 64, the per-matrix kernel time against cuBLAS bf16, and gpt-fast'
 weight-only modes beside us in the same process.
 
     python benchmarks/bench_gpu_quant.py --out DIR [--shape llama-3-8b] [--batches 1,64] \
-        [--formats bf16,fp8,int4,int8] [--gpt-fast-dir PATH] [--new-tokens 64]
+        [--formats bf16,fp8,int4,int8] [--gpt-fast-dir PATH [--gpt-fast-modes int8,int4]] \
+        [--new-tokens 64]
 
 Targets (issue 15): batch-1 TPOT with FP8 <= 0.6x bf16, int4 <= 0.4x; batch 64 with FP8
 <= 0.65x. gpt-fast (github.com/pytorch-labs/gpt-fast, not part of this repository) is run when
@@ -103,9 +104,11 @@ def bench_ours(shape: str, formats: list[str], batches: list[int], new_tokens: i
     return results
 
 
-def bench_gpt_fast(shape: str, batches: list[int], new_tokens: int, gpt_fast_dir: str) -> dict:
-    """gpt-fast's decode step (torch.compile, reduce-overhead) with its bf16, int8 and int4
-    (group size 128) weight-only modes on the same shape."""
+def bench_gpt_fast(
+    shape: str, batches: list[int], new_tokens: int, gpt_fast_dir: str, modes: list[str]
+) -> dict:
+    """gpt-fast's decode step (torch.compile, reduce-overhead) in `modes` (bf16, int8, int4 with
+    group size 128: its weight-only modes) on the same shape."""
     sys.path.insert(0, gpt_fast_dir)
     import generate as gf_generate  # gpt-fast's generate.py
     import quantize as gf_quantize  # gpt-fast's quantize.py
@@ -123,7 +126,7 @@ def bench_gpt_fast(shape: str, batches: list[int], new_tokens: int, gpt_fast_dir
         rope_base=base.COMMON["rope_theta"],
     )
     results: dict = {}
-    for mode in ("bf16", "int8", "int4"):
+    for mode in modes:
         try:
             torch.manual_seed(0)
             with torch.device("cuda"):
@@ -181,6 +184,7 @@ def main() -> None:
     parser.add_argument("--formats", default="bf16,fp8,int4,int8")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--gpt-fast-dir", default=None)
+    parser.add_argument("--gpt-fast-modes", default="int8,int4", help="of bf16,int8,int4")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     results = {"ours": bench_ours(args.shape, args.formats.split(","), batches, args.new_tokens)}
