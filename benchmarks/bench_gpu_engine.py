@@ -167,7 +167,7 @@ def bench_ours(shapes, batches, new_tokens: int, plain_only: bool = False) -> di
         plain = make_llm(model, async_scheduling=False)
         rows = {}
         for batch in batches:
-            prompts = random_prompts(batch, COMMON["vocab_size"], seed=batch)
+            prompts = random_prompts(batch, hf_config(shape)["vocab_size"], seed=batch)
             row = engine_tpot(plain, prompts, new_tokens)
             graphs = plain.engine.runner.graphs
             bucket = next(size for size in graphs.buckets if size >= batch)
@@ -180,7 +180,7 @@ def bench_ours(shapes, batches, new_tokens: int, plain_only: bool = False) -> di
         overlapped = make_llm(model, async_scheduling=True)
         async_rows = {}
         for batch in batches:
-            prompts = random_prompts(batch, COMMON["vocab_size"], seed=batch)
+            prompts = random_prompts(batch, hf_config(shape)["vocab_size"], seed=batch)
             async_rows[batch] = engine_tpot(overlapped, prompts, new_tokens)
             log(f"[ours] {shape} b{batch} async_scheduling: {async_rows[batch]}")
         del overlapped
@@ -218,10 +218,11 @@ def bench_ours(shapes, batches, new_tokens: int, plain_only: bool = False) -> di
         # Speculative vs plain in the engine (batch 1 and 8): n-gram on a repetitive prompt, and
         # a draft model made of the target's first 2 layers.
         spec_rows = {}
-        pattern = random_prompts(1, COMMON["vocab_size"], seed=99, length=16)[0]
+        vocab = hf_config(shape)["vocab_size"]
+        pattern = random_prompts(1, vocab, seed=99, length=16)[0]
         for batch in (1, 8):
             repetitive = [pattern * 8 for _ in range(batch)]
-            varied = random_prompts(batch, COMMON["vocab_size"], seed=1000 + batch)
+            varied = random_prompts(batch, vocab, seed=1000 + batch)
             for name, spec, prompts in (
                 ("plain, repetitive prompts", None, repetitive),
                 (
@@ -274,7 +275,7 @@ def bench_hf(shapes, batches, new_tokens: int, caches) -> dict:
             # The static cache at batch 1 recompiles every step (333-748 ms/token seen on this
             # H200 before); it is left out to keep the run short.
             for batch in [b for b in batches if cache == "dynamic" or b > 1]:
-                prompts = torch.tensor(random_prompts(batch, COMMON["vocab_size"], seed=batch))
+                prompts = torch.tensor(random_prompts(batch, cfg["vocab_size"], seed=batch))
                 input_ids = prompts.cuda()
                 mask = torch.ones_like(input_ids)
 
@@ -317,16 +318,16 @@ def bench_gpt_fast(shapes, batches, new_tokens: int, gpt_fast_dir: str) -> dict:
     decode = torch.compile(gf_generate.decode_one_token, mode="reduce-overhead", fullgraph=True)
     results: dict = {}
     for shape in shapes:
-        cfg = SHAPES[shape]
+        cfg = hf_config(shape)
         args = ModelArgs(
             block_size=8192,
-            vocab_size=COMMON["vocab_size"],
+            vocab_size=cfg["vocab_size"],
             n_layer=cfg["num_hidden_layers"],
             n_head=cfg["num_attention_heads"],
             n_local_heads=cfg["num_key_value_heads"],
             dim=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
-            rope_base=COMMON["rope_theta"],
+            rope_base=cfg["rope_theta"],
         )
         torch.manual_seed(0)
         with torch.device("cuda"):
@@ -334,7 +335,8 @@ def bench_gpt_fast(shapes, batches, new_tokens: int, gpt_fast_dir: str) -> dict:
         for batch in batches:
             with torch.device("cuda"):
                 model.setup_caches(max_batch_size=batch, max_seq_length=512)
-            prompt = torch.tensor(random_prompts(batch, COMMON["vocab_size"], seed=batch)).cuda()
+            vocab = cfg["vocab_size"]
+            prompt = torch.tensor(random_prompts(batch, vocab, seed=batch)).cuda()
             input_pos = torch.arange(PROMPT_LEN, device="cuda")
             with torch.no_grad():
                 token = gf_generate.prefill(model, prompt, input_pos)

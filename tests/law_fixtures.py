@@ -44,10 +44,18 @@ def save_vocab8_target(path: Path) -> Path:
 
 
 def exact_continuation_law(
-    model_dir: Path, temperature: float, num_tokens: int, quantization: str | None = None
+    model_dir: Path,
+    temperature: float,
+    num_tokens: int,
+    rules=None,
+    quantization: str | None = None,
 ) -> torch.Tensor:
     """[V ** num_tokens] float64 probability of each continuation of PROMPT under the processed
-    target (cells in `itertools.product` order), the target quantized as `quantization`."""
+    target (cells in `itertools.product` order), the target quantized as `quantization`; with
+    `rules` (a `LogitsRules`), each position's logits first go through the audit's independent
+    twin of the rules, with the continuation so far as output."""
+    from specdec.audit.laws import rules_logits_reference
+
     model = load_model(model_dir, quantization=quantization).model
     prefixes = [
         list(p) for n in range(num_tokens) for p in itertools.product(range(VOCAB), repeat=n)
@@ -55,7 +63,10 @@ def exact_continuation_law(
     logits = prompt_logits(model, [PROMPT + p for p in prefixes])
     probs = {}
     for prefix, row in zip(prefixes, logits, strict=True):
-        processed = process_logits(row[-1:].double(), torch.tensor([temperature]))
+        last = row[-1:].double()
+        if rules is not None:
+            last = rules_logits_reference(last[0], rules, PROMPT, prefix)[None]
+        processed = process_logits(last, torch.tensor([temperature]))
         probs[tuple(prefix)] = processed.softmax(-1)[0]
     law = torch.zeros(VOCAB**num_tokens, dtype=torch.float64)
     for cell, seq in enumerate(itertools.product(range(VOCAB), repeat=num_tokens)):
@@ -73,24 +84,28 @@ def first_token_counts(
     max_tokens: int,
     num_tokens: int,
     num_trials: int,
-    quantization: str | None = None,
+    engine_args: dict | None = None,
+    **sampling: object,
 ) -> tuple[torch.Tensor, dict]:
     """(counts [V ** num_tokens] float64 of the first num_tokens emitted tokens of num_trials
-    requests seeded 0 .. num_trials - 1 through the engine, the engine's spec-decode metrics)."""
+    requests seeded 0 .. num_trials - 1 through the engine (with `engine_args`), the engine's
+    spec-decode metrics); `sampling`: further SamplingParams fields of every request."""
     from specdec.engine.llm import LLM
     from specdec.sampling import SamplingParams
 
     llm = LLM(
         str(model_dir),
         speculative_config=spec,
-        quantization=quantization,
         max_model_len=32,
         block_size=4,
         max_num_seqs=512,
         max_num_batched_tokens=4096,
+        **(engine_args or {}),
     )
     params = [
-        SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=s)
+        SamplingParams(
+            temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=s, **sampling
+        )
         for s in range(num_trials)
     ]
     outputs = llm.generate([PROMPT] * num_trials, params, use_tqdm=False)

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_gpu_engine
 
-from bench_gpu_engine import COMMON, build_ours, make_llm, random_prompts
+from bench_gpu_engine import build_ours, hf_config, make_llm, random_prompts
 
 
 def generate(llm, prompts, tokens: int) -> None:
@@ -120,7 +120,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = build_ours(args.shape)
-    prompts = random_prompts(args.batch, COMMON["vocab_size"], seed=args.batch)
+    prompts = random_prompts(args.batch, hf_config(args.shape)["vocab_size"], seed=args.batch)
     report = {}
     for mode in (True, False):
         llm = make_llm(model, async_scheduling=mode)

@@ -83,3 +83,36 @@ class SpecDecodeStats:
             "acceptance_rate": self.acceptance_rate,
             "acceptance_per_position": self.acceptance_per_position,
         }
+
+
+@dataclass(slots=True)
+class LoopStats:
+    """Which path served an engine's steps (so a user sees what ran):
+
+    - num_overlapped_steps: plain decode steps launched before the previous step was read;
+    - num_device_rounds: speculative rounds run on the device, each launched before the
+      previous one was read;
+    - num_graph_rounds: those of them replayed from CUDA graphs;
+    - num_sync_steps: steps of the synchronous path;
+    - k_chosen: device rounds per K (the policy's choice; 0 = plain decoding).
+    """
+
+    num_overlapped_steps: int = 0
+    num_device_rounds: int = 0
+    num_graph_rounds: int = 0
+    num_sync_steps: int = 0
+    k_chosen: dict[int, int] = field(default_factory=dict)
+
+    def observe_round(self, k: int, graphed: bool) -> None:
+        self.num_device_rounds += 1
+        self.num_graph_rounds += int(graphed)
+        self.k_chosen[k] = self.k_chosen.get(k, 0) + 1
+
+    def as_dict(self) -> dict:
+        return {
+            "num_overlapped_steps": self.num_overlapped_steps,
+            "num_device_rounds": self.num_device_rounds,
+            "num_graph_rounds": self.num_graph_rounds,
+            "num_sync_steps": self.num_sync_steps,
+            "k_chosen": dict(sorted(self.k_chosen.items())),
+        }

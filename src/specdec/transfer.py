@@ -1,7 +1,8 @@
 """Moving small per-row values between host and device without stalling the device queue.
 
 `to_device` sends host values through reused pinned buffers with an asynchronous copy (a copy from
-pageable memory waits for the work already queued).
+pageable memory waits for the work already queued). Pinned buffers are made on the CPU explicitly,
+so that they stay host memory under `torch.set_default_device("cuda")`.
 
 `Readback` packs named int64 and float32 tensors into one int64 buffer (floats travel as their
 bit patterns), copies it to pinned host memory with one asynchronous copy and records an event.
@@ -59,7 +60,9 @@ class Readback:
             if free:
                 self._host, self._event = free.pop()
             else:
-                self._host = torch.empty(packed.shape, dtype=torch.int64, pin_memory=True)
+                self._host = torch.empty(
+                    packed.shape, dtype=torch.int64, device="cpu", pin_memory=True
+                )
                 self._event = torch.cuda.Event()
             self._host.copy_(packed, non_blocking=True)
             self._event.record()
@@ -109,7 +112,7 @@ class _PinnedStaging(threading.local):
                 buffer, event = entries.pop(index)
                 break
         else:
-            buffer = torch.empty(self.capacity(length), dtype=dtype, pin_memory=True)
+            buffer = torch.empty(self.capacity(length), dtype=dtype, device="cpu", pin_memory=True)
             event = torch.cuda.Event()
         host = buffer[:length]
         if isinstance(values, torch.Tensor):

@@ -77,7 +77,9 @@ def test_tiny_generates_with_specdec_as_transformers_scores_it(tiny_dir):
     num_prompt = len(out.prompt_token_ids)
     hf_logprobs = torch.log_softmax(logits[num_prompt - 1 : -1], dim=-1)
     hf_chosen = hf_logprobs.gather(1, torch.tensor(generated)[:, None])[:, 0]
-    ours = torch.tensor([entry.logprob for entry in out.outputs[0].logprobs])
+    ours = torch.tensor(
+        [entry[t].logprob for entry, t in zip(out.outputs[0].logprobs, generated, strict=True)]
+    )
     torch.testing.assert_close(ours, hf_chosen, atol=1e-4, rtol=0)
     # Greedy: each emitted token is (up to float noise) transformers' most likely one.
     assert torch.all(hf_chosen >= hf_logprobs.max(dim=-1).values - 1e-4)

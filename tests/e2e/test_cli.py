@@ -47,10 +47,47 @@ def test_generate_replays_with_the_printed_seed():
 
 
 def test_generate_rejects_bad_arguments_clearly():
-    done = run_cli("generate", "hi", "--temperature", "-1")
-    assert done.returncode != 0 and "temperature" in done.stderr
-    done = run_cli("generate", "hi", "--speculative-config", '{"method": "medusa"}')
-    assert done.returncode != 0 and "speculative_config.method" in done.stderr
+    """Refused before the model loads: one line, exit status 2, no traceback."""
+    for args, words in (
+        (("--temperature", "-1"), "temperature"),
+        (("--speculative-config", '{"method": "medusa"}'), "speculative_config.method"),
+        (("--speculative-config", "{oops"), "not valid JSON"),
+    ):
+        done = run_cli("generate", "hi", *args)
+        assert done.returncode == 2
+        assert done.stderr.count("\n") == 1 and done.stderr.startswith("specdec generate: error:")
+        assert words in done.stderr
+
+
+def test_an_error_after_loading_is_one_line_too():
+    done = run_cli("generate", "word " * 9000, "--no-spec", "--no-chat")
+    assert done.returncode == 2
+    errors = [line for line in done.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith("specdec generate: error: ")
+    assert "max_model_len" in errors[0] and "Traceback" not in done.stderr
+    assert done.stderr.startswith("loading the built-in SmolLM2-135M-Instruct")
+
+
+def test_generate_n_stop_logprobs_ignore_eos():
+    done = run_cli(
+        "generate",
+        "Count: one, two,",
+        "--no-spec",
+        "--n",
+        "2",
+        "--seed",
+        "3",
+        "--max-tokens",
+        "12",
+        "--stop",
+        "five",
+        "--logprobs",
+        "2",
+        "--ignore-eos",
+    )
+    assert done.returncode == 0, done.stderr
+    assert "--- sample 0" in done.stdout and "--- sample 1" in done.stdout
+    assert "[logprobs of sample 1]" in done.stderr and "(rank " in done.stderr
 
 
 def test_bench_writes_json_and_png(tmp_path):
@@ -61,3 +98,4 @@ def test_bench_writes_json_and_png(tmp_path):
     assert figures["runs"][0]["name"] == "plain"
     assert figures["meta"]["identical_outputs"] == 2  # greedy: speculation changes nothing
     assert out.with_suffix(".png").stat().st_size > 0
+    assert figures["meta"]["command"].startswith("specdec bench --num-prompts 2")

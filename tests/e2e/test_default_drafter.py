@@ -57,6 +57,21 @@ def test_one_token_prompts_speculate_from_their_second_round(llm):
     assert all(o.spec_decode_stats["num_drafts"] > 0 for o in on)
 
 
+def test_eagle_without_a_model_takes_the_shipped_head_on_the_built_in_model():
+    llm = LLM(
+        speculative_config={"method": "eagle", "num_speculative_tokens": 3}, max_model_len=256
+    )
+    spec = llm.engine.speculative_config
+    assert spec.model == str(DEFAULT_EAGLE_DIR) and spec.num_speculative_tokens == 3
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    assert out.spec_decode_stats["num_drafts"] > 0
+
+
+def test_the_model_s_declared_context_is_the_default_max_model_len():
+    llm = LLM(speculative_config=None)
+    assert llm.engine.max_model_len == llm.engine.model_config.max_position_embeddings == 8192
+
+
 @pytest.mark.slow
 def test_bench_sweep_writes_the_acceptance_table(tmp_path, capsys):
     out = tmp_path / "sweep.json"

@@ -269,9 +269,20 @@ def test_bad_prompts_get_400(server, prompt, words):
     assert words in error["message"], error["message"]
 
 
-def test_echo_with_logprobs_gets_400(client):
-    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
-        complete(client, echo=True, logprobs=1)
+def test_echo_with_logprobs_scores_the_prompt_too(client):
+    prompt = "score me"
+    out = complete(
+        client, prompt=prompt, echo=True, logprobs=2, seed=3, extra_body={"ignore_eos": True}
+    )
+    logprobs = out.choices[0].logprobs
+    assert len(logprobs.tokens) == len(prompt) + 12
+    assert "".join(logprobs.tokens) == out.choices[0].text
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in logprobs.token_logprobs[1:])
+    assert all(len(top) <= 2 for top in logprobs.top_logprobs[1:])
+    assert logprobs.text_offset[: len(prompt)] == list(range(len(prompt)))
+    with pytest.raises(openai.BadRequestError, match=r"echo with logprobs .* streaming"):
+        list(complete(client, echo=True, logprobs=1, stream=True))
 
 
 # ----------------------------------------------------------------------- replay
@@ -290,7 +301,7 @@ def test_replay_across_concurrency_and_speculation(server, client):
         }
 
     plain = {"enabled": False}
-    coupled = {"method": "coupled"}
+    coupled = {"rejection_sample_method": "coupled"}
     alone = [post(server, "/v1/completions", body(s, plain)).json() for s in range(4)]
 
     async def together(speculative: dict) -> list[dict]:
@@ -501,3 +512,230 @@ def test_shutdown_aborts_requests_in_flight(model_dir):
     assert not async_engine.is_alive
     assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
     assert not engine.has_unfinished
+
+
+# ------------------------------------------------- penalties, bias and bans
+def test_logit_bias_bans_and_penalties_apply(client):
+    z = char_ids("z")[0]
+    biased = complete(client, logit_bias={str(z): 100}, seed=1, extra_body={"ignore_eos": True})
+    assert biased.choices[0].text == "z" * 12
+    allowed = complete(
+        client, seed=1, extra_body={"ignore_eos": True, "allowed_token_ids": char_ids("ab")}
+    )
+    assert set(allowed.choices[0].text) <= {"a", "b"}
+    banned = complete(
+        client,
+        seed=1,
+        max_tokens=30,
+        extra_body={"ignore_eos": True, "allowed_token_ids": char_ids("ab"), "bad_words": ["a"]},
+    )
+    assert banned.choices[0].text == "b" * 30
+    plain = complete(client, seed=4, max_tokens=30, extra_body={"ignore_eos": True})
+    penalised = complete(
+        client,
+        seed=4,
+        max_tokens=30,
+        presence_penalty=2.0,
+        frequency_penalty=2.0,
+        extra_body={"ignore_eos": True},
+    )
+    assert penalised.choices[0].text != plain.choices[0].text
+    assert len(set(penalised.choices[0].text)) >= len(set(plain.choices[0].text))
+
+
+def test_penalised_coupled_speculation_replays_plain_sampling(server):
+    """Coupled verification with penalties, a bias and bans emits plain penalised sampling's
+    tokens exactly (the drafts are processed with the drafts before them, as verify is)."""
+
+    def text(speculative: dict) -> dict:
+        body = {
+            "model": MODEL,
+            "prompt": "abcabcabcabc",
+            "max_tokens": 24,
+            "seed": 8,
+            "ignore_eos": True,
+            "presence_penalty": 0.5,
+            "frequency_penalty": 0.3,
+            "repetition_penalty": 1.2,
+            "logit_bias": {str(char_ids("c")[0]): 3.0},
+            "bad_words": ["ca"],
+            "speculative": speculative,
+        }
+        return post(server, "/v1/completions", body).json()
+
+    plain = text({"enabled": False})
+    coupled = text({"rejection_sample_method": "coupled"})
+    assert coupled["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert "ca" not in plain["choices"][0]["text"]
+    assert coupled["spec_decode_stats"]["num_drafts"] > 0
+
+
+# ------------------------------------------------- fields we do not implement
+@pytest.mark.parametrize(
+    ("path", "extra", "param", "words"),
+    [
+        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools", "not supported"),
+        ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice", "not supported"),
+        ("/v1/chat/completions", {"functions": []}, "functions", "not supported"),
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "json_object"}},
+            "response_format.type",
+            "json_object",
+        ),
+        (
+            "/v1/completions",
+            {"response_format": {"type": "json_schema", "json_schema": {}}},
+            "response_format.type",
+            "json_schema",
+        ),
+        ("/v1/completions", {"suffix": "x"}, "suffix", "not supported"),
+        ("/v1/completions", {"best_of": 3}, "best_of", "best_of=3 is not supported"),
+        ("/v1/completions", {"bogus": 1}, "bogus", "not supported"),
+        ("/v1/completions", {"logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
+        ("/v1/completions", {"logit_bias": {"500": 1}}, None, "logit_bias"),
+        ("/v1/completions", {"presence_penalty": 3}, "presence_penalty", None),
+        (
+            "/v1/completions",
+            {"speculative": {"method": "block"}},
+            "speculative",
+            "rejection_sample_method",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x", "tool_call_id": "1"}]},
+            "messages.0.tool_call_id",
+            "not supported",
+        ),
+    ],
+)
+def test_unimplemented_fields_get_400_naming_them(server, path, extra, param, words):
+    body = {"model": MODEL, "max_tokens": 2}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {})
+    body.update({"prompt": "hi"} if "chat" not in path else {})
+    error = assert_error(post(server, path, {**body, **extra}), 400, param)
+    if words is not None:
+        assert words in error["message"], error["message"]
+
+
+def test_text_response_format_and_user_are_accepted(client):
+    out = complete(
+        client, max_tokens=2, user="someone", extra_body={"response_format": {"type": "text"}}
+    )
+    assert out.choices[0].text is not None
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi", "name": "ann"}],
+        max_tokens=2,
+        response_format={"type": "text"},
+    )
+    assert chat.choices[0].message.content is not None
+
+
+# ------------------------------------------------- vLLM's extra routes and fields
+def test_tokenize_detokenize_ping_and_model_card(server, client):
+    tokens = post(server, "/tokenize", {"model": MODEL, "prompt": "hello"}).json()
+    assert tokens["tokens"] == char_ids("hello") and tokens["count"] == 5
+    assert tokens["max_model_len"] == MAX_MODEL_LEN
+    chat = post(
+        server,
+        "/tokenize",
+        {"messages": [{"role": "user", "content": "hi"}], "return_token_strs": True},
+    ).json()
+    rendered = "".join(chat["token_strs"])  # (the character tokenizer has no newline)
+    assert rendered.startswith("user: hi") and rendered.endswith("assistant: ")
+    text = post(server, "/detokenize", {"tokens": char_ids("hello")}).json()
+    assert text == {"prompt": "hello"}
+    assert_error(post(server, "/detokenize", {"tokens": [500]}), 400, "tokens")
+    assert_error(post(server, "/tokenize", {"prompt": "x", "messages": []}), 400)
+    for method in (httpx.get, httpx.post):
+        assert method(f"{server.url}/ping", timeout=TIMEOUT_S).status_code == 200
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.created > 1_700_000_000
+    assert client.models.retrieve("default").id == "default"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+
+
+def test_response_ids_are_random_and_created_is_the_time(client):
+    import time
+
+    kwargs = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    first = client.chat.completions.create(**kwargs)
+    second = client.chat.completions.create(**kwargs)
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]{32}", first.id) and first.id != second.id
+    assert re.fullmatch(r"cmpl-[0-9a-f]{32}", complete(client, max_tokens=1).id)
+    assert abs(first.created - time.time()) < 120
+
+
+def test_prompt_logprobs_and_chat_continuation(client):
+    out = complete(client, prompt="abcd", max_tokens=2, extra_body={"prompt_logprobs": 1})
+    entries = out.choices[0].model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == 4
+    assert all(
+        str(t) in e and e[str(t)]["rank"] >= 1
+        for t, e in zip(char_ids("abcd")[1:], entries[1:], strict=True)
+    )
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hel"}]
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=3,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True},
+    )
+    assert chat.choices[0].message.content is not None
+    with pytest.raises(openai.BadRequestError, match="continue_final_message"):
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=3,
+            extra_body={"continue_final_message": True},
+        )
+
+
+def test_metrics_count_preemptions(model_dir):
+    """vllm:num_preemptions_total is the engine's count: 0 at start, then the preemptions of a
+    cache too small for its requests."""
+    from specdec.server.prometheus import ServerMetrics
+
+    engine = LLMEngine(
+        EngineConfig(model=str(model_dir), max_model_len=48, num_kv_blocks=12, block_size=4)
+    )
+    async_engine = AsyncEngine(engine)
+    metrics = ServerMetrics(lambda: async_engine.snapshot, MODEL)
+    assert 'vllm:num_preemptions_total{model_name="tiny"} 0.0' in metrics.render().decode()
+    params = SamplingParams(max_tokens=40, ignore_eos=True, seed=1)
+    for i in range(4):
+        engine.add_request([5 + i] * 6, params)
+    while engine.has_unfinished:
+        engine.step()
+    async_engine.snapshot = async_engine._take_snapshot()
+    assert engine.num_preemptions > 0
+    line = f'vllm:num_preemptions_total{{model_name="tiny"}} {float(engine.num_preemptions)}'
+    assert line in metrics.render().decode()
+
+
+def test_drain_ends_open_requests_with_a_final_abort_output(model_dir):
+    """A graceful shutdown (SIGTERM) first drains the engine: each request in flight gets a
+    final output with finish_reason "abort", and later requests are refused."""
+    engine = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=MAX_MODEL_LEN))
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    params = SamplingParams(n=2, max_tokens=200, ignore_eos=True, seed=1)
+
+    async def run() -> list:
+        stream = await async_engine.add("r", [5, 6, 7], params, None)
+        outputs = aiter(stream)
+        await asyncio.wait_for(anext(outputs), TIMEOUT_S)
+        async_engine.drain()
+        async with asyncio.timeout(TIMEOUT_S):
+            last = [output async for output in outputs]
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            await async_engine.add("late", [5], params, None)
+        return last
+
+    last = asyncio.run(run())
+    assert last[-1].finished
+    assert {c.finish_reason for c in last[-1].outputs} == {"abort"}
+    async_engine.shutdown(TIMEOUT_S)
+    assert engine.allocator.num_free_blocks == engine.allocator.num_blocks

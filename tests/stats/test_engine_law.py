@@ -9,6 +9,8 @@ law computed from the target's own logits.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from scipy import stats as scipy_stats
@@ -21,7 +23,7 @@ from law_fixtures import (
 )
 from specdec.drafters.base import Drafter
 from specdec.models import load_model
-from specdec.sampling import SampleOutput
+from specdec.sampling import LogitsRules, SampleOutput, SamplingParams
 
 pytestmark = pytest.mark.stats
 
@@ -40,11 +42,15 @@ def exact_law(model_dir, temperature: float) -> torch.Tensor:
     return exact_continuation_law(model_dir, temperature, NUM_TOKENS)
 
 
-def emitted_counts(model_dir, spec, temperature: float) -> torch.Tensor:
+def emitted_counts(
+    model_dir, spec, temperature: float, max_tokens: int = NUM_TOKENS, **engine_args
+) -> torch.Tensor:
     counts, metrics = first_token_counts(
-        model_dir, spec, temperature, NUM_TOKENS, NUM_TOKENS, NUM_TRIALS
+        model_dir, spec, temperature, max_tokens, NUM_TOKENS, NUM_TRIALS, engine_args
     )
     assert metrics["num_accepted_tokens"] > 0
+    if engine_args.get("async_scheduling"):
+        assert metrics["loop"]["num_device_rounds"] > 0  # the rounds ran on the device path
     return counts
 
 
@@ -156,6 +162,116 @@ def test_negative_control_eagle_verifier_given_the_raw_draft_distribution(
     assert chi_square_pvalue(counts, law) < ALPHA
 
 
+@pytest.mark.parametrize(
+    ("drafter", "method"), [("draft_model", "standard"), ("eagle", "block"), ("eagle", "coupled")]
+)
+def test_device_rounds_with_adaptive_k_follow_the_target(model_dir, eagle_dir, drafter, method):
+    """H0: through speculative rounds on the device (asynchronous scheduling; op by op on the
+    CPU) with the adaptive policy choosing K in [0, 2] round by round, the first 3 emitted tokens
+    still have the target's exact joint law (requests run to 6 tokens, so that rounds past the
+    first decide some of the 3). Same statistic, N and threshold as above (Pearson chi-square,
+    512 cells, temperature 0.7, reject at p < 1e-6: false-failure rate <= 1e-6 per case, 3
+    cases)."""
+    if drafter == "eagle":
+        spec = eagle_config(eagle_dir, method)
+    else:
+        spec = spec_config(method, "probabilistic")
+    spec["adaptive"] = True
+    law = exact_law(model_dir, 0.7)
+    counts = emitted_counts(model_dir, spec, 0.7, 6, async_scheduling=True)
+    assert chi_square_pvalue(counts, law) > ALPHA
+
+
+def test_negative_control_device_rounds_reading_a_stale_anchor(model_dir, monkeypatch):
+    """The device-round test has power: it rejects (p < 1e-6; seen: 1e-87) rounds whose next
+    round reads the previous round's anchor instead of advancing it past the emitted tokens
+    (positions, cache slots and keys then repeat). Temperature 0.7, requests of 6 tokens.
+    (Reading a stale input token instead barely moves this model's law, p = 0.12: the equality
+    test in tests/unit/engine/test_device_rounds.py is the control for that one.)"""
+    from specdec.engine import device_round
+
+    def stale_anchor(rounds, view, accepted, final):
+        rows = view.num_rows
+        rounds.last_tokens[:rows].copy_(torch.where(view.live, final, view.last_tokens))
+
+    monkeypatch.setattr(device_round.DeviceRounds, "_advance", stale_anchor)
+    law = exact_law(model_dir, 0.7)
+    spec = {**spec_config("standard", "probabilistic"), "adaptive": False}
+    counts = emitted_counts(model_dir, spec, 0.7, 6, async_scheduling=True)
+    assert chi_square_pvalue(counts, law) < ALPHA
+
+
+# Penalties, a bias and bans through the whole engine (no tokenizer: no bad_words here; the
+# multi-token bad words are covered by the audit's toy checks).
+RULES = {
+    "repetition_penalty": 1.8,
+    "presence_penalty": 1.0,
+    "frequency_penalty": 0.8,
+    "logit_bias": {3: 1.5},
+    "allowed_token_ids": [0, 1, 2, 3, 4, 5, 6],
+    "min_tokens": 2,
+    "stop_token_ids": [5],
+}
+
+
+def rules_law(model_dir, temperature: float) -> torch.Tensor:
+    rules = LogitsRules.from_params(
+        SamplingParams(ignore_eos=True, max_tokens=NUM_TOKENS, **RULES),
+        vocab_size=VOCAB,
+        eos_token_id=None,
+    )
+    return exact_continuation_law(model_dir, temperature, NUM_TOKENS, rules)
+
+
+def rules_counts(model_dir, spec, temperature: float) -> torch.Tensor:
+    counts, metrics = first_token_counts(
+        model_dir, spec, temperature, NUM_TOKENS, NUM_TOKENS, NUM_TRIALS, **RULES
+    )
+    assert metrics["num_accepted_tokens"] > 0
+    return counts
+
+
+@pytest.mark.parametrize(
+    "method, draft_sample_method",
+    [
+        ("standard", "probabilistic"),
+        ("block", "probabilistic"),
+        ("coupled", "probabilistic"),
+        ("standard", "greedy"),
+    ],
+)
+def test_penalised_first_tokens_follow_plain_penalised_sampling(
+    model_dir, method, draft_sample_method
+):
+    """H0: with repetition/presence/frequency penalties, a logit bias, allowed_token_ids and
+    min_tokens on every request, the engine's first 3 emitted tokens (K = 2, two rounds or
+    more) have plain penalised sampling's exact joint law (from the audit's independent float64
+    twin of the rules). Statistic: Pearson chi-square over the 512 cells (expected < 5 merged),
+    N = 12,000, temperature 0.7; reject at p < 1e-6 (false-failure rate <= 1e-6 per case, 4
+    cases)."""
+    law = rules_law(model_dir, 0.7)
+    counts = rules_counts(model_dir, spec_config(method, draft_sample_method), 0.7)
+    assert chi_square_pvalue(counts, law) > ALPHA
+
+
+def test_negative_control_draft_recorded_without_its_rules(model_dir, monkeypatch):
+    """The penalised test has power over the drafter's side: it rejects (p < 1e-6) an engine
+    whose drafter samples from rules-processed logits but records for the verifier the
+    distribution without the rules (a drafter that does not process its own logits the way it
+    samples them)."""
+    law = rules_law(model_dir, 0.7)
+    spec = spec_config("standard", "probabilistic")
+    real = Drafter.sample_draft
+
+    def unprocessed_record(self, logits, rows, positions, batch, **kwargs):
+        out = real(self, logits, rows, positions, batch, **kwargs)
+        plain = real(self, logits, rows, positions, dataclasses.replace(batch, context=None))
+        return SampleOutput(out.token_ids, plain.processed_logits, plain.logsumexp)
+
+    monkeypatch.setattr(Drafter, "sample_draft", unprocessed_record)
+    assert chi_square_pvalue(rules_counts(model_dir, spec, 0.7), law) < ALPHA
+
+
 @pytest.mark.parametrize(("quantization", "method"), [("int4", "block"), ("fp8", "standard")])
 def test_first_tokens_follow_the_quantized_target(model_dir, quantization, method):
     """Exactness is relative to the target as it runs. H0: with the target quantized at load
@@ -164,7 +280,7 @@ def test_first_tokens_follow_the_quantized_target(model_dir, quantization, metho
     threshold as above (probabilistic drafts, temperature 0.7): false-failure rate <= 1e-6 per
     case (2 cases). Negative control: the same counts against the float target's law must be
     rejected (p < 1e-6), so the test tells the formats apart."""
-    law = exact_continuation_law(model_dir, 0.7, NUM_TOKENS, quantization)
+    law = exact_continuation_law(model_dir, 0.7, NUM_TOKENS, quantization=quantization)
     counts, metrics = first_token_counts(
         model_dir,
         spec_config(method, "probabilistic"),
@@ -172,7 +288,7 @@ def test_first_tokens_follow_the_quantized_target(model_dir, quantization, metho
         NUM_TOKENS,
         NUM_TOKENS,
         NUM_TRIALS,
-        quantization,
+        {"quantization": quantization},
     )
     assert metrics["num_accepted_tokens"] > 0
     assert chi_square_pvalue(counts, law) > ALPHA

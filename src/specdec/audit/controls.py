@@ -11,11 +11,12 @@ from collections.abc import Iterator
 import torch
 
 import specdec.sampling.sampler as sampler_module
+import specdec.verify.inputs as verify_inputs
 import specdec.verify.verifier as verify_reference
 from specdec.audit.drivers import default_draft_key
 from specdec.rng import Stream, uniform_to_gumbel
 
-CONTROLS = ("shared_noise", "residual_from_target", "position_keyed")
+CONTROLS = ("shared_noise", "residual_from_target", "position_keyed", "no_draft_prefix")
 
 
 @contextlib.contextmanager
@@ -68,6 +69,22 @@ def position_keyed_accept() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def no_draft_prefix() -> Iterator[None]:
+    """Broken verifier: every verify row is processed with the request's output alone, as if
+    penalties and bans did not see the drafts before the row (the context a batched verifier
+    has when it reuses the step's output counts for all K+1 rows)."""
+
+    def broken(target_logits, draft_token_ids, num_draft, context):
+        batch, num_rows, vocab = target_logits.shape
+        rows = torch.arange(batch, device=target_logits.device).repeat_interleave(num_rows)
+        flat = target_logits.reshape(batch * num_rows, vocab)
+        return context.apply(flat, rows).view(batch, num_rows, vocab)
+
+    with _patched(verify_inputs, "context_target_logits", broken):
+        yield
+
+
 def control_setup(
     control: str | None, method: str
 ) -> tuple[contextlib.AbstractContextManager, tuple[Stream, str] | None]:
@@ -77,6 +94,7 @@ def control_setup(
       the Gumbel field that picked the rejected draft (the vLLM bug, upstream #47386/#54282).
     - "residual_from_target": `residual_from_target`.
     - "position_keyed": `position_keyed_accept`, drafts keyed by position only too.
+    - "no_draft_prefix": `no_draft_prefix` (penalty checks only).
     """
     if control is None:
         return contextlib.nullcontext(), None
@@ -86,6 +104,8 @@ def control_setup(
         return residual_from_target(), None
     if control == "position_keyed":
         return position_keyed_accept(), (default_draft_key(method)[0], "zero")
+    if control == "no_draft_prefix":
+        return no_draft_prefix(), None
     raise ValueError(f"control must be one of {CONTROLS} or None, got {control!r}")
 
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.audit.laws import MarkovToy, Processing
+from specdec.audit.laws import PROMPT, MarkovToy, Processing
 from specdec.rng import Stream
-from specdec.sampling import sample
+from specdec.sampling import LogitsContext, LogitsRules, sample
 from specdec.verify import VerifyResult, verify
 
 
@@ -45,6 +45,8 @@ def speculative_round(
     drafts: str,
     num_draft: int,
     draft_key: tuple[Stream, str] | None = None,
+    rules: LogitsRules | None = None,
+    outputs: list[list[int]] | None = None,
 ) -> VerifyResult:
     """One round for every row: K drafts from `sample`, then `verify` on [last + drafts].
 
@@ -57,14 +59,25 @@ def speculative_round(
             "one_hot" (greedy drafts, draft_logits = None).
         draft_key: (stream, "anchor" | "zero") for draft noise; None = `default_draft_key`.
             Only negative controls override it.
+        rules: penalties and bans of every row (prompt `laws.PROMPT`), or None; draft i is
+            processed with drafts 0..i-1 as context, as `Drafter.draw` does, and `verify` gets
+            the context.
+        outputs: per row, the tokens it has emitted so far (with `rules`).
 
     RNG: the draft stream at (Q, step) for each sampled draft, then what `verify` draws.
     """
     stream, step_rule = draft_key or default_draft_key(method)
     step = anchors if step_rule == "anchor" else 0
+    rules_context = None
+    if rules is not None:
+        num_rows = seeds.shape[0]
+        rules_context = LogitsContext([rules] * num_rows, [PROMPT] * num_rows, outputs)
     prev, draft_ids, draft_logits = last_tokens, [], []
     for i in range(num_draft):
         raw = toy.draft_logits[prev]  # [N, V]
+        if rules_context is not None:
+            before = torch.stack(draft_ids, 1) if draft_ids else None
+            raw = rules_context.apply(raw, prefix=before)
         if drafts == "sampled":
             out = sample(raw, seeds, anchors + i, **processing.kwargs(), stream=stream, step=step)
             draft_logits.append(out.processed_logits)
@@ -82,6 +95,7 @@ def speculative_round(
         anchors,
         **processing.kwargs(),
         method=method,
+        context=rules_context,
     )
 
 
@@ -111,6 +125,7 @@ def speculative_decode(
     num_draft: int,
     num_tokens: int,
     draft_key: tuple[Stream, str] | None = None,
+    rules: LogitsRules | None = None,
 ) -> SpecRun:
     """Speculative decoding of N independent requests until each has emitted `num_tokens`.
 
@@ -120,7 +135,7 @@ def speculative_decode(
     Args:
         seeds: [N] int64 request seeds.
         positions: [N] int64 first generated position of each request.
-        method, drafts, num_draft, draft_key: as in `speculative_round`.
+        method, drafts, num_draft, draft_key, rules: as in `speculative_round`.
         num_tokens: L, tokens to emit per request.
     """
     num_trials = seeds.shape[0]
@@ -133,6 +148,10 @@ def speculative_decode(
     columns = torch.arange(num_draft + 1)
     while bool((count < num_tokens).any()):
         live = (count < num_tokens).nonzero().squeeze(1)
+        outputs = None
+        if rules is not None:
+            emitted_so_far = zip(tokens[live].tolist(), count[live].tolist(), strict=True)
+            outputs = [row[:n] for row, n in emitted_so_far]
         result = speculative_round(
             toy,
             processing,
@@ -143,6 +162,8 @@ def speculative_decode(
             drafts=drafts,
             num_draft=num_draft,
             draft_key=draft_key,
+            rules=rules,
+            outputs=outputs,
         )
         emitted = result.num_accepted + 1
         if num_rounds == 0:
@@ -163,12 +184,21 @@ def plain_decode(
     seeds: torch.Tensor,
     positions: torch.Tensor,
     num_tokens: int,
+    rules: LogitsRules | None = None,
 ) -> torch.Tensor:
-    """[N, L] int64: L tokens per request from `sample` on the target alone (Stream.TARGET)."""
-    prev = torch.full((seeds.shape[0],), toy.start_token, dtype=torch.int64)
+    """[N, L] int64: L tokens per request from `sample` on the target alone (Stream.TARGET),
+    with `rules` (prompt `laws.PROMPT`) applied to each position with the tokens before it."""
+    num_rows = seeds.shape[0]
+    prev = torch.full((num_rows,), toy.start_token, dtype=torch.int64)
     out = []
     for j in range(num_tokens):
-        prev = sample(toy.target_logits[prev], seeds, positions + j, **processing.kwargs())
+        context = None
+        if rules is not None:
+            history = torch.stack(out, dim=1).tolist() if out else [[] for _ in range(num_rows)]
+            context = LogitsContext([rules] * num_rows, [PROMPT] * num_rows, history)
+        prev = sample(
+            toy.target_logits[prev], seeds, positions + j, **processing.kwargs(), context=context
+        )
         prev = prev.token_ids
         out.append(prev)
     return torch.stack(out, dim=1)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.rng import Stream, uniform, uniform_to_gumbel, words_to_uniform32
-from specdec.sampling import process_logits
+from specdec.sampling import LogitsRules, process_logits
 
 METHODS = ("standard", "block", "coupled")
 DRAFT_KINDS = ("sampled", "one_hot")
@@ -327,6 +327,97 @@ def acceptance_law(
     else:
         accept = block_accept_thresholds(target_rows, draft_rows, chains)[1]
     return (chain_probs[:, None] * accepted_count_law(method, accept)).sum(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Penalties and bans: context-dependent processing
+# ---------------------------------------------------------------------------------------------
+
+# The rule sets of the penalty checks, over the V = 5 toy (every request's prompt is PROMPT).
+RULE_SETS = {
+    "penalties": LogitsRules(
+        repetition_penalty=1.6,
+        presence_penalty=0.9,
+        frequency_penalty=0.7,
+        logit_bias=((1, 0.8),),
+    ),
+    "bans": LogitsRules(
+        allowed_token_ids=(0, 1, 2, 3),  # never 4
+        bad_words_token_ids=((2, 1), (1, 1, 3)),  # no 1 after 2, no 3 after 1, 1
+        min_tokens=2,
+        min_tokens_banned=(0,),  # token 0 plays a stop token: banned for the first 2 tokens
+        presence_penalty=-0.8,  # a negative penalty: repeats are favoured
+    ),
+}
+PROMPT = (2, 0)  # ends with the toys' start token
+
+
+def rules_logits_reference(
+    logits: torch.Tensor, rules: LogitsRules, prompt: list[int], output: list[int]
+) -> torch.Tensor:
+    """One row's logits after `rules`, written out token by token in float64 from vLLM's
+    definitions (an independent twin of `specdec.sampling.LogitsContext.apply`).
+
+    Args:
+        logits: [V] raw logits of the token after `prompt + output`.
+
+    Returns:
+        [V] float64.
+    """
+    x = logits.to(torch.float64).clone()
+    vocab = x.shape[0]
+    neg_inf = float("-inf")
+    if rules.allowed_token_ids is not None:
+        for v in range(vocab):
+            if v not in rules.allowed_token_ids:
+                x[v] = neg_inf
+    for word in rules.bad_words_token_ids:
+        before = list(word[:-1])
+        ends_with = len(output) >= len(before) and output[len(output) - len(before) :] == before
+        if ends_with:
+            x[word[-1]] = neg_inf
+    if len(output) < rules.min_tokens:
+        for v in rules.min_tokens_banned:
+            x[v] = neg_inf
+    for v, bias in rules.logit_bias:
+        x[v] += bias
+    for v in range(vocab):
+        count = output.count(v)
+        if count or v in prompt:
+            p = rules.repetition_penalty
+            x[v] = x[v] / p if x[v] > 0 else x[v] * p
+        x[v] -= rules.frequency_penalty * count + rules.presence_penalty * (count > 0)
+    if bool(torch.isneginf(x).all()):
+        return logits.to(torch.float64)
+    return x
+
+
+def rules_joint_probs(
+    toy: MarkovToy, processing: Processing, rules: LogitsRules, length: int
+) -> torch.Tensor:
+    """Exact law of the first `length` generated tokens after PROMPT under the bigram target
+    with `rules` (penalties depend on the whole output, so every prefix is enumerated).
+
+    Returns:
+        [V**length] float64 in `sequence_codes` order.
+    """
+    vocab = toy.vocab_size
+    prompt = list(PROMPT)
+    law = torch.ones(1, dtype=torch.float64)
+    prefixes: list[list[int]] = [[]]
+    for _ in range(length):
+        rows = torch.stack(
+            [
+                rules_logits_reference(
+                    toy.target_logits[out[-1] if out else prompt[-1]], rules, prompt, out
+                ).to(torch.float32)
+                for out in prefixes
+            ]
+        )
+        step = processed_probs(rows, processing)  # [P, V]
+        law = (law[:, None] * step).reshape(-1)
+        prefixes = [[*out, v] for out in prefixes for v in range(vocab)]
+    return law
 
 
 # ---------------------------------------------------------------------------------------------

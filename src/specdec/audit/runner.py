@@ -17,12 +17,14 @@ from specdec.audit.checks import (
     check_block_beats_standard,
     check_block_rounds,
     check_coupled_identity,
+    check_coupled_identity_rules,
     check_far_tail_resolution,
     check_far_tail_sampling,
     check_invariance,
     check_matrix_case,
+    check_rules_case,
 )
-from specdec.audit.laws import DRAFT_KINDS, METHODS, PROCESSINGS
+from specdec.audit.laws import DRAFT_KINDS, METHODS, PROCESSINGS, RULE_SETS
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +59,11 @@ MATRIX_CONTROLS = (
     ("standard", "one_hot", "residual_from_target"),
     ("block", "one_hot", "position_keyed"),
 )
+# Negative controls of the penalty checks: (method, draft kind, rule set, control).
+RULES_CONTROLS = (
+    ("standard", "sampled", "penalties", "no_draft_prefix"),
+    ("block", "one_hot", "bans", "no_draft_prefix"),
+)
 
 
 def audit_checks(sizes: AuditSizes, seed: int) -> list[Callable[[], Any]]:
@@ -72,6 +79,20 @@ def audit_checks(sizes: AuditSizes, seed: int) -> list[Callable[[], Any]]:
         partial(check_matrix_case, method, drafts, PROCESSINGS[0], matrix, seed, control=control)
         for method, drafts, control in MATRIX_CONTROLS
     ]
+    checks += [
+        partial(check_rules_case, method, drafts, rules, PROCESSINGS[0], matrix, seed)
+        for method in METHODS
+        for drafts in DRAFT_KINDS
+        for rules in RULE_SETS
+    ]
+    checks += [
+        partial(check_rules_case, "standard", "sampled", rules, PROCESSINGS[1], matrix, seed)
+        for rules in RULE_SETS
+    ]
+    checks += [
+        partial(check_rules_case, method, drafts, rules, PROCESSINGS[0], matrix, seed, control=c)
+        for method, drafts, rules, c in RULES_CONTROLS
+    ]
     checks += [partial(check_block_beats_standard, d, matrix, seed) for d in DRAFT_KINDS]
     for k in (1, 3):
         checks += [
@@ -84,6 +105,7 @@ def audit_checks(sizes: AuditSizes, seed: int) -> list[Callable[[], Any]]:
         partial(check_block_rounds, sizes.block_rounds_trials, seed),
         partial(check_block_rounds, sizes.block_rounds_trials, seed, control="position_keyed"),
         partial(check_coupled_identity, sizes.identity_trials, seed),
+        partial(check_coupled_identity_rules, sizes.identity_trials, seed),
         partial(check_invariance, seed),
         partial(check_far_tail_resolution),
         partial(check_far_tail_resolution, control="24-bit"),

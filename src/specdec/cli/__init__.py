@@ -2,13 +2,18 @@
 `train-drafter`), one module per subcommand; flags are derived from the config classes (`flags`).
 
 Parses arguments and prints results; the work itself lives in the library (`specdec.audit`
-for the audit), so that tests run exactly what the command runs.
+for the audit), so that tests run exactly what the command runs. A user error (a bad flag, a
+value the configs refuse, a missing file, a busy port) is one line on stderr,
+`specdec COMMAND: error: ...`, and exit status 2; SPECDEC_TRACEBACK=1 shows the traceback too.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
+import warnings
 from collections.abc import Sequence
 
 from specdec import __version__
@@ -19,12 +24,29 @@ from specdec.cli.generate import add_generate
 from specdec.cli.serve import add_serve
 from specdec.cli.train import add_train_drafter
 
-__all__ = ["DEFAULT_SPECULATIVE_CONFIG", "build_parser", "default_spec", "main"]
+__all__ = ["DEFAULT_SPECULATIVE_CONFIG", "Parser", "build_parser", "default_spec", "main"]
+
+# Errors a user causes (their messages name what to fix): reported in one line, exit status 2.
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, OSError)
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line: `prog: error: message`, exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        report(self.prog, message)
+        sys.exit(2)
+
+
+def report(prog: str, message: str) -> None:
+    """Prints `prog: error: message` on one line of stderr (newlines folded)."""
+    text = " ".join(str(message).split())
+    sys.stderr.write(f"{prog}: error: {text}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser, one subparser per subcommand."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="specdec",
         description="An LLM inference engine whose speculative decoding is exact and reproducible.",
     )
@@ -39,10 +61,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    sys.stderr.write(f"specdec: warning: {' '.join(str(message).split())}\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `specdec` console script; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    return args.handler(args)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    prog = f"specdec {args.command}"
+    if unknown:
+        report(prog, f"unrecognized arguments: {' '.join(unknown)} (see {prog} --help)")
+        return 2
+    args.argv = argv  # as typed, for records of the command (bench's JSON)
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    shown = warnings.showwarning
+    warnings.showwarning = _one_line_warning
+    try:
+        return args.handler(args)
+    except USER_ERRORS as err:
+        if os.environ.get("SPECDEC_TRACEBACK"):
+            traceback.print_exc()
+        report(prog, str(err) or type(err).__name__)
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write(f"{prog}: interrupted\n")
+        return 130
+    finally:
+        warnings.showwarning = shown
+        torch.set_num_threads(threads)  # for callers of main() in this process (tests)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ import time
 
 
 def add_audit(commands) -> None:
+    from specdec.cli.flags import add_threads_flag
+
     audit = commands.add_parser(
         "audit",
         help="statistical conformance audit of the sampler and the three verifiers",
@@ -24,12 +26,11 @@ def add_audit(commands) -> None:
     audit.add_argument(
         "--seed", type=int, default=0, help="mixed into every request seed (default 0)"
     )
-    audit.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch CPU threads (default 1: the audit's tensors are small, and one thread does "
-        "not stall on a busy machine as OpenMP spin-waits do)",
+    add_threads_flag(
+        audit,
+        1,
+        "the audit's tensors are small, and one thread does not stall on a busy machine as "
+        "OpenMP spin-waits do",
     )
     audit.add_argument(
         "-v", "--verbose", action="store_true", help="print each check's numbers under its row"
@@ -44,11 +45,8 @@ def _verdict(result) -> str:
 
 
 def _audit(args: argparse.Namespace) -> int:
-    import torch
-
     from specdec.audit import run_audit
 
-    torch.set_num_threads(args.threads)
     started = time.perf_counter()
     done = 0
 

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 from specdec.cli.flags import DEFAULT_SPECULATIVE_CONFIG, default_spec
 
 
 def add_bench(commands) -> None:
-    from specdec.cli.flags import add_engine_arguments
+    from specdec.cli.flags import add_engine_arguments, add_threads_flag
 
     bench = commands.add_parser(
         "bench",
@@ -48,6 +47,7 @@ def add_bench(commands) -> None:
         help='.jsonl of {"prompt": ...} user messages (default: the built-in workload)',
     )
     add_engine_arguments(bench)
+    add_threads_flag(bench)
     bench.set_defaults(handler=_bench)
 
 
@@ -55,12 +55,14 @@ def _bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from specdec import bench
-    from specdec.cli.flags import engine_kwargs, speculative_config
+    from specdec.cli.flags import check_before_loading, engine_kwargs, speculative_config
+    from specdec.engine.config import EngineConfig
     from specdec.engine.llm import LLM
     from specdec.sampling import SamplingParams
 
     if args.sweep:
         return _bench_sweep(args)
+    check_before_loading(EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args)))
     spec = speculative_config(args, default_spec(args.model))
     plain = LLM(args.model, speculative_config=None, **engine_kwargs(args))
     prompts = [
@@ -106,7 +108,7 @@ def _bench(args: argparse.Namespace) -> int:
         "title": f"specdec bench: {args.model or 'SmolLM2-135M-Instruct'}, {name}",
         "machine": bench.machine_description(),
         "date": time.strftime("%Y-%m-%d"),
-        "command": "specdec " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 else "specdec bench",
+        "command": _command_line(args),
         "num_prompts": len(prompts),
         "output_len": args.output_len,
         "temperature": args.temperature,
@@ -131,8 +133,11 @@ def _bench_sweep(args: argparse.Namespace) -> int:
     for item in args.drafter:
         name, sep, text = item.partition("=")
         if not sep:
-            raise SystemExit(f"--drafter expects NAME=JSON, got {item!r}")
-        drafters[name] = json.loads(text)
+            raise ValueError(f"--drafter expects NAME=JSON, got {item!r}")
+        try:
+            drafters[name] = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--drafter {name}: not valid JSON ({err.msg}): {text!r}") from None
     if not drafters:
         shipped = default_spec(args.model)
         if shipped is not DEFAULT_SPECULATIVE_CONFIG:
@@ -169,7 +174,7 @@ def _bench_sweep(args: argparse.Namespace) -> int:
         "title": f"specdec bench --sweep: {args.model or 'SmolLM2-135M-Instruct'}",
         "machine": bench.machine_description(),
         "date": time.strftime("%Y-%m-%d"),
-        "command": "specdec " + " ".join(sys.argv[1:]),
+        "command": _command_line(args),
         "num_prompts": len(prompts),
         "output_len": args.output_len,
         "drafters": drafters,
@@ -178,3 +183,10 @@ def _bench_sweep(args: argparse.Namespace) -> int:
     png = bench.write_sweep(Path(args.out), points, meta)
     print(f"wrote {args.out} and {png}")
     return 0
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    """The command as typed (for the JSON record): `specdec bench ...`."""
+    import shlex
+
+    return "specdec " + shlex.join(args.argv)

@@ -1,14 +1,19 @@
 """Command-line flags derived from the config dataclasses (`EngineConfig`, `SamplingParams`,
 `ServerConfig`, the training configs; defaults live there only) by one helper, and the commands'
-default speculation. Each field becomes `--field-name` with the dataclass default;
-`--speculative-config` takes vLLM's JSON. Parsing only: builds configs, never runs anything.
+default speculation. Each field becomes `--field-name` with the dataclass default, the field's
+description from the class docstring's `Attributes:` section and its allowed values from the
+field's `choices` metadata; `--speculative-config` takes vLLM's JSON. Parsing only: builds
+configs, never runs anything.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
+import os
+import re
 import types
 import typing
 from collections.abc import Sequence
@@ -18,37 +23,179 @@ from specdec.drafters.default import default_speculative_config
 from specdec.engine.config import EngineConfig, SpeculativeConfig
 from specdec.sampling import SamplingParams
 
-SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens")
+# The sampling flags of `generate` (every SamplingParams field a command line can spell).
+SAMPLING_FLAGS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "max_tokens",
+    "min_tokens",
+    "n",
+    "stop",
+    "logprobs",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "bad_words",
+)
+# At most this many torch CPU threads by default (more only adds OpenMP spin-waiting for the
+# small matrices of a decode step).
+MAX_DEFAULT_THREADS = 8
+
+
+def default_threads() -> int:
+    """The default of `--threads`: half the CPU cores this process may use, at least 1 and at
+    most MAX_DEFAULT_THREADS. OpenMP threads spin-wait for each other, so on a machine whose
+    cores are busy a thread per core makes decoding several times slower (measured 4-14x on a
+    loaded 2-core machine); half leaves the host thread and the rest of the machine a core."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_DEFAULT_THREADS, cores // 2))
+
+
+def add_threads_flag(
+    parser: argparse.ArgumentParser, default: int | None = None, why: str | None = None
+) -> None:
+    """Adds `--threads N` (torch CPU threads; the main entry point applies it). The default is
+    `default_threads()` unless `default` (and `why`, its reason for the help) is given."""
+    if default is None:
+        default = default_threads()
+        why = (
+            f"half the usable CPU cores, at most {MAX_DEFAULT_THREADS}: with a thread per core, "
+            "OpenMP spin-waiting makes decoding several times slower on a busy machine"
+        )
+    parser.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=default,
+        metavar="N",
+        help=f"torch CPU threads (default: %(default)s, {why})",
+    )
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def json_object(text: str) -> dict:
+    """argparse type of a JSON object flag: a message that says JSON when it is not."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(
+            f"not valid JSON ({err.msg} at character {err.pos}): {text!r}"
+        ) from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object {{...}}, got {text!r}")
+    return value
+
+
+def field_docs(cls) -> dict[str, str]:
+    """Field name -> its description in the `Attributes:` section of `cls`'s docstring (an
+    entry "a / b: text" describes both)."""
+    doc = inspect.getdoc(cls) or ""
+    docs: dict[str, str] = {}
+    names: list[str] = []
+    inside = False
+    for line in doc.splitlines():
+        if line.strip() == "Attributes:":
+            inside = True
+            continue
+        if not inside:
+            continue
+        if line and not line.startswith(" "):
+            break
+        entry = re.match(r"^ {4}(\w+(?:\s*/\s*\w+)*):\s*(.*)$", line)
+        if entry:
+            names = [name.strip() for name in entry.group(1).split("/")]
+            for name in names:
+                docs[name] = entry.group(2).strip()
+        elif line.strip() and names:
+            for name in names:
+                docs[name] += " " + line.strip()
+    return docs
 
 
 def _flag_type(annotation: Any) -> Any:
-    """The argparse type of a dataclass field annotation (`int | None` -> int, ...)."""
+    """The argparse type of a dataclass field annotation (`int | None` -> int, `bool | str` ->
+    "switch", `list[str] | None` -> "list", ...)."""
     if isinstance(annotation, str):
         annotation = eval(annotation, {"typing": typing})  # annotations are postponed strings
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if set(args) == {bool, str}:
+            return "switch"
+        if any(typing.get_origin(a) is list for a in args):
+            return "list"
         return _flag_type(args[0]) if len(args) == 1 else str
+    if origin is list:
+        return "list"
     return annotation
+
+
+def _help(doc: str, default: Any, choices: Sequence[Any] | None) -> str:
+    text = doc.rstrip(".") if doc else ""
+    parts = [text] if text else []
+    if choices:
+        parts.append("one of " + ", ".join(str(c) for c in choices))
+    parts.append(f"default: {default}")
+    return "; ".join(parts).replace("%", "%%")
 
 
 def add_config_flags(
     group, cls, names: Sequence[str] | None = None, defaults: dict[str, Any] | None = None
 ) -> None:
     """Adds `--field-name` for each field of dataclass `cls` (only `names` when given) to an
-    argparse parser or group, with the field's type and default (or `defaults[name]`): the one
-    way the commands derive their flags from the config classes. Booleans become switches."""
+    argparse parser or group, with the field's type, default (or `defaults[name]`), description
+    and choices: the one way the commands derive their flags from the config classes.
+    Booleans become switches; a `bool | str` field (on / off / "auto") becomes the switch pair
+    `--name` / `--no-name`; a list field takes one value per use of its flag."""
     defaults = defaults or {}
+    docs = field_docs(cls)
     for field in dataclasses.fields(cls):
         if names is not None and field.name not in names:
             continue
         kind = _flag_type(field.type)
         flag = "--" + field.name.replace("_", "-")
         default = defaults.get(field.name, field.default)
+        choices = field.metadata.get("choices")
+        help_text = _help(docs.get(field.name, ""), default, choices)
         if kind is bool:
-            group.add_argument(flag, action="store_true", help=f"(default: {default})")
+            group.add_argument(flag, action="store_true", help=help_text)
+        elif kind == "switch":
+            group.add_argument(
+                flag,
+                dest=field.name,
+                action="store_const",
+                const=True,
+                default=default,
+                help=help_text,
+            )
+            group.add_argument(
+                "--no-" + field.name.replace("_", "-"),
+                dest=field.name,
+                action="store_const",
+                const=False,
+                help=f"turn {flag} off",
+            )
+        elif kind == "list":
+            group.add_argument(
+                flag, action="append", default=None, metavar="TEXT", help=f"{help_text}; repeatable"
+            )
         elif kind in (int, float, str):
-            group.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
+            group.add_argument(flag, type=kind, default=default, choices=choices, help=help_text)
         else:
             raise TypeError(f"{cls.__name__}.{field.name}: no flag for a field of type {kind}")
 
@@ -59,19 +206,34 @@ def config_values(args: argparse.Namespace, cls, names: Sequence[str] | None = N
     return {name: getattr(args, name) for name in fields}
 
 
-ENGINE_FLAGS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
+# EngineConfig fields with a flag of their own: the model is an argument, and `seed` is the
+# request's seed on `generate` / `bench` (`serve` adds the engine's --seed).
+ENGINE_FLAGS = tuple(
+    f.name for f in dataclasses.fields(EngineConfig) if f.name not in ("model", "seed")
+)
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds the engine's flags and --speculative-config / --no-spec to `parser`."""
+def add_engine_arguments(parser: argparse.ArgumentParser, *, seed: bool = False) -> None:
+    """Adds the engine's flags and --speculative-config to `parser` (with the engine's --seed
+    when `seed`)."""
     group = parser.add_argument_group("engine")
-    add_config_flags(group, EngineConfig, ENGINE_FLAGS)
+    add_config_flags(group, EngineConfig, ENGINE_FLAGS + (("seed",) if seed else ()))
     group.add_argument(
         "--speculative-config",
-        type=json.loads,
+        type=json_object,
         default=None,
-        help='vLLM-style JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+        metavar="JSON",
+        help='vLLM\'s speculative_config as JSON, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4}\'; keys: ' + _speculative_keys(),
     )
+
+
+def _speculative_keys() -> str:
+    docs = field_docs(SpeculativeConfig)
+    return "; ".join(
+        f"{f.name} (default {f.default}): {docs.get(f.name, '').split('. ')[0].rstrip('.')}"
+        for f in dataclasses.fields(SpeculativeConfig)
+    ).replace("%", "%%")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
@@ -80,9 +242,10 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> 
     add_config_flags(group, SamplingParams, SAMPLING_FLAGS, defaults)
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """EngineConfig keyword arguments from parsed flags (model excluded)."""
-    return config_values(args, EngineConfig, ENGINE_FLAGS)
+def engine_kwargs(args: argparse.Namespace, *, seed: bool = False) -> dict[str, Any]:
+    """EngineConfig keyword arguments from parsed flags (model excluded; the engine's seed
+    with `seed`)."""
+    return config_values(args, EngineConfig, ENGINE_FLAGS + (("seed",) if seed else ()))
 
 
 def speculative_config(args: argparse.Namespace, default: dict | None) -> SpeculativeConfig | None:
@@ -91,18 +254,35 @@ def speculative_config(args: argparse.Namespace, default: dict | None) -> Specul
     return SpeculativeConfig.from_dict(values)
 
 
+def check_before_loading(config: EngineConfig) -> None:
+    """The checks of an engine's settings that need no model (run before loading one, which
+    takes seconds): the device exists, and so does the model path.
+
+    Raises:
+        ValueError: no CUDA device for device="cuda".
+        FileNotFoundError: no such model path.
+    """
+    from pathlib import Path
+
+    from specdec.engine.setup import resolve_device
+
+    resolve_device(config.device)
+    if config.model is not None and not Path(config.model).exists():
+        raise FileNotFoundError(f"no such model path: {config.model}")
+
+
 def sampling_params(args: argparse.Namespace, **overrides: Any) -> SamplingParams:
     values = config_values(args, SamplingParams, SAMPLING_FLAGS)
     values.update(overrides)
     return SamplingParams(**values)
 
 
-# The speculation `generate` and `bench` use when --speculative-config is not given: the shipped
-# EAGLE head for the built-in model (`default_spec`), prompt lookup for any other model.
+# The speculation `generate`, `serve` and `bench` use when --speculative-config is not given:
+# the shipped EAGLE head for the built-in model (`default_spec`), prompt lookup for any other.
 DEFAULT_SPECULATIVE_CONFIG = {"method": "ngram", "num_speculative_tokens": 4}
 
 
 def default_spec(model: str | None) -> dict:
-    """The default speculation of `generate` and `bench` for `model` (None: the built-in one):
-    the library's default (`default_speculative_config`), else prompt lookup."""
+    """The default speculation of the commands for `model` (None: the built-in one): the
+    library's default (`default_speculative_config`), else prompt lookup."""
     return default_speculative_config(model) or DEFAULT_SPECULATIVE_CONFIG

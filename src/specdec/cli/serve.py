@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specdec.cli.flags import add_config_flags, config_values
+from specdec.cli.flags import DEFAULT_SPECULATIVE_CONFIG, add_config_flags, config_values
 from specdec.server.config import ServerConfig
 
 # ServerConfig fields that are flags of `serve` (served_model_name and api_key have their own).
@@ -17,29 +17,35 @@ SERVER_FLAGS = (
     "max_n",
     "max_prompts",
     "max_logprobs",
+    "shutdown_timeout_s",
 )
 
 
 def add_serve(commands) -> None:
-    from specdec.cli.flags import add_engine_arguments
+    from specdec.cli.flags import add_engine_arguments, add_threads_flag
 
     serve = commands.add_parser(
         "serve",
         help="an OpenAI-compatible HTTP server (completions, chat, SSE streaming, /metrics)",
         description="Serve MODEL (default: the built-in SmolLM2-135M-Instruct) over OpenAI's "
-        "/v1/completions and /v1/chat/completions. Requests must name the model as the served "
-        "name (--served-model-name; default: the model path's last component without its "
-        "suffix, or 'default' for the built-in model) or as 'default'. Each request may set "
-        '"speculative": {"enabled", "num_speculative_tokens", "method"}; without '
-        "--speculative-config the server has no drafter and speculation requests are refused.",
+        "/v1/completions and /v1/chat/completions (and vLLM's /tokenize, /detokenize). "
+        "Requests must name the model as the served name (--served-model-name; default: the "
+        "model path's last component without its suffix, or 'default' for the built-in model) "
+        "or as 'default'. Default speculation, as `generate`'s: the shipped EAGLE head at K=2 "
+        f"for the built-in model, {DEFAULT_SPECULATIVE_CONFIG} for other models (--no-spec: "
+        'none). Each request may set "speculative": {"enabled", "num_speculative_tokens", '
+        '"rejection_sample_method"}. The port is taken before the model loads; SIGTERM or '
+        "Ctrl-C ends every open stream with a last chunk (finish_reason abort) and [DONE].",
     )
     serve.add_argument("model", nargs="?", default=None, help="HF directory or GGUF file")
     serve.add_argument("--served-model-name", default=None, help="the model name requests use")
     serve.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 route"
     )
+    serve.add_argument("--no-spec", action="store_true", help="serve without speculation")
     add_config_flags(serve, ServerConfig, SERVER_FLAGS)
-    add_engine_arguments(serve)
+    add_engine_arguments(serve, seed=True)
+    add_threads_flag(serve)
     serve.set_defaults(handler=_serve)
 
 
@@ -48,10 +54,16 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from specdec.cli.flags import engine_kwargs, speculative_config
+    from specdec.cli.flags import (
+        check_before_loading,
+        default_spec,
+        engine_kwargs,
+        speculative_config,
+    )
     from specdec.engine.config import EngineConfig
     from specdec.engine.llm_engine import LLMEngine
     from specdec.server import AsyncEngine, ServerConfig, build_app
+    from specdec.server.lifecycle import DrainingServer, bind_socket
 
     name = args.served_model_name or (Path(args.model).stem if args.model else "default")
     config = ServerConfig(
@@ -59,14 +71,48 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         **config_values(args, ServerConfig, SERVER_FLAGS),
     )
-    engine = LLMEngine(
-        EngineConfig(model=args.model, **engine_kwargs(args)), speculative_config(args, None)
-    )
-    print(f"serving {name!r} on http://{config.host}:{config.port}", file=sys.stderr)
-    uvicorn.run(
-        build_app(AsyncEngine(engine), config),
-        host=config.host,
-        port=config.port,
-        timeout_graceful_shutdown=config.shutdown_timeout_s,
-    )
+    engine_config = EngineConfig(model=args.model, **engine_kwargs(args, seed=True))
+    check_before_loading(engine_config)
+    spec = None if args.no_spec else speculative_config(args, default_spec(args.model))
+    sock = bind_socket(config.host, config.port)  # a busy port fails now, not after loading
+    try:
+        sys.stderr.write(f"loading {args.model or 'the built-in SmolLM2-135M-Instruct'} ...\n")
+        engine = LLMEngine(engine_config, spec)
+        print(startup_line(engine, name, config), file=sys.stderr, flush=True)
+        async_engine = AsyncEngine(engine)
+        server = DrainingServer(
+            uvicorn.Config(
+                build_app(async_engine, config),
+                host=config.host,
+                port=config.port,
+                timeout_graceful_shutdown=config.shutdown_timeout_s,
+            ),
+            on_exit=async_engine.drain,
+        )
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     return 0
+
+
+def startup_line(engine, name: str, config: ServerConfig) -> str:
+    """What the server runs, in one line: model, dtype, device, max_model_len, KV cache and
+    speculation."""
+    from specdec.engine.setup import max_model_len_note
+
+    spec = engine.speculative_config
+    speculation = "off"
+    if spec is not None:
+        speculation = (
+            f"{spec.method} K={spec.num_speculative_tokens} {spec.rejection_sample_method}"
+            + (f" ({spec.model})" if spec.model else "")
+        )
+    model = engine.config.model or "the built-in SmolLM2-135M-Instruct"
+    dtype = str(engine.model.dtype).removeprefix("torch.")
+    blocks = engine.allocator.num_blocks
+    return (
+        f"serving {name!r} on http://{config.host}:{config.port}: model {model}, dtype {dtype}, "
+        f"device {engine.device}, max_model_len "
+        f"{max_model_len_note(engine.config, engine.model, engine.max_model_len)}, "
+        f"{blocks} KV blocks of {engine.config.block_size} tokens, speculation {speculation}"
+    )

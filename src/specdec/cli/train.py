@@ -36,6 +36,7 @@ RUN_FLAGS = (
 
 
 def add_train_drafter(commands) -> None:
+    from specdec.cli.flags import add_threads_flag
     from specdec.train.kind import TrainOptions
     from specdec.train.trainer import TrainConfig
 
@@ -72,23 +73,19 @@ def add_train_drafter(commands) -> None:
         help="comma-separated; prompt i is answered at temperature i mod len "
         f"(default: {','.join(str(t) for t in run.gen_temperatures)})",
     )
-    train.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_threads_flag(train)
     train.set_defaults(handler=_train_drafter)
 
 
 def _train_drafter(args: argparse.Namespace) -> int:
-    import torch
-
     from specdec.train.kind import TrainOptions
     from specdec.train.trainer import TrainConfig, train_drafter
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     extra = {}
     for item in args.option:
         key, sep, value = item.partition("=")
         if not sep:
-            raise SystemExit(f"--option expects KEY=VALUE, got {item!r}")
+            raise ValueError(f"--option expects KEY=VALUE, got {item!r}")
         extra[key] = value
     options = TrainOptions(**config_values(args, TrainOptions, OPTION_FLAGS), extra=extra)
     config = TrainConfig(

@@ -2,8 +2,9 @@
 
 Subclasses compute draft logits and pass them to `draw` (or `sample_draft`) with the position Q
 of the token they propose. `sample_draft` picks the stream from the request's verify method, maps
-a reduced draft vocabulary to target ids (-inf elsewhere), applies the target's processing, and
-returns exactly the logits it sampled from. Subclasses never call the sampler or `specdec.rng`
+a reduced draft vocabulary to target ids (-inf elsewhere), applies the target's processing (the
+request's penalties and bans too, with the drafts before Q as context), and returns exactly the
+logits it sampled from. Subclasses never call the sampler or `specdec.rng`
 themselves. Every drafter is built the same way, `from_config(spec, target, setup)`.
 """
 
@@ -17,10 +18,11 @@ import torch
 
 from specdec.drafters.config import SpeculativeConfig
 from specdec.rng import Stream
-from specdec.sampling import SampleOutput, SamplingTensors, sample
+from specdec.sampling import LogitsContext, SampleOutput, SamplingTensors, sample
 from specdec.transfer import to_device
 
 if TYPE_CHECKING:
+    from specdec.drafters.device import DeviceDrafting, RoundView
     from specdec.models import LlamaForCausalLM
 
 
@@ -34,6 +36,8 @@ class DrafterSetup:
         max_num_seqs: most requests in one round (sizes static buffers and graph buckets).
         max_model_len: longest request, in tokens.
         enforce_eager: never capture CUDA graphs.
+        device_rounds: the engine may run rounds on the device (`device_drafting`): build the
+            static buffers they need (on the CPU too, where they run op by op).
     """
 
     num_blocks: int
@@ -41,6 +45,7 @@ class DrafterSetup:
     max_num_seqs: int
     max_model_len: int
     enforce_eager: bool = False
+    device_rounds: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +61,8 @@ class DraftBatch:
         methods: per request, its verify method ("standard", "block" or "coupled").
         params: per-request sampling tensors ([B] each), the target's.
         request_ids: per request, its id (drafters with per-request state key it by this).
+        context: the requests' penalties, biases and bans with their contexts (prompt and
+            output so far), or None when no request has any; `draw` applies it.
     """
 
     token_ids: list[list[int]]
@@ -65,6 +72,7 @@ class DraftBatch:
     methods: list[str]
     params: SamplingTensors
     request_ids: list[str] | None = None
+    context: LogitsContext | None = None
 
     @property
     def batch_size(self) -> int:
@@ -202,27 +210,71 @@ class Drafter(abc.ABC):
         argmax when `greedy`, else a sample through `sample_draft`; writes each row's draft id,
         processed logits and log-normaliser into `out` at the [B, K] index `at`.
 
+        With a `batch.context`, row n's logits are processed with the drafts already in `out`
+        before it (columns 0..j-1 of its request, j = Q - anchor) as context; rows of several
+        draft indices in one call are then drawn index by index, so that draft j sees drafts
+        0..j-1 (the keys, and so the draws, are the same).
+
         Args:
             logits: [N, V_draft] raw draft logits.
             rows: [N] int64 request index (into `batch`) of each row, on the host.
             positions: [N] int64 position Q of the token each row proposes.
             batch: the round's batch.
-            out: the proposal being filled.
+            out: the proposal being filled; column j of request b holds its draft at
+                Q = anchors[b] + j.
             at: an index of `out.draft_token_ids` ([B, K]) selecting the N entries, in row order.
 
         Returns: [N] int64 drafts (target ids) on the logits' device.
 
         RNG: as `sample_draft` (none when greedy).
         """
+        if batch.context is None:
+            return self._draw_rows(logits, rows, positions, batch, out, at, None)
+        rows = rows.to(device="cpu", dtype=torch.int64)
+        index = positions.to("cpu", torch.int64) - batch.anchors.to("cpu")[rows]  # [N] j
+        columns = sorted(set(index.tolist()))
+        if len(columns) == 1:
+            return self._draw_rows(logits, rows, positions, batch, out, at, columns[0])
+        tokens = torch.empty(rows.shape[0], dtype=torch.int64, device=logits.device)
+        for j in columns:
+            picked = (index == j).nonzero().squeeze(1)
+            on = picked.to(logits.device)
+            part = rows[picked]
+            cell = (part.to(out.draft_token_ids.device), j)
+            tokens[on] = self._draw_rows(
+                logits[on], part, positions[picked.to(positions.device)], batch, out, cell, j
+            )
+        return tokens
+
+    def _draw_rows(self, logits, rows, positions, batch, out, at, column) -> torch.Tensor:
+        """`draw` for rows whose drafts before them are the first `column` entries of their
+        requests in `out` (None: no context)."""
+        prefix = None
+        if column is not None:
+            index = rows.to(device=out.draft_token_ids.device, dtype=torch.int64)
+            prefix = out.draft_token_ids[index, :column]
         if self.greedy:
-            tokens = self.to_target_vocab(logits).argmax(dim=-1)
+            full = self.to_target_vocab(logits)
+            if batch.context is not None:
+                full = batch.context.apply(full, *self._context_rows(rows, prefix, full.device))
+            tokens = full.argmax(dim=-1)
         else:
-            sampled = self.sample_draft(logits, rows, positions, batch)
+            # The keyword only when there is a context: subclasses' overrides keep the plain form.
+            extra = {} if prefix is None else {"prefix": prefix}
+            sampled = self.sample_draft(logits, rows, positions, batch, **extra)
             tokens = sampled.token_ids
             out.draft_logits[at] = sampled.processed_logits.to(out.draft_logits.device)
             out.draft_logsumexp[at] = sampled.logsumexp.to(out.draft_logsumexp.device)
         out.draft_token_ids[at] = tokens.to(out.draft_token_ids.device)
         return tokens
+
+    @staticmethod
+    def _context_rows(
+        rows: torch.Tensor, prefix: torch.Tensor | None, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(rows, prefix) of `LogitsContext.apply` on `device`."""
+        index = to_device(rows.to("cpu", torch.int64), torch.int64, device)
+        return index, None if prefix is None else prefix.to(device)
 
     def release(self, request_id: str) -> None:  # noqa: B027 - stateless drafters keep nothing
         """Forgets any state kept for a request that finished or was preempted."""
@@ -231,6 +283,64 @@ class Drafter(abc.ABC):
         """Receives the target features of newly committed tokens (only when `feature_layers`
         is non-empty). For a request, successive calls cover consecutive positions, except
         that after `release` (preemption) they restart from position 0."""
+
+    def device_drafting(
+        self, num_slots: int, width: int, max_model_len: int, device: torch.device
+    ) -> DeviceDrafting | None:
+        """This drafter's steps for device rounds on `device` over `num_slots` slots, each
+        committing at most `width` tokens per round and holding at most `max_model_len`, or None
+        when it drafts on the host only (then the engine runs its rounds synchronously)."""
+        return None
+
+    def draw_on_device(
+        self,
+        logits: torch.Tensor,
+        positions: torch.Tensor,
+        view: RoundView,
+        out: ProposalBuffer,
+        column: int,
+    ) -> torch.Tensor:
+        """`draw` for a device round: one draft per slot of `view` (all S rows, in slot order),
+        written into column `column` of `out`. Device work only (no host reads), so a round that
+        calls it can be replayed from a CUDA graph.
+
+        Args:
+            logits: [S, V_draft] raw draft logits.
+            positions: [S] int64 position Q of the token each slot proposes.
+            view: the round (seeds, anchors, sampling parameters, verify method).
+            out: the round's proposal buffers ([S_max, K, ...]).
+            column: the draft index i.
+
+        Returns: [S] int64 drafts (target ids) on the logits' device.
+
+        RNG: as `sample_draft`: `Stream.DRAFT` at (Q, anchor) for "standard"/"block", or
+        `Stream.TARGET` at (Q) for "coupled"; V lanes per slot. Inert slots have temperature 0
+        and take the argmax: their keys decide nothing.
+        """
+        num_rows = view.num_rows
+        full = self.to_target_vocab(logits)
+        if self.greedy:
+            tokens = full.argmax(dim=-1)
+        else:
+            stream = draft_stream(view.method)
+            params = view.params
+            sampled = sample(
+                full,
+                view.seeds,
+                positions,
+                temperature=params.temperature,
+                top_k=params.top_k,
+                top_p=params.top_p,
+                min_p=params.min_p,
+                stream=stream,
+                step=view.anchors if stream == Stream.DRAFT else 0,
+                check_values=False,  # the engine's parameters, valid by construction
+            )
+            tokens = sampled.token_ids
+            out.draft_logits[:num_rows, column] = sampled.processed_logits
+            out.draft_logsumexp[:num_rows, column] = sampled.logsumexp
+        out.draft_token_ids[:num_rows, column] = tokens
+        return tokens
 
     def _draft_to_target_on(self, device: torch.device) -> torch.Tensor:
         """`draft_to_target` on `device`, copied there once (not at every draft step)."""
@@ -261,6 +371,7 @@ class Drafter(abc.ABC):
         rows: torch.Tensor,
         positions: torch.Tensor,
         batch: DraftBatch,
+        prefix: torch.Tensor | None = None,
     ) -> SampleOutput:
         """Samples one draft per row: the only place draft noise is drawn.
 
@@ -268,7 +379,10 @@ class Drafter(abc.ABC):
             logits: [N, V_draft] raw draft logits.
             rows: [N] int64 request index (into `batch`) of each row.
             positions: [N] int64 position Q of the token each row proposes.
-            batch: the round's batch (seeds, anchors, methods, sampling parameters).
+            batch: the round's batch (seeds, anchors, methods, sampling parameters, context).
+            prefix: [N, J] int64 drafts of the row's request before Q (-1 from the first
+                absent one), the context `batch.context` processes the row with besides the
+                request's output; None: none.
 
         Returns:
             SampleOutput in target vocabulary: token_ids [N] (target ids), processed_logits
@@ -280,6 +394,8 @@ class Drafter(abc.ABC):
         rows = rows.to(device="cpu", dtype=torch.int64)  # indices into the host batch
         full = self.to_target_vocab(logits)
         device = full.device
+        if batch.context is not None:
+            full = batch.context.apply(full, *self._context_rows(rows, prefix, device))
         n = full.shape[0]
         positions = positions.to(torch.int64)
         if positions.device != device:

@@ -15,6 +15,8 @@ MAX_NUM_SPECULATIVE_TOKENS = 32
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "mtp", "dflash", "dspark")
 # Methods whose drafter is loaded from `model` (a directory or file).
 MODEL_METHODS = ("draft_model", "eagle", "mtp", "dflash", "dspark")
+# Methods whose `model` may be left out for the built-in target: the shipped head is used.
+SHIPPED_HEAD_METHODS = ("eagle", "mtp")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 
 
@@ -38,12 +40,19 @@ class SpeculativeConfig:
             "truncated:N" uses the target's first N layers (with its embeddings and head). For
             "eagle"/"mtp": a head directory (config.json + model.safetensors, as written by
             `specdec train-drafter --kind eagle`). For "dflash"/"dspark": a block drafter
-            directory (written by `specdec train-drafter --kind dflash|dspark`).
+            directory (written by `specdec train-drafter --kind dflash|dspark`). "eagle"/"mtp"
+            without a model on the built-in target take the head shipped in the package.
         num_speculative_tokens: drafts per round, K.
         draft_sample_method: "probabilistic" (drafts sampled from the draft distribution, which
             the verifier is given) or "greedy" (the draft's argmax, verified as a one-hot draft).
         rejection_sample_method: "standard", "block" or "coupled".
         prompt_lookup_min / prompt_lookup_max: n-gram sizes tried by "ngram".
+        adaptive: when rounds run on the device (asynchronous scheduling), choose each round's
+            K in [0, num_speculative_tokens] from measured round costs and the running
+            acceptance (`specdec.engine.spec_policy`); False pins K to num_speculative_tokens.
+            Standard/block outputs stay exact in law either way, but a seeded request replays
+            token for token only with K pinned (the chosen K depends on the batch and on
+            measured timings); coupled and greedy outputs equal plain decoding's whatever K is.
     """
 
     method: str = "ngram"
@@ -53,6 +62,7 @@ class SpeculativeConfig:
     rejection_sample_method: str = "standard"
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -60,7 +70,11 @@ class SpeculativeConfig:
                 f"speculative_config.method must be one of {SPECULATIVE_METHODS}, "
                 f"got {self.method!r}"
             )
-        if self.method in MODEL_METHODS and not self.model:
+        if (
+            self.method in MODEL_METHODS
+            and not self.model
+            and self.method not in SHIPPED_HEAD_METHODS
+        ):
             raise ValueError(f'speculative_config.method "{self.method}" needs "model"')
         check_num_speculative_tokens(
             self.num_speculative_tokens, "speculative_config.num_speculative_tokens"
@@ -74,6 +88,10 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.rejection_sample_method must be one of {VERIFY_METHODS}, "
                 f"got {self.rejection_sample_method!r}"
+            )
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(
+                f"speculative_config.adaptive must be true or false, got {self.adaptive!r}"
             )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(

@@ -16,6 +16,7 @@ from torch import nn
 
 from specdec.drafters.base import DraftBatch, Drafter, DrafterSetup, Proposal, ProposalBuffer
 from specdec.drafters.config import SpeculativeConfig
+from specdec.drafters.device import DeviceDrafting
 from specdec.models import LlamaForCausalLM, default_quantization, load_model
 from specdec.runner import BlockAllocator, PagedModelRunner, StepInput
 from specdec.transfer import to_device
@@ -62,6 +63,9 @@ class DraftModelDrafter(Drafter):
         greedy: bool = False,
         *,
         max_num_seqs: int,
+        max_query_len: int = 1,
+        decode_path: bool | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         """Args:
         model: the draft model (its vocabulary must be the target's).
@@ -69,6 +73,8 @@ class DraftModelDrafter(Drafter):
         num_blocks, block_size: the draft's own KV cache.
         greedy: propose the draft's argmax (one-hot drafts) instead of sampling.
         max_num_seqs: most requests in one round.
+        max_query_len, decode_path, max_model_len: the draft runner's decode path (see
+            `PagedModelRunner`); device rounds need it at width K + 1.
         """
         if model.config.vocab_size != target_vocab_size:
             raise ValueError(
@@ -76,7 +82,15 @@ class DraftModelDrafter(Drafter):
                 f"target's ({target_vocab_size}); a draft model must share the target's tokenizer"
             )
         super().__init__(target_vocab_size, greedy=greedy)
-        self.runner = PagedModelRunner(model, num_blocks, block_size, max_num_seqs=max_num_seqs)
+        self.runner = PagedModelRunner(
+            model,
+            num_blocks,
+            block_size,
+            max_num_seqs=max_num_seqs,
+            max_query_len=max_query_len,
+            decode_path=decode_path,
+            max_model_len=max_model_len,
+        )
         self.allocator = BlockAllocator(num_blocks, block_size)
         self._states: dict[str, _DraftState] = {}
 
@@ -104,7 +118,21 @@ class DraftModelDrafter(Drafter):
             setup.block_size,
             greedy=spec.draft_sample_method == "greedy",
             max_num_seqs=setup.max_num_seqs,
+            max_query_len=spec.num_speculative_tokens + 1 if setup.device_rounds else 1,
+            decode_path=True if setup.device_rounds else None,
+            # The draft cache holds up to K - 1 drafts past the last committed token.
+            max_model_len=setup.max_model_len + spec.num_speculative_tokens,
         )
+
+    def device_drafting(
+        self, num_slots: int, width: int, max_model_len: int, device: torch.device
+    ) -> DeviceDrafting | None:
+        graphs = self.runner.graphs
+        if graphs is None or graphs.max_query_len != width:
+            return None
+        from specdec.drafters.draft_model_device import DraftModelDeviceDrafting
+
+        return DraftModelDeviceDrafting(self, num_slots, width)
 
     def release(self, request_id: str) -> None:
         state = self._states.pop(request_id, None)

@@ -11,6 +11,7 @@ from specdec.drafters.base import DraftBatch, Drafter, DrafterSetup, Proposal
 from specdec.drafters.config import SpeculativeConfig
 
 if TYPE_CHECKING:
+    from specdec.drafters.device import DeviceDrafting
     from specdec.models import LlamaForCausalLM
 
 
@@ -44,6 +45,13 @@ class NgramDrafter(Drafter):
             )
         self.prompt_lookup_min = prompt_lookup_min
         self.prompt_lookup_max = prompt_lookup_max
+
+    def device_drafting(
+        self, num_slots: int, width: int, max_model_len: int, device: torch.device
+    ) -> DeviceDrafting:
+        from specdec.drafters.ngram_device import NgramDeviceDrafting
+
+        return NgramDeviceDrafting(self, num_slots, width, max_model_len).to(device)
 
     @classmethod
     def from_config(

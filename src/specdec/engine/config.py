@@ -6,7 +6,7 @@ dataclasses). Validation only: no tensors, no randomness.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from specdec.drafters.config import (  # noqa: F401 - re-exported: the engine's settings
@@ -16,6 +16,9 @@ from specdec.drafters.config import (  # noqa: F401 - re-exported: the engine's 
     SpeculativeConfig,
 )
 from specdec.models.quant import QUANTIZATIONS
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,11 +49,16 @@ class EngineConfig:
             logprobs are overlapped; the others run as usual. True / "on", False / "off", or
             "auto" (the default): on for CUDA, off on the CPU (where nothing runs beside the
             host, so there is nothing to overlap).
+        seed: the engine's seed: requests without a seed of their own get seeds derived from
+            it in the order they arrive, so a script run twice replays (None: a fresh seed per
+            request, recorded in its output).
+        tensor_parallel_size: GPUs a model is split over; only 1 for now (tensor parallelism
+            is not implemented yet).
     """
 
     model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
+    dtype: str = field(default="auto", metadata={"choices": DTYPES})
+    device: str = field(default="auto", metadata={"choices": DEVICES})
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -59,6 +67,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     async_scheduling: bool | str = "auto"
+    seed: int | None = None
+    tensor_parallel_size: int = 1
     quantization: str | None = "auto"
 
     def __post_init__(self) -> None:
@@ -80,11 +90,11 @@ class EngineConfig:
             raise ValueError(
                 f"async_scheduling must be True, False or 'auto', got {self.async_scheduling!r}"
             )
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPES:
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
             )
-        if self.device not in ("auto", "cpu", "cuda"):
+        if self.device not in DEVICES:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
@@ -94,6 +104,17 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int)
+            or isinstance(self.seed, bool)
+            or not -(2**63) <= self.seed < 2**64
+        ):
+            raise ValueError(f"seed must be an integer that fits in 64 bits, got {self.seed!r}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size!r} is not supported: tensor "
+                "parallelism is not implemented yet (use 1)"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

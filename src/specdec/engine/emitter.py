@@ -13,7 +13,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from specdec.engine.batch_constants import ConstantsCache
 from specdec.engine.proposals import StepDrafts
-from specdec.engine.request import Request
+from specdec.engine.request import Request, logits_context
 from specdec.engine.scheduler import ScheduledRequest
 from specdec.sampling import sample
 from specdec.transfer import to_device
@@ -93,6 +93,9 @@ class Emitter:
         """[B] int64 device tokens sampled from [B, V] logit rows at each request's next
         position (not read by the host)."""
         constants = self.constants.get("plain", requests, rows.device)
+        context = logits_context(requests)
+        if context is not None:
+            rows = context.apply(rows)
         if constants.greedy:
             # All greedy: `sample` would take the argmax (first maximum) without noise; the
             # filters never remove the maximum. One kernel instead of the sampler's setup.
@@ -163,6 +166,7 @@ class Emitter:
             method=method,
             draft_logsumexp=draft_logsumexp,
             check_values=False,
+            context=logits_context(requests),
         )
         out = verify_checked(inputs)
         host_accepted = out.num_accepted.tolist()  # one device sync each for the whole group

@@ -38,7 +38,8 @@ class LLM:
             draft_sample_method, rejection_sample_method, prompt_lookup_min/max); None = no
             speculation; "auto" (the default) = the shipped EAGLE head at K = 2 for the built-in
             model, no speculation for any other model.
-        **engine_args: EngineConfig fields (max_num_seqs, max_model_len, dtype, device, ...).
+        **engine_args: EngineConfig fields (max_num_seqs, max_model_len, dtype, device, seed,
+            tensor_parallel_size (1), ...); unknown ones raise ValueError naming them.
         """
         if isinstance(speculative_config, str):
             if speculative_config != "auto":
@@ -51,6 +52,10 @@ class LLM:
 
     @property
     def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        """The model's `Tokenizer` (encode, decode, apply_chat_template), as vLLM's LLM has."""
         return self.engine.tokenizer
 
     def generate(
@@ -97,19 +102,42 @@ class LLM:
         self,
         messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> list[RequestOutput]:
         """Renders one conversation (a list of {"role", "content"}) or several with the model's
-        chat template and generates the assistant's reply."""
+        chat template (or `chat_template`) and generates the assistant's reply.
+
+        Args:
+            add_generation_prompt: open an assistant turn after the messages (vLLM's default).
+            continue_final_message: continue the last message instead (it then ends the
+                prompt); not with add_generation_prompt.
+            **kwargs: as `generate` (speculative, use_tqdm, on_tokens).
+        """
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
-        prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(c)} for c in conversations]
+        prompts = [
+            {
+                "prompt_token_ids": self.tokenizer.encode_chat(
+                    c,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    chat_template=chat_template,
+                )
+            }
+            for c in conversations
+        ]
         return self.generate(prompts, sampling_params, **kwargs)
 
     def get_metrics(self) -> dict:
-        """Engine-wide spec-decode counters (vLLM's definitions)."""
-        return self.engine.stats.as_dict()
+        """Engine-wide spec-decode counters (vLLM's definitions), and which path served the
+        steps ("loop": overlapped plain steps, device rounds, rounds replayed from CUDA graphs,
+        synchronous steps, and the K the policy chose per device round)."""
+        return {**self.engine.stats.as_dict(), "loop": self.engine.loop_stats.as_dict()}
 
     def _run(self, ids, use_tqdm, on_tokens) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}

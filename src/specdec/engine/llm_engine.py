@@ -20,8 +20,10 @@ import torch
 
 from specdec.drafters import Drafter, DrafterSetup
 from specdec.drafters.config import check_num_speculative_tokens
+from specdec.drafters.default import with_shipped_head
 from specdec.drafters.registry import build_drafter
 from specdec.engine.config import EngineConfig, SpeculativeConfig
+from specdec.engine.device_round import DeviceRounds
 from specdec.engine.emitter import Emission, Emitter
 from specdec.engine.output_processor import OutputProcessor, RequestGroup
 from specdec.engine.outputs import RequestOutput
@@ -29,16 +31,18 @@ from specdec.engine.proposals import deliver_features, propose, step_inputs
 from specdec.engine.request import Request, RequestStatus, SpecSettings
 from specdec.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from specdec.engine.setup import (
+    draft_cache_layers,
     resolve_device,
     resolve_dtype,
     resolve_max_model_len,
     size_kv_cache,
 )
-from specdec.metrics import SpecDecodeStats
+from specdec.engine.spec_policy import SpeculationPolicy
+from specdec.metrics import LoopStats, SpecDecodeStats
 from specdec.models import LlamaForCausalLM, Tokenizer, default_model_path, load_model
-from specdec.rng import derive_seed, fresh_seed, to_signed64
-from specdec.runner import BlockAllocator, PagedModelRunner
-from specdec.sampling import SamplingParams
+from specdec.rng import derive_seed, engine_request_seed, fresh_seed, to_signed64
+from specdec.runner import BlockAllocator, PagedModelRunner, StepInput
+from specdec.sampling import LogitsRules, SamplingParams
 from specdec.transfer import Readback
 from specdec.verify import VERIFY_METHODS
 
@@ -73,6 +77,8 @@ class LLMEngine:
             model, tokenizer: an already loaded model (tests); `config.model` is then ignored.
         """
         self.config = config
+        builtin_target = model is None and config.model is None
+        speculative_config = with_shipped_head(speculative_config, builtin_target)
         self.device = resolve_device(config.device)
         self.async_scheduling = config.async_scheduling
         if self.async_scheduling == "auto":
@@ -87,9 +93,16 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.model_config = model.config
         num_blocks, self.max_model_len = size_kv_cache(
-            config, model, resolve_max_model_len(config, model), self.device
+            config,
+            model,
+            resolve_max_model_len(config, model),
+            self.device,
+            draft_cache_layers(speculative_config, model),
         )
         self.allocator = BlockAllocator(num_blocks, config.block_size)
+        # Speculative rounds on the device (overlapped with the host) need the decode path's
+        # static buffers, on the CPU too (where they run op by op).
+        self.device_rounds = bool(self.async_scheduling and speculative_config is not None)
         self.runner = PagedModelRunner(
             model,
             num_blocks,
@@ -101,6 +114,7 @@ class LLMEngine:
             max_query_len=1
             + (speculative_config.num_speculative_tokens if speculative_config else 0),
             enforce_eager=config.enforce_eager,
+            decode_path=True if self.device_rounds else None,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -117,8 +131,18 @@ class LLMEngine:
         self.emitter = Emitter()
         self.outputs = OutputProcessor(tokenizer, self.max_model_len, self._finish)
         self.stats = SpecDecodeStats()
+        self.loop_stats = LoopStats()
+        self.num_preemptions = 0  # engine-wide, for vllm:num_preemptions
         self._inflight: _Inflight | None = None
+        self._rounds: DeviceRounds | None = None  # built on first use
+        self._in_rounds = False
+        self.policy = None
+        if speculative_config is not None:
+            self.policy = SpeculationPolicy(
+                speculative_config.num_speculative_tokens, speculative_config.adaptive
+            )
         self._ids = itertools.count()
+        self._unseeded = itertools.count()  # requests without a seed, for `config.seed`
 
     def _build_drafter(self, spec: SpeculativeConfig | None) -> Drafter | None:
         if spec is None:
@@ -129,6 +153,7 @@ class LLMEngine:
             max_num_seqs=self.config.max_num_seqs,
             max_model_len=self.max_model_len,
             enforce_eager=self.config.enforce_eager,
+            device_rounds=self.device_rounds,
         )
         return build_drafter(spec, self.model, setup)
 
@@ -155,7 +180,8 @@ class LLMEngine:
             params: sampling settings (defaults: SamplingParams()).
             request_id: an id of the caller's; a fresh one when None.
             speculative: per-request override {"enabled": bool, "num_speculative_tokens": int,
-                "method": "standard" | "block" | "coupled"}; None follows speculative_config.
+                "rejection_sample_method": "standard" | "block" | "coupled"}; None follows
+                speculative_config (whose drafter, `method`, every request shares).
 
         Raises:
             ValueError: bad prompt, bad override, or a prompt too long for max_model_len.
@@ -166,11 +192,17 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         spec = self._spec_settings(speculative)
-        seed = to_signed64(params.seed) if params.seed is not None else fresh_seed()
+        rules = self._logits_rules(params)
+        seed = to_signed64(params.seed) if params.seed is not None else self.new_request_seed()
         samples = []
         for index in range(params.n):
             request = Request(
-                f"{request_id}#{index}", list(token_ids), params, derive_seed(seed, index), spec
+                f"{request_id}#{index}",
+                list(token_ids),
+                params,
+                derive_seed(seed, index),
+                spec,
+                rules=rules,
             )
             self.scheduler.add(request)
             samples.append(request)
@@ -184,6 +216,30 @@ class LLMEngine:
             )
         )
         return request_id
+
+    def new_request_seed(self) -> int:
+        """The seed of a request that brings none: derived from `config.seed` in arrival order,
+        or fresh (it is recorded in the request's output either way)."""
+        if self.config.seed is None:
+            return fresh_seed()
+        return engine_request_seed(self.config.seed, next(self._unseeded))
+
+    def _logits_rules(self, params: SamplingParams) -> LogitsRules | None:
+        """The request's penalties, biases and bans resolved to token ids (ValueError naming a
+        field whose token ids lie outside the vocabulary)."""
+        tokenizer = self.tokenizer
+        encode = None
+        if tokenizer is not None:
+
+            def encode(text: str) -> list[int]:
+                return tokenizer.encode(text, add_special_tokens=False)
+
+        return LogitsRules.from_params(
+            params,
+            vocab_size=self.model_config.vocab_size,
+            eos_token_id=self.outputs.eos_token_id,
+            encode=encode,
+        )
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -206,7 +262,13 @@ class LLMEngine:
             if default is None:
                 return None
             return SpecSettings(default.num_speculative_tokens, default.rejection_sample_method)
-        known = {"enabled", "num_speculative_tokens", "method"}
+        if "method" in override:
+            raise ValueError(
+                'the speculative override has no "method": the verifier is '
+                '"rejection_sample_method" (standard, block or coupled); "method" names the '
+                "drafter, which is the engine's speculative_config.method"
+            )
+        known = {"enabled", "num_speculative_tokens", "rejection_sample_method"}
         unknown = sorted(set(override) - known)
         if unknown:
             raise ValueError(f"unknown speculative keys {unknown}; known: {sorted(known)}")
@@ -215,22 +277,27 @@ class LLMEngine:
         if self.drafter is None:
             raise ValueError("speculation was requested but the engine has no speculative_config")
         k = override.get("num_speculative_tokens", default.num_speculative_tokens)
-        method = override.get("method", default.rejection_sample_method)
+        method = override.get("rejection_sample_method", default.rejection_sample_method)
         check_num_speculative_tokens(k)
         if method not in VERIFY_METHODS:
-            raise ValueError(f"method must be one of {VERIFY_METHODS}, got {method!r}")
+            raise ValueError(
+                f"rejection_sample_method must be one of {VERIFY_METHODS}, got {method!r}"
+            )
         self._check_round_fits(k)
         return SpecSettings(k, method)
 
-    def abort(self, request_id: str) -> None:
-        """Stops a request and frees its KV blocks (unknown ids are ignored)."""
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stops a request and frees its KV blocks. Returns its final output (finish_reason
+        "abort" for the samples it stopped), or None for an unknown id."""
         group = self.outputs.groups.get(request_id)
         if group is None:
-            return
+            return None
         for request in group.samples:
             if not request.status.finished:
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
+        output = self.outputs.output(group)
         self.outputs.forget(group)
+        return output
 
     @property
     def groups(self) -> dict[str, RequestGroup]:
@@ -239,7 +306,8 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or self._inflight is not None
+        rounds_inflight = self._rounds is not None and bool(self._rounds.inflight)
+        return self.scheduler.has_unfinished or self._inflight is not None or rounds_inflight
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.scheduler.finish(request, status)
@@ -254,10 +322,16 @@ class LLMEngine:
         launch work whose tokens the next call reports."""
         if self.async_scheduling and self.drafter is None:
             return self._step_async(only_finished)
+        if self._in_rounds:
+            return self._step_rounds(only_finished)
         scheduled = self._schedule()
         if not scheduled:
             return []
-        return self._run_step(scheduled, only_finished)
+        outputs = self._run_step(scheduled, only_finished)
+        self.loop_stats.num_sync_steps += 1
+        if self.device_rounds:
+            self._enter_rounds()
+        return outputs
 
     def _run_step(
         self, scheduled: list[ScheduledRequest], only_finished: bool
@@ -265,9 +339,10 @@ class LLMEngine:
         """The algorithm: propose drafts, run the target over [last token + drafts] (or a prefill
         chunk), sample or verify, commit (advance, roll back rejected slots), report."""
         drafts = propose(self.drafter, self.emitter.constants, scheduled)
-        inputs = step_inputs(scheduled, drafts)
+        inputs = step_inputs(scheduled, drafts, self.outputs.wants_prompt_logprobs)
         layers = self.drafter.feature_layers if self.drafter is not None else ()
         logits, features = self.runner.run_with_features(inputs, layers)
+        logits = self._take_prompt_logprobs(scheduled, inputs, logits)
         emitted = self.emitter.emit(scheduled, logits, drafts)
         if features:
             rejected = [0 if e is None else e.num_rejected for e in emitted]
@@ -278,6 +353,24 @@ class LLMEngine:
             rejected = 0 if emission is None else emission.num_rejected
             commits.append((share.request, end - rejected, emission))
         return self._commit(commits, only_finished)
+
+    def _take_prompt_logprobs(
+        self,
+        scheduled: list[ScheduledRequest],
+        inputs: list[StepInput],
+        logits: list[torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """Records the prompt logprobs of prefill chunks that asked for all their logit rows,
+        and returns each share's logits as the emitter expects them (the last row of a chunk
+        that emits)."""
+        out = list(logits)
+        for i, (share, step_input) in enumerate(zip(scheduled, inputs, strict=True)):
+            request = share.request
+            decode = share.emits and request.num_computed_tokens >= request.num_tokens - 1
+            if not decode and step_input.num_logit_rows > int(share.emits):
+                self.outputs.add_prompt_logprobs(request, step_input.start, logits[i])
+                out[i] = logits[i][-1:] if share.emits else logits[i][:0]
+        return out
 
     def _commit(
         self, commits: list[tuple[Request, int | None, Emission | None]], only_finished: bool
@@ -304,6 +397,7 @@ class LLMEngine:
 
     def _schedule(self) -> list[ScheduledRequest]:
         out = self.scheduler.schedule()
+        self.num_preemptions += len(out.preempted)
         if self.drafter is not None:
             for request in out.preempted:
                 self.drafter.release(request.request_id)
@@ -341,6 +435,7 @@ class LLMEngine:
             and request.spec is None
             and request.num_computed_tokens == request.num_tokens - 1
             and request.params.logprobs is None
+            and request.rules is None  # processed with the output so far, read on the host
         )
 
     def _can_overlap(self, inflight: _Inflight) -> bool:
@@ -380,6 +475,7 @@ class LLMEngine:
         for request, step_input in zip(requests, inputs, strict=True):
             self.scheduler.commit(request, step_input.start + 1)
             request.num_pending += 1
+        self.loop_stats.num_overlapped_steps += 1
         return _Inflight(requests, token_ids, Readback({"tokens": token_ids}, {}))
 
     def _resolve(self, inflight: _Inflight, only_finished: bool) -> list[RequestOutput]:
@@ -392,3 +488,101 @@ class LLMEngine:
             if not request.status.finished:
                 commits.append((request, None, Emission([token], 0, 0, None)))
         return self._commit(commits, only_finished)
+
+    # ------------------------------------------------------- speculative rounds on the device
+    def _enter_rounds(self) -> None:
+        """Hands the batch to device rounds when every running request decodes with speculation
+        (one verify method, no logprobs, no penalties, biases or bans) and no waiting request
+        could join; else the synchronous step goes on."""
+        scheduler = self.scheduler
+        requests = list(scheduler.running)
+        if not requests or self._admission_pending():
+            return
+        method = requests[0].spec.method if requests[0].spec is not None else None
+        for request in requests:
+            if (
+                request.spec is None
+                or request.spec.method != method
+                or request.params.logprobs is not None
+                or request.rules is not None  # processed with the output so far, on the host
+                or request.num_computed_tokens != request.num_tokens - 1
+                or request.num_tokens < 2
+            ):
+                return
+        rounds = self._device_round_runner()
+        if rounds is None:
+            return
+        rounds.begin(requests)
+        self._in_rounds = True
+
+    def _admission_pending(self) -> bool:
+        """Whether a waiting request could join the batch now (the rounds then drain)."""
+        scheduler = self.scheduler
+        return bool(scheduler.waiting) and len(scheduler.running) < self.config.max_num_seqs
+
+    def _device_round_runner(self) -> DeviceRounds | None:
+        if self._rounds is None:
+            k = self.speculative_config.num_speculative_tokens
+            drafting = self.drafter.device_drafting(
+                self.config.max_num_seqs, k + 1, self.max_model_len, self.device
+            )
+            if drafting is None or self.runner.graphs is None:
+                self.device_rounds = False  # this drafter drafts on the host only
+                return None
+            self._rounds = DeviceRounds(
+                self.runner,
+                self.drafter,
+                drafting,
+                max_k=k,
+                max_num_seqs=self.config.max_num_seqs,
+                max_model_len=self.max_model_len,
+                use_graphs=self.runner.graphs.use_graphs,
+            )
+        return self._rounds
+
+    def _step_rounds(self, only_finished: bool) -> list[RequestOutput]:
+        """One call of the device-round loop: launch the next round unless the batch must go
+        back to the synchronous step (a waiting request could join, one nears its length limit,
+        or the cache cannot hold what the round may write), then read the round before it."""
+        rounds = self._rounds
+        launched = False
+        if not self._admission_pending() and rounds.live_requests:
+            k = self.policy.choose(rounds.num_rows)
+            last = rounds.launch_room(k)
+            if last is not None and self._grow_ahead(rounds.live_requests, last):
+                rounds.launch(k, last)
+                self.loop_stats.observe_round(k, rounds.graph_cache.use_graphs)
+                launched = True
+        outputs: list[RequestOutput] = []
+        if rounds.inflight and (len(rounds.inflight) > 1 or not launched):
+            emissions, k, seconds = rounds.read()
+            outcomes = [(e.num_draft, e.num_accepted) for _, e in emissions]
+            self.policy.observe(rounds.num_rows, k, seconds, outcomes)
+            outputs = self._commit([(r, None, e) for r, e in emissions], only_finished)
+        if not launched and not rounds.inflight:
+            self._leave_rounds()
+        return outputs
+
+    def _grow_ahead(self, requests: list[Request], last_positions: list[int]) -> bool:
+        """Blocks for every position a launched round may write (False, growing nothing, when
+        the cache cannot hold them all)."""
+        allocator = self.allocator
+        needed = [
+            max(allocator.blocks_needed(last + 1) - len(r.block_ids), 0)
+            for r, last in zip(requests, last_positions, strict=True)
+        ]
+        if sum(needed) > allocator.num_free_blocks:
+            return False
+        for request, last in zip(requests, last_positions, strict=True):
+            allocator.grow(request, last + 1)
+        return True
+
+    def _leave_rounds(self) -> None:
+        """Back to the synchronous step: the drafter's host state from the device, and the
+        blocks grown ahead for rounds that did not run given back."""
+        rounds = self._rounds
+        live = [r for r in rounds.live_requests if not r.status.finished]
+        rounds.end()
+        for request in live:
+            self.scheduler.commit(request, request.num_computed_tokens)
+        self._in_rounds = False

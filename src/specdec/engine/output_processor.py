@@ -10,7 +10,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from specdec.engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestOutput,
+    SampleLogprobs,
+)
 from specdec.engine.request import Request, RequestStatus
 from specdec.metrics import SpecDecodeStats
 from specdec.models import Tokenizer
@@ -29,7 +35,8 @@ class RequestGroup:
     stop_token_ids: frozenset[int] = frozenset()  # stop_token_ids, and EOS unless ignored
     texts: list[str | None] = field(default_factory=list)  # a stop-truncated text, else None
     stop_reasons: list[str | int | None] = field(default_factory=list)
-    logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
+    logprobs: list[SampleLogprobs | None] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None  # filled as prefill chunks run
 
 
 class OutputProcessor:
@@ -57,8 +64,11 @@ class OutputProcessor:
         n = len(group.samples)
         group.texts = [None] * n
         group.stop_reasons = [None] * n
-        wants_logprobs = group.samples[0].params.logprobs is not None
+        params = group.samples[0].params
+        wants_logprobs = params.logprobs is not None
         group.logprobs = [[] if wants_logprobs else None for _ in range(n)]
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] * len(group.prompt_token_ids)
         self.groups[group.request_id] = group
         for request in group.samples:
             self._group_of[id(request)] = group
@@ -84,14 +94,13 @@ class OutputProcessor:
         output = request.output_token_ids
         check_text = bool(params.stop) and self.tokenizer is not None
         limit = self.output_limit(request)
+        entries = None
+        if params.logprobs is not None:
+            entries = self.logprob_entries(rows[: len(tokens)], tokens, params.logprobs)
         for j, token in enumerate(tokens):
             output.append(token)
-            if params.logprobs is not None:
-                lp = compute_logprobs(rows[j : j + 1], torch.tensor([token]), params.logprobs)
-                top = dict(zip(lp.top_ids[0].tolist(), lp.top_logprobs[0].tolist(), strict=True))
-                group.logprobs[group.samples.index(request)].append(
-                    TokenLogprob(token, float(lp.token_logprobs[0]), top)
-                )
+            if entries is not None:
+                group.logprobs[group.samples.index(request)].append(entries[j])
             num_out = len(output)
             if num_out >= params.min_tokens:
                 if token in group.stop_token_ids:
@@ -114,6 +123,58 @@ class OutputProcessor:
                 self.finish(request, RequestStatus.FINISHED_LENGTH)
                 return True
         return False
+
+    def logprob_entries(
+        self, rows: torch.Tensor, token_ids: list[int], num_top: int
+    ) -> list[dict[int, Logprob]]:
+        """vLLM's logprob dicts of tokens under [N, V] raw logit rows: the top `num_top` ids in
+        rank order, then the token itself if it is not among them."""
+        lp = compute_logprobs(rows, torch.tensor(token_ids, device=rows.device), num_top)
+        top_ids, top_values = lp.top_ids.tolist(), lp.top_logprobs.tolist()
+        values, ranks = lp.token_logprobs.tolist(), lp.token_ranks.tolist()
+        entries = []
+        for j, token in enumerate(token_ids):
+            entry = {
+                t: Logprob(v, rank, self.token_text(t))
+                for rank, (t, v) in enumerate(zip(top_ids[j], top_values[j], strict=True), 1)
+            }
+            if token not in entry:
+                entry[token] = Logprob(values[j], ranks[j], self.token_text(token))
+            entries.append(entry)
+        return entries
+
+    def token_text(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def wants_prompt_logprobs(self, request: Request, start: int) -> bool:
+        """Whether a prefill chunk of `request` from position `start` has prompt tokens whose
+        logprobs are still missing (so it asks for the logits of all its tokens)."""
+        group = self._group_of.get(id(request))
+        if group is None or group.prompt_logprobs is None:
+            return False
+        filled = group.prompt_logprobs
+        return any(filled[p] is None for p in range(max(start + 1, 1), len(filled)))
+
+    def add_prompt_logprobs(self, request: Request, start: int, rows: torch.Tensor) -> None:
+        """Records the logprobs of the prompt tokens that raw logit rows [n, V] of positions
+        start .. start+n-1 predict (row i: the token at start+i+1), where still missing.
+        Mutates: the group's prompt_logprobs."""
+        group = self._group_of[id(request)]
+        filled = group.prompt_logprobs
+        prompt = group.prompt_token_ids
+        wanted = [i for i in range(rows.shape[0]) if start + i + 1 < len(prompt)]
+        wanted = [i for i in wanted if filled[start + i + 1] is None]
+        if not wanted:
+            return
+        index = torch.tensor(wanted, device=rows.device)
+        tokens = [prompt[start + i + 1] for i in wanted]
+        num_top = request.params.prompt_logprobs
+        for i, entry in zip(
+            wanted, self.logprob_entries(rows[index], tokens, num_top), strict=True
+        ):
+            filled[start + i + 1] = entry
 
     def output_limit(self, request: Request) -> int:
         """Output tokens the request may have: max_tokens, or max_model_len tokens in all."""
@@ -162,7 +223,10 @@ class OutputProcessor:
                     logprobs=None if logprobs is None else list(logprobs),
                     cumulative_logprob=None
                     if logprobs is None
-                    else sum(t.logprob for t in logprobs),
+                    else sum(
+                        entry[token].logprob
+                        for entry, token in zip(logprobs, request.output_token_ids, strict=False)
+                    ),
                 )
             )
         if len(group.samples) == 1:
@@ -181,6 +245,7 @@ class OutputProcessor:
             finished=finished,
             seed=group.seed,
             spec_decode_stats=stats.as_dict(),
+            prompt_logprobs=None if group.prompt_logprobs is None else list(group.prompt_logprobs),
         )
 
 

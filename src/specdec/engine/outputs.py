@@ -9,12 +9,20 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
-class TokenLogprob:
-    """One emitted token's log-probability and the top alternatives (raw target logits)."""
+class Logprob:
+    """vLLM's `Logprob`: one token's log-probability under the raw target logits, its rank
+    (1 = most likely) and its text."""
 
-    token_id: int
     logprob: float
-    top: dict[int, float] = field(default_factory=dict)
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per generated token: the top `logprobs` ids in rank order, then the generated token if it is
+# not among them (vLLM's shape).
+SampleLogprobs = list[dict[int, Logprob]]
+# Per prompt token: the same for the prompt token; None for the first, which has no context.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass(slots=True)
@@ -27,7 +35,8 @@ class CompletionOutput:
         token_ids: the generated token ids.
         finish_reason: "stop", "length", "abort", or None while running.
         stop_reason: the stop string or stop token id that ended it, if any.
-        logprobs: per generated token, when SamplingParams.logprobs is set.
+        logprobs: per generated token, when SamplingParams.logprobs is set: token id ->
+            `Logprob` for the top `logprobs` ids (rank order) and the generated token.
         cumulative_logprob: sum of the tokens' log-probabilities, when logprobs are computed.
     """
 
@@ -36,7 +45,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    logprobs: list[TokenLogprob] | None = None
+    logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
 
     @property
@@ -55,6 +64,8 @@ class RequestOutput:
         outputs: one CompletionOutput per sample (n of them).
         finished: whether every sample has finished.
         seed: the seed the request ran with (pass it back to replay the request).
+        prompt_logprobs: per prompt token (None for the first), when
+            SamplingParams.prompt_logprobs is set; the same shape as `logprobs`.
         spec_decode_stats: per-request speculative-decoding counters (metrics.SpecDecodeStats
             as a dict), summed over its samples.
     """
@@ -66,3 +77,4 @@ class RequestOutput:
     finished: bool
     seed: int
     spec_decode_stats: dict = field(default_factory=dict)
+    prompt_logprobs: PromptLogprobs | None = None

@@ -5,12 +5,14 @@ committed (`deliver_features`). Never samples: draft noise is the drafter's (`Dr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from specdec.drafters import DraftBatch, Drafter, Proposal, TargetFeatures
 from specdec.engine.batch_constants import ConstantsCache
+from specdec.engine.request import Request, logits_context
 from specdec.engine.scheduler import ScheduledRequest
 from specdec.runner import StepInput
 
@@ -45,6 +47,7 @@ def propose(
         methods=[r.spec.method for r in requests],
         params=batch_constants.params,
         request_ids=[r.request_id for r in requests],
+        context=logits_context(requests),
     )
     proposal = drafter.propose(batch)
     counts = proposal.num_draft.tolist()  # one device sync each for the whole batch
@@ -57,10 +60,15 @@ def propose(
     return StepDrafts(proposal, rows) if rows else None
 
 
-def step_inputs(scheduled: list[ScheduledRequest], drafts: StepDrafts | None) -> list[StepInput]:
+def step_inputs(
+    scheduled: list[ScheduledRequest],
+    drafts: StepDrafts | None,
+    all_rows: Callable[[Request, int], bool] | None = None,
+) -> list[StepInput]:
     """The runner's input of every share: a decode round feeds the last token and its drafts
     (logits for all of them); a prefill chunk feeds its slice of the tokens (logits for the
-    last one when the chunk completes the prompt)."""
+    last one when the chunk completes the prompt, for all of them when `all_rows(request,
+    start)` says so: prompt logprobs)."""
     draft_rows = drafts.rows if drafts is not None else {}
     inputs = []
     for share in scheduled:
@@ -76,7 +84,10 @@ def step_inputs(scheduled: list[ScheduledRequest], drafts: StepDrafts | None) ->
         else:
             start = request.num_computed_tokens
             tokens = request.all_token_ids[start : start + share.num_query_tokens]
-            inputs.append(StepInput(tokens, start, request.block_ids, int(share.emits)))
+            rows = int(share.emits)
+            if all_rows is not None and all_rows(request, start):
+                rows = len(tokens)
+            inputs.append(StepInput(tokens, start, request.block_ids, rows))
     return inputs
 
 

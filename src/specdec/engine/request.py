@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from specdec.engine.detokenize import IncrementalText
 from specdec.metrics import SpecDecodeStats
+from specdec.sampling.context import LogitsContext, LogitsRules
 from specdec.sampling.params import SamplingParams
 
 
@@ -55,6 +56,7 @@ class Request:
         detokenized: the incremental text of output_token_ids (see `specdec.engine.detokenize`).
         num_pending: tokens sampled on the device but not read yet (asynchronous scheduling);
             they count in num_tokens, not in output_token_ids.
+        rules: penalties, biases and bans resolved to token ids (None: none).
     """
 
     request_id: str
@@ -70,6 +72,7 @@ class Request:
     num_preemptions: int = 0
     detokenized: IncrementalText = field(default_factory=IncrementalText)
     num_pending: int = 0
+    rules: LogitsRules | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -92,3 +95,14 @@ class Request:
     def in_prefill(self) -> bool:
         """True while tokens other than the last one still lack K/V (prompt or recompute)."""
         return self.num_computed_tokens < self.num_tokens - 1
+
+
+def logits_context(requests: list[Request]) -> LogitsContext | None:
+    """The penalties, biases and bans of `requests` with their contexts (None: none has any)."""
+    if all(r.rules is None for r in requests):
+        return None
+    return LogitsContext(
+        [r.rules for r in requests],
+        [r.prompt_token_ids for r in requests],
+        [r.output_token_ids for r in requests],
+    )

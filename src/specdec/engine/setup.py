@@ -13,6 +13,7 @@ from specdec.engine.config import EngineConfig
 from specdec.models import LlamaForCausalLM
 
 CPU_KV_CACHE_BYTES = 1 << 30
+# max_model_len of a model whose config declares no context length.
 DEFAULT_MAX_MODEL_LEN = 4096
 
 
@@ -31,48 +32,76 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_max_model_len(config: EngineConfig, model: LlamaForCausalLM) -> int:
-    """max_model_len: the configured one, else the model's context up to DEFAULT_MAX_MODEL_LEN.
+    """max_model_len: the configured one, else the model's declared context (`size_kv_cache`
+    may lower it, saying why, when the KV cache cannot hold it).
 
     Raises:
         ValueError: the configured one exceeds the model's context.
     """
     context = model.config.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
-    max_model_len = config.max_model_len or min(context, DEFAULT_MAX_MODEL_LEN)
+    max_model_len = config.max_model_len or context
     if max_model_len > context:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {context}")
     return max_model_len
 
 
 def size_kv_cache(
-    config: EngineConfig, model: LlamaForCausalLM, max_model_len: int, device: torch.device
+    config: EngineConfig,
+    model: LlamaForCausalLM,
+    max_model_len: int,
+    device: torch.device,
+    draft_layers: int = 0,
 ) -> tuple[int, int]:
     """(KV-cache blocks, max_model_len): `num_kv_blocks` or what memory allows (the free GPU
     memory under gpu_memory_utilization on CUDA; max_num_seqs x max_model_len tokens, at most
     CPU_KV_CACHE_BYTES, on the CPU, where that is an address range: its pages are committed as
     requests write them, so the resident cache is what the requests need), and max_model_len
     lowered (with a warning) to what the cache holds, since a request alone must always fit.
+    `draft_layers`: layers of a drafter's own paged cache with as many blocks as the target's
+    (an EAGLE head, a draft model), counted in what memory must hold.
 
     Raises:
         ValueError: the cache would not hold one request of max_model_len.
     """
-    num_blocks = config.num_kv_blocks or _default_num_blocks(config, model, max_model_len, device)
+    num_blocks = config.num_kv_blocks or _default_num_blocks(
+        config, model, max_model_len, device, draft_layers
+    )
     if num_blocks * config.block_size < max_model_len:
         # A request alone must always fit, or it could neither run nor be preempted for.
         warnings.warn(
             f"max_model_len lowered from {max_model_len} to the KV cache's "
-            f"{num_blocks * config.block_size} slots",
+            f"{num_blocks * config.block_size} slots ({num_blocks} blocks of "
+            f"{config.block_size}: "
+            + ("num_kv_blocks" if config.num_kv_blocks else "what memory allows")
+            + "), since one request must always fit",
             stacklevel=3,
         )
         max_model_len = num_blocks * config.block_size
     return num_blocks, max_model_len
 
 
+def max_model_len_note(config: EngineConfig, model: LlamaForCausalLM, max_model_len: int) -> str:
+    """Where the engine's max_model_len comes from, for the start-up log."""
+    context = model.config.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
+    wanted = config.max_model_len or context
+    if max_model_len < wanted:
+        return f"{max_model_len} (lowered from {wanted}: the KV cache holds {max_model_len} tokens)"
+    if config.max_model_len:
+        return f"{max_model_len} (as configured; the model's context is {context})"
+    return f"{max_model_len} (the model's context)"
+
+
 def _default_num_blocks(
-    config: EngineConfig, model: LlamaForCausalLM, max_model_len: int, device: torch.device
+    config: EngineConfig,
+    model: LlamaForCausalLM,
+    max_model_len: int,
+    device: torch.device,
+    draft_layers: int = 0,
 ) -> int:
     cfg = model.config
     itemsize = torch.empty((), dtype=model.dtype).element_size()
-    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
+    layers = cfg.num_hidden_layers + draft_layers
+    per_token = 2 * layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
     if device.type == "cuda":
         # Memory of engines that are gone (e.g. an earlier one in this process) is garbage
         # or cached by the allocator: give it back before measuring what is free.
@@ -85,9 +114,25 @@ def _default_num_blocks(
         budget = min(CPU_KV_CACHE_BYTES, needed)
     num_blocks = int(budget // (per_token * config.block_size))
     minimum = -(-max_model_len // config.block_size)
-    if num_blocks < minimum:
+    if num_blocks < minimum and (config.max_model_len is not None or num_blocks < 1):
         raise ValueError(
             f"the KV cache fits {num_blocks} blocks, fewer than one request of "
             f"max_model_len={max_model_len} needs ({minimum}); lower max_model_len"
         )
     return num_blocks
+
+
+def draft_cache_layers(spec, model: LlamaForCausalLM) -> int:
+    """Layers of the paged cache a drafter keeps beside the target's (same blocks): an EAGLE
+    head's one layer, a truncated draft's N, another draft model counted as large as the target
+    (its config is read only when it loads); none for the other methods."""
+    if spec is None:
+        return 0
+    if spec.method in ("eagle", "mtp"):
+        return 1
+    if spec.method == "draft_model":
+        prefix = "truncated:"
+        if spec.model and spec.model.startswith(prefix) and spec.model[len(prefix) :].isdigit():
+            return int(spec.model[len(prefix) :])
+        return model.config.num_hidden_layers
+    return 0

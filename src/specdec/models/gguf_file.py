@@ -117,12 +117,17 @@ class GGUFFile:
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"no such GGUF file: {self.path}")
+        size = self.path.stat().st_size
+        size = self.path.stat().st_size
         try:
             self.metadata, infos = read_header(self.path)
         except (GGUFHeaderError, OSError) as err:
-            raise CheckpointError(f"cannot read GGUF file {self.path}: {err}") from err
-        size = self.path.stat().st_size
+            raise CheckpointError(
+                f"cannot read GGUF file {self.path}: the file is {size:,} bytes and its header "
+                f"does not parse within them (truncated or corrupt: {err})"
+            ) from err
         self._tensors: dict[str, _Tensor] = {}
+        declared = 0
         for info in infos:
             try:
                 ggml_type = GGMLQuantizationType(info.type_id)
@@ -132,12 +137,13 @@ class GGUFFile:
                 ) from err
             block_values, block_bytes = GGML_QUANT_SIZES[ggml_type]
             num_bytes = math.prod(info.dims) * block_bytes // block_values
-            if info.data_offset + num_bytes > size:
-                raise CheckpointError(
-                    f"{self.path}: truncated file: tensor {info.name!r} needs bytes up to "
-                    f"{info.data_offset + num_bytes}, the file has {size}"
-                )
+            declared = max(declared, info.data_offset + num_bytes)
             self._tensors[info.name] = _Tensor(ggml_type, info.dims, num_bytes, info.data_offset)
+        if declared > size:
+            raise CheckpointError(
+                f"{self.path} is truncated or corrupt: the file is {size:,} bytes; its header "
+                f"declares {declared:,}"
+            )
         self._hf_names = {
             hf_name: gguf_name
             for gguf_name in self._tensors

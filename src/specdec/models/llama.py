@@ -69,13 +69,13 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def decode(self, x: torch.Tensor) -> torch.Tensor:
-        """`forward` for a decode/verify step, computing each row as it would be computed
-        alone (so a verify row equals the plain decode row of the same token): a quantized
-        weight always goes through its weight-only kernel (`forward` may dequantize for a GEMM
-        when there are many rows: a prefill chunk), a float one on the CPU row by row."""
+        """`forward` for a decode/verify step: a quantized weight always goes through its
+        weight-only kernel, whose rows do not depend on how many rows the step has (so a
+        verify row equals the plain decode row of the same token); `forward` may instead
+        dequantize for a GEMM when there are many rows (a prefill chunk)."""
         if self.quantized is not None:
             return quant_linear(x, self.quantized, self.bias, kernel_only=True)
-        return rowwise_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Module):
@@ -276,8 +276,9 @@ class LlamaAttention(nn.Module):
         plan: DecodePlanCPU | None = None,
     ) -> torch.Tensor:
         """`forward` for a decode/verify step through the fused kernels: [T, D] -> [T, D].
-        On the CPU, RoPE and attention run as planned by `plan` (the step's, shared by its
-        layers; built here when None).
+        With a `plan` (the CPU step of a quantized model, shared by its layers) RoPE and
+        attention run as it plans; otherwise through `fused.py` (Triton on CUDA, the twins on
+        the CPU).
 
         Mutates: writes the live query tokens' K/V into `k_cache`/`v_cache`.
         """
@@ -290,9 +291,7 @@ class LlamaAttention(nn.Module):
             query = self.q_norm(query.view(num_tokens, self.num_heads, self.head_dim))
             key = self.k_norm(key.view(num_tokens, self.num_kv_heads, self.head_dim))
             qkv = torch.cat([query.flatten(1), key.flatten(1), value], dim=-1)
-        if not hidden.is_cuda:
-            if plan is None:
-                plan = DecodePlanCPU.build(meta, positions, inv_freq, k_cache.shape[1])
+        if plan is not None:  # the CPU step of a quantized model
             query = rope_write_kv_cpu(
                 qkv, plan, k_cache, v_cache, self.num_heads, self.num_kv_heads
             )
@@ -409,6 +408,15 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
         self.sliding_window = config.sliding_window
 
+    @property
+    def is_quantized(self) -> bool:
+        """Whether the layers' products are quantized (the loader quantizes all or none)."""
+        mlp = self.layers[0].mlp if len(self.layers) else None
+        return mlp is not None and (
+            mlp.down_proj.quantized is not None
+            or (mlp.gate_up_proj is not None and mlp.gate_up_proj.quantized is not None)
+        )
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -445,7 +453,7 @@ class LlamaModel(nn.Module):
         captured: dict[int, torch.Tensor] = {}
         inv_freq = self.rotary_emb.inv_freq
         plan = None
-        if not input_ids.is_cuda:  # the step's index work, once for every layer
+        if not input_ids.is_cuda and self.is_quantized:  # index work once for every layer
             plan = DecodePlanCPU.build(meta, positions, inv_freq, kv_cache.block_size)
         out = self.embed_tokens(input_ids)  # [T, D]
         residual: torch.Tensor | None = None

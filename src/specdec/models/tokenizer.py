@@ -93,15 +93,32 @@ class Tokenizer:
         self,
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
         **template_kwargs: Any,
     ) -> str:
         """Renders `messages` ([{"role": ..., "content": ...}, ...]) with the chat template.
 
+        Args:
+            messages: the conversation.
+            add_generation_prompt: end with the template's opening of an assistant turn.
+            continue_final_message: end the text right after the final message's content, so
+                that generation continues that message (HF's rule; not with
+                add_generation_prompt).
+            chat_template: a template to use instead of the tokenizer's own.
+
         Raises:
-            ValueError: the tokenizer has no chat template.
+            ValueError: no chat template, both add_generation_prompt and
+                continue_final_message, or a final message the rendered text does not contain.
             jinja2.TemplateError: the template rejected the messages.
         """
-        if self.chat_template is None:
+        if add_generation_prompt and continue_final_message:
+            raise ValueError(
+                "continue_final_message continues the last message; it cannot be combined "
+                "with add_generation_prompt (pass add_generation_prompt=False)"
+            )
+        if chat_template is None and self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")
         variables = {
             **self._special_tokens_map,
@@ -109,15 +126,33 @@ class Tokenizer:
             "eos_token": self.eos_token,
             **template_kwargs,
         }
-        return self._compiled_template.render(
+        template = (
+            self._compiled_template
+            if chat_template is None
+            else _compile_chat_template(chat_template)
+        )
+        text = template.render(
             messages=list(messages), add_generation_prompt=add_generation_prompt, **variables
         )
+        if continue_final_message:
+            text = _cut_after_final_message(text, messages)
+        return text
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
     ) -> list[int]:
         """Token ids of the rendered chat (the template writes any special tokens itself)."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        text = self.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
+        )
         return self.encode(text, add_special_tokens=False)
 
     @cached_property
@@ -273,6 +308,22 @@ def _bytes_to_unicode() -> dict[int, str]:
             chars.append(256 + extra)
             extra += 1
     return {byte: chr(char) for byte, char in zip(printable, chars, strict=True)}
+
+
+def _cut_after_final_message(text: str, messages: Sequence[Mapping[str, Any]]) -> str:
+    """`text` up to the end of the final message's content (HF's continue_final_message: the
+    last occurrence, retried stripped for templates that strip whitespace)."""
+    if not messages:
+        raise ValueError("continue_final_message needs a message to continue")
+    final = messages[-1].get("content") or ""
+    if isinstance(final, list | tuple):
+        final = "".join(p.get("text", "") for p in final if isinstance(p, Mapping))
+    for candidate in (final, final.strip()):
+        if candidate and candidate in text:
+            return text[: text.rindex(candidate) + len(candidate)]
+    raise ValueError(
+        "continue_final_message: the rendered chat does not contain the final message's content"
+    )
 
 
 def _compile_chat_template(template: str) -> Any:

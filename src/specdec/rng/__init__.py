@@ -14,12 +14,20 @@ from specdec.rng.draws import (
     words_to_uniform64,
 )
 from specdec.rng.philox import philox4x32_10
-from specdec.rng.seeds import derive_seed, fresh_seed, to_signed64
+from specdec.rng.seeds import (
+    derive_seed,
+    engine_request_seed,
+    fresh_request_id,
+    fresh_seed,
+    to_signed64,
+)
 
 __all__ = [
     "UNIFORM32_MAX",
     "Stream",
     "derive_seed",
+    "engine_request_seed",
+    "fresh_request_id",
     "fresh_seed",
     "gumbel",
     "philox4x32_10",

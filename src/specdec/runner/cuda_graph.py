@@ -89,26 +89,38 @@ class GraphCache:
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self._pool = None
 
-    def run(self, key: Hashable, step: Callable[[], T]) -> T:
+    def run(
+        self,
+        key: Hashable,
+        step: Callable[[], T],
+        state: Callable[[], list[torch.Tensor]] | None = None,
+    ) -> T:
         """Runs `step` (a function of static buffers returning tensors in static memory): calls it,
         or replays the graph captured for `key`. Returns what `step` returns (in graph mode, the
-        tensors the captured step returned, rewritten by every replay)."""
+        tensors the captured step returned, rewritten by every replay).
+
+        A first use captures the graph after a warm-up run of `step` (which compiles its
+        kernels). A step that updates buffers it also reads (a speculative round advancing its
+        own state) names them in `state`: they are saved before the warm-up and put back after
+        it, so that the step still runs once. Steps that only write what they compute from their
+        inputs (a decode step: the same K/V to the same slots) need none."""
         if not self.use_graphs:
             return step()
         if key not in self.graphs:
-            self.graphs[key] = self._capture(step)
+            self.graphs[key] = self._capture(step, state)
         graph, outputs = self.graphs[key]
         graph.replay()
         return outputs
 
-    def _capture(self, step: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
-        # A warm-up run compiles the kernels; it computes (and writes to any cache) exactly what
-        # the replay that follows the capture will, so running the step twice changes nothing.
+    def _capture(self, step: Callable[[], T], state) -> tuple[torch.cuda.CUDAGraph, T]:
+        saved = [(t, t.clone()) for t in state()] if state is not None else []
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             step()
         torch.cuda.current_stream().wait_stream(stream)
+        for tensor, copy in saved:
+            tensor.copy_(copy)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             outputs = step()

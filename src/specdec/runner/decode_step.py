@@ -79,11 +79,13 @@ class DecodeGraphs:
         # (padded batch, Q, feature layers) -> (graph, features the graph writes or None)
         self.graph_cache = GraphCache(use_graphs)
 
-    def _forward(
+    def forward(
         self, num_seqs: int, query_per_seq: int, feature_layers: tuple[int, ...]
     ) -> torch.Tensor | None:
-        """The step over the first num_seqs x query_per_seq rows of the static buffers; writes
-        `self.logits[:rows]` and returns the [rows, F] features of `feature_layers` (or None)."""
+        """The step over the first num_seqs x query_per_seq rows of the static buffers, as
+        they are (device work only: what `run` replays, and what a caller that fills the
+        buffers on the device runs inside its own graph); writes `self.logits[:rows]` and
+        returns the [rows, F] features of `feature_layers` (or None)."""
         rows = num_seqs * query_per_seq
         meta = DecodeMetadata(
             block_tables=self.block_tables[:num_seqs],
@@ -95,7 +97,8 @@ class DecodeGraphs:
         hidden, layers = self.model.model(
             self.input_ids[:rows], self.positions[:rows], meta, self.kv_cache, feature_layers
         )
-        if self.model.lm_head_quantized is not None or not hidden.is_cuda:
+        quantized_cpu = not hidden.is_cuda and self.model.quantization is not None
+        if self.model.lm_head_quantized is not None or quantized_cpu:
             # Rows as each would be alone: a verify row's logits equal the decode row's.
             self.logits[:rows].copy_(self.model.compute_logits(hidden, decode=True))
         elif self._logits_lowp is None:
@@ -195,7 +198,7 @@ class DecodeGraphs:
             device_ids[:num_seqs, 0].copy_(first_tokens)
         features = self.graph_cache.run(
             (num_padded, query_per_seq, feature_layers),
-            lambda: self._forward(num_padded, query_per_seq, feature_layers),
+            lambda: self.forward(num_padded, query_per_seq, feature_layers),
         )
         if stacked and query_per_seq == 1:
             # One view instead of num_seqs: host work each overlapped decode step.

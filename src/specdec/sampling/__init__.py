@@ -3,6 +3,7 @@
 Never creates noise itself: every random value comes from `specdec.rng`.
 """
 
+from specdec.sampling.context import LogitsContext, LogitsRules
 from specdec.sampling.logprobs import Logprobs, compute_logprobs
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.processing import filter_threshold, process_logits, scale_logits
@@ -10,6 +11,8 @@ from specdec.sampling.sampler import gumbel_argmax_ref, sample, sample_ref
 from specdec.sampling.tensors import SampleOutput, SamplingTensors
 
 __all__ = [
+    "LogitsContext",
+    "LogitsRules",
     "Logprobs",
     "SampleOutput",
     "SamplingParams",

@@ -111,7 +111,7 @@ def _buffers(
     if found is None:
         found = (
             torch.empty(words, dtype=torch.int32, device=device),
-            torch.empty(words, dtype=torch.int32, pin_memory=True),
+            torch.empty(words, dtype=torch.int32, device="cpu", pin_memory=True),
             torch.cuda.Event(),
         )
         _BUFFERS.by_stream[key] = found

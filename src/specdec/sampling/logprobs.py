@@ -17,11 +17,14 @@ class Logprobs:
     token_logprobs: [N] float32 log-probability of each row's token.
     top_ids: [N, n] int64 the n most likely ids, most likely first.
     top_logprobs: [N, n] float32 their log-probabilities.
+    token_ranks: [N] int64 rank of each row's token: 1 + the number of ids strictly more
+        likely (vLLM's definition; the top ids have ranks 1..n by position).
     """
 
     token_logprobs: torch.Tensor
     top_ids: torch.Tensor
     top_logprobs: torch.Tensor
+    token_ranks: torch.Tensor
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int = 0) -> Logprobs:
@@ -39,6 +42,7 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
         raise ValueError(f"num_top must be >= 0, got {num_top}")
     logp = logits.to(torch.float32).log_softmax(dim=-1)
     token_logprobs = logp.gather(1, token_ids[:, None]).squeeze(1)
+    token_ranks = (logp > token_logprobs[:, None]).sum(dim=-1) + 1
     num_top = min(num_top, logits.shape[-1])
     top = logp.topk(num_top, dim=-1) if num_top else None
     empty_ids = torch.empty(logits.shape[0], 0, dtype=torch.int64, device=logits.device)
@@ -47,4 +51,5 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
         token_logprobs=token_logprobs,
         top_ids=top.indices if top is not None else empty_ids,
         top_logprobs=top.values if top is not None else empty_values,
+        token_ranks=token_ranks,
     )

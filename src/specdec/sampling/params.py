@@ -5,6 +5,7 @@ Validates on construction; it never touches tensors or draws randomness.
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 GREEDY_TEMPERATURE_EPS = 1e-5
 # Between GREEDY_TEMPERATURE_EPS and this, logits / T overflow float32 easily; vLLM clamps too.
 MIN_SAMPLED_TEMPERATURE = 1e-2
+# vLLM clamps logit_bias values to [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS].
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(slots=True)
@@ -26,7 +29,8 @@ class SamplingParams:
         min_p: keep tokens with probability >= min_p * max probability; in [0, 1]; 0 disables.
         seed: 64-bit request seed; None draws a fresh one at admission (recorded in the output).
         max_tokens: maximum number of generated tokens (>= 1), or None for up to max_model_len.
-        min_tokens: EOS and stop tokens are not honoured before this many tokens.
+        min_tokens: before this many tokens, EOS (unless ignored) and stop_token_ids are never
+            sampled (vLLM's rule) and stop strings are not honoured.
         stop: strings that end generation (not included in the output unless asked).
         stop_token_ids: token ids that end generation.
         ignore_eos: keep generating after EOS.
@@ -34,6 +38,23 @@ class SamplingParams:
             sampled token's).
         skip_special_tokens: drop special tokens when detokenizing.
         include_stop_str_in_output: keep the matched stop string in the text.
+        presence_penalty: in [-2, 2]; subtracted from the logit of every token already in the
+            output (OpenAI's definition; 0 disables).
+        frequency_penalty: in [-2, 2]; times a token's count in the output, subtracted from its
+            logit (0 disables).
+        repetition_penalty: > 0; tokens of the prompt or the output have positive logits
+            divided by it and negative ones multiplied by it (1 disables).
+        logit_bias: token id -> bias added to its logit, clamped to [-100, 100] (vLLM's rule).
+        bad_words: words that must not be generated (tokenized as vLLM does).
+        allowed_token_ids: only these token ids may be generated.
+        prompt_logprobs: number of top log-probabilities to return per prompt token (None:
+            none; 0: only the prompt token's).
+        best_of: not supported beyond `n` (None or n); sampling more and keeping the best is
+            refused rather than silently ignored.
+
+    Penalties, biases and bans are applied to the raw logits before temperature and the filters
+    (vLLM's order: allowed_token_ids, bad_words, min_tokens, logit_bias, repetition, frequency,
+    presence); under speculation each verified position counts the drafts before it as output.
     """
 
     n: int = 1
@@ -50,6 +71,14 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -89,6 +118,18 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be integers >= 0, got {self.stop_token_ids}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
+        self._check_context_rules()
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be an integer >= 0, got {self.prompt_logprobs!r}"
+            )
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of != self.n):
+            raise ValueError(
+                f"best_of={self.best_of!r} is not supported (keeping the best of more samples "
+                f"than are returned); ask for n={self.n} samples and leave best_of unset"
+            )
         if self.temperature < GREEDY_TEMPERATURE_EPS:
             self.temperature = 0.0
         elif self.temperature < MIN_SAMPLED_TEMPERATURE:
@@ -98,6 +139,43 @@ class SamplingParams:
                 stacklevel=3,
             )
             self.temperature = MIN_SAMPLED_TEMPERATURE
+
+    def _check_context_rules(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        value = self.repetition_penalty
+        if not _is_real(value) or not 0.0 < value < float("inf"):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {value!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(
+                    f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}"
+                )
+            bias = {}
+            for token, value in self.logit_bias.items():
+                if isinstance(token, str) and token.strip().isdigit():
+                    token = int(token)  # JSON object keys are strings
+                if not _is_int(token) or token < 0:
+                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+                if not _is_real(value) or math.isnan(value):
+                    raise ValueError(f"logit_bias values must be numbers, got {value!r}")
+                bias[token] = max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(value)))
+            self.logit_bias = bias
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if self.bad_words is not None and not all(
+            isinstance(w, str) and w.strip() for w in self.bad_words
+        ):
+            raise ValueError(f"bad_words must be non-empty strings, got {self.bad_words!r}")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list | tuple) or not ids:
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+            if not all(_is_int(t) and t >= 0 for t in ids):
+                raise ValueError(f"allowed_token_ids must be token ids >= 0, got {ids!r}")
+            self.allowed_token_ids = list(ids)
 
     @property
     def greedy(self) -> bool:

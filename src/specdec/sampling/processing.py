@@ -90,7 +90,8 @@ def check_sampling_tensors(
 
 
 def scale_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """logits / T in float32; greedy rows (T = 0) are divided by 1.
+    """logits / T in float32; greedy rows (T = 0) are divided by 1. NaN logits become -inf
+    (such a token is never drawn), as in the GPU kernels.
 
     Args:
         logits: [N, V] any float dtype.
@@ -100,7 +101,20 @@ def scale_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tenso
         [N, V] float32 (a new tensor).
     """
     divisor = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    return logits.to(torch.float32) / divisor[:, None]
+    scaled = logits.to(torch.float32) / divisor[:, None]
+    return scaled.masked_fill_(scaled.isnan(), float("-inf"))
+
+
+def unusable_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[...] bool: rows of [..., V] logits with no finite value (all NaN or -inf: nothing can be
+    drawn) or with a +inf (no distribution); a failed forward pass, never valid input."""
+    return ~torch.isfinite(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1)
+
+
+UNUSABLE_ROW_MESSAGE = (
+    "has no finite logit (all NaN or -inf) or a +inf one: there is no distribution to draw "
+    "from (NaN logits count as -inf)"
+)
 
 
 def filter_threshold(
@@ -125,9 +139,17 @@ def filter_threshold(
         [N] float32 thresholds (-inf where no filter applies), or None when no row filters.
     """
     num_rows, vocab_size = scaled.shape
-    use_k = top_k is not None and bool(((top_k > 0) & (top_k < vocab_size)).any())
-    use_p = top_p is not None and bool((top_p < 1).any())
-    use_min_p = min_p is not None and bool((min_p > 0).any())
+    if scaled.is_cuda and torch.cuda.is_current_stream_capturing():
+        # Inside a CUDA graph nothing may be read back: apply every filter that is given (rows
+        # where it is off get a -inf threshold from it, as below) and take the top-k over the
+        # whole vocabulary. The thresholds are the same; only the work differs.
+        use_k, use_p, use_min_p = top_k is not None, top_p is not None, min_p is not None
+        max_k = vocab_size
+    else:
+        use_k = top_k is not None and bool(((top_k > 0) & (top_k < vocab_size)).any())
+        use_p = top_p is not None and bool((top_p < 1).any())
+        use_min_p = min_p is not None and bool((min_p > 0).any())
+        max_k = int(top_k.clamp(0, vocab_size).max()) if use_k else 0
     if not (use_k or use_p or use_min_p):
         return None
     threshold = torch.full((num_rows,), float("-inf"), dtype=torch.float32, device=scaled.device)
@@ -137,7 +159,7 @@ def filter_threshold(
         threshold = torch.where(min_p > 0, floor, threshold)
     if use_k:
         k = top_k.clamp(0, vocab_size)
-        top_values = scaled.topk(int(k.max()), dim=-1).values
+        top_values = scaled.topk(max(max_k, 1), dim=-1).values
         kth = top_values.gather(1, (k - 1).clamp_min(0)[:, None]).squeeze(1)
         on = (k > 0) & (k < vocab_size)
         threshold = torch.where(on, torch.maximum(threshold, kth), threshold)

@@ -10,10 +10,13 @@ from __future__ import annotations
 import torch
 
 from specdec.rng import Stream, gumbel
+from specdec.sampling.context import LogitsContext
 from specdec.sampling.processing import (
+    UNUSABLE_ROW_MESSAGE,
     RowParam,
     filter_threshold,
     scale_logits,
+    unusable_rows,
 )
 from specdec.sampling.tensors import SampleOutput, SamplingTensors
 
@@ -31,6 +34,17 @@ def check_logits_and_keys(logits: torch.Tensor, seeds: torch.Tensor, positions: 
             raise ValueError(f"{name} must have shape [{num_rows}], got {list(t.shape)}")
     if num_rows and int(positions.min()) < 0:
         raise ValueError("positions must be >= 0")
+
+
+def apply_context(logits: torch.Tensor, context: LogitsContext | None) -> torch.Tensor:
+    """[N, V] logits after `context` (the logits themselves when None)."""
+    if context is None:
+        return logits
+    if context.num_rows != logits.shape[0]:
+        raise ValueError(
+            f"context has {context.num_rows} requests for {logits.shape[0]} rows of logits"
+        )
+    return context.apply(logits)
 
 
 def gumbel_argmax_ref(
@@ -74,9 +88,14 @@ def sample_ref(
     min_p: RowParam = None,
     stream: Stream | int = Stream.TARGET,
     step: int | torch.Tensor = 0,
+    context: LogitsContext | None = None,
 ) -> SampleOutput:
     """The PyTorch twin of `sample` (same arguments and results); runs on any device."""
     check_logits_and_keys(logits, seeds, positions)
+    logits = apply_context(logits, context)
+    bad = unusable_rows(logits)
+    if logits.shape[0] and bool(bad.any()):
+        raise ValueError(f"logits row {int(bad.nonzero()[0])} {UNUSABLE_ROW_MESSAGE}")
     params = SamplingTensors.build(logits.shape[0], logits.device, temperature, top_k, top_p, min_p)
     scaled = scale_logits(logits, params.temperature)
     threshold = filter_threshold(scaled, params.top_k, params.top_p, params.min_p)
@@ -101,11 +120,14 @@ def sample(
     stream: Stream | int = Stream.TARGET,
     step: int | torch.Tensor = 0,
     check_values: bool = True,
+    context: LogitsContext | None = None,
 ) -> SampleOutput:
     """Samples one token per row by Gumbel-max on keyed noise.
 
     Args:
-        logits: [N, V] raw logits (float32, bfloat16 or float16).
+        logits: [N, V] raw logits (float32, bfloat16 or float16). NaN counts as -inf; a row
+            with no finite logit, or with a +inf one, is refused (ValueError) unless
+            `check_values` is False on CUDA, where it is not looked for.
         seeds: [N] int64 request seeds.
         positions: [N] int64 position Q of the token being sampled.
         temperature: float or [N]; 0 = greedy (argmax, no noise).
@@ -118,12 +140,17 @@ def sample(
         check_values: on CUDA, False skips the per-row value checks and their read-back to the
             host, for callers whose arguments are valid by construction (the engine, the
             drafters): the call then never waits for the device. Shapes are always checked.
+        context: the rows' penalties, biases and bans (`LogitsContext` of N requests, row n is
+            request n), applied to the raw logits before temperature; None: none.
 
     Returns:
         SampleOutput(token_ids [N] int64, processed_logits [N, V] float32, logsumexp [N] float32).
 
     RNG: `stream` at (position, step), one Gumbel value per vocabulary id for each sampled row.
     """
+    if context is not None:
+        check_logits_and_keys(logits, seeds, positions)
+        logits = apply_context(logits, context)
     if logits.is_cuda:
         from specdec.sampling.sampler_triton import sample_triton
 
@@ -139,6 +166,8 @@ def sample(
             step=step,
             check_values=check_values,
         )
+        if out is not None and check_values and bool((~torch.isfinite(out.logsumexp)).any()):
+            out = None  # a row without a distribution: the reference raises the error
         if out is not None:
             return out
     return sample_ref(

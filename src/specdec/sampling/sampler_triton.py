@@ -44,7 +44,8 @@ INT32_MAX: tl.constexpr = tl.constexpr(2**31 - 1)
 
 @triton.jit
 def processed_tile(row_ptr, lanes, vocab, divisor, threshold, HAS_THRESHOLD: tl.constexpr):
-    """Processed logits of one tile: where(x / divisor < threshold, -inf, x / divisor) in float32.
+    """Processed logits of one tile: where(x / divisor < threshold, -inf, x / divisor) in float32,
+    NaN read as -inf (as `scale_logits` does).
 
     Args:
         row_ptr: pointer to one row of raw logits (any float dtype, unit stride).
@@ -52,6 +53,7 @@ def processed_tile(row_ptr, lanes, vocab, divisor, threshold, HAS_THRESHOLD: tl.
         vocab: V. divisor: float32 scalar (T, or 1 for greedy rows). threshold: float32 scalar.
     """
     x = tl.load(row_ptr + lanes, mask=lanes < vocab, other=float("-inf")).to(tl.float32)
+    x = tl.where(x != x, float("-inf"), x)  # NaN -> -inf
     if divisor != 1.0:
         x = tl.math.div_rn(x, divisor)
     if HAS_THRESHOLD:
@@ -170,6 +172,7 @@ def _sample_chunk_kernel(
         lanes = tile_lanes(first_lane, ROWS)
         in_vocab = lanes < vocab
         x = tl.load(logits_row + lanes, mask=in_vocab, other=float("-inf")).to(tl.float32)
+        x = tl.where(x != x, float("-inf"), x)  # NaN -> -inf, as `scale_logits`
         x = tl.math.div_rn(x, divisor)
         if HAS_THRESHOLD:
             x = tl.where(x < threshold, float("-inf"), x)
@@ -333,7 +336,9 @@ def sample_triton(
         return None
     temperature_value = 1.0
     if temperature_t is None:
-        temperature_value = float(torch.tensor(float(temperature), dtype=torch.float32))
+        temperature_value = float(
+            torch.tensor(float(temperature), dtype=torch.float32, device="cpu")
+        )
         if not 0.0 <= temperature_value < math.inf:
             return None
     stream_value = 0 if stream_t is not None else int(stream)

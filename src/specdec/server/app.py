@@ -1,5 +1,6 @@
-"""The FastAPI application: OpenAI's `/v1/models`, `/v1/completions` and `/v1/chat/completions`
-(plain JSON and SSE), `/health`, `/version` and `/metrics`.
+"""The FastAPI application: OpenAI's `/v1/models` (and `/v1/models/{id}`), `/v1/completions` and
+`/v1/chat/completions` (plain JSON and SSE); vLLM's `/tokenize` and `/detokenize`; `/health`,
+`/ping`, `/version` and `/metrics`.
 
 Turns HTTP into `AsyncEngine.add` calls and engine outputs into OpenAI's response shapes. Every
 error leaves as an OpenAI error body; no traceback ever reaches a client.
@@ -10,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import itertools
 import json
 import logging
 import time
@@ -28,12 +28,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specdec import __version__
 from specdec.engine.outputs import CompletionOutput, RequestOutput
 from specdec.metrics import SpecDecodeStats
-from specdec.rng.seeds import fresh_seed
+from specdec.rng.seeds import fresh_request_id
 from specdec.sampling import SamplingParams
 from specdec.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from specdec.server.config import ServerConfig
 from specdec.server.prometheus import ServerMetrics
-from specdec.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from specdec.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    ErrorResponse,
+    TokenizeRequest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +105,7 @@ class OpenAIServer:
         self.max_model_len = engine.engine.max_model_len
         self.vocab_size = engine.engine.model_config.vocab_size
         self.metrics = ServerMetrics(lambda: engine.snapshot, config.served_model_name)
-        self._ids = itertools.count()
+        self.created = int(time.time())
 
     # ------------------------------------------------------------- request parsing
     async def read_body(self, request: Request, model: type[BaseModel]) -> Any:
@@ -157,6 +164,14 @@ class OpenAIServer:
             )
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options needs stream=true", param="stream_options")
+        prompt_logprobs = body.prompt_logprobs
+        if prompt_logprobs is not None and prompt_logprobs > limits.max_logprobs:
+            raise APIError(
+                400,
+                f"prompt_logprobs={prompt_logprobs} exceeds this server's limit of "
+                f"{limits.max_logprobs}",
+                param="prompt_logprobs",
+            )
         values: dict[str, Any] = {
             "n": body.n,
             "max_tokens": max_tokens if max_tokens is not None else default_max_tokens,
@@ -165,13 +180,15 @@ class OpenAIServer:
             "ignore_eos": body.ignore_eos,
             "logprobs": logprobs,
         }
-        for name in ("temperature", "top_p", "top_k", "min_p"):
-            if getattr(body, name) is not None:
+        for name in SAMPLING_FIELDS:
+            if getattr(body, name, None) is not None:
                 values[name] = getattr(body, name)
         try:
             return SamplingParams(**values)
         except ValueError as err:
-            raise APIError(400, str(err)) from None
+            message = str(err)
+            param = next((name for name in values if message.startswith(name)), None)
+            raise APIError(400, message, param=param) from None
 
     def check_prompt(self, token_ids: list[int], name: str = "the prompt") -> None:
         if not token_ids:
@@ -224,21 +241,32 @@ class OpenAIServer:
             return ""
         return self.tokenizer.decode(prompt, skip_special_tokens=False)
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        if self.tokenizer is None or not self.tokenizer.chat_template:
+    def chat_prompt(
+        self, body: ChatCompletionRequest | TokenizeRequest, check: bool = True
+    ) -> list[int]:
+        """The rendered conversation's token ids (APIError 400 when it cannot be rendered)."""
+        if self.tokenizer is None or not (self.tokenizer.chat_template or body.chat_template):
             raise APIError(400, "this model has no chat template", param="messages")
-        messages = [{"role": m.role, "content": _message_text(m.content)} for m in body.messages]
         try:
-            token_ids = self.tokenizer.encode_chat(messages)
+            token_ids = self.tokenizer.encode_chat(
+                chat_messages(body.messages),
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                chat_template=body.chat_template,
+            )
+        except ValueError as err:
+            raise APIError(400, str(err), param="messages") from None
         except Exception:
             raise APIError(
                 400, "the chat template rejected the messages", param="messages"
             ) from None
-        self.check_prompt(token_ids)
+        if check:
+            self.check_prompt(token_ids)
         return token_ids
 
     def new_id(self, prefix: str) -> str:
-        return f"{prefix}-{next(self._ids)}"
+        """A fresh response id, OpenAI's form (`chatcmpl-<32 hex digits>`)."""
+        return f"{prefix}-{fresh_request_id()}"
 
     async def submit(
         self, request_id: str, prompts: list[list[int]], params: SamplingParams, body: Any
@@ -319,40 +347,111 @@ class OpenAIServer:
             return ""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def completion_logprobs(self, completion: CompletionOutput, start: int, offset: int) -> dict:
-        entries = (completion.logprobs or [])[start:]
-        tokens = [self.token_text(e.token_id) for e in entries]
+    def completion_logprobs(
+        self,
+        completion: CompletionOutput,
+        start: int,
+        offset: int,
+        num_top: int,
+        prompt: tuple[list[int], list] | None = None,
+    ) -> dict:
+        """OpenAI's legacy completions `logprobs` of the generated tokens from `start` on,
+        after the prompt's (`prompt`: its token ids and prompt logprobs, for `echo`)."""
+        pairs = []
+        if prompt is not None:
+            pairs += list(zip(*prompt, strict=True))
+        pairs += list(
+            zip(completion.token_ids[start:], (completion.logprobs or [])[start:], strict=False)
+        )
+        tokens = [self.token_text(token) for token, _ in pairs]
         offsets, position = [], offset
         for text in tokens:
             offsets.append(position)
             position += len(text)
         return {
             "tokens": tokens,
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{self.token_text(t): lp for t, lp in e.top.items()} for e in entries],
+            "token_logprobs": [None if e is None else e[t].logprob for t, e in pairs],
+            "top_logprobs": [
+                None if e is None else {self.token_text(t): v.logprob for t, v in _top(e, num_top)}
+                for _, e in pairs
+            ],
             "text_offset": offsets,
         }
 
-    def chat_logprobs(self, completion: CompletionOutput, start: int) -> dict:
+    def chat_logprobs(self, completion: CompletionOutput, start: int, num_top: int) -> dict:
         content = []
-        for entry in (completion.logprobs or [])[start:]:
-            text = self.token_text(entry.token_id)
+        entries = (completion.logprobs or [])[start:]
+        for token, entry in zip(completion.token_ids[start:], entries, strict=False):
+            text = self.token_text(token)
             content.append(
                 {
                     "token": text,
-                    "logprob": entry.logprob,
+                    "logprob": entry[token].logprob,
                     "bytes": list(text.encode("utf-8")),
                     "top_logprobs": [
                         {
                             "token": self.token_text(t),
-                            "logprob": lp,
+                            "logprob": value.logprob,
                             "bytes": list(self.token_text(t).encode("utf-8")),
                         }
-                        for t, lp in entry.top.items()
+                        for t, value in _top(entry, num_top)
                     ],
                 }
             )
         return {"content": content}
+
+
+def _top(entry: dict, num_top: int) -> list:
+    """The top `num_top` (token id, Logprob) of a vLLM logprob dict (its first entries)."""
+    return list(entry.items())[:num_top]
+
+
+def prompt_logprobs_json(prompt_logprobs: list | None) -> list | None:
+    """vLLM's `prompt_logprobs` in a response: per prompt token None or {id: {"logprob", "rank",
+    "decoded_token"}}."""
+    if prompt_logprobs is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(t): {"logprob": v.logprob, "rank": v.rank, "decoded_token": v.decoded_token}
+            for t, v in entry.items()
+        }
+        for entry in prompt_logprobs
+    ]
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as the chat template sees them (text content; `name` when given)."""
+    out = []
+    for m in messages:
+        message = {"role": m.role, "content": _message_text(m.content)}
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    return out
+
+
+# Request fields passed to SamplingParams as they are, when given.
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "bad_words",
+    "allowed_token_ids",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "prompt_logprobs",
+    "best_of",
+)
 
 
 def usage(outputs: list[RequestOutput]) -> dict:
@@ -458,6 +557,14 @@ def _validation_error(errors: list[dict]) -> APIError:
     kind = first.get("type", "")
     if kind == "json_invalid":
         return APIError(400, "the request body is not valid JSON", code="invalid_json")
+    if kind == "extra_forbidden":
+        return APIError(
+            400,
+            f"the field {param!r} is not supported by this server (it is not silently ignored; "
+            "leave it out)",
+            param=param,
+            code="unsupported_field",
+        )
     if kind == "value_error":  # a validator's own message, which names what it checked
         return APIError(400, str(first.get("ctx", {}).get("error", "invalid request")), param=param)
     message = first.get("msg", "invalid request")
@@ -556,33 +663,85 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        card = {
-            "id": config.served_model_name,
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return await health()
+
+    def model_card(name: str) -> dict:
+        return {
+            "id": name,
             "object": "model",
-            "created": 0,
+            "created": server.created,
             "owned_by": "specdec",
             "max_model_len": server.max_model_len,
         }
-        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [model_card(config.served_model_name)]})
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> JSONResponse:
+        server.check_model(name)
+        return JSONResponse(model_card(name))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        body: TokenizeRequest = await server.read_body(request, TokenizeRequest)
+        server.check_model(body.model)
+        if server.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, 'give exactly one of "prompt" and "messages"', param="prompt")
+        if body.messages is not None:
+            token_ids = server.chat_prompt(body, check=False)
+        else:
+            token_ids = server.tokenizer.encode(
+                body.prompt, add_special_tokens=body.add_special_tokens
+            )
+        out: dict[str, Any] = {
+            "count": len(token_ids),
+            "max_model_len": server.max_model_len,
+            "tokens": token_ids,
+        }
+        if body.return_token_strs:
+            out["token_strs"] = [server.token_text(t) for t in token_ids]
+        return JSONResponse(out)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        body: DetokenizeRequest = await server.read_body(request, DetokenizeRequest)
+        server.check_model(body.model)
+        if server.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        bad = [t for t in body.tokens if not 0 <= t < server.vocab_size]
+        if bad:
+            raise APIError(
+                400,
+                f"tokens {bad[:5]} lie outside the vocabulary [0, {server.vocab_size})",
+                param="tokens",
+            )
+        return JSONResponse({"prompt": server.tokenizer.decode(body.tokens)})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body: CompletionRequest = await server.read_body(request, CompletionRequest)
         server.check_model(body.model)
-        if body.echo and body.logprobs is not None:
+        echo_logprobs = body.echo and body.logprobs is not None
+        if echo_logprobs and body.stream:
             raise APIError(
                 400,
-                "echo with logprobs is not supported: prompt log-probabilities are not computed",
+                "echo with logprobs is not supported when streaming (drop stream, or logprobs)",
                 param="echo",
             )
         params = server.sampling_params(
             body, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs
         )
+        if echo_logprobs and params.prompt_logprobs is None:
+            params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
         prompts = server.completion_prompts(body)
         if params.seed is None:  # one seed for every prompt, so the response replays whole
-            params = dataclasses.replace(params, seed=fresh_seed())
+            params = dataclasses.replace(params, seed=server.engine.engine.new_request_seed())
         echoes = [server.echo_text(p) for p in body.prompt] if body.echo else None
         timings = [_Timing() for _ in prompts]
         request_id = server.new_id("cmpl")
@@ -596,17 +755,28 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         if body.stream:
             return _streaming(server, streams, timings, body, head, chat=False, echoes=echoes)
         outputs = await server.collect(streams, timings, request)
-        choices = [
-            {
-                "index": prompt_index * body.n + c.index,
-                "text": c.text if echoes is None else echoes[prompt_index] + c.text,
-                "logprobs": None if body.logprobs is None else server.completion_logprobs(c, 0, 0),
-                "finish_reason": _finish_reason(c),
-                "stop_reason": c.stop_reason,
-            }
-            for prompt_index, output in enumerate(outputs)
-            for c in output.outputs
-        ]
+
+        def logprobs(output: RequestOutput, c: CompletionOutput) -> dict | None:
+            if body.logprobs is None:
+                return None
+            prompt = None
+            if echo_logprobs:
+                prompt = (output.prompt_token_ids, output.prompt_logprobs)
+            return server.completion_logprobs(c, 0, 0, body.logprobs, prompt)
+
+        choices = []
+        for prompt_index, output in enumerate(outputs):
+            for c in output.outputs:
+                choice = {
+                    "index": prompt_index * body.n + c.index,
+                    "text": c.text if echoes is None else echoes[prompt_index] + c.text,
+                    "logprobs": logprobs(output, c),
+                    "finish_reason": _finish_reason(c),
+                    "stop_reason": c.stop_reason,
+                }
+                if body.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
+                choices.append(choice)
         return _full_response(head, choices, outputs)
 
     @app.post("/v1/chat/completions")
@@ -640,12 +810,14 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             {
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text},
-                "logprobs": server.chat_logprobs(c, 0) if body.logprobs else None,
+                "logprobs": server.chat_logprobs(c, 0, logprobs) if body.logprobs else None,
                 "finish_reason": _finish_reason(c),
                 "stop_reason": c.stop_reason,
             }
             for c in output.outputs
         ]
+        if body.prompt_logprobs is not None:
+            head = {**head, "prompt_logprobs": prompt_logprobs_json(output.prompt_logprobs)}
         return _full_response(head, choices, [output])
 
     return app
@@ -692,7 +864,17 @@ def _authorized(scope: dict, api_key: str) -> bool:
 
 
 _ROUTES = frozenset(
-    ("/health", "/version", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+    (
+        "/health",
+        "/ping",
+        "/version",
+        "/metrics",
+        "/tokenize",
+        "/detokenize",
+        "/v1/models",
+        "/v1/completions",
+        "/v1/chat/completions",
+    )
 )
 
 
@@ -713,17 +895,20 @@ def _streaming(
     n = body.n
     deltas = _Deltas(len(streams) * n, [body.stop] if isinstance(body.stop, str) else body.stop)
     wants_logprobs = bool(body.logprobs) if chat else body.logprobs is not None
+    num_top = (body.top_logprobs or 0) if chat else body.logprobs
 
     def choice(completion: CompletionOutput, index: int, text: str, start: int) -> dict:
         finish = _finish_reason(completion)
         if chat:
             delta = {"content": text}
-            logprobs = server.chat_logprobs(completion, start) if wants_logprobs else None
+            logprobs = server.chat_logprobs(completion, start, num_top) if wants_logprobs else None
             out = {"index": index, "delta": delta, "logprobs": logprobs}
         else:
             offset = len(completion.text[: deltas.text[index]]) - len(text)
             logprobs = (
-                server.completion_logprobs(completion, start, offset) if wants_logprobs else None
+                server.completion_logprobs(completion, start, offset, num_top)
+                if wants_logprobs
+                else None
             )
             out = {"index": index, "text": text, "logprobs": logprobs}
         out["finish_reason"] = finish

@@ -41,6 +41,7 @@ class EngineSnapshot:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: tuple[int, ...] = field(default_factory=tuple)
+    num_preemptions: int = 0
 
 
 @dataclass(slots=True)
@@ -87,6 +88,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._stopping = threading.Event()
+        self._draining = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
         self.snapshot = self._take_snapshot()
 
@@ -99,6 +101,13 @@ class AsyncEngine:
         self._stopping.set()
         self._commands.put(("wake",))
         self._thread.join(timeout_s)
+
+    def drain(self) -> None:
+        """Begins a graceful shutdown (from any thread, e.g. a signal handler): nothing more is
+        admitted, and every request in flight is aborted with a final output (finish_reason
+        "abort"), so that its stream ends with a last chunk instead of being cut."""
+        self._draining.set()
+        self._commands.put(("drain",))
 
     @property
     def is_alive(self) -> bool:
@@ -117,6 +126,8 @@ class AsyncEngine:
             ValueError: the engine rejected the request (bad prompt, parameters or speculation).
             EngineDeadError: the engine is shut down.
         """
+        if self._draining.is_set():
+            raise EngineDeadError("the server is shutting down")
         if self._stopping.is_set() or not self._thread.is_alive():
             raise EngineDeadError("the engine is not running")
         outputs: asyncio.Queue = asyncio.Queue()
@@ -159,7 +170,7 @@ class AsyncEngine:
         if kind == "add":
             _, request_id, prompt, params, speculative, outputs, admitted = command
             loop = admitted.get_loop()
-            if self._stopping.is_set():
+            if self._stopping.is_set() or self._draining.is_set():
                 error: BaseException | None = EngineDeadError("the server is shutting down")
             else:
                 try:
@@ -176,6 +187,12 @@ class AsyncEngine:
             request_id = command[1]
             if self._streams.pop(request_id, None) is not None:
                 self.engine.abort(request_id)
+        elif kind == "drain":
+            for request_id, stream in self._streams.items():
+                output = self.engine.abort(request_id)
+                item = output if output is not None else EngineDeadError("shutting down")
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            self._streams.clear()
 
     def _step(self) -> None:
         try:
@@ -216,6 +233,7 @@ class AsyncEngine:
             num_draft_tokens=stats.num_draft_tokens,
             num_accepted_tokens=stats.num_accepted_tokens,
             accepted_per_position=tuple(stats.accepted_per_position),
+            num_preemptions=engine.num_preemptions,
         )
 
 

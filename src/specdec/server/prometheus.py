@@ -49,6 +49,11 @@ class _EngineCollector(Collector):
         yield gauge(
             "vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use.", snap.kv_cache_usage
         )
+        yield counter(
+            "vllm:num_preemptions",
+            "Requests preempted (their KV cache dropped, to be recomputed).",
+            snap.num_preemptions,
+        )
         yield gauge("specdec:kv_cache_num_blocks", "KV-cache blocks in all.", snap.num_blocks)
         yield gauge("specdec:kv_cache_free_blocks", "Free KV-cache blocks.", snap.num_free_blocks)
         yield counter(

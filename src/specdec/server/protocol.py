@@ -1,9 +1,10 @@
-"""The OpenAI wire format: pydantic models of the requests (OpenAI's fields plus vLLM's `top_k`,
-`min_p`, `ignore_eos` and specdec's per-request `speculative`) and of the error body.
+"""The OpenAI wire format: pydantic models of the requests (OpenAI's fields, vLLM's extra
+sampling fields and specdec's per-request `speculative`) and of the error body.
 
 Shapes only: limits that depend on the server's settings are checked in `specdec.server.app`.
-Requests are validated strictly ("5" is not an integer); unknown fields are ignored, as OpenAI's
-clients send some (`user`, penalties at their defaults) that do not change sampling here.
+Requests are validated strictly ("5" is not an integer), and a field this server does not
+implement is refused by name (a 400), never silently dropped: OpenAI's clients send only the
+fields a caller set. `user` is accepted and ignored (it labels the caller, it changes nothing).
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from pydantic import (
     StrictInt,
     StrictStr,
     field_validator,
+    model_validator,
 )
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Strict):
@@ -30,18 +32,44 @@ class StreamOptions(_Strict):
 
 
 class SpeculativeOverride(_Strict):
-    """Per-request speculation; absent fields follow the server's `--speculative-config`."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
+    """Per-request speculation; absent fields follow the server's `--speculative-config`. The
+    drafter (`speculative_config.method`) is the server's; a request picks the verifier."""
 
     enabled: StrictBool = True
     num_speculative_tokens: StrictInt | None = None
-    method: Literal["standard", "block", "coupled"] | None = None
+    rejection_sample_method: Literal["standard", "block", "coupled"] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_method(cls, values: Any) -> Any:
+        if isinstance(values, dict) and "method" in values:
+            raise ValueError(
+                "speculative.method is not a per-request setting: the verifier is "
+                '"rejection_sample_method" (standard, block or coupled); "method" names the '
+                "drafter, which is the server's --speculative-config"
+            )
+        return values
 
     def as_engine_dict(self) -> dict:
         """The `speculative` argument of `LLMEngine.add_request`."""
         values = self.model_dump(exclude_none=True)
         return values
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`: only plain text until structured output lands."""
+
+    type: StrictStr
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, value: str) -> str:
+        if value != "text":
+            raise ValueError(
+                f"response_format type {value!r} is not supported: structured output "
+                '(json_object, json_schema) is not implemented; use "text" or leave it out'
+            )
+        return value
 
 
 class _SamplingRequest(_Strict):
@@ -59,7 +87,29 @@ class _SamplingRequest(_Strict):
     top_k: StrictInt | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     ignore_eos: StrictBool = False
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    logit_bias: dict[StrictStr, float] | None = None
+    min_tokens: StrictInt | None = Field(default=None, ge=0)
+    bad_words: list[StrictStr] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    prompt_logprobs: StrictInt | None = Field(default=None, ge=0)
+    response_format: ResponseFormat | None = None
+    user: StrictStr | None = None
     speculative: SpeculativeOverride | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is not None:
+            bad = [key for key in value if not key.strip().isdigit()]
+            if bad:
+                raise ValueError(f"logit_bias keys must be token ids, got {bad[:3]}")
+        return value
 
 
 def split_prompts(prompt: Any) -> list[str | list[int]]:
@@ -106,6 +156,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: list[StrictStr | list[StrictInt]]
     logprobs: StrictInt | None = Field(default=None, ge=0)
     echo: StrictBool = False
+    best_of: StrictInt | None = Field(default=None, ge=1)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -116,6 +167,7 @@ class CompletionRequest(_SamplingRequest):
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: StrictStr | list[dict] | None = None
+    name: StrictStr | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -125,6 +177,29 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0)
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template: StrictStr | None = None
+
+
+class TokenizeRequest(_Strict):
+    """`POST /tokenize` (vLLM's): a prompt, or chat messages rendered by the chat template."""
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template: StrictStr | None = None
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(_Strict):
+    """`POST /detokenize` (vLLM's)."""
+
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
 
 
 class ErrorInfo(BaseModel):

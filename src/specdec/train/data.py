@@ -96,10 +96,12 @@ class TrainingSet:
         return TrainingSet(self.layers, moved)
 
     def split(self, holdout_fraction: float) -> tuple[TrainingSet, TrainingSet]:
-        """(train, held-out): every round(1 / fraction)-th sequence is held out."""
+        """(train, held-out): every round(1 / fraction)-th sequence is held out, and at least
+        one whenever there are two sequences or more (a small corpus still gets its held-out
+        evaluation); with one sequence, or a fraction of 0, nothing is."""
         if holdout_fraction <= 0:
             return self, TrainingSet(self.layers, [])
-        every = max(2, round(1 / holdout_fraction))
+        every = max(2, min(round(1 / holdout_fraction), len(self.sequences)))
         held = [s for i, s in enumerate(self.sequences) if i % every == every - 1]
         kept = [s for i, s in enumerate(self.sequences) if i % every != every - 1]
         return TrainingSet(self.layers, kept), TrainingSet(self.layers, held)

@@ -164,6 +164,16 @@ def train_drafter(config: TrainConfig, log=print) -> dict:
         f"data: {len(train_set.sequences)} training sequences ({train_set.num_tokens} tokens), "
         f"{len(held_out.sequences)} held out"
     )
+    if not held_out.sequences:
+        why = (
+            "--holdout-fraction is 0"
+            if config.holdout_fraction <= 0
+            else f"the data has {len(data.sequences)} sequence(s), too few to hold one out"
+        )
+        log(
+            f"WARNING: nothing is held out ({why}): no held-out loss and no acceptance "
+            "evaluation will be reported; give more prompts or text to get them"
+        )
     kind.prepare(target, train_set.token_counts(target.config.vocab_size), options)
     draft = kind.build(target, options)
     params = [p for p in draft.parameters() if p.requires_grad]

@@ -9,14 +9,21 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.sampling.context import LogitsContext
 from specdec.sampling.processing import (
     SAMPLING_RULE_MESSAGES,
+    UNUSABLE_ROW_MESSAGE,
     RowParam,
     sampling_rule_flags,
+    unusable_rows,
 )
 from specdec.sampling.tensors import SamplingTensors
+from specdec.transfer import Readback
 
 VERIFY_METHODS = ("standard", "block", "coupled")
+# The largest position a draw may be keyed by (a 32-bit counter word). A round keys positions
+# positions[b] .. positions[b] + K, so verify needs positions[b] <= MAX_POSITION - K, on the CPU
+# and on the GPU alike.
 MAX_POSITION = 2**32 - 1
 
 
@@ -64,11 +71,14 @@ def check_verify_inputs(
     draft_logsumexp: torch.Tensor | None = None,
     active_rows: int | None = None,
     check_values: bool = True,
+    context: LogitsContext | None = None,
 ) -> VerifyInputs:
     """Checks shapes, dtypes and values; raises ValueError/TypeError naming the problem.
 
     `check_values=False` skips the value checks (the one host round trip) for callers that build
-    their inputs valid by construction (the engine); shapes and dtypes are always checked."""
+    their inputs valid by construction (the engine); shapes and dtypes are always checked.
+    With a `context`, the returned target logits are the context-processed ones
+    (`context_target_logits`)."""
     if method not in VERIFY_METHODS:
         raise ValueError(f"method must be one of {VERIFY_METHODS}, got {method!r}")
     if target_logits.dim() != 3 or not target_logits.is_floating_point():
@@ -108,9 +118,21 @@ def check_verify_inputs(
         raise ValueError(f"active_rows must lie in [0, B={batch}], got {active_rows}")
     active_rows = int(active_rows)
     params = SamplingTensors.build(batch, device, temperature, top_k, top_p, min_p, check=False)
+    if context is not None:
+        if context.num_rows != batch:
+            raise ValueError(f"context has {context.num_rows} requests for B={batch}")
+        target_logits = context_target_logits(target_logits, draft_token_ids, num_draft, context)
     if check_values:
         ValueCheck(
-            draft_token_ids, draft_logits, positions, num_draft, params, method, active_rows, vocab
+            draft_token_ids,
+            draft_logits,
+            positions,
+            num_draft,
+            params,
+            method,
+            active_rows,
+            vocab,
+            target_logits,
         ).wait()
     return VerifyInputs(
         target_logits,
@@ -126,16 +148,52 @@ def check_verify_inputs(
     )
 
 
+def context_target_logits(
+    target_logits: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    num_draft: torch.Tensor,
+    context: LogitsContext,
+) -> torch.Tensor:
+    """Target logits processed by each request's context, row j as if drafts 0..j-1 had been
+    accepted: verify row j of request b is processed with drafts b, 0..min(j, num_draft[b])-1
+    appended to the request's output, which is how plain decoding processes that position
+    once they are (so verification stays exact for penalties and context-dependent bans).
+
+    Args:
+        target_logits: [B, K+1, V] raw target logits.
+        draft_token_ids: [B, K] int64 drafts (entries at or beyond num_draft[b] are ignored).
+        num_draft: [B] int64.
+        context: the B requests' `LogitsContext`.
+
+    Returns:
+        [B, K+1, V] float32.
+    """
+    batch, num_rows, vocab = target_logits.shape
+    k = num_rows - 1
+    device = target_logits.device
+    columns = torch.arange(k, device=device)
+    before = columns[None, None, :] < torch.arange(num_rows, device=device)[None, :, None]
+    live = columns[None, :] < num_draft[:, None]  # [B, K]
+    # [B, K+1, K]: draft i counts in row j's context iff i < j and i < num_draft.
+    valid = before & live[:, None, :]
+    prefix = torch.where(valid, draft_token_ids[:, None, :], -1).reshape(batch * num_rows, k)
+    rows = torch.arange(batch, device=device).repeat_interleave(num_rows)
+    flat = target_logits.reshape(batch * num_rows, vocab)
+    return context.apply(flat, rows, prefix).view(batch, num_rows, vocab)
+
+
 def value_rule_messages(k: int, vocab: int) -> list[str]:
     """The messages of `verify`'s value rules, in the order they are checked (rule r is bit r of
     the GPU's rule word, `specdec.sampling.checks_triton`)."""
     return [
-        "positions must lie in [0, 2**32)",
+        f"positions must lie in [0, 2**32 - 1 - K] = [0, {MAX_POSITION - k}] for K={k}: a "
+        "round keys its draws by positions[b] .. positions[b] + K, 32-bit counter words",
         f"num_draft must lie in [0, K={k}]",
         f"draft_token_ids must lie in [0, V={vocab}) within num_draft",
         *SAMPLING_RULE_MESSAGES,
         "a draft token has zero probability under its draft_logits: draft_logits "
         "must be the processed logits the drafts were sampled from",
+        f"a target_logits row (up to num_draft) {UNUSABLE_ROW_MESSAGE}",
     ]
 
 
@@ -146,6 +204,8 @@ class ValueCheck:
     verify kernels and one asynchronous copy brings the rule word to pinned host memory; `wait()`
     waits for that copy only (not for work queued after it, such as the verify kernels) and raises
     ValueError naming the first violated rule. Elsewhere the same rules run as PyTorch ops.
+    The rule on the target rows themselves (a row without a distribution) is a PyTorch reduction
+    on every device, read back after the rule word.
     """
 
     def __init__(
@@ -158,12 +218,21 @@ class ValueCheck:
         method: str,
         active_rows: int,
         vocab: int,
+        target_logits: torch.Tensor | None = None,
     ) -> None:
         k = draft_token_ids.shape[1]
         at_draft = draft_logits is not None and method != "coupled" and k > 0 and active_rows > 0
         self._layout = (k, vocab)
         self._checked = False
         self._device_bits = None
+        self._unusable = None  # whether some live target row has no distribution
+        if target_logits is not None and active_rows > 0:
+            rows = torch.arange(k + 1, device=target_logits.device)[None, :]
+            live = rows <= num_draft[:active_rows, None]
+            flag = (live & unusable_rows(target_logits[:active_rows])).any()
+            # Read back by an asynchronous copy of its own: waiting for it waits for this
+            # reduction only, not for the verify kernels queued after it.
+            self._unusable = Readback({"unusable": flag.reshape(1)}, {})
         if positions.is_cuda:
             from specdec.sampling.checks_triton import DeviceRuleBits
 
@@ -175,15 +244,15 @@ class ValueCheck:
                 params,
                 active_rows,
                 vocab,
-                MAX_POSITION,
+                MAX_POSITION - k,
                 at_draft,
             )
             return
         drafts = draft_token_ids[:active_rows]  # [A, K]
         live = torch.arange(k, device=positions.device)[None, :] < num_draft[:active_rows, None]
-        none = torch.zeros((), dtype=torch.bool)
+        none = torch.zeros((), dtype=torch.bool, device=positions.device)
         flags = [
-            ((positions < 0) | (positions > MAX_POSITION)).any(),
+            ((positions < 0) | (positions > MAX_POSITION - k)).any(),
             ((num_draft < 0) | (num_draft > k)).any(),
             (live & ((drafts < 0) | (drafts >= vocab))).any(),
             *(
@@ -205,8 +274,12 @@ class ValueCheck:
         """The rule word: bit r set when rule r of `value_rule_messages` is violated (waits for
         the device's copy on CUDA)."""
         if self._device_bits is not None:
-            return self._device_bits.bits()
-        return sum(1 << r for r, violated in enumerate(self._flags) if violated)
+            bits = self._device_bits.bits()
+        else:
+            bits = sum(1 << r for r, violated in enumerate(self._flags) if violated)
+        if self._unusable is not None and bool(self._unusable.values()["unusable"][0]):
+            bits |= 1 << (len(value_rule_messages(*self._layout)) - 1)
+        return bits
 
     def wait(self) -> None:
         """Waits for the values and raises ValueError naming the first violated rule."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from specdec.rng import Stream, uniform
+from specdec.sampling.context import LogitsContext
 from specdec.sampling.processing import RowParam, process_logits
 from specdec.sampling.sampler import gumbel_argmax_ref
 from specdec.sampling.tensors import SamplingTensors
@@ -36,17 +37,20 @@ def verify(
     method: str = "standard",
     draft_logsumexp: torch.Tensor | None = None,
     active_rows: int | None = None,
+    context: LogitsContext | None = None,
 ) -> VerifyResult:
     """Verifies one round of drafts per request and emits the accepted prefix plus one token.
 
     Args:
         target_logits: [B, K+1, V] raw target logits; row i is the distribution of the token at
-            positions[b] + i (row K is the bonus row).
+            positions[b] + i (row K is the bonus row). NaN counts as -inf; a row (up to
+            num_draft[b]) without a finite logit, or with a +inf, is refused.
         draft_token_ids: [B, K] int64 drafts; entries at or beyond num_draft[b] are ignored.
         draft_logits: [B, K, V] processed logits the drafts were sampled from (what `sample`
             returned; -inf where the draft cannot go), or None for deterministic (one-hot) drafts.
         seeds: [B] int64 request seeds.
-        positions: [B] int64 position of draft_token_ids[b, 0]; also the round anchor.
+        positions: [B] int64 position of draft_token_ids[b, 0]; also the round anchor; at most
+            2**32 - 1 - K (the round keys positions .. positions + K, on every device).
         temperature, top_k, top_p, min_p: scalars or [B]; processed exactly as `sample` does.
         num_draft: [B] int64 in [0, K] drafts per row (None = K); 0 means one plain sample.
         method: "standard" (Leviathan et al. 2023), "block" (Sun et al. 2024) or "coupled"
@@ -55,6 +59,9 @@ def verify(
             returned as `logsumexp`); it must be exactly that, and saves a pass over the drafts.
         active_rows: rows >= active_rows are padding: they emit -1, accept nothing and draw no
             noise (None = all rows are live).
+        context: the B requests' penalties, biases and bans (`specdec.sampling.LogitsContext`):
+            row j of request b is processed as if drafts 0..j-1 had been accepted; the drafts
+            must have been sampled from logits processed the same way (`Drafter.sample_draft`).
 
     Returns:
         VerifyResult(token_ids [B, K+1] int64 padded with -1, num_accepted [B] int64).
@@ -77,6 +84,7 @@ def verify(
         draft_logsumexp=draft_logsumexp,
         active_rows=active_rows,
         check_values=False,
+        context=context,
     )
     # The value checks read their values back while the kernels run: the kernels are memory-safe
     # on any values (they clamp ids and counts), and nothing is returned before the checks pass.
@@ -90,6 +98,7 @@ def verify(
         method,
         inputs.active_rows,
         target_logits.shape[-1],
+        inputs.target_logits,
     )
     params = inputs.params
     if not target_logits.is_cuda or any(
@@ -157,6 +166,7 @@ def verify_ref(
     method: str = "standard",
     draft_logsumexp: torch.Tensor | None = None,
     active_rows: int | None = None,
+    context: LogitsContext | None = None,
 ) -> VerifyResult:
     """The PyTorch twin of `specdec.verify.verify` (same arguments and results)."""
     inputs = check_verify_inputs(
@@ -173,6 +183,7 @@ def verify_ref(
         method=method,
         draft_logsumexp=draft_logsumexp,
         active_rows=active_rows,
+        context=context,
     )
     return verify_checked_ref(inputs)
 

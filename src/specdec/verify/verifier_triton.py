@@ -557,15 +557,16 @@ def _filter_threshold_rows(inputs: VerifyInputs, active: int) -> torch.Tensor | 
         return None
     target = inputs.target_logits[:active]
     num_rows, vocab = target.shape[1], target.shape[2]
-    used = torch.zeros((), dtype=torch.bool, device=target.device)
-    if params.top_k is not None:
-        used = used | ((params.top_k[:active] > 0) & (params.top_k[:active] < vocab)).any()
-    if params.top_p is not None:
-        used = used | (params.top_p[:active] < 1).any()
-    if params.min_p is not None:
-        used = used | (params.min_p[:active] > 0).any()
-    if not bool(used):
-        return None
+    if not torch.cuda.is_current_stream_capturing():  # a CUDA graph reads nothing back
+        used = torch.zeros((), dtype=torch.bool, device=target.device)
+        if params.top_k is not None:
+            used = used | ((params.top_k[:active] > 0) & (params.top_k[:active] < vocab)).any()
+        if params.top_p is not None:
+            used = used | (params.top_p[:active] < 1).any()
+        if params.min_p is not None:
+            used = used | (params.min_p[:active] > 0).any()
+        if not bool(used):
+            return None
 
     def rep(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t[:active].repeat_interleave(num_rows)

@@ -4,7 +4,9 @@ speculation equals greedy decoding through the engine, and checkpoints load as c
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import itertools
 
 import pytest
 import torch
@@ -23,7 +25,13 @@ from specdec.drafters.block.network import load_block_drafter, save_block_drafte
 from specdec.engine.llm import LLM
 from specdec.models import load_model
 from specdec.rng import Stream
-from specdec.sampling import SampleOutput, SamplingParams, SamplingTensors
+from specdec.sampling import (
+    LogitsContext,
+    LogitsRules,
+    SampleOutput,
+    SamplingParams,
+    SamplingTensors,
+)
 from specdec.sampling import sampler as sampler_module
 from specdec.train.kinds.block import drafting_rows
 
@@ -324,3 +332,41 @@ def test_seeded_runs_replay_alone_batched_permuted_and_preempted(
     assert [run([p])[0] for p in prompts] == batched
     # 12 blocks x 4 slots cannot hold the four requests at once: some are preempted.
     assert run(prompts, num_kv_blocks=12, max_model_len=48) == batched
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_context_rules_see_the_drafts_before_each_draft(target, kind):
+    """With a context (two allowed tokens, each banned right after itself as a bad word), draft j
+    is processed with drafts 0..j-1 as output, even when the drafter draws all K in one call:
+    every chain alternates and each draft's recorded support is exactly the token it could be.
+    Without the drafts as context the same drafter repeats a token in some chain (the check
+    has power)."""
+    a, b = 17, 42
+    rules = LogitsRules(allowed_token_ids=(a, b), bad_words_token_ids=((a, a), (b, b)))
+    repeats = 0
+    for seed in range(8):
+        batch = dataclasses.replace(
+            make_batch(["standard", "block", "coupled"], num_draft=(4, 4, 4), temperature=1.5),
+            seeds=torch.tensor([11, -22, 33]) + 1000 * seed,
+        )
+        with_context = dataclasses.replace(
+            batch, context=LogitsContext([rules] * 3, batch.token_ids, [[], [], []])
+        )
+        drafter = ready(make_drafter(kind, target, min_survival_probability=0.0), batch)
+        proposal = drafter.propose(with_context)
+        for row, n in enumerate(proposal.num_draft.tolist()):
+            chain = proposal.draft_token_ids[row, :n].tolist()
+            assert set(chain) <= {a, b} and all(x != y for x, y in itertools.pairwise(chain))
+            for j in range(1, n):
+                support = torch.isfinite(proposal.draft_logits[row, j]).nonzero().flatten()
+                assert support.tolist() == [chain[j]]
+        only_allowed = [LogitsRules(allowed_token_ids=(a, b))] * 3
+        blind = dataclasses.replace(
+            batch, context=LogitsContext(only_allowed, batch.token_ids, [[], [], []])
+        )
+        drafter = ready(make_drafter(kind, target, min_survival_probability=0.0), batch)
+        proposal = drafter.propose(blind)
+        for row, n in enumerate(proposal.num_draft.tolist()):
+            chain = proposal.draft_token_ids[row, :n].tolist()
+            repeats += sum(x == y for x, y in itertools.pairwise(chain))
+    assert repeats > 0

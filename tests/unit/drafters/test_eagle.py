@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from eagle_fixtures import trained_head
 from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
 from specdec.drafters import DrafterSetup, TargetFeatures
 from specdec.drafters.eagle.drafter import EagleDrafter
@@ -19,9 +20,6 @@ from specdec.models import AttentionMetadata, load_model
 from specdec.rng import Stream
 from specdec.sampling import SamplingParams, SamplingTensors
 from specdec.sampling import sampler as sampler_module
-from specdec.train.data import TrainingSet, annotate_token_lists
-from specdec.train.kind import TrainOptions
-from specdec.train.kinds.eagle import EagleKind
 
 VOCAB = 97
 
@@ -29,31 +27,6 @@ VOCAB = 97
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
     return save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("tiny"))
-
-
-def trained_head(target_dir, out, draft_vocab_size=0, steps=15):
-    """An EAGLE head briefly distilled on the target's features of random token sequences."""
-    target = load_model(target_dir).model
-    kind = EagleKind()
-    options = TrainOptions(
-        seed=3, lr=3e-3, extra={"draft_vocab_size": str(draft_vocab_size), "ttt_steps": "2"}
-    )
-    layers = kind.feature_layers(target, options)
-    data = TrainingSet(
-        layers, annotate_token_lists(target, prompt_tokens(VOCAB, [24] * 16), layers)
-    )
-    kind.prepare(target, data.token_counts(VOCAB), options)
-    draft = kind.build(target, options)
-    optimizer = torch.optim.AdamW(draft.parameters(), lr=options.lr)
-    windows = data.chunks(24)
-    for step in range(steps):
-        batch = data.batch([windows[(step * 4 + i) % len(windows)] for i in range(4)], 24, layers)
-        loss, _ = kind.loss(draft, target, batch, options)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    kind.save(draft, target, out, options)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -115,6 +115,7 @@ def test_preemption_happens_with_a_small_cache(model_dir, prompts):
     plain = token_ids(make_llm(model_dir).generate(prompts, SAMPLED, use_tqdm=False))
     assert token_ids(llm.generate(prompts, SAMPLED, use_tqdm=False)) == plain
     assert seen, "the cache was meant to be too small for all requests at once"
+    assert llm.engine.num_preemptions == len(seen)  # what /metrics exports
 
 
 def test_rolled_back_cache_equals_a_cache_that_never_saw_the_drafts(model_dir, prompts):
@@ -153,11 +154,47 @@ def test_stop_conditions_and_outputs(model_dir, prompts):
     assert completion.token_ids == plain[: first + 1]
     assert completion.finish_reason == "stop" and completion.stop_reason == stop_at
     assert len(completion.logprobs) == len(completion.token_ids)
-    assert all(len(t.top) == 2 for t in completion.logprobs)
+    # vLLM's shape: the top 2 by rank, plus the generated token when it is not among them.
+    for entry, token in zip(completion.logprobs, completion.token_ids, strict=True):
+        assert token in entry and len(entry) == 2 + (entry[token].rank > 2)
+        assert [e.rank for e in entry.values()][:2] == [1, 2]
     assert out.seed is not None
     n_out = llm.generate(prompts[0], SamplingParams(n=3, max_tokens=6, seed=5), use_tqdm=False)[0]
     assert len(n_out.outputs) == 3
     assert len({tuple(o.token_ids) for o in n_out.outputs}) > 1  # samples differ
+
+
+@pytest.mark.parametrize("chunk", [64, 4])
+def test_logprobs_and_prompt_logprobs_are_vllms_shape_and_values(model_dir, prompts, chunk):
+    """Sample and prompt logprobs equal log-softmax of a fresh forward pass, with vLLM's ranks
+    (1 + ids strictly more likely), whether the prompt is prefilled whole or in chunks of 4."""
+    llm = make_llm(model_dir, max_num_batched_tokens=chunk)
+    prompt = prompts[2]
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=5, logprobs=3, prompt_logprobs=2)
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    completion = out.outputs[0]
+    sequence = prompt + completion.token_ids
+    model = load_model(model_dir).model
+    logp = prompt_logits(model, [sequence])[0].log_softmax(-1)  # row i predicts token i + 1
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    entries = [(p, out.prompt_logprobs[p], 2) for p in range(1, len(prompt))]
+    entries += [(len(prompt) + i, e, 3) for i, e in enumerate(completion.logprobs)]
+    for position, entry, num_top in entries:
+        row = logp[position - 1]
+        token = sequence[position]
+        top = row.topk(num_top)
+        assert list(entry)[:num_top] == top.indices.tolist()
+        assert entry[token].rank == int((row > row[token]).sum()) + 1
+        for t, value in entry.items():
+            assert value.logprob == pytest.approx(float(row[t]), abs=1e-4)
+    total = sum(
+        e[t].logprob for e, t in zip(completion.logprobs, completion.token_ids, strict=True)
+    )
+    assert completion.cumulative_logprob == pytest.approx(total)
+    assert (
+        llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)[0].prompt_logprobs
+        is None
+    )
 
 
 def test_unseeded_requests_record_a_seed_that_replays(model_dir, prompts):
@@ -182,6 +219,9 @@ def test_bad_input_is_rejected_and_nothing_is_queued(model_dir, prompts):
     assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_blocks
     with pytest.raises(ValueError, match="unknown speculative_config keys"):
         make_llm(model_dir, {"method": "ngram", "num_spec": 3})
+    spec = make_llm(model_dir, {"method": "ngram"})
+    with pytest.raises(ValueError, match='the verifier is "rejection_sample_method"'):
+        spec.generate(prompts[0], GREEDY, speculative={"method": "block"})
 
 
 def test_per_request_speculation_in_one_batch(model_dir, prompts):
@@ -190,8 +230,8 @@ def test_per_request_speculation_in_one_batch(model_dir, prompts):
     overrides = [
         None,
         {"enabled": False},
-        {"num_speculative_tokens": 1, "method": "block"},
-        {"method": "coupled"},
+        {"num_speculative_tokens": 1, "rejection_sample_method": "block"},
+        {"rejection_sample_method": "coupled"},
     ]
     out = llm.generate(prompts, SAMPLED, speculative=overrides, use_tqdm=False)
     assert out[1].spec_decode_stats["num_drafts"] == 0

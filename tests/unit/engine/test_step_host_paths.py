@@ -66,7 +66,13 @@ def final(steps) -> dict[str, list[list[int]]]:
 def test_requests_joining_and_leaving_emit_what_they_emit_alone(model_dir, prompts, spec):
     """Requests finish at different steps and others join mid-run, so the batch keeps changing:
     each request must still be sampled with its own seed and parameters."""
-    overrides = [None, {"method": "block"}, None, {"method": "coupled"}, {"enabled": False}]
+    overrides = [
+        None,
+        {"rejection_sample_method": "block"},
+        None,
+        {"rejection_sample_method": "coupled"},
+        {"enabled": False},
+    ]
     if spec is None:
         overrides = [None] * len(PARAMS)
     requests = list(zip(prompts, PARAMS, overrides, strict=True))

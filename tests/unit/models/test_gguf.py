@@ -201,3 +201,23 @@ def test_gguf_errors(tmp_path: Path) -> None:
     broken.write_bytes(b"GGUF" + b"\xff" * 64)
     with pytest.raises(CheckpointError, match="cannot read GGUF file"):
         load_model(broken)
+
+
+def test_a_truncated_gguf_is_reported_with_its_byte_counts(tmp_path: Path) -> None:
+    whole = tmp_path / "whole.gguf"
+    writer = gguf.GGUFWriter(str(whole), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((64, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    data = whole.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) - 1000])
+    message = f"the file is {len(data) - 1000:,} bytes; its header declares {len(data):,}"
+    with pytest.raises(CheckpointError, match=message):
+        load_model(cut)
+    cut.write_bytes(data[:40])  # inside the header
+    with pytest.raises(CheckpointError, match="the file is 40 bytes and its header does not"):
+        load_model(cut)

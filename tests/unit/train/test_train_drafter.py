@@ -151,3 +151,25 @@ def test_self_distill_repeats_answer_each_prompt_with_its_own_seed(target_dir):
     assert torch.equal(single[0].token_ids, first[0].token_ids)
     for seq in wide:
         assert seq.layers.shape[:2] == (seq.token_ids.shape[0], 1)
+
+
+def test_a_small_corpus_still_holds_out_a_sequence():
+    from specdec.train.data import TrainingSet
+
+    def split(n: int, fraction: float = 0.05) -> tuple[int, int]:
+        train_set, held = TrainingSet((0,), list(range(n))).split(fraction)
+        return len(train_set.sequences), len(held.sequences)
+
+    assert split(40) == (38, 2)  # every 20th, as before
+    assert split(5) == (4, 1) and split(2) == (1, 1)
+    assert split(1) == (1, 0) and split(10, 0.0) == (10, 0)
+
+
+def test_nothing_held_out_is_said_loudly(target_dir, tmp_path, capsys):
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"prompt_token_ids": [5, 6, 7, 8]}) + "\n")
+    result = train(
+        target_dir, one, tmp_path / "out", "draft_model", 1, "--option", "draft_layers=1"
+    )
+    assert "acceptance" not in result and "held_out_loss" not in result
+    assert "WARNING: nothing is held out (the data has 1 sequence(s)" in capsys.readouterr().err

@@ -25,6 +25,7 @@ from specdec.drafters.base import (
     TargetFeatures,
 )
 from specdec.drafters.config import MAX_NUM_SPECULATIVE_TOKENS, SpeculativeConfig
+from specdec.drafters.device import DeviceDrafting
 from specdec.drafters.eagle.head import EagleHead, head_logits, head_logits_weight, load_eagle_head
 from specdec.models import AttentionMetadata, LlamaForCausalLM
 from specdec.models.attention import DecodeMetadata, cache_slots
@@ -120,6 +121,15 @@ class EagleDrafter(Drafter):
             max_width=spec.num_speculative_tokens + 1,
             enforce_eager=setup.enforce_eager,
         )
+
+    def device_drafting(
+        self, num_slots: int, width: int, max_model_len: int, device: torch.device
+    ) -> DeviceDrafting | None:
+        if self._graphs is None or self._graphs.width != width:
+            return None
+        from specdec.drafters.eagle.device import EagleDeviceDrafting
+
+        return EagleDeviceDrafting(self, num_slots)
 
     def release(self, request_id: str) -> None:
         state = self._states.pop(request_id, None)
@@ -385,7 +395,10 @@ class _HeadGraphs:
         """(step kind, padded batch) -> (graph, its outputs)."""
         return self.graph_cache.graphs
 
-    def _forward(self, kind: str, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, kind: str, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A head step of `kind` over the first `num_seqs` requests' rows of the static buffers,
+        as they are (device work only: what `_run` replays, and what a device round runs inside
+        its own graph). Returns (head outputs [num_seqs, D], draft logits [num_seqs, V_draft])."""
         drafter, head = self.drafter, self.drafter.head
         width = self.width if kind == "catch_up" else 1
         rows = num_seqs * width
@@ -463,5 +476,5 @@ class _HeadGraphs:
         return padded
 
     def _run(self, kind: str, padded: int, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        out, logits = self.graph_cache.run((kind, padded), lambda: self._forward(kind, padded))
+        out, logits = self.graph_cache.run((kind, padded), lambda: self.forward(kind, padded))
         return out[:num_seqs], logits[:num_seqs]

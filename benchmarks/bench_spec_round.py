@@ -1,0 +1,317 @@
+"""The speculative round on the GPU: speculation against plain decoding in one process.
+
+Parts (each writes DIR/<part>.json; BENCHMARKS.md's tables are read from them):
+- `smollm2`: the built-in SmolLM2-135M-Instruct GGUF with the shipped EAGLE head on the held-out
+  prompts, batch 1 / 8 / 32 / 64, T = 0 and 1: plain decoding, K = 2, 3, 4 pinned, and the
+  adaptive policy (K <= 4); output tokens per second of whole generate calls.
+- `oracle`: Llama-3.2-1B and Llama-3-8B shapes with random bf16 weights and the benchmark-only
+  oracle drafter (`oracle_drafter.py`: the target's own greedy continuation, each draft replaced
+  with probability 1 - a), K = 4, a in {0.6, 0.8}, batch 1 and 8; against the ideal
+  E[tokens per round] x t_plain_step / t_round_floor, with the decode and verify steps' graph
+  replays as t_plain_step and t_round_floor; the round's own graph replay against the measured
+  time between round launches; plain TPOT at batch 1 and 64.
+
+    python benchmarks/bench_spec_round.py --out DIR [--parts smollm2,oracle] [--gguf PATH]
+        [--shapes llama-3.2-1b,llama-3-8b] [--device cuda]
+
+`--device cpu --shapes tiny` runs the same code on a CPU in seconds (a smoke test, not a
+figure). Never imported by tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench_gpu_engine import SHAPES, build_ours, hf_config, random_prompts
+from oracle_drafter import OracleDrafter
+
+HERE = Path(__file__).resolve().parent
+PROMPT_LEN = 128
+
+
+def log(*args) -> None:
+    print(*args, flush=True)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def make_engine(model, tokenizer, spec, *, device, max_num_seqs, max_model_len, blocks):
+    from specdec.engine.config import EngineConfig, SpeculativeConfig
+    from specdec.engine.llm import LLM
+    from specdec.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(
+        device=device,
+        dtype="bfloat16" if device == "cuda" else "float32",
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        num_kv_blocks=blocks,
+        async_scheduling=True,
+    )
+    llm = LLM.__new__(LLM)
+    llm.engine = LLMEngine(
+        config, SpeculativeConfig.from_dict(spec), model=model, tokenizer=tokenizer
+    )
+    return llm
+
+
+def timed(llm, prompts, params, device, repeats: int = 2) -> tuple[float, list]:
+    """Median seconds of `repeats` generate calls (after one warm-up call) and the outputs."""
+    llm.generate(prompts, params, use_tqdm=False)
+    times, outputs = [], None
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), outputs
+
+
+def figures(llm, seconds: float, outputs) -> dict:
+    metrics = llm.get_metrics()
+    emitted = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {
+        "seconds": seconds,
+        "tokens_per_s": emitted / seconds,
+        "mean_acceptance_length": metrics["mean_acceptance_length"],
+        "loop": metrics["loop"],
+    }
+
+
+def replay_ms(graph, device: str, iters: int = 20) -> float | None:
+    if device != "cuda":
+        return None
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+# --------------------------------------------------------------------------- SmolLM2
+def bench_smollm2(gguf: str | None, device: str, output_len: int, batches) -> dict:
+    from specdec.drafters.default import default_speculative_config
+    from specdec.models import default_model_path, load_model
+    from specdec.sampling import SamplingParams
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    loaded = load_model(gguf or str(default_model_path()), dtype=dtype, device=device)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    lines = (HERE / "data" / "heldout_prompts.jsonl").read_text().splitlines()
+    texts = [json.loads(line)["prompt"] for line in lines if line.strip()]
+    encoded = [tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
+    head = default_speculative_config(None)
+    results = {"num_prompts": len(encoded), "output_len": output_len, "rows": {}}
+    for batch in batches:
+        prompts = (encoded * batch)[:batch]
+        longest = max(map(len, prompts)) + output_len + 8
+        blocks = batch * (-(-longest // 16) + 2) + 64
+        common = {"device": device, "max_num_seqs": batch, "max_model_len": 1024}
+        ks = (2, 3, 4) if batch <= 8 else (2,)
+        for temperature in (0.0, 1.0):
+            params = [
+                SamplingParams(
+                    temperature=temperature, max_tokens=output_len, ignore_eos=True, seed=i
+                )
+                for i in range(batch)
+            ]
+            configs = {"plain": None}
+            configs.update(
+                {
+                    f"eagle K={k}": {**head, "num_speculative_tokens": k, "adaptive": False}
+                    for k in ks
+                }
+            )
+            configs["eagle adaptive K<=4"] = {**head, "num_speculative_tokens": 4, "adaptive": True}
+            plain_rate = None
+            for name, spec in configs.items():
+                llm = make_engine(model, tokenizer, spec, blocks=blocks, **common)
+                seconds, outputs = timed(llm, prompts, params, device)
+                row = figures(llm, seconds, outputs)
+                if name == "plain":
+                    plain_rate = row["tokens_per_s"]
+                row["speedup"] = row["tokens_per_s"] / plain_rate
+                results["rows"][f"b{batch} T={temperature:g} {name}"] = row
+                log(f"[smollm2] b{batch} T={temperature:g} {name}: {row}")
+                del llm
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+    return results
+
+
+# --------------------------------------------------------------------------- oracle
+def decode_phase(llm, prompts, new_tokens: int, device: str) -> tuple[float, list]:
+    """Seconds per output token of the decode phase: (t(1 + n) - t(1)) / n (medians of 2)."""
+    from specdec.sampling import SamplingParams
+
+    def run(max_tokens: int):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        return timed(llm, prompts, params, device)
+
+    one, _ = run(1)
+    total, outputs = run(1 + new_tokens)
+    return (total - one) / new_tokens, outputs
+
+
+def bench_oracle(shapes, device: str, new_tokens: int, batches, acceptances) -> dict:
+    from specdec.runner.cuda_graph import bucket_for
+
+    results = {}
+    k = 4
+    for shape in shapes:
+        model = build_ours(shape) if device == "cuda" else tiny_model(shape)
+        vocab = model.config.vocab_size
+        for batch in batches:
+            prompts = random_prompts(batch, vocab, seed=batch)
+            blocks = batch * (-(-(PROMPT_LEN + new_tokens + 16) // 16) + 2) + 64
+            common = {"device": device, "max_num_seqs": max(batch, 8), "max_model_len": 1024}
+            plain = make_engine(model, None, None, blocks=blocks, **common)
+            plain_s, outputs = decode_phase(plain, prompts, new_tokens, device)
+            sequences = [p + o.outputs[0].token_ids for p, o in zip(prompts, outputs, strict=True)]
+            row = {"plain_tpot_ms": plain_s * 1e3}
+            del plain
+            # The floors: the target's decode (1 token) and verify (K + 1 tokens) steps alone.
+            floors = make_engine(
+                model,
+                None,
+                {"method": "ngram", "num_speculative_tokens": k},
+                blocks=blocks,
+                **common,
+            )
+            graphs = floors.engine.runner.graphs
+            bucket = bucket_for(graphs.buckets, batch)
+            starts, tables = (
+                [PROMPT_LEN] * batch,
+                [list(range(b * 12, b * 12 + 12)) for b in range(batch)],
+            )
+            for width in (1, k + 1):
+                graphs.run([[7] * width] * batch, starts, tables)
+            if device == "cuda":
+                row["decode_step_ms"] = replay_ms(graphs.graphs[(bucket, 1, ())][0], device)
+                row["verify_step_ms"] = replay_ms(graphs.graphs[(bucket, k + 1, ())][0], device)
+            del floors
+            for a in acceptances:
+                spec = {"method": "ngram", "num_speculative_tokens": k, "adaptive": False}
+                llm = make_engine(model, None, spec, blocks=blocks, **common)
+                llm.engine.drafter = OracleDrafter(vocab, a, sequences, PROMPT_LEN)
+                spec_s, _ = decode_phase(llm, prompts, new_tokens, device)
+                metrics = llm.get_metrics()
+                rounds = llm.engine._rounds
+                entry = {
+                    "tpot_ms": spec_s * 1e3,
+                    "speedup": plain_s / spec_s,
+                    "mean_acceptance_length": metrics["mean_acceptance_length"],
+                    "expected_tokens_per_round": sum(a**i for i in range(k + 1)),
+                    "loop": metrics["loop"],
+                }
+                if rounds is not None and rounds.round_seconds:
+                    entry["round_launch_interval_ms_median"] = (
+                        statistics.median(rounds.round_seconds) * 1e3
+                    )
+                    key = next(iter(rounds.graph_cache.graphs), None)
+                    if key is not None:
+                        entry["round_graph_ms"] = replay_ms(
+                            rounds.graph_cache.graphs[key][0], device
+                        )
+                if "verify_step_ms" in row:
+                    ideal = (
+                        entry["mean_acceptance_length"]
+                        * row["decode_step_ms"]
+                        / row["verify_step_ms"]
+                    )
+                    entry["ideal_speedup"] = ideal
+                    entry["fraction_of_ideal"] = entry["speedup"] / ideal
+                row[f"oracle a={a}"] = entry
+                log(f"[oracle] {shape} b{batch} a={a}: {entry}")
+                del llm
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+            results[f"{shape} b{batch}"] = row
+            log(f"[oracle] {shape} b{batch}: {row}")
+        # Plain decoding at batch 64 beside batch 1 (that it did not get slower).
+        prompts = random_prompts(64, vocab, seed=64)
+        blocks = 64 * (-(-(PROMPT_LEN + new_tokens + 16) // 16) + 2) + 64
+        plain = make_engine(
+            model, None, None, blocks=blocks, device=device, max_num_seqs=64, max_model_len=1024
+        )
+        results[f"{shape} b64 plain_tpot_ms"] = (
+            decode_phase(plain, prompts, new_tokens, device)[0] * 1e3
+        )
+        log(f"[oracle] {shape} b64 plain: {results[f'{shape} b64 plain_tpot_ms']:.3f} ms")
+        del plain, model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def tiny_model(shape: str):
+    """A small random model for the CPU smoke test (float32)."""
+    from specdec.models import LlamaForCausalLM, ModelConfig
+    from specdec.models.weights import assign_weights
+
+    cfg = {**hf_config("llama-3.2-1b"), "hidden_size": 64, "intermediate_size": 128}
+    cfg.update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+    config = ModelConfig.from_hf_config(cfg)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    generator = torch.Generator().manual_seed(0)
+
+    def read(name: str) -> torch.Tensor:
+        if name.endswith("norm.weight"):
+            return torch.ones(shapes[name])
+        return torch.empty(shapes[name]).normal_(0.0, 0.5, generator=generator)
+
+    assign_weights(model, read, "random:tiny", torch.float32, "cpu")
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--parts", default="smollm2,oracle")
+    parser.add_argument("--gguf", default=None, help="the SmolLM2 GGUF (default: built-in)")
+    parser.add_argument("--shapes", default="llama-3.2-1b,llama-3-8b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--smollm2-batches", default="1,8,32,64")
+    parser.add_argument("--oracle-batches", default="1,8")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "command": "python " + " ".join(sys.argv),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+    }
+    parts = args.parts.split(",")
+    if "smollm2" in parts:
+        batches = [int(b) for b in args.smollm2_batches.split(",")]
+        result = bench_smollm2(args.gguf, args.device, args.output_len, batches)
+        (out / "smollm2.json").write_text(json.dumps({"meta": meta, **result}, indent=1))
+    if "oracle" in parts:
+        shapes = args.shapes.split(",")
+        assert all(s in SHAPES or s == "tiny" for s in shapes), shapes
+        batches = [int(b) for b in args.oracle_batches.split(",")]
+        result = bench_oracle(shapes, args.device, args.output_len, batches, (0.6, 0.8))
+        (out / "oracle.json").write_text(json.dumps({"meta": meta, **result}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""The device side of a drafter, for speculative rounds that run on the device without the host
+(`specdec.engine.device_round`): the round's inputs as the drafter sees them (`RoundView`) and the
+interface a drafter implements to draft inside such a round (`DeviceDrafting`).
+
+A device round works on slots (rows of persistent buffers), one per running request. The host
+calls `begin` once (host state -> device buffers), `prepare` before every launch (blocks for the
+round's writes), and `end` once after the last round was read (device buffers -> host state).
+`propose` and `observe` run inside the round: device work only, no host synchronisation and no
+host-dependent shapes, so the round can be replayed from a CUDA graph. Never draws noise itself:
+draws go through `Drafter.draw_on_device`.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+from specdec.sampling import SamplingTensors
+
+
+@dataclass(frozen=True, slots=True)
+class RoundView:
+    """A round's state, as device tensors of its first `num_rows` slots (a batch bucket).
+
+    Attributes:
+        num_rows: S, the slots in the round (live ones and inert padding).
+        k: drafts this round proposes per live slot (0: the round only samples).
+        method: the verify method of every slot ("standard", "block" or "coupled").
+        anchors: [S] int64 position of each slot's first draft (the round anchor); the round's
+            input token sits at anchor - 1.
+        last_tokens: [S] int64 the round's input tokens.
+        live: [S] bool, False for padding and for requests that finished (inert rows: greedy,
+            nothing drafted, nothing written to any cache).
+        seeds: [S] int64 request seeds.
+        params: [S] sampling tensors of the requests (temperature 0 on inert rows).
+        max_draft: [S] int64 each request's own cap on drafts per round.
+    """
+
+    num_rows: int
+    k: int
+    method: str
+    anchors: torch.Tensor
+    last_tokens: torch.Tensor
+    live: torch.Tensor
+    seeds: torch.Tensor
+    params: SamplingTensors
+    max_draft: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSlot:
+    """A request in a device round, as the host knows it.
+
+    Attributes:
+        slot: its row in the round's buffers.
+        request_id: the request's id (the drafter's per-request state is keyed by it).
+        token_ids: every committed token (prompt + output); the next round's anchor is
+            len(token_ids).
+    """
+
+    slot: int
+    request_id: str
+    token_ids: list[int]
+
+
+class DeviceDrafting(abc.ABC):
+    """A drafter's buffers and steps for device rounds (see the module docstring).
+
+    `width` (W) is the most tokens a round commits per slot (K_max + 1): between two rounds a
+    slot gains at most W tokens, which `observe` hands on to the next `propose`.
+    """
+
+    width: int
+
+    @abc.abstractmethod
+    def begin(self, slots: list[DeviceSlot], num_rows: int) -> None:
+        """Loads the state of the requests in `slots` into the device buffers (catching up on
+        the host what exceeds one round's width). Called once, before the first launch."""
+
+    @abc.abstractmethod
+    def prepare(self, slots: list[DeviceSlot], last_positions: list[int]) -> None:
+        """Host work before a launch: room in the drafter's caches for every position up to
+        `last_positions[i]` of slot i (the most the round may write), and the block tables sent
+        to the device."""
+
+    @abc.abstractmethod
+    def propose(self, view: RoundView) -> tuple:
+        """Drafts `view.k` tokens per live slot into the drafter's own proposal buffers (device
+        only, graph-safe). Returns views of them: (draft_token_ids [S, k] int64, draft_logits
+        [S, k, V] | None, draft_logsumexp [S, k] | None, num_draft [S] int64 | None (None: k for
+        every slot))."""
+
+    @abc.abstractmethod
+    def observe(
+        self,
+        view: RoundView,
+        features: torch.Tensor | None,
+        token_ids: torch.Tensor,
+        num_accepted: torch.Tensor,
+    ) -> None:
+        """Takes what the round committed (device only, graph-safe): the target features of the
+        round's input token and drafts ([S * W, F] in rows b * W + j, or None when the drafter
+        reads none), the emitted tokens [S, W] (-1 padded) and num_accepted [S]."""
+
+    @abc.abstractmethod
+    def state(self) -> list[torch.Tensor]:
+        """The device buffers `propose` reads and `observe` updates (saved and put back around
+        a graph's warm-up run, so that a captured round runs once)."""
+
+    @abc.abstractmethod
+    def end(self, slots: list[DeviceSlot]) -> None:
+        """Writes the device state of `slots` (each one's token_ids now covering everything the
+        last read round committed) back to the drafter's host state. Called once, after the
+        last round was read."""

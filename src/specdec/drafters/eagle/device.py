@@ -1,0 +1,147 @@
+"""EAGLE / MTP drafting inside a device round: the head's catch-up on the entries the last round
+committed (target features of its input token and accepted drafts, with the tokens after them)
+and its K - 1 chained steps, through the same static buffers and head steps as the host path
+(`_HeadGraphs`), with every input computed on the device. Draft noise only through
+`Drafter.draw_on_device`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from specdec.drafters.base import ProposalBuffer
+from specdec.drafters.device import DeviceDrafting, DeviceSlot, RoundView
+from specdec.runner.cuda_graph import StaticInputs
+
+if TYPE_CHECKING:
+    from specdec.drafters.eagle.drafter import EagleDrafter
+
+
+class EagleDeviceDrafting(DeviceDrafting):
+    """Per slot: the head entries the next round feeds first (`entry_*`: at most `width`, the
+    features and tokens of what the last round committed), and the head's block table."""
+
+    def __init__(self, drafter: EagleDrafter, num_slots: int) -> None:
+        graphs = drafter._graphs
+        self.drafter, self.graphs = drafter, graphs
+        self.width = width = graphs.width
+        device, dtype = drafter.device, drafter.head.fc.weight.dtype
+        feature_size = drafter.head.config.feature_size
+        self.entry_features = torch.zeros(
+            num_slots, width, feature_size, dtype=dtype, device=device
+        )
+        self.entry_tokens = torch.zeros(num_slots, width, dtype=torch.int64, device=device)
+        self.entry_count = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.max_blocks = graphs.max_blocks
+        self.tables = StaticInputs({"tables": num_slots * self.max_blocks}, device)
+        self.out = ProposalBuffer(
+            num_slots, width - 1, drafter.target_vocab_size, device, drafter.greedy
+        )
+
+    def begin(self, slots: list[DeviceSlot], num_rows: int) -> None:
+        drafter, width = self.drafter, self.width
+        self.entry_count.zero_()
+        for slot in slots:
+            state = drafter._states.get(slot.request_id)
+            anchor = len(slot.token_ids)
+            if state is None or state.feature_end != anchor - 1 or not state.pending:
+                raise ValueError(f"request {slot.request_id}: no target features to draft from")
+            new = torch.cat(state.pending)  # [n, F]: entries num_fed .. anchor - 2
+            state.pending.clear()
+            n = new.shape[0]
+            if n > width:  # catch up on the host on all but the last `width` entries
+                head = n - width
+                drafter.allocator.grow(state, state.num_fed + head)
+                first = state.num_fed + 1
+                drafter._catch_up(
+                    [new[:head]], [slot.token_ids[first : first + head]], [first], [head], [state]
+                )
+                state.num_fed += head
+                new, n = new[head:], width
+            self.entry_features[slot.slot, :n].copy_(new)
+            tokens = torch.tensor(slot.token_ids[anchor - n : anchor], dtype=torch.int64)
+            self.entry_tokens[slot.slot, :n].copy_(tokens)
+            self.entry_count[slot.slot] = n
+
+    def prepare(self, slots: list[DeviceSlot], last_positions: list[int]) -> None:
+        # A round whose target writes up to position P (= anchor - 1 + k) writes head entries
+        # up to P - 2 (the last chained draft's entry, t = anchor - 2 + (k - 1)).
+        drafter, inputs = self.drafter, self.tables
+        inputs.begin()
+        tables = inputs.host("tables").reshape(-1, self.max_blocks)
+        for slot, last in zip(slots, last_positions, strict=True):
+            state = drafter._states[slot.request_id]
+            drafter.allocator.grow(state, max(last - 1, 1))
+            if len(state.block_ids) > self.max_blocks:
+                raise RuntimeError(f"a head table of {len(state.block_ids)} blocks")
+            tables[slot.slot, : len(state.block_ids)] = np.asarray(state.block_ids)
+        inputs.send("tables", tables.shape[0] * self.max_blocks)
+
+    def propose(self, view: RoundView) -> tuple:
+        graphs, drafter = self.graphs, self.drafter
+        rows, width, k = view.num_rows, self.width, view.k
+        device = self.entry_count.device
+        live, anchors = view.live, view.anchors
+        size = drafter.block_size
+        tables = self.tables["tables"][: rows * self.max_blocks].view(rows, self.max_blocks)
+        count = self.entry_count[:rows]
+        # The round's first head step: entries t = anchor - 1 - n .. anchor - 2 (token t + 1).
+        column = torch.arange(width, device=device)
+        entries = anchors[:, None] - 1 - count[:, None] + column  # [S, W]
+        valid = live[:, None] & (column < count[:, None])
+        safe = entries.clamp_min(0)
+        slots = tables.gather(1, (safe // size).clamp_max(self.max_blocks - 1)) * size + safe % size
+        graphs.slots[: rows * width].copy_(torch.where(valid, slots, -1).view(-1))
+        graphs.positions[: rows * width].copy_(torch.where(valid, entries + 1, 0).view(-1))
+        graphs.tokens[: rows * width].copy_(
+            torch.where(valid, self.entry_tokens[:rows], 0).view(-1)
+        )
+        graphs.context_lens[:rows].copy_(torch.where(live, anchors - 1, 0))
+        graphs.query_lens[:rows].copy_(torch.where(live, count, 0))
+        rows_start = torch.arange(rows, device=device) * width
+        graphs.ends[:rows].copy_(rows_start + (count - 1).clamp_min(0))
+        graphs.tables[:rows].copy_(tables)
+        graphs.features[: rows * width].copy_(self.entry_features[:rows].view(rows * width, -1))
+        last, logits = graphs.forward("catch_up", rows)
+        out = self.out
+        for i in range(k):
+            tokens = drafter.draw_on_device(logits, anchors + i, view, out, i)
+            if i + 1 == k:
+                break
+            # Entry t = anchor - 1 + i: the previous head output and draft i (at anchor + i).
+            entry = anchors - 1 + i
+            block = (entry // size).clamp(0, self.max_blocks - 1)
+            slot = tables.gather(1, block[:, None]).squeeze(1) * size + entry % size
+            graphs.slots[:rows].copy_(torch.where(live, slot, -1))
+            graphs.positions[:rows].copy_(torch.where(live, entry + 1, 0))
+            graphs.tokens[:rows].copy_(tokens)
+            graphs.context_lens[:rows].copy_(torch.where(live, entry + 1, 0))
+            graphs.query_lens[:rows].copy_(live.to(torch.int64))
+            graphs.hidden[:rows].copy_(last)
+            last, logits = graphs.forward("chain", rows)
+        if k == 0:
+            return out.draft_token_ids[:rows, :0], None, None, None
+        draft_logits = None if out.draft_logits is None else out.draft_logits[:rows, :k]
+        draft_lse = None if out.draft_logsumexp is None else out.draft_logsumexp[:rows, :k]
+        return out.draft_token_ids[:rows, :k], draft_logits, draft_lse, None
+
+    def observe(self, view, features, token_ids, num_accepted) -> None:
+        rows, width = view.num_rows, self.width
+        self.entry_features[:rows].copy_(features.view(rows, width, -1))
+        self.entry_tokens[:rows].copy_(token_ids.clamp_min(0))
+        self.entry_count[:rows].copy_(num_accepted + 1)
+
+    def state(self) -> list[torch.Tensor]:
+        return [self.entry_features, self.entry_tokens, self.entry_count]
+
+    def end(self, slots: list[DeviceSlot]) -> None:
+        counts = self.entry_count.tolist()
+        for slot in slots:
+            state = self.drafter._states[slot.request_id]
+            anchor, n = len(slot.token_ids), counts[slot.slot]
+            state.num_fed = anchor - 1 - n
+            state.pending = [self.entry_features[slot.slot, :n].clone()]
+            state.feature_end = anchor - 1

@@ -1,0 +1,367 @@
+"""The speculative round on the device, overlapped with the host.
+
+While every running request decodes with speculation, each request keeps a slot (a row of
+persistent device buffers: the round anchor, the input token, seed and sampling parameters) and a
+whole round runs as one step over static buffers, with no host synchronisation inside: the
+drafter's K steps (`DeviceDrafting.propose`), the target's forward over [input token + K drafts],
+the verifier, and the acceptance bookkeeping (next anchor, next input token, what the drafter
+needs next: `DeviceDrafting.observe`). On CUDA the step is replayed from a CUDA graph per
+(batch bucket, K); elsewhere it runs op by op on the same buffers.
+
+The host launches round N + 1 before it reads round N's tokens (through pinned memory), so it
+applies stops one round late: a request that finished in round N is inert from round N + 2 on,
+and whatever round N + 1 emitted for it is dropped, never reported. Blocks are allocated ahead for
+the rounds in flight. Anything else (a new request, a preemption, a request near its length
+limit) drains the rounds in flight and hands the batch back to the synchronous step.
+
+Never draws randomness itself: drafts come from the drafter, emitted tokens from `verify`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from specdec.drafters import Drafter
+from specdec.drafters.device import DeviceDrafting, DeviceSlot, RoundView
+from specdec.engine.emitter import Emission
+from specdec.engine.request import Request
+from specdec.runner import PagedModelRunner
+from specdec.runner.cuda_graph import GraphCache, StaticInputs, batch_buckets, bucket_for
+from specdec.sampling import SamplingTensors
+from specdec.verify import check_verify_inputs, verify_checked
+
+
+@dataclass(slots=True, eq=False)
+class _Slot:
+    """A request's row in the rounds, as the host knows it: `anchor` is the anchor of the oldest
+    round not read yet (the host knows it exactly)."""
+
+    request: Request
+    anchor: int
+    live: bool = True
+
+
+@dataclass(slots=True)
+class _Launched:
+    """A round in flight: its K, which slots were live, where its results land on the host, and
+    the events (CUDA) or times (CPU) that measure it."""
+
+    k: int
+    live: list[bool]
+    ring: int
+    done: torch.cuda.Event | None
+    started: torch.cuda.Event | float | None
+    ended: torch.cuda.Event | float | None
+
+
+class DeviceRounds:
+    """Speculative rounds of a fixed set of requests on persistent device buffers.
+
+    Args:
+        runner: the target's runner (its decode path: `runner.graphs`).
+        drafter: the drafter; `drafting` its device steps.
+        max_k: the most drafts a round may propose (the buffers' width is max_k + 1).
+        max_num_seqs: the most slots.
+        max_model_len: the longest request (positions past it are never written).
+        use_graphs: replay rounds from CUDA graphs.
+    """
+
+    def __init__(
+        self,
+        runner: PagedModelRunner,
+        drafter: Drafter,
+        drafting: DeviceDrafting,
+        *,
+        max_k: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        use_graphs: bool,
+    ) -> None:
+        graphs = runner.graphs
+        if graphs is None or graphs.max_query_len != max_k + 1:
+            raise ValueError("device rounds need the runner's decode path at width K + 1")
+        self.runner, self.drafter, self.drafting = runner, drafter, drafting
+        self.max_k, self.width = max_k, max_k + 1
+        self.max_model_len = max_model_len
+        self.buckets = batch_buckets(max_num_seqs)
+        self.block_size = runner.block_size
+        self.max_blocks = graphs.block_tables.shape[1]
+        device = self.device = runner.device
+        size = max_num_seqs
+        self.anchors = torch.zeros(size, dtype=torch.int64, device=device)
+        self.last_tokens = torch.zeros(size, dtype=torch.int64, device=device)
+        self.seeds = torch.zeros(size, dtype=torch.int64, device=device)
+        self.max_draft = torch.zeros(size, dtype=torch.int64, device=device)
+        # The anchor from which a request may draft nothing more: as the scheduler's rule, a
+        # round at anchor A drafts at most min(K, max_model_len - 1 - A, P + max_tokens - 1 - A)
+        # (P the prompt length), so that no draft lands past the request's last token.
+        self.draft_limit = torch.zeros(size, dtype=torch.int64, device=device)
+        self.temperature = torch.zeros(size, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(size, dtype=torch.int64, device=device)
+        self.top_p = torch.ones(size, dtype=torch.float32, device=device)
+        self.min_p = torch.zeros(size, dtype=torch.float32, device=device)
+        # Outputs of the latest round: emitted tokens, accepted and verified drafts per slot.
+        self.out = torch.zeros(size * (self.width + 2), dtype=torch.int64, device=device)
+        self.inputs = StaticInputs({"live": size, "tables": size * self.max_blocks}, device)
+        self.graph_cache = GraphCache(use_graphs)
+        on_cuda = device.type == "cuda"
+        self._ring = [
+            torch.zeros(self.out.shape[0], dtype=torch.int64, pin_memory=on_cuda) for _ in (0, 1)
+        ]
+        self.slots: list[_Slot] = []
+        self.num_rows = 0
+        self.method = "standard"
+        self._filters: tuple[bool, bool, bool] = (False, False, False)
+        self.inflight: deque[_Launched] = deque()
+        self._last_end: torch.cuda.Event | float | None = None
+        self.num_rounds = 0  # rounds launched (all replayed from graphs when use_graphs)
+        self.num_overlapped_reads = 0  # rounds read while the next one was already launched
+        self.round_seconds: deque[float] = deque(maxlen=4096)  # each read round's cost
+
+    # ------------------------------------------------------------------ set-up
+    def begin(self, requests: list[Request]) -> None:
+        """Takes over `requests` (each decoding, with speculation, one verify method for all):
+        fills their slots and the drafter's device state."""
+        self.slots = [_Slot(r, r.num_tokens) for r in requests]
+        self.num_rows = bucket_for(self.buckets, len(requests))
+        self.method = requests[0].spec.method
+        params = [r.params for r in requests]
+        self._filters = (
+            any(p.top_k > 0 for p in params),
+            any(p.top_p < 1 for p in params),
+            any(p.min_p > 0 for p in params),
+        )
+        n, rows = len(requests), self.num_rows
+        pad = rows - n
+        columns = {
+            self.anchors: [r.num_tokens for r in requests],
+            self.last_tokens: [r.last_token_id for r in requests],
+            self.seeds: [r.seed for r in requests],
+            self.max_draft: [r.spec.num_speculative_tokens for r in requests],
+            self.draft_limit: [self._draft_limit(r) for r in requests],
+            self.temperature: [p.temperature for p in params],
+            self.top_k: [p.top_k for p in params],
+            self.top_p: [p.top_p for p in params],
+            self.min_p: [p.min_p for p in params],
+        }
+        off = {self.temperature: 0.0, self.top_k: 0, self.top_p: 1.0, self.min_p: 0.0}
+        for tensor, values in columns.items():
+            values = values + [off.get(tensor, 0)] * pad  # padding rows: inert, greedy
+            tensor[:rows].copy_(torch.tensor(values, dtype=tensor.dtype))
+        self.drafting.begin(self._device_slots(), rows)
+        self._last_end = None
+
+    def _draft_limit(self, request: Request) -> int:
+        limit = self.max_model_len - 1
+        if request.params.max_tokens is not None:
+            limit = min(limit, request.num_prompt_tokens + request.params.max_tokens - 1)
+        return limit
+
+    def end(self) -> None:
+        """Hands the live requests back to the host (no round may be in flight)."""
+        if self.inflight:
+            raise RuntimeError("device rounds still in flight")
+        self.drafting.end(self._device_slots())
+        self.slots = []
+
+    def _device_slots(self) -> list[DeviceSlot]:
+        return [
+            DeviceSlot(b, s.request.request_id, s.request.all_token_ids)
+            for b, s in enumerate(self.slots)
+            if s.live and not s.request.status.finished
+        ]
+
+    @property
+    def live_requests(self) -> list[Request]:
+        return [s.request for s in self.slots if s.live]
+
+    # ------------------------------------------------------------------ host loop
+    def launch_room(self, k: int) -> list[int] | None:
+        """The last position each live slot's next round (of k drafts) may write, or None when
+        a slot would pass max_model_len (the synchronous step then takes over)."""
+        for slot in self.slots:
+            if slot.live and slot.request.status.finished:
+                slot.live = False  # finished or aborted: inert from the next round on
+        ahead = sum(launched.k + 1 for launched in self.inflight)
+        last = []
+        for slot in self.slots:
+            if slot.live:
+                position = slot.anchor - 1 + ahead + k
+                if position > self.max_model_len - 2:
+                    return None
+                last.append(position)
+        return last
+
+    def launch(self, k: int, last_positions: list[int]) -> None:
+        """Prepares and launches one round of k drafts (`last_positions` from `launch_room`,
+        the target's blocks grown to cover them by the caller)."""
+        self.drafting.prepare(self._device_slots(), last_positions)
+        inputs = self.inputs
+        inputs.begin()
+        live = inputs.host("live", self.num_rows)
+        tables = inputs.host("tables", self.num_rows * self.max_blocks).reshape(
+            self.num_rows, self.max_blocks
+        )
+        live.fill(0)
+        tables.fill(0)
+        for b, slot in enumerate(self.slots):
+            if slot.live:
+                live[b] = 1
+                blocks = slot.request.block_ids
+                tables[b, : len(blocks)] = blocks
+        inputs.send("tables", self.num_rows * self.max_blocks)
+        started = self._mark()
+        key = (self.num_rows, k, self.method, self._filters)
+        self.graph_cache.run(key, lambda: self._round(k), self._state)
+        ended = self._mark()
+        ring = self.num_rounds % 2
+        self._ring[ring].copy_(self.out, non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        live_flags = [s.live for s in self.slots]
+        self.inflight.append(_Launched(k, live_flags, ring, done, started, ended))
+        self.num_rounds += 1
+
+    def read(self) -> tuple[list[tuple[Request, Emission]], int, float | None]:
+        """Reads the oldest round in flight: (per live request still running, its emission;
+        the round's K; its cost in seconds: from the previous round's end to its own on the
+        device, or its own duration when it ran alone). Advances the host's anchors and each
+        request's computed tokens (the input token and the accepted drafts have K/V)."""
+        launched = self.inflight.popleft()
+        self.num_overlapped_reads += bool(self.inflight)  # a newer round runs meanwhile
+        if launched.done is not None:
+            launched.done.synchronize()
+        values = self._ring[launched.ring].tolist()
+        seconds = self._seconds(launched)
+        self.round_seconds.append(seconds)
+        rows, width = len(self.slots), self.width
+        size = self.out.shape[0] // (width + 2)
+        emissions = []
+        for b, slot in enumerate(self.slots[:rows]):
+            if not launched.live[b]:
+                continue
+            accepted = values[size * width + b]
+            num_draft = values[size * (width + 1) + b]
+            tokens = values[b * width : b * width + accepted + 1]
+            request = slot.request
+            request.num_computed_tokens = slot.anchor + accepted
+            slot.anchor += accepted + 1
+            if not request.status.finished:
+                emissions.append((request, Emission(tokens, num_draft, accepted, None)))
+        return emissions, launched.k, seconds
+
+    def _state(self) -> list[torch.Tensor]:
+        """The buffers a round both reads and updates (its own and the drafter's)."""
+        return [self.anchors, self.last_tokens, *self.drafting.state()]
+
+    def _mark(self) -> torch.cuda.Event | float:
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _seconds(self, launched: _Launched) -> float | None:
+        previous, self._last_end = self._last_end, launched.ended
+        if self.device.type != "cuda":
+            return launched.ended - launched.started
+        start = launched.started if previous is None else previous
+        return start.elapsed_time(launched.ended) / 1e3
+
+    # ------------------------------------------------------------------ the round
+    def _view(self, k: int) -> RoundView:
+        rows = self.num_rows
+        top_k, top_p, min_p = self._filters
+        live = self.inputs["live"][:rows].bool()
+        params = SamplingTensors(
+            temperature=torch.where(live, self.temperature[:rows], 0.0),  # inert rows: greedy
+            top_k=self.top_k[:rows] if top_k else None,
+            top_p=self.top_p[:rows] if top_p else None,
+            min_p=self.min_p[:rows] if min_p else None,
+        )
+        return RoundView(
+            num_rows=rows,
+            k=k,
+            method=self.method,
+            anchors=self.anchors[:rows],
+            last_tokens=self.last_tokens[:rows],
+            live=live,
+            seeds=self.seeds[:rows],
+            params=params,
+            max_draft=self.max_draft[:rows],
+        )
+
+    def _round(self, k: int) -> None:
+        """One round over the static buffers (device work only; see the module docstring)."""
+        rows, width = self.num_rows, self.width
+        view = self._view(k)
+        live = view.live
+        # 1. Drafts.
+        draft_ids, draft_logits, draft_lse, drafted = self.drafting.propose(view)
+        room = (self.draft_limit[:rows] - view.anchors).clamp_min(0)
+        num_draft = torch.minimum(torch.minimum(view.max_draft, room), torch.full_like(room, k))
+        if drafted is not None:
+            num_draft = torch.minimum(num_draft, drafted)
+        num_draft = torch.where(live, num_draft, 0)
+        # 2. The target over [input token, drafts] in the decode step's layout (W rows a slot).
+        graphs = self.runner.graphs
+        column = torch.arange(width, device=self.device)
+        positions = view.anchors[:, None] - 1 + column  # [S, W]
+        fed = live[:, None] & (column <= k)
+        tokens = torch.zeros(rows, width, dtype=torch.int64, device=self.device)
+        tokens[:, 0] = view.last_tokens
+        if k:
+            tokens[:, 1 : k + 1] = draft_ids.clamp_min(0)
+        tables = self.inputs["tables"][: rows * self.max_blocks].view(rows, self.max_blocks)
+        block = (positions // self.block_size).clamp(0, self.max_blocks - 1)
+        slots = tables.gather(1, block) * self.block_size + positions % self.block_size
+        graphs.input_ids[: rows * width].copy_(tokens.view(-1))
+        graphs.positions[: rows * width].copy_(torch.where(fed, positions, 0).view(-1))
+        graphs.slot_mapping[: rows * width].copy_(torch.where(fed, slots, -1).view(-1))
+        graphs.context_lens[:rows].copy_(torch.where(live, view.anchors + k, 0))
+        graphs.query_lens[:rows].copy_(torch.where(live, k + 1, 0))
+        graphs.block_tables[:rows].copy_(tables)
+        features = graphs.forward(rows, width, self.drafter.feature_layers)
+        logits = graphs.logits[: rows * width].view(rows, width, -1)[:, : k + 1]
+        # 3. Verification (inert slots: greedy, nothing drafted).
+        inputs = check_verify_inputs(
+            logits,
+            draft_ids,
+            draft_logits,
+            view.seeds,
+            view.anchors,
+            temperature=view.params.temperature,
+            top_k=view.params.top_k,
+            top_p=view.params.top_p,
+            min_p=view.params.min_p,
+            num_draft=num_draft,
+            method=self.method,
+            draft_logsumexp=draft_lse,
+            check_values=False,
+        )
+        result = verify_checked(inputs)
+        # 4. Bookkeeping: the emitted tokens, the next anchor and input token.
+        accepted = torch.where(live, result.num_accepted, 0)
+        emitted = torch.full((rows, width), -1, dtype=torch.int64, device=self.device)
+        emitted[:, : k + 1] = result.token_ids
+        final = emitted.gather(1, accepted[:, None]).squeeze(1)
+        size = self.anchors.shape[0]
+        out = self.out
+        out[: size * width].view(size, width)[:rows].copy_(emitted)
+        out[size * width : size * width + rows].copy_(accepted)
+        out[size * (width + 1) : size * (width + 1) + rows].copy_(num_draft)
+        self.drafting.observe(view, features, emitted, accepted)  # before the anchors move
+        self._advance(view, accepted, final)
+
+    def _advance(self, view: RoundView, accepted: torch.Tensor, final: torch.Tensor) -> None:
+        """The next round's anchor (after the accepted drafts and the emitted token) and input
+        token (the emitted one), for the live slots."""
+        rows, live = view.num_rows, view.live
+        self.last_tokens[:rows].copy_(torch.where(live, final, view.last_tokens))
+        self.anchors[:rows].copy_(torch.where(live, view.anchors + accepted + 1, view.anchors))

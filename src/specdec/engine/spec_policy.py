@@ -1,0 +1,118 @@
+"""How many drafts each device round proposes: a cost model that never lets speculation lose.
+
+For each candidate K (0 = plain decoding) the policy keeps the measured cost of a round at each
+batch bucket and the running acceptance of draft position i (the rate at which draft i is
+accepted given drafts before it were), and picks the K that maximises expected tokens per
+second: (1 + a_1 + a_1 a_2 + ... + a_1...a_K) / cost(K). Costs are measured on the rounds
+themselves; each candidate is tried at the start and again now and then (`explore_every`), so
+the choice follows the acceptance and the context length as they change.
+
+Non-anticipating: a round's K is chosen at its launch from rounds already read, so it depends
+only on tokens emitted before the round's drafts are drawn; each round is an exact speculative
+step whatever its K. Deterministic given its measurements; draws no randomness.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class _Cost:
+    """A K's running cost at one bucket: `seconds` averaged over `rounds` kept measurements
+    (of `observed` rounds read)."""
+
+    seconds: float = 0.0
+    rounds: int = 0
+    observed: int = 0
+
+
+@dataclass(slots=True)
+class SpeculationPolicy:
+    """Chooses K in [0, max_k] per round (or always max_k when not `adaptive`).
+
+    Attributes:
+        max_k: the largest K (the configured num_speculative_tokens).
+        adaptive: False pins K to max_k.
+        explore_every: rounds between two re-measurements of a K other than the best.
+        decay: weight of the newest observation in the running averages.
+    """
+
+    max_k: int
+    adaptive: bool = True
+    explore_every: int = 48
+    decay: float = 0.1
+    _costs: dict[tuple[int, int], _Cost] = field(default_factory=dict)
+    _tried: dict[tuple[int, int], int] = field(default_factory=dict)
+    _offered: list[float] = field(default_factory=list)  # rows that reached draft i
+    _accepted: list[float] = field(default_factory=list)  # ... and accepted it
+    _rounds: int = 0
+    chosen: dict[int, int] = field(default_factory=dict)  # K -> rounds launched with it
+
+    def __post_init__(self) -> None:
+        self._offered = [0.0] * self.max_k
+        self._accepted = [0.0] * self.max_k
+
+    def choose(self, bucket: int) -> int:
+        """The K of the next round of `bucket` slots."""
+        k = self._choose(bucket)
+        self.chosen[k] = self.chosen.get(k, 0) + 1
+        self._rounds += 1
+        return k
+
+    def _choose(self, bucket: int) -> int:
+        if not self.adaptive:
+            return self.max_k
+        # Every K is measured twice first (the first measurement of a graph includes its
+        # capture, so it is not kept), then re-measured in turn every `explore_every` rounds.
+        for k in range(self.max_k + 1):
+            if self._tried.get((bucket, k), 0) < 2:
+                self._tried[(bucket, k)] = self._tried.get((bucket, k), 0) + 1
+                return k
+        best = max(range(self.max_k + 1), key=lambda k: self.tokens_per_second(bucket, k))
+        if self._rounds % self.explore_every == 0:
+            others = [k for k in range(self.max_k + 1) if k != best]
+            if others:
+                return others[(self._rounds // self.explore_every) % len(others)]
+        return best
+
+    def expected_tokens(self, k: int) -> float:
+        """1 + sum over i <= k of the chance that drafts 1..i are all accepted."""
+        total, survive = 1.0, 1.0
+        for i in range(k):
+            survive *= self.acceptance(i)
+            total += survive
+        return total
+
+    def acceptance(self, i: int) -> float:
+        """The running acceptance of draft i (0-based) given drafts before it were accepted
+        (optimistic 1 before any round has offered it, so that speculation is tried)."""
+        if self._offered[i] <= 0:
+            return 1.0
+        return self._accepted[i] / self._offered[i]
+
+    def tokens_per_second(self, bucket: int, k: int) -> float:
+        cost = self._costs.get((bucket, k))
+        if cost is None or cost.rounds == 0:
+            return float("inf")  # not measured yet: worth measuring
+        return self.expected_tokens(k) / max(cost.seconds, 1e-9)
+
+    def observe(
+        self, bucket: int, k: int, seconds: float | None, outcomes: list[tuple[int, int]]
+    ) -> None:
+        """Records a read round: its K, its measured cost, and per live request (drafts
+        verified, drafts accepted)."""
+        cost = self._costs.setdefault((bucket, k), _Cost())
+        cost.observed += 1
+        if seconds is not None and cost.observed > 1:  # the first one includes the capture
+            if cost.rounds == 0:
+                cost.seconds = seconds
+            else:
+                cost.seconds += self.decay * (seconds - cost.seconds)
+            cost.rounds += 1
+        decay = self.decay
+        for num_draft, accepted in outcomes:
+            for i in range(min(num_draft, accepted + 1)):
+                self._offered[i] = (1 - decay) * self._offered[i] + decay
+                hit = 1.0 if i < accepted else 0.0
+                self._accepted[i] = (1 - decay) * self._accepted[i] + decay * hit

@@ -1,0 +1,223 @@
+"""Speculative rounds on the device (`async_scheduling=True` with speculation; on the CPU they run
+op by op on the same buffers a CUDA graph replays): with K pinned, they emit token for token what
+the synchronous step emits for the same seeds, for every drafter that has a device path x
+{standard, block, coupled} x temperature 0 and > 0 (with top-k / top-p), through stop tokens,
+length limits, requests joining mid-run, aborts and preemption; rounds really overlap (a round is
+launched before the previous one is read); the adaptive policy chooses K from rounds already read
+only, and keeps coupled and greedy output identical to plain decoding. A negative control (the next
+round reading a stale input token) must break the equality."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle_fixtures import trained_head
+from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
+from specdec.engine import device_round
+from specdec.engine.config import EngineConfig, SpeculativeConfig
+from specdec.engine.llm_engine import LLMEngine
+from specdec.sampling import SamplingParams
+
+VOCAB = 97
+LENGTHS = [5, 9, 14, 3]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("tiny-rounds"))
+
+
+@pytest.fixture(scope="module")
+def head_dir(model_dir, tmp_path_factory):
+    return trained_head(model_dir, tmp_path_factory.mktemp("eagle-rounds"))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    # Repeating halves give prompt lookup something to find.
+    return [p + p for p in prompt_tokens(VOCAB, LENGTHS, seed=3)]
+
+
+def spec_for(drafter: str, head_dir, method: str, k: int = 3, adaptive: bool = False) -> dict:
+    spec = {
+        "num_speculative_tokens": k,
+        "rejection_sample_method": method,
+        "adaptive": adaptive,
+    }
+    if drafter == "ngram":
+        spec["method"] = "ngram"
+    elif drafter.startswith("eagle"):
+        spec.update(method="eagle", model=str(head_dir))
+        if drafter == "eagle-greedy":
+            spec["draft_sample_method"] = "greedy"
+    else:
+        spec.update(method="draft_model", model="truncated:1")
+    return spec
+
+
+def make_engine(model_dir, spec, async_scheduling: bool, **kwargs) -> LLMEngine:
+    args = {"model": str(model_dir), "max_model_len": 96, "block_size": 4, **kwargs}
+    config = EngineConfig(**args, async_scheduling=async_scheduling)
+    return LLMEngine(config, SpeculativeConfig.from_dict(spec))
+
+
+def drive(engine, requests, *, late=(), abort_after=None):
+    """Final (tokens, finish reason, stop reason) per request id, and how many rounds were read
+    while the next one had already been launched."""
+    for prompt, params in requests:
+        engine.add_request(prompt, params)
+    finals, steps = {}, 0
+    while engine.has_unfinished:
+        outputs = engine.step(only_finished=True)
+        steps += 1
+        if steps == 4:
+            for prompt, params in late:
+                engine.add_request(prompt, params)
+        if abort_after is not None and steps == abort_after[1]:
+            engine.abort(abort_after[0])
+        for out in outputs:
+            if out.finished:
+                finals[out.request_id] = [
+                    (o.token_ids, o.finish_reason, o.stop_reason) for o in out.outputs
+                ]
+    overlapped = engine._rounds.num_overlapped_reads if engine._rounds is not None else 0
+    return finals, overlapped
+
+
+def both(model_dir, spec, requests, **kwargs):
+    engine_args = kwargs.pop("engine_args", {})
+    sync_engine = make_engine(model_dir, spec, False, **engine_args)
+    sync, _ = drive(sync_engine, requests, **kwargs)
+    rounds_engine = make_engine(model_dir, spec, True, **engine_args)
+    rounds, overlapped = drive(rounds_engine, requests, **kwargs)
+    return sync, rounds, rounds_engine, overlapped
+
+
+def params_for(temperature: float, seed: int, **kwargs) -> SamplingParams:
+    filters = {"top_k": 20, "top_p": 0.9} if temperature > 0 else {}
+    return SamplingParams(
+        temperature=temperature, max_tokens=20, ignore_eos=True, seed=seed, **filters, **kwargs
+    )
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model", "eagle", "eagle-greedy"])
+@pytest.mark.parametrize("method", ["standard", "block", "coupled"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_device_rounds_emit_what_the_synchronous_step_emits(
+    model_dir, head_dir, prompts, drafter, method, temperature
+):
+    spec = spec_for(drafter, head_dir, method)
+    requests = [(p, params_for(temperature, 7 + i)) for i, p in enumerate(prompts)]
+    sync, rounds, engine, overlapped = both(model_dir, spec, requests)
+    assert rounds == sync
+    loop = engine.loop_stats
+    assert loop.num_device_rounds > 0 and overlapped > 0  # launched before the last read
+    assert set(loop.k_chosen) == {3}  # pinned K
+    if temperature == 0:  # rounds both accept and reject (at T = 1 prompt lookup may not hit)
+        assert 0 < engine.stats.num_accepted_tokens < engine.stats.num_draft_tokens
+
+
+def test_stops_joins_aborts_and_preemption(model_dir, head_dir, prompts):
+    """Stop tokens and max_tokens (tokens past a stop are dropped), a request joining mid-run
+    (the rounds drain and resume), and a cache so small that rounds cannot grow ahead (the
+    synchronous step preempts)."""
+    spec = spec_for("eagle", head_dir, "standard")
+    stop = SamplingParams(temperature=1.0, max_tokens=30, seed=3, stop_token_ids=[5, 11, 17])
+    requests = [
+        (prompts[0], stop),
+        (prompts[1], params_for(1.0, 4)),
+        (prompts[2], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)),
+    ]
+    late = [(prompts[3], params_for(0.5, 9))]
+    sync, rounds, engine, _ = both(model_dir, spec, requests, late=late)
+    assert rounds == sync and engine.loop_stats.num_device_rounds > 0
+    assert any(final[0][1] == "stop" for final in sync.values())
+    small = {"num_kv_blocks": 24, "max_model_len": 48}
+    long = [(p, params_for(1.0, 20 + i)) for i, p in enumerate(prompts)]
+    sync, rounds, engine, _ = both(model_dir, spec, long, engine_args=small)
+    assert rounds == sync
+    assert engine.scheduler.allocator.num_free_blocks == 24  # everything given back
+
+
+def test_abort_mid_stream_keeps_the_others_and_frees_everything(model_dir, head_dir, prompts):
+    spec = spec_for("draft_model", head_dir, "block")
+    requests = [(p, params_for(1.0, 30 + i)) for i, p in enumerate(prompts)]
+    full, _ = drive(make_engine(model_dir, spec, False), requests)
+    engine = make_engine(model_dir, spec, True)
+    rounds, _ = drive(engine, requests, abort_after=("1", 5))
+    assert "1" not in rounds  # an aborted request is forgotten, as in the synchronous loop
+    assert rounds == {request_id: final for request_id, final in full.items() if request_id != "1"}
+    assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
+
+
+def test_adaptive_k_is_non_anticipating_and_keeps_coupled_and_greedy_exact(
+    model_dir, head_dir, prompts, monkeypatch
+):
+    """The policy picks each round's K at launch, when the round before it has not been read
+    (only earlier rounds inform it); whatever it picks, coupled and greedy output equals plain
+    decoding's."""
+    seen = []
+    original = device_round.DeviceRounds.launch
+
+    def spy(self, k, last_positions):
+        seen.append((len(self.inflight), self.num_rounds))
+        return original(self, k, last_positions)
+
+    monkeypatch.setattr(device_round.DeviceRounds, "launch", spy)
+    for method, temperature in (("coupled", 1.0), ("standard", 0.0)):
+        requests = [(p, params_for(temperature, 50 + i)) for i, p in enumerate(prompts)]
+        expected, _ = drive(make_engine(model_dir, None, False), requests)
+        spec = spec_for("eagle", head_dir, method, k=3, adaptive=True)
+        engine = make_engine(model_dir, spec, True)
+        got, _ = drive(engine, requests)
+        assert got == expected
+        assert len(engine.loop_stats.k_chosen) > 1  # the policy tried several K
+    # Every launch after the first happens with the previous round still unread.
+    assert all(in_flight == 1 for in_flight, launched in seen if launched > 0)
+
+
+def test_negative_control_a_stale_input_token_breaks_the_equality(
+    model_dir, head_dir, prompts, monkeypatch
+):
+    """If the next round read the previous round's input token instead of the token it emitted,
+    the comparison above must fail."""
+    spec = spec_for("draft_model", head_dir, "standard")
+    requests = [(p, params_for(0.0, 1)) for p in prompts]
+    sync, _ = drive(make_engine(model_dir, spec, False), requests)
+
+    def stale_advance(rounds, view, accepted, final):
+        rows = view.num_rows
+        rounds.anchors[:rows].copy_(
+            torch.where(view.live, view.anchors + accepted + 1, view.anchors)
+        )
+
+    monkeypatch.setattr(device_round.DeviceRounds, "_advance", stale_advance)
+    rounds, _ = drive(make_engine(model_dir, spec, True), requests)
+    assert rounds != sync
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model", "eagle"])
+def test_a_round_run_twice_around_its_saved_state_runs_once(
+    model_dir, head_dir, prompts, drafter, monkeypatch
+):
+    """A CUDA graph's capture runs the round once as a warm-up before the replay runs it
+    again: with the buffers the round names as its state saved and put back in between, the
+    round still takes effect once. Emulated on the CPU by running every round that way: the
+    output is the synchronous step's."""
+    from specdec.runner.cuda_graph import GraphCache
+
+    def twice(self, key, step, state=None):
+        if state is None:
+            return step()
+        saved = [(t, t.clone()) for t in state()]
+        step()
+        for tensor, copy in saved:
+            tensor.copy_(copy)
+        return step()
+
+    monkeypatch.setattr(GraphCache, "run", twice)
+    spec = spec_for(drafter, head_dir, "standard")
+    requests = [(p, params_for(1.0, 60 + i)) for i, p in enumerate(prompts)]
+    sync, rounds, engine, _ = both(model_dir, spec, requests)
+    assert rounds == sync and engine.loop_stats.num_device_rounds > 0
