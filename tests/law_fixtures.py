@@ -44,15 +44,19 @@ def save_vocab8_target(path: Path) -> Path:
 
 
 def exact_continuation_law(
-    model_dir: Path, temperature: float, num_tokens: int, rules=None
+    model_dir: Path,
+    temperature: float,
+    num_tokens: int,
+    rules=None,
+    quantization: str | None = None,
 ) -> torch.Tensor:
     """[V ** num_tokens] float64 probability of each continuation of PROMPT under the processed
-    target (cells in `itertools.product` order); with `rules` (a `LogitsRules`), each position's
-    logits first go through the audit's independent twin of the rules, with the continuation so
-    far as output."""
+    target (cells in `itertools.product` order), the target quantized as `quantization`; with
+    `rules` (a `LogitsRules`), each position's logits first go through the audit's independent
+    twin of the rules, with the continuation so far as output."""
     from specdec.audit.laws import rules_logits_reference
 
-    model = load_model(model_dir).model
+    model = load_model(model_dir, quantization=quantization).model
     prefixes = [
         list(p) for n in range(num_tokens) for p in itertools.product(range(VOCAB), repeat=n)
     ]

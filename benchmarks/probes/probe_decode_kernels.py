@@ -78,9 +78,9 @@ def gemm_table(model, ms: list[int], bandwidth_tbs: float) -> dict:
     """F.linear time per weight kind and M, cycling through all layers' weights."""
     layers = model.model.layers
     kinds = {
-        "qkv": [layer.self_attn.fused_qkv[0] for layer in layers],
+        "qkv": [layer.self_attn.qkv_proj.weight for layer in layers],
         "o": [layer.self_attn.o_proj.weight for layer in layers],
-        "gate_up": [layer.mlp.fused_gate_up[0] for layer in layers],
+        "gate_up": [layer.mlp.gate_up_proj.weight for layer in layers],
         "down": [layer.mlp.down_proj.weight for layer in layers],
         "lm_head": [model.lm_head_weight],
     }

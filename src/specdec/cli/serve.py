@@ -108,7 +108,7 @@ def startup_line(engine, name: str, config: ServerConfig) -> str:
             + (f" ({spec.model})" if spec.model else "")
         )
     model = engine.config.model or "the built-in SmolLM2-135M-Instruct"
-    dtype = str(engine.model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    dtype = str(engine.model.dtype).removeprefix("torch.")
     blocks = engine.allocator.num_blocks
     return (
         f"serving {name!r} on http://{config.host}:{config.port}: model {model}, dtype {dtype}, "

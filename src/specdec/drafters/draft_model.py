@@ -17,7 +17,7 @@ from torch import nn
 from specdec.drafters.base import DraftBatch, Drafter, DrafterSetup, Proposal, ProposalBuffer
 from specdec.drafters.config import SpeculativeConfig
 from specdec.drafters.device import DeviceDrafting
-from specdec.models import LlamaForCausalLM, load_model
+from specdec.models import LlamaForCausalLM, default_quantization, load_model
 from specdec.runner import BlockAllocator, PagedModelRunner, StepInput
 from specdec.transfer import to_device
 
@@ -46,6 +46,8 @@ def truncated_copy(model: LlamaForCausalLM, num_layers: int) -> LlamaForCausalLM
     draft.model.norm = model.model.norm
     draft.model.rotary_emb = model.model.rotary_emb
     draft.lm_head = model.lm_head
+    draft.tied_head = model.tied_head  # a quantized tied head, shared too
+    draft.quantization = model.quantization
     return draft.eval()
 
 
@@ -97,14 +99,18 @@ class DraftModelDrafter(Drafter):
         cls, spec: SpeculativeConfig, target: LlamaForCausalLM, setup: DrafterSetup
     ) -> DraftModelDrafter:
         """Builds the drafter of a SpeculativeConfig ("truncated:N" or a model path)."""
-        weight = target.model.embed_tokens.weight
         if spec.model.startswith(TRUNCATED_PREFIX):
             layers = spec.model[len(TRUNCATED_PREFIX) :]
             if not layers.isdigit():
                 raise ValueError(f'"{spec.model}": expected "truncated:<number of layers>"')
             draft = truncated_copy(target, int(layers))
         else:
-            draft = load_model(spec.model, dtype=weight.dtype, device=weight.device).model
+            draft = load_model(
+                spec.model,
+                dtype=target.dtype,
+                device=target.device,
+                quantization=default_quantization(spec.model, target.quantization),
+            ).model
         return cls(
             draft,
             target.config.vocab_size,

@@ -15,6 +15,7 @@ from specdec.drafters.config import (  # noqa: F401 - re-exported: the engine's 
     SPECULATIVE_METHODS,
     SpeculativeConfig,
 )
+from specdec.models.quant import QUANTIZATIONS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -36,6 +37,11 @@ class EngineConfig:
             from max_num_seqs x max_model_len (CPU).
         gpu_memory_utilization: fraction of GPU memory the engine may use.
         enforce_eager: never capture CUDA graphs.
+        quantization: what the linear layers run as: "auto" (the default: "gguf" for a GGUF
+            file, "fp8" for an FP8 checkpoint, float otherwise), "gguf" (a GGUF file's own
+            Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors, kept quantized), "int8" (per channel), "int4"
+            (group-wise), "fp8" (e4m3, per channel) or None / "none" (dequantize to `dtype`).
+            `dtype` stays the activation dtype.
         async_scheduling: while a plain decode step runs on the device, schedule and launch the
             next one, feeding it the sampled tokens on the device, and read the earlier step's
             tokens meanwhile (host work overlaps the GPU; outputs are the same, reported one
@@ -63,8 +69,16 @@ class EngineConfig:
     async_scheduling: bool | str = "auto"
     seed: int | None = None
     tensor_parallel_size: int = 1
+    quantization: str | None = "auto"
 
     def __post_init__(self) -> None:
+        if isinstance(self.quantization, str) and self.quantization.lower() == "none":
+            object.__setattr__(self, "quantization", None)
+        if self.quantization not in (None, "auto", *QUANTIZATIONS):
+            raise ValueError(
+                f"quantization must be auto, {', '.join(QUANTIZATIONS)} or None, "
+                f"got {self.quantization!r}"
+            )
         choices = {"on": True, "true": True, "off": False, "false": False, "auto": "auto"}
         if isinstance(self.async_scheduling, str):
             if self.async_scheduling.lower() not in choices:

@@ -86,7 +86,9 @@ class LLMEngine:
         if model is None:
             path = config.model or str(default_model_path())
             dtype = resolve_dtype(config.dtype, self.device)
-            model, _, tokenizer = load_model(path, dtype=dtype, device=self.device)
+            model, _, tokenizer = load_model(
+                path, dtype=dtype, device=self.device, quantization=config.quantization
+            )
         self.model = model
         self.tokenizer = tokenizer
         self.model_config = model.config

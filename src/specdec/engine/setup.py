@@ -54,10 +54,11 @@ def size_kv_cache(
 ) -> tuple[int, int]:
     """(KV-cache blocks, max_model_len): `num_kv_blocks` or what memory allows (the free GPU
     memory under gpu_memory_utilization on CUDA; max_num_seqs x max_model_len tokens, at most
-    CPU_KV_CACHE_BYTES, on the CPU), and max_model_len lowered (with a warning) to what the
-    cache holds, since a request alone must always fit. `draft_layers`: layers of a drafter's own
-    paged cache with as many blocks as the target's (an EAGLE head, a draft model), counted in
-    what memory must hold.
+    CPU_KV_CACHE_BYTES, on the CPU, where that is an address range: its pages are committed as
+    requests write them, so the resident cache is what the requests need), and max_model_len
+    lowered (with a warning) to what the cache holds, since a request alone must always fit.
+    `draft_layers`: layers of a drafter's own paged cache with as many blocks as the target's
+    (an EAGLE head, a draft model), counted in what memory must hold.
 
     Raises:
         ValueError: the cache would not hold one request of max_model_len.
@@ -98,7 +99,7 @@ def _default_num_blocks(
     draft_layers: int = 0,
 ) -> int:
     cfg = model.config
-    itemsize = model.model.embed_tokens.weight.element_size()
+    itemsize = torch.empty((), dtype=model.dtype).element_size()
     layers = cfg.num_hidden_layers + draft_layers
     per_token = 2 * layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
     if device.type == "cuda":

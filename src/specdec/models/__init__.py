@@ -13,12 +13,20 @@ from specdec.models.attention import (
 )
 from specdec.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 from specdec.models.llama import LlamaForCausalLM, prompt_logits
-from specdec.models.loader import LoadedModel, load_model
+from specdec.models.loader import (
+    LoadedModel,
+    default_quantization,
+    load_model,
+    quantize_model,
+    resolve_quantization,
+)
+from specdec.models.quant import QUANTIZATIONS, QuantizedWeight
 from specdec.models.registry import default_model_path
 from specdec.models.tokenizer import Tokenizer
 from specdec.models.weights import CheckpointError
 
 __all__ = [
+    "QUANTIZATIONS",
     "SUPPORTED_ARCHITECTURES",
     "AttentionMetadata",
     "AttentionPlan",
@@ -27,11 +35,15 @@ __all__ = [
     "LlamaForCausalLM",
     "LoadedModel",
     "ModelConfig",
+    "QuantizedWeight",
     "RopeScaling",
     "Tokenizer",
     "default_model_path",
+    "default_quantization",
     "load_model",
     "paged_attention",
     "prompt_logits",
+    "quantize_model",
+    "resolve_quantization",
     "write_kv",
 ]

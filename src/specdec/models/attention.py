@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -181,8 +182,12 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> KVCache:
-        """A zero-filled cache."""
+        """A zero-filled cache. On the CPU its memory is an anonymous memory map, whose zero
+        pages the OS commits only when first written: the resident cache is what requests have
+        used, however many blocks it has."""
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        if torch.device(device).type == "cpu":
+            return cls(k_cache=_lazy_zeros(shape, dtype), v_cache=_lazy_zeros(shape, dtype))
         return cls(
             k_cache=torch.zeros(shape, dtype=dtype, device=device),
             v_cache=torch.zeros(shape, dtype=dtype, device=device),
@@ -195,6 +200,17 @@ class KVCache:
     @property
     def block_size(self) -> int:
         return self.k_cache.shape[2]
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor whose pages are committed on first write: an anonymous memory map (zero
+    pages, lazily backed; not NumPy's allocator, which asks for 2 MB huge pages, so that the
+    first token of each layer would commit 2 MB of K and of V)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    size = max(int(np.prod(shape)) * itemsize, 1)
+    region = mmap.mmap(-1, size)
+    raw = np.frombuffer(region, dtype=np.uint8)  # keeps the map alive
+    return torch.from_numpy(raw).view(dtype).view(shape)
 
 
 def write_kv(

@@ -34,6 +34,10 @@ def add_rms_norm_ref(
         (normed [T, D], new residual [T, D]), both in x's dtype.
     """
     summed = x if residual is None else x + residual
+    if summed.dtype == torch.float32 and weight.dtype == torch.float32:
+        # The same products in one call (bit for bit: x * rsqrt(mean(x^2) + eps), then * w):
+        # on the CPU decode path each Python-level operation counts.
+        return F.rms_norm(summed, (summed.shape[-1],), weight, eps), summed
     hidden = summed.to(torch.float32)
     hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
     return weight * hidden.to(x.dtype), summed

@@ -1,20 +1,27 @@
-"""GGUF files (llama.cpp's format): model config, dequantized weights and tokenizer from one file.
+"""GGUF files (llama.cpp's format): model config, weights (dequantized, or as group-quantized
+integers) and tokenizer from one file.
 
 Maps llama.cpp tensor and metadata names to HF ones and undoes the Q/K row permutation llama.cpp
-applies to Llama-architecture checkpoints. Reading and dequantizing use the `gguf` package; this
-module never builds the model itself.
+applies to Llama-architecture checkpoints. Metadata parsing and float dequantization use the
+`gguf` package; tensor bytes are read one tensor at a time (not through the memory map, so a
+loaded model does not keep the file's pages resident). Never builds the model itself.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from specdec.models.config import ModelConfig
+from specdec.models.gguf_blocks import GGUF_QUANT_TYPES, decode_blocks
+from specdec.models.gguf_header import GGUFHeaderError, read_header
+from specdec.models.quant import GroupQuantized
 from specdec.models.tokenizer import Tokenizer
 from specdec.models.weights import CheckpointError
 
@@ -79,27 +86,13 @@ def reverse_permute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
-def _checked_reader(gguf: Any) -> type:
-    """`gguf.GGUFReader` that compares the file's size with the extent its header declares
-    before mapping any tensor (a truncated file otherwise fails with a numpy reshape error)."""
+class _Tensor(NamedTuple):
+    """A tensor of the directory: GGML type, ggml dimensions, size and absolute offset."""
 
-    class CheckedReader(gguf.GGUFReader):
-        def _build_tensors(self, start_offs: int, fields: list) -> None:
-            declared = start_offs
-            for field in fields:
-                _, _, _, dims, raw_dtype, offset = field.parts
-                block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(raw_dtype[0])]
-                n_bytes = int(np.prod(dims)) * type_size // block
-                declared = max(declared, int(start_offs + offset[0]) + n_bytes)
-            size = len(self.data)
-            if declared > size:
-                raise CheckpointError(
-                    f"{self.data.filename} is truncated or corrupt: the file is {size:,} bytes; "
-                    f"its header declares {declared:,}"
-                )
-            super()._build_tensors(start_offs, fields)
-
-    return CheckedReader
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    dims: tuple[int, ...]
+    n_bytes: int
+    data_offset: int
 
 
 class GGUFFile:
@@ -112,31 +105,45 @@ class GGUFFile:
     """
 
     def __init__(self, path: str | Path) -> None:
-        """Opens (memory-maps) the file.
+        """Reads the file's header (metadata and tensor directory; tensors are read on demand).
 
         Raises:
             FileNotFoundError: no such file.
-            CheckpointError: not a readable GGUF file.
+            CheckpointError: not a readable GGUF file (a bad or truncated header, a tensor
+                type or a tensor extent the file cannot hold).
         """
-        import gguf
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"no such GGUF file: {self.path}")
         size = self.path.stat().st_size
+        size = self.path.stat().st_size
         try:
-            self._reader = _checked_reader(gguf)(self.path)
-            self.metadata: dict[str, Any] = {
-                key: field.contents() for key, field in self._reader.fields.items()
-            }
-        except CheckpointError:
-            raise
-        except Exception as err:
+            self.metadata, infos = read_header(self.path)
+        except (GGUFHeaderError, OSError) as err:
             raise CheckpointError(
                 f"cannot read GGUF file {self.path}: the file is {size:,} bytes and its header "
                 f"does not parse within them (truncated or corrupt: {err})"
             ) from err
-        self._tensors = {tensor.name: tensor for tensor in self._reader.tensors}
+        self._tensors: dict[str, _Tensor] = {}
+        declared = 0
+        for info in infos:
+            try:
+                ggml_type = GGMLQuantizationType(info.type_id)
+            except ValueError as err:
+                raise CheckpointError(
+                    f"{self.path}: tensor {info.name!r} has unknown GGML type {info.type_id}"
+                ) from err
+            block_values, block_bytes = GGML_QUANT_SIZES[ggml_type]
+            num_bytes = math.prod(info.dims) * block_bytes // block_values
+            declared = max(declared, info.data_offset + num_bytes)
+            self._tensors[info.name] = _Tensor(ggml_type, info.dims, num_bytes, info.data_offset)
+        if declared > size:
+            raise CheckpointError(
+                f"{self.path} is truncated or corrupt: the file is {size:,} bytes; its header "
+                f"declares {declared:,}"
+            )
         self._hf_names = {
             hf_name: gguf_name
             for gguf_name in self._tensors
@@ -185,7 +192,7 @@ class GGUFFile:
         vocab_size = self._arch_key("vocab_size")
         if vocab_size is None:
             tokens = self.metadata.get("tokenizer.ggml.tokens")
-            vocab_size = len(tokens) if tokens else int(self._tensors["token_embd.weight"].shape[1])
+            vocab_size = len(tokens) if tokens else int(self._tensors["token_embd.weight"].dims[1])
         rope_freq_factors = None
         if ROPE_FREQS_TENSOR in self._tensors:
             factors = self.read_tensor(ROPE_FREQS_TENSOR)
@@ -214,24 +221,76 @@ class GGUFFile:
             eos_token_ids=() if eos is None else (int(eos),),
         )
 
+    def _raw(self, gguf_name: str) -> np.ndarray:
+        """The stored bytes of one tensor, read from the file (a fresh buffer, not the map).
+
+        Raises: CheckpointError: the file ends inside the tensor."""
+        tensor = self._tensors[gguf_name]
+        with self.path.open("rb") as file:
+            data = os.pread(file.fileno(), tensor.n_bytes, tensor.data_offset)
+        if len(data) != tensor.n_bytes:
+            raise CheckpointError(
+                f"{self.path}: truncated file: tensor {gguf_name!r} needs {tensor.n_bytes} bytes "
+                f"at offset {tensor.data_offset}, the file has {len(data)}"
+            )
+        return np.frombuffer(data, dtype=np.uint8)
+
+    def tensor_type(self, gguf_name: str) -> str:
+        """The GGML type name of a tensor ("F32", "Q4_1", ...)."""
+        return self._tensors[gguf_name].tensor_type.name
+
+    def _shape(self, gguf_name: str) -> list[int]:
+        return [int(n) for n in reversed(self._tensors[gguf_name].dims)]
+
     def read_tensor(self, gguf_name: str) -> torch.Tensor:
         """Dequantizes one tensor to float32, in torch's [rows, cols] order (ggml's reversed).
 
         Raises:
             KeyError: no such tensor.
-            CheckpointError: a quantization type `gguf` cannot dequantize.
+            CheckpointError: a quantization type `gguf` cannot dequantize, or a truncated file.
         """
         from gguf.quants import dequantize
 
         tensor = self._tensors[gguf_name]
+        raw = self._raw(gguf_name)
+        if tensor.tensor_type.name in ("F32", "F16"):  # `dequantize` reads these as values
+            raw = raw.view(np.float32 if tensor.tensor_type.name == "F32" else np.float16)
         try:
-            values = dequantize(tensor.data, tensor.tensor_type)
+            values = dequantize(raw, tensor.tensor_type)
         except NotImplementedError as err:
             raise CheckpointError(
                 f"{self.path}: tensor {gguf_name!r} has unsupported type {tensor.tensor_type.name}"
             ) from err
-        shape = [int(n) for n in reversed(tensor.shape.tolist())]
-        return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
+        return torch.from_numpy(np.array(values, dtype=np.float32).reshape(self._shape(gguf_name)))
+
+    def read_quantized(self, gguf_name: str) -> GroupQuantized | None:
+        """One tensor as group-quantized integers (exactly its dequantization, see
+        `gguf_blocks`), or None when its type is not one of GGUF_QUANT_TYPES (float types,
+        and the quantizations we only dequantize).
+
+        Raises: KeyError: no such tensor. CheckpointError: a truncated file.
+        """
+        type_name = self.tensor_type(gguf_name)
+        if type_name not in GGUF_QUANT_TYPES:
+            return None
+        shape = self._shape(gguf_name)
+        if len(shape) != 2:
+            return None
+        return decode_blocks(self._raw(gguf_name), type_name, (shape[0], shape[1]))
+
+    def hf_tensor_type(self, hf_name: str) -> str | None:
+        """The GGML type of the tensor stored for an HF name, or None if absent."""
+        gguf_name = self._hf_names.get(hf_name)
+        return None if gguf_name is None else self.tensor_type(gguf_name)
+
+    def _restore_rows(self, gguf_name: str, config: ModelConfig):
+        """The row permutation that undoes llama.cpp's Q/K reordering of this tensor, or None."""
+        if self.architecture in _PERMUTED_QK_ARCHITECTURES:
+            if ".attn_q." in gguf_name:
+                return lambda t: reverse_permute_qk(t, config.num_attention_heads)
+            if ".attn_k." in gguf_name:
+                return lambda t: reverse_permute_qk(t, config.num_key_value_heads)
+        return None
 
     def read_hf_tensor(self, hf_name: str, config: ModelConfig) -> torch.Tensor | None:
         """The float32 tensor for an HF parameter name (Q/K rows restored), or None if absent."""
@@ -239,12 +298,20 @@ class GGUFFile:
         if gguf_name is None:
             return None
         tensor = self.read_tensor(gguf_name)
-        if self.architecture in _PERMUTED_QK_ARCHITECTURES:
-            if ".attn_q." in gguf_name:
-                tensor = reverse_permute_qk(tensor, config.num_attention_heads)
-            elif ".attn_k." in gguf_name:
-                tensor = reverse_permute_qk(tensor, config.num_key_value_heads)
-        return tensor
+        restore = self._restore_rows(gguf_name, config)
+        return tensor if restore is None else restore(tensor)
+
+    def read_hf_quantized(self, hf_name: str, config: ModelConfig) -> GroupQuantized | None:
+        """`read_quantized` for an HF parameter name (Q/K rows restored); None if absent or not
+        stored in one of GGUF_QUANT_TYPES."""
+        gguf_name = self._hf_names.get(hf_name)
+        if gguf_name is None:
+            return None
+        quantized = self.read_quantized(gguf_name)
+        restore = self._restore_rows(gguf_name, config)
+        if quantized is None or restore is None:
+            return quantized
+        return quantized.map_rows(restore)
 
     def tokenizer(self) -> Tokenizer | None:
         """The tokenizer described by `tokenizer.ggml.*`, or None if the file has no vocabulary.

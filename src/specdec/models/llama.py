@@ -23,40 +23,90 @@ from specdec.models.attention import (
     write_kv_planned,
 )
 from specdec.models.config import ModelConfig
+from specdec.models.decode_cpu import DecodePlanCPU, decode_attention_cpu, rope_write_kv_cpu
 from specdec.models.fused import (
     add_rms_norm,
     paged_decode_attention,
     rope_write_kv,
     silu_mul,
 )
+from specdec.models.quant import (
+    GroupQuantized,
+    QuantizedWeight,
+    embedding_lookup,
+    quant_linear,
+    rowwise_linear,
+)
 
 
 class Linear(nn.Module):
-    """`y = x W^T + b` with empty parameters (filled by the loader, never initialised here)."""
+    """`y = x W^T + b` with empty parameters (filled by the loader, never initialised here).
+
+    A quantized linear has no `weight` parameter: `quantized` holds W in its kernel's layout
+    (`models/quant.py`) and the product runs through `quant_linear`.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))  # [out, in]
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None  # [out]
+        self.quantized: QuantizedWeight | None = None
+
+    def set_quantized(self, weight: QuantizedWeight) -> None:
+        """Replaces the float weight by `weight` ([out, in]). Mutates: drops `self.weight`."""
+        if weight.shape != (self.out_features, self.in_features):
+            raise ValueError(
+                f"quantized weight of shape {list(weight.shape)} for a linear of "
+                f"[{self.out_features}, {self.in_features}]"
+            )
+        self.register_parameter("weight", None)
+        self.quantized = weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return quant_linear(x, self.quantized, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` for a decode/verify step: a quantized weight always goes through its
+        weight-only kernel, whose rows do not depend on how many rows the step has (so a
+        verify row equals the plain decode row of the same token); `forward` may instead
+        dequantize for a GEMM when there are many rows (a prefill chunk)."""
+        if self.quantized is not None:
+            return quant_linear(x, self.quantized, self.bias, kernel_only=True)
         return F.linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Module):
-    """Token embedding table with an empty [V, D] weight."""
+    """Token embedding table with an empty [V, D] weight, or a quantized table whose rows are
+    dequantized on lookup (GGUF embeddings stay quantized)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))  # [V, D]
+        self.quantized: GroupQuantized | None = None
+        self.dtype: torch.dtype | None = None
+
+    def set_quantized(self, table: GroupQuantized, dtype: torch.dtype) -> None:
+        """Replaces the float table by `table` ([V, D], on the model's device); lookups return
+        `dtype`. Mutates: drops `self.weight`."""
+        self.register_parameter("weight", None)
+        self.quantized, self.dtype = table, dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return embedding_lookup(self.quantized, input_ids).to(self.dtype)
         return F.embedding(input_ids, self.weight)
 
 
-def fuse_linears(linears: Sequence[Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Concatenates the weights (and biases) of linears that read the same input into one
-    [sum(out), in] tensor, and re-points each linear's parameters at its slice (no copy kept)."""
+def fuse_linears(linears: Sequence[Linear]) -> Linear:
+    """One Linear for linears that read the same input: their weights (and biases)
+    concatenated into one [sum(out), in] tensor, each linear's parameters re-pointed at its
+    slice (no copy kept). Quantized linears are fused by the loader instead
+    (`fused_quantized`)."""
+    if any(linear.quantized is not None for linear in linears):
+        raise ValueError("quantized linears are fused from their source weights at load")
     weight = torch.cat([linear.weight.data for linear in linears])
     has_bias = [linear.bias is not None for linear in linears]
     bias = torch.cat([linear.bias.data for linear in linears]) if all(has_bias) else None
@@ -69,7 +119,37 @@ def fuse_linears(linears: Sequence[Linear]) -> tuple[torch.Tensor, torch.Tensor 
         if bias is not None and linear.bias is not None:
             linear.bias.data = bias[offset : offset + rows]
         offset += rows
-    return weight, bias
+    with torch.device("meta"):
+        fused = Linear(weight.shape[1], weight.shape[0], bias is not None)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        fused.bias = nn.Parameter(bias, requires_grad=False)
+    return fused
+
+
+def set_fused(module: nn.Module, name: str, fused: Linear) -> None:
+    """Sets `module.<name>` to a fused Linear without registering it as a submodule: its
+    weights are views of the parts' (float) or stand for them (quantized), so the state dict
+    keeps the checkpoint's names and nothing is counted twice."""
+    object.__setattr__(module, name, fused)
+
+
+def fused_quantized(
+    linears: Sequence[Linear], weight: QuantizedWeight, bias: torch.Tensor | None
+) -> Linear:
+    """The fused Linear of `linears` from their concatenated quantized `weight` ([sum(out), in])
+    and bias ([sum(out)] or None); the parts give up their float weights (the fused one is the
+    only copy). Mutates: `linears` (their `weight` parameters are dropped)."""
+    if weight.shape[0] != sum(linear.out_features for linear in linears):
+        raise ValueError(f"a fused weight of {weight.shape[0]} rows for {len(linears)} linears")
+    with torch.device("meta"):
+        fused = Linear(weight.shape[1], weight.shape[0], bias is not None)
+    fused.set_quantized(weight)
+    if bias is not None:
+        fused.bias = nn.Parameter(bias, requires_grad=False)
+    for linear in linears:
+        linear.register_parameter("weight", None)
+    return fused
 
 
 class RMSNorm(nn.Module):
@@ -167,12 +247,23 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.fused_qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        # One [(H_q + 2 H_kv) D, hidden] projection: float weights shared with q/k/v_proj
+        # (`fuse`), or the only copy of quantized ones (set by the loader).
+        self.qkv_proj: Linear | None = None
 
     def fuse(self) -> None:
-        """One [(H_q + 2 H_kv) D, hidden] projection for the decode path (weights shared)."""
-        if self.fused_qkv is None:
-            self.fused_qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        """One [(H_q + 2 H_kv) D, hidden] projection for the decode path (weights shared);
+        quantized parts are fused at load, or stay apart when their formats differ."""
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        if self.qkv_proj is None and all(part.quantized is None for part in parts):
+            set_fused(self, "qkv_proj", fuse_linears(parts))
+
+    def project_qkv(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] -> [T, (H_q + 2 H_kv) D]: q, k and v side by side (decode products)."""
+        if self.qkv_proj is not None:
+            return self.qkv_proj.decode(hidden)
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        return torch.cat([part.decode(hidden) for part in parts], -1)
 
     def forward_decode(
         self,
@@ -182,16 +273,17 @@ class LlamaAttention(nn.Module):
         meta: DecodeMetadata,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        plan: DecodePlanCPU | None = None,
     ) -> torch.Tensor:
         """`forward` for a decode/verify step through the fused kernels: [T, D] -> [T, D].
+        With a `plan` (the CPU step of a quantized model, shared by its layers) RoPE and
+        attention run as it plans; otherwise through `fused.py` (Triton on CUDA, the twins on
+        the CPU).
 
         Mutates: writes the live query tokens' K/V into `k_cache`/`v_cache`.
         """
         num_tokens = hidden.shape[0]
-        if self.fused_qkv is not None:
-            qkv = F.linear(hidden, *self.fused_qkv)
-        else:
-            qkv = torch.cat([self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)], -1)
+        qkv = self.project_qkv(hidden)
         if self.q_norm is not None and self.k_norm is not None:
             q_size = self.num_heads * self.head_dim
             kv_size = self.num_kv_heads * self.head_dim
@@ -199,6 +291,12 @@ class LlamaAttention(nn.Module):
             query = self.q_norm(query.view(num_tokens, self.num_heads, self.head_dim))
             key = self.k_norm(key.view(num_tokens, self.num_kv_heads, self.head_dim))
             qkv = torch.cat([query.flatten(1), key.flatten(1), value], dim=-1)
+        if plan is not None:  # the CPU step of a quantized model
+            query = rope_write_kv_cpu(
+                qkv, plan, k_cache, v_cache, self.num_heads, self.num_kv_heads
+            )
+            out = decode_attention_cpu(query, k_cache, v_cache, plan, self.head_dim**-0.5)
+            return self.o_proj.decode(out.reshape(num_tokens, self.num_heads * self.head_dim))
         query = rope_write_kv(
             qkv,
             positions,
@@ -210,7 +308,7 @@ class LlamaAttention(nn.Module):
             self.num_kv_heads,
         )  # [T, H_q, D_head]
         out = paged_decode_attention(query, k_cache, v_cache, meta, self.head_dim**-0.5)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return self.o_proj.decode(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
     def forward(
         self,
@@ -223,9 +321,14 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """[T, D] -> [T, D]. Mutates: writes the new tokens' K/V into `k_cache`/`v_cache`."""
         num_tokens = hidden.shape[0]
-        query = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
-        key = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        value = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None and self.qkv_proj.quantized is not None:
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            query, key, value = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        else:  # float weights: the separate products, as `transformers` computes them
+            query, key, value = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        query = query.reshape(num_tokens, self.num_heads, self.head_dim)
+        key = key.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        value = value.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
@@ -243,23 +346,28 @@ class LlamaMLP(nn.Module):
         self.gate_proj = Linear(config.hidden_size, config.intermediate_size, config.mlp_bias)
         self.up_proj = Linear(config.hidden_size, config.intermediate_size, config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias)
-        self.fused_gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        # One [2 F, hidden] gate/up projection (as `LlamaAttention.qkv_proj`).
+        self.gate_up_proj: Linear | None = None
 
     def fuse(self) -> None:
         """One [2 F, hidden] gate/up projection for the decode path (weights shared)."""
-        if self.fused_gate_up is None:
-            self.fused_gate_up = fuse_linears([self.gate_proj, self.up_proj])
+        parts = [self.gate_proj, self.up_proj]
+        if self.gate_up_proj is None and all(part.quantized is None for part in parts):
+            set_fused(self, "gate_up_proj", fuse_linears(parts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None and self.gate_up_proj.quantized is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def forward_decode(self, x: torch.Tensor) -> torch.Tensor:
         """`forward` through one gate/up GEMM and the fused silu * up kernel."""
-        if self.fused_gate_up is not None:
-            gate_up = F.linear(x, *self.fused_gate_up)
+        if self.gate_up_proj is not None:
+            gate_up = self.gate_up_proj.decode(x)
         else:
-            gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
-        return self.down_proj(silu_mul(gate_up))
+            gate_up = torch.cat([self.gate_proj.decode(x), self.up_proj.decode(x)], dim=-1)
+        return self.down_proj.decode(silu_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -300,6 +408,15 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
         self.sliding_window = config.sliding_window
 
+    @property
+    def is_quantized(self) -> bool:
+        """Whether the layers' products are quantized (the loader quantizes all or none)."""
+        mlp = self.layers[0].mlp if len(self.layers) else None
+        return mlp is not None and (
+            mlp.down_proj.quantized is not None
+            or (mlp.gate_up_proj is not None and mlp.gate_up_proj.quantized is not None)
+        )
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -335,6 +452,9 @@ class LlamaModel(nn.Module):
         wanted = set(return_layers)
         captured: dict[int, torch.Tensor] = {}
         inv_freq = self.rotary_emb.inv_freq
+        plan = None
+        if not input_ids.is_cuda and self.is_quantized:  # index work once for every layer
+            plan = DecodePlanCPU.build(meta, positions, inv_freq, kv_cache.block_size)
         out = self.embed_tokens(input_ids)  # [T, D]
         residual: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
@@ -348,6 +468,7 @@ class LlamaModel(nn.Module):
                 meta,
                 kv_cache.k_cache[index],
                 kv_cache.v_cache[index],
+                plan,
             )
             normed, residual = add_rms_norm(
                 out,
@@ -376,6 +497,19 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        # A tied LM head whose table is quantized for the product (the loader sets it).
+        self.tied_head: QuantizedWeight | None = None
+        self.quantization: str | None = None  # what the linears run as (set by the loader)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs (its final norm's device)."""
+        return self.model.norm.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activation dtype (its final norm's dtype; quantized weights keep their own)."""
+        return self.model.norm.weight.dtype
 
     def forward(
         self,
@@ -435,25 +569,41 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.fuse()
 
     @property
+    def lm_head_quantized(self) -> QuantizedWeight | None:
+        """The LM head's quantized [V, D] weight, or None when it is a float tensor."""
+        return self.tied_head if self.lm_head is None else self.lm_head.quantized
+
+    @property
     def lm_head_weight(self) -> torch.Tensor:
-        """[V, D] output projection (the embedding table when they are tied)."""
+        """[V, D] output projection (the embedding table when they are tied).
+
+        Raises: ValueError when the head is quantized (use `compute_logits`)."""
+        if self.lm_head_quantized is not None:
+            raise ValueError("the LM head is quantized: it has no float weight")
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Args: hidden: [N, D] final hidden states. Returns: [N, V] float32 logits."""
+    def compute_logits(self, hidden: torch.Tensor, decode: bool = False) -> torch.Tensor:
+        """Args: hidden: [N, D] final hidden states; decode: rows of a decode/verify step
+        (computed as each would be alone, see `Linear.decode`).
+
+        Returns: [N, V] float32 logits."""
+        head = self.lm_head_quantized
+        if head is not None:
+            return quant_linear(hidden, head, kernel_only=decode).float()
+        if decode:
+            return rowwise_linear(hidden, self.lm_head_weight).float()
         return F.linear(hidden, self.lm_head_weight).float()
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
-        """A zero-filled cache for this model, in its parameters' dtype and device."""
-        weight = self.model.embed_tokens.weight
+        """A zero-filled cache for this model, in its activation dtype and on its device."""
         return KVCache.allocate(
             self.config.num_hidden_layers,
             num_blocks,
             block_size,
             self.config.num_key_value_heads,
             self.config.head_dim,
-            dtype=weight.dtype,
-            device=weight.device,
+            dtype=self.dtype,
+            device=self.device,
         )
 
 
@@ -479,7 +629,7 @@ def prompt_logits(
         num_blocks = -(-length // block_size)
         tables.append(list(range(next_block, next_block + num_blocks)))
         next_block += num_blocks
-    device = model.model.embed_tokens.weight.device
+    device = model.device
     kv_cache = model.allocate_kv_cache(max(next_block, 1), block_size)
     attn = AttentionMetadata.build(lengths, lengths, tables, block_size, device)
     input_ids = torch.cat([torch.as_tensor(prompt, dtype=torch.int64) for prompt in prompts])

@@ -1,13 +1,16 @@
 """load_model: a Llama-family model, its config and tokenizer from a HF directory or a GGUF file.
 
 HF directories hold config.json, `*.safetensors` (one file or shards listed in
-model.safetensors.index.json) and tokenizer files. The model is built on the meta device and its
-parameters are assigned from the files, so nothing is ever initialised randomly.
+model.safetensors.index.json; FP8 checkpoints with `weight_scale` tensors too) and tokenizer
+files. The model is built on the meta device and its parameters are assigned from the files, so
+nothing is ever initialised randomly. With a `quantization`, the linear layers (q/k/v and gate/up
+fused) and the LM head are packed for their kernels (`quant.py`) and never held as floats.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -15,7 +18,16 @@ import torch
 
 from specdec.models.config import ModelConfig
 from specdec.models.gguf_file import GGUFFile
-from specdec.models.llama import LlamaForCausalLM
+from specdec.models.llama import Linear, LlamaForCausalLM, fused_quantized, set_fused
+from specdec.models.quant import (
+    Fp8Quantized,
+    GroupQuantized,
+    Quantized,
+    QuantizedWeight,
+    check_quantization,
+    concat_quantized,
+    quantize,
+)
 from specdec.models.tokenizer import Tokenizer
 from specdec.models.weights import CheckpointError, assign_weights
 
@@ -30,15 +42,62 @@ class LoadedModel(NamedTuple):
     tokenizer: Tokenizer | None
 
 
+def is_gguf(path: str | Path) -> bool:
+    """Whether `path` is a file starting with the GGUF magic."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with path.open("rb") as file:
+        return file.read(4) == GGUF_MAGIC
+
+
+def resolve_quantization(path: str | Path, quantization: str | None) -> str | None:
+    """What a model's linear layers run as: "auto" is "gguf" for a GGUF file, "fp8" for an FP8
+    checkpoint, None (float) otherwise; other values are checked.
+
+    Raises: ValueError: an unknown quantization, or "gguf" for a HF directory.
+    """
+    gguf = is_gguf(path)
+    if quantization == "auto":
+        if gguf:
+            return "gguf"
+        return "fp8" if Path(path).is_dir() and _has_fp8_weights(Path(path)) else None
+    check_quantization(quantization)
+    if quantization == "gguf" and not gguf:
+        raise ValueError(
+            f"quantization='gguf' runs a GGUF file's own formats, but {path} is not a GGUF file "
+            "(choose int8, int4, fp8 or None)"
+        )
+    return quantization
+
+
+def default_quantization(path: str | Path, like: str | None) -> str | None:
+    """The quantization of a model at `path` loaded beside one quantized as `like` (a drafter
+    beside its target): `like` itself, except that "gguf" means "each file's own formats"
+    ("auto") for a file that is not GGUF."""
+    if like == "gguf" and not is_gguf(path):
+        return "auto"
+    return like
+
+
 def load_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Loads a model from a HF directory or a `.gguf` file.
 
     Args:
         path: a directory with config.json + safetensors, or a GGUF file.
-        dtype: dtype of the parameters (GGUF tensors are dequantized to float32 first).
+        dtype: the activation dtype, and that of every float parameter (norms, biases, float
+            weights; GGUF tensors are dequantized to float32 first).
         device: where the parameters live.
+        quantization: what the linear layers run as (see `resolve_quantization`): None
+            dequantizes everything to `dtype`; "gguf" keeps a GGUF file's Q8_0, Q4_0, Q4_1,
+            Q4_K and Q6_K tensors as they are (other types are dequantized); "int8"
+            (per channel), "int4" (group-wise; GGUF 4-bit tensors as they are) and "fp8" (e4m3,
+            per channel; an FP8 checkpoint's own scales) quantize at load; "auto" picks.
 
     Returns:
         LoadedModel(model in eval mode without grads, its ModelConfig, its Tokenizer or None when
@@ -47,40 +106,81 @@ def load_model(
     Raises:
         FileNotFoundError: no such path, no config.json, no safetensors file, a missing shard.
         CheckpointError: an unreadable file, a missing tensor or a shape mismatch (named).
-        ValueError: an unsupported architecture or setting.
+        ValueError: an unsupported architecture, setting or quantization.
     """
     path = Path(path)
     if path.is_dir():
-        return _load_hf_dir(path, dtype, device)
-    if not path.exists():
+        loaded = _load_hf_dir(path, dtype, device, resolve_quantization(path, quantization))
+    elif not path.exists():
         raise FileNotFoundError(f"no such model path: {path}")
-    with path.open("rb") as file:
-        magic = file.read(4)
-    if magic != GGUF_MAGIC:
+    elif not is_gguf(path):
         raise CheckpointError(
             f"{path} is neither a directory nor a GGUF file (expected a HF model directory with "
             "config.json and *.safetensors, or a .gguf file)"
         )
-    return _load_gguf(path, dtype, device)
+    else:
+        loaded = _load_gguf(path, dtype, device, resolve_quantization(path, quantization))
+    _release_freed_memory()
+    return loaded
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str) -> LoadedModel:
+def _release_freed_memory() -> None:
+    """Returns the heap that loading freed (file bytes, unpacked integers) to the OS: glibc
+    keeps freed chunks of this size for reuse, which would stay in the resident set."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
+def _load_gguf(
+    path: Path, dtype: torch.dtype, device: torch.device | str, quantization: str | None
+) -> LoadedModel:
     gguf_file = GGUFFile(path)
     config = gguf_file.model_config()
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    assign_weights(
-        model, lambda name: gguf_file.read_hf_tensor(name, config), str(path), dtype, device
-    )
+
+    def read_float(name: str) -> torch.Tensor | None:
+        return gguf_file.read_hf_tensor(name, config)
+
+    def read_quantized(name: str) -> Quantized | None:
+        if quantization in ("gguf", "int4"):
+            stored = gguf_file.read_hf_quantized(name, config)
+            if stored is not None and (quantization == "gguf" or stored.bits == 4):
+                return stored
+            if quantization == "gguf":
+                return None  # a float (or only-dequantized) tensor stays float
+        tensor = read_float(name)
+        return None if tensor is None else quantize(tensor, quantization)  # type: ignore[arg-type]
+
+    table = None
+    if quantization == "gguf":
+        table = gguf_file.read_hf_quantized("model.embed_tokens.weight", config)
+    _load_weights(model, read_float, read_quantized, str(path), dtype, device, quantization, table)
     return LoadedModel(model, config, gguf_file.tokenizer())
 
 
-def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device | str) -> LoadedModel:
+def _load_hf_dir(
+    path: Path, dtype: torch.dtype, device: torch.device | str, quantization: str | None
+) -> LoadedModel:
     config = ModelConfig.from_hf_config(_read_json(path / "config.json", "config.json"))
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     with _SafetensorsCheckpoint(path) as checkpoint:
-        assign_weights(model, checkpoint.read, str(path), dtype, device)
+
+        def read_quantized(name: str) -> Quantized | None:
+            stored = checkpoint.read_fp8(name)
+            if stored is not None and quantization == "fp8":
+                return stored
+            tensor = checkpoint.read(name)
+            return None if tensor is None else quantize(tensor, quantization)  # type: ignore[arg-type]
+
+        _load_weights(
+            model, checkpoint.read, read_quantized, str(path), dtype, device, quantization, None
+        )
     tokenizer = None
     if (path / "tokenizer.json").is_file():
         tokenizer = Tokenizer.from_hf_dir(path)
@@ -90,6 +190,149 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device | str) -> 
         if tokenizer.bos_token is None and config.bos_token_id is not None:
             tokenizer.bos_token = tokenizer.backend.id_to_token(config.bos_token_id)
     return LoadedModel(model, config, tokenizer)
+
+
+# Linears that read the same input, fused into one product when their formats agree.
+_FUSED_GROUPS = (
+    ("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+    ("mlp", "gate_up_proj", ("gate_proj", "up_proj")),
+)
+_SINGLE_LINEARS = (("self_attn", "o_proj"), ("mlp", "down_proj"))
+
+
+def _load_weights(
+    model: LlamaForCausalLM,
+    read_float: Callable[[str], torch.Tensor | None],
+    read_quantized: Callable[[str], Quantized | None],
+    source: str,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    quantization: str | None,
+    table: GroupQuantized | None,
+) -> None:
+    """Fills `model`: with a quantization, the linears and LM head from `read_quantized`
+    (packed at once, one layer at a time; a linear it has no quantized tensor for stays float),
+    a quantized embedding `table` if given; every other parameter from `read_float`.
+
+    Mutates: `model` (parameters assigned, quantized weights set, `model.quantization`)."""
+    model.quantization = quantization
+    if quantization is None:
+        assign_weights(model, read_float, source, dtype, device)
+        return
+    device = torch.device(device)
+    for index, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{index}"
+        for block_name, fused_name, names in _FUSED_GROUPS:
+            block = getattr(layer, block_name)
+            linears = [getattr(block, name) for name in names]
+            weights = [read_quantized(f"{prefix}.{block_name}.{name}.weight") for name in names]
+            fused = _fuse(linears, weights, device)
+            if fused is not None:
+                bias = None
+                if linears[0].bias is not None:
+                    parts = [read_float(f"{prefix}.{block_name}.{name}.bias") for name in names]
+                    if any(part is None for part in parts):
+                        raise CheckpointError(f"{source}: missing a bias of {prefix}.{block_name}")
+                    bias = torch.cat(parts).to(device=device, dtype=dtype)  # type: ignore[arg-type]
+                set_fused(block, fused_name, fused_quantized(linears, fused, bias))
+                continue
+            for linear, weight in zip(linears, weights, strict=True):
+                if weight is not None:
+                    linear.set_quantized(QuantizedWeight(weight, device))
+        for block_name, name in _SINGLE_LINEARS:
+            weight = read_quantized(f"{prefix}.{block_name}.{name}.weight")
+            if weight is not None:
+                getattr(getattr(layer, block_name), name).set_quantized(
+                    QuantizedWeight(weight, device)
+                )
+    if model.lm_head is not None:
+        head = read_quantized("lm_head.weight")
+        if head is not None:  # rows kept for drafters that score a reduced vocabulary
+            model.lm_head.set_quantized(QuantizedWeight(head, device, keep_source=True))
+    embed = model.model.embed_tokens
+    if table is not None:
+        table = table.to(device)
+        embed.set_quantized(table, dtype)
+        if model.lm_head is None:
+            model.tied_head = QuantizedWeight(table, device, keep_source=True)
+    assign_weights(model, read_float, source, dtype, device)
+    if model.lm_head is None and model.tied_head is None and quantization != "gguf":
+        model.tied_head = QuantizedWeight(
+            quantize(embed.weight, quantization), device, keep_source=True
+        )
+
+
+def quantize_model(model: LlamaForCausalLM, quantization: str) -> LlamaForCausalLM:
+    """Quantizes a loaded float model in place ("int8", "int4" or "fp8"), as `load_model` would
+    have: each layer's linears (q/k/v and gate/up fused) and the LM head, one weight at a time.
+
+    Raises: ValueError: an unknown quantization, "gguf", or a model already quantized.
+
+    Mutates: `model` (its float weights are dropped). Returns: `model`.
+    """
+    check_quantization(quantization)
+    if quantization == "gguf":
+        raise ValueError("quantization='gguf' is a GGUF file's own formats: load the file")
+    if model.quantization is not None:
+        raise ValueError(f"the model is already quantized ({model.quantization})")
+    device, dtype = model.device, model.dtype
+    for layer in model.model.layers:
+        for block_name, fused_name, names in _FUSED_GROUPS:
+            block = getattr(layer, block_name)
+            linears = [getattr(block, name) for name in names]
+            weights = [quantize(linear.weight.detach(), quantization) for linear in linears]
+            fused = _fuse(linears, weights, device)
+            assert fused is not None  # one format for all
+            biases = [linear.bias for linear in linears]
+            bias = None
+            if all(b is not None for b in biases):
+                parts = [b.detach() for b in biases if b is not None]
+                bias = torch.cat(parts).to(device=device, dtype=dtype)
+            set_fused(block, fused_name, fused_quantized(linears, fused, bias))
+        for block_name, name in _SINGLE_LINEARS:
+            linear = getattr(getattr(layer, block_name), name)
+            linear.set_quantized(
+                QuantizedWeight(quantize(linear.weight.detach(), quantization), device)
+            )
+    if model.lm_head is not None:
+        head = quantize(model.lm_head.weight.detach(), quantization)
+        model.lm_head.set_quantized(QuantizedWeight(head, device, keep_source=True))
+    else:
+        table = quantize(model.model.embed_tokens.weight.detach(), quantization)
+        model.tied_head = QuantizedWeight(table, device, keep_source=True)
+    model.quantization = quantization
+    return model
+
+
+def _fuse(
+    linears: list[Linear], weights: list[Quantized | None], device: torch.device
+) -> QuantizedWeight | None:
+    """One packed weight for `linears` when all are quantized in one format, else None."""
+    if any(weight is None for weight in weights):
+        return None
+    first = weights[0]
+    for weight in weights:
+        if type(weight) is not type(first):
+            return None
+        if isinstance(weight, GroupQuantized) and isinstance(first, GroupQuantized):
+            same = (
+                weight.group_size == first.group_size
+                and weight.value_range == first.value_range
+                and (weight.zero is None) == (first.zero is None)
+            )
+            if not same:
+                return None
+    return QuantizedWeight(concat_quantized(weights), device)  # type: ignore[arg-type]
+
+
+def _has_fp8_weights(path: Path) -> bool:
+    """Whether a HF directory's config declares FP8 weights (`quantization_config`)."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        return False
+    config = _read_json(config_file, "config.json")
+    quant = config.get("quantization_config") or {}
+    return str(quant.get("quant_method", "")).lower() in ("fp8", "fbgemm_fp8")
 
 
 def _read_json(file: Path, what: str) -> dict[str, Any]:
@@ -134,7 +377,7 @@ class _SafetensorsCheckpoint:
                 raise CheckpointError(f"cannot read {file}: {err}") from err
         return self._handles[file]
 
-    def read(self, name: str) -> torch.Tensor | None:
+    def _get(self, name: str) -> torch.Tensor | None:
         file = self._file_of.get(name)
         if file is None:
             return None
@@ -144,6 +387,37 @@ class _SafetensorsCheckpoint:
             raise
         except Exception as err:
             raise CheckpointError(f"cannot read tensor {name!r} from {file}: {err}") from err
+
+    def read_fp8(self, name: str) -> Fp8Quantized | None:
+        """An FP8 (e4m3) weight with its `<name>_scale` (per tensor or per row), or None when
+        `name` is not stored in FP8.
+
+        Raises: CheckpointError: an FP8 weight without a scale, or with block-wise scales."""
+        tensor = self._get(name)
+        if tensor is None or tensor.dtype != torch.float8_e4m3fn:
+            return None
+        scale = self._get(name + "_scale")
+        if scale is None:
+            raise CheckpointError(f"FP8 tensor {name!r} has no {name}_scale")
+        rows = tensor.shape[0]
+        scale = scale.to(torch.float32)
+        if scale.numel() == 1:
+            scale = scale.reshape(1).expand(rows)
+        elif scale.numel() == rows:
+            scale = scale.reshape(rows)
+        else:
+            raise CheckpointError(
+                f"{name}_scale has shape {list(scale.shape)}: only per-tensor and per-channel "
+                "FP8 scales are supported (not block-wise)"
+            )
+        return Fp8Quantized(tensor, scale.contiguous())
+
+    def read(self, name: str) -> torch.Tensor | None:
+        """A float tensor (an FP8 weight dequantized with its scale), or None if absent."""
+        fp8 = self.read_fp8(name)
+        if fp8 is not None:
+            return fp8.dequantize()
+        return self._get(name)
 
     def __enter__(self) -> _SafetensorsCheckpoint:
         return self

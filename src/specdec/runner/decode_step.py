@@ -48,7 +48,7 @@ class DecodeGraphs:
         self.max_query_len = max_query_len
         self.pad_batches = use_graphs if pad_batches is None else pad_batches
         self.buckets = batch_buckets(max_num_seqs)
-        device = model.model.embed_tokens.weight.device
+        device = model.device
         max_rows = max_num_seqs * max_query_len
         # Every per-step input in one int64 buffer (block tables last), sent with one copy.
         self.inputs = StaticInputs(
@@ -70,7 +70,7 @@ class DecodeGraphs:
         self.block_tables = self.inputs["block_tables"].view(max_num_seqs, max_blocks_per_seq)
         vocab = model.config.vocab_size
         self.logits = torch.empty(max_rows, vocab, dtype=torch.float32, device=device)
-        weight_dtype = model.model.embed_tokens.weight.dtype
+        weight_dtype = model.dtype
         self._logits_lowp = (
             None
             if weight_dtype == torch.float32
@@ -97,11 +97,14 @@ class DecodeGraphs:
         hidden, layers = self.model.model(
             self.input_ids[:rows], self.positions[:rows], meta, self.kv_cache, feature_layers
         )
-        weight = self.model.lm_head_weight
-        if self._logits_lowp is None:
-            torch.mm(hidden, weight.t(), out=self.logits[:rows])
+        quantized_cpu = not hidden.is_cuda and self.model.quantization is not None
+        if self.model.lm_head_quantized is not None or quantized_cpu:
+            # Rows as each would be alone: a verify row's logits equal the decode row's.
+            self.logits[:rows].copy_(self.model.compute_logits(hidden, decode=True))
+        elif self._logits_lowp is None:
+            torch.mm(hidden, self.model.lm_head_weight.t(), out=self.logits[:rows])
         else:
-            torch.mm(hidden, weight.t(), out=self._logits_lowp[:rows])
+            torch.mm(hidden, self.model.lm_head_weight.t(), out=self._logits_lowp[:rows])
             self.logits[:rows].copy_(self._logits_lowp[:rows])
         return torch.cat(layers, dim=-1) if layers else None
 

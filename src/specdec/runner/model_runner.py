@@ -62,24 +62,28 @@ class PagedModelRunner:
         max_model_len: longest sequence (sizes the graphs' block tables; None: the whole cache).
         max_query_len: most query tokens per sequence on the decode path (K + 1).
         enforce_eager: never capture CUDA graphs.
-        decode_path: use the fused decode path for decode steps (None: on CUDA only; the CPU
-            keeps the eager path, which is faster there).
+        decode_path: use the fused decode path for decode steps (None: on CUDA, and on the
+            CPU for quantized models).
         pad_batches: pad decode batches to the graph buckets (None: when capturing graphs).
         """
         self.model = model
         self.block_size = block_size
         self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
-        self.device = model.model.embed_tokens.weight.device
+        self.device = model.device
         self.max_query_len = max_query_len
         self.max_num_seqs = max_num_seqs
         if decode_path is None:
-            decode_path = self.device.type == "cuda" and model.config.sliding_window is None
+            # On the CPU only for quantized models: there per-operation overhead bounds the
+            # step and the decode path plans it once; float models keep the eager path, which
+            # reproduces `transformers` bit for bit.
+            decode_path = model.config.sliding_window is None and (
+                self.device.type == "cuda" or model.quantization is not None
+            )
         self.graphs: DecodeGraphs | None = None
         if decode_path:
             if model.config.sliding_window is not None:
                 raise ValueError("the decode path has no sliding-window attention; run eagerly")
-            if self.device.type == "cuda":
-                model.fuse_projections()
+            model.fuse_projections()
             max_blocks = -(-(max_model_len or num_blocks * block_size) // block_size)
             self.graphs = DecodeGraphs(
                 model,

@@ -408,14 +408,13 @@ def load_block_drafter(path: str | Path, target: LlamaForCausalLM) -> BlockDraft
         raise FileNotFoundError(f"no {WEIGHTS_FILE} in {path}")
     with torch.device("meta"):
         model = BlockDrafterModel(config, target.config)
-    weight = target.model.embed_tokens.weight
     with safe_open(str(weights), framework="pt", device="cpu") as file:
         names = set(file.keys())
         assign_weights(
             model,
             lambda name: file.get_tensor(name) if name in names else None,
             str(weights),
-            weight.dtype,
-            weight.device,
+            target.dtype,
+            target.device,
         )
     return model

@@ -86,7 +86,7 @@ class EagleDrafter(Drafter):
         head.layer.mlp.fuse()
         self.feature_layers = tuple(head.config.feature_layers)
         self.embed = target.model.embed_tokens
-        self.lm_weight = head_logits_weight(target, draft_to_target).to(head.fc.weight.dtype)
+        self.lm_weight = head_logits_weight(target, draft_to_target, head.fc.weight.dtype)
         self.kv_cache = head.allocate_kv_cache(num_blocks, block_size)
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.block_size = block_size
@@ -105,9 +105,8 @@ class EagleDrafter(Drafter):
         """Builds the drafter of a SpeculativeConfig whose `model` is a head directory, with
         graphs (CUDA graphs on the GPU, the same static buffers op by op elsewhere) for its draft
         steps."""
-        weight = target.model.embed_tokens.weight
         head, draft_to_target = load_eagle_head(
-            spec.model, target.config, dtype=weight.dtype, device=weight.device
+            spec.model, target.config, dtype=target.dtype, device=target.device
         )
         return cls(
             head,

@@ -29,6 +29,7 @@ from specdec.models.llama import (
     RMSNorm,
     RotaryEmbedding,
 )
+from specdec.models.quant import QuantizedWeight, quant_linear
 from specdec.models.weights import CheckpointError, assign_weights
 
 EAGLE_ARCHITECTURE = "SpecdecEagleHead"
@@ -260,21 +261,33 @@ class EagleHead(nn.Module):
         )
 
 
-def head_logits_weight(target: LlamaForCausalLM, draft_to_target: torch.Tensor | None):
-    """[V_draft, D] rows of the target's LM head the head scores (all rows when not reduced)."""
-    weight = target.model.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
-    if draft_to_target is None:
-        return weight
-    return weight.index_select(0, draft_to_target.to(weight.device))
+def head_logits_weight(
+    target: LlamaForCausalLM, draft_to_target: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor | QuantizedWeight:
+    """[V_draft, D] rows of the target's LM head the head scores (all rows when not reduced),
+    in `dtype`, or in the target's quantized format when its head is quantized."""
+    quantized = target.lm_head_quantized
+    if quantized is not None:
+        if draft_to_target is None:
+            return quantized
+        return quantized.select_rows(draft_to_target)
+    weight = target.lm_head_weight
+    if draft_to_target is not None:
+        weight = weight.index_select(0, draft_to_target.to(weight.device))
+    return weight.to(dtype)
 
 
-def head_logits(head: EagleHead, hidden: torch.Tensor, lm_weight: torch.Tensor) -> torch.Tensor:
+def head_logits(
+    head: EagleHead, hidden: torch.Tensor, lm_weight: torch.Tensor | QuantizedWeight
+) -> torch.Tensor:
     """[.., D] head outputs -> [.., V_draft] float32 draft logits."""
     inference = hidden.dim() == 2 and not torch.is_grad_enabled()
     if inference:  # one fused kernel on CUDA, the numerics of `head.norm` (it has no backward)
         normed, _ = add_rms_norm(hidden, None, head.norm.weight, head.norm.eps)
     else:
         normed = head.norm(hidden)
+    if isinstance(lm_weight, QuantizedWeight):
+        return quant_linear(normed, lm_weight).float()
     return F.linear(normed, lm_weight).float()
 
 

@@ -1,0 +1,202 @@
+"""The decode/verify step's attention on the CPU, with few PyTorch operations per layer.
+
+Once the weights are quantized, a CPU decode step is bound by per-operation overhead, not by
+arithmetic. `DecodePlanCPU` does a step's index work once (RoPE angles, K/V slots, each
+sequence's keys as a view of the cache or a slot list, from a `DecodeMetadata`) and every layer
+reuses it: RoPE for q and k in one pass, K/V written with `index_copy_`, attention one SDPA call
+per query row over exactly its keys (so rows do not depend on the step's shape). The CPU
+counterpart of `fused_triton.py`'s RoPE and attention kernels, with the same twins
+(`fused.rope_write_kv_ref`, `fused.paged_decode_attention_ref`; tests compare them). Never
+allocates cache blocks or draws randomness.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from specdec.models.attention import DecodeMetadata, cache_slots
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePlanCPU:
+    """A decode/verify step's index work, shared by every layer.
+
+    Attention is planned row by row: each live query row attends over exactly its own keys
+    (positions 0 .. its position) with no mask, the very call a plain decode step makes for
+    the same token, so a verify row equals the decode row and a request's rows do not depend
+    on the rest of the batch (greedy speculative decoding emits what greedy plain decoding
+    emits, within a quantized format whose kernels round to bfloat16).
+
+    Attributes:
+        cos: [T, 1, D] float32 RoPE cosines ("rotate half" layout) of the query rows.
+        sin: [T, 1, D] float32 sines with the first half negated, and `half_swap` the [D]
+            int64 index that swaps the halves: x * cos + x[half_swap] * sin is the rotation
+            (each product as the twin computes it).
+        slots: [T_w] int64 cache slots of the rows whose K/V are written.
+        write_rows: [T_w] int64 rows written, or None when every row is (slots[i] is row i's).
+        sequences: per sequence with a context, (first row, its rows' key counts, and either
+            the first cache slot of its consecutive context (an int: keys are a view) or the
+            [context] int64 slots to gather).
+        all_live: every row is a live query row (no padding rows to zero).
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    half_swap: torch.Tensor
+    slots: torch.Tensor
+    write_rows: torch.Tensor | None
+    sequences: list[tuple[int, list[int], int | torch.Tensor]]
+    all_live: bool
+
+    @classmethod
+    def build(
+        cls,
+        meta: DecodeMetadata,
+        positions: torch.Tensor,
+        inv_freq: torch.Tensor,
+        block_size: int,
+    ) -> DecodePlanCPU:
+        """The plan of one step (host work: the metadata is read into NumPy).
+
+        Args:
+            meta: the step's decode metadata (on the CPU).
+            positions: [B * Q] int64 position of each query row.
+            inv_freq: [D / 2] float32 RoPE inverse frequencies.
+            block_size: tokens per cache block.
+        """
+        per_seq = meta.query_per_seq
+        context = meta.context_lens.numpy().astype(np.int64)  # [B]
+        query_lens = meta.query_lens.numpy().astype(np.int64)  # [B]
+        slot_mapping = meta.slot_mapping
+        keep = slot_mapping.numpy() >= 0
+        if keep.all():
+            slots, write_rows = slot_mapping, None
+        else:
+            write_rows = torch.from_numpy(np.flatnonzero(keep))
+            slots = slot_mapping[write_rows]
+        tables = meta.block_tables.numpy()
+        sequences: list[tuple[int, list[int], int | torch.Tensor]] = []
+        for b, (length, count) in enumerate(
+            zip(context.tolist(), query_lens.tolist(), strict=True)
+        ):
+            if length == 0:
+                continue  # an inert padding sequence: its rows stay 0
+            width = -(-length // block_size)
+            seq_slots = cache_slots(
+                tables[b, :width].astype(np.int64), np.arange(length), block_size
+            )
+            first = int(seq_slots[0])
+            keys: int | torch.Tensor = first
+            if seq_slots[-1] - first != length - 1:  # not consecutive: gather the slots
+                keys = torch.from_numpy(seq_slots)
+            counts = list(range(length - count + 1, length + 1))  # row j sees its prefix
+            sequences.append((b * per_seq, counts, keys))
+        all_live = bool((query_lens == per_seq).all())
+        freqs = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)  # [T, D / 2]
+        cos, sin = freqs.cos(), freqs.sin()
+        half = freqs.shape[1]
+        half_swap = torch.cat((torch.arange(half, 2 * half), torch.arange(half)))
+        return cls(
+            cos=torch.cat((cos, cos), dim=-1)[:, None],  # [T, 1, D]
+            sin=torch.cat((-sin, sin), dim=-1)[:, None],
+            half_swap=half_swap,
+            slots=slots,
+            write_rows=write_rows,
+            sequences=sequences,
+            all_live=all_live,
+        )
+
+
+def rope_write_kv_cpu(
+    qkv: torch.Tensor,
+    plan: DecodePlanCPU,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """`fused.rope_write_kv_ref` with the step's plan: q and k rotated together (in float32,
+    the same products as the twin), keys and values written to their slots.
+
+    Args:
+        qkv: [T, (H_q + 2 H_kv) * D] fused projections.
+        plan: the step's plan.
+        k_cache, v_cache: [num_blocks, block_size, H_kv, D] one layer's caches.
+        num_heads, num_kv_heads: H_q, H_kv.
+
+    Returns: [T, H_q, D] rotated queries in qkv's dtype.
+
+    Mutates: the `k_cache` / `v_cache` slots of `plan.slots`.
+    """
+    num_tokens = qkv.shape[0]
+    head_dim = k_cache.shape[-1]
+    heads = qkv.view(num_tokens, num_heads + 2 * num_kv_heads, head_dim)
+    qk = heads[:, : num_heads + num_kv_heads]
+    if qk.dtype != torch.float32:
+        qk = qk.to(torch.float32)
+    rotated = qk * plan.cos + qk.index_select(-1, plan.half_swap) * plan.sin
+    if rotated.dtype != qkv.dtype:
+        rotated = rotated.to(qkv.dtype)
+    key, value = rotated[:, num_heads:], heads[:, num_heads + num_kv_heads :]
+    if plan.write_rows is not None:
+        key, value = key[plan.write_rows], value[plan.write_rows]
+    if key.dtype != k_cache.dtype:
+        key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slots, key)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slots, value)
+    return rotated[:, :num_heads]
+
+
+def decode_attention_cpu(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: DecodePlanCPU,
+    scale: float,
+) -> torch.Tensor:
+    """`fused.paged_decode_attention_ref`, one SDPA call per live query row over its own keys.
+
+    Args:
+        query: [B * Q, H_q, D] rotated queries in the plan's uniform layout.
+        k_cache, v_cache: [num_blocks, block_size, H_kv, D] one layer's caches (holding the
+            step's keys and values).
+        plan: the step's plan.
+        scale: softmax scale.
+
+    Returns: [B * Q, H_q, D] in query's dtype; padding rows (and inert sequences) are 0.
+    """
+    num_rows, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    rows = query.transpose(0, 1)[None]  # [1, H_q, B * Q, D]
+    outputs: list[tuple[int, torch.Tensor]] = []
+    for first_row, counts, keys_at in plan.sequences:
+        if isinstance(keys_at, int):  # consecutive slots: views of the cache
+            keys = flat_k[keys_at : keys_at + counts[-1]]
+            values = flat_v[keys_at : keys_at + counts[-1]]
+        else:
+            keys, values = flat_k.index_select(0, keys_at), flat_v.index_select(0, keys_at)
+        if keys.dtype != query.dtype:
+            keys, values = keys.to(query.dtype), values.to(query.dtype)
+        keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, H_kv, S, D]
+        for j, count in enumerate(counts):
+            row = first_row + j
+            out = F.scaled_dot_product_attention(
+                rows[:, :, row : row + 1],
+                keys[:, :, :count],
+                values[:, :, :count],
+                scale=scale,
+                enable_gqa=num_heads != num_kv_heads,
+            )  # [1, H_q, 1, D]
+            outputs.append((row, out[0, :, 0]))
+    if len(outputs) == num_rows and plan.all_live:
+        return torch.stack([out for _, out in outputs])  # rows in order: [B * Q, H_q, D]
+    result = query.new_zeros(num_rows, num_heads, head_dim)
+    for row, out in outputs:
+        result[row] = out
+    return result

@@ -1,0 +1,757 @@
+"""Weights that stay quantized: their formats, their exact dequantization, and the matmul dispatch.
+
+Three families of weight-only formats, all [N, K] (rows = output features):
+- group-quantized integers (`GroupQuantized`): w = values * scale + zero per group of K, the
+  form GGUF Q8_0/Q4_0/Q4_1/Q4_K/Q6_K decode to exactly (`gguf_blocks.py`), and what "int8"
+  (per channel) and "int4" (group-wise) quantize a float weight to;
+- FP8 e4m3 (`Fp8Quantized`): w = values * scale, one scale per row or per tensor.
+`QuantizedWeight` holds one such weight in the layout its kernel reads: on the CPU PyTorch's
+weight-only kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`, which compute in
+bfloat16), on CUDA the Triton kernels of `quant_triton.py`. `quant_linear_ref` multiplies by the
+exact dequantization and is the twin those kernels are tested against. Nothing here reads files
+or draws randomness.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+# The `quantization=` engine argument: what a model's linear layers run as (None: float).
+QUANTIZATIONS = ("gguf", "int8", "int4", "fp8")
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# Group sizes tried, largest first, when quantizing to int4 (a K none divides: one group per row).
+INT4_GROUP_SIZES = (128, 64, 32, 16)
+# On the CPU a product of more rows than this dequantizes the weight to bfloat16 and runs one
+# bfloat16 GEMM (oneDNN, AMX where present): the int4 kernel redoes the dequantization every
+# four rows, so it loses to a GEMM from a few tens of rows on (a prefill chunk).
+CPU_DEQUANT_MIN_ROWS = 16
+# On CUDA, the same switch for prefill chunks: dequantize to the activation dtype, then cuBLAS.
+CUDA_DEQUANT_MIN_ROWS = 256
+KERNEL_DTYPE_CPU = torch.bfloat16  # what PyTorch's CPU weight-only kernels compute in
+
+
+def check_quantization(quantization: str | None) -> None:
+    """Raises ValueError for a quantization we do not implement (named, with the choices)."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"quantization {quantization!r} is not supported; choose one of "
+            f"{', '.join(QUANTIZATIONS)} or None (float weights)"
+        )
+
+
+# --------------------------------------------------------------------------- formats
+@dataclass(frozen=True, slots=True)
+class GroupQuantized:
+    """w[n, k] = values[n, k] * scale[n, k // group_size] (+ zero[n, k // group_size]).
+
+    Attributes:
+        values: [N, K] int8 integer values, inside `value_range`.
+        scale: [N, K / group_size] float32.
+        zero: [N, K / group_size] float32 added after the product, or None (symmetric).
+        group_size: values of one row sharing a scale (K for per-channel).
+        value_range: (lowest, highest) value the format can hold, e.g. (0, 15) for Q4_1,
+            (-8, 7) for Q4_0, (-128, 127) for Q8_0.
+    """
+
+    values: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    group_size: int
+    value_range: tuple[int, int]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.values.shape)  # type: ignore[return-value]
+
+    @property
+    def bits(self) -> int:
+        """4 when the values span at most 16 levels, else 8."""
+        low, high = self.value_range
+        return 4 if high - low < 16 else 8
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] float32: values * scale (+ zero), one product and one sum per value, rounded
+        as `gguf` rounds them (the exact dequantization)."""
+        num_rows, num_cols = self.values.shape
+        groups = num_cols // self.group_size
+        values = self.values.to(torch.float32).view(num_rows, groups, self.group_size)
+        out = values * self.scale[:, :, None]
+        if self.zero is not None:
+            out = out + self.zero[:, :, None]
+        return out.view(num_rows, num_cols)
+
+    def map_rows(self, fn) -> GroupQuantized:
+        """The same weight with `fn` applied to the row axis of every tensor (e.g. a row
+        permutation or selection; `fn` maps [N, ...] -> [N', ...])."""
+        return replace(
+            self,
+            values=fn(self.values).contiguous(),
+            scale=fn(self.scale).contiguous(),
+            zero=None if self.zero is None else fn(self.zero).contiguous(),
+        )
+
+    def to(self, device: torch.device | str) -> GroupQuantized:
+        return replace(
+            self,
+            values=self.values.to(device),
+            scale=self.scale.to(device),
+            zero=None if self.zero is None else self.zero.to(device),
+        )
+
+    @staticmethod
+    def cat(parts: list[GroupQuantized]) -> GroupQuantized:
+        """Row-wise concatenation (fused projections); the parts must share group size and
+        value range."""
+        first = parts[0]
+        if any(
+            p.group_size != first.group_size
+            or p.value_range != first.value_range
+            or (p.zero is None) != (first.zero is None)
+            for p in parts
+        ):
+            raise ValueError("cannot concatenate group-quantized weights of different formats")
+        return GroupQuantized(
+            values=torch.cat([p.values for p in parts]),
+            scale=torch.cat([p.scale for p in parts]),
+            zero=None if first.zero is None else torch.cat([p.zero for p in parts]),  # type: ignore[misc]
+            group_size=first.group_size,
+            value_range=first.value_range,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Quantized:
+    """w[n, k] = float(values[n, k]) * scale[n]: FP8 e4m3 with one scale per row (a per-tensor
+    scale is stored repeated).
+
+    Attributes:
+        values: [N, K] torch.float8_e4m3fn.
+        scale: [N] float32.
+    """
+
+    values: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.values.shape)  # type: ignore[return-value]
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] float32."""
+        return self.values.to(torch.float32) * self.scale[:, None]
+
+    def map_rows(self, fn) -> Fp8Quantized:
+        return Fp8Quantized(fn(self.values).contiguous(), fn(self.scale).contiguous())
+
+    def to(self, device: torch.device | str) -> Fp8Quantized:
+        return Fp8Quantized(self.values.to(device), self.scale.to(device))
+
+    @staticmethod
+    def cat(parts: list[Fp8Quantized]) -> Fp8Quantized:
+        return Fp8Quantized(
+            torch.cat([p.values for p in parts]), torch.cat([p.scale for p in parts])
+        )
+
+
+Quantized = GroupQuantized | Fp8Quantized
+
+
+def concat_quantized(parts: list[Quantized]) -> Quantized:
+    """Row-wise concatenation of weights of one format."""
+    if all(isinstance(p, GroupQuantized) for p in parts):
+        return GroupQuantized.cat(parts)  # type: ignore[arg-type]
+    if all(isinstance(p, Fp8Quantized) for p in parts):
+        return Fp8Quantized.cat(parts)  # type: ignore[arg-type]
+    raise ValueError("cannot concatenate weights of different quantization formats")
+
+
+# --------------------------------------------------------------------------- quantizers
+def quantize_int8(weight: torch.Tensor) -> GroupQuantized:
+    """Symmetric per-channel int8 (gpt-fast's "int8"): scale = max|w| / 127 per row.
+
+    Args: weight: [N, K] float. Returns: GroupQuantized with group_size K, values in [-127, 127].
+    """
+    weight = weight.to(torch.float32)
+    scale = weight.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0  # [N, 1]
+    values = torch.round(weight / scale).clamp(-127, 127).to(torch.int8)
+    return GroupQuantized(values, scale, None, weight.shape[1], (-127, 127))
+
+
+def int4_group_size(num_cols: int) -> int:
+    """The largest of INT4_GROUP_SIZES dividing K, else K (one group per row)."""
+    for size in INT4_GROUP_SIZES:
+        if num_cols % size == 0:
+            return size
+    return num_cols
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int | None = None) -> GroupQuantized:
+    """Asymmetric group-wise int4 (min/max per group, as GGUF Q4_1 and gpt-fast's "int4"):
+    w ~= q * scale + min with q in [0, 15].
+
+    Args:
+        weight: [N, K] float.
+        group_size: values per group (default: `int4_group_size(K)`).
+    """
+    weight = weight.to(torch.float32)
+    num_rows, num_cols = weight.shape
+    group_size = group_size or int4_group_size(num_cols)
+    groups = weight.view(num_rows, num_cols // group_size, group_size)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [N, G]
+    scale = ((high - low) / 15.0).clamp(min=1e-12)
+    values = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
+    return GroupQuantized(
+        values.to(torch.int8).view(num_rows, num_cols), scale, low, group_size, (0, 15)
+    )
+
+
+def quantize_fp8(weight: torch.Tensor, per_channel: bool = True) -> Fp8Quantized:
+    """FP8 e4m3 with scale = max|w| / 448 per row (or one for the tensor).
+
+    Args: weight: [N, K] float. Returns: Fp8Quantized.
+    """
+    weight = weight.to(torch.float32)
+    if per_channel:
+        absmax = weight.abs().amax(dim=1)
+    else:
+        absmax = weight.abs().amax().expand(weight.shape[0])
+    scale = absmax.clamp(min=1e-12) / FP8_MAX  # [N]
+    values = (weight / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return Fp8Quantized(values, scale.contiguous())
+
+
+def quantize(weight: torch.Tensor, quantization: str) -> Quantized:
+    """A float [N, K] weight in the format `quantization` ("int8", "int4", "fp8") names."""
+    if quantization == "int8":
+        return quantize_int8(weight)
+    if quantization == "int4":
+        return quantize_int4(weight)
+    if quantization == "fp8":
+        return quantize_fp8(weight)
+    raise ValueError(f"cannot quantize a float weight to {quantization!r}")
+
+
+# --------------------------------------------------------------------------- CPU layouts
+@functools.cache
+def _cpu_int4_available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
+        torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"
+    )
+
+
+@functools.cache
+def _cpu_int8_available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Operands:
+    """A group-quantized weight as PyTorch's CPU int4 kernel reads it (before packing):
+    w'[n, k'] = (nibbles[n, k'] - 8) * scale[n, k' // 32-group] + zero[...], over an expanded
+    input x'. Weights of more than 16 levels split each value u = 16 h + l into two nibbles
+    placed side by side, group by group: x' = [x_g, 16 x_g] for each source group g.
+
+    Attributes:
+        nibbles: [N, K'] uint8 in [0, 15].
+        scale, zero: [N, K' / group_size] float32.
+        group_size: the kernel's group size (32, 64, 128 or 256).
+        source_group: the source group size g when split (x is expanded), else None.
+    """
+
+    nibbles: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    group_size: int
+    source_group: int | None
+
+
+def int4_operands(weight: GroupQuantized) -> Int4Operands | None:
+    """The CPU int4 kernel's operands for `weight`, or None when the kernel cannot take it
+    (N not a multiple of 16, a group size it has no variant for).
+
+    Exact in real arithmetic: sum_k' x'[k'] w'[n, k'] = sum_k x[k] w[n, k]; the kernel then
+    rounds scale and zero to bfloat16.
+    """
+    num_rows, num_cols = weight.shape
+    low, high = weight.value_range
+    group = weight.group_size
+    if num_rows % 16 or high - low > 255:
+        return None
+    zero = weight.zero if weight.zero is not None else torch.zeros_like(weight.scale)
+    scale = weight.scale
+    unsigned = _unsigned(weight.values, low)  # [N, K] uint8 in [0, high - low]
+    if high - low < 16:  # 4-bit: (u - 8) s + (zero + (low + 8) s) = (u + low) s + zero
+        if group not in (32, 64, 128, 256):
+            return None
+        return Int4Operands(unsigned, scale, zero + (low + 8) * scale, group, None)
+    # 8-bit: u = 16 h + l; per source group, [l .. | h ..] against [x_g | 16 x_g].
+    groups = num_cols // group
+    low_nibbles = (unsigned & 15).view(num_rows, groups, 1, group)
+    high_nibbles = (unsigned >> 4).view(num_rows, groups, 1, group)
+    nibbles = torch.cat([low_nibbles, high_nibbles], dim=2).view(num_rows, 2 * num_cols)
+    if group % 32 == 0 and group <= 256:
+        # Two kernel groups per source group: l with zero + (low + 8) s, h with 8 s.
+        low_zero = zero + (low + 8) * scale
+        split_scale = torch.stack([scale, scale], dim=2).view(num_rows, 2 * groups)
+        split_zero = torch.stack([low_zero, 8 * scale], dim=2).view(num_rows, 2 * groups)
+        return Int4Operands(nibbles, split_scale, split_zero, group, group)
+    if group == 16:
+        # One kernel group of 32 holds l and h of a source group and shares one zero z:
+        # s sum x (l + 16 h) + (17 z - 136 s) sum x must equal s sum x (l + 16 h) + (low s + zero)
+        # sum x, so z = (136 s + low s + zero) / 17.
+        return Int4Operands(nibbles, scale, (136 * scale + low * scale + zero) / 17, 32, 16)
+    return None
+
+
+def _unsigned(values: torch.Tensor, low: int) -> torch.Tensor:
+    """int8 values - low as uint8 (no wider intermediate: v - low fits a byte)."""
+    if low == 0:
+        return values.view(torch.uint8)
+    if low == -128:  # v + 128 flips the sign bit
+        return values.view(torch.uint8) ^ 0x80
+    return (values.to(torch.int16) - low).to(torch.uint8)
+
+
+def expand_input(x: torch.Tensor, source_group: int | None) -> torch.Tensor:
+    """x' of `Int4Operands`: [M, K] -> [M, 2K] ([x_g, 16 x_g] per group), or x itself."""
+    if source_group is None:
+        return x
+    num_rows, num_cols = x.shape
+    factors = torch.tensor([1.0, 16.0], dtype=x.dtype, device=x.device).view(1, 1, 2, 1)
+    grouped = x.view(num_rows, num_cols // source_group, 1, source_group)
+    return (grouped * factors).view(num_rows, 2 * num_cols)
+
+
+def int4_operands_dequantize(ops: Int4Operands, dtype: torch.dtype) -> torch.Tensor:
+    """[N, K'] w' in float32 with scale and zero rounded to `dtype` as the kernel reads them."""
+    num_rows, num_cols = ops.nibbles.shape
+    groups = num_cols // ops.group_size
+    scale = ops.scale.to(dtype).to(torch.float32)[:, :, None]
+    zero = ops.zero.to(dtype).to(torch.float32)[:, :, None]
+    values = ops.nibbles.to(torch.float32).view(num_rows, groups, ops.group_size) - 8
+    return (values * scale + zero).view(num_rows, num_cols)
+
+
+@functools.cache
+def _int4_pack_block() -> int | None:
+    """Rows per block of PyTorch's CPU int4 packing on this machine (64 with AVX-512, 32 with
+    AVX2), found by packing with PyTorch's converter and checking `_pack_cpu_int4` and
+    `_unpack_cpu_int4` against it (whole blocks and a partial one); None if the layout is not
+    the one they know (then PyTorch's converter packs, the kernel alone reads the weight:
+    prefill chunks use the int4 kernel too and `dequantize` is unavailable)."""
+    if not _cpu_int4_available():
+        return None
+    for block in (64, 32):
+        good = True
+        for num_rows in (2 * block, block + 16):
+            rows = torch.arange(num_rows)[:, None]
+            cols = torch.arange(64)[None, :]
+            nibbles = ((rows * 37 + cols * 11 + rows * cols % 7) % 16).to(torch.int32)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles, 1)
+            unsigned = nibbles.to(torch.uint8)
+            good = (
+                good
+                and torch.equal(_pack_cpu_int4(unsigned, block).view(packed.shape), packed)
+                and torch.equal(_unpack_cpu_int4(packed, num_rows, 64, block), unsigned)
+            )
+        if good:
+            return block
+    return None
+
+
+def _pack_cpu_int4(nibbles: torch.Tensor, block: int) -> torch.Tensor:
+    """`_convert_weight_to_int4pack_for_cpu` in byte operations: [N, K'] uint8 nibbles ->
+    [N, K'/2] uint8 (the layout `_unpack_cpu_int4` reads)."""
+    num_rows, num_cols = nibbles.shape
+    whole = num_rows // block * block
+    parts = []
+    if whole:
+        blocks = nibbles[:whole].view(whole // block, block, num_cols).transpose(1, 2)
+        half = block // 2  # [NB, K', block] -> low nibble rows 0..half-1, high the rest
+        parts.append((blocks[..., :half] | (blocks[..., half:] << 4)).reshape(-1))
+    if num_rows > whole:
+        tail = nibbles[whole:].t()  # [K', tail]: rows (2i, 2i + 1) share a byte
+        parts.append((tail[:, 0::2] | (tail[:, 1::2] << 4)).reshape(-1))
+    return torch.cat(parts).view(num_rows, num_cols // 2)
+
+
+def _unpack_cpu_int4(packed: torch.Tensor, num_rows: int, num_cols: int, block: int):
+    """Inverse of `_convert_weight_to_int4pack_for_cpu`: [N, K'/2] uint8 -> [N, K'] nibbles.
+    Whole blocks of `block` rows hold per column [block / 2] bytes, low nibbles rows
+    0 .. block/2 - 1, high nibbles the rest; a last, partial block pairs rows (2i, 2i + 1) in
+    one byte (low, high)."""
+    flat = packed.reshape(-1)
+    whole = num_rows // block * block
+    parts = []
+    if whole:
+        blocks = flat[: whole * num_cols // 2].view(whole // block, num_cols, block // 2)
+        nibbles = torch.cat([blocks & 15, blocks >> 4], dim=-1)  # [NB, K', block]
+        parts.append(nibbles.transpose(1, 2).reshape(whole, num_cols))
+    tail = num_rows - whole
+    if tail:
+        pairs = flat[whole * num_cols // 2 :].view(num_cols, tail // 2)
+        nibbles = torch.stack([pairs & 15, pairs >> 4], dim=-1).view(num_cols, tail)
+        parts.append(nibbles.t())
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+# --------------------------------------------------------------------------- kernel layouts
+Layout = Literal["cpu_int4", "cpu_int8", "triton_int", "triton_fp8", "reference"]
+
+
+class QuantizedWeight:
+    """A quantized [N, K] weight in the layout of the kernel that multiplies by it.
+
+    Layouts: "cpu_int4" (PyTorch's packed int4, bfloat16 scale/zero pairs), "cpu_int8"
+    (per-channel int8, bfloat16 scales), "triton_int" / "triton_fp8" (CUDA: the source tensors
+    on the device, read by `quant_triton.py`), "reference" (dequantized per call: for shapes no
+    kernel takes). `source` (the format's own tensors) is kept when asked, for row selection.
+    """
+
+    def __init__(
+        self,
+        quantized: Quantized,
+        device: torch.device | str,
+        *,
+        keep_source: bool = False,
+        layout: Layout | None = None,
+    ) -> None:
+        """Packs `quantized` for `device`.
+
+        Args:
+            quantized: the weight in its format (on any device).
+            device: where the kernel runs.
+            keep_source: keep `quantized` (on the device) for `select_rows`.
+            layout: force a layout (tests); default: the fastest the device has for it.
+        """
+        device = torch.device(device)
+        self.shape: tuple[int, int] = quantized.shape
+        self.device = device
+        self.source: Quantized | None = None
+        self.layout: Layout = layout or _default_layout(quantized, device)
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._meta: dict[str, int | None] = {}
+        if self.layout == "cpu_int4":
+            assert isinstance(quantized, GroupQuantized)
+            self._pack_cpu_int4(quantized)
+        elif self.layout == "cpu_int8":
+            assert isinstance(quantized, GroupQuantized)
+            self._tensors["values"] = quantized.values.contiguous()
+            self._tensors["scale"] = quantized.scale.view(-1).to(KERNEL_DTYPE_CPU)
+        elif self.layout == "triton_int":
+            assert isinstance(quantized, GroupQuantized)
+            low = quantized.value_range[0]
+            if quantized.bits == 4:  # two values a byte: column 2j low, 2j + 1 high
+                unsigned = (quantized.values.to(torch.int16) - low).to(torch.uint8)
+                data = unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)
+            else:
+                low, data = 0, quantized.values
+            self._tensors["data"] = data.contiguous().to(device)
+            self._tensors["scale"] = quantized.scale.contiguous().to(device)
+            if quantized.zero is not None:
+                self._tensors["zero"] = quantized.zero.contiguous().to(device)
+            self._meta = {
+                "bits": quantized.bits,
+                "group_size": quantized.group_size,
+                "value_low": low,
+            }
+        elif self.layout == "triton_fp8":
+            assert isinstance(quantized, Fp8Quantized)
+            self._tensors["values"] = quantized.values.contiguous().to(device)
+            self._tensors["scale"] = quantized.scale.contiguous().to(device)
+            self._meta = {"bits": 0}
+        elif self.layout == "reference":
+            keep_source = True  # the source is what this layout multiplies by
+        if keep_source:  # on the host beside a device layout (only `select_rows` reads it)
+            self.source = quantized.to(device if self.layout == "reference" else "cpu")
+
+    def _pack_cpu_int4(self, quantized: GroupQuantized, rows_per_chunk: int = 4096) -> None:
+        """The cpu_int4 tensors, a few thousand rows (whole packing blocks) at a time: the
+        operands of a whole LM head would take several bytes per value at once."""
+        num_rows = quantized.shape[0]
+        packed = scale_zero = None
+        meta: dict[str, int | None] = {}
+        for start in range(0, num_rows, rows_per_chunk):
+            stop = min(start + rows_per_chunk, num_rows)
+            ops = int4_operands(quantized.map_rows(lambda t, a=start, b=stop: t[a:b]))
+            if ops is None:
+                raise ValueError(f"the CPU int4 kernel cannot take this weight {self.shape}")
+            if packed is None or scale_zero is None:
+                cols, groups = ops.nibbles.shape[1], ops.scale.shape[1]
+                packed = torch.empty(num_rows, cols // 2, dtype=torch.uint8)
+                scale_zero = torch.empty(groups, num_rows, 2, dtype=KERNEL_DTYPE_CPU)
+                meta = {
+                    "group_size": ops.group_size,
+                    "source_group": ops.source_group,
+                    "expanded_cols": cols,
+                }
+            packed[start:stop] = _pack_int4_rows(ops.nibbles)
+            scale_zero[:, start:stop, 0] = ops.scale.t()
+            scale_zero[:, start:stop, 1] = ops.zero.t()
+        assert packed is not None and scale_zero is not None
+        self._tensors["packed"], self._tensors["scale_zero"] = packed, scale_zero  # [G', N, 2]
+        self._meta = meta
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def nbytes(self) -> int:
+        """Bytes held on the device (kernel tensors and the source, if kept)."""
+        total = sum(t.numel() * t.element_size() for t in self._tensors.values())
+        if self.source is not None:
+            src = self.source
+            tensors = [src.values, src.scale]
+            if isinstance(src, GroupQuantized) and src.zero is not None:
+                tensors.append(src.zero)
+            total += sum(t.numel() * t.element_size() for t in tensors)
+        return total
+
+    def select_rows(self, rows: torch.Tensor) -> QuantizedWeight:
+        """A weight of the rows `rows` ([N'] int64) only, in the same layout.
+
+        Raises: ValueError when the source was not kept."""
+        if self.source is None:
+            raise ValueError("this quantized weight was packed without its source rows")
+        index = rows.to(self.source.values.device)
+        return QuantizedWeight(
+            self.source.map_rows(lambda t: t.index_select(0, index)),
+            self.device,
+            keep_source=True,
+            layout=self.layout if self.layout != "cpu_int4" or index.numel() % 16 == 0 else None,
+        )
+
+    # ------------------------------------------------------------------ reference
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] float32: the weight this layout multiplies by (for "cpu_int4"/"cpu_int8",
+        with the bfloat16 scales the kernel reads; the source's exact dequantization
+        otherwise)."""
+        if self.layout == "cpu_int8":
+            values = self._tensors["values"].to(torch.float32)
+            return values * self._tensors["scale"].to(torch.float32)[:, None]
+        if self.layout == "cpu_int4":
+            expanded = self._unpacked_dequantize(torch.float32)  # [N, K']
+            group = self._meta["source_group"]
+            if group is None:
+                return expanded
+            num_rows = expanded.shape[0]
+            parts = expanded.view(num_rows, -1, 2, group)
+            return (parts[:, :, 0] + 16 * parts[:, :, 1]).reshape(num_rows, -1)
+        if self.layout == "triton_int":
+            return self._device_source().dequantize()
+        if self.layout == "triton_fp8":
+            return Fp8Quantized(self._tensors["values"], self._tensors["scale"]).dequantize()
+        assert self.source is not None
+        return self.source.dequantize()
+
+    def _device_source(self) -> GroupQuantized:
+        """The triton_int tensors read back as a GroupQuantized (same values, on the device)."""
+        data = self._tensors["data"]
+        low = self._meta["value_low"]
+        assert low is not None
+        num_rows, num_cols = self.shape
+        if self._meta["bits"] == 4:
+            pairs = torch.stack([data & 15, data >> 4], dim=-1).view(num_rows, num_cols)
+            values = (pairs.to(torch.int16) + low).to(torch.int8)
+        else:
+            values = data
+        group = self._meta["group_size"]
+        assert group is not None
+        value_range = (low, low + 15) if self._meta["bits"] == 4 else (-128, 127)
+        return GroupQuantized(
+            values, self._tensors["scale"], self._tensors.get("zero"), group, value_range
+        )
+
+    def _unpacked_dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """[N, K'] w' of the cpu_int4 layout (expanded columns) in `dtype`."""
+        block = _int4_pack_block()
+        num_rows = self.shape[0]
+        cols = self._meta["expanded_cols"]
+        assert cols is not None
+        if block is None:
+            raise RuntimeError("cannot unpack PyTorch's int4 layout on this machine")
+        nibbles = _unpack_cpu_int4(self._tensors["packed"], num_rows, cols, block)
+        group = self._meta["group_size"]
+        assert group is not None
+        scale_zero = self._tensors["scale_zero"].transpose(0, 1)  # [N, G', 2]
+        # In place: one [N, K'] buffer (prefill chunks dequantize every weight, every chunk).
+        values = nibbles.to(dtype).view(num_rows, cols // group, group).sub_(8)
+        values.mul_(scale_zero[:, :, 0:1].to(dtype)).add_(scale_zero[:, :, 1:2].to(dtype))
+        return values.view(num_rows, cols)
+
+    def can_dequantize_cpu(self) -> bool:
+        if self.layout != "cpu_int4":
+            return self.layout in ("cpu_int8", "reference")
+        return _int4_pack_block() is not None
+
+    # ------------------------------------------------------------------ kernels
+    def matmul(self, x: torch.Tensor, kernel_only: bool = False) -> torch.Tensor:
+        """[M, K] -> [M, N] in x's dtype; see `quant_linear`."""
+        layout = self.layout
+        dequant = not kernel_only
+        if layout == "cpu_int4":
+            xk = x if x.dtype == KERNEL_DTYPE_CPU else x.to(KERNEL_DTYPE_CPU)
+            if dequant and x.shape[0] >= CPU_DEQUANT_MIN_ROWS and self.can_dequantize_cpu():
+                weight = self._unpacked_dequantize(KERNEL_DTYPE_CPU)
+                out = F.linear(expand_input(xk, self._meta["source_group"]), weight)
+            else:
+                out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                    expand_input(xk, self._meta["source_group"]),
+                    self._tensors["packed"],
+                    self._meta["group_size"],
+                    self._tensors["scale_zero"],
+                )
+            return out if out.dtype == x.dtype else out.to(x.dtype)
+        if layout == "cpu_int8":
+            xk = x if x.dtype == KERNEL_DTYPE_CPU else x.to(KERNEL_DTYPE_CPU)
+            if dequant and x.shape[0] >= CPU_DEQUANT_MIN_ROWS:
+                weight = (
+                    self._tensors["values"].to(KERNEL_DTYPE_CPU) * self._tensors["scale"][:, None]
+                )
+                return F.linear(xk, weight).to(x.dtype)
+            out = torch.ops.aten._weight_int8pack_mm(
+                xk, self._tensors["values"], self._tensors["scale"]
+            )
+            return out if out.dtype == x.dtype else out.to(x.dtype)
+        if layout in ("triton_int", "triton_fp8"):
+            from specdec.models import quant_triton
+
+            if dequant and x.shape[0] >= CUDA_DEQUANT_MIN_ROWS:  # a prefill chunk: cuBLAS
+                weight = quant_triton.dequantize_triton(
+                    self._tensors, self._meta, self.shape, x.dtype
+                )
+                return F.linear(x, weight)
+            return quant_triton.quant_matmul_triton(x, self._tensors, self._meta, self.shape)
+        weight = self.dequantize().to(x.dtype)
+        return rowwise_linear(x, weight) if kernel_only else F.linear(x, weight)
+
+
+def rowwise_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """F.linear one row at a time on the CPU: a GEMM's result for a row may depend on how many
+    rows it multiplies (its blocking), one row's never does. For float weights on the decode
+    path (verify rows must equal decode rows); on CUDA the plain product.
+
+    Args: x: [M, K]. weight: [N, K]. bias: [N] or None. Returns: [M, N]."""
+    if x.is_cuda or x.shape[0] <= 1:
+        return F.linear(x, weight, bias)
+    return torch.cat([F.linear(x[row : row + 1], weight, bias) for row in range(x.shape[0])])
+
+
+def _pack_int4_rows(nibbles: torch.Tensor, rows_per_call: int = 4096) -> torch.Tensor:
+    """PyTorch's CPU int4 packing of [N, K'] nibbles: in byte operations where the layout is
+    known, else through PyTorch's converter a few thousand rows at a time (it takes int32: a
+    whole LM head at once would need 4 bytes per value)."""
+    block = _int4_pack_block()
+    if block is not None:
+        return _pack_cpu_int4(nibbles, block)
+    num_rows = nibbles.shape[0]
+    if num_rows <= rows_per_call:
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles.to(torch.int32), 1)
+    parts = []
+    for start in range(0, num_rows, rows_per_call):  # rows_per_call: a multiple of 64
+        chunk = nibbles[start : start + rows_per_call].to(torch.int32)
+        parts.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(chunk, 1))
+    return torch.cat(parts)
+
+
+def _default_layout(quantized: Quantized, device: torch.device) -> Layout:
+    if device.type == "cuda":
+        return "triton_fp8" if isinstance(quantized, Fp8Quantized) else "triton_int"
+    if isinstance(quantized, GroupQuantized):
+        num_cols = quantized.shape[1]
+        per_channel_int8 = (
+            quantized.group_size == num_cols
+            and quantized.zero is None
+            and quantized.value_range[0] >= -128
+            and quantized.value_range[1] <= 127
+        )
+        if per_channel_int8 and _cpu_int8_available():
+            return "cpu_int8"
+        if _cpu_int4_available() and int4_operands(_shape_probe(quantized)) is not None:
+            return "cpu_int4"
+    return "reference"
+
+
+def _shape_probe(quantized: GroupQuantized) -> GroupQuantized:
+    """A one-group stand-in of `quantized` with its row count (cheap `int4_operands` check)."""
+    num_rows = quantized.shape[0]
+    group = quantized.group_size
+    return GroupQuantized(
+        torch.zeros(num_rows, group, dtype=torch.int8),
+        torch.ones(num_rows, 1),
+        None if quantized.zero is None else torch.zeros(num_rows, 1),
+        group,
+        quantized.value_range,
+    )
+
+
+# --------------------------------------------------------------------------- dispatch
+def quant_linear_ref(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ W^T (+ bias) with W the weight's exact dequantization (`weight.dequantize()`),
+    computed in float32 and rounded to x's dtype once.
+
+    Args:
+        x: [M, K] activations.
+        weight: [N, K].
+        bias: [N] or None.
+
+    Returns: [M, N] in x's dtype.
+    """
+    out = x.to(torch.float32) @ weight.dequantize().to(x.device).t()
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.to(x.dtype)
+
+
+def quant_linear(
+    x: torch.Tensor,
+    weight: QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    *,
+    kernel_only: bool = False,
+) -> torch.Tensor:
+    """x @ W^T (+ bias) through the weight's kernel: on the CPU PyTorch's int4/int8 kernels in
+    bfloat16 (x rounded to bfloat16, float32 accumulation, the result rounded to bfloat16, then
+    cast to x's dtype), on CUDA the Triton kernels; see `quant_linear_ref` for the value. Many
+    rows (CPU_DEQUANT_MIN_ROWS, CUDA_DEQUANT_MIN_ROWS: a prefill chunk) dequantize the weight
+    for one GEMM instead, unless `kernel_only`.
+
+    Args:
+        x: [..., K] activations.
+        weight: [N, K].
+        bias: [N] or None.
+        kernel_only: always the weight-only kernel (decode/verify steps: each row's result is
+            then independent of the number of rows).
+
+    Returns: [..., N] in x's dtype.
+    """
+    if x.dim() == 2:  # (the decode path's case: no reshapes)
+        out = weight.matmul(x, kernel_only)
+        return out if bias is None else out + bias
+    lead = x.shape[:-1]
+    out = weight.matmul(x.reshape(-1, x.shape[-1]), kernel_only)
+    if bias is not None:
+        out = out + bias
+    return out.view(*lead, out.shape[-1])
+
+
+def embedding_lookup(table: GroupQuantized, token_ids: torch.Tensor) -> torch.Tensor:
+    """Rows `token_ids` ([T] int64) of a quantized [V, D] table, dequantized exactly: [T, D]
+    float32."""
+    rows = table.values.index_select(0, token_ids).to(torch.float32)  # [T, D]
+    num_tokens, dim = rows.shape
+    groups = dim // table.group_size
+    out = (
+        rows.view(num_tokens, groups, table.group_size)
+        * table.scale.index_select(0, token_ids)[:, :, None]
+    )
+    if table.zero is not None:
+        out = out + table.zero.index_select(0, token_ids)[:, :, None]
+    return out.view(num_tokens, dim)
