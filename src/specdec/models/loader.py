@@ -52,15 +52,20 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def resolve_quantization(path: str | Path, quantization: str | None) -> str | None:
-    """What a model's linear layers run as: "auto" is "gguf" for a GGUF file, "fp8" for an FP8
-    checkpoint, None (float) otherwise; other values are checked.
+    """What a model's linear layers run as: "auto" is "fp8" for an FP8 checkpoint and None
+    (float: a GGUF file's tensors dequantized at load) otherwise; other values are checked.
+
+    GGUF files are not kept quantized unless asked ("gguf"): the CPU weight-only kernels and the
+    dequantized GEMM that long prefill chunks take round differently, so a request's tokens would
+    depend on what else shares its prefill chunk, and "a request alone emits what it emits in a
+    batch" would no longer hold.
 
     Raises: ValueError: an unknown quantization, or "gguf" for a HF directory.
     """
     gguf = is_gguf(path)
     if quantization == "auto":
         if gguf:
-            return "gguf"
+            return None
         return "fp8" if Path(path).is_dir() and _has_fp8_weights(Path(path)) else None
     check_quantization(quantization)
     if quantization == "gguf" and not gguf:

@@ -174,3 +174,15 @@ def test_quantize_model_equals_quantized_load(tmp_path: Path, quantization: str)
     assert torch.equal(prompt_logits(converted, prompts)[0], prompt_logits(loaded, prompts)[0])
     with pytest.raises(ValueError, match="already quantized"):
         quantize_model(converted, quantization)
+
+
+def test_a_gguf_file_is_dequantized_unless_asked(tmp_path: Path) -> None:
+    """The default keeps a request's tokens independent of its batch: "auto" dequantizes a GGUF
+    file (its quantized kernels round differently in short and long prefill chunks); "gguf"
+    keeps it quantized."""
+    from specdec.models.loader import resolve_quantization
+
+    path = write_gguf(tmp_path / "m.gguf", make_hf_model("llama"), arch="llama")
+    assert resolve_quantization(path, "auto") is None
+    assert resolve_quantization(path, "gguf") == "gguf"
+    assert load_model(path, quantization="auto").model.quantization is None
