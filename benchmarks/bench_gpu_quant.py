@@ -5,7 +5,7 @@ weight-only modes beside us in the same process.
 
     python benchmarks/bench_gpu_quant.py --out DIR [--shape llama-3-8b] [--batches 1,64] \
         [--formats bf16,fp8,int4,int8] [--gpt-fast-dir PATH [--gpt-fast-modes int8,int4]] \
-        [--new-tokens 64]
+        [--gpt-fast-batches 1] [--new-tokens 64]
 
 Targets (issue 15): batch-1 TPOT with FP8 <= 0.6x bf16, int4 <= 0.4x; batch 64 with FP8
 <= 0.65x. gpt-fast (github.com/pytorch-labs/gpt-fast, not part of this repository) is run when
@@ -185,12 +185,18 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--gpt-fast-dir", default=None)
     parser.add_argument("--gpt-fast-modes", default="int8,int4", help="of bf16,int8,int4")
+    parser.add_argument("--gpt-fast-batches", default=None, help="default: --batches")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     results = {"ours": bench_ours(args.shape, args.formats.split(","), batches, args.new_tokens)}
     if args.gpt_fast_dir:
+        gf_batches = [int(b) for b in (args.gpt_fast_batches or args.batches).split(",")]
         results["gpt_fast"] = bench_gpt_fast(
-            args.shape, batches, args.new_tokens, args.gpt_fast_dir
+            args.shape,
+            gf_batches,
+            args.new_tokens,
+            args.gpt_fast_dir,
+            args.gpt_fast_modes.split(","),
         )
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M"),

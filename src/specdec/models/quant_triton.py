@@ -172,16 +172,22 @@ def _operands(tensors: dict[str, torch.Tensor], meta: dict) -> tuple:
     )
 
 
-def _matmul_plan(num_rows: int) -> tuple[int, int, int, bool, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, use tl.dot, num_warps): one tile shape for every M, so a
-    row's accumulation order (and result) does not depend on how many rows the product has (a
-    verify row equals the decode row of the same token)."""
+def _matmul_plan(num_rows: int) -> tuple[int, int, int, bool, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, use tl.dot, num_warps, num_stages): one tile shape for every
+    M, so a row's accumulation order (and result) does not depend on how many rows the product
+    has (a verify row equals the decode row of the same token)."""
     del num_rows
-    return 16, 64, 128, True, 4
+    # The fastest of nine plans at one and eight rows on the H200's 8B shapes (FP8: 0.66-0.9x
+    # the bfloat16 product; benchmarks/probes/probe_quant_kernels.py).
+    return 16, 32, 256, True, 4, 3
 
 
 def quant_matmul_triton(
-    x: torch.Tensor, tensors: dict[str, torch.Tensor], meta: dict, shape: tuple[int, int]
+    x: torch.Tensor,
+    tensors: dict[str, torch.Tensor],
+    meta: dict,
+    shape: tuple[int, int],
+    plan: tuple[int, int, int, bool, int, int] | None = None,
 ) -> torch.Tensor:
     """x @ W^T for a weight in the triton_int / triton_fp8 layout.
 
@@ -189,6 +195,7 @@ def quant_matmul_triton(
         x: [M, K] activations (float16, bfloat16 or float32).
         tensors, meta: the weight's tensors and constants (`QuantizedWeight`).
         shape: (N, K).
+        plan: a tile plan other than `_matmul_plan`'s (probes).
 
     Returns: [M, N] in x's dtype.
     """
@@ -199,7 +206,7 @@ def quant_matmul_triton(
     if num_rows == 0:
         return out
     w, scale, zero, value_low, group, bits, has_zero = _operands(tensors, meta)
-    block_m, block_n, block_k, use_dot, num_warps = _matmul_plan(num_rows)
+    block_m, block_n, block_k, use_dot, num_warps, num_stages = plan or _matmul_plan(num_rows)
     grid = (triton.cdiv(num_out, block_n), triton.cdiv(num_rows, block_m))
     _quant_matmul_kernel[grid](
         x,
@@ -221,6 +228,7 @@ def quant_matmul_triton(
         BLOCK_K=block_k,
         USE_DOT=use_dot,
         num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 
