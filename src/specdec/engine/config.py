@@ -37,12 +37,11 @@ class EngineConfig:
             from max_num_seqs x max_model_len (CPU).
         gpu_memory_utilization: fraction of GPU memory the engine may use.
         enforce_eager: never capture CUDA graphs.
-        quantization: what the linear layers run as: "auto" (the default: "fp8" for an FP8
-            checkpoint, float otherwise: a GGUF file is dequantized), "gguf" (a GGUF file's own
-            Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors, kept quantized: faster on the CPU, but a
-            request's tokens may then depend on what shares its prefill chunk), "int8" (per
-            channel), "int4" (group-wise), "fp8" (e4m3, per channel) or None / "none"
-            (dequantize to `dtype`). `dtype` stays the activation dtype.
+        quantization: what the linear layers run as: "auto" (the default: "gguf" for a GGUF
+            file on the CPU, "fp8" for an FP8 checkpoint, float otherwise: a GGUF file on CUDA
+            is dequantized), "gguf" (a GGUF file's own Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors, kept
+            quantized), "int8" (per channel), "int4" (group-wise), "fp8" (e4m3, per channel) or
+            None / "none" (dequantize to `dtype`). `dtype` stays the activation dtype.
         async_scheduling: while a plain decode step runs on the device, schedule and launch the
             next one, feeding it the sampled tokens on the device, and read the earlier step's
             tokens meanwhile (host work overlaps the GPU; outputs are the same, reported one

@@ -51,21 +51,22 @@ def is_gguf(path: str | Path) -> bool:
         return file.read(4) == GGUF_MAGIC
 
 
-def resolve_quantization(path: str | Path, quantization: str | None) -> str | None:
-    """What a model's linear layers run as: "auto" is "fp8" for an FP8 checkpoint and None
-    (float: a GGUF file's tensors dequantized at load) otherwise; other values are checked.
+def resolve_quantization(
+    path: str | Path, quantization: str | None, device: torch.device | str = "cpu"
+) -> str | None:
+    """What a model's linear layers run as: "auto" is "gguf" for a GGUF file on the CPU (its
+    tensors kept quantized), "fp8" for an FP8 checkpoint, and None (float) otherwise (a GGUF
+    file on CUDA is dequantized at load); other values are checked.
 
-    GGUF files are not kept quantized unless asked ("gguf"): the CPU weight-only kernels and the
-    dequantized GEMM that long prefill chunks take round differently, so a request's tokens would
-    depend on what else shares its prefill chunk, and "a request alone emits what it emits in a
-    batch" would no longer hold.
+    On the CPU every quantized product takes the weight-only kernel, whose rows do not depend
+    on the batch, so a request alone emits what it emits in a batch under "gguf" as under float.
 
     Raises: ValueError: an unknown quantization, or "gguf" for a HF directory.
     """
     gguf = is_gguf(path)
     if quantization == "auto":
         if gguf:
-            return None
+            return "gguf" if torch.device(device).type == "cpu" else None
         return "fp8" if Path(path).is_dir() and _has_fp8_weights(Path(path)) else None
     check_quantization(quantization)
     if quantization == "gguf" and not gguf:
@@ -102,7 +103,8 @@ def load_model(
             dequantizes everything to `dtype`; "gguf" keeps a GGUF file's Q8_0, Q4_0, Q4_1,
             Q4_K and Q6_K tensors as they are (other types are dequantized); "int8"
             (per channel), "int4" (group-wise; GGUF 4-bit tensors as they are) and "fp8" (e4m3,
-            per channel; an FP8 checkpoint's own scales) quantize at load; "auto" picks.
+            per channel; an FP8 checkpoint's own scales) quantize at load; "auto" picks
+            ("gguf" for a GGUF file on the CPU).
 
     Returns:
         LoadedModel(model in eval mode without grads, its ModelConfig, its Tokenizer or None when
@@ -115,7 +117,7 @@ def load_model(
     """
     path = Path(path)
     if path.is_dir():
-        loaded = _load_hf_dir(path, dtype, device, resolve_quantization(path, quantization))
+        loaded = _load_hf_dir(path, dtype, device, resolve_quantization(path, quantization, device))
     elif not path.exists():
         raise FileNotFoundError(f"no such model path: {path}")
     elif not is_gguf(path):
@@ -124,7 +126,7 @@ def load_model(
             "config.json and *.safetensors, or a .gguf file)"
         )
     else:
-        loaded = _load_gguf(path, dtype, device, resolve_quantization(path, quantization))
+        loaded = _load_gguf(path, dtype, device, resolve_quantization(path, quantization, device))
     _release_freed_memory()
     return loaded
 

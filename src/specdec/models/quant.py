@@ -26,11 +26,12 @@ QUANTIZATIONS = ("gguf", "int8", "int4", "fp8")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # Group sizes tried, largest first, when quantizing to int4 (a K none divides: one group per row).
 INT4_GROUP_SIZES = (128, 64, 32, 16)
-# On the CPU a product of more rows than this dequantizes the weight to bfloat16 and runs one
-# bfloat16 GEMM (oneDNN, AMX where present): the int4 kernel redoes the dequantization every
-# four rows, so it loses to a GEMM from a few tens of rows on (a prefill chunk).
-CPU_DEQUANT_MIN_ROWS = 16
-# On CUDA, the same switch for prefill chunks: dequantize to the activation dtype, then cuBLAS.
+# On the CPU every product takes the weight-only kernel, whose rows do not depend on how many
+# rows it multiplies: a dequantized GEMM for prefill chunks (faster from a few tens of rows on)
+# rounds differently, so a request's tokens would depend on what shares its chunk, whether a
+# step mixes prefill and decode rows, and on preemption. On CUDA, prefill chunks of this many
+# rows dequantize to the activation dtype and run cuBLAS (whose bfloat16 products already pick
+# their algorithm by shape, as the float path's do).
 CUDA_DEQUANT_MIN_ROWS = 256
 KERNEL_DTYPE_CPU = torch.bfloat16  # what PyTorch's CPU weight-only kernels compute in
 
@@ -625,15 +626,10 @@ class QuantizedWeight:
         group = self._meta["group_size"]
         assert group is not None
         scale_zero = self._tensors["scale_zero"].transpose(0, 1)  # [N, G', 2]
-        # In place: one [N, K'] buffer (prefill chunks dequantize every weight, every chunk).
+        # In place: one [N, K'] buffer.
         values = nibbles.to(dtype).view(num_rows, cols // group, group).sub_(8)
         values.mul_(scale_zero[:, :, 0:1].to(dtype)).add_(scale_zero[:, :, 1:2].to(dtype))
         return values.view(num_rows, cols)
-
-    def can_dequantize_cpu(self) -> bool:
-        if self.layout != "cpu_int4":
-            return self.layout in ("cpu_int8", "reference")
-        return _int4_pack_block() is not None
 
     # ------------------------------------------------------------------ kernels
     def matmul(self, x: torch.Tensor, kernel_only: bool = False) -> torch.Tensor:
@@ -642,24 +638,15 @@ class QuantizedWeight:
         dequant = not kernel_only
         if layout == "cpu_int4":
             xk = x if x.dtype == KERNEL_DTYPE_CPU else x.to(KERNEL_DTYPE_CPU)
-            if dequant and x.shape[0] >= CPU_DEQUANT_MIN_ROWS and self.can_dequantize_cpu():
-                weight = self._unpacked_dequantize(KERNEL_DTYPE_CPU)
-                out = F.linear(expand_input(xk, self._meta["source_group"]), weight)
-            else:
-                out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                    expand_input(xk, self._meta["source_group"]),
-                    self._tensors["packed"],
-                    self._meta["group_size"],
-                    self._tensors["scale_zero"],
-                )
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                expand_input(xk, self._meta["source_group"]),
+                self._tensors["packed"],
+                self._meta["group_size"],
+                self._tensors["scale_zero"],
+            )
             return out if out.dtype == x.dtype else out.to(x.dtype)
         if layout == "cpu_int8":
             xk = x if x.dtype == KERNEL_DTYPE_CPU else x.to(KERNEL_DTYPE_CPU)
-            if dequant and x.shape[0] >= CPU_DEQUANT_MIN_ROWS:
-                weight = (
-                    self._tensors["values"].to(KERNEL_DTYPE_CPU) * self._tensors["scale"][:, None]
-                )
-                return F.linear(xk, weight).to(x.dtype)
             out = torch.ops.aten._weight_int8pack_mm(
                 xk, self._tensors["values"], self._tensors["scale"]
             )
@@ -776,16 +763,16 @@ def quant_linear(
 ) -> torch.Tensor:
     """x @ W^T (+ bias) through the weight's kernel: on the CPU PyTorch's int4/int8 kernels in
     bfloat16 (x rounded to bfloat16, float32 accumulation, the result rounded to bfloat16, then
-    cast to x's dtype), on CUDA the Triton kernels; see `quant_linear_ref` for the value. Many
-    rows (CPU_DEQUANT_MIN_ROWS, CUDA_DEQUANT_MIN_ROWS: a prefill chunk) dequantize the weight
-    for one GEMM instead, unless `kernel_only`.
+    cast to x's dtype) for every row count; on CUDA PyTorch's int4 kernel or the Triton kernels,
+    where many rows (CUDA_DEQUANT_MIN_ROWS: a prefill chunk) dequantize the weight for one GEMM
+    instead, unless `kernel_only`. See `quant_linear_ref` for the value.
 
     Args:
         x: [..., K] activations.
         weight: [N, K].
         bias: [N] or None.
-        kernel_only: always the weight-only kernel (decode/verify steps: each row's result is
-            then independent of the number of rows).
+        kernel_only: always the weight-only kernel (decode/verify steps on CUDA: each row's
+            result is then independent of the number of rows, as it always is on the CPU).
 
     Returns: [..., N] in x's dtype.
     """

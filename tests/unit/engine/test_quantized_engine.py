@@ -35,8 +35,12 @@ def test_kernel_rows_do_not_depend_on_the_batch(layout: str) -> None:
     for row in (0, 3, 39):
         alone = quant_linear(x[row : row + 1], weight, kernel_only=True)
         assert torch.equal(alone[0], batch[row])
-    # Negative control: the prefill GEMM path (many rows) rounds differently somewhere.
-    assert not torch.equal(quant_linear(x, weight), batch)
+    # Without `kernel_only` too: on the CPU every row count takes the kernel.
+    assert torch.equal(quant_linear(x, weight), batch)
+    # Negative control: a dequantized bfloat16 GEMM (what prefill chunks once took) rounds
+    # differently somewhere, so a row's value would depend on the path its step takes.
+    gemm = torch.nn.functional.linear(x.bfloat16(), weight.dequantize().bfloat16()).float()
+    assert not torch.equal(gemm, batch)
 
 
 def _gguf_model(tmp_path: Path) -> str:
@@ -67,3 +71,54 @@ def test_greedy_speculation_equals_greedy_plain(tmp_path: Path, quantization: st
     stats = [out.spec_decode_stats for out in spec_out]
     assert sum(s["num_accepted_tokens"] for s in stats) > 0  # rounds accepted drafts
     assert sum(s["num_draft_tokens"] - s["num_accepted_tokens"] for s in stats) > 0  # and not
+
+
+def test_gguf_rows_do_not_depend_on_what_shares_the_prefill(tmp_path: Path, monkeypatch) -> None:
+    """The default load of a GGUF file on the CPU keeps it quantized, and a prompt's logits are
+    bit-identical alone and inside a batched prefill of other prompts (every product takes the
+    weight-only kernel). Negative control: with a dequantized bfloat16 GEMM for products of 16
+    rows or more (what long prefill chunks once took), the same comparison fails."""
+    from specdec.models import load_model, prompt_logits
+
+    model = load_model(_gguf_model(tmp_path), quantization="auto").model
+    assert model.quantization == "gguf"
+    prompts = prompt_tokens(97, [21, 37, 9], seed=5)
+
+    def compare() -> bool:
+        alone = [prompt_logits(model, [p])[0] for p in prompts]
+        batched = prompt_logits(model, prompts)
+        return all(torch.equal(a, b) for a, b in zip(alone, batched, strict=True))
+
+    assert compare()
+    kernel = QuantizedWeight.matmul
+
+    def rows_dependent(self, x, kernel_only=False):
+        if x.shape[0] >= 16:
+            weight = self.dequantize().to(torch.bfloat16)
+            return torch.nn.functional.linear(x.to(torch.bfloat16), weight).to(x.dtype)
+        return kernel(self, x, kernel_only)
+
+    monkeypatch.setattr(QuantizedWeight, "matmul", rows_dependent)
+    assert not compare()
+
+
+def test_gguf_seeded_runs_replay_alone_batched_and_preempted(tmp_path: Path) -> None:
+    """Sampled, seeded, with speculation: the default (quantized) GGUF engine emits the same
+    tokens for a request alone, in a batch whose prefill chunks mix requests, and after
+    preemption."""
+    path = _gguf_model(tmp_path)
+    spec = {"method": "draft_model", "model": "truncated:1", "num_speculative_tokens": 3}
+    prompts = prompt_tokens(97, [21, 37, 9, 17], seed=6)
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
+
+    def run(llm, batch):
+        return [list(o.outputs[0].token_ids) for o in llm.generate(batch, params, use_tqdm=False)]
+
+    llm = LLM(path, speculative_config=spec, max_model_len=64, max_num_batched_tokens=32)
+    assert llm.engine.model.quantization == "gguf"
+    batched = run(llm, prompts)
+    for i, prompt in enumerate(prompts):
+        assert run(llm, [prompt]) == [batched[i]]
+    small = LLM(path, speculative_config=spec, max_model_len=64, num_kv_blocks=9, block_size=8)
+    assert run(small, prompts) == batched
+    assert small.engine.num_preemptions > 0

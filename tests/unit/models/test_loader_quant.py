@@ -176,13 +176,14 @@ def test_quantize_model_equals_quantized_load(tmp_path: Path, quantization: str)
         quantize_model(converted, quantization)
 
 
-def test_a_gguf_file_is_dequantized_unless_asked(tmp_path: Path) -> None:
-    """The default keeps a request's tokens independent of its batch: "auto" dequantizes a GGUF
-    file (its quantized kernels round differently in short and long prefill chunks); "gguf"
-    keeps it quantized."""
+def test_a_gguf_file_stays_quantized_on_the_cpu_by_default(tmp_path: Path) -> None:
+    """"auto" keeps a GGUF file's tensors quantized on the CPU (dequantized on CUDA); None
+    dequantizes."""
     from specdec.models.loader import resolve_quantization
 
     path = write_gguf(tmp_path / "m.gguf", make_hf_model("llama"), arch="llama")
-    assert resolve_quantization(path, "auto") is None
+    assert resolve_quantization(path, "auto") == "gguf"
+    assert resolve_quantization(path, "auto", "cuda") is None
     assert resolve_quantization(path, "gguf") == "gguf"
-    assert load_model(path, quantization="auto").model.quantization is None
+    assert load_model(path, quantization="auto").model.quantization == "gguf"
+    assert load_model(path, quantization=None).model.quantization is None
