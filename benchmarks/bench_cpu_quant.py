@@ -1,12 +1,12 @@
 """specdec beside llama.cpp on the CPU, on the built-in SmolLM2-135M-Instruct Q4_1 GGUF: batch-1
-greedy decoding (specdec plain and with its default speculation on the default load, which
-dequantizes the GGUF; the same with the weights kept quantized, `quantization="gguf"`; specdec
-without the GGUF at all, `quantization=None`; llama.cpp plain), prefill of a ~1,000-token prompt, a batch of 32 prompts, and
+greedy decoding (specdec plain and with its default speculation, both on the default load,
+which keeps the GGUF's weights quantized; specdec plain with the GGUF dequantized to float32,
+`quantization=None`; llama.cpp plain), prefill of a ~1,000-token prompt, a batch of 32 prompts, and
 each engine's peak resident memory, in one interleaved run.
 
     python benchmarks/bench_cpu_quant.py --out bench-results/cpu_quant.json \
         --llama-python /tmp/llamacpp-venv/bin/python [--threads 2] [--rounds 3] \
-        [--new-tokens 64] [--engines llama.cpp,specdec-plain,specdec-spec,specdec-gguf,...] \
+        [--new-tokens 64] [--engines llama.cpp,specdec-plain,specdec-spec,specdec-float] \
         [--llama-kwargs '{"use_extra_bufts": true}']
 
 llama.cpp runs through llama-cpp-python, which is not a dependency of this project: install it
@@ -52,14 +52,7 @@ PROMPTS = (
     "Repeat the sentence 'The quick brown fox jumps over the lazy dog.' five times.",
     "Write a SQL query that selects the ten most recent orders with their customer names.",
 )
-ENGINES = (
-    "llama.cpp",
-    "specdec-plain",
-    "specdec-spec",
-    "specdec-float",
-    "specdec-gguf",
-    "specdec-gguf-spec",
-)
+ENGINES = ("llama.cpp", "specdec-plain", "specdec-spec", "specdec-float")
 PREFILL_TOKENS = 1018
 BATCH = 32
 
@@ -84,10 +77,6 @@ class SpecdecWorker:
             self.llm = LLM(speculative_config=None)
         elif kind == "specdec-spec":
             self.llm = LLM()  # the default speculation of the built-in model
-        elif kind == "specdec-gguf":
-            self.llm = LLM(quantization="gguf", speculative_config=None)
-        elif kind == "specdec-gguf-spec":
-            self.llm = LLM(quantization="gguf")
         else:
             self.llm = LLM(quantization=None, speculative_config=None)
         self.load_s = time.perf_counter() - start
