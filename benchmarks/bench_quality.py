@@ -7,8 +7,8 @@ continuations each format reproduces exactly.
 
 The float reference is the checkpoint dequantized to float32 (`quantization=None`). Its greedy
 continuation of each chat-formatted prompt is computed once; every format then scores the same
-token sequences teacher-forced (one batched prefill, so its products run through the prefill
-path: weights dequantized to bfloat16 for a GEMM on the CPU), giving at each continuation position
+token sequences teacher-forced (one batched prefill; on the CPU its products take the same
+weight-only kernels as decoding), giving at each continuation position
 KL(float || format) and whether both put the same token first. The engine then decodes each
 prompt greedily in each format (the decode path's kernels) and counts continuations identical to
 the float one. Writes JSON with the machine, date and command. Never imported by tests.
