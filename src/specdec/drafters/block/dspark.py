@@ -17,6 +17,7 @@ emits (always rejected, its residual being the target itself), so every verifier
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from specdec.drafters.block.dflash import DFlashDrafter
 from specdec.drafters.block.network import BlockDrafterModel
 from specdec.models import LlamaForCausalLM
 from specdec.transfer import to_device
+
+if TYPE_CHECKING:
+    from specdec.drafters.device import DeviceDrafting
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +82,13 @@ class DSparkDrafter(DFlashDrafter):
         self.scheduler = scheduler or ConfidenceScheduler(
             config.min_survival_probability, config.min_draft
         )
+
+    def device_drafting(
+        self, num_slots: int, width: int, max_model_len: int, device: torch.device
+    ) -> DeviceDrafting | None:
+        from specdec.drafters.block.device import DSparkDeviceDrafting
+
+        return DSparkDeviceDrafting(self, num_slots, width, max_model_len)
 
     @torch.inference_mode()
     def propose(self, batch: DraftBatch) -> Proposal:
