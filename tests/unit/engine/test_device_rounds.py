@@ -92,8 +92,8 @@ def make_engine(model_dir, spec, async_scheduling: bool, **kwargs) -> LLMEngine:
 
 
 def drive(engine, requests, *, late=(), abort_after=None):
-    """Final (tokens, finish reason, stop reason) per request id, and how many rounds were read
-    while the next one had already been launched."""
+    """Final (tokens, finish reason, stop reason, text) per request id, and how many rounds were
+    read while the next one had already been launched."""
     for prompt, params in requests:
         engine.add_request(prompt, params)
     finals, steps = {}, 0
@@ -108,7 +108,7 @@ def drive(engine, requests, *, late=(), abort_after=None):
         for out in outputs:
             if out.finished:
                 finals[out.request_id] = [
-                    (o.token_ids, o.finish_reason, o.stop_reason) for o in out.outputs
+                    (o.token_ids, o.finish_reason, o.stop_reason, o.text) for o in out.outputs
                 ]
     overlapped = engine._rounds.num_overlapped_reads if engine._rounds is not None else 0
     return finals, overlapped
@@ -152,9 +152,9 @@ def test_device_rounds_emit_what_the_synchronous_step_emits(
 
 @pytest.mark.parametrize("drafter", ["eagle", "dflash", "dspark"])
 def test_stops_joins_aborts_and_preemption(model_dir, dirs, prompts, drafter):
-    """Stop tokens and max_tokens (tokens past a stop are dropped), a request joining mid-run
-    (the rounds drain and resume), and a cache so small that rounds cannot grow ahead (the
-    synchronous step preempts)."""
+    """Stop tokens, stop strings and max_tokens (tokens past a stop are dropped), a request
+    joining mid-run (the rounds drain and resume), and a cache so small that rounds cannot grow
+    ahead (the synchronous step preempts)."""
     spec = spec_for(drafter, dirs, "standard")
     # 14 of the 97 ids stop: some request stops, whatever the drafter (which changes the tokens).
     stop_ids = list(range(5, VOCAB, 7))
@@ -163,6 +163,7 @@ def test_stops_joins_aborts_and_preemption(model_dir, dirs, prompts, drafter):
         (prompts[0], stop),
         (prompts[1], params_for(1.0, 4)),
         (prompts[2], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)),
+        (prompts[3], SamplingParams(temperature=0.8, seed=10, max_tokens=20, stop=["a", "e"])),
     ]
     late = [(prompts[3], params_for(0.5, 9))]
     sync, rounds, engine, _ = both(model_dir, spec, requests, late=late)
