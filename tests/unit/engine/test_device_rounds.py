@@ -246,8 +246,9 @@ def test_negative_control_dspark_rounds_ignoring_the_scheduler(
     assert rounds != sync
 
 
+@pytest.mark.parametrize("drafter", ["eagle", "dflash", "dspark"])
 def test_adaptive_k_is_non_anticipating_and_keeps_coupled_and_greedy_exact(
-    model_dir, dirs, prompts, monkeypatch
+    model_dir, dirs, prompts, monkeypatch, drafter
 ):
     """The policy picks each round's K at launch, when the round before it has not been read
     (only earlier rounds inform it); whatever it picks, coupled and greedy output equals plain
@@ -263,7 +264,7 @@ def test_adaptive_k_is_non_anticipating_and_keeps_coupled_and_greedy_exact(
     for method, temperature in (("coupled", 1.0), ("standard", 0.0)):
         requests = [(p, params_for(temperature, 50 + i)) for i, p in enumerate(prompts)]
         expected, _ = drive(make_engine(model_dir, None, False), requests)
-        spec = spec_for("eagle", dirs, method, k=3, adaptive=True)
+        spec = spec_for(drafter, dirs, method, k=3, adaptive=True)
         engine = make_engine(model_dir, spec, True)
         got, _ = drive(engine, requests)
         assert got == expected

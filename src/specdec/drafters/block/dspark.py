@@ -11,7 +11,9 @@ already drawn, never on draft i itself; the decision is taken before draft i is 
 request that stops drafting draws nothing more. Verification then sees a draft chain whose length
 is a stopping time of the draft process, which is the same as drafting a token the target never
 emits (always rejected, its residual being the target itself), so every verifier stays valid
-(DSpark, App. A: a length chosen after seeing the drawn token biases the output).
+(DSpark, App. A: a length chosen after seeing the drawn token biases the output). Inside a device
+round (`block/device.py`) the same decisions are masks over a fixed width: a stopped chain's
+later drafts are still drawn there, at their own keys, but never verified.
 """
 
 from __future__ import annotations
