@@ -150,7 +150,14 @@ def test_device_rounds_emit_what_the_synchronous_step_emits(
         assert 0 < engine.stats.num_accepted_tokens < engine.stats.num_draft_tokens
 
 
-@pytest.mark.parametrize("drafter", ["eagle", "dflash", "dspark"])
+@pytest.mark.parametrize(
+    "drafter",
+    [
+        "eagle",
+        pytest.param("dflash", marks=pytest.mark.slow),
+        pytest.param("dspark", marks=pytest.mark.slow),
+    ],
+)
 def test_stops_joins_aborts_and_preemption(model_dir, dirs, prompts, drafter):
     """Stop tokens, stop strings and max_tokens (tokens past a stop are dropped), a request
     joining mid-run (the rounds drain and resume), and a cache so small that rounds cannot grow
