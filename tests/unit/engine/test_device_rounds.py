@@ -25,9 +25,22 @@ VOCAB = 97
 LENGTHS = [5, 9, 14, 3]
 
 
+def word(token_id: int) -> str:
+    """Token i's text: a letter (i mod 26), repeated 1 + i // 26 times."""
+    return chr(ord("a") + token_id % 26) * (1 + token_id // 26)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("tiny-rounds"))
+    """The tiny Llama with a word-level tokenizer (so that texts and stop strings exist)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("tiny-rounds"))
+    vocab = {word(i): i for i in range(VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=word(0)))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path / "tokenizer.json"))
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -166,16 +179,19 @@ def test_stops_joins_aborts_and_preemption(model_dir, dirs, prompts, drafter):
     # 14 of the 97 ids stop: some request stops, whatever the drafter (which changes the tokens).
     stop_ids = list(range(5, VOCAB, 7))
     stop = SamplingParams(temperature=1.0, max_tokens=30, seed=3, stop_token_ids=stop_ids)
+    strings = ["e", "q", "x", "k"]  # 16 of the 97 tokens hold one of these letters
     requests = [
         (prompts[0], stop),
         (prompts[1], params_for(1.0, 4)),
         (prompts[2], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)),
-        (prompts[3], SamplingParams(temperature=0.8, seed=10, max_tokens=20, stop=["a", "e"])),
+        (prompts[3], SamplingParams(temperature=0.8, seed=10, max_tokens=20, stop=strings)),
+        (prompts[1], SamplingParams(temperature=1.0, seed=11, max_tokens=20, stop=strings)),
     ]
     late = [(prompts[3], params_for(0.5, 9))]
     sync, rounds, engine, _ = both(model_dir, spec, requests, late=late)
     assert rounds == sync and engine.loop_stats.num_device_rounds > 0
     assert any(final[0][1] == "stop" for final in sync.values())
+    assert any(isinstance(final[0][2], str) for final in sync.values())  # a stop string hit
     small = {"num_kv_blocks": 24, "max_model_len": 48}
     long = [(p, params_for(1.0, 20 + i)) for i, p in enumerate(prompts)]
     sync, rounds, engine, _ = both(model_dir, spec, long, engine_args=small)
