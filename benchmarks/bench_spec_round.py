@@ -4,6 +4,11 @@ Parts (each writes DIR/<part>.json; BENCHMARKS.md's tables are read from them):
 - `smollm2`: the built-in SmolLM2-135M-Instruct GGUF with the shipped EAGLE head on the held-out
   prompts, batch 1 / 8 / 32 / 64, T = 0 and 1: plain decoding, K = 2, 3, 4 pinned, and the
   adaptive policy (K <= 4); output tokens per second of whole generate calls.
+- `block`: DFlash and DSpark on the built-in SmolLM2 (checkpoints from `--block-drafters`, else
+  drafters started from the target's own weights: their acceptance means little, their rounds'
+  cost is what is measured), K = 3 pinned, T = 0 and 1, batch 1 and 8: the synchronous step
+  against the rounds on the device (which must emit the same tokens: `same_tokens`), and plain
+  decoding.
 - `oracle`: Llama-3.2-1B and Llama-3-8B shapes with random bf16 weights and the benchmark-only
   oracle drafter (`oracle_drafter.py`: the target's own greedy continuation, each draft replaced
   with probability 1 - a), K = 4, a in {0.6, 0.8}, batch 1 and 8; against the ideal
@@ -11,8 +16,8 @@ Parts (each writes DIR/<part>.json; BENCHMARKS.md's tables are read from them):
   replays as t_plain_step and t_round_floor; the round's own graph replay against the measured
   time between round launches; plain TPOT at batch 1 and 64.
 
-    python benchmarks/bench_spec_round.py --out DIR [--parts smollm2,oracle] [--gguf PATH]
-        [--shapes llama-3.2-1b,llama-3-8b] [--device cuda]
+    python benchmarks/bench_spec_round.py --out DIR [--parts smollm2,oracle,block] [--gguf PATH]
+        [--shapes llama-3.2-1b,llama-3-8b] [--device cuda] [--block-drafters DFLASH_DIR,DSPARK_DIR]
 
 `--device cpu --shapes tiny` runs the same code on a CPU in seconds (a smoke test, not a
 figure). Never imported by tests.
@@ -45,7 +50,9 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def make_engine(model, tokenizer, spec, *, device, max_num_seqs, max_model_len, blocks):
+def make_engine(
+    model, tokenizer, spec, *, device, max_num_seqs, max_model_len, blocks, async_scheduling=True
+):
     from specdec.engine.config import EngineConfig, SpeculativeConfig
     from specdec.engine.llm import LLM
     from specdec.engine.llm_engine import LLMEngine
@@ -56,7 +63,7 @@ def make_engine(model, tokenizer, spec, *, device, max_num_seqs, max_model_len, 
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         num_kv_blocks=blocks,
-        async_scheduling=True,
+        async_scheduling=async_scheduling,
     )
     llm = LLM.__new__(LLM)
     llm.engine = LLMEngine(
@@ -151,6 +158,92 @@ def bench_smollm2(gguf: str | None, device: str, output_len: int, batches) -> di
                 del llm
                 if device == "cuda":
                     torch.cuda.empty_cache()
+    return results
+
+
+# --------------------------------------------------------------------------- block drafters
+def block_drafter_dirs(model, given: str | None, root: Path) -> dict[str, str]:
+    """kind -> checkpoint directory: the given ones, else drafters started from the target's
+    weights (`init_from_target`; DSpark's confidence head at c = 1/2, so that with a minimum
+    survival of 0.1 its scheduler runs and admits 3 drafts)."""
+    from specdec.drafters.block.network import (
+        BlockDrafterConfig,
+        default_feature_layers,
+        init_from_target,
+        save_block_drafter,
+    )
+
+    if given:
+        dflash, dspark = given.split(",")
+        return {"dflash": dflash, "dspark": dspark}
+    config = model.config
+    dirs = {}
+    for kind in ("dflash", "dspark"):
+        drafter_config = BlockDrafterConfig(
+            kind=kind,
+            feature_layers=default_feature_layers(config.num_hidden_layers),
+            target_hidden_size=config.hidden_size,
+            target_vocab_size=config.vocab_size,
+            target_num_hidden_layers=config.num_hidden_layers,
+            block_size=4,
+            markov_rank=32 if kind == "dspark" else 0,
+            min_survival_probability=0.1 if kind == "dspark" else 0.0,
+        )
+        dirs[kind] = str(save_block_drafter(init_from_target(drafter_config, model), root / kind))
+    return dirs
+
+
+def bench_block(gguf: str | None, device: str, output_len: int, batches, given, root) -> dict:
+    from specdec.models import default_model_path, load_model
+    from specdec.sampling import SamplingParams
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    loaded = load_model(gguf or str(default_model_path()), dtype=dtype, device=device)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    dirs = block_drafter_dirs(model, given, root)
+    lines = (HERE / "data" / "heldout_prompts.jsonl").read_text().splitlines()
+    texts = [json.loads(line)["prompt"] for line in lines if line.strip()]
+    encoded = [tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
+    results = {"drafters": dirs, "output_len": output_len, "rows": {}}
+    for batch in batches:
+        prompts = (encoded * batch)[:batch]
+        longest = max(map(len, prompts)) + output_len + 8
+        blocks = batch * (-(-longest // 16) + 2) + 64
+        common = {"device": device, "max_num_seqs": batch, "max_model_len": 1024}
+        for temperature in (0.0, 1.0):
+            params = [
+                SamplingParams(
+                    temperature=temperature, max_tokens=output_len, ignore_eos=True, seed=i
+                )
+                for i in range(batch)
+            ]
+            llm = make_engine(model, tokenizer, None, blocks=blocks, **common)
+            seconds, outputs = timed(llm, prompts, params, device)
+            plain_rate = figures(llm, seconds, outputs)["tokens_per_s"]
+            results["rows"][f"b{batch} T={temperature:g} plain"] = {"tokens_per_s": plain_rate}
+            del llm
+            for kind, path in dirs.items():
+                spec = {"method": kind, "model": path, "num_speculative_tokens": 3}
+                spec["adaptive"] = False
+                tokens = {}
+                for path_name, overlap in (("sync", False), ("device rounds", True)):
+                    llm = make_engine(
+                        model, tokenizer, spec, blocks=blocks, async_scheduling=overlap, **common
+                    )
+                    seconds, outputs = timed(llm, prompts, params, device)
+                    row = figures(llm, seconds, outputs)
+                    row["speedup"] = row["tokens_per_s"] / plain_rate
+                    tokens[path_name] = [o.outputs[0].token_ids for o in outputs]
+                    name = f"b{batch} T={temperature:g} {kind} K=3 {path_name}"
+                    results["rows"][name] = row
+                    log(f"[block] {name}: {row}")
+                    del llm
+                    if device == "cuda":
+                        torch.cuda.empty_cache()
+                same = tokens["sync"] == tokens["device rounds"]
+                results["rows"][f"b{batch} T={temperature:g} {kind} K=3 device rounds"][
+                    "same_tokens"
+                ] = same
     return results
 
 
@@ -291,6 +384,12 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--smollm2-batches", default="1,8,32,64")
     parser.add_argument("--oracle-batches", default="1,8")
+    parser.add_argument("--block-batches", default="1,8")
+    parser.add_argument(
+        "--block-drafters",
+        default=None,
+        help="DFLASH_DIR,DSPARK_DIR trained checkpoints (default: started from the target)",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -305,6 +404,12 @@ def main() -> None:
         batches = [int(b) for b in args.smollm2_batches.split(",")]
         result = bench_smollm2(args.gguf, args.device, args.output_len, batches)
         (out / "smollm2.json").write_text(json.dumps({"meta": meta, **result}, indent=1))
+    if "block" in parts:
+        batches = [int(b) for b in args.block_batches.split(",")]
+        result = bench_block(
+            args.gguf, args.device, args.output_len, batches, args.block_drafters, out / "drafters"
+        )
+        (out / "block.json").write_text(json.dumps({"meta": meta, **result}, indent=1))
     if "oracle" in parts:
         shapes = args.shapes.split(",")
         assert all(s in SHAPES or s == "tiny" for s in shapes), shapes

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import pytest
 
+from block_drafter_fixtures import save_tiny_block_drafter
 from eagle_fixtures import trained_head
 from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
 from specdec.engine.llm import LLM
+from specdec.models import load_model
 from specdec.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -28,16 +30,34 @@ def head_dir(model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def dirs(model_dir, head_dir, tmp_path_factory):
+    """The EAGLE head, and block drafters close to the target (DSpark with its confidence
+    scheduler on, so that each slot's verify length varies inside the graphed round)."""
+    target = load_model(model_dir).model
+    root = tmp_path_factory.mktemp("block-rounds-gpu")
+    dspark = {"confidence_scale": 10.0, "confidence_bias": -0.5, "min_survival_probability": 0.3}
+    return {
+        "eagle": head_dir,
+        "dflash": save_tiny_block_drafter(
+            root / "dflash", "dflash", target, block_size=4, noise=0.05
+        ),
+        "dspark": save_tiny_block_drafter(
+            root / "dspark", "dspark", target, block_size=4, noise=0.05, **dspark
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
 def prompts():
     return [p + p for p in prompt_tokens(VOCAB, [5, 9, 14, 3, 7, 11], seed=3)]
 
 
-def spec_for(drafter, head_dir, method, adaptive=False):
+def spec_for(drafter, dirs, method, adaptive=False):
     spec = {"num_speculative_tokens": 3, "rejection_sample_method": method, "adaptive": adaptive}
     if drafter == "ngram":
         spec["method"] = "ngram"
-    elif drafter == "eagle":
-        spec.update(method="eagle", model=str(head_dir))
+    elif drafter in dirs:
+        spec.update(method=drafter, model=str(dirs[drafter]))
     else:
         spec.update(method="draft_model", model="truncated:1")
     return spec
@@ -50,13 +70,13 @@ def generate(model_dir, prompts, params, spec, **kwargs):
     return [o.outputs[0].token_ids for o in outputs], llm
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "draft_model", "eagle"])
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model", "eagle", "dflash", "dspark"])
 @pytest.mark.parametrize("method", ["standard", "block", "coupled"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_graphed_rounds_emit_what_the_synchronous_step_emits(
-    model_dir, head_dir, prompts, drafter, method, temperature
+    model_dir, dirs, prompts, drafter, method, temperature
 ):
-    spec = spec_for(drafter, head_dir, method)
+    spec = spec_for(drafter, dirs, method)
     filters = {"top_p": 0.9, "top_k": 30} if temperature else {}
     params = [
         SamplingParams(
@@ -75,11 +95,12 @@ def test_graphed_rounds_emit_what_the_synchronous_step_emits(
     assert rounds.graph_cache.graphs and rounds.num_overlapped_reads > 0
 
 
-def test_adaptive_rounds_keep_coupled_and_greedy_exact(model_dir, head_dir, prompts):
+@pytest.mark.parametrize("drafter", ["eagle", "dspark"])
+def test_adaptive_rounds_keep_coupled_and_greedy_exact(model_dir, dirs, prompts, drafter):
     for method, temperature in (("coupled", 1.0), ("standard", 0.0)):
         params = SamplingParams(temperature=temperature, max_tokens=40, ignore_eos=True, seed=3)
         plain, _ = generate(model_dir, prompts, params, None)
-        spec = spec_for("eagle", head_dir, method, adaptive=True)
+        spec = spec_for(drafter, dirs, method, adaptive=True)
         got, llm = generate(model_dir, prompts, params, spec)
         assert got == plain
         assert llm.get_metrics()["loop"]["num_graph_rounds"] > 0

@@ -150,3 +150,34 @@ def test_negative_control_scheduler_that_peeks(
     counts, _ = emitted(target_dir, spec_config("dspark", drafter_dirs["dspark"], method))
     result = chi_square(counts, exact_law)
     assert result.log10_p < LOG10_ALPHA, result.describe()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("kind", "method", "adaptive"),
+    [("dflash", "standard", True), ("dspark", "block", False), ("dspark", "coupled", True)],
+)
+def test_device_rounds_follow_the_target(
+    target_dir, drafter_dirs, exact_law, kind, method, adaptive
+):
+    """H0: through speculative rounds on the device (asynchronous scheduling; op by op on the
+    CPU; K pinned or chosen by the adaptive policy in [0, 3]), the first 3 emitted tokens still
+    have the target's exact joint law. Requests run to 7 tokens so that rounds past the first
+    decide some of the 3. Same statistic, N and threshold as above (Pearson chi-square, 512
+    cells, temperature 0.7, reject at p < 1e-6: false-failure rate <= 1e-6 per case, 3 cases).
+    The negative control of the device rounds is in tests/stats/test_engine_law.py (a stale
+    anchor)."""
+    spec = {**spec_config(kind, drafter_dirs[kind], method), "adaptive": adaptive}
+    counts, metrics = first_token_counts(
+        target_dir,
+        spec,
+        TEMPERATURE,
+        MAX_TOKENS + 2,
+        NUM_TOKENS,
+        NUM_TRIALS,
+        {"async_scheduling": True},
+    )
+    result = chi_square(counts, exact_law)
+    assert result.log10_p > LOG10_ALPHA, result.describe()
+    assert metrics["num_accepted_tokens"] > 0
+    assert metrics["loop"]["num_device_rounds"] > 0  # the rounds ran on the device path

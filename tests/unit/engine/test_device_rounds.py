@@ -12,20 +12,35 @@ from __future__ import annotations
 import pytest
 import torch
 
+from block_drafter_fixtures import save_tiny_block_drafter
 from eagle_fixtures import trained_head
 from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
 from specdec.engine import device_round
 from specdec.engine.config import EngineConfig, SpeculativeConfig
 from specdec.engine.llm_engine import LLMEngine
+from specdec.models import load_model
 from specdec.sampling import SamplingParams
 
 VOCAB = 97
 LENGTHS = [5, 9, 14, 3]
 
 
+def word(token_id: int) -> str:
+    """Token i's text: a letter (i mod 26), repeated 1 + i // 26 times."""
+    return chr(ord("a") + token_id % 26) * (1 + token_id // 26)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("tiny-rounds"))
+    """The tiny Llama with a word-level tokenizer (so that texts and stop strings exist)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("tiny-rounds"))
+    vocab = {word(i): i for i in range(VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=word(0)))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path / "tokenizer.json"))
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +49,34 @@ def head_dir(model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def block_dirs(model_dir, tmp_path_factory):
+    """Block drafters close to the target (so rounds both accept and reject): DFlash, and
+    DSpark with its confidence scheduler on (each slot's verify length then varies)."""
+    target = load_model(model_dir).model
+    root = tmp_path_factory.mktemp("block-rounds")
+    dspark = {"confidence_scale": 10.0, "confidence_bias": -0.5, "min_survival_probability": 0.3}
+    return {
+        "dflash": save_tiny_block_drafter(
+            root / "dflash", "dflash", target, block_size=4, noise=0.05
+        ),
+        "dspark": save_tiny_block_drafter(
+            root / "dspark", "dspark", target, block_size=4, noise=0.05, **dspark
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def dirs(head_dir, block_dirs):
+    return {"eagle": head_dir, **block_dirs}
+
+
+@pytest.fixture(scope="module")
 def prompts():
     # Repeating halves give prompt lookup something to find.
     return [p + p for p in prompt_tokens(VOCAB, LENGTHS, seed=3)]
 
 
-def spec_for(drafter: str, head_dir, method: str, k: int = 3, adaptive: bool = False) -> dict:
+def spec_for(drafter: str, dirs: dict, method: str, k: int = 3, adaptive: bool = False) -> dict:
     spec = {
         "num_speculative_tokens": k,
         "rejection_sample_method": method,
@@ -48,8 +85,13 @@ def spec_for(drafter: str, head_dir, method: str, k: int = 3, adaptive: bool = F
     if drafter == "ngram":
         spec["method"] = "ngram"
     elif drafter.startswith("eagle"):
-        spec.update(method="eagle", model=str(head_dir))
+        spec.update(method="eagle", model=str(dirs["eagle"]))
         if drafter == "eagle-greedy":
+            spec["draft_sample_method"] = "greedy"
+    elif drafter.startswith(("dflash", "dspark")):
+        kind = drafter.split("-")[0]
+        spec.update(method=kind, model=str(dirs[kind]))
+        if drafter.endswith("-greedy"):
             spec["draft_sample_method"] = "greedy"
     else:
         spec.update(method="draft_model", model="truncated:1")
@@ -63,8 +105,8 @@ def make_engine(model_dir, spec, async_scheduling: bool, **kwargs) -> LLMEngine:
 
 
 def drive(engine, requests, *, late=(), abort_after=None):
-    """Final (tokens, finish reason, stop reason) per request id, and how many rounds were read
-    while the next one had already been launched."""
+    """Final (tokens, finish reason, stop reason, text) per request id, and how many rounds were
+    read while the next one had already been launched."""
     for prompt, params in requests:
         engine.add_request(prompt, params)
     finals, steps = {}, 0
@@ -79,7 +121,7 @@ def drive(engine, requests, *, late=(), abort_after=None):
         for out in outputs:
             if out.finished:
                 finals[out.request_id] = [
-                    (o.token_ids, o.finish_reason, o.stop_reason) for o in out.outputs
+                    (o.token_ids, o.finish_reason, o.stop_reason, o.text) for o in out.outputs
                 ]
     overlapped = engine._rounds.num_overlapped_reads if engine._rounds is not None else 0
     return finals, overlapped
@@ -101,13 +143,16 @@ def params_for(temperature: float, seed: int, **kwargs) -> SamplingParams:
     )
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "draft_model", "eagle", "eagle-greedy"])
+@pytest.mark.parametrize(
+    "drafter",
+    ["ngram", "draft_model", "eagle", "eagle-greedy", "dflash", "dflash-greedy", "dspark"],
+)
 @pytest.mark.parametrize("method", ["standard", "block", "coupled"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_device_rounds_emit_what_the_synchronous_step_emits(
-    model_dir, head_dir, prompts, drafter, method, temperature
+    model_dir, dirs, prompts, drafter, method, temperature
 ):
-    spec = spec_for(drafter, head_dir, method)
+    spec = spec_for(drafter, dirs, method)
     requests = [(p, params_for(temperature, 7 + i)) for i, p in enumerate(prompts)]
     sync, rounds, engine, overlapped = both(model_dir, spec, requests)
     assert rounds == sync
@@ -118,21 +163,35 @@ def test_device_rounds_emit_what_the_synchronous_step_emits(
         assert 0 < engine.stats.num_accepted_tokens < engine.stats.num_draft_tokens
 
 
-def test_stops_joins_aborts_and_preemption(model_dir, head_dir, prompts):
-    """Stop tokens and max_tokens (tokens past a stop are dropped), a request joining mid-run
-    (the rounds drain and resume), and a cache so small that rounds cannot grow ahead (the
-    synchronous step preempts)."""
-    spec = spec_for("eagle", head_dir, "standard")
-    stop = SamplingParams(temperature=1.0, max_tokens=30, seed=3, stop_token_ids=[5, 11, 17])
+@pytest.mark.parametrize(
+    "drafter",
+    [
+        "eagle",
+        pytest.param("dflash", marks=pytest.mark.slow),
+        pytest.param("dspark", marks=pytest.mark.slow),
+    ],
+)
+def test_stops_joins_aborts_and_preemption(model_dir, dirs, prompts, drafter):
+    """Stop tokens, stop strings and max_tokens (tokens past a stop are dropped), a request
+    joining mid-run (the rounds drain and resume), and a cache so small that rounds cannot grow
+    ahead (the synchronous step preempts)."""
+    spec = spec_for(drafter, dirs, "standard")
+    # 14 of the 97 ids stop: some request stops, whatever the drafter (which changes the tokens).
+    stop_ids = list(range(5, VOCAB, 7))
+    stop = SamplingParams(temperature=1.0, max_tokens=30, seed=3, stop_token_ids=stop_ids)
+    strings = ["e", "q", "x", "k"]  # 16 of the 97 tokens hold one of these letters
     requests = [
         (prompts[0], stop),
         (prompts[1], params_for(1.0, 4)),
         (prompts[2], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)),
+        (prompts[3], SamplingParams(temperature=0.8, seed=10, max_tokens=20, stop=strings)),
+        (prompts[1], SamplingParams(temperature=1.0, seed=11, max_tokens=20, stop=strings)),
     ]
     late = [(prompts[3], params_for(0.5, 9))]
     sync, rounds, engine, _ = both(model_dir, spec, requests, late=late)
     assert rounds == sync and engine.loop_stats.num_device_rounds > 0
     assert any(final[0][1] == "stop" for final in sync.values())
+    assert any(isinstance(final[0][2], str) for final in sync.values())  # a stop string hit
     small = {"num_kv_blocks": 24, "max_model_len": 48}
     long = [(p, params_for(1.0, 20 + i)) for i, p in enumerate(prompts)]
     sync, rounds, engine, _ = both(model_dir, spec, long, engine_args=small)
@@ -140,8 +199,9 @@ def test_stops_joins_aborts_and_preemption(model_dir, head_dir, prompts):
     assert engine.scheduler.allocator.num_free_blocks == 24  # everything given back
 
 
-def test_abort_mid_stream_keeps_the_others_and_frees_everything(model_dir, head_dir, prompts):
-    spec = spec_for("draft_model", head_dir, "block")
+@pytest.mark.parametrize("drafter", ["draft_model", "dflash", "dspark"])
+def test_abort_mid_stream_keeps_the_others_and_frees_everything(model_dir, dirs, prompts, drafter):
+    spec = spec_for(drafter, dirs, "block")
     requests = [(p, params_for(1.0, 30 + i)) for i, p in enumerate(prompts)]
     full, _ = drive(make_engine(model_dir, spec, False), requests)
     engine = make_engine(model_dir, spec, True)
@@ -151,8 +211,67 @@ def test_abort_mid_stream_keeps_the_others_and_frees_everything(model_dir, head_
     assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
 
 
+def record_verify_lengths(monkeypatch) -> list[int]:
+    """The drafts each device round verified per live request (as read back)."""
+    lengths: list[int] = []
+    original = device_round.DeviceRounds.read
+
+    def read(self):
+        emissions, k, seconds = original(self)
+        lengths.extend(e.num_draft for _, e in emissions)
+        return emissions, k, seconds
+
+    monkeypatch.setattr(device_round.DeviceRounds, "read", read)
+    return lengths
+
+
+@pytest.mark.parametrize("method", ["standard", "coupled"])
+def test_dspark_verify_length_is_the_schedulers_on_the_device(
+    model_dir, dirs, prompts, method, monkeypatch
+):
+    """DSpark's confidence scheduler picks each request's verify length inside the round (a
+    device tensor, the round keeping its width K = 3): the rounds verify 1, 2 or 3 drafts as
+    the synchronous step does (same tokens, same draft and acceptance counts)."""
+    lengths = record_verify_lengths(monkeypatch)
+    spec = spec_for("dspark", dirs, method)
+    requests = [(p, params_for(1.0, 80 + i)) for i, p in enumerate(prompts)]
+    sync_engine = make_engine(model_dir, spec, False)
+    sync, _ = drive(sync_engine, requests)
+    rounds_engine = make_engine(model_dir, spec, True)
+    rounds, _ = drive(rounds_engine, requests)
+    assert rounds == sync
+    assert rounds_engine.stats.as_dict() == sync_engine.stats.as_dict()
+    for n in (1, 2, 3):
+        assert lengths.count(n) > 0, lengths
+
+
+def test_negative_control_dspark_rounds_ignoring_the_scheduler(
+    model_dir, dirs, prompts, monkeypatch
+):
+    """If the device rounds verified every drafted token (the scheduler's lengths ignored),
+    the draft counts, and so the tokens, would differ from the synchronous step's."""
+    from specdec.drafters.block import device
+
+    spec = spec_for("dspark", dirs, "standard")
+    requests = [(p, params_for(1.0, 80 + i)) for i, p in enumerate(prompts)]
+    sync_engine = make_engine(model_dir, spec, False)
+    sync, _ = drive(sync_engine, requests)
+    original = device.DSparkDeviceDrafting._draw
+
+    def whole_chains(self, view, hidden, k):
+        original(self, view, hidden, k)
+        return torch.full((view.num_rows,), k, dtype=torch.int64)
+
+    monkeypatch.setattr(device.DSparkDeviceDrafting, "_draw", whole_chains)
+    rounds_engine = make_engine(model_dir, spec, True)
+    rounds, _ = drive(rounds_engine, requests)
+    assert rounds_engine.stats.as_dict() != sync_engine.stats.as_dict()
+    assert rounds != sync
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "dflash", "dspark"])
 def test_adaptive_k_is_non_anticipating_and_keeps_coupled_and_greedy_exact(
-    model_dir, head_dir, prompts, monkeypatch
+    model_dir, dirs, prompts, monkeypatch, drafter
 ):
     """The policy picks each round's K at launch, when the round before it has not been read
     (only earlier rounds inform it); whatever it picks, coupled and greedy output equals plain
@@ -168,7 +287,7 @@ def test_adaptive_k_is_non_anticipating_and_keeps_coupled_and_greedy_exact(
     for method, temperature in (("coupled", 1.0), ("standard", 0.0)):
         requests = [(p, params_for(temperature, 50 + i)) for i, p in enumerate(prompts)]
         expected, _ = drive(make_engine(model_dir, None, False), requests)
-        spec = spec_for("eagle", head_dir, method, k=3, adaptive=True)
+        spec = spec_for(drafter, dirs, method, k=3, adaptive=True)
         engine = make_engine(model_dir, spec, True)
         got, _ = drive(engine, requests)
         assert got == expected
@@ -178,11 +297,11 @@ def test_adaptive_k_is_non_anticipating_and_keeps_coupled_and_greedy_exact(
 
 
 def test_negative_control_a_stale_input_token_breaks_the_equality(
-    model_dir, head_dir, prompts, monkeypatch
+    model_dir, dirs, prompts, monkeypatch
 ):
     """If the next round read the previous round's input token instead of the token it emitted,
     the comparison above must fail."""
-    spec = spec_for("draft_model", head_dir, "standard")
+    spec = spec_for("draft_model", dirs, "standard")
     requests = [(p, params_for(0.0, 1)) for p in prompts]
     sync, _ = drive(make_engine(model_dir, spec, False), requests)
 
@@ -197,9 +316,9 @@ def test_negative_control_a_stale_input_token_breaks_the_equality(
     assert rounds != sync
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "draft_model", "eagle"])
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model", "eagle", "dflash", "dspark"])
 def test_a_round_run_twice_around_its_saved_state_runs_once(
-    model_dir, head_dir, prompts, drafter, monkeypatch
+    model_dir, dirs, prompts, drafter, monkeypatch
 ):
     """A CUDA graph's capture runs the round once as a warm-up before the replay runs it
     again: with the buffers the round names as its state saved and put back in between, the
@@ -217,7 +336,7 @@ def test_a_round_run_twice_around_its_saved_state_runs_once(
         return step()
 
     monkeypatch.setattr(GraphCache, "run", twice)
-    spec = spec_for(drafter, head_dir, "standard")
+    spec = spec_for(drafter, dirs, "standard")
     requests = [(p, params_for(1.0, 60 + i)) for i, p in enumerate(prompts)]
     sync, rounds, engine, _ = both(model_dir, spec, requests)
     assert rounds == sync and engine.loop_stats.num_device_rounds > 0

@@ -10,6 +10,7 @@ arrive through `observe` and are kept per request as every drafter layer's conte
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from specdec.drafters.block.network import BlockDrafterModel, block_mask, load_b
 from specdec.drafters.config import SpeculativeConfig
 from specdec.models import LlamaForCausalLM
 from specdec.transfer import to_device
+
+if TYPE_CHECKING:
+    from specdec.drafters.device import DeviceDrafting
 
 
 @dataclass(slots=True, eq=False)
@@ -66,6 +70,13 @@ class DFlashDrafter(Drafter):
             )
         return cls(model, target, greedy=spec.draft_sample_method == "greedy")
 
+    def device_drafting(
+        self, num_slots: int, width: int, max_model_len: int, device: torch.device
+    ) -> DeviceDrafting | None:
+        from specdec.drafters.block.device import BlockDeviceDrafting
+
+        return BlockDeviceDrafting(self, num_slots, width, max_model_len)
+
     # ---------------------------------------------------------------- context
     def release(self, request_id: str) -> None:
         self._contexts.pop(request_id, None)
@@ -95,7 +106,7 @@ class DFlashDrafter(Drafter):
                     f"{context.length} positions are known"
                 )
             for index, (keys, values) in enumerate(split):
-                _store(context, index, start, keys[b], values[b])
+                store_context(context, index, start, keys[b], values[b])
             context.length = start + counts[b]
 
     # ---------------------------------------------------------------- drafting
@@ -106,7 +117,6 @@ class DFlashDrafter(Drafter):
             raise ValueError(f"the {self.kind} drafter needs request_ids in its DraftBatch")
         model = self.model
         device = model.mask_embedding.device
-        num_rows = model.config.num_rows
         context_lens = batch.anchors - 1  # features are known for positions 0..A-2
         contexts = []
         for b, request_id in enumerate(batch.request_ids):
@@ -140,10 +150,34 @@ class DFlashDrafter(Drafter):
                 padded_values[b, :n] = context.values[index][:n]
             layer_context.append((padded_keys, padded_values))
         anchor_tokens = to_device([t[-1] for t in batch.token_ids], torch.int64, device)
-        rows = model.mask_embedding.expand(batch.batch_size, num_rows, -1).clone()
+        return self.run_block(
+            anchor_tokens, batch.anchors.to(device), layer_context, context_lens.to(device)
+        )
+
+    def run_block(
+        self,
+        anchor_tokens: torch.Tensor,
+        anchors: torch.Tensor,
+        layer_context: list[tuple[torch.Tensor, torch.Tensor]],
+        context_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """The block pass itself (device work only; the host and device paths share it).
+
+        Args:
+            anchor_tokens: [B] int64 each block's anchor token (the round's input token).
+            anchors: [B] int64 round anchors A (the block's rows sit at A-1 .. A-1+R-1).
+            layer_context: per drafter layer, (keys, values) [B, S, H_kv, D_head] of positions
+                0..S-1 (entries at or past context_lens[b] are ignored).
+            context_lens: [B] int64 context positions each block attends to.
+
+        Returns: [B, R, D] final hidden states of the block's rows.
+        """
+        model = self.model
+        num_rows = model.config.num_rows
+        rows = model.mask_embedding.expand(anchor_tokens.shape[0], num_rows, -1).clone()
         rows[:, 0] = self.target.model.embed_tokens(anchor_tokens)
-        positions = (batch.anchors - 1).to(device)[:, None] + torch.arange(num_rows, device=device)
-        mask = block_mask(context_lens.to(device), num_context, num_rows)
+        positions = (anchors - 1)[:, None] + torch.arange(num_rows, device=anchors.device)
+        mask = block_mask(context_lens, layer_context[0][0].shape[1], num_rows)
         return model(rows, positions, layer_context, mask)  # [B, R, D]
 
     @torch.inference_mode()
@@ -173,7 +207,7 @@ class DFlashDrafter(Drafter):
         return out.proposal(num_draft)
 
 
-def _store(context: _Context, layer: int, start: int, keys, values) -> None:
+def store_context(context: _Context, layer: int, start: int, keys, values) -> None:
     """Writes keys/values [n, H_kv, D_head] at positions start.. of one layer, growing its buffer
     geometrically so that a round costs O(new tokens)."""
     end = start + keys.shape[0]

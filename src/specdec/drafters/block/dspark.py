@@ -11,12 +11,15 @@ already drawn, never on draft i itself; the decision is taken before draft i is 
 request that stops drafting draws nothing more. Verification then sees a draft chain whose length
 is a stopping time of the draft process, which is the same as drafting a token the target never
 emits (always rejected, its residual being the target itself), so every verifier stays valid
-(DSpark, App. A: a length chosen after seeing the drawn token biases the output).
+(DSpark, App. A: a length chosen after seeing the drawn token biases the output). Inside a device
+round (`block/device.py`) the same decisions are masks over a fixed width: a stopped chain's
+later drafts are still drawn there, at their own keys, but never verified.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +28,9 @@ from specdec.drafters.block.dflash import DFlashDrafter
 from specdec.drafters.block.network import BlockDrafterModel
 from specdec.models import LlamaForCausalLM
 from specdec.transfer import to_device
+
+if TYPE_CHECKING:
+    from specdec.drafters.device import DeviceDrafting
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +84,13 @@ class DSparkDrafter(DFlashDrafter):
         self.scheduler = scheduler or ConfidenceScheduler(
             config.min_survival_probability, config.min_draft
         )
+
+    def device_drafting(
+        self, num_slots: int, width: int, max_model_len: int, device: torch.device
+    ) -> DeviceDrafting | None:
+        from specdec.drafters.block.device import DSparkDeviceDrafting
+
+        return DSparkDeviceDrafting(self, num_slots, width, max_model_len)
 
     @torch.inference_mode()
     def propose(self, batch: DraftBatch) -> Proposal:

@@ -1,0 +1,164 @@
+"""DFlash and DSpark drafting inside a device round: each slot's context (every drafter layer's
+keys and values of the positions the target has features for) lives in a dense device buffer, the
+block pass runs over it with a mask, and `observe` projects the features of what a round committed
+into it, so the host never reads a token or a length. DSpark's confidence scheduler runs as masks:
+its verify length per slot is a device tensor. Draft noise only through `Drafter.draw_on_device`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.drafters.base import Drafter, ProposalBuffer
+from specdec.drafters.block.dflash import store_context
+from specdec.drafters.device import DeviceDrafting, DeviceSlot, RoundView
+
+
+class BlockDeviceDrafting(DeviceDrafting):
+    """Per slot and drafter layer: context keys/values [capacity, H_kv, D_head] of positions
+    0..capacity-1, valid below the round anchor - 1 (the positions whose features the target has
+    delivered). DFlash drafting; `DSparkDeviceDrafting` overrides `_draw`.
+
+    A round reads the context below its anchor - 1 and writes positions from there on, with
+    values computed from the round's inputs only: run twice around the round's saved state (a
+    graph's warm-up), it writes the same values again, so the context is not part of `state`.
+    """
+
+    def __init__(self, drafter: Drafter, num_slots: int, width: int, max_model_len: int) -> None:
+        self.drafter, self.width = drafter, width
+        model = drafter.model
+        self.block_size = model.config.block_size
+        # A round writes positions up to anchor - 1 + width - 1 <= max_model_len + width.
+        self.capacity = max_model_len + width
+        device, dtype = model.mask_embedding.device, model.fc.weight.dtype
+        self.keys, self.values = [], []
+        for layer in model.layers:
+            attention = layer.self_attn
+            shape = (num_slots, self.capacity, attention.num_kv_heads, attention.head_dim)
+            self.keys.append(torch.zeros(shape, dtype=dtype, device=device))
+            self.values.append(torch.zeros(shape, dtype=dtype, device=device))
+        self.out = ProposalBuffer(
+            num_slots, width - 1, drafter.target_vocab_size, device, drafter.greedy
+        )
+        self._loaded: dict[str, int] = {}  # request id -> context positions copied at `begin`
+
+    @torch.inference_mode()  # the host contexts are inference tensors (`DFlashDrafter.observe`)
+    def begin(self, slots: list[DeviceSlot], num_rows: int) -> None:
+        self._loaded = {}
+        for slot in slots:
+            needed = len(slot.token_ids) - 1  # features of positions 0..anchor-2
+            context = self.drafter._contexts.get(slot.request_id)
+            have = 0 if context is None else context.length
+            if context is None or have < needed:
+                raise ValueError(
+                    f"request {slot.request_id}: the drafter has target features for {have} "
+                    f"positions, its round at anchor {needed + 1} needs {needed}"
+                )
+            for layer, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
+                keys[slot.slot, :needed].copy_(context.keys[layer][:needed])
+                values[slot.slot, :needed].copy_(context.values[layer][:needed])
+            self._loaded[slot.request_id] = needed
+
+    def prepare(self, slots: list[DeviceSlot], last_positions: list[int]) -> None:
+        return None  # dense per-slot buffers: nothing to allocate ahead
+
+    def propose(self, view: RoundView) -> tuple:
+        rows, k = view.num_rows, view.k
+        out = self.out
+        if k == 0:
+            return out.draft_token_ids[:rows, :0], None, None, None
+        live, anchors = view.live, view.anchors
+        context_lens = torch.where(live, anchors - 1, 0)  # inert slots see their block only
+        layer_context = [
+            (keys[:rows], values[:rows])
+            for keys, values in zip(self.keys, self.values, strict=True)
+        ]
+        hidden = self.drafter.run_block(view.last_tokens, anchors, layer_context, context_lens)
+        drafted = self._draw(view, hidden, min(k, self.block_size))  # [S] int64
+        draft_logits = None if out.draft_logits is None else out.draft_logits[:rows, :k]
+        draft_lse = None if out.draft_logsumexp is None else out.draft_logsumexp[:rows, :k]
+        return out.draft_token_ids[:rows, :k], draft_logits, draft_lse, drafted
+
+    def _draw(self, view: RoundView, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """DFlash: mask row i of the block predicts Q = A + i; draws k drafts per slot into
+        `out`. Returns [S] int64 drafts per slot (k: the block has no scheduler).
+
+        RNG: through `draw_on_device` only, one call per draft index."""
+        rows = view.num_rows
+        first = self.drafter.model.config.first_predicting_row
+        logits = self.drafter.target.compute_logits(hidden[:, first : first + k].flatten(0, 1))
+        logits = logits.view(rows, k, -1)  # [S, k, V]
+        for i in range(k):
+            self.drafter.draw_on_device(logits[:, i], view.anchors + i, view, self.out, i)
+        return torch.full((rows,), k, dtype=torch.int64, device=hidden.device)
+
+    def observe(self, view, features, token_ids, num_accepted) -> None:
+        rows, width = view.num_rows, self.width
+        device = token_ids.device
+        column = torch.arange(width, device=device)
+        positions = view.anchors[:, None] - 1 + column  # [S, W]: the input token, then drafts
+        layers = self.drafter.model.context_keys_values(features.view(rows, width, -1), positions)
+        # The input token and the accepted drafts are committed; the rest stays untouched.
+        keep = (view.live[:, None] & (column <= num_accepted[:, None]))[..., None, None]
+        slot = torch.arange(rows, device=device)[:, None]
+        at = (slot, positions.clamp(0, self.capacity - 1))
+        for (new_keys, new_values), keys, values in zip(
+            layers, self.keys, self.values, strict=True
+        ):
+            keys[at] = torch.where(keep, new_keys, keys[at])
+            values[at] = torch.where(keep, new_values, values[at])
+
+    def state(self) -> list[torch.Tensor]:
+        return []  # see the class docstring
+
+    @torch.inference_mode()
+    def end(self, slots: list[DeviceSlot]) -> None:
+        for slot in slots:
+            needed = len(slot.token_ids) - 1
+            context = self.drafter._contexts[slot.request_id]
+            start = min(self._loaded.get(slot.request_id, 0), context.length)
+            for layer, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
+                store_context(
+                    context,
+                    layer,
+                    start,
+                    keys[slot.slot, start:needed],
+                    values[slot.slot, start:needed],
+                )
+            context.length = needed
+
+
+class DSparkDeviceDrafting(BlockDeviceDrafting):
+    """DSpark: row i of the block predicts Q = A + i; the Markov head is sampled draft by draft
+    and the confidence scheduler's admissions are masks, so each slot's verify length is a
+    device tensor (the round keeps its fixed width K; verification ignores drafts past it)."""
+
+    def _draw(self, view: RoundView, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """Draws k drafts per slot, draft i from base_i + W2 W1[x_{i-1}]; the scheduler decides
+        on draft i from c_i before it is drawn, as on the host. A slot whose chain the scheduler
+        stopped still has its later drafts drawn (a fixed shape), but they are never verified:
+        keys are per position, so those draws change no other value.
+
+        Returns: [S] int64 drafts admitted per slot.
+
+        RNG: through `draw_on_device` only, one call per draft index; the scheduler draws
+        nothing."""
+        drafter, rows = self.drafter, view.num_rows
+        model, scheduler = drafter.model, drafter.scheduler
+        base = drafter.target.compute_logits(hidden[:, :k].flatten(0, 1)).view(rows, k, -1)
+        previous = view.last_tokens  # x_{-1}: the anchor token
+        survival = torch.ones(rows, device=hidden.device)
+        drafting = view.live.clone()
+        admitted_count = torch.zeros(rows, dtype=torch.int64, device=hidden.device)
+        for i in range(k):
+            low_rank, markov = model.markov(previous)  # [S, r], [S, V]
+            if scheduler.enabled:
+                confidence = torch.sigmoid(model.confidence_logit(hidden[:, i], low_rank))
+                admitted = scheduler.admit(i, survival, confidence)
+                survival = torch.where(drafting, survival * confidence, survival)
+                drafting = drafting & admitted
+            admitted_count += drafting
+            previous = drafter.draw_on_device(
+                base[:, i] + markov, view.anchors + i, view, self.out, i
+            )
+        return admitted_count
