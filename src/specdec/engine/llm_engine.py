@@ -34,6 +34,7 @@ from specdec.engine.setup import (
     draft_cache_layers,
     resolve_device,
     resolve_dtype,
+    resolve_kv_cache_dtype,
     resolve_max_model_len,
     size_kv_cache,
 )
@@ -115,6 +116,7 @@ class LLMEngine:
             + (speculative_config.num_speculative_tokens if speculative_config else 0),
             enforce_eager=config.enforce_eager,
             decode_path=True if self.device_rounds else None,
+            kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype, self.device),
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
