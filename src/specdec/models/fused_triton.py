@@ -71,16 +71,9 @@ def add_rms_norm_triton(
 
 
 @triton.jit
-def _to_cache(x, act_type: tl.constexpr, cache_type: tl.constexpr, KV_FP8: tl.constexpr):
-    """`x` (float32) in the cache's dtype as `attention.to_cache_dtype` casts it: an FP8 cache
-    gets the activation-dtype value saturated at +-448 and rounded to nearest even."""
-    if KV_FP8:
-        y = x.to(act_type).to(tl.float32)
-        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-        y = y.to(cache_type, fp_downcast_rounding="rtne")
-    else:
-        y = x.to(cache_type)
-    return y
+def _fp8_saturate(x):
+    """float32 `x` clamped to float8 e4m3's finite range (+-448), as `attention.to_cache_dtype`."""
+    return tl.minimum(tl.maximum(x, -448.0), 448.0)
 
 
 @triton.jit
@@ -121,18 +114,28 @@ def _rope_write_kv_kernel(
         if slot >= 0:
             kv_head = head - NUM_HEADS
             dst = (slot * NUM_KV_HEADS + kv_head) * head_dim
-            act_type = query_ptr.dtype.element_ty
             key_type = k_cache_ptr.dtype.element_ty
-            key_first = _to_cache(rotated_first, act_type, key_type, KV_FP8)
-            key_second = _to_cache(rotated_second, act_type, key_type, KV_FP8)
-            tl.store(k_cache_ptr + dst + cols, key_first, mask=inside)
-            tl.store(k_cache_ptr + dst + HALF_DIM + cols, key_second, mask=inside)
             value_src = src + NUM_KV_HEADS * head_dim
             value_type = v_cache_ptr.dtype.element_ty
-            value_first = tl.load(value_src + cols, mask=inside).to(tl.float32)
-            value_second = tl.load(value_src + HALF_DIM + cols, mask=inside).to(tl.float32)
-            value_first = _to_cache(value_first, act_type, value_type, KV_FP8)
-            value_second = _to_cache(value_second, act_type, value_type, KV_FP8)
+            value_first = tl.load(value_src + cols, mask=inside)
+            value_second = tl.load(value_src + HALF_DIM + cols, mask=inside)
+            if KV_FP8:
+                # As the twin: the key in the activation dtype, then saturated and rounded to
+                # the nearest float8 (one rounding from the activation value).
+                act_type = query_ptr.dtype.element_ty
+                key_first = _fp8_saturate(rotated_first.to(act_type).to(tl.float32))
+                key_second = _fp8_saturate(rotated_second.to(act_type).to(tl.float32))
+                key_first = key_first.to(key_type, fp_downcast_rounding="rtne")
+                key_second = key_second.to(key_type, fp_downcast_rounding="rtne")
+                value_first = _fp8_saturate(value_first.to(tl.float32))
+                value_second = _fp8_saturate(value_second.to(tl.float32))
+                value_first = value_first.to(value_type, fp_downcast_rounding="rtne")
+                value_second = value_second.to(value_type, fp_downcast_rounding="rtne")
+            else:
+                key_first, key_second = rotated_first.to(key_type), rotated_second.to(key_type)
+                value_first, value_second = value_first.to(value_type), value_second.to(value_type)
+            tl.store(k_cache_ptr + dst + cols, key_first, mask=inside)
+            tl.store(k_cache_ptr + dst + HALF_DIM + cols, key_second, mask=inside)
             tl.store(v_cache_ptr + dst + cols, value_first, mask=inside)
             tl.store(v_cache_ptr + dst + HALF_DIM + cols, value_second, mask=inside)
 
