@@ -31,6 +31,7 @@ from specdec.engine.proposals import deliver_features, propose, step_inputs
 from specdec.engine.request import Request, RequestStatus, SpecSettings
 from specdec.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from specdec.engine.setup import (
+    check_kv_cache_dtype,
     draft_cache_layers,
     resolve_device,
     resolve_dtype,
@@ -81,6 +82,7 @@ class LLMEngine:
         builtin_target = model is None and config.model is None
         speculative_config = with_shipped_head(speculative_config, builtin_target)
         self.device = resolve_device(config.device)
+        check_kv_cache_dtype(config.kv_cache_dtype, self.device)  # before a model loads
         self.async_scheduling = config.async_scheduling
         if self.async_scheduling == "auto":
             self.async_scheduling = self.device.type == "cuda"

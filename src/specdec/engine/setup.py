@@ -40,16 +40,19 @@ def resolve_kv_cache_dtype(
     Raises:
         ValueError: FP8 asked for off CUDA, or an unknown name.
     """
-    if kv_cache_dtype == "auto":
-        return model_dtype
-    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
-        if device.type != "cuda":
-            raise ValueError(
-                f"kv_cache_dtype={kv_cache_dtype!r} needs CUDA (the CPU path keeps the model's "
-                "dtype; use kv_cache_dtype='auto')"
-            )
-        return torch.float8_e4m3fn
-    raise ValueError(f"kv_cache_dtype must be auto, fp8 or fp8_e4m3, got {kv_cache_dtype!r}")
+    check_kv_cache_dtype(kv_cache_dtype, device)
+    return model_dtype if kv_cache_dtype == "auto" else torch.float8_e4m3fn
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device) -> None:
+    """Refuses an unknown KV-cache dtype, and FP8 off CUDA (before any model loads)."""
+    if kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+        raise ValueError(f"kv_cache_dtype must be auto, fp8 or fp8_e4m3, got {kv_cache_dtype!r}")
+    if kv_cache_dtype != "auto" and device.type != "cuda":
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} needs CUDA (the CPU path keeps the model's "
+            "dtype; use kv_cache_dtype='auto')"
+        )
 
 
 def resolve_max_model_len(config: EngineConfig, model: LlamaForCausalLM) -> int:

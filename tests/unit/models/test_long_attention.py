@@ -189,10 +189,13 @@ def test_kv_cache_dtype_option() -> None:
 
 
 def test_engine_refuses_fp8_cache_on_cpu() -> None:
+    from specdec.cli.flags import check_before_loading
     from specdec.engine.llm import LLM
 
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8' needs CUDA"):
         LLM(device="cpu", kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8_e4m3' needs CUDA"):
+        check_before_loading(EngineConfig(device="cpu", kv_cache_dtype="fp8_e4m3"))
 
 
 def test_fp8_cache_halves_kv_bytes() -> None:
