@@ -256,17 +256,17 @@ def speculative_config(args: argparse.Namespace, default: dict | None) -> Specul
 
 def check_before_loading(config: EngineConfig) -> None:
     """The checks of an engine's settings that need no model (run before loading one, which
-    takes seconds): the device exists, and so does the model path.
+    takes seconds): the device exists, an FP8 KV cache has CUDA, and the model path exists.
 
     Raises:
-        ValueError: no CUDA device for device="cuda".
+        ValueError: no CUDA device for device="cuda"; kv_cache_dtype fp8 off CUDA.
         FileNotFoundError: no such model path.
     """
     from pathlib import Path
 
-    from specdec.engine.setup import resolve_device
+    from specdec.engine.setup import check_kv_cache_dtype, resolve_device
 
-    resolve_device(config.device)
+    check_kv_cache_dtype(config.kv_cache_dtype, resolve_device(config.device))
     if config.model is not None and not Path(config.model).exists():
         raise FileNotFoundError(f"no such model path: {config.model}")
 

@@ -18,6 +18,7 @@ from specdec.drafters.config import (  # noqa: F401 - re-exported: the engine's 
 from specdec.models.quant import QUANTIZATIONS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -54,6 +55,10 @@ class EngineConfig:
             request, recorded in its output).
         tensor_parallel_size: GPUs a model is split over; only 1 for now (tensor parallelism
             is not implemented yet).
+        kv_cache_dtype: the target's KV cache: "auto" (the model's dtype) or "fp8" / "fp8_e4m3"
+            (float8 e4m3, CUDA only: half the bytes of bfloat16; values are stored as they are,
+            a per-tensor scale of 1.0 as vLLM uses without calibration, saturating at +-448).
+            Drafters' own caches keep the model's dtype.
     """
 
     model: str | None = None
@@ -70,8 +75,14 @@ class EngineConfig:
     seed: int | None = None
     tensor_parallel_size: int = 1
     quantization: str | None = "auto"
+    kv_cache_dtype: str = field(default="auto", metadata={"choices": KV_CACHE_DTYPES})
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if isinstance(self.quantization, str) and self.quantization.lower() == "none":
             object.__setattr__(self, "quantization", None)
         if self.quantization not in (None, "auto", *QUANTIZATIONS):

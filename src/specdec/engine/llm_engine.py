@@ -31,9 +31,11 @@ from specdec.engine.proposals import deliver_features, propose, step_inputs
 from specdec.engine.request import Request, RequestStatus, SpecSettings
 from specdec.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from specdec.engine.setup import (
+    check_kv_cache_dtype,
     draft_cache_layers,
     resolve_device,
     resolve_dtype,
+    resolve_kv_cache_dtype,
     resolve_max_model_len,
     size_kv_cache,
 )
@@ -80,6 +82,7 @@ class LLMEngine:
         builtin_target = model is None and config.model is None
         speculative_config = with_shipped_head(speculative_config, builtin_target)
         self.device = resolve_device(config.device)
+        check_kv_cache_dtype(config.kv_cache_dtype, self.device)  # before a model loads
         self.async_scheduling = config.async_scheduling
         if self.async_scheduling == "auto":
             self.async_scheduling = self.device.type == "cuda"
@@ -115,6 +118,7 @@ class LLMEngine:
             + (speculative_config.num_speculative_tokens if speculative_config else 0),
             enforce_eager=config.enforce_eager,
             decode_path=True if self.device_rounds else None,
+            kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype, self.device),
         )
         self.scheduler = Scheduler(
             SchedulerConfig(

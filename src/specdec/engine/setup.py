@@ -31,6 +31,30 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+def resolve_kv_cache_dtype(
+    kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device
+) -> torch.dtype:
+    """The target KV cache's torch dtype: the model's for "auto", float8 e4m3 for "fp8" /
+    "fp8_e4m3" (CUDA only).
+
+    Raises:
+        ValueError: FP8 asked for off CUDA, or an unknown name.
+    """
+    check_kv_cache_dtype(kv_cache_dtype, device)
+    return model_dtype if kv_cache_dtype == "auto" else torch.float8_e4m3fn
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device) -> None:
+    """Refuses an unknown KV-cache dtype, and FP8 off CUDA (before any model loads)."""
+    if kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+        raise ValueError(f"kv_cache_dtype must be auto, fp8 or fp8_e4m3, got {kv_cache_dtype!r}")
+    if kv_cache_dtype != "auto" and device.type != "cuda":
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} needs CUDA (the CPU path keeps the model's "
+            "dtype; use kv_cache_dtype='auto')"
+        )
+
+
 def resolve_max_model_len(config: EngineConfig, model: LlamaForCausalLM) -> int:
     """max_model_len: the configured one, else the model's declared context (`size_kv_cache`
     may lower it, saying why, when the KV cache cannot hold it).
@@ -91,6 +115,18 @@ def max_model_len_note(config: EngineConfig, model: LlamaForCausalLM, max_model_
     return f"{max_model_len} (the model's context)"
 
 
+def kv_bytes_per_token(
+    model: LlamaForCausalLM, kv_dtype: torch.dtype, draft_layers: int = 0
+) -> int:
+    """Bytes of K and V one token takes: the target's layers in the cache's `kv_dtype` (FP8:
+    half of bfloat16), a drafter's `draft_layers` in the model's dtype (their caches keep it)."""
+    cfg = model.config
+    kv_itemsize = torch.empty((), dtype=kv_dtype).element_size()
+    itemsize = torch.empty((), dtype=model.dtype).element_size()
+    per_head = cfg.num_key_value_heads * cfg.head_dim
+    return 2 * per_head * (cfg.num_hidden_layers * kv_itemsize + draft_layers * itemsize)
+
+
 def _default_num_blocks(
     config: EngineConfig,
     model: LlamaForCausalLM,
@@ -98,10 +134,8 @@ def _default_num_blocks(
     device: torch.device,
     draft_layers: int = 0,
 ) -> int:
-    cfg = model.config
-    itemsize = torch.empty((), dtype=model.dtype).element_size()
-    layers = cfg.num_hidden_layers + draft_layers
-    per_token = 2 * layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype, device)
+    per_token = kv_bytes_per_token(model, kv_dtype, draft_layers)
     if device.type == "cuda":
         # Memory of engines that are gone (e.g. an earlier one in this process) is garbage
         # or cached by the allocator: give it back before measuring what is free.

@@ -1,8 +1,10 @@
 """Paged attention: the per-step metadata, the paged KV cache, and causal attention over it.
 
-A plain PyTorch path (runs on CPU and CUDA): new K/V are written to their cache slots, then each
-sequence's context is gathered through its block table and attended with an explicit mask. It never
-allocates blocks or decides which slots to use (the engine does) and never draws randomness.
+A plain PyTorch path (the CPU; CUDA too when FLASH_PREFILL_ON_CUDA is off): new K/V are written to
+their cache slots, then each sequence's context is gathered through its block table and attended
+with an explicit mask. On CUDA attention runs the flash-style paged kernel instead
+(`prefill_attention.py`). It never allocates blocks or decides which slots to use (the engine
+does) and never draws randomness.
 """
 
 from __future__ import annotations
@@ -17,7 +19,22 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specdec.models.prefill_attention import paged_prefill_attention
 from specdec.transfer import to_device
+
+# The largest finite float8 e4m3 value: an FP8 cache saturates there (no overflow to NaN).
+FP8_E4M3_MAX = 448.0
+# Whether the eager path attends through the flash-style prefill kernel on CUDA (no score matrix
+# in memory); False keeps the masked SDPA path there too (the old path, for comparisons).
+FLASH_PREFILL_ON_CUDA = True
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` in a KV cache's dtype. An FP8 (e4m3) cache holds values as they are (per-tensor
+    scale 1.0) and saturates at +-448, as the Triton writes do; other dtypes are a plain cast."""
+    if dtype == torch.float8_e4m3fn:
+        return x.to(torch.float32).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)
+    return x.to(dtype)
 
 
 def cache_slots(block_ids, positions, block_size: int) -> np.ndarray:
@@ -149,6 +166,9 @@ class DecodeMetadata:
         query_lens: [B] int32/int64 live query tokens of each sequence (<= query_per_seq).
         slot_mapping: [B * query_per_seq] int64 cache slot of each query token's K/V (-1: skip).
         query_per_seq: Q, query rows per sequence in the flattened layout.
+        num_partitions: 0 for the single-pass attention kernel; else the split-KV kernel
+            (`models/split_kv.py`) over this many partitions per sequence, which must cover every
+            context (fixed per CUDA graph: derived from max_model_len).
     """
 
     block_tables: torch.Tensor
@@ -156,6 +176,7 @@ class DecodeMetadata:
     query_lens: torch.Tensor
     slot_mapping: torch.Tensor
     query_per_seq: int
+    num_partitions: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,8 +255,8 @@ def write_kv(
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     keep = slot_mapping >= 0  # [T]
     slots = slot_mapping[keep]
-    k_cache.view(-1, num_kv_heads, head_dim)[slots] = key[keep].to(k_cache.dtype)
-    v_cache.view(-1, num_kv_heads, head_dim)[slots] = value[keep].to(v_cache.dtype)
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = to_cache_dtype(key[keep], k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = to_cache_dtype(value[keep], v_cache.dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,23 +264,32 @@ class AttentionPlan:
     """The index work of one step, done once and shared by every layer.
 
     Attributes:
-        seq_of_token: [T] int64 sequence of each query token.
-        index_in_seq: [T] int64 its index among its sequence's query tokens.
-        blocks: [B, ceil(max_context_len / block_size)] int64 block table (padding -> block 0).
-        mask: [B, 1, max_seqlen_q, max_context_len] bool, True where a query sees a key.
+        seq_of_token: [T] int64 sequence of each query token (None on the flash path).
+        index_in_seq: [T] int64 its index among its sequence's query tokens (None likewise).
+        blocks: [B, ceil(max_context_len / block_size)] int64 block table (padding -> block 0;
+            None on the flash path).
+        mask: [B, 1, max_seqlen_q, max_context_len] bool, True where a query sees a key (None on
+            the flash path, which never builds it).
         slot_mapping: [T] int64 cache slot of each token (-1 = do not write).
         all_written: whether every token is written (no -1 in slot_mapping).
+        flash: attend through `prefill_attention.paged_prefill_attention` (CUDA), reading
+            the cache through `attn`'s block tables; memory linear in the context.
+        attn: the step's metadata (read by the flash path).
+        sliding_window: the window the flash path applies (None: none).
     """
 
-    seq_of_token: torch.Tensor
-    index_in_seq: torch.Tensor
-    blocks: torch.Tensor
-    mask: torch.Tensor
+    seq_of_token: torch.Tensor | None
+    index_in_seq: torch.Tensor | None
+    blocks: torch.Tensor | None
+    mask: torch.Tensor | None
     slot_mapping: torch.Tensor
     all_written: bool
     num_seqs: int
     max_seqlen_q: int
     max_context_len: int
+    flash: bool = False
+    attn: AttentionMetadata | None = None
+    sliding_window: int | None = None
 
     @classmethod
     def build(
@@ -272,6 +302,29 @@ class AttentionPlan:
         num_tokens = attn.slot_mapping.shape[0]
         num_seqs = attn.num_seqs
         max_q, max_ctx = attn.max_seqlen_q, attn.max_context_len
+        slot_mapping = attn.slot_mapping.to(device=device, dtype=torch.int64)
+        all_written = (
+            attn.all_written
+            if attn.all_written is not None
+            else bool((slot_mapping >= 0).all())
+            if num_tokens
+            else True
+        )
+        if device.type == "cuda" and FLASH_PREFILL_ON_CUDA:
+            return cls(
+                seq_of_token=None,
+                index_in_seq=None,
+                blocks=None,
+                mask=None,
+                slot_mapping=slot_mapping,
+                all_written=all_written,
+                num_seqs=num_seqs,
+                max_seqlen_q=max_q,
+                max_context_len=max_ctx,
+                flash=True,
+                attn=attn,
+                sliding_window=sliding_window,
+            )
         cu = attn.cu_seqlens_q.to(device=device, dtype=torch.int64)
         query_lens = cu[1:] - cu[:-1]  # [B]
         context_lens = attn.context_lens.to(device=device, dtype=torch.int64)  # [B]
@@ -289,20 +342,13 @@ class AttentionPlan:
             mask &= key_pos > query_pos[:, :, None] - sliding_window
         # Rows that see no key (padding of an empty sequence) would give NaN; let them see key 0.
         mask[:, :, 0] |= ~mask.any(dim=-1)
-        slot_mapping = attn.slot_mapping.to(device=device, dtype=torch.int64)
         return cls(
             seq_of_token=seq_of_token,
             index_in_seq=index_in_seq,
             blocks=blocks,
             mask=mask[:, None],
             slot_mapping=slot_mapping,
-            all_written=(
-                attn.all_written
-                if attn.all_written is not None
-                else bool((slot_mapping >= 0).all())
-                if num_tokens
-                else True
-            ),
+            all_written=all_written,
             num_seqs=num_seqs,
             max_seqlen_q=max_q,
             max_context_len=max_ctx,
@@ -321,8 +367,10 @@ def write_kv_planned(
         write_kv(key, value, k_cache, v_cache, plan.slot_mapping)
         return
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim)[plan.slot_mapping] = key.to(k_cache.dtype)
-    v_cache.view(-1, num_kv_heads, head_dim)[plan.slot_mapping] = value.to(v_cache.dtype)
+    k_cache.view(-1, num_kv_heads, head_dim)[plan.slot_mapping] = to_cache_dtype(key, k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, head_dim)[plan.slot_mapping] = to_cache_dtype(
+        value, v_cache.dtype
+    )
 
 
 def _eager_backends(device: torch.device):
@@ -349,7 +397,8 @@ def paged_attention(
     """Causal attention of the new tokens over their sequences' cached context.
 
     Sequences are padded to `max_seqlen_q` queries and `max_context_len` keys and run as one SDPA
-    call with a boolean mask; GQA heads share K/V without copying them.
+    call with a boolean mask; GQA heads share K/V without copying them. A flash plan (CUDA) runs
+    the paged flash-style kernel instead (`prefill_attention.py`): no mask, no gathered copy.
 
     Args:
         query: [T, H_q, D] queries of the new tokens (after RoPE).
@@ -370,6 +419,19 @@ def paged_attention(
     if isinstance(attn, AttentionMetadata):
         attn = AttentionPlan.build(attn, k_cache.shape[1], query.device, sliding_window)
     plan = attn
+    if plan.flash and plan.attn is not None:
+        meta = plan.attn
+        return paged_prefill_attention(
+            query,
+            k_cache,
+            v_cache,
+            meta.cu_seqlens_q,
+            meta.context_lens,
+            meta.block_tables,
+            meta.max_seqlen_q,
+            scale=scale,
+            sliding_window=plan.sliding_window,
+        )
     max_ctx = plan.max_context_len
     keys = k_cache[plan.blocks].flatten(1, 2)[:, :max_ctx]  # [B, S, H_kv, D]
     values = v_cache[plan.blocks].flatten(1, 2)[:, :max_ctx]  # [B, S, H_kv, D]

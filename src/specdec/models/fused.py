@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specdec.models.attention import DecodeMetadata
+from specdec.models.attention import DecodeMetadata, to_cache_dtype
+from specdec.models.split_kv import split_kv_decode_attention
 
 
 # --------------------------------------------------------------------------- PyTorch twins
@@ -85,8 +86,8 @@ def rope_write_kv_ref(
     value = heads[:, num_heads + num_kv_heads :]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(-1, num_kv_heads, head_dim)[slots] = key[keep].to(k_cache.dtype)
-    v_cache.view(-1, num_kv_heads, head_dim)[slots] = value[keep].to(v_cache.dtype)
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = to_cache_dtype(key[keep], k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = to_cache_dtype(value[keep], v_cache.dtype)
     return query
 
 
@@ -198,7 +199,10 @@ def paged_decode_attention(
     scale: float,
 ) -> torch.Tensor:
     """See `paged_decode_attention_ref`; one kernel per step and layer on CUDA (no host sync, so
-    it can be captured in a CUDA graph)."""
+    it can be captured in a CUDA graph). Metadata with `num_partitions` runs the split-KV
+    kernels instead (`split_kv.py`: long contexts)."""
+    if meta.num_partitions:
+        return split_kv_decode_attention(query, k_cache, v_cache, meta, scale)
     if not query.is_cuda:
         return paged_decode_attention_ref(query, k_cache, v_cache, meta, scale)
     from specdec.models import fused_triton

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from specdec.models.attention import DecodeMetadata
+from specdec.models.split_kv import DECODE_BLOCK_N
 
 
 @triton.jit
@@ -70,6 +71,12 @@ def add_rms_norm_triton(
 
 
 @triton.jit
+def _fp8_saturate(x):
+    """float32 `x` clamped to float8 e4m3's finite range (+-448), as `attention.to_cache_dtype`."""
+    return tl.minimum(tl.maximum(x, -448.0), 448.0)
+
+
+@triton.jit
 def _rope_write_kv_kernel(
     qkv_ptr,  # [T, (H_q + 2 H_kv) * D]
     positions_ptr,  # [T] int64
@@ -82,6 +89,7 @@ def _rope_write_kv_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HALF_DIM: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -107,14 +115,29 @@ def _rope_write_kv_kernel(
             kv_head = head - NUM_HEADS
             dst = (slot * NUM_KV_HEADS + kv_head) * head_dim
             key_type = k_cache_ptr.dtype.element_ty
-            tl.store(k_cache_ptr + dst + cols, rotated_first.to(key_type), mask=inside)
-            tl.store(k_cache_ptr + dst + HALF_DIM + cols, rotated_second.to(key_type), mask=inside)
             value_src = src + NUM_KV_HEADS * head_dim
             value_type = v_cache_ptr.dtype.element_ty
             value_first = tl.load(value_src + cols, mask=inside)
             value_second = tl.load(value_src + HALF_DIM + cols, mask=inside)
-            tl.store(v_cache_ptr + dst + cols, value_first.to(value_type), mask=inside)
-            tl.store(v_cache_ptr + dst + HALF_DIM + cols, value_second.to(value_type), mask=inside)
+            if KV_FP8:
+                # As the twin: the key in the activation dtype, then saturated and rounded to
+                # the nearest float8 (one rounding from the activation value).
+                act_type = query_ptr.dtype.element_ty
+                key_first = _fp8_saturate(rotated_first.to(act_type).to(tl.float32))
+                key_second = _fp8_saturate(rotated_second.to(act_type).to(tl.float32))
+                key_first = key_first.to(key_type, fp_downcast_rounding="rtne")
+                key_second = key_second.to(key_type, fp_downcast_rounding="rtne")
+                value_first = _fp8_saturate(value_first.to(tl.float32))
+                value_second = _fp8_saturate(value_second.to(tl.float32))
+                value_first = value_first.to(value_type, fp_downcast_rounding="rtne")
+                value_second = value_second.to(value_type, fp_downcast_rounding="rtne")
+            else:
+                key_first, key_second = rotated_first.to(key_type), rotated_second.to(key_type)
+                value_first, value_second = value_first.to(value_type), value_second.to(value_type)
+            tl.store(k_cache_ptr + dst + cols, key_first, mask=inside)
+            tl.store(k_cache_ptr + dst + HALF_DIM + cols, key_second, mask=inside)
+            tl.store(v_cache_ptr + dst + cols, value_first, mask=inside)
+            tl.store(v_cache_ptr + dst + HALF_DIM + cols, value_second, mask=inside)
 
 
 def rope_write_kv_triton(
@@ -143,6 +166,7 @@ def rope_write_kv_triton(
             NUM_KV_HEADS=num_kv_heads,
             HALF_DIM=head_dim // 2,
             BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+            KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
             num_warps=1,
         )
     return query
@@ -199,8 +223,10 @@ def _attend_chunk(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IEEE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
-    """One online-softmax step over keys chunk * BLOCK_N .. + BLOCK_N - 1."""
+    """One online-softmax step over keys chunk * BLOCK_N .. + BLOCK_N - 1 (shared with the
+    split-KV kernel, whose partitions run exactly these steps)."""
     dims = tl.arange(0, BLOCK_D)
     key_pos = chunk * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     live_key = key_pos < context_len
@@ -209,6 +235,8 @@ def _attend_chunk(
     kv_offsets = (slot[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + dims[None, :]
     kv_mask = live_key[:, None] & (dims[None, :] < HEAD_DIM)
     keys = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    if KV_FP8:  # an FP8 cache is read as it is (scale 1.0), in the queries' dtype
+        keys = keys.to(tl.float32).to(query.dtype)
     if IEEE:
         scores = tl.dot(query, tl.trans(keys), input_precision="ieee") * scale
     else:
@@ -222,6 +250,8 @@ def _attend_chunk(
     rescale = tl.exp(row_max - safe_max)
     row_sum = row_sum * rescale + tl.sum(weights, axis=1)
     values = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    if KV_FP8:
+        values = values.to(tl.float32).to(query.dtype)
     if IEEE:
         update = tl.dot(weights.to(values.dtype), values, input_precision="ieee")
     else:
@@ -249,6 +279,7 @@ def _paged_decode_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IEEE: tl.constexpr,
+    KV_FP8: tl.constexpr,
     DEVICE_BOUND: tl.constexpr,
     HOST_NUM_CHUNKS: tl.constexpr,
 ):
@@ -294,6 +325,7 @@ def _paged_decode_attention_kernel(
                 BLOCK_N,
                 BLOCK_D,
                 IEEE,
+                KV_FP8,
             )
     else:  # Triton's CPU interpreter cannot loop to a loaded bound; masks void extra chunks
         for chunk in range(0, HOST_NUM_CHUNKS):
@@ -316,6 +348,7 @@ def _paged_decode_attention_kernel(
                 BLOCK_N,
                 BLOCK_D,
                 IEEE,
+                KV_FP8,
             )
     out = acc / tl.maximum(row_sum, 1e-30)[:, None]
     tl.store(
@@ -354,11 +387,14 @@ def paged_decode_attention_triton(
             HEAD_DIM=head_dim,
             CACHE_BLOCK=cache_block,
             BLOCK_M=max(16, triton.next_power_of_2(meta.query_per_seq * group)),
-            BLOCK_N=64,
+            BLOCK_N=DECODE_BLOCK_N,
             BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
             IEEE=query.dtype == torch.float32,
+            KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
             DEVICE_BOUND=query.is_cuda,
-            HOST_NUM_CHUNKS=0 if query.is_cuda else triton.cdiv(int(meta.context_lens.max()), 64),
+            HOST_NUM_CHUNKS=0
+            if query.is_cuda
+            else triton.cdiv(int(meta.context_lens.max()), DECODE_BLOCK_N),
             num_warps=4,
         )
     return out

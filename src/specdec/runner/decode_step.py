@@ -16,7 +16,13 @@ import torch
 
 from specdec.models.attention import DecodeMetadata, KVCache, cache_slots
 from specdec.models.llama import LlamaForCausalLM
+from specdec.models.split_kv import SPLIT_KV_PARTITION, num_partitions
 from specdec.runner.cuda_graph import GraphCache, StaticInputs, batch_buckets, bucket_for
+
+# Steps filled on the device (device rounds) attend with split-KV when max_model_len is at least
+# this long: their contexts are not known on the host, and below it the single-pass kernel's
+# occupancy suffices while split-KV's second pass would cost every layer a launch.
+SPLIT_KV_ROUNDS_FROM = 16384
 
 
 class DecodeGraphs:
@@ -76,23 +82,38 @@ class DecodeGraphs:
             if weight_dtype == torch.float32
             else torch.empty(max_rows, vocab, dtype=weight_dtype, device=device)
         )
-        # (padded batch, Q, feature layers) -> (graph, features the graph writes or None)
+        # (padded batch, Q, feature layers, split) -> (graph, features it writes or None)
         self.graph_cache = GraphCache(use_graphs)
+        # Split-KV attention on CUDA: partitions covering the longest context, the same for
+        # every graph. `run` picks it when a step's longest context spans more than one
+        # partition (below that both kernels give the same bits, so the choice never changes
+        # a request's tokens); callers that fill the buffers on the device (device rounds)
+        # cannot see the contexts and take it when max_model_len is long.
+        max_context = max_blocks_per_seq * block_size
+        self.num_partitions = num_partitions(max_context) if device.type == "cuda" else 0
+        self.split_by_default = self.num_partitions > 1 and max_context >= SPLIT_KV_ROUNDS_FROM
 
     def forward(
-        self, num_seqs: int, query_per_seq: int, feature_layers: tuple[int, ...]
+        self,
+        num_seqs: int,
+        query_per_seq: int,
+        feature_layers: tuple[int, ...],
+        split_kv: bool | None = None,
     ) -> torch.Tensor | None:
         """The step over the first num_seqs x query_per_seq rows of the static buffers, as
         they are (device work only: what `run` replays, and what a caller that fills the
         buffers on the device runs inside its own graph); writes `self.logits[:rows]` and
-        returns the [rows, F] features of `feature_layers` (or None)."""
+        returns the [rows, F] features of `feature_layers` (or None). `split_kv`: attend with
+        the split-KV kernels (None: `split_by_default`)."""
         rows = num_seqs * query_per_seq
+        split_kv = self.split_by_default if split_kv is None else split_kv
         meta = DecodeMetadata(
             block_tables=self.block_tables[:num_seqs],
             context_lens=self.context_lens[:num_seqs],
             query_lens=self.query_lens[:num_seqs],
             slot_mapping=self.slot_mapping[:rows],
             query_per_seq=query_per_seq,
+            num_partitions=self.num_partitions if split_kv else 0,
         )
         hidden, layers = self.model.model(
             self.input_ids[:rows], self.positions[:rows], meta, self.kv_cache, feature_layers
@@ -118,7 +139,7 @@ class DecodeGraphs:
 
     @property
     def graphs(self) -> dict:
-        """(padded batch, Q, feature layers) -> (graph, features it writes or None)."""
+        """(padded batch, Q, feature layers, split) -> (graph, features it writes or None)."""
         return self.graph_cache.graphs
 
     def run(
@@ -196,9 +217,11 @@ class DecodeGraphs:
         if first_tokens is not None:
             device_ids = self.input_ids[:rows].view(num_padded, query_per_seq)
             device_ids[:num_seqs, 0].copy_(first_tokens)
+        longest = max(start + len(tokens) for start, tokens in zip(starts, token_ids, strict=True))
+        split_kv = self.num_partitions > 1 and longest > SPLIT_KV_PARTITION
         features = self.graph_cache.run(
-            (num_padded, query_per_seq, feature_layers),
-            lambda: self.forward(num_padded, query_per_seq, feature_layers),
+            (num_padded, query_per_seq, feature_layers, split_kv),
+            lambda: self.forward(num_padded, query_per_seq, feature_layers, split_kv),
         )
         if stacked and query_per_seq == 1:
             # One view instead of num_seqs: host work each overlapped decode step.

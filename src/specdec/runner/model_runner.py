@@ -55,6 +55,7 @@ class PagedModelRunner:
         enforce_eager: bool = False,
         decode_path: bool | None = None,
         pad_batches: bool | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         """Args:
         model, num_blocks, block_size: the model and its cache geometry.
@@ -65,10 +66,13 @@ class PagedModelRunner:
         decode_path: use the fused decode path for decode steps (None: on CUDA, and on the
             CPU for quantized models).
         pad_batches: pad decode batches to the graph buckets (None: when capturing graphs).
+        kv_cache_dtype: the cache's dtype (None: the model's; float8 e4m3 on CUDA only).
         """
+        if kv_cache_dtype == torch.float8_e4m3fn and model.device.type != "cuda":
+            raise ValueError("kv_cache_dtype='fp8' needs CUDA")
         self.model = model
         self.block_size = block_size
-        self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
+        self.kv_cache = model.allocate_kv_cache(num_blocks, block_size, kv_cache_dtype)
         self.device = model.device
         self.max_query_len = max_query_len
         self.max_num_seqs = max_num_seqs

@@ -1,0 +1,217 @@
+"""The Triton kernel behind `specdec.models.prefill_attention` (imported only for CUDA tensors,
+or under Triton's CPU interpreter).
+
+One program per (query tile of BLOCK_M tokens, sequence, query head): it walks the key tiles its
+rows can see, gathering keys and values through the block table, first the tiles every row sees
+whole (no mask), then the diagonal ones (causal and context masks); a sliding window masks every
+tile. No host sync; addresses in int64 (a 128K context times heads times head_dim passes 2^31).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specdec.models.prefill_attention import LOG2E, PREFILL_BLOCK_N
+
+
+@triton.jit
+def _prefill_tile(
+    key_start,
+    query,  # [BLOCK_M, BLOCK_D]
+    query_pos,  # [BLOCK_M] int
+    context_len,
+    window,
+    row_max,  # [BLOCK_M] float32, base-2 scaled scores
+    row_sum,  # [BLOCK_M] float32
+    acc,  # [BLOCK_M, BLOCK_D] float32
+    k_cache_ptr,  # [num_slots, H_kv, D]
+    v_cache_ptr,  # [num_slots, H_kv, D]
+    table_ptr,  # this sequence's row of the block table
+    kv_head,
+    qk_scale,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,
+    SLIDING: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One online-softmax step over keys key_start .. key_start + BLOCK_N - 1."""
+    dims = tl.arange(0, BLOCK_D)
+    key_pos = key_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    live_key = key_pos < context_len
+    block = tl.load(table_ptr + key_pos // CACHE_BLOCK, mask=live_key, other=0).to(tl.int64)
+    slot = block * CACHE_BLOCK + key_pos % CACHE_BLOCK  # [BLOCK_N] int64
+    kv_offsets = (slot[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + dims[None, :]
+    kv_mask = live_key[:, None] & (dims[None, :] < HEAD_DIM)
+    keys = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    if KV_FP8:
+        keys = keys.to(tl.float32).to(query.dtype)
+    if IEEE:
+        scores = tl.dot(query, tl.trans(keys), input_precision="ieee")
+    else:
+        scores = tl.dot(query, tl.trans(keys))  # [BLOCK_M, BLOCK_N] float32
+    scores = scores * qk_scale
+    if MASKED:
+        visible = live_key[None, :] & (key_pos[None, :] <= query_pos[:, None])
+        if SLIDING:
+            visible = visible & (key_pos[None, :] > query_pos[:, None] - window)
+        scores = tl.where(visible, scores, float("-inf"))
+    new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+    # Rows that see no key yet keep -inf; shift them by 0 so exp2 gives 0, not NaN.
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+    weights = tl.math.exp2(scores - safe_max[:, None])
+    rescale = tl.math.exp2(row_max - safe_max)
+    row_sum = row_sum * rescale + tl.sum(weights, axis=1)
+    values = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    if KV_FP8:
+        values = values.to(tl.float32).to(query.dtype)
+    if IEEE:
+        update = tl.dot(weights.to(values.dtype), values, input_precision="ieee")
+    else:
+        update = tl.dot(weights.to(values.dtype), values)
+    return new_max, row_sum, acc * rescale[:, None] + update
+
+
+@triton.jit
+def _paged_prefill_attention_kernel(
+    query_ptr,  # [T, H_q, D]
+    k_cache_ptr,  # [num_slots, H_kv, D]
+    v_cache_ptr,  # [num_slots, H_kv, D]
+    block_tables_ptr,  # [B, max_blocks] int
+    cu_seqlens_q_ptr,  # [B + 1] int
+    context_lens_ptr,  # [B] int
+    out_ptr,  # [T, H_q, D]
+    block_table_stride,
+    qk_scale,
+    window,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SLIDING: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    IEEE: tl.constexpr,
+    DEVICE_BOUND: tl.constexpr,
+    HOST_NUM_TILES: tl.constexpr,
+):
+    q_tile = tl.program_id(0)
+    seq = tl.program_id(1).to(tl.int64)
+    head = tl.program_id(2)
+    kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
+    q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int64)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1).to(tl.int64) - q_start
+    context_len = tl.load(context_lens_ptr + seq).to(tl.int64)
+    rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] index among the new tokens
+    live_row = rows < q_len
+    query_pos = context_len - q_len + rows
+    dims = tl.arange(0, BLOCK_D)
+    offsets = ((q_start + rows)[:, None] * NUM_HEADS + head) * HEAD_DIM + dims[None, :]
+    io_mask = live_row[:, None] & (dims[None, :] < HEAD_DIM)
+    query = tl.load(query_ptr + offsets, mask=io_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+    row_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    row_sum = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    table_ptr = block_tables_ptr + seq * block_table_stride
+    # Keys this tile's live rows see: [lo, hi); a tile without live rows walks nothing.
+    num_live = tl.minimum(tl.maximum(q_len - q_tile * BLOCK_M, 0), BLOCK_M)
+    first_pos = context_len - q_len + q_tile * BLOCK_M
+    hi = tl.where(num_live > 0, first_pos + num_live, 0)
+    if SLIDING:
+        lo = (tl.maximum(first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N
+        whole_end = lo  # every tile is masked
+    else:
+        lo = hi * 0
+        whole_end = tl.where(num_live > 0, ((first_pos + 1) // BLOCK_N) * BLOCK_N, 0)
+    if DEVICE_BOUND:
+        for key_start in range(lo, whole_end, BLOCK_N):
+            row_max, row_sum, acc = _prefill_tile(
+                key_start, query, query_pos, context_len, window, row_max, row_sum, acc,
+                k_cache_ptr, v_cache_ptr, table_ptr, kv_head, qk_scale,
+                NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D,
+                False, SLIDING, KV_FP8, IEEE,
+            )  # fmt: skip
+        for key_start in range(whole_end, hi, BLOCK_N):
+            row_max, row_sum, acc = _prefill_tile(
+                key_start, query, query_pos, context_len, window, row_max, row_sum, acc,
+                k_cache_ptr, v_cache_ptr, table_ptr, kv_head, qk_scale,
+                NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D,
+                True, SLIDING, KV_FP8, IEEE,
+            )  # fmt: skip
+    else:  # Triton's CPU interpreter cannot loop to a loaded bound: every tile, masked
+        for tile in range(0, HOST_NUM_TILES):
+            row_max, row_sum, acc = _prefill_tile(
+                tile * BLOCK_N, query, query_pos, hi, window, row_max, row_sum, acc,
+                k_cache_ptr, v_cache_ptr, table_ptr, kv_head, qk_scale,
+                NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D,
+                True, SLIDING, KV_FP8, IEEE,
+            )  # fmt: skip
+    out = acc / tl.maximum(row_sum, 1e-30)[:, None]
+    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def paged_prefill_attention_triton(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_seqlen_q: int,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = query.shape
+    _, cache_block, num_kv_heads, _ = k_cache.shape
+    num_seqs = context_lens.shape[0]
+    out = torch.empty_like(query)
+    if num_tokens == 0 or num_seqs == 0 or max_seqlen_q == 0:
+        return out
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if query.dtype == torch.float32:
+        block_m, num_warps, num_stages = 32, 4, 1
+    elif block_d > 128:
+        block_m, num_warps, num_stages = 64, 8, 2
+    else:
+        block_m, num_warps, num_stages = 128, 8, 3
+    host_tiles = 0
+    if not query.is_cuda:  # the interpreter's bound: every key tile of the longest context
+        host_tiles = triton.cdiv(int(context_lens.max()), PREFILL_BLOCK_N)
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    grid = (triton.cdiv(max_seqlen_q, block_m), num_seqs, num_heads)
+    _paged_prefill_attention_kernel[grid](
+        query.contiguous(),
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        context_lens,
+        out,
+        block_tables.stride(0),
+        scale * LOG2E,
+        sliding_window or 0,
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        CACHE_BLOCK=cache_block,
+        BLOCK_M=block_m,
+        BLOCK_N=PREFILL_BLOCK_N,
+        BLOCK_D=block_d,
+        SLIDING=sliding_window is not None,
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+        IEEE=query.dtype == torch.float32,
+        DEVICE_BOUND=query.is_cuda,
+        HOST_NUM_TILES=host_tiles,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out

@@ -1,0 +1,175 @@
+"""Split-KV (flash-decoding) attention for decode/verify steps at long context: the dispatch
+(Triton on CUDA) and its PyTorch twin `split_kv_decode_attention_ref`.
+
+Each sequence's context is cut into partitions of `SPLIT_KV_PARTITION` keys at fixed absolute
+positions; a first pass computes one partial (row max, row sum, unnormalised output) per
+partition, running exactly the single-pass decode kernel's 64-key online-softmax steps, and a
+second pass combines the partials in partition order (Dao et al. 2023, Flash-Decoding). A context
+of one partition therefore gives the single-pass kernel's result bit for bit (its combine weights
+are exactly 1), and the partition a key falls in never depends on the batch. A launch covers
+`meta.num_partitions` partitions per sequence, fixed per CUDA-graph bucket (derived from
+max_model_len); programs of partitions past a sequence's context do no work. Never writes the
+cache or draws randomness.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.models.attention import DecodeMetadata
+
+# Keys per online-softmax step of the decode kernels (single-pass and split-KV alike).
+DECODE_BLOCK_N = 64
+# Keys per split-KV partition (a multiple of DECODE_BLOCK_N).
+SPLIT_KV_PARTITION = 1024
+
+
+def num_partitions(max_context_len: int) -> int:
+    """Partitions a launch needs to cover contexts of up to `max_context_len` keys."""
+    return -(-max_context_len // SPLIT_KV_PARTITION)
+
+
+def _partition_ref(
+    rows: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    query_pos: torch.Tensor,
+    first_key: int,
+    scale: float,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One partition's partial, 64-key step by 64-key step as `_attend_chunk` runs them.
+
+    Args:
+        rows: [H_kv, M, D] float32 queries (M = Q * group rows per KV head).
+        keys, values: [H_kv, N, D] float32 keys/values of the partition's live keys.
+        query_pos: [M] int64 position of each row's query token.
+        first_key: position of keys[:, 0].
+        dtype: the queries' dtype (the weights are rounded to it before the value product).
+
+    Returns: (row max [H_kv, M], row sum [H_kv, M], acc [H_kv, M, D]), all float32.
+    """
+    num_kv_heads, num_rows, head_dim = rows.shape
+    device = rows.device
+    row_max = torch.full((num_kv_heads, num_rows), float("-inf"), device=device)
+    row_sum = torch.zeros(num_kv_heads, num_rows, device=device)
+    acc = torch.zeros(num_kv_heads, num_rows, head_dim, device=device)
+    for chunk_start in range(0, keys.shape[1], DECODE_BLOCK_N):
+        chunk = slice(chunk_start, chunk_start + DECODE_BLOCK_N)
+        num_keys = keys[:, chunk].shape[1]
+        key_pos = first_key + chunk_start + torch.arange(num_keys, device=device)  # [N]
+        scores = (rows @ keys[:, chunk].transpose(-1, -2)) * scale  # [H_kv, M, N]
+        scores = scores.masked_fill(key_pos[None, None, :] > query_pos[None, :, None], -torch.inf)
+        new_max = torch.maximum(row_max, scores.amax(dim=-1))
+        safe_max = torch.where(new_max == float("-inf"), 0.0, new_max)
+        weights = torch.exp(scores - safe_max[..., None])
+        rescale = torch.exp(row_max - safe_max)
+        row_sum = row_sum * rescale + weights.sum(dim=-1)
+        update = weights.to(dtype).to(torch.float32) @ values[:, chunk]
+        acc = acc * rescale[..., None] + update
+        row_max = new_max
+    return row_max, row_sum, acc
+
+
+def combine_partials_ref(
+    part_max: torch.Tensor, part_sum: torch.Tensor, part_acc: torch.Tensor
+) -> torch.Tensor:
+    """The second pass: partials combined in partition order.
+
+    Args:
+        part_max, part_sum: [P, ...] float32 partials of P partitions (row max may be -inf).
+        part_acc: [P, ..., D] float32 unnormalised outputs.
+
+    Returns: [..., D] float32: with M = max_p m_p and w_p = 1 where m_p == M, else
+    exp(m_p - M) (0 where m_p = -inf), sum_p w_p acc_p / max(sum_p w_p l_p, 1e-30), summed from
+    partition 0 up.
+    """
+    global_max = part_max.amax(dim=0) if part_max.shape[0] else part_max.new_full((), -torch.inf)
+    safe_max = torch.where(global_max == float("-inf"), 0.0, global_max)
+    total = torch.zeros_like(safe_max)
+    acc = torch.zeros(part_acc.shape[1:], device=part_acc.device)
+    for p in range(part_max.shape[0]):
+        weight = torch.where(part_max[p] == global_max, 1.0, torch.exp(part_max[p] - safe_max))
+        weight = torch.where(part_max[p] == float("-inf"), 0.0, weight)
+        total = total + part_sum[p] * weight
+        acc = acc + part_acc[p] * weight[..., None]
+    return acc / total.clamp_min(1e-30)[..., None]
+
+
+def split_kv_decode_attention_ref(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: DecodeMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's query tokens over its cached context, partition by
+    partition (see the module docstring); the same contract as
+    `fused.paged_decode_attention_ref`.
+
+    Args:
+        query: [B * Q, H_q, D] rotated queries in the uniform layout of `meta`.
+        k_cache, v_cache: [num_blocks, block_size, H_kv, D] one layer's caches, already holding
+            the new tokens' K/V (an FP8 cache is read as it is: scale 1.0).
+        meta: the step's decode metadata (its `num_partitions` partitions must cover every
+            context).
+        scale: softmax scale.
+
+    Returns:
+        [B * Q, H_q, D] in query's dtype; rows of inert sequences (context 0) are 0.
+    """
+    q_per_seq = meta.query_per_seq
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.zeros_like(query)
+    query_lens = meta.query_lens.tolist()
+    for b, context_len in enumerate(meta.context_lens.tolist()):
+        if context_len == 0:
+            continue
+        blocks = meta.block_tables[b, : -(-context_len // block_size)].to(torch.int64)
+        keys = k_cache[blocks].flatten(0, 1)[:context_len]  # [S, H_kv, D]
+        values = v_cache[blocks].flatten(0, 1)[:context_len]
+        keys = keys.to(torch.float32).to(query.dtype).to(torch.float32).transpose(0, 1)
+        values = values.to(torch.float32).to(query.dtype).to(torch.float32).transpose(0, 1)
+        rows = query[b * q_per_seq : (b + 1) * q_per_seq].to(torch.float32)  # [Q, H_q, D]
+        # Row m of KV head h is query token m // group, q head h * group + m % group.
+        rows = rows.view(q_per_seq, num_kv_heads, group, head_dim).transpose(0, 1)
+        rows = rows.reshape(num_kv_heads, q_per_seq * group, head_dim)
+        token = torch.arange(q_per_seq * group, device=query.device) // group
+        query_pos = context_len - query_lens[b] + token  # [M]
+        partials = [
+            _partition_ref(
+                rows,
+                keys[:, start : start + SPLIT_KV_PARTITION],
+                values[:, start : start + SPLIT_KV_PARTITION],
+                query_pos,
+                start,
+                scale,
+                query.dtype,
+            )
+            for start in range(0, context_len, SPLIT_KV_PARTITION)
+        ]
+        part_max, part_sum, part_acc = (torch.stack(parts) for parts in zip(*partials, strict=True))
+        result = combine_partials_ref(part_max, part_sum, part_acc)  # [H_kv, M, D]
+        result = result.view(num_kv_heads, q_per_seq, group, head_dim).transpose(0, 1)
+        out[b * q_per_seq : (b + 1) * q_per_seq] = result.reshape(
+            q_per_seq, num_heads, head_dim
+        ).to(query.dtype)
+    return out
+
+
+def split_kv_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: DecodeMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """See `split_kv_decode_attention_ref`; two kernels per step and layer on CUDA (no host
+    sync: CUDA-graph safe, the grid fixed by `meta.num_partitions`)."""
+    if not query.is_cuda:
+        return split_kv_decode_attention_ref(query, k_cache, v_cache, meta, scale)
+    from specdec.models import split_kv_triton
+
+    return split_kv_triton.split_kv_decode_attention_triton(query, k_cache, v_cache, meta, scale)

@@ -1,0 +1,253 @@
+"""The Triton kernels behind `specdec.models.split_kv` (imported only for CUDA tensors, or under
+Triton's CPU interpreter).
+
+Pass 1: one program per (sequence, KV head, partition) runs the single-pass decode kernel's
+64-key steps (`fused_triton._attend_chunk`) over its partition and writes the partial (row max,
+row sum, unnormalised output) of its BLOCK_M rows (query token x q head of the group); a program
+whose partition starts past its sequence's context reads and writes nothing. Pass 2: one program
+per (sequence, KV head) combines the live partitions in order. No host sync (CUDA-graph safe);
+addresses in int64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specdec.models.attention import DecodeMetadata
+from specdec.models.fused_triton import _attend_chunk
+from specdec.models.split_kv import DECODE_BLOCK_N, SPLIT_KV_PARTITION
+
+
+@triton.jit
+def _split_kv_partition_kernel(
+    query_ptr,  # [B * Q, H_q, D]
+    k_cache_ptr,  # [num_slots, H_kv, D]
+    v_cache_ptr,  # [num_slots, H_kv, D]
+    block_tables_ptr,  # [B, max_blocks] int
+    context_lens_ptr,  # [B] int
+    query_lens_ptr,  # [B] int
+    part_max_ptr,  # [B, H_kv, P, BLOCK_M] float32
+    part_sum_ptr,  # [B, H_kv, P, BLOCK_M] float32
+    part_acc_ptr,  # [B, H_kv, P, BLOCK_M, BLOCK_D] float32
+    block_table_stride,
+    scale,
+    Q_PER_SEQ: tl.constexpr,
+    GROUP: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PARTITION: tl.constexpr,
+    NUM_PARTITIONS: tl.constexpr,
+    IEEE: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    DEVICE_BOUND: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2).to(tl.int64)
+    num_heads: tl.constexpr = GROUP * NUM_KV_HEADS
+    chunks_per_part: tl.constexpr = PARTITION // BLOCK_N
+    # Row m of the tile is query token m // GROUP, q head kv_head * GROUP + m % GROUP.
+    rows = tl.arange(0, BLOCK_M)
+    token_in_seq = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    live_row = token_in_seq < Q_PER_SEQ
+    dims = tl.arange(0, BLOCK_D)
+    context_len = tl.load(context_lens_ptr + seq).to(tl.int64)
+    query_len = tl.load(query_lens_ptr + seq).to(tl.int64)
+    live_part = part * PARTITION < context_len
+    query_rows = (seq * Q_PER_SEQ + token_in_seq) * num_heads + head  # [BLOCK_M] int64
+    query = tl.load(
+        query_ptr + query_rows[:, None] * HEAD_DIM + dims[None, :],
+        mask=live_part & live_row[:, None] & (dims[None, :] < HEAD_DIM),
+        other=0.0,
+    )  # [BLOCK_M, BLOCK_D]
+    query_pos = context_len - query_len + token_in_seq  # [BLOCK_M]
+    row_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    row_sum = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    table_ptr = block_tables_ptr + seq * block_table_stride
+    first_chunk = part * chunks_per_part
+    if DEVICE_BOUND:
+        last_chunk = tl.minimum(first_chunk + chunks_per_part, tl.cdiv(context_len, BLOCK_N))
+        for chunk in range(first_chunk, last_chunk):
+            row_max, row_sum, acc = _attend_chunk(
+                chunk, query, query_pos, context_len, row_max, row_sum, acc,
+                k_cache_ptr, v_cache_ptr, table_ptr, kv_head, scale,
+                NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D, IEEE, KV_FP8,
+            )  # fmt: skip
+    else:  # Triton's CPU interpreter cannot loop to a loaded bound; masks void extra chunks
+        for step in range(0, chunks_per_part):
+            row_max, row_sum, acc = _attend_chunk(
+                first_chunk + step, query, query_pos, context_len, row_max, row_sum, acc,
+                k_cache_ptr, v_cache_ptr, table_ptr, kv_head, scale,
+                NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D, IEEE, KV_FP8,
+            )  # fmt: skip
+    partial = ((seq * NUM_KV_HEADS + kv_head) * NUM_PARTITIONS + part) * BLOCK_M + rows
+    tl.store(part_max_ptr + partial, row_max, mask=live_part & (rows < BLOCK_M))
+    tl.store(part_sum_ptr + partial, row_sum, mask=live_part & (rows < BLOCK_M))
+    tl.store(
+        part_acc_ptr + partial[:, None] * BLOCK_D + dims[None, :],
+        acc,
+        mask=live_part & (rows[:, None] < BLOCK_M) & (dims[None, :] < BLOCK_D),
+    )
+
+
+@triton.jit
+def _combine_partition(
+    p,
+    num_parts,
+    global_max,  # [BLOCK_M] float32
+    safe_max,  # [BLOCK_M] float32
+    total,  # [BLOCK_M] float32
+    acc,  # [BLOCK_M, BLOCK_D] float32
+    part_max_ptr,
+    part_sum_ptr,
+    part_acc_ptr,
+    base,
+    rows,
+    dims,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Adds partition p's partial (nothing when p >= num_parts) with its combine weight."""
+    inside = (rows < BLOCK_M) & (p < num_parts)
+    offsets = (base + p) * BLOCK_M + rows
+    part_max = tl.load(part_max_ptr + offsets, mask=inside, other=float("-inf"))
+    part_sum = tl.load(part_sum_ptr + offsets, mask=inside, other=0.0)
+    part_acc = tl.load(
+        part_acc_ptr + offsets[:, None] * BLOCK_D + dims[None, :],
+        mask=inside[:, None] & (dims[None, :] < BLOCK_D),
+        other=0.0,
+    )
+    weight = tl.where(part_max == global_max, 1.0, tl.exp(part_max - safe_max))
+    weight = tl.where(part_max == float("-inf"), 0.0, weight)
+    return total + part_sum * weight, acc + part_acc * weight[:, None]
+
+
+@triton.jit
+def _split_kv_reduce_kernel(
+    part_max_ptr,  # [B, H_kv, P, BLOCK_M] float32
+    part_sum_ptr,  # [B, H_kv, P, BLOCK_M] float32
+    part_acc_ptr,  # [B, H_kv, P, BLOCK_M, BLOCK_D] float32
+    context_lens_ptr,  # [B] int
+    out_ptr,  # [B * Q, H_q, D]
+    Q_PER_SEQ: tl.constexpr,
+    GROUP: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PARTITION: tl.constexpr,
+    NUM_PARTITIONS: tl.constexpr,
+    DEVICE_BOUND: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    num_heads: tl.constexpr = GROUP * NUM_KV_HEADS
+    rows = tl.arange(0, BLOCK_M)
+    token_in_seq = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    live_row = token_in_seq < Q_PER_SEQ
+    dims = tl.arange(0, BLOCK_D)
+    context_len = tl.load(context_lens_ptr + seq).to(tl.int64)
+    num_parts = tl.minimum(tl.cdiv(context_len, PARTITION), NUM_PARTITIONS)
+    base = (seq * NUM_KV_HEADS + kv_head) * NUM_PARTITIONS
+    global_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    if DEVICE_BOUND:
+        for p in range(0, num_parts):
+            part_max = tl.load(part_max_ptr + (base + p) * BLOCK_M + rows)
+            global_max = tl.maximum(global_max, part_max)
+    else:
+        for p in range(0, NUM_PARTITIONS):
+            inside = (rows < BLOCK_M) & (p < num_parts)
+            part_max = tl.load(
+                part_max_ptr + (base + p) * BLOCK_M + rows, mask=inside, other=float("-inf")
+            )
+            global_max = tl.maximum(global_max, part_max)
+    safe_max = tl.where(global_max == float("-inf"), 0.0, global_max)
+    total = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    if DEVICE_BOUND:
+        for p in range(0, num_parts):
+            total, acc = _combine_partition(
+                p, num_parts, global_max, safe_max, total, acc,
+                part_max_ptr, part_sum_ptr, part_acc_ptr, base, rows, dims, BLOCK_M, BLOCK_D,
+            )  # fmt: skip
+    else:
+        for p in range(0, NUM_PARTITIONS):
+            total, acc = _combine_partition(
+                p, num_parts, global_max, safe_max, total, acc,
+                part_max_ptr, part_sum_ptr, part_acc_ptr, base, rows, dims, BLOCK_M, BLOCK_D,
+            )  # fmt: skip
+    out = acc / tl.maximum(total, 1e-30)[:, None]
+    query_rows = (seq * Q_PER_SEQ + token_in_seq) * num_heads + head  # [BLOCK_M] int64
+    tl.store(
+        out_ptr + query_rows[:, None] * HEAD_DIM + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=live_row[:, None] & (dims[None, :] < HEAD_DIM),
+    )
+
+
+def split_kv_decode_attention_triton(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: DecodeMetadata,
+    scale: float,
+) -> torch.Tensor:
+    num_seqs = meta.context_lens.shape[0]
+    _, num_heads, head_dim = query.shape
+    _, cache_block, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    num_parts = meta.num_partitions
+    out = torch.empty_like(query)
+    if num_seqs == 0 or num_parts == 0:
+        return out
+    # The tile shapes of the single-pass kernel (`fused_triton`), so that a one-partition
+    # context gives its bits.
+    block_m = max(16, triton.next_power_of_2(meta.query_per_seq * group))
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    device = query.device
+    part_max = torch.empty(num_seqs, num_kv_heads, num_parts, block_m, device=device)
+    part_sum = torch.empty_like(part_max)
+    part_acc = torch.empty(num_seqs, num_kv_heads, num_parts, block_m, block_d, device=device)
+    common = dict(
+        Q_PER_SEQ=meta.query_per_seq,
+        GROUP=group,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_D=block_d,
+        PARTITION=SPLIT_KV_PARTITION,
+        NUM_PARTITIONS=num_parts,
+        DEVICE_BOUND=query.is_cuda,
+    )
+    _split_kv_partition_kernel[(num_seqs, num_kv_heads, num_parts)](
+        query.contiguous(),
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.context_lens,
+        meta.query_lens,
+        part_max,
+        part_sum,
+        part_acc,
+        meta.block_tables.stride(0),
+        scale,
+        CACHE_BLOCK=cache_block,
+        BLOCK_N=DECODE_BLOCK_N,
+        IEEE=query.dtype == torch.float32,
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+        num_warps=4,
+        **common,
+    )
+    _split_kv_reduce_kernel[(num_seqs, num_kv_heads)](
+        part_max, part_sum, part_acc, meta.context_lens, out, num_warps=4, **common
+    )
+    return out
