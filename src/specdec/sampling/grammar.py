@@ -95,6 +95,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
+        self._prototypes: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._lock = threading.Lock()
 
     @staticmethod
@@ -161,25 +162,33 @@ class GrammarCompiler:
             raise ValueError(f"invalid structured_outputs.{kind}: {_first_line(str(err))}") from err
 
     def matcher(self, grammar: CompiledGrammar) -> GrammarMatcher:
-        """A fresh matcher at the start of the output.
+        """A fresh matcher at the start of the output (a copy of one checked prototype).
 
         Raises:
             ValueError: the constraint allows no non-empty output with this tokenizer.
         """
-        matcher = GrammarMatcher(
-            _llguidance().LLMatcher(self._tokenizer, grammar.text, log_level=0),
-            self.vocab_size,
-            self.eos_token_id,
-        )
-        first = matcher.mask(())
-        allowed = unpack_bitmask(first[None], self.vocab_size)[0]
-        allowed[self.eos_token_id] = False
-        if not bool(allowed.any()):
-            raise ValueError(
-                f"structured_outputs.{grammar.key[0]} allows no output with this model's "
-                "tokenizer (no token can start it)"
-            )
-        return matcher
+        with self._lock:
+            prototype = self._prototypes.get(grammar.key)
+        if prototype is None:
+            prototype = _llguidance().LLMatcher(self._tokenizer, grammar.text, log_level=0)
+            if prototype.is_error():
+                raise ValueError(
+                    f"invalid structured_outputs.{grammar.key[0]}: "
+                    f"{_first_line(prototype.get_error())}"
+                )
+            first = GrammarMatcher(prototype.deep_copy(), self.vocab_size, self.eos_token_id)
+            allowed = unpack_bitmask(first.mask(())[None], self.vocab_size)[0]
+            allowed[self.eos_token_id] = False
+            if not bool(allowed.any()):
+                raise ValueError(
+                    f"structured_outputs.{grammar.key[0]} allows no output with this model's "
+                    "tokenizer (no token can start it)"
+                )
+            with self._lock:
+                self._prototypes[grammar.key] = prototype
+                while len(self._prototypes) > GRAMMAR_CACHE_SIZE:
+                    self._prototypes.popitem(last=False)
+        return GrammarMatcher(prototype.deep_copy(), self.vocab_size, self.eos_token_id)
 
 
 class GrammarMatcher:
@@ -202,6 +211,9 @@ class GrammarMatcher:
         self._masks: dict[tuple[int, ...], torch.Tensor] = {}
         self._pending: Future | None = None
         self._lock = threading.Lock()
+        # Set when a committed token is one the grammar rejects (a caller that did not apply
+        # the masks): only EOS is allowed from then on, ending the request.
+        self.failure: str | None = None
 
     @property
     def error(self) -> str:
@@ -217,13 +229,14 @@ class GrammarMatcher:
         cached = self._masks.get(prefix)
         if cached is not None:
             return cached
-        with self._lock:
-            self._advance(prefix)
-            out = torch.empty(bitmask_words(self.vocab_size), dtype=torch.int32)
-            self._matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
-            if not bool(out.any()):
-                bit = self.eos_token_id % 32
-                out[self.eos_token_id // 32] = (1 << bit) - (2**32 if bit == 31 else 0)
+        out = torch.zeros(bitmask_words(self.vocab_size), dtype=torch.int32)
+        if self.failure is None:
+            with self._lock:
+                self._advance(prefix)
+                self._matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
+        if not bool(out.any()):
+            bit = self.eos_token_id % 32
+            out[self.eos_token_id // 32] = (1 << bit) - (2**32 if bit == 31 else 0)
         self._masks[prefix] = out
         return out
 
@@ -250,15 +263,17 @@ class GrammarMatcher:
         if not new:
             return
         with self._lock:
+            self._masks = {}
+            self.num_committed += len(new)
+            if self.failure is not None:
+                return
             self._advance(tuple(new))
             if self._speculative != new:
-                raise RuntimeError(
-                    f"the grammar rejected committed tokens {new[len(self._speculative) :]}: "
-                    f"{self.error or 'not allowed by the mask'}"
+                self.failure = (
+                    f"the grammar rejected committed tokens {new[len(self._speculative) :]}"
                 )
+                return
             self._speculative = []
-            self.num_committed += len(new)
-            self._masks = {}
         if not self._matcher.is_stopped():
             self._pending = _prefetcher().submit(self._mask, ())
 
