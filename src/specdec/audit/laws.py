@@ -436,10 +436,20 @@ GRAMMAR_MIN_REPEATS = 13
 _GRAMMAR_STATES = {0: {"a": 0, "b": 1, "c": 2}, 1: {"c": 0}, 2: {"a": 3}, 3: {"b": 0}}
 
 
-def grammar_allowed_reference(output: list[int]) -> torch.Tensor:
-    """[V] bool: the tokens `GRAMMAR_REGEX` allows after `output` (token ids of
-    `GRAMMAR_TOKENS`), from the hand-written automaton: a token is allowed iff its characters
-    keep the text a prefix of the language; EOS iff the text is in it."""
+def grammar_allowed_reference(
+    output: list[int],
+    tokens: tuple[bytes | None, ...] = GRAMMAR_TOKENS,
+    eos_token_id: int = GRAMMAR_EOS,
+) -> torch.Tensor:
+    """[V] bool: the tokens `GRAMMAR_REGEX` allows after `output`, from the hand-written
+    automaton: a token is allowed iff its characters keep the text a prefix of the language;
+    EOS iff the text is in it.
+
+    Args:
+        output: token ids of `tokens`.
+        tokens: the text of each token id (None: a special token, never allowed but EOS).
+        eos_token_id: EOS's id.
+    """
     state, repeats = 0, 0
 
     def run(state: int, repeats: int, text: str) -> tuple[int, int] | None:
@@ -451,14 +461,15 @@ def grammar_allowed_reference(output: list[int]) -> torch.Tensor:
         return state, repeats
 
     for token in output:
-        reached = run(state, repeats, GRAMMAR_TOKENS[token].decode())
-        if reached is None:
+        reached = None if tokens[token] is None else run(state, repeats, tokens[token].decode())
+        if reached is None or token == eos_token_id:
             raise ValueError(f"output {output} is outside the language")
         state, repeats = reached
-    allowed = torch.zeros(len(GRAMMAR_TOKENS), dtype=torch.bool)
-    for token, text in enumerate(GRAMMAR_TOKENS[:GRAMMAR_EOS]):
-        allowed[token] = run(state, repeats, text.decode()) is not None
-    allowed[GRAMMAR_EOS] = state == 0 and repeats >= GRAMMAR_MIN_REPEATS
+    allowed = torch.zeros(len(tokens), dtype=torch.bool)
+    for token, text in enumerate(tokens):
+        if text is not None and token != eos_token_id:
+            allowed[token] = run(state, repeats, text.decode()) is not None
+    allowed[eos_token_id] = state == 0 and repeats >= GRAMMAR_MIN_REPEATS
     return allowed
 
 
