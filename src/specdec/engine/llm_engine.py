@@ -255,8 +255,8 @@ class LLMEngine:
             tokenizer = self.tokenizer
             if tokenizer is None or self.outputs.eos_token_id is None:
                 raise ValueError("structured outputs need the model's tokenizer and EOS token")
-            self._grammars = GrammarCompiler.from_tokenizer_json(
-                tokenizer.backend.to_str(), self.model_config.vocab_size, self.outputs.eos_token_id
+            self._grammars = GrammarCompiler.from_backend(
+                tokenizer.backend, self.model_config.vocab_size, self.outputs.eos_token_id
             )
         return self._grammars.compile(constraint)
 

@@ -9,6 +9,7 @@ about 0.02 ms on this project's CPU, far below a decode step. Never draws random
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -107,6 +108,28 @@ class GrammarCompiler:
             vocab_size,
             eos_token_id,
         )
+
+    @staticmethod
+    def from_backend(backend, vocab_size: int, eos_token_id: int) -> GrammarCompiler:
+        """From a `tokenizers.Tokenizer`: its JSON when llguidance reads that tokenizer kind
+        (byte-level BPE, SentencePiece-style), else the text of each token decoded alone
+        (right for vocabularies whose tokens are whole characters).
+
+        Raises:
+            ValueError: neither works (naming llguidance's objection).
+        """
+        try:
+            return GrammarCompiler.from_tokenizer_json(backend.to_str(), vocab_size, eos_token_id)
+        except ValueError as err:
+            reason = _first_line(str(err))
+        special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        tokens = [
+            b"" if i in special else backend.decode([i], skip_special_tokens=False).encode()
+            for i in range(vocab_size)
+        ]
+        if any("\ufffd" in t.decode(errors="replace") for t in tokens):
+            raise ValueError(f"structured outputs cannot read this tokenizer: {reason}")
+        return GrammarCompiler.from_token_bytes(tokens, eos_token_id, sorted(special))
 
     @staticmethod
     def from_token_bytes(
@@ -297,6 +320,9 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
-def _first_line(message: str) -> str:
+def _first_line(message: str, limit: int = 300) -> str:
+    """The library's (multi-line) message as one line, without its source excerpt."""
     lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
-    return lines[0] if lines else "rejected by the grammar compiler"
+    lines = [line for line in lines if not re.match(r"^(\^|\||\d+ \|)", line)]
+    text = "; ".join(lines) or "rejected by the grammar compiler"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
