@@ -171,11 +171,14 @@ class GrammarCompiler:
     def _grammar_text(self, params: StructuredOutputsParams) -> str:
         llg = _llguidance()
         kind, _ = params.key
+        overrides = {"whitespace_flexible": False} if params.disable_any_whitespace else None
         try:
             if kind == "json":
-                return llg.LLMatcher.grammar_from_json_schema(params.json)
+                return llg.LLMatcher.grammar_from_json_schema(params.json, overrides=overrides)
             if kind == "json_object":
-                return llg.LLMatcher.grammar_from_json_schema({"type": "object"})
+                return llg.LLMatcher.grammar_from_json_schema(
+                    {"type": "object"}, overrides=overrides
+                )
             if kind == "regex":
                 return llg.LLMatcher.grammar_from_regex(params.regex)
             if kind == "choice":

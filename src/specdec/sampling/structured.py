@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # vLLM fields we do not implement: refused by name rather than ignored.
-UNSUPPORTED_FIELDS = ("structural_tag", "whitespace_pattern", "disable_any_whitespace")
+UNSUPPORTED_FIELDS = ("structural_tag", "whitespace_pattern")
 
 
 @dataclass(slots=True)
@@ -26,6 +26,8 @@ class StructuredOutputsParams:
         choice: the output is exactly one of these strings.
         grammar: a context-free grammar, Lark syntax (or llama.cpp's GBNF / EBNF).
         json_object: the output is any JSON object.
+        disable_any_whitespace: JSON without whitespace between tokens (default: any, as
+            vLLM allows; a schema's own `"x-guidance": {"whitespace_flexible": false}` does too).
 
     Under speculation a constrained request still follows the target's constrained law
     norm(target x mask) at every position, whatever the drafter and the verify method.
@@ -36,6 +38,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name)]
@@ -67,10 +70,11 @@ class StructuredOutputsParams:
     @property
     def key(self) -> tuple[str, str]:
         """(kind, canonical text): what the compiled grammar is cached by."""
+        compact = "compact:" if self.disable_any_whitespace else ""
         if self.json is not None:
-            return "json", json.dumps(self.json, sort_keys=True)
+            return "json", compact + json.dumps(self.json, sort_keys=True)
         if self.json_object:
-            return "json_object", ""
+            return "json_object", compact
         if self.regex is not None:
             return "regex", self.regex
         if self.choice is not None:
@@ -83,7 +87,7 @@ class StructuredOutputsParams:
         unsupported = sorted(set(fields) & set(UNSUPPORTED_FIELDS))
         if unsupported:
             raise ValueError(f"structured_outputs fields {unsupported} are not supported")
-        known = {"json", "regex", "choice", "grammar", "json_object"}
+        known = {"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace"}
         unknown = sorted(set(fields) - known)
         if unknown:
             raise ValueError(f"unknown structured_outputs fields {unknown}; known: {sorted(known)}")
