@@ -12,16 +12,21 @@ language) is compared with the exact law from the target's own logits.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-import json
 
 import pytest
-import tokenizers
 import torch
-from tokenizers import decoders, models, pre_tokenizers
 
 from block_drafter_fixtures import save_tiny_block_drafter
-from law_fixtures import PROMPT, VOCAB, save_vocab8_target
+from law_fixtures import (
+    GRAMMAR_EOS,
+    GRAMMAR_TOKEN_TEXTS,
+    PROMPT,
+    VOCAB,
+    save_vocab8_target,
+    write_grammar_tokenizer,
+)
 from specdec.audit import chi_square, grammar_allowed_reference
 from specdec.audit.laws import GRAMMAR_REGEX
 from specdec.drafters.base import Drafter
@@ -31,33 +36,16 @@ from specdec.sampling import SampleOutput, SamplingParams, StructuredOutputsPara
 
 pytestmark = pytest.mark.stats
 
-# The text of each token id of the vocabulary-8 target (None: special; bos 1, eos 2).
-TOKENS = (b"a", None, None, b"b", b"c", b"ab", b"bc", b"d")
-EOS = 2
 NUM_TOKENS = 3
 TEMPERATURE = 0.7
 LOG10_ALPHA = -6.0  # reject at p < 1e-6
 CONSTRAINT = StructuredOutputsParams(regex=GRAMMAR_REGEX)
 
 
-def write_tokenizer(path) -> None:
-    """A byte-level BPE tokenizer over TOKENS (and <s>, </s>) written into `path`."""
-    vocab = {t.decode(): i for i, t in enumerate(TOKENS) if t is not None}
-    vocab |= {"<s>": 1, "</s>": 2}
-    merges = [("a", "b"), ("b", "c")]
-    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    backend.add_special_tokens(["<s>", "</s>"])
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.save(str(path / "tokenizer.json"))
-    config = {"bos_token": "<s>", "eos_token": "</s>"}
-    (path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = save_vocab8_target(tmp_path_factory.mktemp("vocab8-grammar"))
-    write_tokenizer(path)
+    write_grammar_tokenizer(path)
     return path
 
 
@@ -73,10 +61,10 @@ def exact_law(model_dir) -> torch.Tensor:
     probs = {}
     for prefix, row in zip(prefixes, logits, strict=True):
         last = row[-1].to(torch.float32).clone()
-        try:
-            last[~grammar_allowed_reference(prefix, TOKENS, EOS)] = float("-inf")
-        except ValueError:  # outside the language: probability 0 anyway
-            pass
+        with contextlib.suppress(ValueError):  # outside the language: probability 0 anyway
+            last[~grammar_allowed_reference(prefix, GRAMMAR_TOKEN_TEXTS, GRAMMAR_EOS)] = float(
+                "-inf"
+            )
         processed = process_logits(last[None], torch.tensor([TEMPERATURE]))
         probs[tuple(prefix)] = processed.double().softmax(-1)[0]
     law = torch.zeros(VOCAB**NUM_TOKENS, dtype=torch.float64)

@@ -10,6 +10,13 @@ import torch
 NEG_INF = float("-inf")
 
 
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[M, W] int32 bitmasks -> [M, V] bool allowed tokens."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask[:, :, None] >> shifts) & 1  # [M, W, 32]
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
 def apply_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
     """Sets logits[rows[m], t] to -inf where bit t of bitmask[m] is 0.
 
@@ -20,10 +27,8 @@ def apply_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.T
 
     Mutates: logits.
     """
-    vocab = logits.shape[1]
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).reshape(bitmask.shape[0], -1)[:, :vocab]
-    logits[rows] = logits[rows].masked_fill(allowed == 0, NEG_INF)
+    allowed = unpack_bitmask(bitmask, logits.shape[1])
+    logits[rows] = logits[rows].masked_fill(~allowed, NEG_INF)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:

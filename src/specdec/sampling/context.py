@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdec.sampling.bitmask import apply_bitmask
+from specdec.sampling.bitmask import apply_bitmask, unpack_bitmask
 from specdec.sampling.params import SamplingParams
 from specdec.transfer import to_device
 
@@ -269,8 +269,12 @@ class LogitsContext:
             if num_rows != self.num_rows:
                 raise ValueError(f"logits have {num_rows} rows for {self.num_rows} requests")
             rows = torch.arange(num_rows, device=device)
-        t = self._tensors(device, vocab)
         raw = logits.to(torch.float32)
+        if self.grammars is not None and all(r is None for r in self.rules):  # grammars only
+            out = raw.clone()
+            self._apply_grammars(out, raw, rows, host_rows, prefix)
+            return out
+        t = self._tensors(device, vocab)
         x = raw.clone()
         if prefix is not None and prefix.shape[1] == 0:
             prefix = None
@@ -321,19 +325,20 @@ class LogitsContext:
                 tokens = tuple(row[:length])
             masks.append(self.grammars[host_rows[n]].mask(tokens))
         device = out.device
-        bitmask = torch.stack(masks)
+        bitmask = torch.stack(masks)  # [M, W] int32
         if device.type == "cuda":
             bitmask = to_device(bitmask.view(-1), torch.int32, device).view(bitmask.shape)
         index = to_device(picked, torch.int64, device)
-        local = torch.arange(len(picked), device=device)
-        part = out[index]  # [M, V]
-        apply_bitmask(part, bitmask, local)
-        fallback = raw[index]
-        apply_bitmask(fallback, bitmask, local)
-        uniform = torch.zeros_like(fallback)
-        apply_bitmask(uniform, bitmask, local)
-        fallback = torch.where(torch.isneginf(fallback).all(1, keepdim=True), uniform, fallback)
-        out[index] = torch.where(torch.isneginf(part).all(1, keepdim=True), fallback, part)
+        part = out[index]  # [M, V], a copy
+        apply_bitmask(part, bitmask, torch.arange(len(picked), device=device))
+        empty = torch.isneginf(part).all(dim=1)
+        if bool(empty.any()):  # rare: the rules or the draft vocabulary left nothing allowed
+            allowed = unpack_bitmask(bitmask, out.shape[1])
+            fallback = raw[index].masked_fill(~allowed, NEG_INF)
+            uniform = torch.zeros_like(fallback).masked_fill(~allowed, NEG_INF)
+            fallback = torch.where(torch.isneginf(fallback).all(1, keepdim=True), uniform, fallback)
+            part = torch.where(empty[:, None], fallback, part)
+        out[index] = part
 
     @staticmethod
     def _bad_word_bans(t: _Tensors, rows, prefix, num_prefix, vocab: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.sampling.bitmask import unpack_bitmask
 from specdec.sampling.structured import StructuredOutputsParams
 
 # Compiled grammars kept per compiler (least recently used dropped first).
@@ -314,13 +315,6 @@ class GrammarMatcher:
         """The committed output completes the grammar and nothing may follow but EOS."""
         self._wait()
         return not self._speculative and self._matcher.is_stopped()
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[N, W] int32 bitmasks -> [N, V] bool allowed tokens."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask[:, :, None] >> shifts) & 1  # [N, W, 32]
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
 def _first_line(message: str, limit: int = 300) -> str:
