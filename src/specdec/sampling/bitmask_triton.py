@@ -25,7 +25,8 @@ def _apply_bitmask_kernel(
     row = tl.load(rows_ptr + m)
     words = tl.load(bitmask_ptr + m * num_words + lanes // 32, mask=inside, other=0)
     allowed = (words >> (lanes % 32)) & 1
-    tl.store(logits_ptr + row * vocab + lanes, float("-inf"), mask=inside & (allowed == 0))
+    neg_inf = tl.full([BLOCK], float("-inf"), tl.float32)
+    tl.store(logits_ptr + row * vocab + lanes, neg_inf, mask=inside & (allowed == 0))
 
 
 def apply_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
