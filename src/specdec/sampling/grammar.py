@@ -242,10 +242,6 @@ class GrammarMatcher:
         # the masks): only EOS is allowed from then on, ending the request.
         self.failure: str | None = None
 
-    @property
-    def error(self) -> str:
-        return self._matcher.get_error() if self._matcher.is_error() else ""
-
     def mask(self, prefix: tuple[int, ...]) -> torch.Tensor:
         """[W] int32 bitmask of the tokens allowed after the output and `prefix` (never empty:
         EOS when the grammar allows nothing, so a dead end ends the request)."""
