@@ -42,9 +42,9 @@ def _toy_grammar():
 
 def toy_grammar_matchers(num_requests: int) -> list[GrammarMatcher]:
     """Fresh matchers of `laws.GRAMMAR_REGEX` over `laws.GRAMMAR_TOKENS`, compiled by the real
-    grammar code (llguidance), one per request."""
+    grammar code (llguidance), one per request (no prefetch thread: the toys' steps are tiny)."""
     compiler, grammar = _toy_grammar()
-    return [compiler.matcher(grammar) for _ in range(num_requests)]
+    return [compiler.matcher(grammar, prefetch=False) for _ in range(num_requests)]
 
 
 def start_positions(num_trials: int) -> torch.Tensor:

@@ -47,7 +47,7 @@ FULL_SIZES = AuditSizes(
     block_rounds_trials=100_000,
     identity_trials=500,
     far_tail_rows={"TARGET": 1024, "DRAFT": 1024, "RESIDUAL": 384},
-    grammar_trials=40_000,
+    grammar_trials=20_000,
 )
 QUICK_SIZES = AuditSizes(
     matrix_trials=40_000,

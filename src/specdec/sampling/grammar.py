@@ -188,8 +188,9 @@ class GrammarCompiler:
         except ValueError as err:
             raise ValueError(f"invalid structured_outputs.{kind}: {_first_line(str(err))}") from err
 
-    def matcher(self, grammar: CompiledGrammar) -> GrammarMatcher:
-        """A fresh matcher at the start of the output (a copy of one checked prototype).
+    def matcher(self, grammar: CompiledGrammar, *, prefetch: bool = True) -> GrammarMatcher:
+        """A fresh matcher at the start of the output (a copy of one checked prototype);
+        `prefetch`: compute each next mask on the host thread after a commit.
 
         Raises:
             ValueError: the constraint allows no non-empty output with this tokenizer.
@@ -215,7 +216,9 @@ class GrammarCompiler:
                 self._prototypes[grammar.key] = prototype
                 while len(self._prototypes) > GRAMMAR_CACHE_SIZE:
                     self._prototypes.popitem(last=False)
-        return GrammarMatcher(prototype.deep_copy(), self.vocab_size, self.eos_token_id)
+        return GrammarMatcher(
+            prototype.deep_copy(), self.vocab_size, self.eos_token_id, prefetch=prefetch
+        )
 
 
 class GrammarMatcher:
@@ -229,8 +232,11 @@ class GrammarMatcher:
     drafter's rows and the verifier's rows of a round compute each mask once.
     """
 
-    def __init__(self, ll_matcher, vocab_size: int, eos_token_id: int) -> None:
+    def __init__(
+        self, ll_matcher, vocab_size: int, eos_token_id: int, *, prefetch: bool = False
+    ) -> None:
         self._matcher = ll_matcher
+        self.prefetch = prefetch
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.num_committed = 0  # output tokens consumed
@@ -297,7 +303,7 @@ class GrammarMatcher:
                 )
                 return
             self._speculative = []
-        if not self._matcher.is_stopped():
+        if self.prefetch and not self._matcher.is_stopped():
             self._pending = _prefetcher().submit(self._mask, ())
 
     def _wait(self) -> None:
