@@ -80,6 +80,18 @@ def params(seed: int) -> SamplingParams:
     )
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """One torch thread: on a busy 2-core machine two OpenMP threads spin-waiting for each other
+    make batch-1 decoding many times slower (README, the --threads note)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def llm():
     return LLM()  # the shipped EAGLE head drafts (speculation on by default)
