@@ -13,6 +13,30 @@ from specdec.sampling import process_logits
 
 VOCAB = 8
 PROMPT = [1, 5, 2, 7]
+# For structured outputs: the text of each token id of the vocabulary-8 target (None: special;
+# bos 1, eos 2), written as a byte-level tokenizer by `write_grammar_tokenizer`.
+GRAMMAR_TOKEN_TEXTS = (b"a", None, None, b"b", b"c", b"ab", b"bc", b"d")
+GRAMMAR_EOS = 2
+
+
+def write_grammar_tokenizer(path: Path) -> None:
+    """A byte-level BPE tokenizer over GRAMMAR_TOKEN_TEXTS (and <s>, </s>) written into `path`
+    (tokenizer.json, tokenizer_config.json)."""
+    import json
+
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {t.decode(): i for i, t in enumerate(GRAMMAR_TOKEN_TEXTS) if t is not None}
+    vocab |= {"<s>": 1, "</s>": 2}
+    merges = [("a", "b"), ("b", "c")]
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    backend.add_special_tokens(["<s>", "</s>"])
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.save(str(path / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>"}
+    (path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
 
 
 def save_vocab8_target(path: Path) -> Path:

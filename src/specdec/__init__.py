@@ -8,9 +8,9 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from specdec.engine.llm import LLM
-    from specdec.sampling import SamplingParams
+    from specdec.sampling import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -23,4 +23,8 @@ def __getattr__(name: str) -> Any:
         from specdec.sampling import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from specdec.sampling import StructuredOutputsParams
+
+        return StructuredOutputsParams
     raise AttributeError(f"module 'specdec' has no attribute {name!r}")

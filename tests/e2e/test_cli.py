@@ -99,3 +99,23 @@ def test_bench_writes_json_and_png(tmp_path):
     assert figures["meta"]["identical_outputs"] == 2  # greedy: speculation changes nothing
     assert out.with_suffix(".png").stat().st_size > 0
     assert figures["meta"]["command"].startswith("specdec bench --num-prompts 2")
+
+
+def test_generate_with_a_json_schema_and_a_regex(tmp_path):
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no"]}, "confidence": {"type": "integer"}},
+        "required": ["answer", "confidence"],
+        "additionalProperties": False,
+    }
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema), encoding="utf-8")
+    done = run_cli("generate", "Is water wet?", "--json-schema", str(path), "--max-tokens", "40")
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    assert answer["answer"] in ("yes", "no") and isinstance(answer["confidence"], int)
+    done = run_cli("generate", "Pick a number.", "--regex", "[0-9]{3}", "--no-spec")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().isdigit() and len(done.stdout.strip()) == 3
+    bad = run_cli("generate", "hi", "--regex", "[a-", "--no-spec")
+    assert bad.returncode == 2 and "invalid structured_outputs.regex" in bad.stderr

@@ -583,14 +583,14 @@ def test_penalised_coupled_speculation_replays_plain_sampling(server):
         ("/v1/chat/completions", {"functions": []}, "functions", "not supported"),
         (
             "/v1/chat/completions",
-            {"response_format": {"type": "json_object"}},
+            {"response_format": {"type": "structural_tag"}},
             "response_format.type",
-            "json_object",
+            "structural_tag",
         ),
         (
             "/v1/completions",
-            {"response_format": {"type": "json_schema", "json_schema": {}}},
-            "response_format.type",
+            {"response_format": {"type": "json_schema"}},
+            "response_format",
             "json_schema",
         ),
         ("/v1/completions", {"suffix": "x"}, "suffix", "not supported"),

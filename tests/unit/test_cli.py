@@ -105,6 +105,8 @@ def run_main(argv: list[str]) -> int:
         (["generate", "hi", "--bogus"], "unrecognized arguments: --bogus"),
         (["generate", "hi", "--model", "/no/such/model"], "no such model path"),
         (["generate"], "the following arguments are required: prompt"),
+        (["generate", "hi", "--json-schema", "/no/such.json"], "--json-schema: no such file"),
+        (["generate", "hi", "--regex", "a", "--grammar", "g"], "not allowed with argument"),
         (["serve", "--port", "70000"], "port must be in"),
         (["serve", "--seed", "x"], "invalid int value"),
         (["bench", "--model", "/no/such/model"], "no such model path"),

@@ -15,6 +15,8 @@ from specdec.audit.checks import (
     check_coupled_identity_rules,
     check_far_tail_resolution,
     check_far_tail_sampling,
+    check_grammar_case,
+    check_identity_grammar,
     check_invariance,
     check_matrix_case,
     check_rules_case,
@@ -27,7 +29,13 @@ from specdec.audit.controls import (
     position_keyed_accept,
     residual_from_target,
 )
-from specdec.audit.drivers import SpecRun, plain_decode, speculative_decode, speculative_round
+from specdec.audit.drivers import (
+    SpecRun,
+    plain_decode,
+    speculative_decode,
+    speculative_round,
+    toy_grammar_matchers,
+)
 from specdec.audit.laws import (
     DRAFT_KINDS,
     GREEDY,
@@ -43,6 +51,8 @@ from specdec.audit.laws import (
     coupled_match_probs,
     draft_chains,
     draft_probs,
+    grammar_allowed_reference,
+    grammar_joint_probs,
     joint_probs,
     markov_toy,
     processed_probs,
@@ -53,6 +63,8 @@ from specdec.audit.laws import (
 )
 from specdec.audit.runner import (
     FULL_SIZES,
+    GRAMMAR_CONTROLS,
+    GRAMMAR_EXTRA_CASES,
     MATRIX_CONTROLS,
     QUICK_SIZES,
     RULES_CONTROLS,
@@ -67,6 +79,8 @@ __all__ = [
     "CONTROLS",
     "DRAFT_KINDS",
     "FULL_SIZES",
+    "GRAMMAR_CONTROLS",
+    "GRAMMAR_EXTRA_CASES",
     "GREEDY",
     "MATRIX_CONTROLS",
     "MATRIX_VOCAB",
@@ -94,6 +108,8 @@ __all__ = [
     "check_coupled_identity_rules",
     "check_far_tail_resolution",
     "check_far_tail_sampling",
+    "check_grammar_case",
+    "check_identity_grammar",
     "check_invariance",
     "check_matrix_case",
     "check_rules_case",
@@ -103,6 +119,8 @@ __all__ = [
     "coupled_match_probs",
     "draft_chains",
     "draft_probs",
+    "grammar_allowed_reference",
+    "grammar_joint_probs",
     "joint_probs",
     "markov_toy",
     "matrix_toy",
@@ -119,4 +137,5 @@ __all__ = [
     "speculative_decode",
     "speculative_round",
     "standard_accept_ratios",
+    "toy_grammar_matchers",
 ]

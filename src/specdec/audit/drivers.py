@@ -5,15 +5,25 @@
 
 from __future__ import annotations
 
+import functools
 import zlib
 from dataclasses import dataclass
 
 import torch
 
-from specdec.audit.laws import PROMPT, MarkovToy, Processing
+from specdec.audit.laws import (
+    GRAMMAR_EOS,
+    GRAMMAR_REGEX,
+    GRAMMAR_TOKENS,
+    PROMPT,
+    MarkovToy,
+    Processing,
+)
 from specdec.rng import Stream
 from specdec.sampling import LogitsContext, LogitsRules, sample
-from specdec.verify import VerifyResult, verify
+from specdec.sampling.grammar import GrammarCompiler, GrammarMatcher
+from specdec.sampling.structured import StructuredOutputsParams
+from specdec.verify import VerifyResult, check_verify_inputs, verify, verify_checked
 
 
 def trial_seeds(name: str, seed: int, num_trials: int) -> torch.Tensor:
@@ -22,6 +32,19 @@ def trial_seeds(name: str, seed: int, num_trials: int) -> torch.Tensor:
     offset = mixed - 2**64 if mixed >= 2**63 else mixed
     # int64 addition wraps around, so the N seeds stay distinct in all 64 bits.
     return torch.arange(num_trials, dtype=torch.int64) + offset
+
+
+@functools.cache
+def _toy_grammar():
+    compiler = GrammarCompiler.from_token_bytes(GRAMMAR_TOKENS, GRAMMAR_EOS)
+    return compiler, compiler.compile(StructuredOutputsParams(regex=GRAMMAR_REGEX))
+
+
+def toy_grammar_matchers(num_requests: int) -> list[GrammarMatcher]:
+    """Fresh matchers of `laws.GRAMMAR_REGEX` over `laws.GRAMMAR_TOKENS`, compiled by the real
+    grammar code (llguidance), one per request (no prefetch thread: the toys' steps are tiny)."""
+    compiler, grammar = _toy_grammar()
+    return [compiler.matcher(grammar, prefetch=False) for _ in range(num_requests)]
 
 
 def start_positions(num_trials: int) -> torch.Tensor:
@@ -47,6 +70,8 @@ def speculative_round(
     draft_key: tuple[Stream, str] | None = None,
     rules: LogitsRules | None = None,
     outputs: list[list[int]] | None = None,
+    grammars: list[GrammarMatcher] | None = None,
+    unmasked_drafts: bool = False,
 ) -> VerifyResult:
     """One round for every row: K drafts from `sample`, then `verify` on [last + drafts].
 
@@ -62,24 +87,33 @@ def speculative_round(
         rules: penalties and bans of every row (prompt `laws.PROMPT`), or None; draft i is
             processed with drafts 0..i-1 as context, as `Drafter.draw` does, and `verify` gets
             the context.
-        outputs: per row, the tokens it has emitted so far (with `rules`).
+        outputs: per row, the tokens it has emitted so far (with `rules` or `grammars`).
+        grammars: per row, its grammar matcher at `outputs` (structured outputs), or None;
+            drafts and verify rows are masked like the rules above.
+        unmasked_drafts: a negative control: drafts sampled from logits without the context,
+            while the processed logits given to `verify` are the masked ones.
 
     RNG: the draft stream at (Q, step) for each sampled draft, then what `verify` draws.
     """
     stream, step_rule = draft_key or default_draft_key(method)
     step = anchors if step_rule == "anchor" else 0
     rules_context = None
-    if rules is not None:
+    if rules is not None or grammars is not None:
         num_rows = seeds.shape[0]
-        rules_context = LogitsContext([rules] * num_rows, [PROMPT] * num_rows, outputs)
+        rules_context = LogitsContext([rules] * num_rows, [PROMPT] * num_rows, outputs, grammars)
     prev, draft_ids, draft_logits = last_tokens, [], []
     for i in range(num_draft):
-        raw = toy.draft_logits[prev]  # [N, V]
+        raw = unprocessed = toy.draft_logits[prev]  # [N, V]
         if rules_context is not None:
             before = torch.stack(draft_ids, 1) if draft_ids else None
             raw = rules_context.apply(raw, prefix=before)
         if drafts == "sampled":
-            out = sample(raw, seeds, anchors + i, **processing.kwargs(), stream=stream, step=step)
+            drawn_from = unprocessed if unmasked_drafts else raw
+            kwargs = {**processing.kwargs(), "stream": stream, "step": step}
+            out = sample(drawn_from, seeds, anchors + i, **kwargs)
+            if unmasked_drafts:
+                recorded = sample(raw, seeds, anchors + i, **kwargs).processed_logits
+                out = type(out)(out.token_ids, recorded, out.logsumexp)
             draft_logits.append(out.processed_logits)
         else:
             out = sample(raw, seeds, anchors + i, temperature=0.0)
@@ -87,16 +121,17 @@ def speculative_round(
         draft_ids.append(prev)
     draft_token_ids = torch.stack(draft_ids, dim=1)  # [N, K]
     context = torch.cat([last_tokens[:, None], draft_token_ids], dim=1)  # [N, K+1]
-    return verify(
+    args = (
         toy.target_logits[context],
         draft_token_ids,
         torch.stack(draft_logits, dim=1) if draft_logits else None,
         seeds,
         anchors,
-        **processing.kwargs(),
-        method=method,
-        context=rules_context,
     )
+    kwargs = {**processing.kwargs(), "method": method, "context": rules_context}
+    if unmasked_drafts:  # the control's drafts may lie outside their recorded law: no checks
+        return verify_checked(check_verify_inputs(*args, **kwargs, check_values=False))
+    return verify(*args, **kwargs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +161,8 @@ def speculative_decode(
     num_tokens: int,
     draft_key: tuple[Stream, str] | None = None,
     rules: LogitsRules | None = None,
+    grammars: list[GrammarMatcher] | None = None,
+    unmasked_drafts: bool = False,
 ) -> SpecRun:
     """Speculative decoding of N independent requests until each has emitted `num_tokens`.
 
@@ -135,7 +172,9 @@ def speculative_decode(
     Args:
         seeds: [N] int64 request seeds.
         positions: [N] int64 first generated position of each request.
-        method, drafts, num_draft, draft_key, rules: as in `speculative_round`.
+        method, drafts, num_draft, draft_key, rules, unmasked_drafts: as in
+            `speculative_round`.
+        grammars: per request, a fresh grammar matcher; each follows its request's output.
         num_tokens: L, tokens to emit per request.
     """
     num_trials = seeds.shape[0]
@@ -149,9 +188,10 @@ def speculative_decode(
     while bool((count < num_tokens).any()):
         live = (count < num_tokens).nonzero().squeeze(1)
         outputs = None
-        if rules is not None:
+        if rules is not None or grammars is not None:
             emitted_so_far = zip(tokens[live].tolist(), count[live].tolist(), strict=True)
             outputs = [row[:n] for row, n in emitted_so_far]
+        live_grammars = None if grammars is None else [grammars[n] for n in live.tolist()]
         result = speculative_round(
             toy,
             processing,
@@ -164,6 +204,8 @@ def speculative_decode(
             draft_key=draft_key,
             rules=rules,
             outputs=outputs,
+            grammars=live_grammars,
+            unmasked_drafts=unmasked_drafts,
         )
         emitted = result.num_accepted + 1
         if num_rounds == 0:
@@ -175,6 +217,11 @@ def speculative_decode(
         anchors[live] += emitted
         count[live] += emitted
         num_rounds += 1
+        if live_grammars is not None:
+            for grammar, row, n in zip(
+                live_grammars, tokens[live].tolist(), count[live].tolist(), strict=True
+            ):
+                grammar.commit(row[:n])
     return SpecRun(tokens[:, :num_tokens], first_accepted, num_rounds)
 
 
@@ -185,17 +232,22 @@ def plain_decode(
     positions: torch.Tensor,
     num_tokens: int,
     rules: LogitsRules | None = None,
+    grammars: list[GrammarMatcher] | None = None,
 ) -> torch.Tensor:
     """[N, L] int64: L tokens per request from `sample` on the target alone (Stream.TARGET),
-    with `rules` (prompt `laws.PROMPT`) applied to each position with the tokens before it."""
+    with `rules` (prompt `laws.PROMPT`) and `grammars` (per request, a fresh matcher) applied
+    to each position with the tokens before it."""
     num_rows = seeds.shape[0]
     prev = torch.full((num_rows,), toy.start_token, dtype=torch.int64)
     out = []
     for j in range(num_tokens):
         context = None
-        if rules is not None:
+        if rules is not None or grammars is not None:
             history = torch.stack(out, dim=1).tolist() if out else [[] for _ in range(num_rows)]
-            context = LogitsContext([rules] * num_rows, [PROMPT] * num_rows, history)
+            if grammars is not None:
+                for grammar, row in zip(grammars, history, strict=True):
+                    grammar.commit(row)
+            context = LogitsContext([rules] * num_rows, [PROMPT] * num_rows, history, grammars)
         prev = sample(
             toy.target_logits[prev], seeds, positions + j, **processing.kwargs(), context=context
         )

@@ -421,6 +421,84 @@ def rules_joint_probs(
 
 
 # ---------------------------------------------------------------------------------------------
+# Structured outputs: a grammar constraint
+# ---------------------------------------------------------------------------------------------
+
+# A toy vocabulary of byte strings (the last one EOS) and a regex over it. Every string of the
+# language has 13 repetitions or more, so EOS is never allowed within the 12 characters a
+# checked sequence and its drafts reach; multi-character tokens straddle the repetitions.
+GRAMMAR_TOKENS = (b"a", b"b", b"c", b"ab", b"bc", b"<eos>")
+GRAMMAR_EOS = len(GRAMMAR_TOKENS) - 1
+GRAMMAR_REGEX = "(a|bc|cab){13,}"
+GRAMMAR_MIN_REPEATS = 13
+# The regex's automaton, written out by hand (an independent twin of the grammar library):
+# state -> character -> state; 0 is between repetitions.
+_GRAMMAR_STATES = {0: {"a": 0, "b": 1, "c": 2}, 1: {"c": 0}, 2: {"a": 3}, 3: {"b": 0}}
+
+
+def grammar_allowed_reference(
+    output: list[int],
+    tokens: tuple[bytes | None, ...] = GRAMMAR_TOKENS,
+    eos_token_id: int = GRAMMAR_EOS,
+) -> torch.Tensor:
+    """[V] bool: the tokens `GRAMMAR_REGEX` allows after `output`, from the hand-written
+    automaton: a token is allowed iff its characters keep the text a prefix of the language;
+    EOS iff the text is in it.
+
+    Args:
+        output: token ids of `tokens`.
+        tokens: the text of each token id (None: a special token, never allowed but EOS).
+        eos_token_id: EOS's id.
+    """
+    state, repeats = 0, 0
+
+    def run(state: int, repeats: int, text: str) -> tuple[int, int] | None:
+        for char in text:
+            state = _GRAMMAR_STATES[state].get(char)
+            if state is None:
+                return None
+            repeats += state == 0
+        return state, repeats
+
+    for token in output:
+        reached = None if tokens[token] is None else run(state, repeats, tokens[token].decode())
+        if reached is None or token == eos_token_id:
+            raise ValueError(f"output {output} is outside the language")
+        state, repeats = reached
+    allowed = torch.zeros(len(tokens), dtype=torch.bool)
+    for token, text in enumerate(tokens):
+        if text is not None and token != eos_token_id:
+            allowed[token] = run(state, repeats, text.decode()) is not None
+    allowed[eos_token_id] = state == 0 and repeats >= GRAMMAR_MIN_REPEATS
+    return allowed
+
+
+def grammar_joint_probs(toy: MarkovToy, processing: Processing, length: int) -> torch.Tensor:
+    """Exact law of the first `length` generated tokens under the bigram target constrained by
+    `GRAMMAR_REGEX`: norm(target x mask) at every position, the mask from
+    `grammar_allowed_reference`, then `processing`.
+
+    Returns:
+        [V**length] float64 in `sequence_codes` order (0 outside the language).
+    """
+    vocab = toy.vocab_size
+    law = torch.ones(1, dtype=torch.float64)
+    prefixes: list[list[int]] = [[]]
+    for _ in range(length):
+        rows = []
+        for out in prefixes:
+            row = toy.target_logits[out[-1] if out else toy.start_token].clone()
+            valid = all(grammar_allowed_reference(out[:i])[t] for i, t in enumerate(out))
+            if valid:
+                row[~grammar_allowed_reference(out)] = float("-inf")
+            rows.append(row)
+        step = processed_probs(torch.stack(rows), processing)  # [P, V]
+        law = (law[:, None] * torch.nan_to_num(step)).reshape(-1)
+        prefixes = [[*out, v] for out in prefixes for v in range(vocab)]
+    return law
+
+
+# ---------------------------------------------------------------------------------------------
 # The far tail
 # ---------------------------------------------------------------------------------------------
 

@@ -20,11 +20,13 @@ from specdec.audit.checks import (
     check_coupled_identity_rules,
     check_far_tail_resolution,
     check_far_tail_sampling,
+    check_grammar_case,
+    check_identity_grammar,
     check_invariance,
     check_matrix_case,
     check_rules_case,
 )
-from specdec.audit.laws import DRAFT_KINDS, METHODS, PROCESSINGS, RULE_SETS
+from specdec.audit.laws import DRAFT_KINDS, GREEDY, METHODS, PROCESSINGS, RULE_SETS
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +38,7 @@ class AuditSizes:
     block_rounds_trials: int
     identity_trials: int
     far_tail_rows: dict[str, int]
+    grammar_trials: int = 4_000
 
 
 FULL_SIZES = AuditSizes(
@@ -44,6 +47,7 @@ FULL_SIZES = AuditSizes(
     block_rounds_trials=100_000,
     identity_trials=500,
     far_tail_rows={"TARGET": 1024, "DRAFT": 1024, "RESIDUAL": 384},
+    grammar_trials=20_000,
 )
 QUICK_SIZES = AuditSizes(
     matrix_trials=40_000,
@@ -51,6 +55,7 @@ QUICK_SIZES = AuditSizes(
     block_rounds_trials=20_000,
     identity_trials=100,
     far_tail_rows={"TARGET": 256, "DRAFT": 256, "RESIDUAL": 64},
+    grammar_trials=4_000,
 )
 
 # Negative controls of the joint-law check: (method, draft kind, control).
@@ -63,6 +68,18 @@ MATRIX_CONTROLS = (
 RULES_CONTROLS = (
     ("standard", "sampled", "penalties", "no_draft_prefix"),
     ("block", "one_hot", "bans", "no_draft_prefix"),
+)
+# Structured outputs: the processings checked beyond plain (method, draft kind, processing),
+# and the negative controls (method, draft kind, control).
+GRAMMAR_EXTRA_CASES = (
+    ("standard", "sampled", PROCESSINGS[1]),
+    ("block", "sampled", PROCESSINGS[2]),
+    ("coupled", "sampled", PROCESSINGS[3]),
+    ("standard", "one_hot", GREEDY),
+)
+GRAMMAR_CONTROLS = (
+    ("standard", "sampled", "no_draft_prefix"),
+    ("block", "sampled", "unmasked_drafts"),
 )
 
 
@@ -93,6 +110,20 @@ def audit_checks(sizes: AuditSizes, seed: int) -> list[Callable[[], Any]]:
         partial(check_rules_case, method, drafts, rules, PROCESSINGS[0], matrix, seed, control=c)
         for method, drafts, rules, c in RULES_CONTROLS
     ]
+    grammar = sizes.grammar_trials
+    checks += [
+        partial(check_grammar_case, method, drafts, PROCESSINGS[0], grammar, seed)
+        for method in METHODS
+        for drafts in DRAFT_KINDS
+    ]
+    checks += [
+        partial(check_grammar_case, method, drafts, processing, grammar, seed)
+        for method, drafts, processing in GRAMMAR_EXTRA_CASES
+    ]
+    checks += [
+        partial(check_grammar_case, method, drafts, PROCESSINGS[0], grammar, seed, control=c)
+        for method, drafts, c in GRAMMAR_CONTROLS
+    ]
     checks += [partial(check_block_beats_standard, d, matrix, seed) for d in DRAFT_KINDS]
     for k in (1, 3):
         checks += [
@@ -106,6 +137,7 @@ def audit_checks(sizes: AuditSizes, seed: int) -> list[Callable[[], Any]]:
         partial(check_block_rounds, sizes.block_rounds_trials, seed, control="position_keyed"),
         partial(check_coupled_identity, sizes.identity_trials, seed),
         partial(check_coupled_identity_rules, sizes.identity_trials, seed),
+        partial(check_identity_grammar, sizes.identity_trials // 2, seed),
         partial(check_invariance, seed),
         partial(check_far_tail_resolution),
         partial(check_far_tail_resolution, control="24-bit"),

@@ -21,7 +21,7 @@ from typing import Any
 
 from specdec.drafters.default import default_speculative_config
 from specdec.engine.config import EngineConfig, SpeculativeConfig
-from specdec.sampling import SamplingParams
+from specdec.sampling import SamplingParams, StructuredOutputsParams
 
 # The sampling flags of `generate` (every SamplingParams field a command line can spell).
 SAMPLING_FLAGS = (
@@ -240,6 +240,54 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> 
     """Adds the sampling flags; `defaults` overrides SamplingParams' defaults for this command."""
     group = parser.add_argument_group("sampling")
     add_config_flags(group, SamplingParams, SAMPLING_FLAGS, defaults)
+
+
+def add_structured_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the structured-output flags (at most one): --json-schema FILE, --regex, --grammar
+    FILE."""
+    group = parser.add_argument_group("structured output (one of)").add_mutually_exclusive_group()
+    group.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        default=None,
+        help="constrain the output to JSON valid under the JSON schema in FILE",
+    )
+    group.add_argument(
+        "--regex", default=None, help="constrain the output to match this regular expression"
+    )
+    group.add_argument(
+        "--grammar",
+        metavar="FILE",
+        default=None,
+        help="constrain the output to the Lark (or GBNF) grammar in FILE",
+    )
+
+
+def structured_outputs(args: argparse.Namespace) -> StructuredOutputsParams | None:
+    """The constraint of --json-schema / --regex / --grammar (None: none).
+
+    Raises:
+        FileNotFoundError: no such schema or grammar file.
+        ValueError: a schema file that is not JSON.
+    """
+    from pathlib import Path
+
+    if args.regex is not None:
+        return StructuredOutputsParams(regex=args.regex)
+    for flag, path, field in (
+        ("--json-schema", args.json_schema, "json"),
+        ("--grammar", args.grammar, "grammar"),
+    ):
+        if path is None:
+            continue
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"{flag}: no such file: {path}")
+        text = Path(path).read_text(encoding="utf-8")
+        try:
+            return StructuredOutputsParams(**{field: text})
+        except ValueError as err:
+            raise ValueError(f"{flag} {path}: {err}") from None
+    return None
 
 
 def engine_kwargs(args: argparse.Namespace, *, seed: bool = False) -> dict[str, Any]:

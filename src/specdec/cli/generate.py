@@ -12,7 +12,12 @@ GENERATE_MAX_TOKENS = 256
 
 
 def add_generate(commands) -> None:
-    from specdec.cli.flags import add_engine_arguments, add_sampling_arguments, add_threads_flag
+    from specdec.cli.flags import (
+        add_engine_arguments,
+        add_sampling_arguments,
+        add_structured_arguments,
+        add_threads_flag,
+    )
 
     generate = commands.add_parser(
         "generate",
@@ -32,6 +37,7 @@ def add_generate(commands) -> None:
     generate.add_argument("--no-spec", action="store_true", help="decode without speculation")
     # A whole answer rather than SamplingParams' 16-token default (it still stops at EOS).
     add_sampling_arguments(generate, max_tokens=GENERATE_MAX_TOKENS)
+    add_structured_arguments(generate)
     add_engine_arguments(generate)
     add_threads_flag(generate)
     generate.set_defaults(handler=_generate)
@@ -43,11 +49,12 @@ def _generate(args: argparse.Namespace) -> int:
         engine_kwargs,
         sampling_params,
         speculative_config,
+        structured_outputs,
     )
     from specdec.engine.config import EngineConfig
 
     # Every argument is checked before the model loads (which takes seconds).
-    params = sampling_params(args)
+    params = sampling_params(args, structured_outputs=structured_outputs(args))
     check_before_loading(EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args)))
     spec = None if args.no_spec else speculative_config(args, default_spec(args.model))
     llm = _load(args.model, spec, engine_kwargs(args))

@@ -61,8 +61,8 @@ class DraftBatch:
         methods: per request, its verify method ("standard", "block" or "coupled").
         params: per-request sampling tensors ([B] each), the target's.
         request_ids: per request, its id (drafters with per-request state key it by this).
-        context: the requests' penalties, biases and bans with their contexts (prompt and
-            output so far), or None when no request has any; `draw` applies it.
+        context: the requests' penalties, biases, bans and grammars with their contexts
+            (prompt and output so far), or None when no request has any; `draw` applies it.
     """
 
     token_ids: list[list[int]]

@@ -44,7 +44,8 @@ from specdec.metrics import LoopStats, SpecDecodeStats
 from specdec.models import LlamaForCausalLM, Tokenizer, default_model_path, load_model
 from specdec.rng import derive_seed, engine_request_seed, fresh_seed, to_signed64
 from specdec.runner import BlockAllocator, PagedModelRunner, StepInput
-from specdec.sampling import LogitsRules, SamplingParams
+from specdec.sampling import LogitsRules, SamplingParams, StructuredOutputsParams
+from specdec.sampling.grammar import CompiledGrammar, GrammarCompiler
 from specdec.transfer import Readback
 from specdec.verify import VERIFY_METHODS
 
@@ -147,6 +148,7 @@ class LLMEngine:
             )
         self._ids = itertools.count()
         self._unseeded = itertools.count()  # requests without a seed, for `config.seed`
+        self._grammars: GrammarCompiler | None = None  # built on the first constrained request
 
     def _build_drafter(self, spec: SpeculativeConfig | None) -> Drafter | None:
         if spec is None:
@@ -197,6 +199,10 @@ class LLMEngine:
         text, token_ids = self._tokenize(prompt)
         spec = self._spec_settings(speculative)
         rules = self._logits_rules(params)
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self._compile_grammar(params.structured_outputs)
+            matchers = [self._grammars.matcher(grammar) for _ in range(params.n)]
         seed = to_signed64(params.seed) if params.seed is not None else self.new_request_seed()
         samples = []
         for index in range(params.n):
@@ -207,6 +213,7 @@ class LLMEngine:
                 derive_seed(seed, index),
                 spec,
                 rules=rules,
+                grammar=None if grammar is None else matchers[index],
             )
             self.scheduler.add(request)
             samples.append(request)
@@ -244,6 +251,18 @@ class LLMEngine:
             eos_token_id=self.outputs.eos_token_id,
             encode=encode,
         )
+
+    def _compile_grammar(self, constraint: StructuredOutputsParams) -> CompiledGrammar:
+        """The request's constraint compiled for this model's tokenizer (cached by the
+        constraint; ValueError naming an invalid schema, regex or grammar)."""
+        if self._grammars is None:
+            tokenizer = self.tokenizer
+            if tokenizer is None or self.outputs.eos_token_id is None:
+                raise ValueError("structured outputs need the model's tokenizer and EOS token")
+            self._grammars = GrammarCompiler.from_backend(
+                tokenizer.backend, self.model_config.vocab_size, self.outputs.eos_token_id
+            )
+        return self._grammars.compile(constraint)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -394,6 +413,8 @@ class LLMEngine:
                 request.stats.observe(emission.num_draft, emission.num_accepted)
                 self.stats.observe(emission.num_draft, emission.num_accepted)
             finished = self.outputs.append(request, emission.tokens, emission.rows)
+            if request.grammar is not None and not request.status.finished:
+                request.grammar.commit(request.output_token_ids)
             if finished or not only_finished:
                 group = self.outputs.group_of(request)
                 reported[group.request_id] = group
@@ -439,7 +460,7 @@ class LLMEngine:
             and request.spec is None
             and request.num_computed_tokens == request.num_tokens - 1
             and request.params.logprobs is None
-            and request.rules is None  # processed with the output so far, read on the host
+            and not request.host_processed  # processed with the output so far, on the host
         )
 
     def _can_overlap(self, inflight: _Inflight) -> bool:
@@ -496,8 +517,8 @@ class LLMEngine:
     # ------------------------------------------------------- speculative rounds on the device
     def _enter_rounds(self) -> None:
         """Hands the batch to device rounds when every running request decodes with speculation
-        (one verify method, no logprobs, no penalties, biases or bans) and no waiting request
-        could join; else the synchronous step goes on."""
+        (one verify method, no logprobs, no penalties, biases, bans or grammar) and no waiting
+        request could join; else the synchronous step goes on."""
         scheduler = self.scheduler
         requests = list(scheduler.running)
         if not requests or self._admission_pending():
@@ -508,7 +529,7 @@ class LLMEngine:
                 request.spec is None
                 or request.spec.method != method
                 or request.params.logprobs is not None
-                or request.rules is not None  # processed with the output so far, on the host
+                or request.host_processed  # processed with the output so far, on the host
                 or request.num_computed_tokens != request.num_tokens - 1
                 or request.num_tokens < 2
             ):

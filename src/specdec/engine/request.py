@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from specdec.engine.detokenize import IncrementalText
 from specdec.metrics import SpecDecodeStats
 from specdec.sampling.context import LogitsContext, LogitsRules
 from specdec.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from specdec.sampling.grammar import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -57,6 +61,8 @@ class Request:
         num_pending: tokens sampled on the device but not read yet (asynchronous scheduling);
             they count in num_tokens, not in output_token_ids.
         rules: penalties, biases and bans resolved to token ids (None: none).
+        grammar: the structured-output constraint's matcher, following output_token_ids
+            (None: unconstrained).
     """
 
     request_id: str
@@ -73,6 +79,13 @@ class Request:
     detokenized: IncrementalText = field(default_factory=IncrementalText)
     num_pending: int = 0
     rules: LogitsRules | None = None
+    grammar: GrammarMatcher | None = None
+
+    @property
+    def host_processed(self) -> bool:
+        """Its logits are processed with its output so far, read on the host (rules or a
+        grammar): it takes the synchronous step, never overlapped or device rounds."""
+        return self.rules is not None or self.grammar is not None
 
     @property
     def num_tokens(self) -> int:
@@ -98,11 +111,13 @@ class Request:
 
 
 def logits_context(requests: list[Request]) -> LogitsContext | None:
-    """The penalties, biases and bans of `requests` with their contexts (None: none has any)."""
-    if all(r.rules is None for r in requests):
+    """The penalties, biases, bans and grammars of `requests` with their contexts (None: none
+    has any)."""
+    if not any(r.host_processed for r in requests):
         return None
     return LogitsContext(
         [r.rules for r in requests],
         [r.prompt_token_ids for r in requests],
         [r.output_token_ids for r in requests],
+        [r.grammar for r in requests],
     )

@@ -8,6 +8,7 @@ from specdec.sampling.logprobs import Logprobs, compute_logprobs
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.processing import filter_threshold, process_logits, scale_logits
 from specdec.sampling.sampler import gumbel_argmax_ref, sample, sample_ref
+from specdec.sampling.structured import StructuredOutputsParams
 from specdec.sampling.tensors import SampleOutput, SamplingTensors
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "SampleOutput",
     "SamplingParams",
     "SamplingTensors",
+    "StructuredOutputsParams",
     "compute_logprobs",
     "filter_threshold",
     "gumbel_argmax_ref",

@@ -6,18 +6,24 @@ A row's processing is a function of its request's rules (`LogitsRules`) and of i
 prompt and the tokens generated before the token the row is for. Under speculation a verify row or
 a draft row passes the drafts before it as part of that context (`LogitsContext.apply`'s
 `prefix`), so it is processed exactly as plain decoding processes that position once those drafts
-are accepted. Nothing here draws randomness.
+are accepted. A request's grammar (`GrammarMatcher`, structured outputs) is the last rule: its
+bitmask after the output and the prefix is applied to its rows only. Nothing here draws randomness.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from specdec.sampling.bitmask import apply_bitmask, unpack_bitmask
 from specdec.sampling.params import SamplingParams
 from specdec.transfer import to_device
+
+if TYPE_CHECKING:
+    from specdec.sampling.grammar import GrammarMatcher
 
 NEG_INF = float("-inf")
 _WILDCARD = -2  # a left-padding entry of a bad word's prefix: matches any context token
@@ -183,7 +189,7 @@ class _Tensors:
 class LogitsContext:
     """The rules and contexts of B requests, turned into tensors on first use on each device.
 
-    Rows of requests without rules are returned unchanged (as float32), bit for bit.
+    Rows of requests without rules or grammar are returned unchanged (as float32), bit for bit.
     """
 
     def __init__(
@@ -191,16 +197,23 @@ class LogitsContext:
         rules: Sequence[LogitsRules | None],
         prompts: Sequence[Sequence[int]],
         outputs: Sequence[Sequence[int]],
+        grammars: Sequence[GrammarMatcher | None] | None = None,
     ) -> None:
         """Args:
         rules: per request, its rules (None: none).
         prompts, outputs: per request, its prompt and the tokens it has generated so far.
+        grammars: per request, its grammar matcher, following `outputs` (None: none).
         """
         if not len(rules) == len(prompts) == len(outputs):
             raise ValueError("rules, prompts and outputs must have one entry per request")
+        if grammars is not None and len(grammars) != len(rules):
+            raise ValueError("grammars must have one entry per request")
         self.rules = list(rules)
         self.prompts = prompts
         self.outputs = outputs
+        self.grammars = None
+        if grammars is not None and any(g is not None for g in grammars):
+            self.grammars = list(grammars)
         self._on: dict[tuple[torch.device, int], _Tensors] = {}
 
     @staticmethod
@@ -208,11 +221,12 @@ class LogitsContext:
         rules: Sequence[LogitsRules | None],
         prompts: Sequence[Sequence[int]],
         outputs: Sequence[Sequence[int]],
+        grammars: Sequence[GrammarMatcher | None] | None = None,
     ) -> LogitsContext | None:
-        """A context, or None when no request has rules."""
-        if all(r is None for r in rules):
+        """A context, or None when no request has rules or a grammar."""
+        if all(r is None for r in rules) and (grammars is None or all(g is None for g in grammars)):
             return None
-        return LogitsContext(rules, prompts, outputs)
+        return LogitsContext(rules, prompts, outputs, grammars)
 
     @property
     def num_rows(self) -> int:
@@ -224,6 +238,7 @@ class LogitsContext:
             [self.rules[r] for r in rows],
             [self.prompts[r] for r in rows],
             [self.outputs[r] for r in rows],
+            None if self.grammars is None else [self.grammars[r] for r in rows],
         )
 
     def apply(
@@ -243,16 +258,23 @@ class LogitsContext:
 
         Returns:
             [N, V] float32, a new tensor. A row that its rules would leave without any token
-            (a ban of every allowed token) is returned unprocessed rather than empty.
+            (a ban of every allowed token) is returned unprocessed rather than empty; a grammar
+            always applies (a row it empties keeps the grammar's tokens, at their raw logits, or
+            uniformly where those are all -inf).
         """
         num_rows, vocab = logits.shape
         device = logits.device
+        host_rows = list(range(num_rows)) if rows is None else None
         if rows is None:
             if num_rows != self.num_rows:
                 raise ValueError(f"logits have {num_rows} rows for {self.num_rows} requests")
             rows = torch.arange(num_rows, device=device)
-        t = self._tensors(device, vocab)
         raw = logits.to(torch.float32)
+        if self.grammars is not None and all(r is None for r in self.rules):  # grammars only
+            out = raw.clone()
+            self._apply_grammars(out, raw, rows, host_rows, prefix)
+            return out
+        t = self._tensors(device, vocab)
         x = raw.clone()
         if prefix is not None and prefix.shape[1] == 0:
             prefix = None
@@ -280,7 +302,43 @@ class LogitsContext:
             if t.presence is not None:
                 x -= t.presence[rows][:, None] * present
         empty = torch.isneginf(x).all(dim=1, keepdim=True)
-        return torch.where(empty, raw, x)
+        out = torch.where(empty, raw, x)
+        if self.grammars is not None:
+            self._apply_grammars(out, raw, rows, host_rows, prefix)
+        return out
+
+    def _apply_grammars(self, out, raw, rows, host_rows, prefix) -> None:
+        """Masks the rows of requests with a grammar by its bitmask after each row's prefix
+        (read on the host: the grammar runs there). Mutates: out."""
+        if host_rows is None:
+            host_rows = rows.tolist()
+        picked = [n for n, r in enumerate(host_rows) if self.grammars[r] is not None]
+        if not picked:
+            return
+        prefixes = prefix.tolist() if prefix is not None else None
+        masks = []
+        for n in picked:
+            tokens: tuple[int, ...] = ()
+            if prefixes is not None:
+                row = prefixes[n]
+                length = next((i for i, t in enumerate(row) if t < 0), len(row))
+                tokens = tuple(row[:length])
+            masks.append(self.grammars[host_rows[n]].mask(tokens))
+        device = out.device
+        bitmask = torch.stack(masks)  # [M, W] int32
+        if device.type == "cuda":
+            bitmask = to_device(bitmask.view(-1), torch.int32, device).view(bitmask.shape)
+        index = to_device(picked, torch.int64, device)
+        part = out[index]  # [M, V], a copy
+        apply_bitmask(part, bitmask, torch.arange(len(picked), device=device))
+        empty = torch.isneginf(part).all(dim=1)
+        if bool(empty.any()):  # rare: the rules or the draft vocabulary left nothing allowed
+            allowed = unpack_bitmask(bitmask, out.shape[1])
+            fallback = raw[index].masked_fill(~allowed, NEG_INF)
+            uniform = torch.zeros_like(fallback).masked_fill(~allowed, NEG_INF)
+            fallback = torch.where(torch.isneginf(fallback).all(1, keepdim=True), uniform, fallback)
+            part = torch.where(empty[:, None], fallback, part)
+        out[index] = part
 
     @staticmethod
     def _bad_word_bans(t: _Tensors, rows, prefix, num_prefix, vocab: int) -> torch.Tensor:

@@ -9,6 +9,8 @@ import math
 import warnings
 from dataclasses import dataclass
 
+from specdec.sampling.structured import StructuredOutputsParams
+
 # Below this a temperature means greedy decoding (vLLM's convention).
 GREEDY_TEMPERATURE_EPS = 1e-5
 # Between GREEDY_TEMPERATURE_EPS and this, logits / T overflow float32 easily; vLLM clamps too.
@@ -51,6 +53,8 @@ class SamplingParams:
             none; 0: only the prompt token's).
         best_of: not supported beyond `n` (None or n); sampling more and keeping the best is
             refused rather than silently ignored.
+        structured_outputs: a constraint on the output (JSON schema, any JSON object, regex,
+            choice, grammar), applied after the penalties and bans; None: none.
 
     Penalties, biases and bans are applied to the raw logits before temperature and the filters
     (vLLM's order: allowed_token_ids, bad_words, min_tokens, logit_bias, repetition, frequency,
@@ -79,6 +83,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
     best_of: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -129,6 +134,13 @@ class SamplingParams:
             raise ValueError(
                 f"best_of={self.best_of!r} is not supported (keeping the best of more samples "
                 f"than are returned); ask for n={self.n} samples and leave best_of unset"
+            )
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsParams, got "
+                f"{type(self.structured_outputs).__name__}"
             )
         if self.temperature < GREEDY_TEMPERATURE_EPS:
             self.temperature = 0.0

@@ -34,6 +34,7 @@ from specdec.server.async_engine import AsyncEngine, EngineDeadError, RequestStr
 from specdec.server.config import ServerConfig
 from specdec.server.prometheus import ServerMetrics
 from specdec.server.protocol import (
+    CONSTRAINT_FIELDS,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -183,6 +184,11 @@ class OpenAIServer:
         for name in SAMPLING_FIELDS:
             if getattr(body, name, None) is not None:
                 values[name] = getattr(body, name)
+        try:
+            values["structured_outputs"], _ = body.constraint()
+        except (ValueError, TypeError) as err:
+            given = [name for name in CONSTRAINT_FIELDS if getattr(body, name) is not None]
+            raise APIError(400, str(err), param=given[0] if given else None) from None
         try:
             return SamplingParams(**values)
         except ValueError as err:

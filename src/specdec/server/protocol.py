@@ -22,6 +22,8 @@ from pydantic import (
     model_validator,
 )
 
+from specdec.sampling.structured import StructuredOutputsParams
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
@@ -56,20 +58,57 @@ class SpeculativeOverride(_Strict):
         return values
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's `response_format.json_schema`. The schema is always enforced (as with
+    `strict: true`); `name` and `description` only label it."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    name: StrictStr
+    description: StrictStr | None = None
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: StrictBool | None = None
+
+
 class ResponseFormat(_Strict):
-    """OpenAI's `response_format`: only plain text until structured output lands."""
+    """OpenAI's `response_format`: "text", "json_object" (any JSON object) or "json_schema"."""
 
     type: StrictStr
+    json_schema: JsonSchemaFormat | None = None
 
     @field_validator("type")
     @classmethod
-    def _text_only(cls, value: str) -> str:
-        if value != "text":
+    def _known_type(cls, value: str) -> str:
+        if value not in ("text", "json_object", "json_schema"):
             raise ValueError(
-                f"response_format type {value!r} is not supported: structured output "
-                '(json_object, json_schema) is not implemented; use "text" or leave it out'
+                f"response_format type {value!r} is not supported; use text, json_object or "
+                "json_schema"
             )
         return value
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('response_format needs json_schema exactly when type is "json_schema"')
+        return self
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            return StructuredOutputsParams(json=self.json_schema.json_schema or {})
+        return None
+
+
+# The request fields that may carry a structured-output constraint (at most one per request).
+CONSTRAINT_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
 
 
 class _SamplingRequest(_Strict):
@@ -99,8 +138,40 @@ class _SamplingRequest(_Strict):
     skip_special_tokens: StrictBool | None = None
     prompt_logprobs: StrictInt | None = Field(default=None, ge=0)
     response_format: ResponseFormat | None = None
+    structured_outputs: dict[StrictStr, Any] | None = None
+    guided_json: dict[StrictStr, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
     user: StrictStr | None = None
     speculative: SpeculativeOverride | None = None
+
+    def constraint(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """(the request's structured-output constraint or None, the field that gave it).
+
+        Raises:
+            ValueError: several fields ask for a constraint, or one is malformed.
+        """
+        given: list[tuple[str, StructuredOutputsParams]] = []
+        if self.response_format is not None and self.response_format.constraint() is not None:
+            given.append(("response_format", self.response_format.constraint()))
+        if self.structured_outputs is not None:
+            given.append(
+                ("structured_outputs", StructuredOutputsParams.from_dict(self.structured_outputs))
+            )
+        for name, field in (
+            ("guided_json", "json"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"),
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                given.append((name, StructuredOutputsParams(**{field: value})))
+        if len(given) > 1:
+            names = [name for name, _ in given]
+            raise ValueError(f"several structured-output constraints given ({names}); give one")
+        return (given[0][1], given[0][0]) if given else (None, None)
 
     @field_validator("logit_bias")
     @classmethod

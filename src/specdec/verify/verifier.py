@@ -59,7 +59,8 @@ def verify(
             returned as `logsumexp`); it must be exactly that, and saves a pass over the drafts.
         active_rows: rows >= active_rows are padding: they emit -1, accept nothing and draw no
             noise (None = all rows are live).
-        context: the B requests' penalties, biases and bans (`specdec.sampling.LogitsContext`):
+        context: the B requests' penalties, biases, bans and grammar masks
+            (`specdec.sampling.LogitsContext`):
             row j of request b is processed as if drafts 0..j-1 had been accepted; the drafts
             must have been sampled from logits processed the same way (`Drafter.sample_draft`).
 

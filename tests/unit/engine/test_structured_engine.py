@@ -1,0 +1,121 @@
+"""Structured outputs in the engine (CPU, the vocabulary-8 target with a byte-level tokenizer):
+constrained outputs stay in the language; unconstrained requests of a mixed batch emit what they
+emit alone; the overlapped / device-round loop gives the synchronous loop's tokens; n > 1, a
+length limit before the grammar finishes, and bad constraints named before anything runs."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from law_fixtures import GRAMMAR_TOKEN_TEXTS, PROMPT, save_vocab8_target, write_grammar_tokenizer
+from specdec import LLM, SamplingParams, StructuredOutputsParams
+from specdec.audit.laws import GRAMMAR_REGEX
+
+CONSTRAINT = StructuredOutputsParams(regex=GRAMMAR_REGEX)
+SPEC = {
+    "method": "draft_model",
+    "model": "truncated:1",
+    "num_speculative_tokens": 2,
+    "rejection_sample_method": "standard",
+    "adaptive": False,  # K pinned: standard verification replays token for token
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = save_vocab8_target(tmp_path_factory.mktemp("vocab8-structured"))
+    write_grammar_tokenizer(path)
+    return path
+
+
+def make(model_dir, **kwargs) -> LLM:
+    return LLM(str(model_dir), max_model_len=32, block_size=4, **kwargs)
+
+
+def text(token_ids) -> str:
+    return b"".join(GRAMMAR_TOKEN_TEXTS[t] or b"?" for t in token_ids).decode()
+
+
+def in_language_prefix(token_ids) -> bool:
+    return re.fullmatch(r"(a|bc|cab)*(b|ca?)?", text(token_ids)) is not None
+
+
+def params(seed: int, constrained: bool, **kwargs) -> SamplingParams:
+    return SamplingParams(
+        temperature=1.0,
+        seed=seed,
+        max_tokens=8,
+        ignore_eos=True,
+        structured_outputs=CONSTRAINT if constrained else None,
+        **kwargs,
+    )
+
+
+def test_mixed_batch_leaves_unconstrained_requests_alone(model_dir):
+    llm = make(model_dir, speculative_config=SPEC)
+    mixed = [params(s, s % 2 == 0) for s in range(8)]
+    outs = llm.generate([PROMPT] * 8, mixed, use_tqdm=False)
+    alone = llm.generate([PROMPT] * 4, [params(s, False) for s in (1, 3, 5, 7)], use_tqdm=False)
+    for seed, out in enumerate(outs):
+        tokens = out.outputs[0].token_ids
+        assert len(tokens) == 8 and out.outputs[0].finish_reason == "length"
+        if seed % 2 == 0:
+            assert in_language_prefix(tokens), text(tokens)
+    assert [outs[s].outputs[0].token_ids for s in (1, 3, 5, 7)] == [
+        o.outputs[0].token_ids for o in alone
+    ]
+    assert any(not in_language_prefix(o.outputs[0].token_ids) for o in alone)  # the law differs
+
+
+def test_overlapped_loop_equals_the_synchronous_loop(model_dir):
+    batch = [params(s, s % 3 == 0) for s in range(6)]
+    sync = make(model_dir, speculative_config=SPEC, async_scheduling=False)
+    overlapped = make(model_dir, speculative_config=SPEC, async_scheduling=True)
+    a = sync.generate([PROMPT] * 6, batch, use_tqdm=False)
+    b = overlapped.generate([PROMPT] * 6, batch, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    plain = make(model_dir, speculative_config=None, async_scheduling=True)
+    c = plain.generate([PROMPT] * 6, batch, use_tqdm=False)
+    for out in c[::3]:
+        assert in_language_prefix(out.outputs[0].token_ids)
+
+
+def test_n_samples_each_follow_the_grammar(model_dir):
+    llm = make(model_dir, speculative_config=SPEC)
+    out = llm.generate(PROMPT, params(3, True, n=3), use_tqdm=False)[0]
+    assert len(out.outputs) == 3
+    assert all(in_language_prefix(c.token_ids) for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+def test_a_choice_finishes_with_stop_and_a_long_regex_with_length(model_dir):
+    llm = make(model_dir, speculative_config=SPEC)
+    choice = SamplingParams(
+        temperature=1.0,
+        seed=1,
+        max_tokens=8,
+        structured_outputs=StructuredOutputsParams(choice=["ab", "bcab"]),
+    )
+    out = llm.generate(PROMPT, choice, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text in ("ab", "bcab")
+    limited = llm.generate(PROMPT, params(2, True), use_tqdm=False)[0].outputs[0]
+    assert limited.finish_reason == "length" and len(limited.token_ids) == 8
+
+
+@pytest.mark.parametrize(
+    ("constraint", "words"),
+    [
+        ({"regex": "[a-"}, "invalid structured_outputs.regex"),
+        ({"regex": "z+"}, "allows no output"),
+        ({"json": {"type": "nope"}}, "invalid structured_outputs.json"),
+    ],
+)
+def test_bad_constraints_raise_before_running(model_dir, constraint, words):
+    llm = make(model_dir)
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(**constraint))
+    with pytest.raises(ValueError, match=words):
+        llm.generate(PROMPT, bad, use_tqdm=False)
+    assert not llm.engine.has_unfinished
+    assert llm.generate(PROMPT, SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0]
