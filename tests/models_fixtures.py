@@ -339,7 +339,7 @@ def seeded_model(
     name: str, device: str, dtype: torch.dtype = torch.float32, seed: int = 0
 ) -> LlamaForCausalLM:
     """A TINY_CONFIGS model with seeded weights (norm weights near 1, others ~N(0, 0.15^2))."""
-    config = ModelConfig.from_hf_config(TINY_CONFIGS[name])
+    config = ModelConfig.from_hf_config({**TINY_CONFIGS, **ROPE_SCALING_CONFIGS}[name])
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     generator = torch.Generator().manual_seed(seed)
