@@ -44,10 +44,10 @@ def test_limits_name_both_numbers(target_dir):
         LLM(str(target_dir), speculative_config=None, max_model_len=600)
     llm = LLM(str(target_dir), speculative_config=None, max_model_len=300)
     prompt = prompt_tokens(97, [300])[0]
-    with pytest.raises(ValueError, match="prompt of 300 tokens .* max_model_len=300"):
+    with pytest.raises(ValueError, match=r"prompt of 300 tokens .* max_model_len=300"):
         llm.generate([prompt], GREEDY_TO_THE_END, use_tqdm=False)
-    with pytest.raises(ValueError, match="prompt of 301 tokens .* max_model_len=300"):
-        llm.generate([prompt + [5]], GREEDY_TO_THE_END, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompt of 301 tokens .* max_model_len=300"):
+        llm.generate([[*prompt, 5]], GREEDY_TO_THE_END, use_tqdm=False)
     # The engine is still usable after a refused prompt.
     out = llm.generate([prompt[:299]], GREEDY_TO_THE_END, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
