@@ -66,6 +66,50 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+def _rope_config(mpe: int, **rope: Any) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        **{**_COMMON, "max_position_embeddings": mpe},
+        "rope_parameters": {"rope_theta": 10000.0, **rope},
+    }
+
+
+# One tiny Llama per RoPE scaling type, each with an original window of 64 positions (dynamic and
+# linear: max_position_embeddings) so that prompts of 512 tokens reach far past it.
+ROPE_SCALING_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama3": _rope_config(
+        512,
+        rope_type="llama3",
+        rope_theta=500000.0,
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=64,
+    ),
+    "yarn": _rope_config(512, rope_type="yarn", factor=8.0, original_max_position_embeddings=64),
+    "yarn_mscale": _rope_config(
+        512,
+        rope_type="yarn",
+        factor=8.0,
+        original_max_position_embeddings=64,
+        beta_fast=16.0,
+        beta_slow=2.0,
+        mscale=1.0,
+        mscale_all_dim=0.5,
+        truncate=False,
+    ),
+    "yarn_attention_factor": _rope_config(
+        512,
+        rope_type="yarn",
+        factor=8.0,
+        original_max_position_embeddings=64,
+        attention_factor=0.9,
+    ),
+    "linear": _rope_config(64, rope_type="linear", factor=8.0),
+    "dynamic": _rope_config(64, rope_type="dynamic", factor=8.0),
+}
+
+
 def make_hf_model(name: str, seed: int = 0) -> Any:
     """A `transformers` model of the tiny config `name`, with seeded random weights (fp32, eval).
 
@@ -73,7 +117,7 @@ def make_hf_model(name: str, seed: int = 0) -> Any:
     """
     import transformers
 
-    hf_config = dict(TINY_CONFIGS[name])
+    hf_config = dict({**TINY_CONFIGS, **ROPE_SCALING_CONFIGS}[name])
     architecture = hf_config.pop("architectures")[0]
     config_class = {
         "LlamaForCausalLM": transformers.LlamaConfig,
@@ -220,6 +264,7 @@ def write_gguf(
     qtype_of: dict[str, Any] | None = None,
     rope_freqs: np.ndarray | None = None,
     tokenizer: dict[str, Any] | None = None,
+    rope_scaling: dict[str, Any] | None = None,
 ) -> Path:
     """Writes a `transformers` model as llama.cpp's converter would (Q/K permuted for "llama").
 
@@ -230,6 +275,7 @@ def write_gguf(
         qtype_of: GGUF tensor name -> GGMLQuantizationType (default F32).
         rope_freqs: [head_dim // 2] Llama 3.1 frequency factors, written as `rope_freqs.weight`.
         tokenizer: optional tokenizer metadata (tokens, token_types, merges, bos/eos, template).
+        rope_scaling: `{arch}.rope.scaling.<key>` values (str, int as uint32, float as float32).
     """
     import gguf
 
@@ -247,6 +293,14 @@ def write_gguf(
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    for key, value in (rope_scaling or {}).items():
+        name = f"{arch}.rope.scaling.{key}"
+        if isinstance(value, str):
+            writer.add_string(name, value)
+        elif isinstance(value, int):
+            writer.add_uint32(name, value)
+        else:
+            writer.add_float32(name, value)
     if tokenizer is not None:
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre(tokenizer.get("pre", "default"))
@@ -284,9 +338,12 @@ def write_gguf(
 def seeded_model(
     name: str, device: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any
 ) -> LlamaForCausalLM:
-    """A TINY_CONFIGS model with seeded weights (norm weights near 1, others ~N(0, 0.15^2));
-    `overrides` replace config.json keys (e.g. a longer max_position_embeddings)."""
-    config = ModelConfig.from_hf_config({**TINY_CONFIGS[name], **overrides})
+    """A TINY_CONFIGS (or ROPE_SCALING_CONFIGS) model with seeded weights (norm weights near 1,
+    others ~N(0, 0.15^2)); `overrides` replace config.json keys (e.g. a longer
+    max_position_embeddings)."""
+    config = ModelConfig.from_hf_config(
+        {**{**TINY_CONFIGS, **ROPE_SCALING_CONFIGS}[name], **overrides}
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     generator = torch.Generator().manual_seed(seed)

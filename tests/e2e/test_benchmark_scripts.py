@@ -129,3 +129,16 @@ def test_serve_benchmark_starts_a_server_and_reports(tiny_dir, tmp_path):
     table = (tmp_path / "serve.md").read_text()
     assert "| spec | 3 | 3 | 0 |" in table and "spec / plain" in table
     assert "Application shutdown complete" in (tmp_path / "server.log").read_text()
+
+
+def test_long_context_benchmark_runs_on_the_tiny_shape(tmp_path):
+    """benchmarks/bench_long_context.py's code paths at toy sizes (CPU): the oracle drafter's
+    greedy output equals plain greedy output, and the NaN check passes."""
+    run_script(
+        "bench_long_context.py",
+        *("--out", str(tmp_path), "--shape", "tiny", "--device", "cpu"),
+        *("--lengths", "160", "--new-tokens", "8", "--k", "2"),
+    )
+    result = json.loads((tmp_path / "long_context.json").read_text())
+    assert result["all_ok"], result["results"]
+    assert result["results"][0]["spec"]["spec_decode_stats"]["num_drafts"] > 0

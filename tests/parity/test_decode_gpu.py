@@ -15,6 +15,7 @@ from specdec.sampling import SamplingParams
 pytestmark = pytest.mark.gpu
 
 DECODE_CONFIGS = [name for name in TINY_CONFIGS if name != "mistral_window"]
+DECODE_CONFIGS += ["llama3", "yarn_mscale", "linear"]  # RoPE scaling (models_fixtures)
 
 
 def _randn(*shape, dtype, seed):

@@ -106,7 +106,11 @@ class LLMEngine:
         self.allocator = BlockAllocator(num_blocks, config.block_size)
         # Speculative rounds on the device (overlapped with the host) need the decode path's
         # static buffers, on the CPU too (where they run op by op).
-        self.device_rounds = bool(self.async_scheduling and speculative_config is not None)
+        self.device_rounds = bool(
+            self.async_scheduling
+            and speculative_config is not None
+            and model.config.eager_only_reason is None
+        )
         self.runner = PagedModelRunner(
             model,
             num_blocks,

@@ -56,13 +56,14 @@ def check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device) -> None:
 
 
 def resolve_max_model_len(config: EngineConfig, model: LlamaForCausalLM) -> int:
-    """max_model_len: the configured one, else the model's declared context (`size_kv_cache`
+    """max_model_len: the configured one, else the model's declared context (its
+    `max_position_embeddings`, extended by linear, dynamic or yarn RoPE scaling; `size_kv_cache`
     may lower it, saying why, when the KV cache cannot hold it).
 
     Raises:
         ValueError: the configured one exceeds the model's context.
     """
-    context = model.config.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
+    context = model.config.context_length or DEFAULT_MAX_MODEL_LEN
     max_model_len = config.max_model_len or context
     if max_model_len > context:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {context}")
@@ -106,7 +107,7 @@ def size_kv_cache(
 
 def max_model_len_note(config: EngineConfig, model: LlamaForCausalLM, max_model_len: int) -> str:
     """Where the engine's max_model_len comes from, for the start-up log."""
-    context = model.config.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
+    context = model.config.context_length or DEFAULT_MAX_MODEL_LEN
     wanted = config.max_model_len or context
     if max_model_len < wanted:
         return f"{max_model_len} (lowered from {wanted}: the KV cache holds {max_model_len} tokens)"

@@ -11,7 +11,7 @@ from specdec.models.attention import (
     paged_attention,
     write_kv,
 )
-from specdec.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from specdec.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from specdec.models.llama import LlamaForCausalLM, prompt_logits
 from specdec.models.loader import (
     LoadedModel,
@@ -22,6 +22,7 @@ from specdec.models.loader import (
 )
 from specdec.models.quant import QUANTIZATIONS, QuantizedWeight
 from specdec.models.registry import default_model_path
+from specdec.models.rope import RopeScaling
 from specdec.models.tokenizer import Tokenizer
 from specdec.models.weights import CheckpointError
 

@@ -9,34 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from specdec.models.rope import RopeScaling, parse_rope_scaling
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
-
-
-@dataclass(frozen=True, slots=True)
-class RopeScaling:
-    """Llama 3.1 frequency scaling ("rope_type": "llama3"), as in `transformers`.
-
-    Attributes:
-        rope_type: always "llama3" (the only scaling supported).
-        factor: divisor applied to the low frequencies.
-        low_freq_factor: frequencies with a wavelength above
-            `original_max_position_embeddings / low_freq_factor` are divided by `factor`.
-        high_freq_factor: those with a wavelength below
-            `original_max_position_embeddings / high_freq_factor` stay as they are.
-        original_max_position_embeddings: the pretraining context length.
-    """
-
-    rope_type: str
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,10 +34,11 @@ class ModelConfig:
         head_dim: per-head width (defaults to hidden_size // num_attention_heads).
         rms_norm_eps: epsilon of every RMSNorm.
         rope_theta: RoPE base.
-        rope_scaling: Llama 3.1 scaling, or None for plain RoPE.
+        rope_scaling: the checkpoint's RoPE scaling (`models/rope.py`), or None for plain RoPE.
         rope_freq_factors: per-frequency divisors of the RoPE inverse frequencies ([head_dim // 2]
             values), as GGUF files store Llama 3.1 scaling (`rope_freqs.weight`); None for none.
-        max_position_embeddings: the context length the model was trained for.
+        max_position_embeddings: the config's `max_position_embeddings` (for linear, dynamic
+            and yarn scaling the declared context is longer: `context_length`).
         tie_word_embeddings: the LM head reuses the embedding matrix.
         attention_bias: q/k/v projections have a bias (Qwen2; Llama's `attention_bias`).
         attention_out_bias: the output projection has a bias (Llama's `attention_bias` only).
@@ -126,6 +107,24 @@ class ModelConfig:
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
 
+    @property
+    def context_length(self) -> int:
+        """The context the checkpoint declares: `max_position_embeddings`, extended by its
+        RoPE scaling as vLLM derives it (`RopeScaling.context_length`)."""
+        if self.rope_scaling is None:
+            return self.max_position_embeddings
+        return self.rope_scaling.context_length(self.max_position_embeddings)
+
+    @property
+    def eager_only_reason(self) -> str | None:
+        """Why the fused decode path cannot run this model (it takes one frequency table for
+        every token and has no window), or None when it can."""
+        if self.sliding_window is not None:
+            return "sliding-window attention"
+        if self.rope_scaling is not None and self.rope_scaling.is_dynamic:
+            return "dynamic NTK rope scaling (frequencies that depend on the position)"
+        return None
+
     @classmethod
     def from_hf_config(cls, hf_config: dict[str, Any]) -> ModelConfig:
         """Parses a Hugging Face `config.json` dictionary.
@@ -162,7 +161,8 @@ class ModelConfig:
         num_heads = int(required("num_attention_heads"))
         num_kv_heads = hf_config.get("num_key_value_heads")
         head_dim = hf_config.get("head_dim")
-        rope_theta, rope_scaling = _parse_rope(hf_config)
+        max_position_embeddings = int(hf_config.get("max_position_embeddings", 2048))
+        rope_theta, rope_scaling = _parse_rope(hf_config, max_position_embeddings)
 
         is_qwen = architecture.startswith("Qwen")
         if is_qwen and hf_config.get("use_sliding_window"):
@@ -189,7 +189,7 @@ class ModelConfig:
             rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(hf_config.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_position_embeddings,
             tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
             attention_out_bias=attention_out_bias,
@@ -202,7 +202,9 @@ class ModelConfig:
         )
 
 
-def _parse_rope(hf_config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+def _parse_rope(
+    hf_config: dict[str, Any], max_position_embeddings: int
+) -> tuple[float, RopeScaling | None]:
     """Returns (rope_theta, rope_scaling) from either spelling of the RoPE settings."""
     params = hf_config.get("rope_parameters")
     if isinstance(params, dict) and params:
@@ -213,21 +215,9 @@ def _parse_rope(hf_config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         theta = hf_config.get("rope_theta", 10000.0)
     if not scaling:
         return float(theta), None
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"unsupported rope scaling type {rope_type!r}; supported: "
-            f"{', '.join(SUPPORTED_ROPE_TYPES)} (or no rope_scaling)"
-        )
-    if rope_type == "default":
-        return float(theta), None
-    try:
-        return float(theta), RopeScaling(
-            rope_type="llama3",
-            factor=float(scaling["factor"]),
-            low_freq_factor=float(scaling["low_freq_factor"]),
-            high_freq_factor=float(scaling["high_freq_factor"]),
-            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-        )
-    except KeyError as err:
-        raise ValueError(f"llama3 rope scaling lacks {err.args[0]!r}") from err
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type in ("llama3", "yarn") and "original_max_position_embeddings" in hf_config:
+        # A top-level value wins, as `transformers` reads it (Phi-3's spelling).
+        original = hf_config["original_max_position_embeddings"]
+        scaling = {**scaling, "original_max_position_embeddings": original}
+    return float(theta), parse_rope_scaling(scaling, max_position_embeddings)

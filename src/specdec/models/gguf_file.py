@@ -22,6 +22,7 @@ from specdec.models.config import ModelConfig
 from specdec.models.gguf_blocks import GGUF_QUANT_TYPES, decode_blocks
 from specdec.models.gguf_header import GGUFHeaderError, read_header
 from specdec.models.quant import GroupQuantized
+from specdec.models.rope import RopeScaling, parse_rope_scaling
 from specdec.models.tokenizer import Tokenizer
 from specdec.models.weights import CheckpointError
 
@@ -54,6 +55,14 @@ _LAYER_NAMES = {
 }
 _LAYER_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
+# GGUF yarn keys (`{arch}.rope.scaling.<key>`) -> the HF rope_scaling key they set (None: checked
+# to be 1.0, HF's implied value).
+GGUF_YARN_KEYS = {
+    "original_context_length": "original_max_position_embeddings",
+    "yarn_beta_fast": "beta_fast",
+    "yarn_beta_slow": "beta_slow",
+    "attn_factor": None,
+}
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
@@ -157,6 +166,44 @@ class GGUFFile:
     def _arch_key(self, name: str, default: Any = None) -> Any:
         return self.metadata.get(f"{self.architecture}.{name}", default)
 
+    def _rope_scaling(self) -> RopeScaling | None:
+        """`{arch}.rope.scaling.*` as a RopeScaling: none, linear (`factor`), or yarn (`factor`,
+        `original_context_length`, `yarn_beta_fast`, `yarn_beta_slow`, `attn_factor` 1.0);
+        Llama 3.1 scaling comes as frequency factors (`rope_freqs.weight`) instead.
+
+        Raises:
+            ValueError: another scaling type, or a scaling key not read here (named).
+        """
+        prefix = f"{self.architecture}.rope.scaling."
+        keys = {k[len(prefix) :]: v for k, v in self.metadata.items() if k.startswith(prefix)}
+        scaling_type = keys.pop("type", None)
+        keys.pop("finetuned", None)  # informational
+        if scaling_type in (None, "none"):
+            return None
+        known = {"linear": {"factor"}, "yarn": set(GGUF_YARN_KEYS) | {"factor"}}
+        if scaling_type not in known:
+            raise ValueError(
+                f"{self.path}: unsupported GGUF rope scaling {scaling_type!r} (supported: none, "
+                f"linear, yarn, or Llama 3.1 frequency factors in {ROPE_FREQS_TENSOR})"
+            )
+        unknown = sorted(set(keys) - known[scaling_type])
+        if unknown:
+            raise ValueError(f"{self.path}: unsupported GGUF {scaling_type} rope keys {unknown}")
+        if "factor" not in keys:
+            raise ValueError(f"{self.path}: GGUF {scaling_type} rope scaling lacks {prefix}factor")
+        if scaling_type == "linear":
+            return RopeScaling("linear", float(keys["factor"]))
+        if float(keys.get("attn_factor", 1.0)) != 1.0:
+            raise ValueError(
+                f"{self.path}: GGUF yarn attn_factor={keys['attn_factor']} is not supported (1.0)"
+            )
+        hf = {"rope_type": "yarn", "factor": float(keys["factor"])}
+        for gguf_key, hf_key in GGUF_YARN_KEYS.items():
+            if gguf_key in keys and hf_key is not None:
+                hf[hf_key] = keys[gguf_key]
+        context = int(self._arch_key("context_length", 2048))
+        return parse_rope_scaling(hf, context)
+
     def model_config(self) -> ModelConfig:
         """The ModelConfig the metadata (and the set of tensors) describe.
 
@@ -183,12 +230,7 @@ class GGUFFile:
             if len(set(num_kv_heads)) != 1:
                 raise ValueError(f"{self.path}: per-layer KV head counts are not supported")
             num_kv_heads = num_kv_heads[0]
-        scaling_type = self._arch_key("rope.scaling.type")
-        if scaling_type not in (None, "none"):
-            raise ValueError(
-                f"{self.path}: unsupported GGUF rope scaling {scaling_type!r} "
-                f"(supported: none, or Llama 3.1 frequency factors in {ROPE_FREQS_TENSOR})"
-            )
+        rope_scaling = self._rope_scaling()
         vocab_size = self._arch_key("vocab_size")
         if vocab_size is None:
             tokens = self.metadata.get("tokenizer.ggml.tokens")
@@ -210,6 +252,7 @@ class GGUFFile:
             head_dim=int(self._arch_key("attention.key_length", hidden_size // num_heads)),
             rms_norm_eps=float(required("attention.layer_norm_rms_epsilon")),
             rope_theta=float(self._arch_key("rope.freq_base", 10000.0)),
+            rope_scaling=rope_scaling,
             rope_freq_factors=rope_freq_factors,
             max_position_embeddings=int(self._arch_key("context_length", 2048)),
             tie_word_embeddings="output.weight" not in self._tensors,

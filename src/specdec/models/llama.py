@@ -7,7 +7,6 @@ randomly); nothing here reads files or samples.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -37,6 +36,7 @@ from specdec.models.quant import (
     quant_linear,
     rowwise_linear,
 )
+from specdec.models.rope import RotaryEmbedding, apply_rotary, attention_scale
 
 
 class Linear(nn.Module):
@@ -167,68 +167,6 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(input_dtype)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """The RoPE inverse frequencies, with Llama 3.1 scaling or GGUF frequency factors applied.
-
-    Returns:
-        [head_dim // 2] float32 on the CPU.
-    """
-    dim = config.head_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / dim
-    inv_freq = 1.0 / (config.rope_theta**exponents)  # [D / 2]
-    scaling = config.rope_scaling
-    if scaling is not None:
-        # Llama 3.1 (transformers' `_compute_llama3_parameters`): keep high frequencies, divide low
-        # ones by `factor`, interpolate in between.
-        old_len = scaling.original_max_position_embeddings
-        low_freq_wavelen = old_len / scaling.low_freq_factor
-        high_freq_wavelen = old_len / scaling.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
-        smooth = (old_len / wavelen - scaling.low_freq_factor) / (
-            scaling.high_freq_factor - scaling.low_freq_factor
-        )
-        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-        inv_freq = torch.where(is_medium, smoothed, scaled)
-    if config.rope_freq_factors is not None:
-        # llama.cpp divides each frequency by its factor (`rope_freqs.weight`).
-        inv_freq = inv_freq / torch.tensor(
-            config.rope_freq_factors, dtype=torch.float32, device="cpu"
-        )
-    return inv_freq
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables of rotary position embeddings, computed per step from absolute positions."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        # Kept in float32; load models in their dtype rather than casting with `.to(dtype)`.
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Args: positions: [T] int64. Returns: (cos, sin), each [T, head_dim] float32."""
-        freqs = positions[:, None].to(torch.float32) * self.inv_freq.to(torch.float32)  # [T, D / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        return emb.cos(), emb.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates [T, H, D] queries or keys by their positions' angles (the "rotate half" layout).
-
-    Args:
-        x: [T, H, D] queries or keys.
-        cos: [T, D] float32 from `RotaryEmbedding`.
-        sin: [T, D] float32.
-    """
-    cos = cos.to(x.dtype)[:, None]  # [T, 1, D]
-    sin = sin.to(x.dtype)[:, None]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class LlamaAttention(nn.Module):
     """GQA self-attention with RoPE (and Qwen3's per-head q/k RMSNorm) over the paged cache."""
 
@@ -237,6 +175,7 @@ class LlamaAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.scale = attention_scale(config)  # 1 / sqrt(head_dim), times YaRN's m^2
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = Linear(config.hidden_size, q_size, config.attention_bias)
         self.k_proj = Linear(config.hidden_size, kv_size, config.attention_bias)
@@ -295,7 +234,7 @@ class LlamaAttention(nn.Module):
             query = rope_write_kv_cpu(
                 qkv, plan, k_cache, v_cache, self.num_heads, self.num_kv_heads
             )
-            out = decode_attention_cpu(query, k_cache, v_cache, plan, self.head_dim**-0.5)
+            out = decode_attention_cpu(query, k_cache, v_cache, plan, self.scale)
             return self.o_proj.decode(out.reshape(num_tokens, self.num_heads * self.head_dim))
         query = rope_write_kv(
             qkv,
@@ -307,7 +246,7 @@ class LlamaAttention(nn.Module):
             self.num_heads,
             self.num_kv_heads,
         )  # [T, H_q, D_head]
-        out = paged_decode_attention(query, k_cache, v_cache, meta, self.head_dim**-0.5)
+        out = paged_decode_attention(query, k_cache, v_cache, meta, self.scale)
         return self.o_proj.decode(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
     def forward(
@@ -333,7 +272,7 @@ class LlamaAttention(nn.Module):
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
         write_kv_planned(key, value, k_cache, v_cache, plan)
-        out = paged_attention(query, k_cache, v_cache, plan, scale=self.head_dim**-0.5)
+        out = paged_attention(query, k_cache, v_cache, plan, scale=self.scale)
         # [T, H_q, D_head]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 

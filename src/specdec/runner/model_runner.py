@@ -80,13 +80,15 @@ class PagedModelRunner:
             # On the CPU only for quantized models: there per-operation overhead bounds the
             # step and the decode path plans it once; float models keep the eager path, which
             # reproduces `transformers` bit for bit.
-            decode_path = model.config.sliding_window is None and (
+            decode_path = model.config.eager_only_reason is None and (
                 self.device.type == "cuda" or model.quantization is not None
             )
         self.graphs: DecodeGraphs | None = None
         if decode_path:
-            if model.config.sliding_window is not None:
-                raise ValueError("the decode path has no sliding-window attention; run eagerly")
+            if model.config.eager_only_reason is not None:
+                raise ValueError(
+                    f"the decode path has no {model.config.eager_only_reason}; run eagerly"
+                )
             model.fuse_projections()
             max_blocks = -(-(max_model_len or num_blocks * block_size) // block_size)
             self.graphs = DecodeGraphs(

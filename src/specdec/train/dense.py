@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specdec.models.llama import LlamaDecoderLayer, apply_rotary
+from specdec.models.llama import LlamaDecoderLayer
+from specdec.models.rope import apply_rotary
 
 
 def project_qkv(layer: LlamaDecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -42,7 +43,7 @@ def causal_layer(
     """
     q, k, v = project_qkv(layer, x, cos, sin)
     out = F.scaled_dot_product_attention(
-        q, k, v, is_causal=True, scale=layer.self_attn.head_dim**-0.5, enable_gqa=True
+        q, k, v, is_causal=True, scale=layer.self_attn.scale, enable_gqa=True
     )
     return finish_layer(layer, x, out), (k, v)
 
@@ -72,7 +73,7 @@ def chain_layer(
     """
     q, k, v = project_qkv(layer, x, cos, sin)
     group = q.shape[1] // k.shape[1]
-    scale = layer.self_attn.head_dim**-0.5
+    scale = layer.self_attn.scale
 
     def widen(t: torch.Tensor) -> torch.Tensor:
         return t.repeat_interleave(group, dim=1)  # [B, H_q, N, d]

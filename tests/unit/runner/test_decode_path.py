@@ -13,9 +13,11 @@ from specdec.runner.cuda_graph import batch_buckets
 from specdec.runner.model_runner import PagedModelRunner, StepInput
 
 DECODE_CONFIGS = [name for name in TINY_CONFIGS if name != "mistral_window"]
+# Scaled RoPE with one frequency table (dynamic NTK has one per position: eager only).
+ROPE_DECODE_CONFIGS = ["llama3", "yarn_mscale", "linear"]
 
 
-@pytest.mark.parametrize("name", DECODE_CONFIGS)
+@pytest.mark.parametrize("name", DECODE_CONFIGS + ROPE_DECODE_CONFIGS)
 def test_decode_path_matches_eager(name: str) -> None:
     compare_decode_path(name, "cpu", use_graphs=False)
 
@@ -88,3 +90,10 @@ def test_run_rows_stacks_the_logits_of_run(decode_path: bool) -> None:
     torch.testing.assert_close(rows, expected, rtol=0, atol=0)
     with pytest.raises(ValueError, match="one query token"):
         runner().run_rows([StepInput([5, 6], 0, [3], 2)])
+
+
+def test_decode_path_refuses_dynamic_rope() -> None:
+    with pytest.raises(ValueError, match="dynamic NTK"):
+        PagedModelRunner(seeded_model("dynamic", "cpu"), 8, 4, max_num_seqs=4, decode_path=True)
+    # Left to choose, a dynamic-rope model runs eagerly.
+    assert PagedModelRunner(seeded_model("dynamic", "cpu"), 8, 4, max_num_seqs=4).graphs is None

@@ -135,20 +135,10 @@ class DFlashDrafter(Drafter):
                 )
             contexts.append(context)
         num_context = int(context_lens.max())
-        layer_context = []
-        template = next(context for context in contexts if context is not None)
-        for index in range(len(model.layers)):
-            keys = template.keys[index]
-            shape = (batch.batch_size, num_context, *keys.shape[1:])
-            padded_keys = keys.new_zeros(shape)  # [B, S, H_kv, D_head]
-            padded_values = keys.new_zeros(shape)
-            for b, context in enumerate(contexts):
-                if context is None:
-                    continue
-                n = int(context_lens[b])
-                padded_keys[b, :n] = context.keys[index][:n]
-                padded_values[b, :n] = context.values[index][:n]
-            layer_context.append((padded_keys, padded_values))
+        layer_context = [
+            self._layer_context(index, contexts, context_lens, num_context)
+            for index in range(len(model.layers))
+        ]
         anchor_tokens = to_device([t[-1] for t in batch.token_ids], torch.int64, device)
         return self.run_block(
             anchor_tokens, batch.anchors.to(device), layer_context, context_lens.to(device)
@@ -179,6 +169,28 @@ class DFlashDrafter(Drafter):
         positions = (anchors - 1)[:, None] + torch.arange(num_rows, device=anchors.device)
         mask = block_mask(context_lens, layer_context[0][0].shape[1], num_rows)
         return model(rows, positions, layer_context, mask)  # [B, R, D]
+
+    @staticmethod
+    def _layer_context(
+        index: int, contexts: list, context_lens: torch.Tensor, num_context: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index`'s context (keys, values) [B, S, H_kv, D_head] of a round: views of the
+        request's buffers for one request (no O(context) copy per round), else padded copies."""
+        template = next(context for context in contexts if context is not None)
+        if len(contexts) == 1:
+            keys, values = template.keys[index], template.values[index]
+            return keys[None, :num_context], values[None, :num_context]
+        keys = template.keys[index]
+        shape = (len(contexts), num_context, *keys.shape[1:])
+        padded_keys = keys.new_zeros(shape)  # [B, S, H_kv, D_head]
+        padded_values = keys.new_zeros(shape)
+        for b, context in enumerate(contexts):
+            if context is None:
+                continue
+            n = int(context_lens[b])
+            padded_keys[b, :n] = context.keys[index][:n]
+            padded_values[b, :n] = context.values[index][:n]
+        return padded_keys, padded_values
 
     @torch.inference_mode()
     def propose(self, batch: DraftBatch) -> Proposal:

@@ -27,9 +27,8 @@ from specdec.models.llama import (
     LlamaAttention,
     LlamaMLP,
     RMSNorm,
-    RotaryEmbedding,
-    apply_rotary,
 )
+from specdec.models.rope import RotaryEmbedding, apply_rotary
 from specdec.models.weights import CheckpointError, assign_weights
 
 BLOCK_DRAFTER_KINDS = ("dflash", "dspark")
@@ -188,7 +187,7 @@ class BlockAttention(LlamaAttention):
             keys,
             values,
             attn_mask=mask[:, None],  # [N, 1, R, S + R]
-            scale=self.head_dim**-0.5,
+            scale=self.scale,
             enable_gqa=True,
         )  # [N, H, R, head_dim]
         return self.o_proj(out.transpose(1, 2).reshape(n, r, self.num_heads * self.head_dim))

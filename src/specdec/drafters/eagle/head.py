@@ -27,9 +27,9 @@ from specdec.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
     RMSNorm,
-    RotaryEmbedding,
 )
 from specdec.models.quant import QuantizedWeight, quant_linear
+from specdec.models.rope import RotaryEmbedding
 from specdec.models.weights import CheckpointError, assign_weights
 
 EAGLE_ARCHITECTURE = "SpecdecEagleHead"

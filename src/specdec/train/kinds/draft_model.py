@@ -51,7 +51,7 @@ def hf_config_dict(config: ModelConfig) -> dict:
         "eos_token_id": list(config.eos_token_ids) if config.eos_token_ids else None,
     }
     if config.rope_scaling is not None:
-        values["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(config.rope_scaling)}
+        values["rope_scaling"] = config.rope_scaling.to_hf()
     if config.sliding_window is not None:
         values["sliding_window"] = config.sliding_window
     return values

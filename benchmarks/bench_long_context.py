@@ -1,0 +1,285 @@
+"""Long requests on the GPU: a Llama-3-8B-shaped model (random bf16 weights, Llama 3.1 RoPE
+scaling, 131,072-token context), one request at a time at each length: prefill, then
+`--new-tokens` greedy tokens, speculation off and on (the oracle drafter of `oracle_drafter.py`
+replaying the plain run's own continuation with acceptance a, or n-gram over a repetitive prompt).
+
+    PYTHONPATH=src:tests python benchmarks/bench_long_context.py --out DIR \
+        [--lengths 32768,65536,131072] [--new-tokens 256] [--drafter oracle|ngram] \
+        [--acceptance 0.8] [--k 4] [--prefill-chunk 2048] [--shape llama-3-8b|tiny]
+
+A length L is the request's whole length: the prompt holds L - new_tokens - K - 1 tokens, so the
+request fits a max_model_len of L (131,072 for the largest). Per length and variant it records:
+no error (an exception is recorded with its message, and the next length still runs), the time
+to the first token (the prefill), the decode TPOT ((end - first token) / (tokens - 1)), that
+speculative greedy output equals plain greedy output, spec-decode statistics, and a NaN check
+(a separate 2-token request with logprobs: every logprob finite; one more prefill per length,
+`--skip-nan-check` leaves it out). Writes DIR/long_context.json.
+
+Memory (8B, bf16): 128 KiB of KV per token, 16 GiB at 131,072 tokens, beside 16 GB of weights;
+the KV cache is sized to the longest length (`num_kv_blocks`), not to free memory. Prefill runs
+in chunks of `--prefill-chunk` tokens over the cached prefix with whatever attention the engine
+has: an attention that materialises scores needs chunk x L x 32 heads x 4 bytes (32 GiB for 2,048
+x 131,072): lower `--prefill-chunk` then. `--shape tiny --device cpu` runs the same code on a CPU
+in seconds (a smoke test, not a figure). Never imported by tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from oracle_drafter import OracleDrafter
+
+BLOCK_SIZE = 16
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+SHAPES = {
+    "llama-3-8b": {
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rope_parameters": LLAMA3_ROPE,
+    },
+    # The CPU smoke shape: the same code paths, original window 64, context 1,024.
+    "tiny": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 512,
+        "max_position_embeddings": 1024,
+        "rope_parameters": {**LLAMA3_ROPE, "original_max_position_embeddings": 64},
+    },
+}
+COMMON = {
+    "architectures": ["LlamaForCausalLM"],
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def log(*args) -> None:
+    print(*args, flush=True)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def build_model(shape: str, device: str):
+    """Random weights made on `device` (bf16 on CUDA, float32 on the CPU), norms at 1."""
+    from specdec.models import LlamaForCausalLM, ModelConfig
+    from specdec.models.weights import assign_weights
+
+    config = ModelConfig.from_hf_config({**COMMON, **SHAPES[shape]})
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    generator = torch.Generator(device=device).manual_seed(0)
+    std = 0.02 if shape != "tiny" else 0.5
+
+    def read(name: str) -> torch.Tensor:
+        if name.endswith("norm.weight"):
+            return torch.ones(shapes[name], dtype=dtype, device=device)
+        out = torch.empty(shapes[name], dtype=dtype, device=device)
+        return out.normal_(0.0, std, generator=generator)
+
+    assign_weights(model, read, f"random:{shape}", dtype, device)
+    return model
+
+
+def make_llm(model, spec, *, device: str, max_model_len: int, prefill_chunk: int):
+    from specdec.engine.config import EngineConfig, SpeculativeConfig
+    from specdec.engine.llm import LLM
+    from specdec.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(
+        device=device,
+        dtype="bfloat16" if device == "cuda" else "float32",
+        max_num_seqs=1,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=prefill_chunk,
+        num_kv_blocks=math.ceil(max_model_len / BLOCK_SIZE) + 8,
+        block_size=BLOCK_SIZE,
+        async_scheduling=True,
+    )
+    llm = LLM.__new__(LLM)
+    llm.engine = LLMEngine(config, SpeculativeConfig.from_dict(spec), model=model, tokenizer=None)
+    return llm
+
+
+def long_prompt(length: int, vocab: int, seed: int) -> list[int]:
+    """A 512-token random stretch repeated to `length` tokens (n-gram finds matches in it)."""
+    generator = torch.Generator().manual_seed(seed)
+    stretch = torch.randint(3, vocab, (512,), generator=generator).tolist()
+    return (stretch * (length // 512 + 1))[:length]
+
+
+def timed_generate(llm, prompt, new_tokens: int, device: str, speculative=None) -> dict:
+    """One greedy request: time to the first token, decode TPOT, the tokens."""
+    from specdec.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    first: list[float] = []
+
+    def on_tokens(output) -> None:
+        if not first and output.outputs[0].token_ids:
+            first.append(time.perf_counter())
+
+    sync(device)
+    start = time.perf_counter()
+    out = llm.generate(
+        [prompt], params, speculative=speculative, use_tqdm=False, on_tokens=on_tokens
+    )[0]
+    sync(device)
+    end = time.perf_counter()
+    tokens = list(out.outputs[0].token_ids)
+    first_s = (first[0] if first else end) - start
+    return {
+        "prefill_s": first_s,
+        "decode_tpot_ms": (end - start - first_s) / max(len(tokens) - 1, 1) * 1e3,
+        "total_s": end - start,
+        "num_tokens": len(tokens),
+        "tokens": tokens,
+        "spec_decode_stats": out.spec_decode_stats,
+    }
+
+
+def nan_check(llm, prompt) -> dict:
+    """A 2-token request with logprobs (the synchronous path): are its logprobs finite?"""
+    from specdec.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=1)
+    out = llm.generate([prompt], params, speculative={"enabled": False}, use_tqdm=False)[0]
+    values = [lp.logprob for step in out.outputs[0].logprobs for lp in step.values()]
+    return {"finite": all(math.isfinite(v) for v in values), "logprobs": values}
+
+
+def free(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def bench_length(model, length: int, args) -> dict:
+    k, new = args.k, args.new_tokens
+    prompt_len = length - new - k - 1
+    vocab = model.config.vocab_size
+    prompt = long_prompt(prompt_len, vocab, seed=length)
+    row: dict = {"length": length, "prompt_tokens": prompt_len, "new_tokens": new}
+    common = {"device": args.device, "max_model_len": length, "prefill_chunk": args.prefill_chunk}
+    spec = {"method": "ngram", "num_speculative_tokens": k, "adaptive": False}
+    llm = make_llm(model, None, **common)
+    try:
+        plain = timed_generate(llm, prompt, new, args.device)
+        row["plain"] = {key: v for key, v in plain.items() if key != "tokens"}
+        if not args.skip_nan_check:
+            row["nan_check"] = nan_check(llm, prompt)
+    except Exception as err:  # recorded: the next length still runs
+        row["plain"] = {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()}
+        return row
+    finally:
+        del llm
+        free(args.device)
+    log(f"[long] {length} plain: {row['plain']}")
+    llm = make_llm(model, spec, **common)
+    try:
+        if args.drafter == "oracle":
+            llm.engine.drafter = OracleDrafter(
+                vocab, args.acceptance, [prompt + plain["tokens"]], key_len=64
+            )
+        drafted = timed_generate(llm, prompt, new, args.device)
+        row["spec"] = {key: v for key, v in drafted.items() if key != "tokens"}
+        row["spec"]["loop"] = llm.get_metrics().get("loop")
+        row["spec_equals_plain"] = drafted["tokens"] == plain["tokens"]
+        if not row["spec_equals_plain"]:
+            at = next(
+                i
+                for i, (a, b) in enumerate(zip(drafted["tokens"], plain["tokens"], strict=False))
+                if a != b
+            )
+            row["first_mismatch_at"] = at
+    except Exception as err:
+        row["spec"] = {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()}
+    finally:
+        del llm
+        free(args.device)
+    log(f"[long] {length} spec: {row.get('spec')} equal={row.get('spec_equals_plain')}")
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--shape", default="llama-3-8b", choices=sorted(SHAPES))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--lengths", default="32768,65536,131072")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--drafter", default="oracle", choices=["oracle", "ngram"])
+    parser.add_argument("--acceptance", type=float, default=0.8, help="the oracle's a")
+    parser.add_argument("--k", type=int, default=4, help="drafts per round (pinned)")
+    parser.add_argument("--prefill-chunk", type=int, default=2048)
+    parser.add_argument(
+        "--skip-nan-check", action="store_true", help="no third prefill per length (the check)"
+    )
+    args = parser.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    context = SHAPES[args.shape]["max_position_embeddings"]
+    too_long = [n for n in lengths if n > context]
+    if too_long:
+        parser.error(f"lengths {too_long} exceed the {args.shape} context of {context}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    model = build_model(args.shape, args.device)
+    rows = [bench_length(model, length, args) for length in lengths]
+    result = {
+        "meta": {
+            "date": time.strftime("%Y-%m-%d"),
+            "command": "python " + " ".join(sys.argv),
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+            "shape": args.shape,
+            "drafter": args.drafter,
+            "acceptance": args.acceptance if args.drafter == "oracle" else None,
+            "k": args.k,
+            "prefill_chunk": args.prefill_chunk,
+            "seconds": time.perf_counter() - start,
+        },
+        "results": rows,
+        "all_ok": all(
+            r.get("spec_equals_plain")
+            and (args.skip_nan_check or r.get("nan_check", {}).get("finite"))
+            for r in rows
+        ),
+    }
+    path = out / "long_context.json"
+    path.write_text(json.dumps(result, indent=2))
+    log(f"all_ok={result['all_ok']}; wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
