@@ -72,7 +72,13 @@ def test_engine_with_a_grammar_on_cuda(tmp_path, method, temperature):
     }
     outputs = {}
     for name, config in (("plain", None), ("spec", spec)):
-        llm = LLM(str(tmp_path), speculative_config=config, max_model_len=32, device="cuda")
+        llm = LLM(
+            str(tmp_path),
+            speculative_config=config,
+            max_model_len=32,
+            device="cuda",
+            num_kv_blocks=64,
+        )
         outs = llm.generate([PROMPT] * 64, params, use_tqdm=False)
         outputs[name] = [o.outputs[0].token_ids for o in outs]
     assert outputs["plain"] == outputs["spec"]

@@ -177,7 +177,7 @@ def test_quantize_model_equals_quantized_load(tmp_path: Path, quantization: str)
 
 
 def test_a_gguf_file_stays_quantized_on_the_cpu_by_default(tmp_path: Path) -> None:
-    """"auto" keeps a GGUF file's tensors quantized on the CPU (dequantized on CUDA); None
+    """ "auto" keeps a GGUF file's tensors quantized on the CPU (dequantized on CUDA); None
     dequantizes."""
     from specdec.models.loader import resolve_quantization
 
