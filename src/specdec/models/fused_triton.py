@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from specdec.models.attention import DecodeMetadata
-from specdec.models.split_kv import DECODE_BLOCK_N
+from specdec.models.attention_tiles import DECODE_BLOCK_N
 
 
 @triton.jit

@@ -12,13 +12,9 @@ writes the cache, allocates blocks or draws randomness.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-# Keys per tile of the online softmax, shared by the kernel and its twin (the twin's tile order).
-PREFILL_BLOCK_N = 64
-LOG2E = 1.0 / math.log(2.0)
+from specdec.models.attention_tiles import LOG2E, PREFILL_BLOCK_N
 
 
 def paged_prefill_attention_ref(

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.models.prefill_attention import LOG2E, PREFILL_BLOCK_N
+from specdec.models.attention_tiles import LOG2E, PREFILL_BLOCK_N
 
 
 @triton.jit

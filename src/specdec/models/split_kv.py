@@ -17,11 +17,7 @@ from __future__ import annotations
 import torch
 
 from specdec.models.attention import DecodeMetadata
-
-# Keys per online-softmax step of the decode kernels (single-pass and split-KV alike).
-DECODE_BLOCK_N = 64
-# Keys per split-KV partition (a multiple of DECODE_BLOCK_N).
-SPLIT_KV_PARTITION = 1024
+from specdec.models.attention_tiles import DECODE_BLOCK_N, SPLIT_KV_PARTITION
 
 
 def num_partitions(max_context_len: int) -> int:

@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from specdec.models.attention import DecodeMetadata
+from specdec.models.attention_tiles import DECODE_BLOCK_N, SPLIT_KV_PARTITION
 from specdec.models.fused_triton import _attend_chunk
-from specdec.models.split_kv import DECODE_BLOCK_N, SPLIT_KV_PARTITION
 
 
 @triton.jit
