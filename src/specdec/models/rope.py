@@ -21,14 +21,12 @@ Two conventions, stated once:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from specdec.models.config import ModelConfig
 
 ROPE_SCALING_TYPES = ("llama3", "yarn", "linear", "dynamic")
 # Keys of a `rope_scaling` dictionary that are not scaling parameters.
@@ -298,7 +296,16 @@ def dynamic_inv_freq(
     return 1.0 / (base[:, None] ** exponents)  # [T, D / 2]
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+class RopeConfig(Protocol):
+    """What RoPE reads of a model's config (`ModelConfig`, or a drafter's layer config)."""
+
+    head_dim: int
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    rope_freq_factors: Sequence[float] | None
+
+
+def rope_inv_freq(config: RopeConfig) -> torch.Tensor:
     """The RoPE inverse frequencies of `config` (for dynamic NTK: those of positions inside
     `max_position_embeddings`, i.e. plain RoPE), with GGUF frequency factors applied.
 
@@ -322,7 +329,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
-def attention_scale(config: ModelConfig) -> float:
+def attention_scale(config: RopeConfig) -> float:
     """The softmax scale of every attention over RoPE'd queries and keys: 1 / sqrt(head_dim),
     times m^2 for YaRN (its attention factor m applied to both queries and keys)."""
     factor = config.rope_scaling.attention_factor if config.rope_scaling is not None else 1.0
@@ -333,7 +340,7 @@ class RotaryEmbedding(nn.Module):
     """cos/sin tables of rotary position embeddings, computed per step from absolute positions
     (unscaled by YaRN's attention factor: see `attention_scale`)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: RopeConfig) -> None:
         super().__init__()
         self.head_dim, self.rope_theta = config.head_dim, config.rope_theta
         self.scaling = config.rope_scaling
