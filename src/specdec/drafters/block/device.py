@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from specdec.drafters.base import Drafter, ProposalBuffer
-from specdec.drafters.block.dflash import store_context
+from specdec.drafters.block.context import store_context
 from specdec.drafters.device import DeviceDrafting, DeviceSlot, RoundView
 
 

@@ -9,7 +9,6 @@ arrive through `observe` and are kept per request as every drafter layer's conte
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +21,7 @@ from specdec.drafters.base import (
     ProposalBuffer,
     TargetFeatures,
 )
+from specdec.drafters.block.context import RequestContext, store_context
 from specdec.drafters.block.network import BlockDrafterModel, block_mask, load_block_drafter
 from specdec.drafters.config import SpeculativeConfig
 from specdec.models import LlamaForCausalLM
@@ -29,15 +29,6 @@ from specdec.transfer import to_device
 
 if TYPE_CHECKING:
     from specdec.drafters.device import DeviceDrafting
-
-
-@dataclass(slots=True, eq=False)
-class _Context:
-    """One request's context keys/values per drafter layer, for positions 0..length-1."""
-
-    length: int = 0
-    keys: list[torch.Tensor] = field(default_factory=list)  # per layer [capacity, H_kv, D_head]
-    values: list[torch.Tensor] = field(default_factory=list)
 
 
 class DFlashDrafter(Drafter):
@@ -55,7 +46,7 @@ class DFlashDrafter(Drafter):
         self.model = model
         self.target = target
         self.feature_layers = tuple(model.config.feature_layers)
-        self._contexts: dict[str, _Context] = {}
+        self._contexts: dict[str, RequestContext] = {}
 
     @classmethod
     def from_config(
@@ -99,7 +90,7 @@ class DFlashDrafter(Drafter):
         for b, (request_id, start) in enumerate(
             zip(features.request_ids, features.starts, strict=True)
         ):
-            context = self._contexts.setdefault(request_id, _Context())
+            context = self._contexts.setdefault(request_id, RequestContext())
             if start > context.length:
                 raise ValueError(
                     f"request {request_id}: features start at position {start} but only "
@@ -217,20 +208,3 @@ class DFlashDrafter(Drafter):
         out = ProposalBuffer(size, k, self.target_vocab_size, device, self.greedy)
         self.draw(logits, rows, positions, batch, out, at)
         return out.proposal(num_draft)
-
-
-def store_context(context: _Context, layer: int, start: int, keys, values) -> None:
-    """Writes keys/values [n, H_kv, D_head] at positions start.. of one layer, growing its buffer
-    geometrically so that a round costs O(new tokens)."""
-    end = start + keys.shape[0]
-    if layer == len(context.keys):
-        context.keys.append(keys.new_zeros((max(end, 16), *keys.shape[1:])))
-        context.values.append(values.new_zeros((max(end, 16), *values.shape[1:])))
-    if end > context.keys[layer].shape[0]:
-        capacity = max(end, 2 * context.keys[layer].shape[0])
-        for buffers in (context.keys, context.values):
-            grown = buffers[layer].new_zeros((capacity, *buffers[layer].shape[1:]))
-            grown[:start] = buffers[layer][:start]
-            buffers[layer] = grown
-    context.keys[layer][start:end] = keys
-    context.values[layer][start:end] = values
