@@ -73,6 +73,10 @@ class SpecDecodeStats:
             return [0.0] * len(self.accepted_per_position)
         return [count / self.num_drafts for count in self.accepted_per_position]
 
+    def observe_plain_arm(self) -> None:
+        self.num_plain_arm_steps += 1
+        self.k_chosen[-1] = self.k_chosen.get(-1, 0) + 1
+
     def as_dict(self) -> dict:
         return {
             "num_drafts": self.num_drafts,
@@ -94,13 +98,17 @@ class LoopStats:
       previous one was read;
     - num_graph_rounds: those of them replayed from CUDA graphs;
     - num_sync_steps: steps of the synchronous path;
-    - k_chosen: device rounds per K (the policy's choice; 0 = plain decoding).
+    - num_plain_arm_steps: plain overlapped decode steps the speculation policy chose (its arm
+      P) for speculative requests, counted in num_overlapped_steps too;
+    - k_chosen: device rounds per K (the policy's choice; 0 = a round of no drafts; -1 = the
+      plain arm's steps).
     """
 
     num_overlapped_steps: int = 0
     num_device_rounds: int = 0
     num_graph_rounds: int = 0
     num_sync_steps: int = 0
+    num_plain_arm_steps: int = 0
     k_chosen: dict[int, int] = field(default_factory=dict)
 
     def observe_round(self, k: int, graphed: bool) -> None:
@@ -108,11 +116,16 @@ class LoopStats:
         self.num_graph_rounds += int(graphed)
         self.k_chosen[k] = self.k_chosen.get(k, 0) + 1
 
+    def observe_plain_arm(self) -> None:
+        self.num_plain_arm_steps += 1
+        self.k_chosen[-1] = self.k_chosen.get(-1, 0) + 1
+
     def as_dict(self) -> dict:
         return {
             "num_overlapped_steps": self.num_overlapped_steps,
             "num_device_rounds": self.num_device_rounds,
             "num_graph_rounds": self.num_graph_rounds,
             "num_sync_steps": self.num_sync_steps,
+            "num_plain_arm_steps": self.num_plain_arm_steps,
             "k_chosen": dict(sorted(self.k_chosen.items())),
         }

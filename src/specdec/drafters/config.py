@@ -53,6 +53,10 @@ class SpeculativeConfig:
             Standard/block outputs stay exact in law either way, but a seeded request replays
             token for token only with K pinned (the chosen K depends on the batch and on
             measured timings); coupled and greedy outputs equal plain decoding's whatever K is.
+        plain_arm: with `adaptive`, also offer the policy arm P: leave device rounds and run the
+            batch through the plain overlapped decode loop while that is measured to be faster
+            (its cost: the plain step at the batch bucket; its tokens per step: 1). Off by
+            default until measured on the GPU.
     """
 
     method: str = "ngram"
@@ -63,6 +67,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     adaptive: bool = True
+    plain_arm: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -92,6 +97,10 @@ class SpeculativeConfig:
         if not isinstance(self.adaptive, bool):
             raise ValueError(
                 f"speculative_config.adaptive must be true or false, got {self.adaptive!r}"
+            )
+        if not isinstance(self.plain_arm, bool):
+            raise ValueError(
+                f"speculative_config.plain_arm must be true or false, got {self.plain_arm!r}"
             )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(

@@ -14,11 +14,12 @@ each step sends its per-request values with one copy per sampler or verifier cal
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 
 import torch
 
-from specdec.drafters import Drafter, DrafterSetup
+from specdec.drafters import Drafter, DrafterSetup, TargetFeatures
 from specdec.drafters.config import check_num_speculative_tokens
 from specdec.drafters.default import with_shipped_head
 from specdec.drafters.registry import build_drafter
@@ -39,11 +40,12 @@ from specdec.engine.setup import (
     resolve_max_model_len,
     size_kv_cache,
 )
-from specdec.engine.spec_policy import SpeculationPolicy
+from specdec.engine.spec_policy import PLAIN, SpeculationPolicy
 from specdec.metrics import LoopStats, SpecDecodeStats
 from specdec.models import LlamaForCausalLM, Tokenizer, default_model_path, load_model
 from specdec.rng import derive_seed, engine_request_seed, fresh_seed, to_signed64
 from specdec.runner import BlockAllocator, PagedModelRunner, StepInput
+from specdec.runner.cuda_graph import batch_buckets, bucket_for
 from specdec.sampling import LogitsRules, SamplingParams, StructuredOutputsParams
 from specdec.sampling.grammar import CompiledGrammar, GrammarCompiler
 from specdec.transfer import Readback
@@ -53,11 +55,19 @@ from specdec.verify import VERIFY_METHODS
 @dataclass(frozen=True, slots=True)
 class _Inflight:
     """A plain decode step launched but not read (asynchronous scheduling): its requests in
-    batch order, their sampled tokens on the device, and the asynchronous copy reading them."""
+    batch order, their sampled tokens on the device, and the asynchronous copy reading them.
+    A step of the speculation policy's plain arm also keeps the positions of its input tokens,
+    their target features (drafters that read some; None otherwise) and the marks that measure
+    its cost."""
 
     requests: list[Request]
     token_ids: torch.Tensor
     readback: Readback
+    plain_arm: bool = False
+    starts: list[int] | None = None
+    features: torch.Tensor | None = None
+    started: torch.cuda.Event | float | None = None
+    ended: torch.cuda.Event | float | None = None
 
 
 class LLMEngine:
@@ -145,10 +155,17 @@ class LLMEngine:
         self._inflight: _Inflight | None = None
         self._rounds: DeviceRounds | None = None  # built on first use
         self._in_rounds = False
+        # The policy's plain arm: plain overlapped steps of speculative requests (`_step_plain`).
+        self._in_plain = False
+        self._plain_chosen = False  # the policy chose PLAIN: drain the rounds, then go plain
+        self._next_k: int | None = None  # a K chosen in plain mode for the next device round
+        self._plain_end: torch.cuda.Event | float | None = None  # the last plain step's end
         self.policy = None
         if speculative_config is not None:
             self.policy = SpeculationPolicy(
-                speculative_config.num_speculative_tokens, speculative_config.adaptive
+                speculative_config.num_speculative_tokens,
+                speculative_config.adaptive,
+                plain_arm=speculative_config.plain_arm,
             )
         self._ids = itertools.count()
         self._unseeded = itertools.count()  # requests without a seed, for `config.seed`
@@ -349,6 +366,8 @@ class LLMEngine:
         launch work whose tokens the next call reports."""
         if self.async_scheduling and self.drafter is None:
             return self._step_async(only_finished)
+        if self._in_plain:
+            return self._step_plain(only_finished)
         if self._in_rounds:
             return self._step_rounds(only_finished)
         scheduled = self._schedule()
@@ -489,9 +508,16 @@ class LLMEngine:
                 new_blocks += 1
         return new_blocks <= scheduler.allocator.num_free_blocks
 
-    def _launch(self, scheduled: list[ScheduledRequest], previous: _Inflight | None) -> _Inflight:
+    def _launch(
+        self,
+        scheduled: list[ScheduledRequest],
+        previous: _Inflight | None,
+        plain_arm: bool = False,
+    ) -> _Inflight:
         """Runs and samples a plain decode step without reading its tokens. With `previous`,
-        each request's input token is that step's sample (same requests, same order)."""
+        each request's input token is that step's sample (same requests, same order).
+        `plain_arm`: a step of the speculation policy's plain arm (speculative requests: it
+        keeps the target features their drafter reads, and is measured)."""
         requests = [share.request for share in scheduled]
         first_tokens = None
         if previous is not None:
@@ -499,24 +525,118 @@ class LLMEngine:
                 raise RuntimeError("asynchronous scheduling: the batch changed unexpectedly")
             first_tokens = previous.token_ids
         inputs = step_inputs(scheduled, None)
-        rows = self.runner.run_rows(inputs, first_tokens)  # [B, V]
+        started = self._mark() if plain_arm else None
+        layers = self.drafter.feature_layers if plain_arm else ()
+        rows, features = self.runner.run_rows_with_features(inputs, layers, first_tokens)
+        if features is not None:
+            features = features.clone()  # a static buffer's view: the next step overwrites it
         token_ids = self.emitter.sample_rows(requests, rows)
+        ended = self._mark() if plain_arm else None
         for request, step_input in zip(requests, inputs, strict=True):
             self.scheduler.commit(request, step_input.start + 1)
             request.num_pending += 1
         self.loop_stats.num_overlapped_steps += 1
-        return _Inflight(requests, token_ids, Readback({"tokens": token_ids}, {}))
+        readback = Readback({"tokens": token_ids}, {})
+        if not plain_arm:
+            return _Inflight(requests, token_ids, readback)
+        self.loop_stats.observe_plain_arm()
+        starts = [s.start for s in inputs]
+        return _Inflight(requests, token_ids, readback, True, starts, features, started, ended)
 
     def _resolve(self, inflight: _Inflight, only_finished: bool) -> list[RequestOutput]:
         """Reads a launched step's tokens and commits them as a synchronous step would have
         (requests that finished meanwhile drop theirs; the cache was committed at launch)."""
         tokens = inflight.readback.values()["tokens"].tolist()
+        if inflight.plain_arm:
+            self._observe_plain(inflight)
         commits = []
         for request, token in zip(inflight.requests, tokens, strict=True):
             request.num_pending -= 1
             if not request.status.finished:
                 commits.append((request, None, Emission([token], 0, 0, None)))
         return self._commit(commits, only_finished)
+
+    # ------------------------------------------------------- the policy's plain arm
+    def _step_plain(self, only_finished: bool) -> list[RequestOutput]:
+        """One call of the plain arm's loop: the overlapped plain decode loop over the
+        speculative batch, asking the policy before every launch. It ends (back to device rounds
+        or to the synchronous step) when the policy picks a K, or when the next batch may differ
+        (as `_step_async`)."""
+        inflight = self._inflight
+        if inflight is None:  # the first plain step, right after the rounds drained
+            shares = self._plain_shares()
+            if shares is None:
+                self._in_plain = False
+                return self.step(only_finished)
+            self._inflight = self._launch(shares, None, plain_arm=True)
+            return []
+        self._inflight = None
+        if self._can_overlap(inflight):
+            k = self.policy.choose(self._plain_bucket(len(inflight.requests)))
+            if k == PLAIN:
+                shares = self._plain_shares()
+                if shares is not None:
+                    self._inflight = self._launch(shares, inflight, plain_arm=True)
+            else:
+                self._next_k = k
+        outputs = self._resolve(inflight, only_finished)
+        if self._inflight is None:
+            self._in_plain = False
+            self._plain_end = None
+            self._enter_rounds()
+            if not self._in_rounds:
+                self._next_k = None  # the synchronous step goes on; its choice is dropped
+        return outputs
+
+    def _plain_shares(self) -> list[ScheduledRequest] | None:
+        """The running requests as plain decode shares (one token each, its block grown), or
+        None when the batch must go back to the scheduler: a waiting request could join, one
+        has no plain decode step to run, or the cache cannot hold the step."""
+        requests = list(self.scheduler.running)
+        if not requests or self._admission_pending():
+            return None
+        for request in requests:
+            if request.status.finished or request.num_computed_tokens != request.num_tokens - 1:
+                return None
+            limit = self.outputs.output_limit(request)
+            if len(request.output_token_ids) + request.num_pending >= limit:
+                return None
+        if not self._grow_ahead(requests, [r.num_computed_tokens for r in requests]):
+            return None
+        return [ScheduledRequest(r, 1, 0, True) for r in requests]
+
+    def _plain_bucket(self, num_requests: int) -> int:
+        return bucket_for(batch_buckets(self.config.max_num_seqs), num_requests)
+
+    def _mark(self) -> torch.cuda.Event | float:
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _observe_plain(self, inflight: _Inflight) -> None:
+        """A read plain-arm step: its cost (as a device round's: from the previous step's end
+        to its own on the device, or its own duration when it ran alone) to the policy, and its
+        input tokens' target features to the drafter (before the drafter drafts again)."""
+        previous, self._plain_end = self._plain_end, inflight.ended
+        if self.device.type != "cuda":
+            seconds = inflight.ended - inflight.started
+        else:
+            start = inflight.started if previous is None else previous
+            seconds = start.elapsed_time(inflight.ended) / 1e3
+        bucket = self._plain_bucket(len(inflight.requests))
+        self.policy.observe(bucket, PLAIN, seconds, [])
+        if inflight.features is None:
+            return
+        ids, starts, rows = [], [], []
+        for b, (request, start) in enumerate(zip(inflight.requests, inflight.starts, strict=True)):
+            if not request.status.finished:
+                ids.append(request.request_id)
+                starts.append(start)
+                rows.append(inflight.features[b : b + 1])
+        if ids:
+            self.drafter.observe(TargetFeatures(ids, starts, rows))
 
     # ------------------------------------------------------- speculative rounds on the device
     def _enter_rounds(self) -> None:
@@ -575,8 +695,13 @@ class LLMEngine:
         or the cache cannot hold what the round may write), then read the round before it."""
         rounds = self._rounds
         launched = False
-        if not self._admission_pending() and rounds.live_requests:
-            k = self.policy.choose(rounds.num_rows)
+        k = None
+        if not self._plain_chosen and not self._admission_pending() and rounds.live_requests:
+            k = self._next_k if self._next_k is not None else self.policy.choose(rounds.num_rows)
+            self._next_k = None
+            if k == PLAIN:
+                self._plain_chosen, k = True, None  # drain the rounds in flight, then go plain
+        if k is not None:
             last = rounds.launch_room(k)
             if last is not None and self._grow_ahead(rounds.live_requests, last):
                 rounds.launch(k, last)
@@ -590,6 +715,7 @@ class LLMEngine:
             outputs = self._commit([(r, None, e) for r, e in emissions], only_finished)
         if not launched and not rounds.inflight:
             self._leave_rounds()
+            self._in_plain, self._plain_chosen = self._plain_chosen, False
         return outputs
 
     def _grow_ahead(self, requests: list[Request], last_positions: list[int]) -> bool:

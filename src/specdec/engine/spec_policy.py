@@ -7,6 +7,11 @@ second: (1 + a_1 + a_1 a_2 + ... + a_1...a_K) / cost(K). Costs are measured on t
 themselves; each candidate is tried at the start and again now and then (`explore_every`), so
 the choice follows the acceptance and the context length as they change.
 
+With `plain_arm`, one more arm, P (`PLAIN`, recorded as K = -1), stands beside K = 0..max_k: a
+step of the plain overlapped decode loop (no drafter work at all), whose cost is measured on those
+steps and whose expected tokens are 1. While P is best the engine leaves device rounds; the
+policy is then asked before every plain step, so the other arms are still re-explored.
+
 Non-anticipating: a round's K is chosen at its launch from rounds already read, so it depends
 only on tokens emitted before the round's drafts are drawn; each round is an exact speculative
 step whatever its K. Deterministic given its measurements; draws no randomness.
@@ -15,6 +20,8 @@ step whatever its K. Deterministic given its measurements; draws no randomness.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+PLAIN = -1  # the plain arm: a plain overlapped decode step, outside device rounds
 
 
 @dataclass(slots=True)
@@ -29,17 +36,20 @@ class _Cost:
 
 @dataclass(slots=True)
 class SpeculationPolicy:
-    """Chooses K in [0, max_k] per round (or always max_k when not `adaptive`).
+    """Chooses K in [0, max_k] (or PLAIN, with `plain_arm`) per round (or always max_k when
+    not `adaptive`).
 
     Attributes:
         max_k: the largest K (the configured num_speculative_tokens).
-        adaptive: False pins K to max_k.
+        adaptive: False pins K to max_k (and never offers PLAIN).
+        plain_arm: offer the arm PLAIN (a plain decode step) beside K = 0..max_k.
         explore_every: rounds between two re-measurements of a K other than the best.
         decay: weight of the newest observation in the running averages.
     """
 
     max_k: int
     adaptive: bool = True
+    plain_arm: bool = False
     explore_every: int = 48
     decay: float = 0.1
     _costs: dict[tuple[int, int], _Cost] = field(default_factory=dict)
@@ -47,14 +57,20 @@ class SpeculationPolicy:
     _offered: list[float] = field(default_factory=list)  # rows that reached draft i
     _accepted: list[float] = field(default_factory=list)  # ... and accepted it
     _rounds: int = 0
-    chosen: dict[int, int] = field(default_factory=dict)  # K -> rounds launched with it
+    chosen: dict[int, int] = field(default_factory=dict)  # K (PLAIN: -1) -> times chosen
 
     def __post_init__(self) -> None:
         self._offered = [0.0] * self.max_k
         self._accepted = [0.0] * self.max_k
 
+    @property
+    def arms(self) -> list[int]:
+        """The candidates: K = 0..max_k, and PLAIN first with `plain_arm`."""
+        plain = [PLAIN] if self.plain_arm and self.adaptive else []
+        return plain + list(range(self.max_k + 1))
+
     def choose(self, bucket: int) -> int:
-        """The K of the next round of `bucket` slots."""
+        """The K of the next round (or step, PLAIN) of `bucket` slots."""
         k = self._choose(bucket)
         self.chosen[k] = self.chosen.get(k, 0) + 1
         self._rounds += 1
@@ -65,21 +81,22 @@ class SpeculationPolicy:
             return self.max_k
         # Every K is measured twice first (the first measurement of a graph includes its
         # capture, so it is not kept), then re-measured in turn every `explore_every` rounds.
-        for k in range(self.max_k + 1):
+        arms = self.arms
+        for k in arms:
             if self._tried.get((bucket, k), 0) < 2:
                 self._tried[(bucket, k)] = self._tried.get((bucket, k), 0) + 1
                 return k
-        best = max(range(self.max_k + 1), key=lambda k: self.tokens_per_second(bucket, k))
+        best = max(arms, key=lambda k: self.tokens_per_second(bucket, k))
         if self._rounds % self.explore_every == 0:
-            others = [k for k in range(self.max_k + 1) if k != best]
+            others = [k for k in arms if k != best]
             if others:
                 return others[(self._rounds // self.explore_every) % len(others)]
         return best
 
     def expected_tokens(self, k: int) -> float:
-        """1 + sum over i <= k of the chance that drafts 1..i are all accepted."""
+        """1 + sum over i <= k of the chance that drafts 1..i are all accepted (PLAIN: 1)."""
         total, survive = 1.0, 1.0
-        for i in range(k):
+        for i in range(max(k, 0)):
             survive *= self.acceptance(i)
             total += survive
         return total
@@ -101,7 +118,7 @@ class SpeculationPolicy:
         self, bucket: int, k: int, seconds: float | None, outcomes: list[tuple[int, int]]
     ) -> None:
         """Records a read round: its K, its measured cost, and per live request (drafts
-        verified, drafts accepted)."""
+        verified, drafts accepted); a read plain step: K = PLAIN, its cost, no outcomes."""
         cost = self._costs.setdefault((bucket, k), _Cost())
         cost.observed += 1
         if seconds is not None and cost.observed > 1:  # the first one includes the capture

@@ -124,26 +124,42 @@ class PagedModelRunner:
         """
         return self.run_with_features(inputs, (), first_tokens)[0]
 
-    @torch.inference_mode()
     def run_rows(
         self, inputs: list[StepInput], first_tokens: torch.Tensor | None = None
     ) -> torch.Tensor:
         """`run` for inputs of one query token each that want its logits (plain decode):
         [len(inputs), V] float32 logits, one row per input (on the decode path a view of a
         static buffer, valid until the next `run`)."""
+        return self.run_rows_with_features(inputs, (), first_tokens)[0]
+
+    @torch.inference_mode()
+    def run_rows_with_features(
+        self,
+        inputs: list[StepInput],
+        feature_layers: Sequence[int],
+        first_tokens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`run_rows`, also returning the [len(inputs), F] target features of each input's
+        token (None when feature_layers is empty; on the decode path a view of a static buffer,
+        valid until the next `run`)."""
         if any(len(s.token_ids) != 1 or s.num_logit_rows != 1 for s in inputs):
             raise ValueError("run_rows takes inputs of one query token with its logits")
+        layers = tuple(feature_layers)
         if self.graphs is not None and self._is_decode_step(inputs):
-            logits, _ = self.graphs.run(
+            logits, features = self.graphs.run(
                 [s.token_ids for s in inputs],
                 [s.start for s in inputs],
                 [s.block_ids for s in inputs],
+                layers,
                 first_tokens=first_tokens,
                 stacked=True,
             )
         else:
-            logits, _ = self._run_eager(inputs, (), first_tokens)
-        return logits[0] if len(logits) == 1 else torch.cat(logits)
+            logits, features = self._run_eager(inputs, layers, first_tokens)
+        rows = logits[0] if len(logits) == 1 else torch.cat(logits)
+        if not features:
+            return rows, None
+        return rows, features[0] if len(features) == 1 else torch.cat(features)
 
     @torch.inference_mode()
     def run_with_features(

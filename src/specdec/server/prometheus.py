@@ -94,9 +94,15 @@ class _EngineCollector(Collector):
         yield counter(
             "specdec:num_sync_steps", "Steps of the synchronous path.", snap.num_sync_steps
         )
+        yield counter(
+            "specdec:num_plain_arm_steps",
+            "Plain overlapped decode steps the speculation policy chose over device rounds.",
+            snap.num_plain_arm_steps,
+        )
         chosen = CounterMetricFamily(
             "specdec:spec_k_chosen",
-            "Device rounds by the number of drafts the policy chose (0: plain decoding).",
+            "Device rounds by the number of drafts the policy chose (0: no drafts; -1: plain "
+            "overlapped decode steps, the plain arm).",
             labels=[*labels, "k"],
         )
         for k, count in snap.k_chosen:

@@ -1,0 +1,208 @@
+"""The speculation policy's plain arm (`speculative_config.plain_arm`): when the policy picks P,
+the engine leaves device rounds and decodes the speculative batch with plain overlapped steps
+(sampled as plain decoding samples, keyed by (seed, position)), then re-enters rounds when
+another arm is explored or wins. Forced decisions (a scripted policy, or injected costs) show:
+greedy and coupled output equals plain decoding's; seeded standard/block output replays under
+the same decisions; requests join and finish while in plain mode; the drafter catches up on what
+it did not see (n-gram from the host tokens, EAGLE from the target features the plain steps
+captured) and a negative control without that catch-up fails; `adaptive: false` changes nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from eagle_fixtures import trained_head
+from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
+from specdec.engine import llm_engine
+from specdec.engine.config import EngineConfig, SpeculativeConfig
+from specdec.engine.llm_engine import LLMEngine
+from specdec.engine.spec_policy import PLAIN, SpeculationPolicy
+from specdec.sampling import SamplingParams
+
+VOCAB = 97
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("tiny-plain-arm"))
+
+
+@pytest.fixture(scope="module")
+def head_dir(model_dir, tmp_path_factory):
+    return trained_head(model_dir, tmp_path_factory.mktemp("eagle-plain-arm"))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [p + p for p in prompt_tokens(VOCAB, [5, 9, 14, 3], seed=3)]
+
+
+def spec_for(drafter, head_dir, method, adaptive=True, plain_arm=True):
+    spec = {
+        "num_speculative_tokens": 3,
+        "rejection_sample_method": method,
+        "adaptive": adaptive,
+        "plain_arm": plain_arm,
+    }
+    if drafter == "eagle":
+        spec.update(method="eagle", model=str(head_dir))
+    else:
+        spec["method"] = "ngram"
+    return spec
+
+
+class ScriptedPolicy(SpeculationPolicy):
+    """A policy whose n-th choice is script(n) (observations still recorded)."""
+
+    def __init__(self, max_k, script):
+        super().__init__(max_k, plain_arm=True)
+        self.script = script
+
+    def _choose(self, bucket):
+        return self.script(self._rounds)
+
+
+def alternate(n: int) -> int:
+    """6 plain steps, then 6 rounds of K = 3, 0, 2, ...: in and out of plain mode."""
+    return PLAIN if (n // 6) % 2 == 0 else (3, 0, 2)[n % 3]
+
+
+def make_engine(model_dir, spec, async_scheduling=True, script=None, **kwargs):
+    args = {"model": str(model_dir), "max_model_len": 96, "block_size": 4, **kwargs}
+    config = EngineConfig(**args, async_scheduling=async_scheduling)
+    spec = SpeculativeConfig.from_dict(spec) if spec is not None else None
+    engine = LLMEngine(config, spec)
+    if script is not None:
+        engine.policy = ScriptedPolicy(spec.num_speculative_tokens, script)
+    return engine
+
+
+def drive(engine, requests, late=()):
+    for prompt, params in requests:
+        engine.add_request(prompt, params)
+    finals, steps = {}, 0
+    while engine.has_unfinished:
+        outputs = engine.step(only_finished=True)
+        steps += 1
+        if steps == 5:
+            for prompt, params in late:
+                engine.add_request(prompt, params)
+        for out in outputs:
+            if out.finished:
+                finals[out.request_id] = [(o.token_ids, o.finish_reason) for o in out.outputs]
+    return finals
+
+
+def params_for(temperature, seed, max_tokens=24, **kwargs):
+    filters = {"top_k": 20, "top_p": 0.9} if temperature > 0 else {}
+    return SamplingParams(
+        temperature=temperature,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        seed=seed,
+        **filters,
+        **kwargs,
+    )
+
+
+def plain_decoding(model_dir, requests, late=()):
+    return drive(make_engine(model_dir, None, async_scheduling=False), requests, late)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "eagle"])
+@pytest.mark.parametrize("method, temperature", [("coupled", 1.0), ("standard", 0.0)])
+def test_coupled_and_greedy_equal_plain_decoding_in_and_out_of_plain_mode(
+    model_dir, head_dir, prompts, drafter, method, temperature
+):
+    requests = [(p, params_for(temperature, 50 + i)) for i, p in enumerate(prompts)]
+    expected = plain_decoding(model_dir, requests)
+    engine = make_engine(model_dir, spec_for(drafter, head_dir, method), script=alternate)
+    assert drive(engine, requests) == expected
+    loop = engine.loop_stats.as_dict()  # LLM.get_metrics()["loop"]
+    assert loop["num_plain_arm_steps"] > 0 and loop["num_device_rounds"] > 0
+    assert loop["k_chosen"][-1] == loop["num_plain_arm_steps"]
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "eagle"])
+@pytest.mark.parametrize("method", ["standard", "block"])
+def test_seeded_standard_and_block_replay_under_the_same_decisions(
+    model_dir, head_dir, prompts, drafter, method
+):
+    requests = [(p, params_for(1.0, 70 + i)) for i, p in enumerate(prompts)]
+    spec = spec_for(drafter, head_dir, method)
+    first = drive(make_engine(model_dir, spec, script=alternate), requests)
+    again = drive(make_engine(model_dir, spec, script=alternate), requests)
+    assert first == again
+    # A plain step samples as plain decoding does: all-plain output is plain decoding's.
+    always_plain = drive(make_engine(model_dir, spec, script=lambda n: PLAIN), requests)
+    assert always_plain == plain_decoding(model_dir, requests)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "eagle"])
+def test_not_adaptive_the_plain_arm_changes_nothing(model_dir, head_dir, prompts, drafter):
+    requests = [(p, params_for(1.0, 90 + i)) for i, p in enumerate(prompts)]
+    spec = spec_for(drafter, head_dir, "standard", adaptive=False)
+    sync = drive(make_engine(model_dir, spec, async_scheduling=False), requests)
+    engine = make_engine(model_dir, spec)
+    assert drive(engine, requests) == sync
+    assert engine.loop_stats.num_plain_arm_steps == 0
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "eagle"])
+def test_requests_join_and_finish_in_plain_mode(model_dir, head_dir, prompts, drafter):
+    """Different max_tokens and stop tokens end requests while plain steps are in flight; a
+    late request makes the batch go back to the scheduler."""
+    stop_ids = list(range(5, VOCAB, 7))
+    requests = [
+        (prompts[0], params_for(1.0, 3, max_tokens=30, stop_token_ids=stop_ids)),
+        (prompts[1], params_for(1.0, 4, max_tokens=7)),
+        (prompts[2], params_for(0.0, 5, max_tokens=13)),
+        (prompts[3], params_for(1.0, 6, max_tokens=20)),
+    ]
+    late = [(prompts[1], params_for(0.7, 9, max_tokens=11))]
+    expected = plain_decoding(model_dir, requests, late)
+    mostly_plain = lambda n: PLAIN if n % 7 else 3  # noqa: E731
+    engine = make_engine(model_dir, spec_for(drafter, head_dir, "coupled"), script=mostly_plain)
+    assert drive(engine, requests, late) == expected
+    assert any(final[0][1] == "stop" for final in expected.values())
+    assert engine.loop_stats.num_plain_arm_steps > 0
+    assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
+
+
+def test_injected_costs_make_the_real_policy_go_plain(model_dir, head_dir, prompts, monkeypatch):
+    """The real policy, observing a plain step as 1 s and a round as 3 s (drafts accepted or
+    not, a round then yields fewer tokens per second): it settles on P, re-exploring now and
+    then, and coupled output stays plain decoding's."""
+    original = SpeculationPolicy.observe
+
+    def observe(self, bucket, k, seconds, outcomes):
+        original(self, bucket, k, 1.0 if k == PLAIN else 3.0, outcomes)
+
+    monkeypatch.setattr(SpeculationPolicy, "observe", observe)
+    requests = [(p, params_for(1.0, 60 + i, max_tokens=40)) for i, p in enumerate(prompts)]
+    expected = plain_decoding(model_dir, requests)
+    engine = make_engine(model_dir, spec_for("eagle", head_dir, "coupled"))
+    engine.policy.explore_every = 16
+    assert drive(engine, requests) == expected
+    chosen = engine.policy.chosen
+    assert chosen[PLAIN] > sum(n for k, n in chosen.items() if k != PLAIN)
+
+
+def test_negative_control_eagle_without_the_plain_steps_features_cannot_draft(
+    model_dir, head_dir, prompts, monkeypatch
+):
+    """If the plain steps' target features were not delivered, the EAGLE head would have
+    nothing to draft the next round from (its state stops before the plain steps' tokens):
+    the engine refuses rather than drafting from stale state."""
+    original = llm_engine.LLMEngine._observe_plain
+
+    def without_features(self, inflight):
+        original(self, dataclasses.replace(inflight, features=None))
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "_observe_plain", without_features)
+    requests = [(p, params_for(1.0, 50 + i)) for i, p in enumerate(prompts)]
+    engine = make_engine(model_dir, spec_for("eagle", head_dir, "coupled"), script=alternate)
+    with pytest.raises(ValueError, match="no target features to draft from"):
+        drive(engine, requests)
