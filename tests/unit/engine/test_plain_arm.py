@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from eagle_fixtures import trained_head
 from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
@@ -206,3 +207,57 @@ def test_negative_control_eagle_without_the_plain_steps_features_cannot_draft(
     engine = make_engine(model_dir, spec_for("eagle", head_dir, "coupled"), script=alternate)
     with pytest.raises(ValueError, match="no target features to draft from"):
         drive(engine, requests)
+
+
+def target_features(model, tokens, layers):
+    """[T, F] features of the whole sequence from one prefill of the target."""
+    from specdec.models import AttentionMetadata
+
+    kv = model.allocate_kv_cache(-(-len(tokens) // 4), 4)
+    attn = AttentionMetadata.build([len(tokens)], [len(tokens)], [list(range(kv.num_blocks))], 4)
+    with torch.inference_mode():
+        _, out = model.forward_with_layers(
+            torch.tensor(tokens), torch.arange(len(tokens)), attn, kv, layers
+        )
+    return torch.cat(out, dim=-1)
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_eagle_gets_the_target_features_of_every_plain_step_token(
+    model_dir, head_dir, prompts, monkeypatch, corrupt
+):
+    """Every feature handed to the EAGLE head (the prompt's, then each plain step's input
+    token's) equals the target's own feature of that position in the final sequence. Negative
+    control (`corrupt`): plain steps delivering zeros instead must fail the comparison."""
+    if corrupt:
+        original = llm_engine.LLMEngine._observe_plain
+
+        def zeros(self, inflight):
+            features = torch.zeros_like(inflight.features)
+            original(self, dataclasses.replace(inflight, features=features))
+
+        monkeypatch.setattr(llm_engine.LLMEngine, "_observe_plain", zeros)
+    requests = [(p, params_for(1.0, 40 + i)) for i, p in enumerate(prompts)]
+    engine = make_engine(model_dir, spec_for("eagle", head_dir, "coupled"), script=alternate)
+    delivered = []
+    observe = engine.drafter.observe
+
+    def record(features):
+        delivered.append(features)
+        observe(features)
+
+    engine.drafter.observe = record
+    finals = drive(engine, requests)
+    layers = engine.drafter.feature_layers
+    worst, plain_rows = 0.0, 0
+    for features in delivered:
+        for request_id, start, rows in zip(
+            features.request_ids, features.starts, features.features, strict=True
+        ):
+            index = int(request_id.split("#")[0])
+            tokens = list(prompts[index]) + finals[str(index)][0][0]
+            reference = target_features(engine.model, tokens, layers)[start : start + len(rows)]
+            worst = max(worst, (rows.float() - reference.float()).abs().max().item())
+            plain_rows += int(start >= len(prompts[index]))
+    assert plain_rows > 0  # the plain steps delivered features
+    assert (worst > 1e-3) == corrupt, worst
