@@ -3,7 +3,10 @@
 Parts (each writes DIR/<part>.json; BENCHMARKS.md's tables are read from them):
 - `smollm2`: the built-in SmolLM2-135M-Instruct GGUF with the shipped EAGLE head on the held-out
   prompts, batch 1 / 8 / 32 / 64, T = 0 and 1: plain decoding, K = 2, 3, 4 pinned, and the
-  adaptive policy (K <= 4); output tokens per second of whole generate calls.
+  adaptive policy (K <= 4), without and with its plain arm (`plain_arm`: plain overlapped steps
+  when they beat every round); output tokens per second of whole generate calls.
+  `--smollm2-configs plain,adaptive,plain-arm` runs only the configurations whose name holds one
+  of those words.
 - `block`: DFlash and DSpark on the built-in SmolLM2 (checkpoints from `--block-drafters`, else
   drafters started from the target's own weights: their acceptance means little, their rounds'
   cost is what is measured), K = 3 pinned, T = 0 and 1, batch 1 and 8: the synchronous step
@@ -111,7 +114,9 @@ def replay_ms(graph, device: str, iters: int = 20) -> float | None:
 
 
 # --------------------------------------------------------------------------- SmolLM2
-def bench_smollm2(gguf: str | None, device: str, output_len: int, batches) -> dict:
+def bench_smollm2(
+    gguf: str | None, device: str, output_len: int, batches, only: list[str] | None = None
+) -> dict:
     from specdec.drafters.default import default_speculative_config
     from specdec.models import default_model_path, load_model
     from specdec.sampling import SamplingParams
@@ -145,6 +150,14 @@ def bench_smollm2(gguf: str | None, device: str, output_len: int, batches) -> di
                 }
             )
             configs["eagle adaptive K<=4"] = {**head, "num_speculative_tokens": 4, "adaptive": True}
+            configs["eagle adaptive plain-arm K<=4"] = {
+                **configs["eagle adaptive K<=4"],
+                "plain_arm": True,
+            }
+            if only:  # "plain" always runs: the speed-ups are against it
+                configs = {
+                    n: c for n, c in configs.items() if n == "plain" or any(w in n for w in only)
+                }
             plain_rate = None
             for name, spec in configs.items():
                 llm = make_engine(model, tokenizer, spec, blocks=blocks, **common)
@@ -384,6 +397,11 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--smollm2-batches", default="1,8,32,64")
     parser.add_argument("--oracle-batches", default="1,8")
+    parser.add_argument(
+        "--smollm2-configs",
+        default=None,
+        help="comma-separated words: only the smollm2 configurations whose name holds one",
+    )
     parser.add_argument("--block-batches", default="1,8")
     parser.add_argument(
         "--block-drafters",
@@ -402,7 +420,8 @@ def main() -> None:
     parts = args.parts.split(",")
     if "smollm2" in parts:
         batches = [int(b) for b in args.smollm2_batches.split(",")]
-        result = bench_smollm2(args.gguf, args.device, args.output_len, batches)
+        only = args.smollm2_configs.split(",") if args.smollm2_configs else None
+        result = bench_smollm2(args.gguf, args.device, args.output_len, batches, only)
         (out / "smollm2.json").write_text(json.dumps({"meta": meta, **result}, indent=1))
     if "block" in parts:
         batches = [int(b) for b in args.block_batches.split(",")]
