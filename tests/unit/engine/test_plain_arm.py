@@ -36,6 +36,16 @@ def head_dir(model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def dflash_dir(model_dir, tmp_path_factory):
+    from block_drafter_fixtures import save_tiny_block_drafter
+    from specdec.models import load_model
+
+    target = load_model(model_dir).model
+    root = tmp_path_factory.mktemp("dflash-plain-arm")
+    return save_tiny_block_drafter(root / "dflash", "dflash", target, block_size=4, noise=0.05)
+
+
+@pytest.fixture(scope="module")
 def prompts():
     return [p + p for p in prompt_tokens(VOCAB, [5, 9, 14, 3], seed=3)]
 
@@ -49,6 +59,8 @@ def spec_for(drafter, head_dir, method, adaptive=True, plain_arm=True):
     }
     if drafter == "eagle":
         spec.update(method="eagle", model=str(head_dir))
+    elif drafter == "draft_model":
+        spec.update(method="draft_model", model="truncated:1")
     else:
         spec["method"] = "ngram"
     return spec
@@ -191,11 +203,12 @@ def test_injected_costs_make_the_real_policy_go_plain(model_dir, head_dir, promp
     assert chosen[PLAIN] > sum(n for k, n in chosen.items() if k != PLAIN)
 
 
-def test_negative_control_eagle_without_the_plain_steps_features_cannot_draft(
-    model_dir, head_dir, prompts, monkeypatch
+@pytest.mark.parametrize("drafter", ["eagle", "dflash"])
+def test_negative_control_without_the_plain_steps_features_the_drafter_cannot_draft(
+    model_dir, head_dir, dflash_dir, prompts, monkeypatch, drafter
 ):
-    """If the plain steps' target features were not delivered, the EAGLE head would have
-    nothing to draft the next round from (its state stops before the plain steps' tokens):
+    """If the plain steps' target features were not delivered, the EAGLE head (DFlash) would
+    have nothing to draft the next round from (its state stops before the plain steps' tokens):
     the engine refuses rather than drafting from stale state."""
     original = llm_engine.LLMEngine._observe_plain
 
@@ -204,8 +217,11 @@ def test_negative_control_eagle_without_the_plain_steps_features_cannot_draft(
 
     monkeypatch.setattr(llm_engine.LLMEngine, "_observe_plain", without_features)
     requests = [(p, params_for(1.0, 50 + i)) for i, p in enumerate(prompts)]
-    engine = make_engine(model_dir, spec_for("eagle", head_dir, "coupled"), script=alternate)
-    with pytest.raises(ValueError, match="no target features to draft from"):
+    spec = spec_for(drafter, head_dir, "coupled")
+    if drafter == "dflash":
+        spec.update(method="dflash", model=str(dflash_dir))
+    engine = make_engine(model_dir, spec, script=alternate)
+    with pytest.raises(ValueError, match="no target features to draft from|has target features"):
         drive(engine, requests)
 
 
@@ -261,3 +277,40 @@ def test_eagle_gets_the_target_features_of_every_plain_step_token(
             plain_rows += int(start >= len(prompts[index]))
     assert plain_rows > 0  # the plain steps delivered features
     assert (worst > 1e-3) == corrupt, worst
+
+
+@pytest.mark.parametrize("drafter", ["draft_model", "dflash"])
+def test_coupled_equals_plain_decoding_with_a_draft_model_and_dflash(
+    model_dir, head_dir, dflash_dir, prompts, drafter
+):
+    """The draft model catches up on the plain steps' tokens from the host tokens; DFlash from
+    the plain steps' target features (its device `begin` refuses a context that stops short)."""
+    requests = [(p, params_for(1.0, 20 + i)) for i, p in enumerate(prompts)]
+    expected = plain_decoding(model_dir, requests)
+    spec = spec_for(drafter, head_dir, "coupled")
+    if drafter == "dflash":
+        spec.update(method="dflash", model=str(dflash_dir))
+    engine = make_engine(model_dir, spec, script=alternate)
+    assert drive(engine, requests) == expected
+    loop = engine.loop_stats
+    assert loop.num_plain_arm_steps > 0 and loop.num_device_rounds > 0
+
+
+def test_abort_in_plain_mode_keeps_the_others_and_frees_everything(model_dir, head_dir, prompts):
+    requests = [(p, params_for(1.0, 30 + i)) for i, p in enumerate(prompts)]
+    expected = plain_decoding(model_dir, requests)
+    engine = make_engine(model_dir, spec_for("eagle", head_dir, "coupled"), script=lambda n: PLAIN)
+    for prompt, params in requests:
+        engine.add_request(prompt, params)
+    finals, steps = {}, 0
+    while engine.has_unfinished:
+        outputs = engine.step(only_finished=True)
+        steps += 1
+        if steps == 6:
+            assert engine._in_plain  # the abort lands while plain steps are in flight
+            engine.abort("1")
+        for out in outputs:
+            if out.finished:
+                finals[out.request_id] = [(o.token_ids, o.finish_reason) for o in out.outputs]
+    assert finals == {rid: final for rid, final in expected.items() if rid != "1"}
+    assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
