@@ -104,3 +104,27 @@ def test_adaptive_rounds_keep_coupled_and_greedy_exact(model_dir, dirs, prompts,
         got, llm = generate(model_dir, prompts, params, spec)
         assert got == plain
         assert llm.get_metrics()["loop"]["num_graph_rounds"] > 0
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "eagle", "dflash"])
+def test_the_plain_arm_keeps_coupled_and_greedy_exact(model_dir, dirs, prompts, drafter):
+    """The policy forced in and out of its plain arm (6 plain overlapped steps, 6 graphed
+    rounds, ...; the plain steps of EAGLE/DFlash capture the target's features in their decode
+    graph): coupled and greedy output equals plain decoding's, and the drafter keeps up."""
+    from specdec.engine.spec_policy import PLAIN, SpeculationPolicy
+
+    class Scripted(SpeculationPolicy):
+        def _choose(self, bucket):
+            return PLAIN if (self._rounds // 6) % 2 == 0 else (3, 0, 2)[self._rounds % 3]
+
+    for method, temperature in (("coupled", 1.0), ("standard", 0.0)):
+        params = SamplingParams(temperature=temperature, max_tokens=40, ignore_eos=True, seed=3)
+        plain, _ = generate(model_dir, prompts, params, None)
+        spec = {**spec_for(drafter, dirs, method, adaptive=True), "plain_arm": True}
+        args = {"max_model_len": 96, "block_size": 4, "num_kv_blocks": 512}
+        llm = LLM(str(model_dir), speculative_config=spec, device="cuda", dtype="float32", **args)
+        llm.engine.policy = Scripted(3, plain_arm=True)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == plain
+        loop = llm.get_metrics()["loop"]
+        assert loop["num_plain_arm_steps"] > 0 and loop["num_graph_rounds"] > 0
