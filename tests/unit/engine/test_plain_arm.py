@@ -314,3 +314,9 @@ def test_abort_in_plain_mode_keeps_the_others_and_frees_everything(model_dir, he
                 finals[out.request_id] = [(o.token_ids, o.finish_reason) for o in out.outputs]
     assert finals == {rid: final for rid, final in expected.items() if rid != "1"}
     assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
+
+
+def test_plain_arm_must_be_a_bool():
+    assert SpeculativeConfig.from_dict({"method": "ngram"}).plain_arm is False
+    with pytest.raises(ValueError, match="plain_arm must be true or false"):
+        SpeculativeConfig.from_dict({"method": "ngram", "plain_arm": "yes"})
