@@ -35,6 +35,22 @@ from specdec.sampling import SamplingTensors
 from specdec.verify import check_verify_inputs, verify_checked
 
 
+def mark(device: torch.device) -> torch.cuda.Event | float:
+    """A point in time of the device's work: a recorded CUDA event, or the host clock."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def seconds_between(start: torch.cuda.Event | float, end: torch.cuda.Event | float) -> float:
+    """Seconds from one `mark` to a later one (events: both completed)."""
+    if isinstance(start, float):
+        return end - start
+    return start.elapsed_time(end) / 1e3
+
+
 @dataclass(slots=True, eq=False)
 class _Slot:
     """A request's row in the rounds, as the host knows it: `anchor` is the anchor of the oldest
@@ -214,10 +230,10 @@ class DeviceRounds:
                 blocks = slot.request.block_ids
                 tables[b, : len(blocks)] = blocks
         inputs.send("tables", self.num_rows * self.max_blocks)
-        started = self._mark()
+        started = mark(self.device)
         key = (self.num_rows, k, self.method, self._filters)
         self.graph_cache.run(key, lambda: self._round(k), self._state)
-        ended = self._mark()
+        ended = mark(self.device)
         ring = self.num_rounds % 2
         self._ring[ring].copy_(self.out, non_blocking=True)
         done = None
@@ -260,19 +276,12 @@ class DeviceRounds:
         """The buffers a round both reads and updates (its own and the drafter's)."""
         return [self.anchors, self.last_tokens, *self.drafting.state()]
 
-    def _mark(self) -> torch.cuda.Event | float:
-        if self.device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
     def _seconds(self, launched: _Launched) -> float | None:
         previous, self._last_end = self._last_end, launched.ended
         if self.device.type != "cuda":
-            return launched.ended - launched.started
+            return seconds_between(launched.started, launched.ended)
         start = launched.started if previous is None else previous
-        return start.elapsed_time(launched.ended) / 1e3
+        return seconds_between(start, launched.ended)
 
     # ------------------------------------------------------------------ the round
     def _view(self, k: int) -> RoundView:

@@ -14,7 +14,6 @@ each step sends its per-request values with one copy per sampler or verifier cal
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +23,7 @@ from specdec.drafters.config import check_num_speculative_tokens
 from specdec.drafters.default import with_shipped_head
 from specdec.drafters.registry import build_drafter
 from specdec.engine.config import EngineConfig, SpeculativeConfig
-from specdec.engine.device_round import DeviceRounds
+from specdec.engine.device_round import DeviceRounds, mark, seconds_between
 from specdec.engine.emitter import Emission, Emitter
 from specdec.engine.output_processor import OutputProcessor, RequestGroup
 from specdec.engine.outputs import RequestOutput
@@ -525,13 +524,13 @@ class LLMEngine:
                 raise RuntimeError("asynchronous scheduling: the batch changed unexpectedly")
             first_tokens = previous.token_ids
         inputs = step_inputs(scheduled, None)
-        started = self._mark() if plain_arm else None
+        started = mark(self.device) if plain_arm else None
         layers = self.drafter.feature_layers if plain_arm else ()
         rows, features = self.runner.run_rows_with_features(inputs, layers, first_tokens)
         if features is not None:
             features = features.clone()  # a static buffer's view: the next step overwrites it
         token_ids = self.emitter.sample_rows(requests, rows)
-        ended = self._mark() if plain_arm else None
+        ended = mark(self.device) if plain_arm else None
         for request, step_input in zip(requests, inputs, strict=True):
             self.scheduler.commit(request, step_input.start + 1)
             request.num_pending += 1
@@ -608,23 +607,15 @@ class LLMEngine:
     def _plain_bucket(self, num_requests: int) -> int:
         return bucket_for(batch_buckets(self.config.max_num_seqs), num_requests)
 
-    def _mark(self) -> torch.cuda.Event | float:
-        if self.device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
     def _observe_plain(self, inflight: _Inflight) -> None:
         """A read plain-arm step: its cost (as a device round's: from the previous step's end
         to its own on the device, or its own duration when it ran alone) to the policy, and its
         input tokens' target features to the drafter (before the drafter drafts again)."""
         previous, self._plain_end = self._plain_end, inflight.ended
-        if self.device.type != "cuda":
-            seconds = inflight.ended - inflight.started
+        if self.device.type != "cuda" or previous is None:
+            seconds = seconds_between(inflight.started, inflight.ended)
         else:
-            start = inflight.started if previous is None else previous
-            seconds = start.elapsed_time(inflight.ended) / 1e3
+            seconds = seconds_between(previous, inflight.ended)
         bucket = self._plain_bucket(len(inflight.requests))
         self.policy.observe(bucket, PLAIN, seconds, [])
         if inflight.features is None:
