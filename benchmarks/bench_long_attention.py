@@ -32,25 +32,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu_engine import cuda_ms, log  # the benchmarks' one CUDA-event timer
+
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
-
-
-def log(*args) -> None:
-    print(*args, flush=True)
-
-
-def cuda_ms(fn, iters: int) -> float:
-    """Mean milliseconds per call of fn over `iters` calls (after one warm-up), CUDA events."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def randn(*shape, seed: int, dtype=DTYPE) -> torch.Tensor:
