@@ -178,6 +178,32 @@ def nan_check(llm, prompt) -> dict:
     return {"finite": all(math.isfinite(v) for v in values), "logprobs": values}
 
 
+def near_tie(model, prompt, plain_tokens, spec_tokens, at: int, common: dict) -> dict:
+    """Where greedy speculative and plain outputs first differ: the plain logprobs (synchronous
+    path, top 5) of both tokens there. A gap of the order of bf16 rounding is a near-tie between
+    the verify step's and the decode step's arithmetic, not a wrong acceptance."""
+    from specdec.sampling import SamplingParams
+
+    llm = make_llm(model, None, **common)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=5)
+        out = llm.generate([prompt + plain_tokens[:at]], params, use_tqdm=False)[0]
+        top = out.outputs[0].logprobs[0]
+        ranked = sorted(top.items(), key=lambda item: -item[1].logprob)
+        values = {token: lp.logprob for token, lp in ranked}
+        plain_lp = values.get(plain_tokens[at])
+        spec_lp = values.get(spec_tokens[at])
+        return {
+            "top5": [[token, lp] for token, lp in values.items()],
+            "plain_token": plain_tokens[at],
+            "spec_token": spec_tokens[at],
+            "gap": None if plain_lp is None or spec_lp is None else plain_lp - spec_lp,
+        }
+    finally:
+        del llm
+        free(common["device"])
+
+
 def free(device: str) -> None:
     gc.collect()
     if device == "cuda":
@@ -222,6 +248,9 @@ def bench_length(model, length: int, args) -> dict:
                 if a != b
             )
             row["first_mismatch_at"] = at
+            row["mismatch_margin"] = near_tie(
+                model, prompt, plain["tokens"], drafted["tokens"], at, common
+            )
     except Exception as err:
         row["spec"] = {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()}
     finally:

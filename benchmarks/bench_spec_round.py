@@ -75,27 +75,110 @@ def make_engine(
     return llm
 
 
-def timed(llm, prompts, params, device, repeats: int = 2) -> tuple[float, list]:
-    """Median seconds of `repeats` generate calls (after one warm-up call) and the outputs."""
-    llm.generate(prompts, params, use_tqdm=False)
+CAPTURES = [0]  # CUDA graphs captured in this process so far
+
+
+def count_captures() -> None:
+    """Counts every graph capture (`GraphCache._capture`) in CAPTURES."""
+    from specdec.runner.cuda_graph import GraphCache
+
+    inner = GraphCache._capture
+    if getattr(inner, "counted", False):
+        return
+
+    def capture(self, step, state):
+        CAPTURES[0] += 1
+        return inner(self, step, state)
+
+    capture.counted = True
+    GraphCache._capture = capture
+
+
+def timed(llm, prompts, params, device, repeats: int = 2, warmups: int = 4) -> tuple[float, list]:
+    """Median seconds of `repeats` generate calls and the outputs, after warm-up calls until one
+    captures no new CUDA graph (at most `warmups`: which graphs a run needs depends on when its
+    requests finish); the last call's engine steps are timed on the host (`llm.step_profile`),
+    and the captures during the timed calls are counted (`llm.timed_captures`)."""
+    count_captures()
+    for _ in range(warmups):
+        before = CAPTURES[0]
+        llm.generate(prompts, params, use_tqdm=False)
+        if CAPTURES[0] == before:
+            break
     times, outputs = [], None
-    for _ in range(repeats):
+    before = CAPTURES[0]
+    for repeat in range(repeats):
+        if repeat == repeats - 1:
+            profile_steps(llm)
         sync(device)
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         sync(device)
         times.append(time.perf_counter() - start)
+    llm.timed_captures = CAPTURES[0] - before
     return statistics.median(times), outputs
+
+
+def profile_steps(llm) -> None:
+    """Wraps the engine's `step`: each call's host seconds and the loop it served (rounds,
+    the plain arm, the overlapped plain loop or the synchronous step) land in
+    `llm.step_profile`."""
+    engine = llm.engine
+    inner = engine.step
+    llm.step_profile = []
+
+    def step(*args, **kwargs):
+        mode = (
+            "rounds"
+            if getattr(engine, "_in_rounds", False)
+            else "plain-arm"
+            if getattr(engine, "_in_plain", False)
+            else "step"
+        )
+        start = time.perf_counter()
+        out = inner(*args, **kwargs)
+        llm.step_profile.append((time.perf_counter() - start, mode))
+        return out
+
+    engine.step = step
+
+
+def profile_summary(llm) -> dict | None:
+    steps = getattr(llm, "step_profile", None)
+    if not steps:
+        return None
+    by_mode: dict[str, list[float]] = {}
+    for seconds, mode in steps:
+        by_mode.setdefault(mode, []).append(seconds)
+    slowest = sorted(steps, reverse=True)[:8]
+    return {
+        "calls": {m: len(v) for m, v in by_mode.items()},
+        "ms": {m: round(sum(v) * 1e3, 3) for m, v in by_mode.items()},
+        "slowest_ms": [[round(s * 1e3, 3), m] for s, m in slowest],
+    }
 
 
 def figures(llm, seconds: float, outputs) -> dict:
     metrics = llm.get_metrics()
     emitted = sum(len(o.outputs[0].token_ids) for o in outputs)
+    policy = getattr(llm.engine, "policy", None)
+    costs = None
+    if policy is not None:
+        costs = {
+            f"bucket {b} K={k}": [round(sec * 1e3, 4), n]
+            for (b, k), (sec, n) in sorted(policy.costs().items())
+        }
     return {
         "seconds": seconds,
         "tokens_per_s": emitted / seconds,
         "mean_acceptance_length": metrics["mean_acceptance_length"],
         "loop": metrics["loop"],
+        "policy_costs_ms": costs,
+        "acceptance": None
+        if policy is None
+        else [policy.acceptance(i) for i in range(policy.max_k)],
+        "steps": profile_summary(llm),
+        "captures_while_timed": getattr(llm, "timed_captures", None),
     }
 
 

@@ -34,6 +34,7 @@ class DraftModelDeviceDrafting(DeviceDrafting):
     def begin(self, slots: list[DeviceSlot], num_rows: int) -> None:
         drafter, width = self.drafter, self.width
         self.entry_count.zero_()
+        behind = []  # one draft-model pass for every request behind (a new batch: its prompts)
         for slot in slots:
             tokens = slot.token_ids
             state = drafter._sync(slot.request_id, tokens)  # keeps a valid prefix, never all
@@ -41,12 +42,14 @@ class DraftModelDeviceDrafting(DeviceDrafting):
             if len(tokens) - start > width:  # feed on the host all but the last `width` tokens
                 end = len(tokens) - width
                 drafter.allocator.grow(state, end)
-                drafter.runner.run([StepInput(tokens[start:end], start, state.block_ids, 1)])
+                behind.append(StepInput(tokens[start:end], start, state.block_ids, 1))
                 start = end
             n = len(tokens) - start
             state.token_ids = list(tokens[:start])
             self.entry_tokens[slot.slot, :n].copy_(torch.tensor(tokens[start:], dtype=torch.int64))
             self.entry_count[slot.slot] = n
+        if behind:
+            drafter.runner.run(behind)
 
     def prepare(self, slots: list[DeviceSlot], last_positions: list[int]) -> None:
         # The draft cache holds the round's first step (up to anchor - 1) and the drafts it feeds

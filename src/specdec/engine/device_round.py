@@ -134,6 +134,7 @@ class DeviceRounds:
         self._filters: tuple[bool, bool, bool] = (False, False, False)
         self.inflight: deque[_Launched] = deque()
         self._last_end: torch.cuda.Event | float | None = None
+        self._left: set[str] = set()  # the request ids of the rounds last left
         self.num_rounds = 0  # rounds launched (all replayed from graphs when use_graphs)
         self.num_overlapped_reads = 0  # rounds read while the next one was already launched
         self.round_seconds: deque[float] = deque(maxlen=4096)  # each read round's cost
@@ -142,8 +143,15 @@ class DeviceRounds:
     def begin(self, requests: list[Request]) -> None:
         """Takes over `requests` (each decoding, with speculation, one verify method for all):
         fills their slots and the drafter's device state."""
+        previous = {s.request.request_id for s in self.slots} | self._left
         self.slots = [_Slot(r, r.num_tokens) for r in requests]
-        self.num_rows = bucket_for(self.buckets, len(requests))
+        rows = bucket_for(self.buckets, len(requests))
+        if all(r.request_id in previous for r in requests):
+            # The batch the rounds left, less requests that finished: its rows (and graphs)
+            # stay, as they would have had the rounds never been left.
+            rows = max(rows, self.num_rows)
+        self.num_rows = rows
+        self._left = set()
         self.method = requests[0].spec.method
         params = [r.params for r in requests]
         self._filters = (
@@ -182,6 +190,7 @@ class DeviceRounds:
         if self.inflight:
             raise RuntimeError("device rounds still in flight")
         self.drafting.end(self._device_slots())
+        self._left = {s.request.request_id for s in self.slots}
         self.slots = []
 
     def _device_slots(self) -> list[DeviceSlot]:
@@ -247,7 +256,8 @@ class DeviceRounds:
     def read(self) -> tuple[list[tuple[Request, Emission]], int, float | None]:
         """Reads the oldest round in flight: (per live request still running, its emission;
         the round's K; its cost in seconds: from the previous round's end to its own on the
-        device, or its own duration when it ran alone). Advances the host's anchors and each
+        device (None for the first round since `begin`, which has no previous one; on the CPU
+        its own duration)). Advances the host's anchors and each
         request's computed tokens (the input token and the accepted drafts have K/V)."""
         launched = self.inflight.popleft()
         self.num_overlapped_reads += bool(self.inflight)  # a newer round runs meanwhile
@@ -280,8 +290,9 @@ class DeviceRounds:
         previous, self._last_end = self._last_end, launched.ended
         if self.device.type != "cuda":
             return seconds_between(launched.started, launched.ended)
-        start = launched.started if previous is None else previous
-        return seconds_between(start, launched.ended)
+        if previous is None:  # the first round since `begin`: no steady-state interval
+            return None
+        return seconds_between(previous, launched.ended)
 
     # ------------------------------------------------------------------ the round
     def _view(self, k: int) -> RoundView:

@@ -159,6 +159,10 @@ class LLMEngine:
         self._plain_chosen = False  # the policy chose PLAIN: drain the rounds, then go plain
         self._next_k: int | None = None  # a K chosen in plain mode for the next device round
         self._plain_end: torch.cuda.Event | float | None = None  # the last plain step's end
+        self._plain_rows = 0  # the rows of the rounds a plain visit left (its steps pad to them)
+        # A plain visit's target features (requests, starts, [B, F] per step), delivered to the
+        # drafter in one call when the visit ends, before the drafter drafts again.
+        self._plain_features: list[tuple[list[Request], list[int], torch.Tensor]] = []
         self.policy = None
         if speculative_config is not None:
             self.policy = SpeculationPolicy(
@@ -526,7 +530,9 @@ class LLMEngine:
         inputs = step_inputs(scheduled, None)
         started = mark(self.device) if plain_arm else None
         layers = self.drafter.feature_layers if plain_arm else ()
-        rows, features = self.runner.run_rows_with_features(inputs, layers, first_tokens)
+        rows, features = self.runner.run_rows_with_features(
+            inputs, layers, first_tokens, min_rows=self._plain_rows if plain_arm else 0
+        )
         if features is not None:
             features = features.clone()  # a static buffer's view: the next step overwrites it
         token_ids = self.emitter.sample_rows(requests, rows)
@@ -582,6 +588,7 @@ class LLMEngine:
         if self._inflight is None:
             self._in_plain = False
             self._plain_end = None
+            self._deliver_plain_features()
             self._enter_rounds()
             if not self._in_rounds:
                 self._next_k = None  # the synchronous step goes on; its choice is dropped
@@ -605,29 +612,44 @@ class LLMEngine:
         return [ScheduledRequest(r, 1, 0, True) for r in requests]
 
     def _plain_bucket(self, num_requests: int) -> int:
-        return bucket_for(batch_buckets(self.config.max_num_seqs), num_requests)
+        return bucket_for(
+            batch_buckets(self.config.max_num_seqs), max(num_requests, self._plain_rows)
+        )
 
     def _observe_plain(self, inflight: _Inflight) -> None:
         """A read plain-arm step: its cost (as a device round's: from the previous step's end
-        to its own on the device, or its own duration when it ran alone) to the policy, and its
-        input tokens' target features to the drafter (before the drafter drafts again)."""
+        to its own on the device; not measured for the first step of a visit) to the policy;
+        its input tokens' target features kept for `_deliver_plain_features`."""
         previous, self._plain_end = self._plain_end, inflight.ended
-        if self.device.type != "cuda" or previous is None:
+        if self.device.type != "cuda":
             seconds = seconds_between(inflight.started, inflight.ended)
+        elif previous is None:  # the first step of a visit: no steady-state interval
+            seconds = None
         else:
             seconds = seconds_between(previous, inflight.ended)
         bucket = self._plain_bucket(len(inflight.requests))
         self.policy.observe(bucket, PLAIN, seconds, [])
-        if inflight.features is None:
+        if inflight.features is not None:
+            self._plain_features.append((inflight.requests, inflight.starts, inflight.features))
+
+    def _deliver_plain_features(self) -> None:
+        """The ended visit's target features to the drafter: per request still running, its
+        rows of every step in order (one stack for the visit, not a call per step)."""
+        entries, self._plain_features = self._plain_features, []
+        if not entries:
             return
-        ids, starts, rows = [], [], []
-        for b, (request, start) in enumerate(zip(inflight.requests, inflight.starts, strict=True)):
+        requests, starts, _ = entries[0]
+        if any(e[0] != requests for e in entries):
+            raise RuntimeError("the plain arm: the batch changed inside a visit")
+        stacked = torch.stack([e[2] for e in entries], dim=1)  # [B, steps, F]
+        ids, firsts, rows = [], [], []
+        for b, (request, start) in enumerate(zip(requests, starts, strict=True)):
             if not request.status.finished:
                 ids.append(request.request_id)
-                starts.append(start)
-                rows.append(inflight.features[b : b + 1])
+                firsts.append(start)
+                rows.append(stacked[b])
         if ids:
-            self.drafter.observe(TargetFeatures(ids, starts, rows))
+            self.drafter.observe(TargetFeatures(ids, firsts, rows))
 
     # ------------------------------------------------------- speculative rounds on the device
     def _enter_rounds(self) -> None:
@@ -692,6 +714,7 @@ class LLMEngine:
             self._next_k = None
             if k == PLAIN:
                 self._plain_chosen, k = True, None  # drain the rounds in flight, then go plain
+                self._plain_rows = rounds.num_rows
         if k is not None:
             last = rounds.launch_room(k)
             if last is not None and self._grow_ahead(rounds.live_requests, last):

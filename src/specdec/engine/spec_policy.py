@@ -4,8 +4,12 @@ For each candidate K (0 = plain decoding) the policy keeps the measured cost of 
 batch bucket and the running acceptance of draft position i (the rate at which draft i is
 accepted given drafts before it were), and picks the K that maximises expected tokens per
 second: (1 + a_1 + a_1 a_2 + ... + a_1...a_K) / cost(K). Costs are measured on the rounds
-themselves; each candidate is tried at the start and again now and then (`explore_every`), so
-the choice follows the acceptance and the context length as they change.
+themselves, in steady state (a round's cost runs from the previous round's end to its own, so
+the first round of a visit, which has no previous one, is not measured), as the median of the
+last `window` measurements (robust to a graph capture or a pause inside one); each candidate is
+tried at the start and again now and then (`explore_every`) for `explore_run` rounds in a row,
+so that it is measured in steady state and the choice follows the acceptance and the context
+length as they change.
 
 With `plain_arm`, one more arm, P (`PLAIN`, recorded as K = -1), stands beside K = 0..max_k: a
 step of the plain overlapped decode loop (no drafter work at all), whose cost is measured on those
@@ -19,6 +23,8 @@ step whatever its K. Deterministic given its measurements; draws no randomness.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 PLAIN = -1  # the plain arm: a plain overlapped decode step, outside device rounds
@@ -26,12 +32,14 @@ PLAIN = -1  # the plain arm: a plain overlapped decode step, outside device roun
 
 @dataclass(slots=True)
 class _Cost:
-    """A K's running cost at one bucket: `seconds` averaged over `rounds` kept measurements
-    (of `observed` rounds read)."""
+    """A K's cost at one bucket: the `recent` kept measurements (of `observed` read)."""
 
-    seconds: float = 0.0
-    rounds: int = 0
+    recent: deque[float]
     observed: int = 0
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(self.recent)
 
 
 @dataclass(slots=True)
@@ -44,19 +52,24 @@ class SpeculationPolicy:
         adaptive: False pins K to max_k (and never offers PLAIN).
         plain_arm: offer the arm PLAIN (a plain decode step) beside K = 0..max_k.
         explore_every: rounds between two re-measurements of a K other than the best.
-        decay: weight of the newest observation in the running averages.
+        explore_run: rounds in a row an arm runs when it is explored.
+        window: measurements of a cost kept (its estimate is their median).
+        decay: weight of the newest round in the running acceptance.
     """
 
     max_k: int
     adaptive: bool = True
     plain_arm: bool = False
     explore_every: int = 48
+    explore_run: int = 3
+    window: int = 8
     decay: float = 0.1
     _costs: dict[tuple[int, int], _Cost] = field(default_factory=dict)
     _tried: dict[tuple[int, int], int] = field(default_factory=dict)
     _offered: list[float] = field(default_factory=list)  # rows that reached draft i
     _accepted: list[float] = field(default_factory=list)  # ... and accepted it
     _rounds: int = 0
+    _hold: list[int] = field(default_factory=list)  # [arm, choices left] of an exploration
     chosen: dict[int, int] = field(default_factory=dict)  # K (PLAIN: -1) -> times chosen
 
     def __post_init__(self) -> None:
@@ -79,18 +92,23 @@ class SpeculationPolicy:
     def _choose(self, bucket: int) -> int:
         if not self.adaptive:
             return self.max_k
-        # Every K is measured twice first (the first measurement of a graph includes its
-        # capture, so it is not kept), then re-measured in turn every `explore_every` rounds.
+        if self._hold and self._hold[1] > 0:
+            self._hold[1] -= 1
+            return self._hold[0]
+        # Every arm runs `explore_run` rounds in a row first (the first measurement of a graph
+        # includes its capture, so it is not kept), then again in turn every `explore_every`.
         arms = self.arms
         for k in arms:
-            if self._tried.get((bucket, k), 0) < 2:
+            if self._tried.get((bucket, k), 0) < self.explore_run:
                 self._tried[(bucket, k)] = self._tried.get((bucket, k), 0) + 1
                 return k
         best = max(arms, key=lambda k: self.tokens_per_second(bucket, k))
         if self._rounds % self.explore_every == 0:
             others = [k for k in arms if k != best]
             if others:
-                return others[(self._rounds // self.explore_every) % len(others)]
+                k = others[(self._rounds // self.explore_every) % len(others)]
+                self._hold = [k, self.explore_run - 1]
+                return k
         return best
 
     def expected_tokens(self, k: int) -> float:
@@ -110,26 +128,37 @@ class SpeculationPolicy:
 
     def tokens_per_second(self, bucket: int, k: int) -> float:
         cost = self._costs.get((bucket, k))
-        if cost is None or cost.rounds == 0:
+        if cost is None or not cost.recent:
             return float("inf")  # not measured yet: worth measuring
         return self.expected_tokens(k) / max(cost.seconds, 1e-9)
+
+    def costs(self) -> dict[tuple[int, int], tuple[float, int]]:
+        """(bucket, K) -> (estimated seconds of a round, measurements kept)."""
+        return {key: (c.seconds, len(c.recent)) for key, c in self._costs.items() if c.recent}
 
     def observe(
         self, bucket: int, k: int, seconds: float | None, outcomes: list[tuple[int, int]]
     ) -> None:
-        """Records a read round: its K, its measured cost, and per live request (drafts
-        verified, drafts accepted); a read plain step: K = PLAIN, its cost, no outcomes."""
-        cost = self._costs.setdefault((bucket, k), _Cost())
-        cost.observed += 1
-        if seconds is not None and cost.observed > 1:  # the first one includes the capture
-            if cost.rounds == 0:
-                cost.seconds = seconds
-            else:
-                cost.seconds += self.decay * (seconds - cost.seconds)
-            cost.rounds += 1
-        decay = self.decay
+        """Records a read round: its K, its measured cost (None: not measured, e.g. the first
+        round of a visit) and per live request (drafts verified, drafts accepted); a read plain
+        step: K = PLAIN, its cost, no outcomes."""
+        cost = self._costs.setdefault((bucket, k), _Cost(deque(maxlen=self.window)))
+        if seconds is not None:
+            cost.observed += 1
+            if cost.observed > 1:  # the first one includes the capture
+                cost.recent.append(seconds)
+        if not outcomes:
+            return
+        # The round's counts per draft position (over its requests) enter the running sums
+        # once: the acceptance follows the last rounds, not the last few rows of one batch.
+        offered = [0] * self.max_k
+        accepted_at = [0] * self.max_k
         for num_draft, accepted in outcomes:
-            for i in range(min(num_draft, accepted + 1)):
-                self._offered[i] = (1 - decay) * self._offered[i] + decay
-                hit = 1.0 if i < accepted else 0.0
-                self._accepted[i] = (1 - decay) * self._accepted[i] + decay * hit
+            for i in range(min(num_draft, accepted + 1, self.max_k)):
+                offered[i] += 1
+                accepted_at[i] += i < accepted
+        decay = self.decay
+        for i in range(self.max_k):
+            if offered[i]:
+                self._offered[i] = (1 - decay) * self._offered[i] + decay * offered[i]
+                self._accepted[i] = (1 - decay) * self._accepted[i] + decay * accepted_at[i]

@@ -150,6 +150,7 @@ class DecodeGraphs:
         feature_layers: tuple[int, ...] = (),
         first_tokens: torch.Tensor | None = None,
         stacked: bool = False,
+        min_rows: int = 0,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """One decode/verify step.
 
@@ -164,6 +165,8 @@ class DecodeGraphs:
                 the engine's asynchronous scheduling).
             stacked: when every sequence has one query token, return the logits as one
                 [num_seqs, V] view (a one-element list) instead of a view per sequence.
+            min_rows: pad the batch to at least this bucket (a batch bucket, <= max_num_seqs),
+                so that a batch that lost requests keeps the graph it had.
 
         Returns:
             (per sequence [len(token_ids[b]), V] float32 logits, per sequence
@@ -178,7 +181,9 @@ class DecodeGraphs:
             # Verify steps always use the widest layout: the number of drafts varies from
             # round to round, and one graph per width would mean many captures for little gain.
             query_per_seq = self.max_query_len
-        num_padded = bucket_for(self.buckets, num_seqs) if self.pad_batches else num_seqs
+        num_padded = num_seqs
+        if self.pad_batches:
+            num_padded = bucket_for(self.buckets, max(num_seqs, min_rows))
         rows = num_padded * query_per_seq
         inputs = self.inputs
         inputs.begin()

@@ -138,10 +138,11 @@ class PagedModelRunner:
         inputs: list[StepInput],
         feature_layers: Sequence[int],
         first_tokens: torch.Tensor | None = None,
+        min_rows: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`run_rows`, also returning the [len(inputs), F] target features of each input's
         token (None when feature_layers is empty; on the decode path a view of a static buffer,
-        valid until the next `run`)."""
+        valid until the next `run`). `min_rows`: the graph's batch bucket is at least this."""
         if any(len(s.token_ids) != 1 or s.num_logit_rows != 1 for s in inputs):
             raise ValueError("run_rows takes inputs of one query token with its logits")
         layers = tuple(feature_layers)
@@ -153,6 +154,7 @@ class PagedModelRunner:
                 layers,
                 first_tokens=first_tokens,
                 stacked=True,
+                min_rows=min_rows,
             )
         else:
             logits, features = self._run_eager(inputs, layers, first_tokens)

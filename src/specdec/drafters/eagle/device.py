@@ -37,6 +37,7 @@ class EagleDeviceDrafting(DeviceDrafting):
     def begin(self, slots: list[DeviceSlot], num_rows: int) -> None:
         drafter, width = self.drafter, self.width
         self.entry_count.zero_()
+        behind = []  # (features, tokens, first position, count, state) caught up on the host
         for slot in slots:
             state = drafter._states.get(slot.request_id)
             anchor = len(slot.token_ids)
@@ -49,8 +50,8 @@ class EagleDeviceDrafting(DeviceDrafting):
                 head = n - width
                 drafter.allocator.grow(state, state.num_fed + head)
                 first = state.num_fed + 1
-                drafter._catch_up(
-                    [new[:head]], [slot.token_ids[first : first + head]], [first], [head], [state]
+                behind.append(
+                    (new[:head], slot.token_ids[first : first + head], first, head, state)
                 )
                 state.num_fed += head
                 new, n = new[head:], width
@@ -58,6 +59,9 @@ class EagleDeviceDrafting(DeviceDrafting):
             tokens = torch.tensor(slot.token_ids[anchor - n : anchor], dtype=torch.int64)
             self.entry_tokens[slot.slot, :n].copy_(tokens)
             self.entry_count[slot.slot] = n
+        if behind:  # one head pass for every request behind (a new batch: their prompts)
+            features, tokens, firsts, counts, states = map(list, zip(*behind, strict=True))
+            drafter._catch_up(features, tokens, firsts, counts, states)
 
     def prepare(self, slots: list[DeviceSlot], last_positions: list[int]) -> None:
         # A round whose target writes up to position P (= anchor - 1 + k) writes head entries
