@@ -11,6 +11,7 @@ import torch
 
 from specdec.drafters.base import Drafter, ProposalBuffer
 from specdec.drafters.device import BlockTables, DeviceDrafting, DeviceSlot, RoundView
+from specdec.transfer import to_device
 
 
 class EagleDeviceDrafting(DeviceDrafting):
@@ -37,31 +38,57 @@ class EagleDeviceDrafting(DeviceDrafting):
     def begin(self, slots: list[DeviceSlot], num_rows: int) -> None:
         drafter, width = self.drafter, self.width
         self.entry_count.zero_()
-        behind = []  # (features, tokens, first position, count, state) caught up on the host
+        if not slots:
+            return
+        # Every slot's pending features joined (one copy), then per slot: all but its last
+        # `width` entries caught up on the host (one head pass for all), the last ones written
+        # to the slot's entry rows (one copy for all).
+        pieces, spans = [], []
         for slot in slots:
             state = drafter._states.get(slot.request_id)
             anchor = len(slot.token_ids)
             if state is None or state.feature_end != anchor - 1 or not state.pending:
                 raise ValueError(f"request {slot.request_id}: no target features to draft from")
-            new = torch.cat(state.pending)  # [n, F]: entries num_fed .. anchor - 2
+            count = sum(rows.shape[0] for rows in state.pending)  # entries num_fed .. anchor - 2
+            spans.append((state, count))
+            pieces.extend(state.pending)
             state.pending.clear()
-            n = new.shape[0]
-            if n > width:  # catch up on the host on all but the last `width` entries
-                head = n - width
+        joined = torch.cat(pieces)
+        behind = []  # (features, tokens, first position, count, state) caught up on the host
+        sources, targets, tokens, counts = [], [], [], []
+        offset = 0
+        for slot, (state, count) in zip(slots, spans, strict=True):
+            anchor = len(slot.token_ids)
+            head = max(count - width, 0)
+            if head:
                 drafter.allocator.grow(state, state.num_fed + head)
                 first = state.num_fed + 1
-                behind.append(
-                    (new[:head], slot.token_ids[first : first + head], first, head, state)
-                )
+                rows = joined[offset : offset + head]
+                behind.append((rows, slot.token_ids[first : first + head], first, head, state))
                 state.num_fed += head
-                new, n = new[head:], width
-            self.entry_features[slot.slot, :n].copy_(new)
-            tokens = torch.tensor(slot.token_ids[anchor - n : anchor], dtype=torch.int64)
-            self.entry_tokens[slot.slot, :n].copy_(tokens)
-            self.entry_count[slot.slot] = n
+            n = count - head
+            sources.extend(range(offset + head, offset + count))
+            targets.extend(range(slot.slot * width, slot.slot * width + n))
+            tokens.extend(slot.token_ids[anchor - n : anchor])
+            counts.append(n)
+            offset += count
+        device = self.entry_features.device
+        targets_on = to_device(targets, torch.int64, device)
+        features = self.entry_features.view(-1, self.entry_features.shape[-1])
+        features.index_copy_(0, targets_on, joined[to_device(sources, torch.int64, device)])
+        self.entry_tokens.view(-1).index_copy_(
+            0, targets_on, to_device(tokens, torch.int64, device)
+        )
+        self.entry_count.index_copy_(
+            0,
+            to_device([slot.slot for slot in slots], torch.int64, device),
+            to_device(counts, torch.int64, device),
+        )
         if behind:  # one head pass for every request behind (a new batch: their prompts)
-            features, tokens, firsts, counts, states = map(list, zip(*behind, strict=True))
-            drafter._catch_up(features, tokens, firsts, counts, states)
+            features_behind, tokens_behind, firsts, heads, states = map(
+                list, zip(*behind, strict=True)
+            )
+            drafter._catch_up(features_behind, tokens_behind, firsts, heads, states)
 
     def prepare(self, slots: list[DeviceSlot], last_positions: list[int]) -> None:
         # A round whose target writes up to position P (= anchor - 1 + k) writes head entries

@@ -137,8 +137,18 @@ class EagleDrafter(Drafter):
             self.allocator.free(state)
 
     def observe(self, features: TargetFeatures) -> None:
+        if not features.request_ids:
+            return
+        dtype = self.head.fc.weight.dtype
+        # A copy: the engine's feature tensors may be views of buffers it reuses. One copy for
+        # every request (their rows joined), then a view per request.
+        if len(features.features) == 1:
+            copies = [features.features[0].to(self.device, dtype, copy=True)]
+        else:
+            joined = torch.cat(features.features).to(self.device, dtype)
+            copies = joined.split([rows.shape[0] for rows in features.features])
         for request_id, start, rows in zip(
-            features.request_ids, features.starts, features.features, strict=True
+            features.request_ids, features.starts, copies, strict=True
         ):
             state = self._states.setdefault(request_id, _EagleState())
             if start != state.feature_end:
@@ -146,8 +156,7 @@ class EagleDrafter(Drafter):
                     f"request {request_id}: features start at {start}, expected "
                     f"{state.feature_end} (features must arrive in order)"
                 )
-            # A copy: the engine's feature tensors may be views of buffers it reuses.
-            state.pending.append(rows.to(self.device, self.head.fc.weight.dtype, copy=True))
+            state.pending.append(rows)
             state.feature_end += rows.shape[0]
 
     @torch.inference_mode()
