@@ -104,3 +104,36 @@ def sibling_ranks(parents: torch.Tensor, num_nodes: torch.Tensor | None = None) 
     slot = torch.where(live, parents + 1, 0)
     one_hot = torch.nn.functional.one_hot(slot, n + 1) & live[..., None]
     return (one_hot.cumsum(dim=1) - 1).gather(2, slot[..., None]).squeeze(2).clamp_min(0)
+
+
+def verify_step_mask(parents: torch.Tensor, num_nodes: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, N+1, N+1] bool tree mask of a verify step over [input token, node 0, ..., node N-1]:
+    the input token sees itself; node n sees the input token, its ancestors and itself (the
+    `tree_mask` of `AttentionMetadata` / `DecodeMetadata`)."""
+    batch, n = parents.shape
+    mask = torch.zeros(batch, n + 1, n + 1, dtype=torch.bool, device=parents.device)
+    mask[:, :, 0] = True
+    mask[:, 1:, 1:] = ancestor_mask(parents, num_nodes)
+    return mask
+
+
+def verify_step_positions(parents: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """[B, N+1] int64 positions of a verify step's tokens: the input token at anchor - 1, node
+    n at anchor + depth[n] (the positions RoPE rotates them by; their cache slots stay in node
+    order until the accepted path is compacted)."""
+    depths = node_depths(parents)
+    return torch.cat([anchors[:, None] - 1, anchors[:, None] + depths], dim=1)
+
+
+def path_slots_to_compact(
+    accepted_nodes: torch.Tensor, num_accepted: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the accepted path of each row, which verify-step token holds the K/V of the i-th
+    accepted node and which it belongs at: ([B, N] source index 1 + node, [B, N] target index
+    1 + i), both -1 beyond num_accepted (index 0 is the input token, which stays)."""
+    n = accepted_nodes.shape[1]
+    columns = torch.arange(n, device=accepted_nodes.device)[None, :]
+    live = columns < num_accepted[:, None]
+    source = torch.where(live, accepted_nodes + 1, -1)
+    target = torch.where(live, columns + 1, -1)
+    return source, target

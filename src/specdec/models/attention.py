@@ -73,6 +73,10 @@ class AttentionMetadata:
         max_seqlen_q: max query length over the batch (a host int, so no device sync is needed).
         max_context_len: max context length over the batch (host int).
         all_written: True when no slot is -1, if known on the host (None: read from the device).
+        tree_mask: [B, max_seqlen_q, max_seqlen_q] bool or None. When given, query token i of
+            sequence b sees the cached prefix (the context before its new tokens) and exactly
+            the new tokens j with tree_mask[b, i, j] (a draft tree's ancestors and itself,
+            `draft_tree.ancestor_mask`), instead of the causal rule over the new tokens.
     """
 
     cu_seqlens_q: torch.Tensor
@@ -82,6 +86,7 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_context_len: int
     all_written: bool | None = None
+    tree_mask: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -169,6 +174,9 @@ class DecodeMetadata:
         num_partitions: 0 for the single-pass attention kernel; else the split-KV kernel
             (`models/split_kv.py`) over this many partitions per sequence, which must cover every
             context (fixed per CUDA graph: derived from max_model_len).
+        tree_mask: [B, Q, Q] bool or None: query row i of sequence b sees the cached prefix
+            and the new tokens j with tree_mask[b, i, j] (a draft tree's ancestors and itself)
+            instead of the causal rule over the new tokens. Runs on the PyTorch twin only.
     """
 
     block_tables: torch.Tensor
@@ -177,6 +185,7 @@ class DecodeMetadata:
     slot_mapping: torch.Tensor
     query_per_seq: int
     num_partitions: int = 0
+    tree_mask: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,7 +319,7 @@ class AttentionPlan:
             if num_tokens
             else True
         )
-        if device.type == "cuda" and FLASH_PREFILL_ON_CUDA:
+        if device.type == "cuda" and FLASH_PREFILL_ON_CUDA and attn.tree_mask is None:
             return cls(
                 seq_of_token=None,
                 index_in_seq=None,
@@ -338,6 +347,8 @@ class AttentionPlan:
         key_pos = torch.arange(max_ctx, device=device)  # [S]
         query_pos = (context_lens - query_lens)[:, None] + torch.arange(max_q, device=device)
         mask = (key_pos <= query_pos[:, :, None]) & (key_pos < context_lens[:, None, None])
+        if attn.tree_mask is not None:
+            mask = _tree_visible(mask, attn.tree_mask.to(device), context_lens - query_lens)
         if sliding_window is not None:
             mask &= key_pos > query_pos[:, :, None] - sliding_window
         # Rows that see no key (padding of an empty sequence) would give NaN; let them see key 0.
@@ -353,6 +364,40 @@ class AttentionPlan:
             max_seqlen_q=max_q,
             max_context_len=max_ctx,
         )
+
+
+def _tree_visible(
+    causal: torch.Tensor, tree_mask: torch.Tensor, prefix_lens: torch.Tensor
+) -> torch.Tensor:
+    """The causal mask [B, Q, S] with its new-token keys replaced by a tree mask [B, Q, Q]:
+    key s >= prefix_lens[b] is new token j = s - prefix_lens[b], visible iff tree_mask[b, i, j]."""
+    num_queries, num_keys = causal.shape[1], causal.shape[2]
+    key_pos = torch.arange(num_keys, device=causal.device)
+    new_index = key_pos[None, :] - prefix_lens[:, None]  # [B, S]
+    is_new = (new_index >= 0) & (new_index < num_queries)
+    gathered = tree_mask.gather(
+        2, new_index.clamp(0, num_queries - 1)[:, None, :].expand(-1, num_queries, -1)
+    )  # [B, Q, S]
+    return torch.where(is_new[:, None, :], gathered & causal, causal)
+
+
+def move_kv(kv_cache: KVCache, source_slots: torch.Tensor, target_slots: torch.Tensor) -> None:
+    """Copies the K/V of `source_slots` into `target_slots` in every layer (all sources are read
+    before any target is written): how an accepted tree path's K/V are compacted into the
+    consecutive slots of its positions.
+
+    Args:
+        kv_cache: the cache.
+        source_slots: [M] int64 flat slots holding the K/V to keep.
+        target_slots: [M] int64 flat slots they belong in.
+
+    Mutates: the `target_slots` of every layer of `kv_cache`.
+    """
+    if source_slots.numel() == 0:
+        return
+    for cache in (kv_cache.k_cache, kv_cache.v_cache):
+        flat = cache.view(cache.shape[0], -1, cache.shape[3], cache.shape[4])
+        flat[:, target_slots] = flat[:, source_slots].clone()
 
 
 def write_kv_planned(
