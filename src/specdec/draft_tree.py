@@ -137,3 +137,14 @@ def path_slots_to_compact(
     source = torch.where(live, accepted_nodes + 1, -1)
     target = torch.where(live, columns + 1, -1)
     return source, target
+
+
+def region_rows(step_mask: torch.Tensor | None, num_queries: int, width: int) -> torch.Tensor:
+    """[Q, W] rows of one sequence in a step's tree region of width W (the last W keys): a
+    tree's [Q, Q] verify-step mask left-padded with visible prefix keys, or (None) the causal
+    rule of Q new tokens at the end of the context."""
+    if step_mask is None:
+        query = torch.arange(num_queries)[:, None] + (width - num_queries)
+        return torch.arange(width)[None, :] <= query
+    pad = torch.ones(num_queries, width - num_queries, dtype=torch.bool)
+    return torch.cat([pad, step_mask.to("cpu")], dim=1)

@@ -91,12 +91,16 @@ class Proposal:
         for deterministic (one-hot) drafts.
     draft_logsumexp: [B, K] float32 log-normalisers of draft_logits, or None.
     num_draft: [B] int64 drafts per request.
+    tree_parents: [B, K] int64 on the host for a draft tree (column n is node n, its parent
+        -1 for the round's input token, else an earlier node: `specdec.draft_tree`), or None
+        for chains.
     """
 
     draft_token_ids: torch.Tensor
     draft_logits: torch.Tensor | None
     draft_logsumexp: torch.Tensor | None
     num_draft: torch.Tensor
+    tree_parents: torch.Tensor | None = None
 
 
 class ProposalBuffer:
@@ -118,8 +122,12 @@ class ProposalBuffer:
             )
             self.draft_logsumexp = torch.zeros(batch_size, k, device=device)
 
-    def proposal(self, num_draft: torch.Tensor) -> Proposal:
-        return Proposal(self.draft_token_ids, self.draft_logits, self.draft_logsumexp, num_draft)
+    def proposal(
+        self, num_draft: torch.Tensor, tree_parents: torch.Tensor | None = None
+    ) -> Proposal:
+        return Proposal(
+            self.draft_token_ids, self.draft_logits, self.draft_logsumexp, num_draft, tree_parents
+        )
 
 
 @dataclass(frozen=True, slots=True)

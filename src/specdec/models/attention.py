@@ -73,10 +73,11 @@ class AttentionMetadata:
         max_seqlen_q: max query length over the batch (a host int, so no device sync is needed).
         max_context_len: max context length over the batch (host int).
         all_written: True when no slot is -1, if known on the host (None: read from the device).
-        tree_mask: [B, max_seqlen_q, max_seqlen_q] bool or None. When given, query token i of
-            sequence b sees the cached prefix (the context before its new tokens) and exactly
-            the new tokens j with tree_mask[b, i, j] (a draft tree's ancestors and itself,
-            `draft_tree.ancestor_mask`), instead of the causal rule over the new tokens.
+        tree_mask: [B, max_seqlen_q, W] bool or None (W >= max_seqlen_q). When given, the
+            last W keys of each sequence's context are a draft tree's region: query token i of
+            sequence b sees the keys before it and exactly the region's keys j with
+            tree_mask[b, i, j] (its tree ancestors and itself, `draft_tree.verify_step_mask`),
+            instead of the causal rule. A verify step's region is its new tokens (W = Q).
     """
 
     cu_seqlens_q: torch.Tensor
@@ -174,9 +175,10 @@ class DecodeMetadata:
         num_partitions: 0 for the single-pass attention kernel; else the split-KV kernel
             (`models/split_kv.py`) over this many partitions per sequence, which must cover every
             context (fixed per CUDA graph: derived from max_model_len).
-        tree_mask: [B, Q, Q] bool or None: query row i of sequence b sees the cached prefix
-            and the new tokens j with tree_mask[b, i, j] (a draft tree's ancestors and itself)
-            instead of the causal rule over the new tokens. Runs on the PyTorch twin only.
+        tree_mask: [B, Q, W] bool or None (W >= Q): the last W keys of each context are a
+            draft tree's region; query row i of sequence b sees the keys before it and the
+            region's keys j with tree_mask[b, i, j] (its tree ancestors and itself) instead of
+            the causal rule. Runs on the PyTorch twin only.
     """
 
     block_tables: torch.Tensor
@@ -348,7 +350,8 @@ class AttentionPlan:
         query_pos = (context_lens - query_lens)[:, None] + torch.arange(max_q, device=device)
         mask = (key_pos <= query_pos[:, :, None]) & (key_pos < context_lens[:, None, None])
         if attn.tree_mask is not None:
-            mask = _tree_visible(mask, attn.tree_mask.to(device), context_lens - query_lens)
+            tree_mask = attn.tree_mask.to(device)
+            mask = _tree_visible(mask, tree_mask, context_lens - tree_mask.shape[2])
         if sliding_window is not None:
             mask &= key_pos > query_pos[:, :, None] - sliding_window
         # Rows that see no key (padding of an empty sequence) would give NaN; let them see key 0.
@@ -369,16 +372,18 @@ class AttentionPlan:
 def _tree_visible(
     causal: torch.Tensor, tree_mask: torch.Tensor, prefix_lens: torch.Tensor
 ) -> torch.Tensor:
-    """The causal mask [B, Q, S] with its new-token keys replaced by a tree mask [B, Q, Q]:
-    key s >= prefix_lens[b] is new token j = s - prefix_lens[b], visible iff tree_mask[b, i, j]."""
+    """The causal mask [B, Q, S] with a tree region's keys replaced by a tree mask [B, Q, W]:
+    key s in [prefix_lens[b], prefix_lens[b] + W) is region key j = s - prefix_lens[b], visible
+    iff tree_mask[b, i, j]; keys before the region stay as they were (visible)."""
     num_queries, num_keys = causal.shape[1], causal.shape[2]
+    width = tree_mask.shape[2]
     key_pos = torch.arange(num_keys, device=causal.device)
-    new_index = key_pos[None, :] - prefix_lens[:, None]  # [B, S]
-    is_new = (new_index >= 0) & (new_index < num_queries)
+    region_index = key_pos[None, :] - prefix_lens[:, None]  # [B, S]
+    in_region = (region_index >= 0) & (region_index < width)
     gathered = tree_mask.gather(
-        2, new_index.clamp(0, num_queries - 1)[:, None, :].expand(-1, num_queries, -1)
+        2, region_index.clamp(0, width - 1)[:, None, :].expand(-1, num_queries, -1)
     )  # [B, Q, S]
-    return torch.where(is_new[:, None, :], gathered & causal, causal)
+    return torch.where(in_region[:, None, :], gathered, causal)
 
 
 def move_kv(kv_cache: KVCache, source_slots: torch.Tensor, target_slots: torch.Tensor) -> None:

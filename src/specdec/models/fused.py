@@ -140,12 +140,13 @@ def paged_decode_attention_ref(
         scores = torch.einsum("qhd,shd->hqs", rows, keys) * scale  # [H_q, Q, S]
         query_pos = ctx - query_lens[b] + torch.arange(q_per_seq, device=query.device)
         visible = torch.arange(ctx, device=query.device)[None] <= query_pos[:, None]  # [Q, S]
-        if meta.tree_mask is not None:
-            prefix = ctx - query_lens[b]
-            new = torch.arange(ctx, device=query.device) >= prefix
-            tree = torch.zeros_like(visible)
-            tree[:, prefix:] = meta.tree_mask[b, :, : ctx - prefix].to(query.device)
-            visible = torch.where(new[None], tree & visible, visible)
+        if meta.tree_mask is not None:  # the last W keys are a tree region
+            region = meta.tree_mask[b].to(query.device)  # [Q, W]
+            prefix = ctx - region.shape[1]
+            if prefix < 0:  # a context shorter than the region: its first keys do not exist
+                region, prefix = region[:, -prefix:], 0
+            visible = visible.clone()
+            visible[:, prefix:] = region
         scores = scores.masked_fill(~visible[None], float("-inf"))
         weights = scores.softmax(dim=-1)
         out[b * q_per_seq : (b + 1) * q_per_seq] = torch.einsum("hqs,shd->qhd", weights, values).to(
