@@ -5,7 +5,6 @@ unsupported combinations are refused by name."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from eagle_fixtures import trained_head
 from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
