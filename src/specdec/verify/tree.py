@@ -119,17 +119,53 @@ def verify_tree(
             f"got {list(parents.shape)}"
         )
     check_parents(parents, inputs.num_draft)
-    return _walk(inputs, parents.to(target_logits.device))
+    prepared = prepare_tree(inputs, parents.to(target_logits.device))
+    if target_logits.is_cuda:
+        from specdec.verify.tree_triton import verify_tree_triton
+
+        return verify_tree_triton(prepared)
+    return verify_tree_ref(prepared)
 
 
-def _walk(inputs, parents: torch.Tensor) -> TreeVerifyResult:
-    """The tree walk over validated inputs, vectorised over requests: one step per depth."""
+@dataclass(frozen=True, slots=True)
+class PreparedTree:
+    """What both twins of the tree walk read (built by `prepare_tree`, in PyTorch on any
+    device, so that the twins start from the same bits).
+
+    Attributes:
+        target: [B, N+1, V] float32 processed target logits (what `sample` draws from).
+        target_logp: [B, N+1, V] float32 their log-softmax.
+        draft_logits: [B, N, V] float32 processed draft logits, or None (one-hot drafts).
+        draft_lse: [B, N] float32 their log-normalisers, or None.
+        tokens: [B, N] int64 node tokens (0 for dead nodes).
+        children: [B, N+1, C] int64 children table (`draft_tree.children_table`).
+        greedy: [B] bool rows at temperature 0.
+        seeds, anchors: [B] int64.
+        max_depth: the deepest live node's depth + 1 (0 without nodes), host int.
+        method: "standard" or "coupled".
+    """
+
+    target: torch.Tensor
+    target_logp: torch.Tensor
+    draft_logits: torch.Tensor | None
+    draft_lse: torch.Tensor | None
+    tokens: torch.Tensor
+    children: torch.Tensor
+    greedy: torch.Tensor
+    seeds: torch.Tensor
+    anchors: torch.Tensor
+    max_depth: int
+    method: str
+
+
+def prepare_tree(inputs, parents: torch.Tensor) -> PreparedTree:
+    """Processes the target rows, normalises the draft rows and lays out the tree (validated
+    `check_verify_inputs` output plus [B, N] parents)."""
     target_logits = inputs.target_logits
     batch, num_rows, vocab = target_logits.shape
     n = num_rows - 1
     device = target_logits.device
     num_nodes = inputs.num_draft
-    seeds, anchors, method = inputs.seeds, inputs.positions, inputs.method
     params = inputs.params
     row_params = params.repeat_interleave(num_rows)
     target = process_logits(
@@ -139,19 +175,42 @@ def _walk(inputs, parents: torch.Tensor) -> TreeVerifyResult:
         row_params.top_p,
         row_params.min_p,
     ).view(batch, num_rows, vocab)
-    target_logp = target.log_softmax(dim=-1)  # [B, N+1, V]
-    greedy = params.temperature == 0  # [B]
-    children = children_table(parents, num_nodes)  # [B, N+1, C]
-    width = children.shape[2]
     live = torch.arange(n, device=device)[None, :] < num_nodes[:, None]
-    tokens = torch.where(live, inputs.draft_token_ids, 0)  # [B, N]
-    if inputs.draft_logits is None:
-        draft_logp = None
-    else:
-        draft = inputs.draft_logits.to(torch.float32)
-        draft_logp = draft - draft.logsumexp(dim=-1, keepdim=True)  # [B, N, V]
+    draft_logits = draft_lse = None
+    if inputs.draft_logits is not None:
+        draft_logits = inputs.draft_logits.to(torch.float32)
+        draft_lse = draft_logits.logsumexp(dim=-1)  # [B, N]
     depths = node_depths(parents)
     max_depth = int(torch.where(live, depths + 1, 0).max()) if batch and n else 0
+    return PreparedTree(
+        target=target,
+        target_logp=target.log_softmax(dim=-1),
+        draft_logits=draft_logits,
+        draft_lse=draft_lse,
+        tokens=torch.where(live, inputs.draft_token_ids, 0),
+        children=children_table(parents, num_nodes),
+        greedy=params.temperature == 0,
+        seeds=inputs.seeds,
+        anchors=inputs.positions,
+        max_depth=max_depth,
+        method=inputs.method,
+    )
+
+
+def verify_tree_ref(prepared: PreparedTree) -> TreeVerifyResult:
+    """The PyTorch twin of the tree walk, vectorised over requests: one step per depth (the
+    parity reference of `tree_triton.verify_tree_triton`)."""
+    target, target_logp = prepared.target, prepared.target_logp
+    batch, num_rows, _ = target.shape
+    n = num_rows - 1
+    device = target.device
+    seeds, anchors, method = prepared.seeds, prepared.anchors, prepared.method
+    greedy, children, tokens = prepared.greedy, prepared.children, prepared.tokens
+    width = children.shape[2]
+    draft_logp = None
+    if prepared.draft_logits is not None:
+        draft_logp = prepared.draft_logits - prepared.draft_lse[..., None]  # [B, N, V]
+    max_depth = prepared.max_depth
 
     rows = torch.arange(batch, device=device)
     current = torch.zeros(batch, dtype=torch.int64, device=device)  # row of the node: 0 = root
