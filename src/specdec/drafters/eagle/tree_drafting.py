@@ -31,10 +31,21 @@ if TYPE_CHECKING:
 class _Tree:
     """One request's tree being grown (host lists), node n in drafting order."""
 
-    __slots__ = ("budget", "cum_logp", "depths", "hidden", "parents", "tokens")
+    __slots__ = (
+        "budget",
+        "coupled",
+        "cum_logp",
+        "depths",
+        "hidden",
+        "on_first_path",
+        "parents",
+        "tokens",
+    )
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, coupled: bool) -> None:
         self.budget = budget
+        self.coupled = coupled
+        self.on_first_path: list[bool] = []  # first child of a first child ... of the root
         self.parents: list[int] = []
         self.depths: list[int] = []
         self.tokens: list[int] = []
@@ -79,7 +90,7 @@ def propose_tree(
     size, width = batch.batch_size, out.draft_token_ids.shape[1]
     anchors = batch.anchors.tolist()
     budgets = batch.num_draft.tolist()
-    trees = {b: _Tree(min(budgets[b], tree.nodes)) for b in live}
+    trees = {b: _Tree(min(budgets[b], tree.nodes), batch.methods[b] == "coupled") for b in live}
     # Level 0: the root's children, from the catch-up logits.
     parents_rows = [(b, -1) for b in live]
     level_logits, level_hidden = logits, last
@@ -143,6 +154,7 @@ def _draw_level(drafter, batch, trees, parents_rows, logits, hidden, depth, tree
             grown.depths.append(depth)
             grown.tokens.append(int(tokens[j, rank]))
             grown.cum_logp.append(base + float(picked[j, rank]))
+            grown.on_first_path.append(rank == 0 and (parent < 0 or grown.on_first_path[parent]))
             grown.hidden.append(hidden[i])
             out.draft_token_ids[b, node] = children.token_ids[j, rank]
             if children.draft_logits is not None:
@@ -153,13 +165,18 @@ def _draw_level(drafter, batch, trees, parents_rows, logits, hidden, depth, tree
 
 def _expand(trees: dict[int, _Tree], depth: int, topk: int) -> list[tuple[int, int]]:
     """The (request, node) pairs to expand next: per request with budget left, the `topk`
-    nodes at `depth` of highest cumulative draft log-probability (ties: the earlier node)."""
+    nodes at `depth` of highest cumulative draft log-probability (ties: the earlier node). A
+    coupled request expands its first path first: its first children carry the target's own
+    noise, so they are the drafts most likely to equal the target's samples (the chain a coupled
+    chain would draft), whatever their draft probability."""
     chosen = []
     for b, grown in trees.items():
         if len(grown.parents) >= grown.budget:
             continue
         frontier = [n for n, d in enumerate(grown.depths) if d == depth]
-        frontier.sort(key=lambda n: (-grown.cum_logp[n], n))
+        frontier.sort(
+            key=lambda n: (-(grown.coupled and grown.on_first_path[n]), -grown.cum_logp[n], n)
+        )
         chosen += [(b, n) for n in frontier[:topk]]
     return chosen
 
