@@ -141,8 +141,9 @@ def path_slots_to_compact(
 
 def region_rows(step_mask: torch.Tensor | None, num_queries: int, width: int) -> torch.Tensor:
     """[Q, W] rows of one sequence in a step's tree region of width W (the last W keys): a
-    tree's [Q, Q] verify-step mask left-padded with visible prefix keys, or (None) the causal
-    rule of Q new tokens at the end of the context."""
+    tree's [Q, Q] verify-step mask left-padded with visible prefix keys (Q <= W), or (None) the
+    causal rule of Q new tokens at the end of the context (any Q: rows whose position is before
+    a region key do not see it)."""
     if step_mask is None:
         query = torch.arange(num_queries)[:, None] + (width - num_queries)
         return torch.arange(width)[None, :] <= query

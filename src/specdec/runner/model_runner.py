@@ -263,10 +263,12 @@ def tree_step_positions(step_input: StepInput) -> list[int]:
 
 
 def tree_step_mask(inputs: list[StepInput]) -> torch.Tensor:
-    """[B, max Q, max Q] bool tree region of an eager step with tree inputs: a tree input's
-    rows see the prefix and their ancestors; every other input keeps the causal rule."""
-    width = max(len(s.token_ids) for s in inputs)
-    mask = torch.zeros(len(inputs), width, width, dtype=torch.bool)
+    """[B, max Q, W] bool tree region (the last W keys, W = the longest tree input) of an eager
+    step with tree inputs: a tree input's rows see the prefix and their ancestors; every other
+    input (a prefill chunk, a chain) keeps the causal rule over the region."""
+    num_queries = max(len(s.token_ids) for s in inputs)
+    width = max(len(s.token_ids) for s in inputs if s.tree_parents is not None)
+    mask = torch.zeros(len(inputs), num_queries, width, dtype=torch.bool)
     for b, step_input in enumerate(inputs):
         n = len(step_input.token_ids)
         step_mask = None

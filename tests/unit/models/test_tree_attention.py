@@ -139,3 +139,34 @@ def test_compacted_path_continues_as_the_chain(model):
     chain_kv = model.allocate_kv_cache(len(TABLE) + 10, BLOCK)
     chain_logits = run(model, chain_kv, chain, range(len(chain)), range(len(chain)), len(chain))
     torch.testing.assert_close(next_logits[0], chain_logits[-1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_tree_step_beside_a_prefill_chunk_keeps_both_rules(model):
+    """One eager step with a tree verify input and a longer prefill chunk of another sequence:
+    the tree's rows equal their chains, the chunk's rows equal the chunk run alone."""
+    from specdec.runner.model_runner import PagedModelRunner, StepInput
+
+    generator = torch.Generator().manual_seed(8)
+    vocab = model.config.vocab_size
+    runner = PagedModelRunner(model, 32, BLOCK, max_num_seqs=4)
+    prompt = torch.randint(0, vocab, (6,), generator=generator).tolist()
+    chunk = torch.randint(0, vocab, (13,), generator=generator).tolist()
+    nodes = torch.randint(0, vocab, (len(PARENTS),), generator=generator).tolist()
+    blocks_a, blocks_b = [3, 9, 1, 7], [0, 2, 4, 5, 6]
+    runner.run([StepInput(prompt[:-1], 0, blocks_a, 1)])
+    both = runner.run(
+        [
+            StepInput([prompt[-1], *nodes], 5, blocks_a, len(nodes) + 1, list(PARENTS)),
+            StepInput(chunk, 0, blocks_b, len(chunk)),
+        ]
+    )
+    alone = PagedModelRunner(model, 32, BLOCK, max_num_seqs=4).run(
+        [StepInput(chunk, 0, blocks_b, len(chunk))]
+    )
+    torch.testing.assert_close(both[1], alone[0], rtol=1e-5, atol=1e-5)
+    for path in leaf_paths(PARENTS):
+        chain = prompt + [nodes[n] for n in path]
+        solo = PagedModelRunner(model, 32, BLOCK, max_num_seqs=4)
+        logits = solo.run([StepInput(chain, 0, blocks_a, len(chain))])[0]
+        for i, node in enumerate(path):
+            torch.testing.assert_close(both[0][1 + node], logits[6 + i], rtol=1e-5, atol=1e-5)
