@@ -195,3 +195,31 @@ def run_plain_requests(
         last = sample(toy.target_logits[last], seeds, positions, **processing.kwargs()).token_ids
         out.append(last)
     return torch.stack(out, dim=1)
+
+
+# Shapes of the tree-walk parity checks (GPU, and the Triton interpreter on the CPU).
+PARITY_SHAPES = {
+    "wide": [-1, -1, -1, 0, 0, 1, 3, 3, 6],
+    "deep": [-1, -1, 0, 0, 1, 2, 2, 5, 7, 8],
+    "chain": [-1, 0, 1, 2],
+}
+
+
+def near_round(generator, shape, batch, vocab, temperature, sampled, top_k):
+    """Random target rows, drafts near them, node tokens drawn from each node's draft row."""
+    n = len(shape)
+    target = torch.randn(batch, n + 1, vocab, generator=generator) * 2.0
+    # Node n's draft row is meant for the token after its parent: reuse the parent's row.
+    parent_rows = torch.tensor([p + 1 for p in shape])
+    draft = target[:, parent_rows] + 0.7 * torch.randn(batch, n, vocab, generator=generator)
+    if top_k:
+        threshold = draft.topk(top_k, dim=-1).values[..., -1:]
+        draft = torch.where(draft >= threshold, draft, float("-inf"))
+    probs = torch.softmax(draft / max(temperature, 0.5), dim=-1)
+    tokens = torch.multinomial(probs.view(-1, vocab), 1, generator=generator).view(batch, n)
+    draft_logits = (draft / max(temperature, 0.5)) if sampled else None
+    seeds = torch.randint(-(2**62), 2**62, (batch,), generator=generator)
+    positions = torch.randint(5, 2**20, (batch,), generator=generator)
+    num_nodes = torch.randint(0, n + 1, (batch,), generator=generator)
+    parents = torch.tensor(shape).expand(batch, n).contiguous()
+    return target, tokens, draft_logits, seeds, positions, num_nodes, parents

@@ -4,6 +4,9 @@ decoding, whatever the shape; bad trees and block are refused by name."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 import torch
 
@@ -180,3 +183,42 @@ def test_tree_draft_stream_words_are_disjoint():
     assert not set(words.tolist()) & {int(s) for s in Stream if s != Stream.TREE_DRAFT}
     with pytest.raises(ValueError, match="tree node"):
         tree_draft_stream(torch.tensor([2**24]))
+
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton")
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and Triton")
+@pytest.mark.parametrize("shape", ["wide", "deep", "chain"])
+@pytest.mark.parametrize(
+    "method, temperature, sampled, top_k",
+    [
+        ("standard", 0.9, True, None),
+        ("standard", 0.9, True, 20),
+        ("standard", 0.9, False, None),
+        ("standard", 0.0, False, None),
+        ("coupled", 0.9, True, None),
+        ("coupled", 0.0, False, None),
+    ],
+)
+def test_triton_tree_walk_interpreted_matches_twin(shape, method, temperature, sampled, top_k):
+    """The Triton tree walk under Triton's CPU interpreter equals `verify_tree_ref` token for
+    token on the same prepared inputs (V = 37, 16 requests)."""
+    from specdec.verify.inputs import check_verify_inputs
+    from specdec.verify.tree import prepare_tree, verify_tree_ref
+    from specdec.verify.tree_triton import verify_tree_triton
+    from tree_fixtures import PARITY_SHAPES, near_round
+
+    generator = torch.Generator().manual_seed(37 + len(PARITY_SHAPES[shape]))
+    target, tokens, draft_logits, seeds, positions, num_nodes, parents = near_round(
+        generator, PARITY_SHAPES[shape], 16, 37, temperature, sampled, top_k
+    )
+    inputs = check_verify_inputs(
+        target, tokens, draft_logits, seeds, positions,
+        temperature=temperature, top_k=top_k, num_draft=num_nodes, method=method,
+    )  # fmt: skip
+    prepared = prepare_tree(inputs, parents)
+    ref, got = verify_tree_ref(prepared), verify_tree_triton(prepared)
+    assert torch.equal(got.token_ids, ref.token_ids)
+    assert torch.equal(got.num_accepted, ref.num_accepted)
+    assert torch.equal(got.accepted_nodes, ref.accepted_nodes)
