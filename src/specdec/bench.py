@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.drafters.config import TREE_METHODS, TreeConfig
 from specdec.engine.llm import LLM
 from specdec.engine.outputs import RequestOutput
 from specdec.sampling import SamplingParams
@@ -181,6 +182,7 @@ class SweepPoint:
     tokens_per_s: float
     plain_tokens_per_s: float
     speedup: float
+    tree: str | None = None  # "NODESxDEPTHxTOPK" for a tree point (k = its nodes), else None
 
 
 def run_sweep(
@@ -192,10 +194,13 @@ def run_sweep(
     output_len: int,
     seed: int,
     engine_args: dict,
+    trees: list[dict] | None = None,
 ) -> list[SweepPoint]:
     """Acceptance and speed-up of each drafter for every K and temperature on the same prompts
     and seeds; plain decoding is timed once per temperature. One engine per drafter (its K set
-    per request), so the model loads once per drafter."""
+    per request), so the model loads once per drafter. `trees` ({"nodes", "depth", "topk"}
+    each) adds tree points for the drafters that draft trees (eagle / mtp), one engine per tree,
+    on the synchronous engine path (async_scheduling off: trees have no device rounds yet)."""
 
     def params(temperature: float) -> list[SamplingParams]:
         return [
@@ -259,20 +264,64 @@ def run_sweep(
                     )
                 )
         del llm
+        if spec.get("method") not in TREE_METHODS:
+            continue
+        for tree in trees or []:
+            tree_args = {**engine_args, "async_scheduling": False}
+            llm = LLM(model, speculative_config={**spec, "tree": tree}, **tree_args)
+            label = tree_label(tree)
+            for temperature in temperatures:
+                warm_up(llm, temperature)
+                figures, _ = run_workload(
+                    llm, f"{name} tree {label} T={temperature:g}", prompts, params(temperature)
+                )
+                points.append(
+                    SweepPoint(
+                        drafter=name,
+                        k=tree["nodes"],
+                        temperature=temperature,
+                        mean_acceptance_length=figures.mean_acceptance_length,
+                        acceptance_per_position=figures.acceptance_per_position[: tree["depth"]],
+                        tokens_per_s=figures.tokens_per_s,
+                        plain_tokens_per_s=plain_rate[temperature],
+                        speedup=figures.tokens_per_s / plain_rate[temperature],
+                        tree=label,
+                    )
+                )
+            del llm
     return points
+
+
+def tree_label(tree: dict) -> str:
+    """A tree setting as NODESxDEPTHxTOPK."""
+    return f"{tree['nodes']}x{tree['depth']}x{tree['topk']}"
+
+
+def parse_trees(text: str) -> list[dict]:
+    """Comma-separated NODESxDEPTHxTOPK settings -> tree dicts (checked by `TreeConfig`)."""
+    trees = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        parts = item.lower().split("x")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"--trees expects NODESxDEPTHxTOPK items such as 8x4x2, got {item!r}")
+        tree = dict(zip(("nodes", "depth", "topk"), map(int, parts), strict=True))
+        TreeConfig.from_dict(tree)
+        trees.append(tree)
+    return trees
 
 
 def sweep_table(points: list[SweepPoint]) -> str:
     """A Markdown table of the sweep."""
     lines = [
-        "| drafter | K | T | mean acceptance length | acceptance per position | tokens/s "
-        "| plain tokens/s | speed-up |",
+        "| drafter | K (chain) or tree N x D x k | T | mean acceptance length "
+        "| acceptance per position | tokens/s | plain tokens/s | speed-up |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for p in points:
         per_position = " ".join(f"{rate:.2f}" for rate in p.acceptance_per_position)
+        shape = p.k if p.tree is None else f"tree {p.tree}"
         lines.append(
-            f"| {p.drafter} | {p.k} | {p.temperature:g} | {p.mean_acceptance_length:.2f} | "
+            f"| {p.drafter} | {shape} | {p.temperature:g} | {p.mean_acceptance_length:.2f} | "
             f"{per_position} | {p.tokens_per_s:.1f} | {p.plain_tokens_per_s:.1f} | "
             f"{p.speedup:.2f}x |"
         )
@@ -291,10 +340,16 @@ def write_sweep(path: Path, points: list[SweepPoint], meta: dict) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4.2))
-    series = sorted({(p.drafter, p.temperature) for p in points})
+    chains = [p for p in points if p.tree is None]
+    for p in points:
+        if p.tree is not None:  # tree points: one star each at x = its nodes
+            label = f"{p.drafter} tree {p.tree}, T={p.temperature:g}"
+            left.plot([p.k], [p.mean_acceptance_length], "*", markersize=10, label=label)
+            right.plot([p.k], [p.speedup], "*", markersize=10, label=label)
+    series = sorted({(p.drafter, p.temperature) for p in chains})
     for drafter, temperature in series:
         line = sorted(
-            (p for p in points if (p.drafter, p.temperature) == (drafter, temperature)),
+            (p for p in chains if (p.drafter, p.temperature) == (drafter, temperature)),
             key=lambda p: p.k,
         )
         label = f"{drafter}, T={temperature:g}"
@@ -316,7 +371,7 @@ def write_sweep(path: Path, points: list[SweepPoint], meta: dict) -> Path:
             marker="o",
             label=f"{label}, K={widest.k}",
         )
-    left.set_xlabel("K (drafts per round)")
+    left.set_xlabel("K (drafts per round; trees: nodes)")
     left.set_ylabel("mean acceptance length")
     left.set_title("acceptance length")
     middle.set_xlabel("draft position")
@@ -324,7 +379,7 @@ def write_sweep(path: Path, points: list[SweepPoint], meta: dict) -> Path:
     middle.set_ylim(0, 1)
     middle.set_title("acceptance per position")
     right.axhline(1.0, color="gray", linewidth=0.8)
-    right.set_xlabel("K (drafts per round)")
+    right.set_xlabel("K (drafts per round; trees: nodes)")
     right.set_ylabel("tokens/s over plain decoding")
     right.set_title("speed-up")
     for axis in (left, middle, right):

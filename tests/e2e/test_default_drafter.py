@@ -77,9 +77,12 @@ def test_bench_sweep_writes_the_acceptance_table(tmp_path, capsys):
     out = tmp_path / "sweep.json"
     argv = ["bench", "--sweep", "--num-prompts", "2", "--output-len", "8", "--ks", "2"]
     argv += ["--temperatures", "0", "--max-model-len", "512", "--out", str(out)]
+    argv += ["--trees", "4x2x2"]
     assert main(argv) == 0
     figures = json.loads(out.read_text())
     assert {p["drafter"] for p in figures["points"]} == {"eagle", "ngram"}
     assert all(len(p["acceptance_per_position"]) == 2 for p in figures["points"])
+    assert [p["tree"] for p in figures["points"] if p["tree"]] == ["4x2x2"]  # eagle only
     assert out.with_suffix(".png").stat().st_size > 0
-    assert "| eagle | 2 | 0 |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| eagle | 2 | 0 |" in printed and "| eagle | tree 4x2x2 | 0 |" in printed

@@ -111,6 +111,8 @@ def run_main(argv: list[str]) -> int:
         (["serve", "--seed", "x"], "invalid int value"),
         (["bench", "--model", "/no/such/model"], "no such model path"),
         (["bench", "--sweep", "--drafter", "x={bad"], "not valid JSON"),
+        (["bench", "--sweep", "--trees", "8x4"], "NODESxDEPTHxTOPK"),
+        (["bench", "--sweep", "--trees", "4x8x2"], "cannot exceed nodes"),
         (["train-drafter", "--kind", "eagle", "--data", "d", "--out", "o", "--option", "x"], "KEY"),
     ],
 )

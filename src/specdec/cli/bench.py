@@ -39,6 +39,12 @@ def add_bench(commands) -> None:
     )
     sweep.add_argument("--ks", default="2,4,6", help="comma-separated K values (default 2,4,6)")
     sweep.add_argument(
+        "--trees",
+        default="",
+        help="comma-separated draft trees NODESxDEPTHxTOPK (e.g. 8x4x2,16x5x4) to run beside the "
+        "chains for eagle/mtp drafters (default: none)",
+    )
+    sweep.add_argument(
         "--temperatures", default="0,1", help="comma-separated temperatures (default 0,1)"
     )
     sweep.add_argument(
@@ -129,6 +135,7 @@ def _bench_sweep(args: argparse.Namespace) -> int:
     from specdec.cli.flags import engine_kwargs
     from specdec.models import Tokenizer, default_model_path, load_model
 
+    trees = bench.parse_trees(args.trees)  # bad settings are refused before a model loads
     drafters = {}
     for item in args.drafter:
         name, sep, text = item.partition("=")
@@ -167,6 +174,7 @@ def _bench_sweep(args: argparse.Namespace) -> int:
         args.output_len,
         args.seed,
         engine_kwargs(args),
+        trees=trees,
     )
     table = bench.sweep_table(points)
     print(table)
@@ -178,6 +186,7 @@ def _bench_sweep(args: argparse.Namespace) -> int:
         "num_prompts": len(prompts),
         "output_len": args.output_len,
         "drafters": drafters,
+        "trees": args.trees,
         "table": table,
     }
     png = bench.write_sweep(Path(args.out), points, meta)

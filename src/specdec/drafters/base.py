@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec.drafters.config import SpeculativeConfig
-from specdec.rng import Stream
+from specdec.rng import Stream, tree_draft_stream
 from specdec.sampling import LogitsContext, SampleOutput, SamplingTensors, sample
 from specdec.transfer import to_device
 
@@ -91,12 +91,16 @@ class Proposal:
         for deterministic (one-hot) drafts.
     draft_logsumexp: [B, K] float32 log-normalisers of draft_logits, or None.
     num_draft: [B] int64 drafts per request.
+    tree_parents: [B, K] int64 on the host for a draft tree (column n is node n, its parent
+        -1 for the round's input token, else an earlier node: `specdec.draft_tree`), or None
+        for chains.
     """
 
     draft_token_ids: torch.Tensor
     draft_logits: torch.Tensor | None
     draft_logsumexp: torch.Tensor | None
     num_draft: torch.Tensor
+    tree_parents: torch.Tensor | None = None
 
 
 class ProposalBuffer:
@@ -118,8 +122,12 @@ class ProposalBuffer:
             )
             self.draft_logsumexp = torch.zeros(batch_size, k, device=device)
 
-    def proposal(self, num_draft: torch.Tensor) -> Proposal:
-        return Proposal(self.draft_token_ids, self.draft_logits, self.draft_logsumexp, num_draft)
+    def proposal(
+        self, num_draft: torch.Tensor, tree_parents: torch.Tensor | None = None
+    ) -> Proposal:
+        return Proposal(
+            self.draft_token_ids, self.draft_logits, self.draft_logsumexp, num_draft, tree_parents
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +157,39 @@ def draft_stream(method: str) -> Stream:
     """Coupled verification needs drafts drawn with the target's own noise; the ratio tests need
     noise of their own, keyed per round."""
     return Stream.TARGET if method == "coupled" else Stream.DRAFT
+
+
+def draft_row_streams(
+    methods: list[str],
+    rows: torch.Tensor,
+    tree_nodes: torch.Tensor | None,
+    tree_ranks: torch.Tensor | None,
+) -> list[int]:
+    """The stream word of each draft row (host ints): `draft_stream` of its request's method
+    for a chain; for a tree node, `Stream.TREE_DRAFT` with the node index (keyed per node, so
+    siblings and cousins never share noise), except that a coupled request's first children take
+    `Stream.TARGET` (the target's own noise, as its chain drafts do). Block is chain-only.
+
+    Args:
+        methods: per request, its verify method.
+        rows: [N] int64 request index of each row (host).
+        tree_nodes, tree_ranks: [N] int64 node index and sibling rank of each row, or None.
+    """
+    row_methods = [methods[r] for r in rows.tolist()]
+    if tree_nodes is None:
+        return [int(draft_stream(method)) for method in row_methods]
+    if tree_ranks is None or not tree_nodes.shape == tree_ranks.shape == rows.shape:
+        raise ValueError("tree_nodes and tree_ranks must both be given, one entry per row")
+    if "block" in row_methods:
+        raise ValueError(
+            "block verification is chain-only: tree drafts need 'standard' or 'coupled'"
+        )
+    words = tree_draft_stream(tree_nodes.to("cpu", torch.int64)).tolist()
+    ranks = tree_ranks.to("cpu").tolist()
+    return [
+        int(Stream.TARGET) if method == "coupled" and rank == 0 else word
+        for method, word, rank in zip(row_methods, words, ranks, strict=True)
+    ]
 
 
 class Drafter(abc.ABC):
@@ -372,6 +413,9 @@ class Drafter(abc.ABC):
         positions: torch.Tensor,
         batch: DraftBatch,
         prefix: torch.Tensor | None = None,
+        tree_nodes: torch.Tensor | None = None,
+        tree_ranks: torch.Tensor | None = None,
+        exclude: torch.Tensor | None = None,
     ) -> SampleOutput:
         """Samples one draft per row: the only place draft noise is drawn.
 
@@ -383,27 +427,42 @@ class Drafter(abc.ABC):
             prefix: [N, J] int64 drafts of the row's request before Q (-1 from the first
                 absent one), the context `batch.context` processes the row with besides the
                 request's output; None: none.
+            tree_nodes: [N] int64 draft-tree node index of each row's token, or None for a
+                chain (a tree's rows of one request each have their own node index).
+            tree_ranks: [N] int64 each tree node's rank among its siblings (with tree_nodes).
+            exclude: [N, J] int64 target ids a row may not take (-1 = none), set to -inf before
+                processing: a tree node's earlier siblings, so that siblings are drawn without
+                replacement (the returned logits are what was sampled from, exclusions included).
 
         Returns:
             SampleOutput in target vocabulary: token_ids [N] (target ids), processed_logits
             [N, V_target] (exactly what was sampled from), logsumexp [N].
 
         RNG: per row, `Stream.DRAFT` at (Q, anchor) for "standard"/"block" requests, or
-        `Stream.TARGET` at (Q) for "coupled" requests; V lanes per sampled row.
+        `Stream.TARGET` at (Q) for "coupled" requests; V lanes per sampled row. Tree rows:
+        `Stream.TREE_DRAFT` at (Q, anchor, node) (`tree_draft_stream`), except a coupled
+        request's first children, which take `Stream.TARGET` at (Q) as a chain's drafts do.
         """
         rows = rows.to(device="cpu", dtype=torch.int64)  # indices into the host batch
         full = self.to_target_vocab(logits)
         device = full.device
         if batch.context is not None:
             full = batch.context.apply(full, *self._context_rows(rows, prefix, device))
+        if exclude is not None and exclude.shape[1]:
+            exclude = exclude.to(device)
+            banned = torch.where(exclude >= 0, exclude, full.shape[1])  # -1 -> a spare column
+            spare = full.new_zeros(full.shape[0], 1)
+            full = torch.cat([full, spare], dim=1).scatter(1, banned, float("-inf"))[:, :-1]
         n = full.shape[0]
         positions = positions.to(torch.int64)
         if positions.device != device:
             positions = to_device(positions, torch.int64, device)
-        streams = [draft_stream(batch.methods[r]) for r in rows.tolist()]
+        streams = draft_row_streams(batch.methods, rows, tree_nodes, tree_ranks)
         outputs = []
         for stream in (Stream.TARGET, Stream.DRAFT):
-            picked = [i for i, s in enumerate(streams) if s == stream]
+            # TARGET rows are position-keyed; every other row is keyed by its round's anchor.
+            keyed = [s == Stream.TARGET for s in streams]
+            picked = [i for i, k in enumerate(keyed) if k == (stream == Stream.TARGET)]
             if not picked:
                 continue
             whole = len(picked) == n  # every row draws from this stream: no gather, no scatter
@@ -424,6 +483,8 @@ class Drafter(abc.ABC):
             seeds = next(ints)
             step = next(ints) if stream == Stream.DRAFT else 0
             index = None if whole else to_device(picked, torch.int64, device)
+            if stream == Stream.DRAFT and tree_nodes is not None:
+                stream = to_device([streams[i] for i in picked], torch.int64, device)
             out = sample(
                 full if whole else full[index],
                 seeds,

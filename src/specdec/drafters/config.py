@@ -20,6 +20,54 @@ SHIPPED_HEAD_METHODS = ("eagle", "mtp")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 
 
+# Methods that draft trees (`speculative_config["tree"]`).
+TREE_METHODS = ("eagle", "mtp")
+TREE_KEYS = ("nodes", "depth", "topk")
+
+
+@dataclass(frozen=True, slots=True)
+class TreeConfig:
+    """A draft tree per round (`speculative_config["tree"]`), EAGLE-2 style: the root's `topk`
+    best children, then at each depth the `topk` frontier nodes of highest cumulative draft
+    confidence each get `topk` children, until `nodes` nodes or `depth` levels.
+
+    Attributes:
+        nodes: most draft nodes per round (N; the round verifies N + 1 target rows).
+        depth: most levels (the longest path; at most `nodes`).
+        topk: children per expanded node, and expanded nodes per level.
+    """
+
+    nodes: int
+    depth: int
+    topk: int
+
+    def __post_init__(self) -> None:
+        for name in TREE_KEYS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config.tree.{name} must be an integer >= 1")
+        check_num_speculative_tokens(self.nodes, "speculative_config.tree.nodes")
+        if self.depth > self.nodes:
+            raise ValueError(
+                f"speculative_config.tree.depth ({self.depth}) cannot exceed nodes ({self.nodes})"
+            )
+
+    @staticmethod
+    def from_dict(values: object) -> TreeConfig | None:
+        if values is None or isinstance(values, TreeConfig):
+            return values
+        if not isinstance(values, dict):
+            raise ValueError("speculative_config.tree must be a dict of nodes, depth, topk")
+        unknown = sorted(set(values) - set(TREE_KEYS))
+        missing = sorted(set(TREE_KEYS) - set(values))
+        if unknown or missing:
+            raise ValueError(
+                f"speculative_config.tree needs exactly the keys {list(TREE_KEYS)}; "
+                f"unknown {unknown}, missing {missing}"
+            )
+        return TreeConfig(**values)
+
+
 def check_num_speculative_tokens(k: object, name: str = "num_speculative_tokens") -> None:
     """Raises ValueError naming `name` unless k is an int in [1, MAX_NUM_SPECULATIVE_TOKENS]."""
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_NUM_SPECULATIVE_TOKENS:
@@ -53,6 +101,10 @@ class SpeculativeConfig:
             Standard/block outputs stay exact in law either way, but a seeded request replays
             token for token only with K pinned (the chosen K depends on the batch and on
             measured timings); coupled and greedy outputs equal plain decoding's whatever K is.
+        tree: draft trees instead of chains ({"nodes": N, "depth": D, "topk": k}, a
+            `TreeConfig`), verified exactly with `specdec.verify.tree`; eagle/mtp only, not
+            with block verification, and on the synchronous engine path only (rounds then
+            verify N nodes; num_speculative_tokens is not used).
         plain_arm: with `adaptive`, also offer the policy arm P: leave device rounds and run the
             batch through the plain overlapped decode loop while that is measured to be faster
             (its cost: the plain step at the batch bucket; its tokens per step: 1). Off by
@@ -68,8 +120,21 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     adaptive: bool = True
     plain_arm: bool = False
+    tree: TreeConfig | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "tree", TreeConfig.from_dict(self.tree))
+        if self.tree is not None:
+            if self.method not in TREE_METHODS:
+                raise ValueError(
+                    f"speculative_config.tree is implemented for the methods {TREE_METHODS}, "
+                    f"not {self.method!r}"
+                )
+            if self.rejection_sample_method == "block":
+                raise ValueError(
+                    "speculative_config.tree cannot use rejection_sample_method 'block': block "
+                    "verification is chain-only (use 'standard' or 'coupled')"
+                )
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative_config.method must be one of {SPECULATIVE_METHODS}, "
@@ -122,3 +187,8 @@ class SpeculativeConfig:
                 f"unknown speculative_config keys {unknown}; known keys: {sorted(known)}"
             )
         return SpeculativeConfig(**values)
+
+
+def round_drafts(spec: SpeculativeConfig) -> int:
+    """Drafts a round verifies by default: tree.nodes for a tree, else num_speculative_tokens."""
+    return spec.tree.nodes if spec.tree is not None else spec.num_speculative_tokens

@@ -18,6 +18,7 @@ from specdec.engine.scheduler import ScheduledRequest
 from specdec.sampling import sample
 from specdec.transfer import to_device
 from specdec.verify import VERIFY_METHODS, check_verify_inputs, verify_checked
+from specdec.verify.tree import verify_tree
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,12 +31,14 @@ class Emission:
         num_accepted: drafts accepted.
         rows: the share's raw target logits [num_draft + 1, V]; the first len(tokens) rows are the
             emitted tokens' distributions (None when the step's logits were not kept).
+        path: for a tree round, the accepted nodes (root side first); None for a chain.
     """
 
     tokens: list[int]
     num_draft: int
     num_accepted: int
     rows: torch.Tensor | None
+    path: list[int] | None = None
 
     @property
     def num_rejected(self) -> int:
@@ -59,10 +62,14 @@ class Emitter:
         plain: list[int] = []
         spec: dict[str, list[int]] = {}
         draft_rows = drafts.rows if drafts is not None else {}
+        trees = drafts.parents if drafts is not None and drafts.parents is not None else {}
+        tree_groups: dict[str, list[int]] = {}
         for i, share in enumerate(scheduled):
             if not share.emits:
                 continue
-            if draft_rows and id(share.request) in draft_rows:
+            if id(share.request) in trees:
+                tree_groups.setdefault(share.request.spec.method, []).append(i)
+            elif draft_rows and id(share.request) in draft_rows:
                 spec.setdefault(share.request.spec.method, []).append(i)
             else:
                 plain.append(i)
@@ -71,7 +78,72 @@ class Emitter:
         for method in VERIFY_METHODS:
             if method in spec:
                 self._verify_group(spec[method], scheduled, logits, drafts, method, emitted)
+            if method in tree_groups:
+                self._verify_tree_group(
+                    tree_groups[method], scheduled, logits, drafts, method, emitted
+                )
         return emitted
+
+    def _verify_tree_group(
+        self,
+        indices: list[int],
+        scheduled: list[ScheduledRequest],
+        logits: list[torch.Tensor],
+        drafts: StepDrafts,
+        method: str,
+        emitted: list[Emission | None],
+    ) -> None:
+        """Verifies the draft trees of the shares in `indices` (all of `method`) with one
+        `verify_tree` call; sets their entries of `emitted` (with their accepted paths)."""
+        requests = [scheduled[i].request for i in indices]
+        entries = [drafts.rows[id(r)] for r in requests]
+        counts = [len(ids) for _, ids in entries]
+        n = max(counts)
+        target_rows = [logits[i] for i in indices]
+        target = pad_sequence(target_rows, batch_first=True)  # [B, N+1, V]
+        device = target.device
+        parents = [
+            drafts.parents[id(r)] + [-1] * (n - c) for r, c in zip(requests, counts, strict=True)
+        ]
+        positions, num_nodes, flat_ids, flat_parents = _device_int64(
+            [r.num_tokens for r in requests],
+            counts,
+            [t for _, ids in entries for t in ids + [0] * (n - len(ids))],
+            [p for row in parents for p in row],
+            device=device,
+        )
+        draft_logits = None
+        if drafts.proposal.draft_logits is not None:
+            rows = [b for b, _ in entries]
+            draft_logits = _draft_rows(drafts.proposal.draft_logits, rows, counts, n).to(device)
+            for b, c in enumerate(counts):
+                if c < n:
+                    draft_logits[b, c:] = float("-inf")
+        constants = self.constants.get(method, requests, device)
+        params = constants.params
+        out = verify_tree(
+            target,
+            flat_parents.view(len(requests), n),
+            flat_ids.view(len(requests), n),
+            draft_logits,
+            constants.seeds,
+            positions,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            min_p=params.min_p,
+            num_nodes=num_nodes,
+            method=method,
+        )
+        host_accepted = out.num_accepted.tolist()
+        host_tokens = out.token_ids.tolist()
+        host_paths = out.accepted_nodes.tolist()
+        for i, tokens, accepted, path, c in zip(
+            indices, host_tokens, host_accepted, host_paths, counts, strict=True
+        ):
+            path = path[:accepted]
+            rows = logits[i][torch.tensor([0] + [1 + node for node in path])]
+            emitted[i] = Emission(tokens[: accepted + 1], c, accepted, rows, path)
 
     def _sample_plain(
         self,

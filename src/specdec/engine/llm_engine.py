@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.drafters import Drafter, DrafterSetup, TargetFeatures
-from specdec.drafters.config import check_num_speculative_tokens
+from specdec.drafters.config import check_num_speculative_tokens, round_drafts
 from specdec.drafters.default import with_shipped_head
 from specdec.drafters.registry import build_drafter
 from specdec.engine.config import EngineConfig, SpeculativeConfig
@@ -27,7 +27,7 @@ from specdec.engine.device_round import DeviceRounds, mark, seconds_between
 from specdec.engine.emitter import Emission, Emitter
 from specdec.engine.output_processor import OutputProcessor, RequestGroup
 from specdec.engine.outputs import RequestOutput
-from specdec.engine.proposals import deliver_features, propose, step_inputs
+from specdec.engine.proposals import compact_path, deliver_features, propose, step_inputs
 from specdec.engine.request import Request, RequestStatus, SpecSettings
 from specdec.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from specdec.engine.setup import (
@@ -143,7 +143,12 @@ class LLMEngine:
             self.allocator,
         )
         if speculative_config is not None:
-            self._check_round_fits(speculative_config.num_speculative_tokens)
+            self._check_round_fits(round_drafts(speculative_config))
+            if speculative_config.tree is not None and self.device_rounds:
+                raise ValueError(
+                    "speculative_config.tree runs on the synchronous engine path only (no "
+                    "device rounds or CUDA graphs for trees yet): set async_scheduling=False"
+                )
         self.speculative_config = speculative_config
         self.drafter = self._build_drafter(speculative_config)
         self.emitter = Emitter()
@@ -223,6 +228,12 @@ class LLMEngine:
         text, token_ids = self._tokenize(prompt)
         spec = self._spec_settings(speculative)
         rules = self._logits_rules(params)
+        tree = self.speculative_config is not None and self.speculative_config.tree is not None
+        if tree and spec is not None and (rules is not None or params.structured_outputs):
+            raise ValueError(
+                "speculative_config.tree does not support penalties, biases, bans or structured "
+                "outputs yet (disable speculation for this request)"
+            )
         grammar = None
         if params.structured_outputs is not None:
             grammar = self._compile_grammar(params.structured_outputs)
@@ -308,7 +319,18 @@ class LLMEngine:
         if override is None:
             if default is None:
                 return None
-            return SpecSettings(default.num_speculative_tokens, default.rejection_sample_method)
+            return SpecSettings(round_drafts(default), default.rejection_sample_method)
+        if default is not None and default.tree is not None:
+            if "num_speculative_tokens" in override:
+                raise ValueError(
+                    "num_speculative_tokens cannot be overridden with speculative_config.tree "
+                    "(a round verifies tree.nodes nodes)"
+                )
+            if override.get("rejection_sample_method") == "block":
+                raise ValueError(
+                    "rejection_sample_method 'block' is chain-only: not with "
+                    "speculative_config.tree"
+                )
         if "method" in override:
             raise ValueError(
                 'the speculative override has no "method": the verifier is '
@@ -323,7 +345,7 @@ class LLMEngine:
             return None
         if self.drafter is None:
             raise ValueError("speculation was requested but the engine has no speculative_config")
-        k = override.get("num_speculative_tokens", default.num_speculative_tokens)
+        k = override.get("num_speculative_tokens", round_drafts(default))
         method = override.get("rejection_sample_method", default.rejection_sample_method)
         check_num_speculative_tokens(k)
         if method not in VERIFY_METHODS:
@@ -393,9 +415,13 @@ class LLMEngine:
         logits, features = self.runner.run_with_features(inputs, layers)
         logits = self._take_prompt_logprobs(scheduled, inputs, logits)
         emitted = self.emitter.emit(scheduled, logits, drafts)
+        paths = [None if e is None else e.path for e in emitted]
         if features:
             rejected = [0 if e is None else e.num_rejected for e in emitted]
-            deliver_features(self.drafter, scheduled, inputs, features, rejected)
+            deliver_features(self.drafter, scheduled, inputs, features, rejected, paths)
+        for step_input, path in zip(inputs, paths, strict=True):
+            if path:  # an accepted tree path: its K/V into the consecutive slots it belongs in
+                compact_path(self.runner.kv_cache, step_input, path, self.config.block_size)
         commits = []
         for share, step_input, emission in zip(scheduled, inputs, emitted, strict=True):
             end = step_input.start + len(step_input.token_ids)

@@ -73,6 +73,11 @@ class AttentionMetadata:
         max_seqlen_q: max query length over the batch (a host int, so no device sync is needed).
         max_context_len: max context length over the batch (host int).
         all_written: True when no slot is -1, if known on the host (None: read from the device).
+        tree_mask: [B, max_seqlen_q, W] bool or None (W >= max_seqlen_q). When given, the
+            last W keys of each sequence's context are a draft tree's region: query token i of
+            sequence b sees the keys before it and exactly the region's keys j with
+            tree_mask[b, i, j] (its tree ancestors and itself, `draft_tree.verify_step_mask`),
+            instead of the causal rule. A verify step's region is its new tokens (W = Q).
     """
 
     cu_seqlens_q: torch.Tensor
@@ -82,6 +87,7 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_context_len: int
     all_written: bool | None = None
+    tree_mask: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -169,6 +175,10 @@ class DecodeMetadata:
         num_partitions: 0 for the single-pass attention kernel; else the split-KV kernel
             (`models/split_kv.py`) over this many partitions per sequence, which must cover every
             context (fixed per CUDA graph: derived from max_model_len).
+        tree_mask: [B, Q, W] bool or None (W >= Q): the last W keys of each context are a
+            draft tree's region; query row i of sequence b sees the keys before it and the
+            region's keys j with tree_mask[b, i, j] (its tree ancestors and itself) instead of
+            the causal rule. Runs on the PyTorch twin only.
     """
 
     block_tables: torch.Tensor
@@ -177,6 +187,7 @@ class DecodeMetadata:
     slot_mapping: torch.Tensor
     query_per_seq: int
     num_partitions: int = 0
+    tree_mask: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,7 +321,7 @@ class AttentionPlan:
             if num_tokens
             else True
         )
-        if device.type == "cuda" and FLASH_PREFILL_ON_CUDA:
+        if device.type == "cuda" and FLASH_PREFILL_ON_CUDA and attn.tree_mask is None:
             return cls(
                 seq_of_token=None,
                 index_in_seq=None,
@@ -338,6 +349,9 @@ class AttentionPlan:
         key_pos = torch.arange(max_ctx, device=device)  # [S]
         query_pos = (context_lens - query_lens)[:, None] + torch.arange(max_q, device=device)
         mask = (key_pos <= query_pos[:, :, None]) & (key_pos < context_lens[:, None, None])
+        if attn.tree_mask is not None:
+            tree_mask = attn.tree_mask.to(device)
+            mask = _tree_visible(mask, tree_mask, context_lens - tree_mask.shape[2])
         if sliding_window is not None:
             mask &= key_pos > query_pos[:, :, None] - sliding_window
         # Rows that see no key (padding of an empty sequence) would give NaN; let them see key 0.
@@ -353,6 +367,42 @@ class AttentionPlan:
             max_seqlen_q=max_q,
             max_context_len=max_ctx,
         )
+
+
+def _tree_visible(
+    causal: torch.Tensor, tree_mask: torch.Tensor, prefix_lens: torch.Tensor
+) -> torch.Tensor:
+    """The causal mask [B, Q, S] with a tree region's keys replaced by a tree mask [B, Q, W]:
+    key s in [prefix_lens[b], prefix_lens[b] + W) is region key j = s - prefix_lens[b], visible
+    iff tree_mask[b, i, j]; keys before the region stay as they were (visible)."""
+    num_queries, num_keys = causal.shape[1], causal.shape[2]
+    width = tree_mask.shape[2]
+    key_pos = torch.arange(num_keys, device=causal.device)
+    region_index = key_pos[None, :] - prefix_lens[:, None]  # [B, S]
+    in_region = (region_index >= 0) & (region_index < width)
+    gathered = tree_mask.gather(
+        2, region_index.clamp(0, width - 1)[:, None, :].expand(-1, num_queries, -1)
+    )  # [B, Q, S]
+    return torch.where(in_region[:, None, :], gathered, causal)
+
+
+def move_kv(kv_cache: KVCache, source_slots: torch.Tensor, target_slots: torch.Tensor) -> None:
+    """Copies the K/V of `source_slots` into `target_slots` in every layer (all sources are read
+    before any target is written): how an accepted tree path's K/V are compacted into the
+    consecutive slots of its positions.
+
+    Args:
+        kv_cache: the cache.
+        source_slots: [M] int64 flat slots holding the K/V to keep.
+        target_slots: [M] int64 flat slots they belong in.
+
+    Mutates: the `target_slots` of every layer of `kv_cache`.
+    """
+    if source_slots.numel() == 0:
+        return
+    for cache in (kv_cache.k_cache, kv_cache.v_cache):
+        flat = cache.view(cache.shape[0], -1, cache.shape[3], cache.shape[4])
+        flat[:, target_slots] = flat[:, source_slots].clone()
 
 
 def write_kv_planned(

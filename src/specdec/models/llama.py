@@ -392,7 +392,8 @@ class LlamaModel(nn.Module):
         captured: dict[int, torch.Tensor] = {}
         inv_freq = self.rotary_emb.inv_freq
         plan = None
-        if not input_ids.is_cuda and self.is_quantized:  # index work once for every layer
+        if not input_ids.is_cuda and self.is_quantized and meta.tree_mask is None:
+            # index work once for every layer (tree-masked steps take the twins instead)
             plan = DecodePlanCPU.build(meta, positions, inv_freq, kv_cache.block_size)
         out = self.embed_tokens(input_ids)  # [T, D]
         residual: torch.Tensor | None = None

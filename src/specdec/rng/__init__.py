@@ -4,10 +4,12 @@
 """
 
 from specdec.rng.draws import (
+    MAX_TREE_NODES,
     UNIFORM32_MAX,
     Stream,
     gumbel,
     random_words,
+    tree_draft_stream,
     uniform,
     uniform_to_gumbel,
     words_to_uniform32,
@@ -23,6 +25,7 @@ from specdec.rng.seeds import (
 )
 
 __all__ = [
+    "MAX_TREE_NODES",
     "UNIFORM32_MAX",
     "Stream",
     "derive_seed",
@@ -33,6 +36,7 @@ __all__ = [
     "philox4x32_10",
     "random_words",
     "to_signed64",
+    "tree_draft_stream",
     "uniform",
     "uniform_to_gumbel",
     "words_to_uniform32",

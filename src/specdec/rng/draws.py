@@ -41,6 +41,26 @@ class Stream(enum.IntEnum):
     # Drafter training (specdec.train), never drawn while serving; the seed is the training seed.
     TRAIN_INIT = 4  # weight initialisation. Keyed by (parameter index), lane = element index.
     TRAIN_ORDER = 5  # the order of training examples. Keyed by (epoch), lane = example index.
+    # A draft-tree node's proposal at Q. Keyed by (Q, round anchor, node index): the node index
+    # rides in the stream word's upper bits (`tree_draft_stream`), so every node of a round's tree
+    # has its own counter even where several nodes share a position.
+    TREE_DRAFT = 6
+
+
+# Stream words of `Stream.TREE_DRAFT` carry the node index above the stream id's byte.
+TREE_NODE_SHIFT = 8
+MAX_TREE_NODES = 1 << (32 - TREE_NODE_SHIFT)
+
+
+def tree_draft_stream(nodes: torch.Tensor) -> torch.Tensor:
+    """[N] int64 tree node indices in [0, 2**24) -> [N] int64 stream words of
+    `Stream.TREE_DRAFT` (stream id in the low byte, the node index above it): disjoint from every
+    other stream's word, and from every other node's."""
+    if nodes.dtype != torch.int64:
+        raise TypeError(f"tree nodes must be an int64 tensor, got {nodes.dtype}")
+    if nodes.numel() and (int(nodes.min()) < 0 or int(nodes.max()) >= MAX_TREE_NODES):
+        raise ValueError(f"tree node indices must lie in [0, {MAX_TREE_NODES})")
+    return int(Stream.TREE_DRAFT) | (nodes << TREE_NODE_SHIFT)
 
 
 def _key_tensor(name: str, value: torch.Tensor | int, num_rows: int, device: torch.device):

@@ -6,11 +6,13 @@ target and by drafters for their own models. Never samples or draws randomness.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from specdec.draft_tree import region_rows, verify_step_mask, verify_step_positions
 from specdec.models.attention import AttentionMetadata
 from specdec.models.llama import LlamaForCausalLM
 from specdec.runner.decode_step import DecodeGraphs
@@ -26,12 +28,17 @@ class StepInput:
         start: position of token_ids[0] (tokens 0..start-1 already have K/V in the cache).
         block_ids: the sequence's cache blocks, covering start + len(token_ids) slots.
         num_logit_rows: logits are wanted for the last `num_logit_rows` query tokens.
+        tree_parents: for a tree verify step (token_ids = [input token, node 0, ...]), each
+            node's parent (`specdec.draft_tree`): node n is rotated as position start + 1 +
+            depth[n] and attends to the cached prefix and its ancestors only; its K/V go to
+            slot start + 1 + n until the accepted path is compacted. None: a causal step.
     """
 
     token_ids: list[int]
     start: int
     block_ids: list[int]
     num_logit_rows: int
+    tree_parents: list[int] | None = None
 
 
 class PagedModelRunner:
@@ -104,7 +111,9 @@ class PagedModelRunner:
 
     def _is_decode_step(self, inputs: list[StepInput]) -> bool:
         return len(inputs) <= self.max_num_seqs and all(
-            0 < len(s.token_ids) <= self.max_query_len and s.num_logit_rows == len(s.token_ids)
+            0 < len(s.token_ids) <= self.max_query_len
+            and s.num_logit_rows == len(s.token_ids)
+            and s.tree_parents is None  # tree steps run eagerly (their mask has no kernel yet)
             for s in inputs
         )
 
@@ -210,7 +219,10 @@ class PagedModelRunner:
             n = len(step_input.token_ids)
             offset = len(token_ids)
             token_ids.extend(step_input.token_ids)
-            positions.extend(range(step_input.start, step_input.start + n))
+            if step_input.tree_parents is None:
+                positions.extend(range(step_input.start, step_input.start + n))
+            else:
+                positions.extend(tree_step_positions(step_input))
             logit_rows.extend(range(offset + n - step_input.num_logit_rows, offset + n))
         attn = AttentionMetadata.build(
             query_lens=[len(s.token_ids) for s in inputs],
@@ -219,6 +231,8 @@ class PagedModelRunner:
             block_size=self.block_size,
             device=self.device,
         )
+        if any(s.tree_parents is not None for s in inputs):
+            attn = dataclasses.replace(attn, tree_mask=tree_step_mask(inputs).to(self.device))
         firsts: list[int] = []
         if first_tokens is not None:
             offset = 0
@@ -241,3 +255,27 @@ class PagedModelRunner:
             return logits_per_input, []
         features = torch.cat(layers, dim=-1)  # [T, F]
         return logits_per_input, list(features.split([len(s.token_ids) for s in inputs]))
+
+
+def tree_step_positions(step_input: StepInput) -> list[int]:
+    """RoPE positions of a tree verify step's tokens: start, then start + 1 + depth[n]."""
+    parents = torch.tensor([step_input.tree_parents], dtype=torch.int64)
+    anchors = torch.tensor([step_input.start + 1], dtype=torch.int64)
+    return verify_step_positions(parents, anchors)[0].tolist()
+
+
+def tree_step_mask(inputs: list[StepInput]) -> torch.Tensor:
+    """[B, max Q, W] bool tree region (the last W keys, W = the longest tree input) of an eager
+    step with tree inputs: a tree input's rows see the prefix and their ancestors; every other
+    input (a prefill chunk, a chain) keeps the causal rule over the region."""
+    num_queries = max(len(s.token_ids) for s in inputs)
+    width = max(len(s.token_ids) for s in inputs if s.tree_parents is not None)
+    mask = torch.zeros(len(inputs), num_queries, width, dtype=torch.bool)
+    for b, step_input in enumerate(inputs):
+        n = len(step_input.token_ids)
+        step_mask = None
+        if step_input.tree_parents is not None:
+            parents = torch.tensor([step_input.tree_parents], dtype=torch.int64)
+            step_mask = verify_step_mask(parents)[0]
+        mask[b, :n] = region_rows(step_mask, n, width)
+    return mask

@@ -1,4 +1,5 @@
-"""Verifiers: token-level ("standard"), block, and coupled; temperature-0 rows verify greedily.
+"""Verifiers: token-level ("standard"), block, and coupled; temperature-0 rows verify greedily;
+`verify_tree` verifies draft trees (standard and coupled; block is chain-only).
 
 `verify` dispatches to the fused Triton kernels on CUDA and to `verify_ref` elsewhere; both take
 the same arguments and return the same result (tokens identical on inputs without near-ties).
@@ -12,11 +13,14 @@ from specdec.verify.inputs import (
     VerifyResult,
     check_verify_inputs,
 )
+from specdec.verify.tree import TREE_METHODS, TreeVerifyResult, verify_tree
 from specdec.verify.verifier import verify, verify_checked, verify_checked_ref, verify_ref
 
 __all__ = [
     "MAX_POSITION",
+    "TREE_METHODS",
     "VERIFY_METHODS",
+    "TreeVerifyResult",
     "ValueCheck",
     "VerifyInputs",
     "VerifyResult",
@@ -25,4 +29,5 @@ __all__ = [
     "verify_checked",
     "verify_checked_ref",
     "verify_ref",
+    "verify_tree",
 ]

@@ -24,9 +24,10 @@ from specdec.drafters.base import (
     ProposalBuffer,
     TargetFeatures,
 )
-from specdec.drafters.config import MAX_NUM_SPECULATIVE_TOKENS, SpeculativeConfig
+from specdec.drafters.config import MAX_NUM_SPECULATIVE_TOKENS, SpeculativeConfig, TreeConfig
 from specdec.drafters.device import DeviceDrafting
 from specdec.drafters.eagle.head import EagleHead, head_logits, head_logits_weight, load_eagle_head
+from specdec.drafters.eagle.tree_drafting import propose_tree
 from specdec.models import AttentionMetadata, LlamaForCausalLM
 from specdec.models.attention import DecodeMetadata, cache_slots
 from specdec.runner.cuda_graph import GraphCache, StaticInputs, batch_buckets, bucket_for
@@ -65,6 +66,7 @@ class EagleDrafter(Drafter):
         max_entries: int | None = None,
         max_width: int = 1,
         enforce_eager: bool = False,
+        tree: TreeConfig | None = None,
     ) -> None:
         """Args:
         head: the loaded head.
@@ -79,8 +81,10 @@ class EagleDrafter(Drafter):
         max_width: most new entries per request that a round's first head step takes through
             its graphs (K + 1); more (a request's first round) take the general path.
         enforce_eager: never capture CUDA graphs.
+        tree: draft a tree per round (`tree_drafting.propose_tree`) instead of a chain.
         """
         super().__init__(target.config.vocab_size, draft_to_target, greedy)
+        self.tree = tree
         self.head = head
         head.layer.self_attn.fuse()  # one q/k/v and one gate/up matrix for the decode path
         head.layer.mlp.fuse()
@@ -120,13 +124,14 @@ class EagleDrafter(Drafter):
             max_entries=setup.max_model_len + MAX_NUM_SPECULATIVE_TOKENS,
             max_width=spec.num_speculative_tokens + 1,
             enforce_eager=setup.enforce_eager,
+            tree=spec.tree,
         )
 
     def device_drafting(
         self, num_slots: int, width: int, max_model_len: int, device: torch.device
     ) -> DeviceDrafting | None:
-        if self._graphs is None or self._graphs.width != width:
-            return None
+        if self._graphs is None or self._graphs.width != width or self.tree is not None:
+            return None  # trees draft on the host path only
         from specdec.drafters.eagle.device import EagleDeviceDrafting
 
         return EagleDeviceDrafting(self, num_slots)
@@ -183,7 +188,9 @@ class EagleDrafter(Drafter):
                     f"request {request_id}: the EAGLE drafter needs target features of positions "
                     f"0..{anchor - 2}, has 0..{have - 1} (is it fed through the engine?)"
                 )
-            self.allocator.grow(state, anchor - 1 + max(num_draft[b] - 1, 0))
+            # Chain draft i > 0 is entry A-2+i; tree node n's entry is stored at A-1+n.
+            extra = self.tree.nodes if self.tree is not None else max(num_draft[b] - 1, 0)
+            self.allocator.grow(state, anchor - 1 + extra)
             new = torch.cat(state.pending)  # [n_new, F]: entries num_fed .. anchor-2
             features.append(new)
             tokens.append(token_ids[state.num_fed + 1 : anchor])
@@ -201,6 +208,15 @@ class EagleDrafter(Drafter):
         else:
             last = self._catch_up(features, tokens, first_positions, query_lens, live_states)
             logits = head_logits(self.head, last, self.lm_weight)  # [len(live), V_draft]
+        if self.tree is not None:
+            if batch.context is not None:
+                raise ValueError(
+                    "tree drafts do not support penalties, biases, bans or grammars yet"
+                )
+            parents, num_nodes = propose_tree(
+                self, batch, self.tree, live, states, last, logits, out
+            )
+            return out.proposal(num_nodes, parents)
         for i in range(k):
             rows = torch.tensor(live, dtype=torch.int64)
             # Every row live: a slice; else one (pinned, asynchronous) copy of the row indices.
