@@ -14,33 +14,17 @@ Streams, for the children of the node visited at depth d of a round anchored at 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from specdec.draft_tree import check_parents, children_table, node_depths
+from specdec.draft_tree import check_parents
 from specdec.rng import Stream, uniform
-from specdec.sampling.processing import RowParam, process_logits
+from specdec.sampling.processing import RowParam
 from specdec.sampling.sampler import gumbel_argmax_ref
 from specdec.verify.inputs import check_verify_inputs
+from specdec.verify.tree_inputs import PreparedTree, TreeVerifyResult, prepare_tree
 from specdec.verify.verifier import residual_log_weights
 
 TREE_METHODS = ("standard", "coupled")
-
-
-@dataclass(frozen=True, slots=True)
-class TreeVerifyResult:
-    """Attributes:
-    token_ids: [B, N+1] int64 emitted tokens (the accepted path's tokens, then the recovered or
-        bonus token), padded with -1.
-    num_accepted: [B] int64 accepted nodes per row; the row emits num_accepted + 1 tokens.
-    accepted_nodes: [B, N] int64 the accepted path's node indices, root side first, padded
-        with -1 (what the KV compaction keeps).
-    """
-
-    token_ids: torch.Tensor
-    num_accepted: torch.Tensor
-    accepted_nodes: torch.Tensor
 
 
 def verify_tree(
@@ -125,76 +109,6 @@ def verify_tree(
 
         return verify_tree_triton(prepared)
     return verify_tree_ref(prepared)
-
-
-@dataclass(frozen=True, slots=True)
-class PreparedTree:
-    """What both twins of the tree walk read (built by `prepare_tree`, in PyTorch on any
-    device, so that the twins start from the same bits).
-
-    Attributes:
-        target: [B, N+1, V] float32 processed target logits (what `sample` draws from).
-        target_logp: [B, N+1, V] float32 their log-softmax.
-        draft_logits: [B, N, V] float32 processed draft logits, or None (one-hot drafts).
-        draft_lse: [B, N] float32 their log-normalisers, or None.
-        tokens: [B, N] int64 node tokens (0 for dead nodes).
-        children: [B, N+1, C] int64 children table (`draft_tree.children_table`).
-        greedy: [B] bool rows at temperature 0.
-        seeds, anchors: [B] int64.
-        max_depth: the deepest live node's depth + 1 (0 without nodes), host int.
-        method: "standard" or "coupled".
-    """
-
-    target: torch.Tensor
-    target_logp: torch.Tensor
-    draft_logits: torch.Tensor | None
-    draft_lse: torch.Tensor | None
-    tokens: torch.Tensor
-    children: torch.Tensor
-    greedy: torch.Tensor
-    seeds: torch.Tensor
-    anchors: torch.Tensor
-    max_depth: int
-    method: str
-
-
-def prepare_tree(inputs, parents: torch.Tensor) -> PreparedTree:
-    """Processes the target rows, normalises the draft rows and lays out the tree (validated
-    `check_verify_inputs` output plus [B, N] parents)."""
-    target_logits = inputs.target_logits
-    batch, num_rows, vocab = target_logits.shape
-    n = num_rows - 1
-    device = target_logits.device
-    num_nodes = inputs.num_draft
-    params = inputs.params
-    row_params = params.repeat_interleave(num_rows)
-    target = process_logits(
-        target_logits.reshape(batch * num_rows, vocab),
-        row_params.temperature,
-        row_params.top_k,
-        row_params.top_p,
-        row_params.min_p,
-    ).view(batch, num_rows, vocab)
-    live = torch.arange(n, device=device)[None, :] < num_nodes[:, None]
-    draft_logits = draft_lse = None
-    if inputs.draft_logits is not None:
-        draft_logits = inputs.draft_logits.to(torch.float32)
-        draft_lse = draft_logits.logsumexp(dim=-1)  # [B, N]
-    depths = node_depths(parents)
-    max_depth = int(torch.where(live, depths + 1, 0).max()) if batch and n else 0
-    return PreparedTree(
-        target=target,
-        target_logp=target.log_softmax(dim=-1),
-        draft_logits=draft_logits,
-        draft_lse=draft_lse,
-        tokens=torch.where(live, inputs.draft_token_ids, 0),
-        children=children_table(parents, num_nodes),
-        greedy=params.temperature == 0,
-        seeds=inputs.seeds,
-        anchors=inputs.positions,
-        max_depth=max_depth,
-        method=inputs.method,
-    )
 
 
 def verify_tree_ref(prepared: PreparedTree) -> TreeVerifyResult:

@@ -26,7 +26,7 @@ from specdec.rng.philox_triton import (
     words_to_uniform32,
 )
 from specdec.sampling.sampler_triton import argmax_finish, argmax_update, tile_lanes
-from specdec.verify.tree import PreparedTree, TreeVerifyResult
+from specdec.verify.tree_inputs import PreparedTree, TreeVerifyResult
 
 STREAM_TARGET: tl.constexpr = tl.constexpr(int(Stream.TARGET))
 STREAM_ACCEPT: tl.constexpr = tl.constexpr(int(Stream.ACCEPT))

@@ -11,8 +11,6 @@ with draft tokens are overwritten next round. Draft noise comes only from `sampl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 
@@ -27,23 +25,13 @@ from specdec.drafters.base import (
 from specdec.drafters.config import MAX_NUM_SPECULATIVE_TOKENS, SpeculativeConfig, TreeConfig
 from specdec.drafters.device import DeviceDrafting
 from specdec.drafters.eagle.head import EagleHead, head_logits, head_logits_weight, load_eagle_head
+from specdec.drafters.eagle.state import EagleState
 from specdec.drafters.eagle.tree_drafting import propose_tree
 from specdec.models import AttentionMetadata, LlamaForCausalLM
 from specdec.models.attention import DecodeMetadata, cache_slots
 from specdec.runner.cuda_graph import GraphCache, StaticInputs, batch_buckets, bucket_for
 from specdec.runner.kv_cache import BlockAllocator
 from specdec.transfer import to_device
-
-
-@dataclass(slots=True, eq=False)
-class _EagleState:
-    """One request's head cache: entries 0..num_fed-1 hold K/V computed from target features;
-    `pending` holds delivered features not fed yet (positions num_fed .. feature_end-1)."""
-
-    block_ids: list[int] = field(default_factory=list)
-    num_fed: int = 0
-    feature_end: int = 0
-    pending: list[torch.Tensor] = field(default_factory=list)
 
 
 class EagleDrafter(Drafter):
@@ -95,7 +83,7 @@ class EagleDrafter(Drafter):
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.block_size = block_size
         self.device = head.fc.weight.device
-        self._states: dict[str, _EagleState] = {}
+        self._states: dict[str, EagleState] = {}
         self._graphs: _HeadGraphs | None = None
         if max_entries is not None:  # (on the CPU: the same static buffers, run op by op)
             use_graphs = self.device.type == "cuda" and not enforce_eager
@@ -155,7 +143,7 @@ class EagleDrafter(Drafter):
         for request_id, start, rows in zip(
             features.request_ids, features.starts, copies, strict=True
         ):
-            state = self._states.setdefault(request_id, _EagleState())
+            state = self._states.setdefault(request_id, EagleState())
             if start != state.feature_end:
                 raise ValueError(
                     f"request {request_id}: features start at {start}, expected "
@@ -177,7 +165,7 @@ class EagleDrafter(Drafter):
         live = [b for b in range(size) if anchors[b] >= 2]  # rows with a feature to start from
         if not live:
             return out.proposal(proposed)
-        states: list[_EagleState | None] = [None] * size
+        states: list[EagleState | None] = [None] * size
         features, tokens, first_positions, query_lens = [], [], [], []
         for b in live:
             request_id, token_ids, anchor = batch.request_ids[b], batch.token_ids[b], anchors[b]

@@ -13,19 +13,15 @@ Nodes are never pruned after they are drawn.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from specdec.drafters.base import DraftBatch, ProposalBuffer
+from specdec.drafters.base import DraftBatch, Drafter, ProposalBuffer
 from specdec.drafters.config import TreeConfig
 from specdec.drafters.eagle.head import head_logits
+from specdec.drafters.eagle.state import EagleState
 from specdec.drafters.tree import draw_children
 from specdec.models.attention import DecodeMetadata, cache_slots
 from specdec.transfer import to_device
-
-if TYPE_CHECKING:
-    from specdec.drafters.eagle.drafter import EagleDrafter, _EagleState
 
 
 class _Tree:
@@ -61,11 +57,11 @@ class _Tree:
 
 
 def propose_tree(
-    drafter: EagleDrafter,
+    drafter: Drafter,
     batch: DraftBatch,
     tree: TreeConfig,
     live: list[int],
-    states: list[_EagleState | None],
+    states: list[EagleState | None],
     last: torch.Tensor,
     logits: torch.Tensor,
     out: ProposalBuffer,
