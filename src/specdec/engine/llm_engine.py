@@ -219,13 +219,19 @@ class LLMEngine:
                 speculative_config (whose drafter, `method`, every request shares).
 
         Raises:
-            ValueError: bad prompt, bad override, or a prompt too long for max_model_len.
+            ValueError: bad prompt, bad override, stop strings without a tokenizer, or a prompt
+                too long for max_model_len.
         """
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.outputs.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                "stop strings need the model's tokenizer, and this model has none "
+                "(use stop_token_ids)"
+            )
         spec = self._spec_settings(speculative)
         rules = self._logits_rules(params)
         tree = self.speculative_config is not None and self.speculative_config.tree is not None

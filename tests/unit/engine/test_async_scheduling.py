@@ -90,7 +90,7 @@ def test_stops_limits_late_requests_and_logprobs(model_dir):
     ]
     late = [
         (prompts[3], SamplingParams(temperature=1.0, seed=9, max_tokens=9, logprobs=2)),
-        (prompts[4], SamplingParams(temperature=0.7, seed=10, max_tokens=13, stop=["a"])),
+        (prompts[4], SamplingParams(temperature=0.7, seed=10, max_tokens=13, stop_token_ids=[3])),
         (prompts[5], SamplingParams(temperature=0, max_tokens=6)),
     ]
     sync, overlapped_run, overlapped = both(model_dir, requests, late=late)

@@ -215,6 +215,9 @@ def test_bad_input_is_rejected_and_nothing_is_queued(model_dir, prompts):
         llm.generate([prompts[0], [1] * 64], GREEDY)
     with pytest.raises(ValueError, match="no speculative_config"):
         llm.generate(prompts[0], GREEDY, speculative={"enabled": True})
+    assert llm.engine.tokenizer is None  # stop strings could never match: refused, not ignored
+    with pytest.raises(ValueError, match="stop strings need the model's tokenizer"):
+        llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4, stop=["a"]))
     assert not llm.engine.has_unfinished
     assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_blocks
     with pytest.raises(ValueError, match="unknown speculative_config keys"):
