@@ -9,7 +9,6 @@ fused) and the LM head are packed for their kernels (`quant.py`) and never held 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import warnings
 from collections.abc import Callable
@@ -159,12 +158,12 @@ def _release_freed_memory() -> None:
 def _empty_model(
     config: ModelConfig, shard: ShardLayout | None, without_layers: bool
 ) -> LlamaForCausalLM:
-    """The model to fill, on the meta device (no decoder layers when `without_layers`: the
-    caller sets its `config` back to `config` once loaded)."""
-    if without_layers:
-        config = dataclasses.replace(config, num_hidden_layers=0)
+    """The model to fill, on the meta device (with no decoder layers when `without_layers`)."""
     with torch.device("meta"):
-        return LlamaForCausalLM(config, shard)
+        model = LlamaForCausalLM(config, shard)
+    if without_layers:
+        model.model.layers = torch.nn.ModuleList()
+    return model
 
 
 def _piece_of(
@@ -215,7 +214,6 @@ def _load_gguf(
         embed = "model.embed_tokens.weight"
         table = gguf_file.read_hf_quantized(embed, config, piece_of(embed))
     _load_weights(model, read_float, read_quantized, str(path), dtype, device, quantization, table)
-    model.config = config
     return LoadedModel(model, config, gguf_file.tokenizer())
 
 
@@ -245,7 +243,6 @@ def _load_hf_dir(
         _load_weights(
             model, read_float, read_quantized, str(path), dtype, device, quantization, None
         )
-    model.config = config
     tokenizer = None
     if (path / "tokenizer.json").is_file():
         tokenizer = Tokenizer.from_hf_dir(path)
