@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
+import signal
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from specdec.engine.llm_engine import LLMEngine
 from specdec.engine.outputs import RequestOutput
+from specdec.runner.tensor_parallel import WorkerDiedError
 from specdec.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -203,6 +206,12 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except WorkerDiedError as err:  # the engine cannot go on: 503 to all, then exit
+            logger.error("engine failed: %s; the server exits", err)
+            self._abort_all(EngineDeadError(f"the engine failed: {err}"))
+            self._stopping.set()
+            os.kill(os.getpid(), signal.SIGTERM)  # the server's own graceful exit
+            return
         except Exception as err:  # a failed step must not kill the thread: fail the requests
             logger.exception("engine step failed; aborting the requests in flight")
             self._abort_all(EngineDeadError(f"engine step failed: {type(err).__name__}"))

@@ -1,0 +1,82 @@
+"""`specdec serve --tensor-parallel-size 2` on a tiny random-weight HF checkpoint (its
+safetensors read shard by shard): it serves, and when a worker is killed the next request gets
+503 and the server exits within seconds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from e2e.server_fixtures import free_port, make_tiny_model_dir
+
+pytestmark = pytest.mark.e2e
+
+
+def _spawned_workers(pid: int) -> list[int]:
+    """Child processes of `pid` started by multiprocessing's spawn (not its resource tracker)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    workers = []
+    for child in children:
+        cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
+        if b"spawn_main" in cmdline:
+            workers.append(int(child))
+    return workers
+
+
+def test_killed_worker_gives_503_and_the_server_exits(tmp_path):
+    model_dir = make_tiny_model_dir(tmp_path)
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "specdec.cli",
+            "serve",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--no-spec",
+            "--num-kv-blocks",
+            "64",
+            "--threads",
+            "1",
+            "--tensor-parallel-size",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    body = {"model": "default", "prompt": "hello", "max_tokens": 8, "temperature": 0}
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        else:
+            pytest.fail("the server did not come up: " + process.stderr.read())
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+        (worker,) = _spawned_workers(process.pid)
+        os.kill(worker, signal.SIGKILL)
+        time.sleep(0.5)
+        killed = time.monotonic()
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 503, response.text
+        process.wait(timeout=20)
+        exited = time.monotonic() - killed
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert exited < 20.0
+    assert "tensor-parallel worker rank 1" in process.stderr.read()
