@@ -20,12 +20,12 @@ import warnings
 import pytest
 import torch
 import torch.multiprocessing as mp
-from tensor_parallel_fixtures import LOGITS_ATOL, NEAR_TIE, shard_prompt_logits, top2_margin
 
 from specdec import LLM, SamplingParams
 from specdec.models import prompt_logits
 from specdec.rng import Stream, gumbel
 from specdec.runner.tensor_parallel import WorkerDiedError, _free_port
+from tensor_parallel_fixtures import LOGITS_ATOL, NEAR_TIE, shard_prompt_logits, top2_margin
 
 PROMPTS = [
     "The capital of France is",
