@@ -119,6 +119,10 @@ def shard_layout(config: ModelConfig, rank: int, world_size: int) -> ShardLayout
     return ShardLayout(rank, world_size, q, kv, intermediate, vocab, vocab_shard, config.vocab_size)
 
 
+# One tensor in, ranks x that tensor out: PyTorch's newer name, or the older one it replaces.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class Collectives:
     """The forward pass's collectives over one process group (the model holds one per rank).
 
@@ -141,10 +145,12 @@ class Collectives:
         pad = layout.vocab_shard - logits.shape[-1]
         if pad:
             logits = torch.nn.functional.pad(logits, (0, pad))
-        logits = logits.contiguous()
-        parts = [torch.empty_like(logits) for _ in range(layout.world_size)]
-        dist.all_gather(parts, logits, group=self.group)
-        return torch.cat(parts, dim=-1)[:, : layout.total_vocab]  # [N, V]
+        num_rows = logits.shape[0]
+        gathered = logits.new_empty(layout.world_size * num_rows, layout.vocab_shard)
+        _all_gather_single(gathered, logits.contiguous(), group=self.group)
+        # [ranks * N, V_shard] rank after rank -> [N, ranks * V_shard], shards in vocabulary order
+        full = gathered.view(layout.world_size, num_rows, -1).transpose(0, 1).reshape(num_rows, -1)
+        return full[:, : layout.total_vocab]  # [N, V]
 
 
 @dataclass(frozen=True, slots=True)

@@ -140,8 +140,9 @@ def _wait_for_workers(store: Any, processes: list[Any]) -> None:
 
 
 def _device_of(device: str, rank: int) -> torch.device:
+    """A rank's device: `cuda:LOCAL_RANK` under a launcher that sets it, else `cuda:rank`."""
     if device == "cuda":
-        return torch.device("cuda", rank)
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     return torch.device(device)
 
 
@@ -330,6 +331,10 @@ def start_target(
     """Starts a tensor-parallel target on the driver: the workers, the group, and rank 0's shard
     (with its collectives attached). Returns (LoadedModel of rank 0's shard, its group).
 
+    Under a launcher (`torchrun`: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) every rank
+    calls this with the same arguments: rank 0 becomes the driver and returns; any other rank
+    runs the worker loop here and exits the process (SystemExit(0)) when the driver stops.
+
     Raises: ValueError: a model whose heads `world_size` ranks cannot split (before any
     process starts)."""
     from specdec.models import load_model
@@ -346,6 +351,10 @@ def start_target(
         backend=backend_for(device),
         init_method=default_init_method(),
     )
+    launched = external_launch()
+    if launched is not None and launched[0] != 0:  # a launcher's worker rank: serve, then exit
+        worker_main(launched[0], spec)
+        raise SystemExit(0)
     group = start_driver(spec, config)
     loaded = load_model(
         path,
