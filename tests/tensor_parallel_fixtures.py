@@ -13,9 +13,10 @@ LOGITS_ATOL = 2e-3
 NEAR_TIE = 2 * LOGITS_ATOL
 
 
-def shard_prompt_logits(rank: int, world_size: int, port: int, prompts, queue) -> None:
-    """Joins a gloo group of `world_size`, loads this rank's float32 shard of the built-in model
-    and computes `prompt_logits`; rank 0 puts them on `queue`."""
+def shard_prompt_logits(rank: int, world_size: int, port: int, jobs, queue) -> None:
+    """Joins a gloo group of `world_size` and, for each (model path, prompts) of `jobs`, loads
+    this rank's float32 shard and computes `prompt_logits`; rank 0 puts the list of results
+    (one list of [T_i, V] arrays per job) on `queue`. A path of None is the built-in model."""
     from specdec.models import default_model_path, load_model, prompt_logits
     from specdec.models.loader import read_model_config
     from specdec.models.tensor_parallel import Collectives, shard_layout
@@ -25,15 +26,43 @@ def shard_prompt_logits(rank: int, world_size: int, port: int, prompts, queue) -
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
     try:
-        path = default_model_path()
-        layout = shard_layout(read_model_config(path), rank, world_size)
-        model = load_model(path, quantization=None, shard=layout).model
-        model.attach_collectives(Collectives(layout))
-        logits = prompt_logits(model, prompts)
+        results = []
+        for path, prompts in jobs:
+            path = path or default_model_path()
+            layout = shard_layout(read_model_config(path), rank, world_size)
+            model = load_model(path, quantization=None, shard=layout).model
+            model.attach_collectives(Collectives(layout))
+            # By value, not through shared memory (the rank exits before it is read).
+            results.append([row.numpy().copy() for row in prompt_logits(model, prompts)])
         if rank == 0:
-            queue.put([row.numpy().copy() for row in logits])  # by value, not shared memory
+            queue.put(results)
     finally:
         dist.destroy_process_group()
+
+
+def sharded_prompt_logits(jobs, world_size: int = 2) -> list[list[torch.Tensor]]:
+    """`shard_prompt_logits` on `world_size` spawned ranks: per job, per prompt [T, V] logits."""
+    import torch.multiprocessing as mp
+
+    from specdec.runner.tensor_parallel import _free_port
+
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    port = _free_port()
+    ranks = [
+        context.Process(target=shard_prompt_logits, args=(rank, world_size, port, jobs, queue))
+        for rank in range(world_size)
+    ]
+    for process in ranks:
+        process.start()
+    try:
+        results = queue.get(timeout=180)
+    finally:
+        for process in ranks:
+            process.join(30)
+            if process.exitcode is None:
+                process.kill()
+    return [[torch.from_numpy(rows) for rows in job] for job in results]
 
 
 def top2_margin(logits: torch.Tensor) -> float:

@@ -19,13 +19,12 @@ import warnings
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from specdec import LLM, SamplingParams
 from specdec.models import prompt_logits
 from specdec.rng import Stream, gumbel
-from specdec.runner.tensor_parallel import WorkerDiedError, _free_port
-from tensor_parallel_fixtures import LOGITS_ATOL, NEAR_TIE, shard_prompt_logits, top2_margin
+from specdec.runner.tensor_parallel import WorkerDiedError
+from tensor_parallel_fixtures import LOGITS_ATOL, NEAR_TIE, sharded_prompt_logits, top2_margin
 
 PROMPTS = [
     "The capital of France is",
@@ -53,18 +52,7 @@ def test_prompt_logits_match_tp1():
     tokenizer = reference_llm.get_tokenizer()
     prompts = [tokenizer.encode(text) for text in PROMPTS]
     reference = prompt_logits(reference_llm.engine.model, prompts)
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    port = _free_port()
-    ranks = [
-        context.Process(target=shard_prompt_logits, args=(rank, 2, port, prompts, queue))
-        for rank in range(2)
-    ]
-    for process in ranks:
-        process.start()
-    sharded = [torch.from_numpy(rows) for rows in queue.get(timeout=120)]
-    for process in ranks:
-        process.join(30)
+    (sharded,) = sharded_prompt_logits([(None, prompts)])
     worst = max(float((a - b).abs().max()) for a, b in zip(sharded, reference, strict=True))
     assert worst < LOGITS_ATOL, f"TP=2 logits differ from TP=1 by {worst}"
     assert worst > 0.0, "TP=2 logits equal TP=1 to the bit: were the shards summed at all?"

@@ -80,3 +80,40 @@ def test_killed_worker_gives_503_and_the_server_exits(tmp_path):
             process.kill()
     assert exited < 20.0
     assert "tensor-parallel worker rank 1" in process.stderr.read()
+
+
+def test_an_env_var_launch_runs_the_same_script_on_every_rank(tmp_path):
+    """torchrun's contract on one machine: two processes with RANK / WORLD_SIZE / MASTER_ADDR /
+    MASTER_PORT run one script; rank 0 drives, rank 1 serves; tokens equal TP = 1."""
+    import json
+
+    from models_fixtures import prompt_tokens
+    from specdec import LLM, SamplingParams
+
+    model_dir = make_tiny_model_dir(tmp_path)
+    prompts = prompt_tokens(97, [4, 7])
+    script = Path(__file__).parent.parent / "tensor_parallel_launch.py"
+    port = free_port()
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(model_dir), json.dumps(prompts)],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        results = [process.communicate(timeout=120) for process in ranks]
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+    assert [process.returncode for process in ranks] == [0, 0], results[0][1] + results[1][1]
+    assert results[1][0] == ""  # the worker prints nothing
+    reference = LLM(
+        str(model_dir), speculative_config=None, quantization=None, max_num_seqs=4, num_kv_blocks=64
+    ).generate(prompts, SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    assert json.loads(results[0][0]) == [out.outputs[0].token_ids for out in reference]
