@@ -3,6 +3,8 @@ built-in model (spawned, so it lives in an importable module), and near-tie dete
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -69,3 +71,49 @@ def top2_margin(logits: torch.Tensor) -> float:
     """The gap between the two largest entries of a [V] row."""
     top = torch.topk(logits.float(), 2).values
     return float(top[0] - top[1])
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    for index, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return index
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def check_tokens_equal(
+    reference_model, outputs_1, outputs_n, params, what: str, near_tie: float = NEAR_TIE
+) -> int:
+    """Asserts that TP = N emitted TP = 1's tokens, except where TP = 1's scores at the first
+    difference are a near-tie (top-2 within `near_tie`), which is warned about, not hidden.
+    Sampled rows are judged on the plain sampler's scores (logits / T + the TARGET stream's
+    Gumbel noise at that position). Returns the number of near-ties found.
+
+    Args: reference_model: TP = 1's (whole) model; outputs_1 / outputs_n: `RequestOutput`s of
+    the same prompts in the same order; params: their SamplingParams."""
+    from specdec.models import prompt_logits
+    from specdec.rng import Stream, gumbel
+
+    ties = 0
+    for out_1, out_n in zip(outputs_1, outputs_n, strict=True):
+        tokens_1, tokens_n = out_1.outputs[0].token_ids, out_n.outputs[0].token_ids
+        index = _first_difference(tokens_1, tokens_n)
+        if index is None:
+            continue
+        prefix = list(out_1.prompt_token_ids) + list(tokens_1[:index])
+        scores = prompt_logits(reference_model, [prefix])[0][-1].float().cpu()  # [V]
+        if params.temperature > 0:
+            seeds, positions = torch.tensor([out_1.seed]), torch.tensor([len(prefix)])
+            noise = gumbel(seeds, positions, Stream.TARGET, scores.numel())[0]
+            scores = scores / params.temperature + noise
+        margin = top2_margin(scores)
+        assert margin < near_tie, (
+            f"{what}: TP=N emitted {tokens_n[index:]} where TP=1 emitted {tokens_1[index:]} "
+            f"(token {index}; top-2 margin {margin:.4g} is no near-tie)"
+        )
+        warnings.warn(
+            f"{what}: near-tie at token {index} (top-2 margin {margin:.3g}): TP=1 and TP=N "
+            "differ from there",
+            stacklevel=2,
+        )
+        ties += 1
+    return ties

@@ -15,16 +15,14 @@ import os
 import signal
 import threading
 import time
-import warnings
 
 import pytest
 import torch
 
 from specdec import LLM, SamplingParams
 from specdec.models import prompt_logits
-from specdec.rng import Stream, gumbel
 from specdec.runner.tensor_parallel import WorkerDiedError
-from tensor_parallel_fixtures import LOGITS_ATOL, NEAR_TIE, sharded_prompt_logits, top2_margin
+from tensor_parallel_fixtures import LOGITS_ATOL, check_tokens_equal, sharded_prompt_logits
 
 PROMPTS = [
     "The capital of France is",
@@ -58,39 +56,6 @@ def test_prompt_logits_match_tp1():
     assert worst > 0.0, "TP=2 logits equal TP=1 to the bit: were the shards summed at all?"
 
 
-def _first_difference(a: list[int], b: list[int]) -> int | None:
-    for index, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return index
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def _check_equal(reference: LLM, outputs_1, outputs_n, params: SamplingParams, what: str):
-    """Asserts equal tokens, except where TP = 1's scores at the first difference are a
-    near-tie (warned). Sampled rows are judged on the plain sampler's Gumbel-perturbed scores."""
-    for out_1, out_n in zip(outputs_1, outputs_n, strict=True):
-        tokens_1, tokens_n = out_1.outputs[0].token_ids, out_n.outputs[0].token_ids
-        index = _first_difference(tokens_1, tokens_n)
-        if index is None:
-            continue
-        prefix = list(out_1.prompt_token_ids) + list(tokens_1[:index])
-        scores = prompt_logits(reference.engine.model, [prefix])[0][-1]  # [V]
-        if params.temperature > 0:
-            seeds = torch.tensor([out_1.seed])
-            noise = gumbel(seeds, torch.tensor([len(prefix)]), Stream.TARGET, scores.numel())[0]
-            scores = scores / params.temperature + noise
-        margin = top2_margin(scores)
-        assert margin < NEAR_TIE, (
-            f"{what}: TP=2 emitted {tokens_n[index:]} where TP=1 emitted {tokens_1[index:]} "
-            f"(token {index}, top-2 margin {margin:.4g} is no near-tie)"
-        )
-        warnings.warn(
-            f"{what}: near-tie at token {index} (top-2 margin {margin:.3g}): TP=1 and TP=2 "
-            "differ from there",
-            stacklevel=2,
-        )
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["eagle", "ngram"])
 def test_tokens_match_tp1(method):
@@ -117,7 +82,9 @@ def test_tokens_match_tp1(method):
     for (name, enabled), outputs_1 in results[1].items():
         params = greedy if name == "greedy" else sampled
         what = f"{method} {name} speculation {'on' if enabled else 'off'}"
-        _check_equal(reference, outputs_1, results[2][name, enabled], params, what)
+        check_tokens_equal(
+            reference.engine.model, outputs_1, results[2][name, enabled], params, what
+        )
 
 
 def test_killed_worker_fails_with_its_rank():
@@ -159,3 +126,21 @@ def test_bad_tensor_parallel_size_is_one_line(size, message):
     with pytest.raises(ValueError, match=message) as info:
         LLM(tensor_parallel_size=size, speculative_config=None, **ENGINE_ARGS)
     assert "\n" not in str(info.value)
+
+
+def test_the_near_tie_check_rejects_a_real_difference():
+    """Negative control: a TP = N output that differs where TP = 1's top two logits are far
+    apart must fail `check_tokens_equal` (it only forgives near-ties)."""
+    from types import SimpleNamespace
+
+    llm = _engine(1, None)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    (output,) = llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    tokens = list(output.outputs[0].token_ids)
+    changed = SimpleNamespace(
+        prompt_token_ids=output.prompt_token_ids,
+        seed=output.seed,
+        outputs=[SimpleNamespace(token_ids=[(tokens[0] + 1) % 49152, *tokens[1:]])],
+    )
+    with pytest.raises(AssertionError, match="is no near-tie"):
+        check_tokens_equal(llm.engine.model, [output], [changed], params, "control")
