@@ -37,8 +37,12 @@ IDLE_TIMEOUT_S = 365 * 24 * 3600.0
 DEATH_GRACE_S = 2.0
 
 
-class WorkerDiedError(RuntimeError):
-    """A tensor-parallel worker died (or failed); the engine cannot continue."""
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel step failed: the ranks are out of step and the engine cannot go on."""
+
+
+class WorkerDiedError(TensorParallelError):
+    """A tensor-parallel worker died (killed, out of memory, or failed and exited)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +250,7 @@ class TensorParallelRunner:
 
         self._group = group
         self._closed = False
+        self._failure: TensorParallelError | None = None  # once set, every step raises it
         self._send("build", runner_args)
         self._runner = PagedModelRunner(model, **runner_args)
 
@@ -275,19 +280,35 @@ class TensorParallelRunner:
             )
 
     def _step(self, command: str, inputs, layers, first_tokens) -> Any:
+        if self._failure is not None:
+            raise self._failure
         try:
             self._send(command, (inputs, tuple(layers), first_tokens is not None))
             if first_tokens is not None:
                 dist.broadcast(first_tokens.contiguous(), src=0)
             return getattr(self._runner, command)(inputs, layers, first_tokens)
-        except WorkerDiedError:
-            raise
-        except Exception as err:  # a collective failed: name the rank that went away
-            deadline = time.monotonic() + DEATH_GRACE_S
-            while time.monotonic() < deadline:
+        except Exception as err:  # the ranks are out of step now: name why, then stay failed
+            self._failure = self._explain(err)
+            raise self._failure from err
+
+    def _explain(self, err: Exception) -> TensorParallelError:
+        """The error a failed step leaves: a dead worker named (waiting DEATH_GRACE_S for one
+        whose death failed the collective to be reaped), else the driver's own failure."""
+        if isinstance(err, TensorParallelError):
+            return err
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while True:
+            try:
                 self.check_workers()
-                time.sleep(0.05)
-            raise WorkerDiedError(f"a tensor-parallel collective failed: {err}") from err
+            except WorkerDiedError as died:
+                return died
+            if time.monotonic() > deadline or not self._group.processes:
+                break
+            time.sleep(0.05)
+        return TensorParallelError(
+            f"a tensor-parallel step failed on rank 0 ({type(err).__name__}: {err}); the "
+            "workers are out of step and the engine cannot continue"
+        )
 
     def run_with_features(self, inputs, feature_layers, first_tokens=None):
         return self._step("run_with_features", inputs, feature_layers, first_tokens)
@@ -355,6 +376,10 @@ def start_target(
     if launched is not None and launched[0] != 0:  # a launcher's worker rank: serve, then exit
         worker_main(launched[0], spec)
         raise SystemExit(0)
+    if dist.is_initialized():
+        raise ValueError(
+            "a tensor-parallel engine already runs in this process: close it first (LLM.close())"
+        )
     group = start_driver(spec, config)
     loaded = load_model(
         path,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from specdec.engine.llm_engine import LLMEngine
 from specdec.engine.outputs import RequestOutput
-from specdec.runner.tensor_parallel import WorkerDiedError
+from specdec.runner.tensor_parallel import TensorParallelError
 from specdec.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -206,7 +206,7 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except WorkerDiedError as err:  # the engine cannot go on: 503 to all, then exit
+        except TensorParallelError as err:  # the engine cannot go on: 503 to all, then exit
             logger.error("engine failed: %s; the server exits", err)
             self._abort_all(EngineDeadError(f"the engine failed: {err}"))
             self._stopping.set()
