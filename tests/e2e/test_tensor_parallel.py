@@ -144,3 +144,13 @@ def test_the_near_tie_check_rejects_a_real_difference():
     )
     with pytest.raises(AssertionError, match="is no near-tie"):
         check_tokens_equal(llm.engine.model, [output], [changed], params, "control")
+
+
+def test_more_ranks_than_gpus_is_one_line(monkeypatch):
+    from specdec.engine.setup import check_gpu_count
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs 2 CUDA devices") as info:
+        check_gpu_count(2, torch.device("cuda"))
+    assert "\n" not in str(info.value)
+    check_gpu_count(2, torch.device("cpu"))  # CPU ranks are processes: no limit

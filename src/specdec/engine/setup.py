@@ -174,6 +174,15 @@ def draft_cache_layers(spec, model: LlamaForCausalLM) -> int:
     return 0
 
 
+def check_gpu_count(tensor_parallel_size: int, device: torch.device) -> None:
+    """Raises ValueError when CUDA has fewer devices than tensor-parallel ranks (one GPU each)."""
+    if device.type == "cuda" and tensor_parallel_size > torch.cuda.device_count():
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} needs {tensor_parallel_size} CUDA "
+            f"devices; this machine has {torch.cuda.device_count()}"
+        )
+
+
 def check_tensor_parallel(
     config: EngineConfig, device: torch.device, model: LlamaForCausalLM | None, spec
 ) -> None:
@@ -186,11 +195,7 @@ def check_tensor_parallel(
             f"tensor_parallel_size={size} loads each rank's shard from config.model: pass no "
             "loaded model"
         )
-    if device.type == "cuda" and size > torch.cuda.device_count():
-        raise ValueError(
-            f"tensor_parallel_size={size} needs {size} CUDA devices; this machine has "
-            f"{torch.cuda.device_count()}"
-        )
+    check_gpu_count(size, device)
     if config.async_scheduling is True:
         raise ValueError(
             f"async_scheduling is not supported with tensor_parallel_size={size} (use auto or off)"
