@@ -229,6 +229,7 @@ def run_sweep(
         warm_up(plain, temperature)
         figures, _ = run_workload(plain, f"plain T={temperature:g}", prompts, params(temperature))
         plain_rate[temperature] = figures.tokens_per_s
+    plain.close()  # stops tensor-parallel workers before the next engine starts
     del plain
     points = []
     for name, spec in drafters.items():
@@ -258,6 +259,7 @@ def run_sweep(
                         speedup=figures.tokens_per_s / plain_rate[temperature],
                     )
                 )
+        llm.close()
         del llm
     return points
 
