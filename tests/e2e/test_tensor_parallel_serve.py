@@ -79,7 +79,9 @@ def test_killed_worker_gives_503_and_the_server_exits(tmp_path):
         if process.poll() is None:
             process.kill()
     assert exited < 20.0
-    assert "tensor-parallel worker rank 1" in process.stderr.read()
+    stderr = process.stderr.read()
+    assert "tensor-parallel worker rank 1" in stderr
+    assert "device cpu x 2 (tensor parallel)" in stderr
 
 
 def test_an_env_var_launch_runs_the_same_script_on_every_rank(tmp_path):

@@ -112,7 +112,9 @@ def startup_line(engine, name: str, config: ServerConfig) -> str:
     blocks = engine.allocator.num_blocks
     return (
         f"serving {name!r} on http://{config.host}:{config.port}: model {model}, dtype {dtype}, "
-        f"device {engine.device}, max_model_len "
+        f"device {engine.device}"
+        + (f" x {tp} (tensor parallel)" if (tp := engine.config.tensor_parallel_size) > 1 else "")
+        + ", max_model_len "
         f"{max_model_len_note(engine.config, engine.model, engine.max_model_len)}, "
         f"{blocks} KV blocks of {engine.config.block_size} tokens, speculation {speculation}"
     )
