@@ -209,9 +209,9 @@ def bench_steps(args: argparse.Namespace) -> list[dict]:
             continue
         log(f"step: {shape} TP={tp}")
         queue = context.Queue()
-        from specdec.runner.tensor_parallel import _free_port
+        from specdec.runner.tensor_parallel import free_local_port
 
-        port = _free_port()
+        port = free_local_port()
         spec = {"shape": shape, "batches": args.batches, "steps": args.steps, "device": args.device}
         ranks = [
             context.Process(target=step_rank, args=(rank, tp, port, spec, queue))

@@ -46,11 +46,11 @@ def sharded_prompt_logits(jobs, world_size: int = 2) -> list[list[torch.Tensor]]
     """`shard_prompt_logits` on `world_size` spawned ranks: per job, per prompt [T, V] logits."""
     import torch.multiprocessing as mp
 
-    from specdec.runner.tensor_parallel import _free_port
+    from specdec.runner.tensor_parallel import free_local_port
 
     context = mp.get_context("spawn")
     queue = context.Queue()
-    port = _free_port()
+    port = free_local_port()
     ranks = [
         context.Process(target=shard_prompt_logits, args=(rank, world_size, port, jobs, queue))
         for rank in range(world_size)

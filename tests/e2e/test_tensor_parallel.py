@@ -179,3 +179,30 @@ def test_gguf_blocks_kept_quantized_run_under_tp2():
         common.append(index)
     assert all(n >= 1 for n in common), common
     assert sum(common) / len(common) >= 3, common
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"async_scheduling": True}, "async_scheduling is not supported with tensor_parallel_size"),
+        (
+            {"speculative_config": {"method": "draft_model", "model": "truncated:4"}},
+            "a truncated draft model shares the target's layers",
+        ),
+    ],
+)
+def test_what_tp_does_not_run_is_refused_by_name(kwargs, message):
+    args = {**ENGINE_ARGS, "speculative_config": None, **kwargs}
+    with pytest.raises(ValueError, match=message) as info:
+        LLM(tensor_parallel_size=2, **args)
+    assert "\n" not in str(info.value)
+
+
+def test_a_loaded_model_is_refused_under_tp():
+    from specdec.engine.config import EngineConfig
+    from specdec.engine.llm_engine import LLMEngine
+
+    reference = _engine(1, None)
+    config = EngineConfig(tensor_parallel_size=2, quantization=None)
+    with pytest.raises(ValueError, match=r"loads each rank's shard from config\.model"):
+        LLMEngine(config, model=reference.engine.model, tokenizer=reference.get_tokenizer())

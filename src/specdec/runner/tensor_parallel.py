@@ -18,6 +18,7 @@ import signal
 import socket
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -26,7 +27,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from specdec.models import LlamaForCausalLM, LoadedModel, ModelConfig, load_model
+from specdec.models.loader import read_model_config
 from specdec.models.tensor_parallel import Collectives, ShardLayout, shard_layout
+from specdec.runner.model_runner import PagedModelRunner, StepInput
 
 # How long one collective of a forward step may wait for the other ranks before it fails
 # (a peer that died normally fails it at once: its sockets close).
@@ -81,7 +85,8 @@ def external_launch() -> tuple[int, int] | None:
     return None
 
 
-def _free_port() -> int:
+def free_local_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the spawned group's rendezvous)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -150,7 +155,7 @@ def _device_of(device: str, rank: int) -> torch.device:
     return torch.device(device)
 
 
-def start_driver(spec: WorkerSpec, config) -> TensorParallelGroup:
+def start_driver(spec: WorkerSpec, config: ModelConfig) -> TensorParallelGroup:
     """Rank 0's set-up: spawns ranks 1..N-1 (unless an external launcher started them) and
     joins the group. `config`: the target's ModelConfig (for the layout)."""
     launched = external_launch()
@@ -183,16 +188,12 @@ def default_init_method() -> str:
     """`env://` under an external launcher (MASTER_ADDR / MASTER_PORT), else a free local port."""
     if external_launch() is not None:
         return "env://"
-    return f"tcp://127.0.0.1:{_free_port()}"
+    return f"tcp://127.0.0.1:{free_local_port()}"
 
 
 def worker_main(rank: int, spec: WorkerSpec) -> None:
     """A worker's life: load its shard, build its runner when the driver says how, then replay
     the driver's steps until told to stop (or the driver goes away)."""
-    from specdec.models import load_model
-    from specdec.models.loader import read_model_config
-    from specdec.runner.model_runner import PagedModelRunner
-
     torch.set_num_threads(spec.threads)
     device = _device_of(spec.device, rank)
     if device.type == "cuda":
@@ -243,11 +244,11 @@ class TensorParallelRunner:
     `run_with_features`, `run_rows_with_features`) and its attributes (read through).
     """
 
-    def __init__(self, model, group: TensorParallelGroup, runner_args: dict[str, Any]) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, group: TensorParallelGroup, runner_args: dict[str, Any]
+    ) -> None:
         """Builds every rank's `PagedModelRunner(model, **runner_args)` (the workers' first, so
         that any step the set-up runs finds them ready)."""
-        from specdec.runner.model_runner import PagedModelRunner
-
         self._group = group
         self._closed = False
         self._failure: TensorParallelError | None = None  # once set, every step raises it
@@ -279,7 +280,13 @@ class TensorParallelRunner:
                 )
             )
 
-    def _step(self, command: str, inputs, layers, first_tokens) -> Any:
+    def _step(
+        self,
+        command: str,
+        inputs: list[StepInput],
+        layers: Sequence[int],
+        first_tokens: torch.Tensor | None,
+    ) -> Any:
         if self._failure is not None:
             raise self._failure
         try:
@@ -310,16 +317,32 @@ class TensorParallelRunner:
             "workers are out of step and the engine cannot continue"
         )
 
-    def run_with_features(self, inputs, feature_layers, first_tokens=None):
+    def run_with_features(
+        self,
+        inputs: list[StepInput],
+        feature_layers: Sequence[int],
+        first_tokens: torch.Tensor | None = None,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """`PagedModelRunner.run_with_features` on every rank; rank 0's results."""
         return self._step("run_with_features", inputs, feature_layers, first_tokens)
 
-    def run_rows_with_features(self, inputs, feature_layers, first_tokens=None):
+    def run_rows_with_features(
+        self,
+        inputs: list[StepInput],
+        feature_layers: Sequence[int],
+        first_tokens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`PagedModelRunner.run_rows_with_features` on every rank; rank 0's results."""
         return self._step("run_rows_with_features", inputs, feature_layers, first_tokens)
 
-    def run(self, inputs, first_tokens=None):
+    def run(
+        self, inputs: list[StepInput], first_tokens: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
         return self.run_with_features(inputs, (), first_tokens)[0]
 
-    def run_rows(self, inputs, first_tokens=None):
+    def run_rows(
+        self, inputs: list[StepInput], first_tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return self.run_rows_with_features(inputs, (), first_tokens)[0]
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -348,7 +371,7 @@ def _describe_exit(exitcode: int) -> str:
 
 def start_target(
     path: str, dtype: torch.dtype, device: torch.device, quantization: str | None, world_size: int
-):
+) -> tuple[LoadedModel, TensorParallelGroup]:
     """Starts a tensor-parallel target on the driver: the workers, the group, and rank 0's shard
     (with its collectives attached). Returns (LoadedModel of rank 0's shard, its group).
 
@@ -358,9 +381,6 @@ def start_target(
 
     Raises: ValueError: a model whose heads `world_size` ranks cannot split (before any
     process starts)."""
-    from specdec.models import load_model
-    from specdec.models.loader import read_model_config
-
     config = read_model_config(path)
     shard_layout(config, 0, world_size)  # checks the split before anything starts
     spec = WorkerSpec(
