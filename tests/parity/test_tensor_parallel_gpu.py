@@ -52,6 +52,11 @@ def _engine(tp: int, dtype: str, spec) -> LLM:
         quantization=None,
         max_num_seqs=16,
         max_model_len=512,
+        # Explicit: TP = 1 and TP = 2's driver share GPU 0 (a cache sized from free memory
+        # would leave the second nothing), and both take the synchronous step (TP = 2 has no
+        # overlapped one), so the two runs differ only by the split.
+        num_kv_blocks=1024,
+        async_scheduling=False,
         seed=0,
     )
 

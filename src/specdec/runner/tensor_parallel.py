@@ -356,8 +356,10 @@ class TensorParallelRunner:
             process.join(timeout_s)
             if process.exitcode is None:
                 process.kill()
-        with contextlib.suppress(Exception):  # a group a dead peer left broken
-            dist.destroy_process_group()
+        # NCCL's teardown may wait on a peer that died; a failed engine's process should exit.
+        if self._failure is None or dist.get_backend() == "gloo":
+            with contextlib.suppress(Exception):  # a group a dead peer left broken
+                dist.destroy_process_group()
 
 
 def _describe_exit(exitcode: int) -> str:
