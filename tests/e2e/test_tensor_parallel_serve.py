@@ -119,3 +119,48 @@ def test_an_env_var_launch_runs_the_same_script_on_every_rank(tmp_path):
         str(model_dir), speculative_config=None, quantization=None, max_num_seqs=4, num_kv_blocks=64
     ).generate(prompts, SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
     assert json.loads(results[0][0]) == [out.outputs[0].token_ids for out in reference]
+
+
+def test_an_env_var_launch_of_serve_serves_from_rank_0_and_stops_both(tmp_path):
+    """`specdec serve` under torchrun's variables on two ranks: rank 0 binds the port and
+    serves, rank 1 only replays steps; SIGTERM to rank 0 stops both."""
+    model_dir = make_tiny_model_dir(tmp_path)
+    port, rendezvous = free_port(), free_port()
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    env["MASTER_PORT"] = str(rendezvous)
+    command = [sys.executable, "-m", "specdec.cli", "serve", str(model_dir), "--port", str(port)]
+    command += ["--no-spec", "--num-kv-blocks", "64", "--threads", "1"]
+    command += ["--tensor-parallel-size", "2"]
+    ranks = [
+        subprocess.Popen(
+            command,
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    url = f"http://127.0.0.1:{port}"
+    body = {"model": "default", "prompt": "hello", "max_tokens": 8, "temperature": 0}
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        else:
+            pytest.fail("the server did not come up: " + ranks[0].stderr.read())
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        ranks[0].send_signal(signal.SIGTERM)
+        ranks[0].wait(timeout=30)
+        ranks[1].wait(timeout=30)
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+    assert ranks[1].returncode == 0, ranks[1].stderr.read()
+    assert "device cpu x 2 (tensor parallel)" in ranks[0].stderr.read()

@@ -212,7 +212,11 @@ def worker_main(rank: int, spec: WorkerSpec) -> None:
         model.attach_collectives(group.collectives)
         runner = None
         while True:
-            command, args = _receive(group)
+            try:
+                command, args = _receive(group)
+            except RuntimeError:  # the driver went away between steps: nothing is lost
+                print(f"tensor-parallel worker rank {rank}: the driver is gone; exiting")
+                os._exit(0)
             if command == "stop":
                 break
             if command == "build":

@@ -106,10 +106,13 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self, timeout_s: float) -> None:
-        """Aborts every request in flight (their streams end with EngineDeadError) and joins."""
+        """Aborts every request in flight (their streams end with EngineDeadError), joins, and
+        then closes the engine (stops its tensor-parallel workers)."""
         self._stopping.set()
         self._commands.put(("wake",))
         self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self.engine.close()
 
     def drain(self) -> None:
         """Begins a graceful shutdown (from any thread, e.g. a signal handler): nothing more is
