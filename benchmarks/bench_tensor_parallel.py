@@ -184,7 +184,7 @@ def step_rank(rank: int, world_size: int, port: int, args: dict, queue) -> None:
                 dist.barrier()
                 entry["all_reduce_graphed_ms_per_step"] = timed_ms(graph.replay, steps, device)
             # The driver's broadcast of a step's inputs (host, gloo): the part the engine adds.
-            message = [("run_rows_with_features", (inputs, (), False))]
+            message = [("run_rows_with_features", (inputs, (), False, {}))]
             dist.barrier()
             start = time.perf_counter()
             for _ in range(steps):

@@ -223,12 +223,12 @@ def worker_main(rank: int, spec: WorkerSpec) -> None:
                 runner = PagedModelRunner(model, **args)
                 continue
             assert runner is not None
-            inputs, layers, has_first = args
+            inputs, layers, has_first, options = args
             first_tokens = None
             if has_first:
                 first_tokens = torch.empty(len(inputs), dtype=torch.int64, device=device)
                 dist.broadcast(first_tokens, src=0)
-            getattr(runner, command)(inputs, layers, first_tokens)
+            getattr(runner, command)(inputs, layers, first_tokens, **options)
     except Exception:  # report, then exit: the driver's next collective fails and names us
         traceback.print_exc()
         os._exit(1)
@@ -290,14 +290,17 @@ class TensorParallelRunner:
         inputs: list[StepInput],
         layers: Sequence[int],
         first_tokens: torch.Tensor | None,
+        options: dict[str, Any],
     ) -> Any:
+        """Sends the step to the workers, then runs it here; `options`: the runner method's
+        keyword arguments, passed on to every rank."""
         if self._failure is not None:
             raise self._failure
         try:
-            self._send(command, (inputs, tuple(layers), first_tokens is not None))
+            self._send(command, (inputs, tuple(layers), first_tokens is not None, options))
             if first_tokens is not None:
                 dist.broadcast(first_tokens.contiguous(), src=0)
-            return getattr(self._runner, command)(inputs, layers, first_tokens)
+            return getattr(self._runner, command)(inputs, layers, first_tokens, **options)
         except Exception as err:  # the ranks are out of step now: name why, then stay failed
             self._failure = self._explain(err)
             raise self._failure from err
@@ -326,18 +329,20 @@ class TensorParallelRunner:
         inputs: list[StepInput],
         feature_layers: Sequence[int],
         first_tokens: torch.Tensor | None = None,
+        **options: Any,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """`PagedModelRunner.run_with_features` on every rank; rank 0's results."""
-        return self._step("run_with_features", inputs, feature_layers, first_tokens)
+        return self._step("run_with_features", inputs, feature_layers, first_tokens, options)
 
     def run_rows_with_features(
         self,
         inputs: list[StepInput],
         feature_layers: Sequence[int],
         first_tokens: torch.Tensor | None = None,
+        **options: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`PagedModelRunner.run_rows_with_features` on every rank; rank 0's results."""
-        return self._step("run_rows_with_features", inputs, feature_layers, first_tokens)
+        return self._step("run_rows_with_features", inputs, feature_layers, first_tokens, options)
 
     def run(
         self, inputs: list[StepInput], first_tokens: torch.Tensor | None = None
