@@ -234,6 +234,7 @@ def run_sweep(
         warm_up(plain, temperature)
         figures, _ = run_workload(plain, f"plain T={temperature:g}", prompts, params(temperature))
         plain_rate[temperature] = figures.tokens_per_s
+    plain.close()  # stops tensor-parallel workers before the next engine starts
     del plain
     points = []
     for name, spec in drafters.items():
@@ -263,6 +264,7 @@ def run_sweep(
                         speedup=figures.tokens_per_s / plain_rate[temperature],
                     )
                 )
+        llm.close()
         del llm
         if spec.get("method") not in TREE_METHODS:
             continue

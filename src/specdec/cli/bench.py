@@ -87,6 +87,7 @@ def _bench(args: argparse.Namespace) -> int:
         for i in range(len(prompts))
     ]
     plain_figures, plain_outputs = bench.run_workload(plain, "plain", prompts, params)
+    plain.close()  # stops tensor-parallel workers before the next engine starts
     del plain
     spec_llm = LLM(args.model, speculative_config=spec, **engine_kwargs(args))
     name = f"{spec.method} K={spec.num_speculative_tokens}"

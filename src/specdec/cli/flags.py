@@ -304,19 +304,30 @@ def speculative_config(args: argparse.Namespace, default: dict | None) -> Specul
 
 def check_before_loading(config: EngineConfig) -> None:
     """The checks of an engine's settings that need no model (run before loading one, which
-    takes seconds): the device exists, an FP8 KV cache has CUDA, and the model path exists.
+    takes seconds): the device exists, an FP8 KV cache has CUDA, the model path exists, and a
+    tensor-parallel size splits the model's heads (read from its config alone) on as many GPUs.
 
     Raises:
-        ValueError: no CUDA device for device="cuda"; kv_cache_dtype fp8 off CUDA.
+        ValueError: no CUDA device for device="cuda"; kv_cache_dtype fp8 off CUDA; a
+            tensor_parallel_size the model or the GPUs cannot take.
         FileNotFoundError: no such model path.
     """
     from pathlib import Path
 
-    from specdec.engine.setup import check_kv_cache_dtype, resolve_device
+    from specdec.engine.setup import check_gpu_count, check_kv_cache_dtype, resolve_device
 
-    check_kv_cache_dtype(config.kv_cache_dtype, resolve_device(config.device))
+    device = resolve_device(config.device)
+    check_kv_cache_dtype(config.kv_cache_dtype, device)
     if config.model is not None and not Path(config.model).exists():
         raise FileNotFoundError(f"no such model path: {config.model}")
+    if config.tensor_parallel_size > 1:
+        from specdec.models import default_model_path
+        from specdec.models.loader import read_model_config
+        from specdec.models.tensor_parallel import check_tensor_parallel_size
+
+        model_config = read_model_config(config.model or default_model_path())
+        check_tensor_parallel_size(model_config, config.tensor_parallel_size)
+        check_gpu_count(config.tensor_parallel_size, device)
 
 
 def sampling_params(args: argparse.Namespace, **overrides: Any) -> SamplingParams:

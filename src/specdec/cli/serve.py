@@ -62,6 +62,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     from specdec.engine.config import EngineConfig
     from specdec.engine.llm_engine import LLMEngine
+    from specdec.runner.tensor_parallel import external_launch
     from specdec.server import AsyncEngine, ServerConfig, build_app
     from specdec.server.lifecycle import DrainingServer, bind_socket
 
@@ -74,7 +75,12 @@ def _serve(args: argparse.Namespace) -> int:
     engine_config = EngineConfig(model=args.model, **engine_kwargs(args, seed=True))
     check_before_loading(engine_config)
     spec = None if args.no_spec else speculative_config(args, default_spec(args.model))
+    launched = external_launch()
+    if launched is not None and launched[0] != 0:  # a launcher's worker rank: no server
+        LLMEngine(engine_config, spec)  # serves rank 0's steps, then exits the process
+        return 0
     sock = bind_socket(config.host, config.port)  # a busy port fails now, not after loading
+    engine = None
     try:
         sys.stderr.write(f"loading {args.model or 'the built-in SmolLM2-135M-Instruct'} ...\n")
         engine = LLMEngine(engine_config, spec)
@@ -92,6 +98,8 @@ def _serve(args: argparse.Namespace) -> int:
         server.run(sockets=[sock])
     finally:
         sock.close()
+        if engine is not None:
+            engine.close()  # tensor-parallel workers stop with the server
     return 0
 
 
@@ -112,7 +120,9 @@ def startup_line(engine, name: str, config: ServerConfig) -> str:
     blocks = engine.allocator.num_blocks
     return (
         f"serving {name!r} on http://{config.host}:{config.port}: model {model}, dtype {dtype}, "
-        f"device {engine.device}, max_model_len "
+        f"device {engine.device}"
+        + (f" x {tp} (tensor parallel)" if (tp := engine.config.tensor_parallel_size) > 1 else "")
+        + ", max_model_len "
         f"{max_model_len_note(engine.config, engine.model, engine.max_model_len)}, "
         f"{blocks} KV blocks of {engine.config.block_size} tokens, speculation {speculation}"
     )

@@ -53,8 +53,10 @@ class EngineConfig:
         seed: the engine's seed: requests without a seed of their own get seeds derived from
             it in the order they arrive, so a script run twice replays (None: a fresh seed per
             request, recorded in its output).
-        tensor_parallel_size: GPUs a model is split over; only 1 for now (tensor parallelism
-            is not implemented yet).
+        tensor_parallel_size: processes (one GPU each on CUDA) the target is split over
+            (tensor parallelism: heads, MLP columns and vocabulary; see
+            docs/tensor-parallel.md). The scheduler, sampler, verifier and drafter run once,
+            on rank 0. It must split the model's heads (checked at load).
         kv_cache_dtype: the target's KV cache: "auto" (the model's dtype) or "fp8" / "fp8_e4m3"
             (float8 e4m3, CUDA only: half the bytes of bfloat16; values are stored as they are,
             a per-tensor scale of 1.0 as vLLM uses without calibration, saturating at +-448).
@@ -121,11 +123,9 @@ class EngineConfig:
             or not -(2**63) <= self.seed < 2**64
         ):
             raise ValueError(f"seed must be an integer that fits in 64 bits, got {self.seed!r}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size!r} is not supported: tensor "
-                "parallelism is not implemented yet (use 1)"
-            )
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

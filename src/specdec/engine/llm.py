@@ -39,7 +39,8 @@ class LLM:
             speculation; "auto" (the default) = the shipped EAGLE head at K = 2 for the built-in
             model, no speculation for any other model.
         **engine_args: EngineConfig fields (max_num_seqs, max_model_len, dtype, device, seed,
-            tensor_parallel_size (1), ...); unknown ones raise ValueError naming them.
+            tensor_parallel_size (1; N splits the target over N processes), ...); unknown
+            ones raise ValueError naming them.
         """
         if isinstance(speculative_config, str):
             if speculative_config != "auto":
@@ -57,6 +58,10 @@ class LLM:
     def get_tokenizer(self):
         """The model's `Tokenizer` (encode, decode, apply_chat_template), as vLLM's LLM has."""
         return self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers, if any (they also stop when this process exits)."""
+        self.engine.close()
 
     def generate(
         self,

@@ -32,6 +32,7 @@ from specdec.engine.request import Request, RequestStatus, SpecSettings
 from specdec.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from specdec.engine.setup import (
     check_kv_cache_dtype,
+    check_tensor_parallel,
     draft_cache_layers,
     resolve_device,
     resolve_dtype,
@@ -42,9 +43,11 @@ from specdec.engine.setup import (
 from specdec.engine.spec_policy import PLAIN, SpeculationPolicy
 from specdec.metrics import LoopStats, SpecDecodeStats
 from specdec.models import LlamaForCausalLM, Tokenizer, default_model_path, load_model
+from specdec.models.loader import load_vocabulary_layers
 from specdec.rng import derive_seed, engine_request_seed, fresh_seed, to_signed64
 from specdec.runner import BlockAllocator, PagedModelRunner, StepInput
 from specdec.runner.cuda_graph import batch_buckets, bucket_for
+from specdec.runner.tensor_parallel import TensorParallelGroup, TensorParallelRunner, start_target
 from specdec.sampling import LogitsRules, SamplingParams, StructuredOutputsParams
 from specdec.sampling.grammar import CompiledGrammar, GrammarCompiler
 from specdec.transfer import Readback
@@ -95,9 +98,21 @@ class LLMEngine:
         check_kv_cache_dtype(config.kv_cache_dtype, self.device)  # before a model loads
         self.async_scheduling = config.async_scheduling
         if self.async_scheduling == "auto":
-            self.async_scheduling = self.device.type == "cuda"
-        if model is None:
-            path = config.model or str(default_model_path())
+            # Overlapped steps are not replayed on tensor-parallel workers (yet).
+            self.async_scheduling = self.device.type == "cuda" and config.tensor_parallel_size == 1
+        self.tensor_parallel: TensorParallelGroup | None = None
+        path = config.model or str(default_model_path())
+        if config.tensor_parallel_size > 1:
+            check_tensor_parallel(config, self.device, model, speculative_config)
+            loaded, self.tensor_parallel = start_target(
+                path,
+                resolve_dtype(config.dtype, self.device),
+                self.device,
+                config.quantization,
+                config.tensor_parallel_size,
+            )
+            model, tokenizer = loaded.model, loaded.tokenizer
+        elif model is None:
             dtype = resolve_dtype(config.dtype, self.device)
             model, _, tokenizer = load_model(
                 path, dtype=dtype, device=self.device, quantization=config.quantization
@@ -120,10 +135,9 @@ class LLMEngine:
             and speculative_config is not None
             and model.config.eager_only_reason is None
         )
-        self.runner = PagedModelRunner(
-            model,
-            num_blocks,
-            config.block_size,
+        runner_args = dict(
+            num_blocks=num_blocks,
+            block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             # Verify rounds of the default K take the decode path; a request asking for more
@@ -134,6 +148,10 @@ class LLMEngine:
             decode_path=True if self.device_rounds else None,
             kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype, self.device),
         )
+        if self.tensor_parallel is None:
+            self.runner = PagedModelRunner(model, **runner_args)
+        else:  # every rank builds its runner; each step is replayed on the workers
+            self.runner = TensorParallelRunner(model, self.tensor_parallel, runner_args)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -190,7 +208,22 @@ class LLMEngine:
             enforce_eager=self.config.enforce_eager,
             device_rounds=self.device_rounds,
         )
-        return build_drafter(spec, self.model, setup)
+        target = self.model
+        if self.tensor_parallel is not None and spec.method in ("eagle", "mtp", "draft_model"):
+            # The drafter runs on the driver only: it shares the whole-vocabulary embedding
+            # and LM head, loaded there once more (the driver's shard holds a slice).
+            target = load_vocabulary_layers(
+                self.config.model or str(default_model_path()),
+                self.model.dtype,
+                self.device,
+                self.model.quantization,
+            )
+        return build_drafter(spec, target, setup)
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers (nothing to do on one device); idempotent."""
+        if isinstance(self.runner, TensorParallelRunner):
+            self.runner.close()
 
     def _check_round_fits(self, k: int) -> None:
         if k + 1 > self.config.max_num_batched_tokens:

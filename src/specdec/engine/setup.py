@@ -124,7 +124,8 @@ def kv_bytes_per_token(
     cfg = model.config
     kv_itemsize = torch.empty((), dtype=kv_dtype).element_size()
     itemsize = torch.empty((), dtype=model.dtype).element_size()
-    per_head = cfg.num_key_value_heads * cfg.head_dim
+    kv_heads = cfg.num_key_value_heads if model.shard is None else model.shard.num_kv_heads
+    per_head = kv_heads * cfg.head_dim  # a tensor-parallel rank caches its own KV heads
     return 2 * per_head * (cfg.num_hidden_layers * kv_itemsize + draft_layers * itemsize)
 
 
@@ -171,3 +172,40 @@ def draft_cache_layers(spec, model: LlamaForCausalLM) -> int:
             return int(spec.model[len(prefix) :])
         return model.config.num_hidden_layers
     return 0
+
+
+def check_gpu_count(tensor_parallel_size: int, device: torch.device) -> None:
+    """Raises ValueError when CUDA has fewer devices than tensor-parallel ranks (one GPU each)."""
+    if device.type == "cuda" and tensor_parallel_size > torch.cuda.device_count():
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} needs {tensor_parallel_size} CUDA "
+            f"devices; this machine has {torch.cuda.device_count()}"
+        )
+
+
+def check_tensor_parallel(
+    config: EngineConfig, device: torch.device, model: LlamaForCausalLM | None, spec
+) -> None:
+    """Refuses, in one line each, what tensor parallelism (tensor_parallel_size > 1) does not
+    run: a model passed in already loaded, more ranks than CUDA devices, overlapped
+    (async) scheduling asked for, and a draft model made of the target's own layers."""
+    size = config.tensor_parallel_size
+    if model is not None:
+        raise ValueError(
+            f"tensor_parallel_size={size} loads each rank's shard from config.model: pass no "
+            "loaded model"
+        )
+    check_gpu_count(size, device)
+    if config.async_scheduling is True:
+        raise ValueError(
+            f"async_scheduling is not supported with tensor_parallel_size={size} (use auto or off)"
+        )
+    if (
+        spec is not None
+        and spec.method == "draft_model"
+        and str(spec.model).startswith("truncated:")
+    ):
+        raise ValueError(
+            "a truncated draft model shares the target's layers, which are split over "
+            f"tensor_parallel_size={size} ranks: use an EAGLE head, n-gram or another draft model"
+        )

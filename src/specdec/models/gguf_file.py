@@ -23,6 +23,7 @@ from specdec.models.gguf_blocks import GGUF_QUANT_TYPES, decode_blocks
 from specdec.models.gguf_header import GGUFHeaderError, read_header
 from specdec.models.quant import GroupQuantized
 from specdec.models.rope import RopeScaling, parse_rope_scaling
+from specdec.models.tensor_parallel import TensorSlice
 from specdec.models.tokenizer import Tokenizer
 from specdec.models.weights import CheckpointError
 
@@ -292,10 +293,13 @@ class GGUFFile:
             KeyError: no such tensor.
             CheckpointError: a quantization type `gguf` cannot dequantize, or a truncated file.
         """
+        return self._dequantize(gguf_name, self._raw(gguf_name), self._shape(gguf_name))
+
+    def _dequantize(self, gguf_name: str, raw: np.ndarray, shape: list[int]) -> torch.Tensor:
+        """Stored bytes `raw` of (part of) a tensor -> float32 of `shape`."""
         from gguf.quants import dequantize
 
         tensor = self._tensors[gguf_name]
-        raw = self._raw(gguf_name)
         if tensor.tensor_type.name in ("F32", "F16"):  # `dequantize` reads these as values
             raw = raw.view(np.float32 if tensor.tensor_type.name == "F32" else np.float16)
         try:
@@ -304,7 +308,37 @@ class GGUFFile:
             raise CheckpointError(
                 f"{self.path}: tensor {gguf_name!r} has unsupported type {tensor.tensor_type.name}"
             ) from err
-        return torch.from_numpy(np.array(values, dtype=np.float32).reshape(self._shape(gguf_name)))
+        return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
+
+    def _raw_slice(self, gguf_name: str, piece: TensorSlice) -> tuple[np.ndarray, list[int]] | None:
+        """The stored bytes of a slice of one tensor and its shape: rows are read alone (they
+        are contiguous); columns are cut out of each row, and only on block boundaries (None
+        when the slice's edges fall inside a quantization block).
+
+        Raises: CheckpointError: the file ends inside the tensor."""
+        from gguf import GGML_QUANT_SIZES
+
+        tensor = self._tensors[gguf_name]
+        shape = self._shape(gguf_name)
+        block_values, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
+        row_values = shape[1] if len(shape) == 2 else 1
+        row_bytes = row_values * block_bytes // block_values
+        if piece.dim == 0:
+            count = piece.end - piece.start
+            offset = tensor.data_offset + piece.start * row_bytes
+            with self.path.open("rb") as file:
+                data = os.pread(file.fileno(), count * row_bytes, offset)
+            if len(data) != count * row_bytes:
+                raise CheckpointError(f"{self.path}: truncated file inside tensor {gguf_name!r}")
+            return np.frombuffer(data, dtype=np.uint8), [count, *shape[1:]]
+        if piece.start % block_values or piece.end % block_values:
+            return None
+        rows = self._raw(gguf_name).reshape(shape[0], row_bytes)
+        first, last = (edge // block_values * block_bytes for edge in (piece.start, piece.end))
+        return np.ascontiguousarray(rows[:, first:last]).reshape(-1), [
+            shape[0],
+            piece.end - piece.start,
+        ]
 
     def read_quantized(self, gguf_name: str) -> GroupQuantized | None:
         """One tensor as group-quantized integers (exactly its dequantization, see
@@ -326,35 +360,78 @@ class GGUFFile:
         gguf_name = self._hf_names.get(hf_name)
         return None if gguf_name is None else self.tensor_type(gguf_name)
 
-    def _restore_rows(self, gguf_name: str, config: ModelConfig):
-        """The row permutation that undoes llama.cpp's Q/K reordering of this tensor, or None."""
+    def _restore_rows(self, gguf_name: str, config: ModelConfig, num_rows: int | None = None):
+        """The row permutation that undoes llama.cpp's Q/K reordering of this tensor (or of
+        `num_rows` of its rows, whole heads), or None."""
         if self.architecture in _PERMUTED_QK_ARCHITECTURES:
-            if ".attn_q." in gguf_name:
-                return lambda t: reverse_permute_qk(t, config.num_attention_heads)
-            if ".attn_k." in gguf_name:
-                return lambda t: reverse_permute_qk(t, config.num_key_value_heads)
+            for part, heads in (
+                (".attn_q.", config.num_attention_heads),
+                (".attn_k.", config.num_key_value_heads),
+            ):
+                if part in gguf_name:
+                    if num_rows is not None:  # the permutation is within each head
+                        heads = num_rows // config.head_dim
+                    return lambda t, heads=heads: reverse_permute_qk(t, heads)
         return None
 
-    def read_hf_tensor(self, hf_name: str, config: ModelConfig) -> torch.Tensor | None:
-        """The float32 tensor for an HF parameter name (Q/K rows restored), or None if absent."""
+    def read_hf_tensor(
+        self, hf_name: str, config: ModelConfig, piece: TensorSlice | None = None
+    ) -> torch.Tensor | None:
+        """The float32 tensor for an HF parameter name (Q/K rows restored), or None if absent;
+        only its `piece` when given (a tensor-parallel rank's slice: only those rows are read;
+        columns that do not start on a block boundary are cut from the dequantized tensor)."""
         gguf_name = self._hf_names.get(hf_name)
         if gguf_name is None:
             return None
-        tensor = self.read_tensor(gguf_name)
-        restore = self._restore_rows(gguf_name, config)
+        if piece is None or piece.zeros:
+            tensor = self.read_tensor(gguf_name)
+            restore = self._restore_rows(gguf_name, config)
+            tensor = tensor if restore is None else restore(tensor)
+            return tensor if piece is None else piece.take(tensor)
+        sliced = self._raw_slice(gguf_name, piece)
+        if sliced is None:
+            tensor = piece.take(self.read_tensor(gguf_name))
+        else:
+            tensor = self._dequantize(gguf_name, *sliced)
+        restore = self._restore_rows(gguf_name, config, tensor.shape[0])
         return tensor if restore is None else restore(tensor)
 
-    def read_hf_quantized(self, hf_name: str, config: ModelConfig) -> GroupQuantized | None:
+    def read_hf_quantized(
+        self, hf_name: str, config: ModelConfig, piece: TensorSlice | None = None
+    ) -> GroupQuantized | None:
         """`read_quantized` for an HF parameter name (Q/K rows restored); None if absent or not
-        stored in one of GGUF_QUANT_TYPES."""
+        stored in one of GGUF_QUANT_TYPES, or when `piece` (a rank's slice, as in
+        `read_hf_tensor`) cuts columns inside a quantization block."""
         gguf_name = self._hf_names.get(hf_name)
         if gguf_name is None:
             return None
-        quantized = self.read_quantized(gguf_name)
-        restore = self._restore_rows(gguf_name, config)
-        if quantized is None or restore is None:
-            return quantized
-        return quantized.map_rows(restore)
+        if piece is None:
+            quantized = self.read_quantized(gguf_name)
+        else:
+            type_name = self.tensor_type(gguf_name)
+            if type_name not in GGUF_QUANT_TYPES or len(self._shape(gguf_name)) != 2:
+                return None
+            sliced = self._raw_slice(gguf_name, piece)
+            if sliced is None:
+                return None
+            raw, shape = sliced
+            quantized = decode_blocks(raw, type_name, (shape[0], shape[1]))
+        if quantized is None:
+            return None
+        restore = self._restore_rows(
+            gguf_name, config, None if piece is None else quantized.shape[0]
+        )
+        return quantized if restore is None else quantized.map_rows(restore)
+
+    def is_block_aligned(self, hf_name: str, piece: TensorSlice) -> bool:
+        """Whether `piece` of the tensor stored for `hf_name` keeps whole quantization blocks."""
+        from gguf import GGML_QUANT_SIZES
+
+        gguf_name = self._hf_names.get(hf_name)
+        if gguf_name is None or piece.dim == 0:
+            return True
+        block_values, _ = GGML_QUANT_SIZES[self._tensors[gguf_name].tensor_type]
+        return piece.start % block_values == 0 and piece.end % block_values == 0
 
     def tokenizer(self) -> Tokenizer | None:
         """The tokenizer described by `tokenizer.ggml.*`, or None if the file has no vocabulary.

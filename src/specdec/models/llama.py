@@ -2,7 +2,9 @@
 
 Token-flattened ([T, ...]) and paged-KV throughout; numerics follow `transformers`, the reference.
 Parameters are created empty and only ever filled from checkpoint files (never initialised
-randomly); nothing here reads files or samples.
+randomly); nothing here reads files or samples. Under tensor parallelism (a `ShardLayout`) each
+rank's model holds its heads, MLP columns and vocabulary rows, and its forward pass runs the
+`Collectives` attached to it (`attach_collectives`) at the row-parallel outputs and the logits.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from specdec.models.quant import (
     rowwise_linear,
 )
 from specdec.models.rope import RotaryEmbedding, apply_rotary, attention_scale
+from specdec.models.tensor_parallel import Collectives, ShardLayout
 
 
 class Linear(nn.Module):
@@ -80,13 +83,20 @@ class Linear(nn.Module):
 
 class Embedding(nn.Module):
     """Token embedding table with an empty [V, D] weight, or a quantized table whose rows are
-    dequantized on lookup (GGUF embeddings stay quantized)."""
+    dequantized on lookup (GGUF embeddings stay quantized).
 
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+    Vocabulary-parallel when `first_id` is set: the table holds rows first_id..first_id+V-1;
+    other ids look up zeros, and the ranks' lookups are summed (`tp`), one nonzero per row.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, first_id: int | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))  # [V, D]
         self.quantized: GroupQuantized | None = None
         self.dtype: torch.dtype | None = None
+        self.num_embeddings = num_embeddings
+        self.first_id = first_id
+        self.tp: Collectives | None = None
 
     def set_quantized(self, table: GroupQuantized, dtype: torch.dtype) -> None:
         """Replaces the float table by `table` ([V, D], on the model's device); lookups return
@@ -95,6 +105,15 @@ class Embedding(nn.Module):
         self.quantized, self.dtype = table, dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.first_id is None:
+            return self._lookup(input_ids)
+        local = input_ids - self.first_id  # [T]; no host sync: masked, never filtered
+        inside = (local >= 0) & (local < self.num_embeddings)
+        rows = self._lookup(torch.where(inside, local, torch.zeros_like(local)))
+        rows = torch.where(inside[:, None], rows, torch.zeros_like(rows))
+        return rows if self.tp is None else self.tp.all_reduce(rows)
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
             return embedding_lookup(self.quantized, input_ids).to(self.dtype)
         return F.embedding(input_ids, self.weight)
@@ -170,10 +189,11 @@ class RMSNorm(nn.Module):
 class LlamaAttention(nn.Module):
     """GQA self-attention with RoPE (and Qwen3's per-head q/k RMSNorm) over the paged cache."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: ShardLayout | None = None) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = config.num_attention_heads if shard is None else shard.num_q_heads
+        self.num_kv_heads = config.num_key_value_heads if shard is None else shard.num_kv_heads
+        self.tp: Collectives | None = None  # the o_proj all-reduce under tensor parallelism
         self.head_dim = config.head_dim
         self.scale = attention_scale(config)  # 1 / sqrt(head_dim), times YaRN's m^2
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -235,7 +255,9 @@ class LlamaAttention(nn.Module):
                 qkv, plan, k_cache, v_cache, self.num_heads, self.num_kv_heads
             )
             out = decode_attention_cpu(query, k_cache, v_cache, plan, self.scale)
-            return self.o_proj.decode(out.reshape(num_tokens, self.num_heads * self.head_dim))
+            return self._reduce(
+                self.o_proj.decode(out.reshape(num_tokens, self.num_heads * self.head_dim))
+            )
         query = rope_write_kv(
             qkv,
             positions,
@@ -247,7 +269,13 @@ class LlamaAttention(nn.Module):
             self.num_kv_heads,
         )  # [T, H_q, D_head]
         out = paged_decode_attention(query, k_cache, v_cache, meta, self.scale)
-        return self.o_proj.decode(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return self._reduce(
+            self.o_proj.decode(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        )
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The row-parallel o_proj's partial products summed over the ranks (as is at TP 1)."""
+        return partial if self.tp is None else self.tp.all_reduce(partial)
 
     def forward(
         self,
@@ -274,17 +302,19 @@ class LlamaAttention(nn.Module):
         write_kv_planned(key, value, k_cache, v_cache, plan)
         out = paged_attention(query, k_cache, v_cache, plan, scale=self.scale)
         # [T, H_q, D_head]
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return self._reduce(self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim)))
 
 
 class LlamaMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: ShardLayout | None = None) -> None:
         super().__init__()
-        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, config.mlp_bias)
-        self.up_proj = Linear(config.hidden_size, config.intermediate_size, config.mlp_bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias)
+        size = config.intermediate_size if shard is None else shard.intermediate_size
+        self.gate_proj = Linear(config.hidden_size, size, config.mlp_bias)
+        self.up_proj = Linear(config.hidden_size, size, config.mlp_bias)
+        self.down_proj = Linear(size, config.hidden_size, config.mlp_bias)
+        self.tp: Collectives | None = None  # the down_proj all-reduce under tensor parallelism
         # One [2 F, hidden] gate/up projection (as `LlamaAttention.qkv_proj`).
         self.gate_up_proj: Linear | None = None
 
@@ -297,8 +327,12 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None and self.gate_up_proj.quantized is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self._reduce(self.down_proj(F.silu(gate) * up))
+        return self._reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The row-parallel down_proj's partial products summed over the ranks."""
+        return partial if self.tp is None else self.tp.all_reduce(partial)
 
     def forward_decode(self, x: torch.Tensor) -> torch.Tensor:
         """`forward` through one gate/up GEMM and the fused silu * up kernel."""
@@ -306,16 +340,16 @@ class LlamaMLP(nn.Module):
             gate_up = self.gate_up_proj.decode(x)
         else:
             gate_up = torch.cat([self.gate_proj.decode(x), self.up_proj.decode(x)], dim=-1)
-        return self.down_proj.decode(silu_mul(gate_up))
+        return self._reduce(self.down_proj.decode(silu_mul(gate_up)))
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: ShardLayout | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, shard)
+        self.mlp = LlamaMLP(config, shard)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -337,11 +371,14 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (parameter names match HF's `model.*`)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: ShardLayout | None = None) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        if shard is None:
+            self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = Embedding(shard.vocab_size, config.hidden_size, shard.vocab[0])
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, shard) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
@@ -427,16 +464,20 @@ class LlamaForCausalLM(nn.Module):
     """A Llama-family causal LM over a paged KV cache (one step = any mix of prefill and decode).
 
     Parameter names are HF's (`model.layers.N.self_attn.q_proj.weight`, ..., `lm_head.weight`),
-    so a HF state dict loads as is; with tied embeddings there is no `lm_head`.
+    so a HF state dict loads as is; with tied embeddings there is no `lm_head`. With a `shard`
+    the parameters are this rank's slices (same names, smaller shapes; see `ShardLayout`).
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: ShardLayout | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.shard = shard
+        self.tp: Collectives | None = None  # set by `attach_collectives`
+        self.model = LlamaModel(config, shard)
         self.lm_head = None
         if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+            vocab = config.vocab_size if shard is None else shard.vocab_size
+            self.lm_head = Linear(config.hidden_size, vocab, bias=False)
         # A tied LM head whose table is quantized for the product (the loader sets it).
         self.tied_head: QuantizedWeight | None = None
         self.quantization: str | None = None  # what the linears run as (set by the loader)
@@ -501,6 +542,18 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"return_layers {bad} out of range for {num_layers} layers")
         return self.model(input_ids, positions, attn, kv_cache, return_layers)
 
+    def attach_collectives(self, collectives: Collectives) -> None:
+        """Makes this rank's shard run `collectives` (the group every rank's shard joins).
+
+        Mutates: the embedding, every attention and MLP block (their `tp`), `self.tp`."""
+        if self.shard is None:
+            raise ValueError("collectives attach to a sharded model (load it with a ShardLayout)")
+        self.tp = collectives
+        self.model.embed_tokens.tp = collectives
+        for layer in self.model.layers:
+            layer.self_attn.tp = collectives
+            layer.mlp.tp = collectives
+
     def fuse_projections(self) -> None:
         """Concatenates q/k/v and gate/up weights for the decode path (the per-projection
         parameters become views of the fused tensors: no extra memory)."""
@@ -526,24 +579,27 @@ class LlamaForCausalLM(nn.Module):
         """Args: hidden: [N, D] final hidden states; decode: rows of a decode/verify step
         (computed as each would be alone, see `Linear.decode`).
 
-        Returns: [N, V] float32 logits."""
+        Returns: [N, V] float32 logits (under tensor parallelism every rank's vocabulary rows,
+        gathered)."""
         head = self.lm_head_quantized
         if head is not None:
-            return quant_linear(hidden, head, kernel_only=decode).float()
-        if decode:
-            return rowwise_linear(hidden, self.lm_head_weight).float()
-        return F.linear(hidden, self.lm_head_weight).float()
+            logits = quant_linear(hidden, head, kernel_only=decode).float()
+        elif decode:
+            logits = rowwise_linear(hidden, self.lm_head_weight).float()
+        else:
+            logits = F.linear(hidden, self.lm_head_weight).float()
+        return logits if self.tp is None else self.tp.gather_vocab(logits)
 
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None
     ) -> KVCache:
         """A zero-filled cache for this model on its device, in `dtype` (None: its activation
-        dtype; float8 e4m3 on CUDA halves it)."""
+        dtype; float8 e4m3 on CUDA halves it); a shard caches its own KV heads."""
         return KVCache.allocate(
             self.config.num_hidden_layers,
             num_blocks,
             block_size,
-            self.config.num_key_value_heads,
+            self.config.num_key_value_heads if self.shard is None else self.shard.num_kv_heads,
             self.config.head_dim,
             dtype=self.dtype if dtype is None else dtype,
             device=self.device,

@@ -10,6 +10,7 @@ fused) and the LM head are packed for their kernels (`quant.py`) and never held 
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -28,6 +29,7 @@ from specdec.models.quant import (
     concat_quantized,
     quantize,
 )
+from specdec.models.tensor_parallel import ShardLayout, TensorSlice, tensor_slice
 from specdec.models.tokenizer import Tokenizer
 from specdec.models.weights import CheckpointError, assign_weights
 
@@ -91,8 +93,10 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     quantization: str | None = None,
+    shard: ShardLayout | None = None,
 ) -> LoadedModel:
-    """Loads a model from a HF directory or a `.gguf` file.
+    """Loads a model from a HF directory or a `.gguf` file (or one tensor-parallel rank's shard
+    of it: only that rank's slices of each tensor are read).
 
     Args:
         path: a directory with config.json + safetensors, or a GGUF file.
@@ -105,6 +109,11 @@ def load_model(
             (per channel), "int4" (group-wise; GGUF 4-bit tensors as they are) and "fp8" (e4m3,
             per channel; an FP8 checkpoint's own scales) quantize at load; "auto" picks
             ("gguf" for a GGUF file on the CPU).
+        shard: load only this rank's slices (`tensor_parallel.ShardLayout`; None: the whole
+            model). GGUF blocks stay quantized: rows split anywhere, columns of the
+            row-parallel o/down projections on block boundaries (a tensor whose boundary falls
+            inside a block is dequantized, with a warning). "int8"/"int4"/"fp8" quantize each
+            rank's slice.
 
     Returns:
         LoadedModel(model in eval mode without grads, its ModelConfig, its Tokenizer or None when
@@ -117,7 +126,9 @@ def load_model(
     """
     path = Path(path)
     if path.is_dir():
-        loaded = _load_hf_dir(path, dtype, device, resolve_quantization(path, quantization, device))
+        loaded = _load_hf_dir(
+            path, dtype, device, resolve_quantization(path, quantization, device), shard
+        )
     elif not path.exists():
         raise FileNotFoundError(f"no such model path: {path}")
     elif not is_gguf(path):
@@ -126,7 +137,9 @@ def load_model(
             "config.json and *.safetensors, or a .gguf file)"
         )
     else:
-        loaded = _load_gguf(path, dtype, device, resolve_quantization(path, quantization, device))
+        loaded = _load_gguf(
+            path, dtype, device, resolve_quantization(path, quantization, device), shard
+        )
     _release_freed_memory()
     return loaded
 
@@ -142,20 +155,53 @@ def _release_freed_memory() -> None:
         pass
 
 
+def _empty_model(
+    config: ModelConfig, shard: ShardLayout | None, without_layers: bool
+) -> LlamaForCausalLM:
+    """The model to fill, on the meta device (with no decoder layers when `without_layers`)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, shard)
+    if without_layers:
+        model.model.layers = torch.nn.ModuleList()
+    return model
+
+
+def _piece_of(
+    config: ModelConfig, shard: ShardLayout | None
+) -> Callable[[str], TensorSlice | None]:
+    """The slice of each tensor a rank loads (always None without a shard)."""
+    if shard is None:
+        return lambda name: None
+    return lambda name: tensor_slice(name, config, shard)
+
+
 def _load_gguf(
-    path: Path, dtype: torch.dtype, device: torch.device | str, quantization: str | None
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    quantization: str | None,
+    shard: ShardLayout | None = None,
+    without_layers: bool = False,
 ) -> LoadedModel:
     gguf_file = GGUFFile(path)
     config = gguf_file.model_config()
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+    model = _empty_model(config, shard, without_layers)
+    piece_of = _piece_of(config, shard)
 
     def read_float(name: str) -> torch.Tensor | None:
-        return gguf_file.read_hf_tensor(name, config)
+        return gguf_file.read_hf_tensor(name, config, piece_of(name))
 
     def read_quantized(name: str) -> Quantized | None:
+        piece = piece_of(name)
+        if piece is not None and not gguf_file.is_block_aligned(name, piece):
+            warnings.warn(
+                f"{name}: rank {shard.rank}'s columns {piece.start}..{piece.end} cut "  # type: ignore[union-attr]
+                f"{gguf_file.hf_tensor_type(name)} blocks: this tensor is dequantized",
+                stacklevel=2,
+            )
+            return None
         if quantization in ("gguf", "int4"):
-            stored = gguf_file.read_hf_quantized(name, config)
+            stored = gguf_file.read_hf_quantized(name, config, piece)
             if stored is not None and (quantization == "gguf" or stored.bits == 4):
                 return stored
             if quantization == "gguf":
@@ -165,28 +211,37 @@ def _load_gguf(
 
     table = None
     if quantization == "gguf":
-        table = gguf_file.read_hf_quantized("model.embed_tokens.weight", config)
+        embed = "model.embed_tokens.weight"
+        table = gguf_file.read_hf_quantized(embed, config, piece_of(embed))
     _load_weights(model, read_float, read_quantized, str(path), dtype, device, quantization, table)
     return LoadedModel(model, config, gguf_file.tokenizer())
 
 
 def _load_hf_dir(
-    path: Path, dtype: torch.dtype, device: torch.device | str, quantization: str | None
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    quantization: str | None,
+    shard: ShardLayout | None = None,
+    without_layers: bool = False,
 ) -> LoadedModel:
     config = ModelConfig.from_hf_config(_read_json(path / "config.json", "config.json"))
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+    model = _empty_model(config, shard, without_layers)
+    piece_of = _piece_of(config, shard)
     with _SafetensorsCheckpoint(path) as checkpoint:
 
+        def read_float(name: str) -> torch.Tensor | None:
+            return checkpoint.read(name, piece_of(name))
+
         def read_quantized(name: str) -> Quantized | None:
-            stored = checkpoint.read_fp8(name)
+            stored = checkpoint.read_fp8(name, piece_of(name))
             if stored is not None and quantization == "fp8":
                 return stored
-            tensor = checkpoint.read(name)
+            tensor = read_float(name)
             return None if tensor is None else quantize(tensor, quantization)  # type: ignore[arg-type]
 
         _load_weights(
-            model, checkpoint.read, read_quantized, str(path), dtype, device, quantization, None
+            model, read_float, read_quantized, str(path), dtype, device, quantization, None
         )
     tokenizer = None
     if (path / "tokenizer.json").is_file():
@@ -384,26 +439,35 @@ class _SafetensorsCheckpoint:
                 raise CheckpointError(f"cannot read {file}: {err}") from err
         return self._handles[file]
 
-    def _get(self, name: str) -> torch.Tensor | None:
+    def _get(self, name: str, piece: TensorSlice | None = None) -> torch.Tensor | None:
+        """The tensor stored as `name`, or only its `piece` (read alone), or None if absent."""
         file = self._file_of.get(name)
         if file is None:
             return None
         try:
-            return self._open(file).get_tensor(name)
+            if piece is None or piece.zeros:
+                tensor = self._open(file).get_tensor(name)
+                return tensor if piece is None else piece.take(tensor)
+            part = self._open(file).get_slice(name)
+            if piece.dim == 0:
+                return part[piece.start : piece.end]
+            return part[:, piece.start : piece.end]
         except CheckpointError:
             raise
         except Exception as err:
             raise CheckpointError(f"cannot read tensor {name!r} from {file}: {err}") from err
 
-    def read_fp8(self, name: str) -> Fp8Quantized | None:
+    def read_fp8(self, name: str, piece: TensorSlice | None = None) -> Fp8Quantized | None:
         """An FP8 (e4m3) weight with its `<name>_scale` (per tensor or per row), or None when
-        `name` is not stored in FP8.
+        `name` is not stored in FP8; only its `piece` when given.
 
         Raises: CheckpointError: an FP8 weight without a scale, or with block-wise scales."""
-        tensor = self._get(name)
+        tensor = self._get(name, piece)
         if tensor is None or tensor.dtype != torch.float8_e4m3fn:
             return None
         scale = self._get(name + "_scale")
+        if scale is not None and piece is not None and piece.dim == 0 and scale.numel() > 1:
+            scale = scale.reshape(-1)[piece.start : piece.end]
         if scale is None:
             raise CheckpointError(f"FP8 tensor {name!r} has no {name}_scale")
         rows = tensor.shape[0]
@@ -419,15 +483,45 @@ class _SafetensorsCheckpoint:
             )
         return Fp8Quantized(tensor, scale.contiguous())
 
-    def read(self, name: str) -> torch.Tensor | None:
-        """A float tensor (an FP8 weight dequantized with its scale), or None if absent."""
-        fp8 = self.read_fp8(name)
+    def read(self, name: str, piece: TensorSlice | None = None) -> torch.Tensor | None:
+        """A float tensor (an FP8 weight dequantized with its scale), or None if absent; only
+        its `piece` when given."""
+        fp8 = self.read_fp8(name, piece)
         if fp8 is not None:
             return fp8.dequantize()
-        return self._get(name)
+        return self._get(name, piece)
 
     def __enter__(self) -> _SafetensorsCheckpoint:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._handles.clear()
+
+
+def read_model_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a HF directory or GGUF file, without loading any tensor.
+
+    Raises: FileNotFoundError, CheckpointError: as `load_model`."""
+    path = Path(path)
+    if path.is_dir():
+        return ModelConfig.from_hf_config(_read_json(path / "config.json", "config.json"))
+    if not path.exists():
+        raise FileNotFoundError(f"no such model path: {path}")
+    if not is_gguf(path):
+        raise CheckpointError(f"{path} is neither a directory nor a GGUF file")
+    return GGUFFile(path).model_config()
+
+
+def load_vocabulary_layers(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    quantization: str | None = None,
+) -> LlamaForCausalLM:
+    """The whole-vocabulary embedding, final norm and LM head of a model, with no decoder
+    layers (what a drafter beside a tensor-parallel target shares with it on the driver);
+    its `config` is the whole model's."""
+    path = Path(path)
+    quantization = resolve_quantization(path, quantization, device)
+    load = _load_hf_dir if path.is_dir() else _load_gguf
+    return load(path, dtype, device, quantization, None, without_layers=True).model

@@ -119,8 +119,9 @@ class DecodeGraphs:
             self.input_ids[:rows], self.positions[:rows], meta, self.kv_cache, feature_layers
         )
         quantized_cpu = not hidden.is_cuda and self.model.quantization is not None
-        if self.model.lm_head_quantized is not None or quantized_cpu:
-            # Rows as each would be alone: a verify row's logits equal the decode row's.
+        if self.model.lm_head_quantized is not None or quantized_cpu or self.model.tp:
+            # Rows as each would be alone: a verify row's logits equal the decode row's (and
+            # under tensor parallelism the ranks' vocabulary shards are gathered).
             self.logits[:rows].copy_(self.model.compute_logits(hidden, decode=True))
         elif self._logits_lowp is None:
             torch.mm(hidden, self.model.lm_head_weight.t(), out=self.logits[:rows])

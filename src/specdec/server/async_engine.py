@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
+import signal
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from specdec.engine.llm_engine import LLMEngine
 from specdec.engine.outputs import RequestOutput
+from specdec.runner.tensor_parallel import TensorParallelError
 from specdec.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -103,10 +106,13 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self, timeout_s: float) -> None:
-        """Aborts every request in flight (their streams end with EngineDeadError) and joins."""
+        """Aborts every request in flight (their streams end with EngineDeadError), joins, and
+        then closes the engine (stops its tensor-parallel workers)."""
         self._stopping.set()
         self._commands.put(("wake",))
         self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self.engine.close()
 
     def drain(self) -> None:
         """Begins a graceful shutdown (from any thread, e.g. a signal handler): nothing more is
@@ -203,6 +209,12 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except TensorParallelError as err:  # the engine cannot go on: 503 to all, then exit
+            logger.error("engine failed: %s; the server exits", err)
+            self._abort_all(EngineDeadError(f"the engine failed: {err}"))
+            self._stopping.set()
+            os.kill(os.getpid(), signal.SIGTERM)  # the server's own graceful exit
+            return
         except Exception as err:  # a failed step must not kill the thread: fail the requests
             logger.exception("engine step failed; aborting the requests in flight")
             self._abort_all(EngineDeadError(f"engine step failed: {type(err).__name__}"))

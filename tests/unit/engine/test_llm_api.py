@@ -1,4 +1,4 @@
-"""`LLM` in vLLM's shape: the engine seed, tensor_parallel_size, get_tokenizer, chat's
+"""`LLM` in vLLM's shape: the engine seed, tensor_parallel_size checks, get_tokenizer, chat's
 template options, n samples and best_of, the per-request verifier's one name, and the shipped
 head rule (a tiny random-weight model with a character tokenizer; CPU)."""
 
@@ -43,10 +43,11 @@ def test_engine_seed_replays_unseeded_requests(model_dir):
     )
 
 
-def test_tensor_parallel_size_is_1_until_it_is_implemented(model_dir):
+def test_tensor_parallel_size_is_checked(model_dir):
+    """Sizes below 1 are refused by the config; TP > 1 runs (tests/e2e/test_tensor_parallel.py)."""
     assert make(model_dir, tensor_parallel_size=1).engine.config.tensor_parallel_size == 1
-    with pytest.raises(ValueError, match="tensor parallelism is not implemented"):
-        make(model_dir, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        make(model_dir, tensor_parallel_size=0)
     with pytest.raises(ValueError, match=r"unknown engine arguments \['trust_remote_code'\]"):
         make(model_dir, trust_remote_code=True)
 
