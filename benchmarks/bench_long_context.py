@@ -169,14 +169,15 @@ def timed_generate(llm, prompt, new_tokens: int, device: str, speculative=None) 
     }
 
 
-def warm_up(llm, vocab: int, device: str) -> None:
-    """A short request past the split-KV threshold (a fresh engine captures its decode graphs,
-    or its round graphs, on first use: outside the timed request). With the oracle drafter
-    installed, its unknown context drafts nothing useful: the rounds still run and capture."""
+def warm_up(llm, vocab: int, device: str, max_model_len: int) -> None:
+    """A short request past the split-KV threshold where the length allows (a fresh engine
+    captures its decode graphs, or its round graphs, on first use: outside the timed request).
+    With the oracle drafter installed, its unknown context drafts nothing useful: the rounds
+    still run and capture."""
     from specdec.models.attention_tiles import SPLIT_KV_PARTITION
     from specdec.sampling import SamplingParams
 
-    prompt = long_prompt(SPLIT_KV_PARTITION + 64, vocab, seed=1)
+    prompt = long_prompt(min(SPLIT_KV_PARTITION + 64, max_model_len - 32), vocab, seed=1)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     llm.generate([prompt], params, use_tqdm=False)
     sync(device)
@@ -234,7 +235,7 @@ def bench_length(model, length: int, args) -> dict:
     spec = {"method": "ngram", "num_speculative_tokens": k, "adaptive": False}
     llm = make_llm(model, None, **common)
     try:
-        warm_up(llm, vocab, args.device)
+        warm_up(llm, vocab, args.device, length)
         plain = timed_generate(llm, prompt, new, args.device)
         row["plain"] = {key: v for key, v in plain.items() if key != "tokens"}
         if not args.skip_nan_check:
@@ -252,7 +253,7 @@ def bench_length(model, length: int, args) -> dict:
             llm.engine.drafter = OracleDrafter(
                 vocab, args.acceptance, [prompt + plain["tokens"]], key_len=64
             )
-        warm_up(llm, vocab, args.device)
+        warm_up(llm, vocab, args.device, length)
         drafted = timed_generate(llm, prompt, new, args.device)
         row["spec"] = {key: v for key, v in drafted.items() if key != "tokens"}
         row["spec"]["loop"] = llm.get_metrics().get("loop")
