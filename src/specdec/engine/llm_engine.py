@@ -14,17 +14,17 @@ each step sends its per-request values with one copy per sampler or verifier cal
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import torch
 
-from specdec.drafters import Drafter, DrafterSetup, TargetFeatures
+from specdec.drafters import Drafter, DrafterSetup
 from specdec.drafters.config import check_num_speculative_tokens, round_drafts
 from specdec.drafters.default import with_shipped_head
 from specdec.drafters.registry import build_drafter
 from specdec.engine.config import EngineConfig, SpeculativeConfig
-from specdec.engine.device_round import DeviceRounds, mark, seconds_between
+from specdec.engine.device_round import DeviceRounds, mark
 from specdec.engine.emitter import Emission, Emitter
+from specdec.engine.inflight import Inflight
 from specdec.engine.output_processor import OutputProcessor, RequestGroup
 from specdec.engine.outputs import RequestOutput
 from specdec.engine.proposals import compact_path, deliver_features, propose, step_inputs
@@ -40,13 +40,13 @@ from specdec.engine.setup import (
     resolve_max_model_len,
     size_kv_cache,
 )
-from specdec.engine.spec_policy import PLAIN, SpeculationPolicy
+from specdec.engine.spec_policy import SpeculationPolicy
+from specdec.engine.speculative_loops import SpeculativeLoops
 from specdec.metrics import LoopStats, SpecDecodeStats
 from specdec.models import LlamaForCausalLM, Tokenizer, default_model_path, load_model
 from specdec.models.loader import load_vocabulary_layers
 from specdec.rng import derive_seed, engine_request_seed, fresh_seed, to_signed64
 from specdec.runner import BlockAllocator, PagedModelRunner, StepInput
-from specdec.runner.cuda_graph import batch_buckets, bucket_for
 from specdec.runner.tensor_parallel import TensorParallelGroup, TensorParallelRunner, start_target
 from specdec.sampling import LogitsRules, SamplingParams, StructuredOutputsParams
 from specdec.sampling.grammar import CompiledGrammar, GrammarCompiler
@@ -54,25 +54,7 @@ from specdec.transfer import Readback
 from specdec.verify import VERIFY_METHODS
 
 
-@dataclass(frozen=True, slots=True)
-class _Inflight:
-    """A plain decode step launched but not read (asynchronous scheduling): its requests in
-    batch order, their sampled tokens on the device, and the asynchronous copy reading them.
-    A step of the speculation policy's plain arm also keeps the positions of its input tokens,
-    their target features (drafters that read some; None otherwise) and the marks that measure
-    its cost."""
-
-    requests: list[Request]
-    token_ids: torch.Tensor
-    readback: Readback
-    plain_arm: bool = False
-    starts: list[int] | None = None
-    features: torch.Tensor | None = None
-    started: torch.cuda.Event | float | None = None
-    ended: torch.cuda.Event | float | None = None
-
-
-class LLMEngine:
+class LLMEngine(SpeculativeLoops):
     """A whole inference engine on one device."""
 
     def __init__(
@@ -174,7 +156,7 @@ class LLMEngine:
         self.stats = SpecDecodeStats()
         self.loop_stats = LoopStats()
         self.num_preemptions = 0  # engine-wide, for vllm:num_preemptions
-        self._inflight: _Inflight | None = None
+        self._inflight: Inflight | None = None
         self._rounds: DeviceRounds | None = None  # built on first use
         self._in_rounds = False
         # The policy's plain arm: plain overlapped steps of speculative requests (`_step_plain`).
@@ -554,7 +536,7 @@ class LLMEngine:
             and not request.host_processed  # processed with the output so far, on the host
         )
 
-    def _can_overlap(self, inflight: _Inflight) -> bool:
+    def _can_overlap(self, inflight: Inflight) -> bool:
         """Whether the next schedule is certainly the in-flight requests again, each decoding
         one more token: nothing waits, nothing finished or was aborted, every request may still
         emit after its pending token, and the cache has a slot for each without preempting."""
@@ -579,9 +561,9 @@ class LLMEngine:
     def _launch(
         self,
         scheduled: list[ScheduledRequest],
-        previous: _Inflight | None,
+        previous: Inflight | None,
         plain_arm: bool = False,
-    ) -> _Inflight:
+    ) -> Inflight:
         """Runs and samples a plain decode step without reading its tokens. With `previous`,
         each request's input token is that step's sample (same requests, same order).
         `plain_arm`: a step of the speculation policy's plain arm (speculative requests: it
@@ -608,12 +590,12 @@ class LLMEngine:
         self.loop_stats.num_overlapped_steps += 1
         readback = Readback({"tokens": token_ids}, {})
         if not plain_arm:
-            return _Inflight(requests, token_ids, readback)
+            return Inflight(requests, token_ids, readback)
         self.loop_stats.observe_plain_arm()
         starts = [s.start for s in inputs]
-        return _Inflight(requests, token_ids, readback, True, starts, features, started, ended)
+        return Inflight(requests, token_ids, readback, True, starts, features, started, ended)
 
-    def _resolve(self, inflight: _Inflight, only_finished: bool) -> list[RequestOutput]:
+    def _resolve(self, inflight: Inflight, only_finished: bool) -> list[RequestOutput]:
         """Reads a launched step's tokens and commits them as a synchronous step would have
         (requests that finished meanwhile drop theirs; the cache was committed at launch)."""
         tokens = inflight.readback.values()["tokens"].tolist()
@@ -625,198 +607,3 @@ class LLMEngine:
             if not request.status.finished:
                 commits.append((request, None, Emission([token], 0, 0, None)))
         return self._commit(commits, only_finished)
-
-    # ------------------------------------------------------- the policy's plain arm
-    def _step_plain(self, only_finished: bool) -> list[RequestOutput]:
-        """One call of the plain arm's loop: the overlapped plain decode loop over the
-        speculative batch, asking the policy before every launch. It ends (back to device rounds
-        or to the synchronous step) when the policy picks a K, or when the next batch may differ
-        (as `_step_async`)."""
-        inflight = self._inflight
-        if inflight is None:  # the first plain step, right after the rounds drained
-            shares = self._plain_shares()
-            if shares is None:
-                self._in_plain = False
-                return self.step(only_finished)
-            self._inflight = self._launch(shares, None, plain_arm=True)
-            return []
-        self._inflight = None
-        if self._can_overlap(inflight):
-            k = self.policy.choose(self._plain_bucket(len(inflight.requests)))
-            if k == PLAIN:
-                shares = self._plain_shares()
-                if shares is not None:
-                    self._inflight = self._launch(shares, inflight, plain_arm=True)
-            else:
-                self._next_k = k
-        outputs = self._resolve(inflight, only_finished)
-        if self._inflight is None:
-            self._in_plain = False
-            self._plain_end = None
-            self._deliver_plain_features()
-            self._enter_rounds()
-            if not self._in_rounds:
-                self._next_k = None  # the synchronous step goes on; its choice is dropped
-        return outputs
-
-    def _plain_shares(self) -> list[ScheduledRequest] | None:
-        """The running requests as plain decode shares (one token each, its block grown), or
-        None when the batch must go back to the scheduler: a waiting request could join, one
-        has no plain decode step to run, or the cache cannot hold the step."""
-        requests = list(self.scheduler.running)
-        if not requests or self._admission_pending():
-            return None
-        for request in requests:
-            if request.status.finished or request.num_computed_tokens != request.num_tokens - 1:
-                return None
-            limit = self.outputs.output_limit(request)
-            if len(request.output_token_ids) + request.num_pending >= limit:
-                return None
-        if not self._grow_ahead(requests, [r.num_computed_tokens for r in requests]):
-            return None
-        return [ScheduledRequest(r, 1, 0, True) for r in requests]
-
-    def _plain_bucket(self, num_requests: int) -> int:
-        return bucket_for(
-            batch_buckets(self.config.max_num_seqs), max(num_requests, self._plain_rows)
-        )
-
-    def _observe_plain(self, inflight: _Inflight) -> None:
-        """A read plain-arm step: its cost (as a device round's: from the previous step's end
-        to its own on the device; not measured for the first step of a visit) to the policy;
-        its input tokens' target features kept for `_deliver_plain_features`."""
-        previous, self._plain_end = self._plain_end, inflight.ended
-        if self.device.type != "cuda":
-            seconds = seconds_between(inflight.started, inflight.ended)
-        elif previous is None:  # the first step of a visit: no steady-state interval
-            seconds = None
-        else:
-            seconds = seconds_between(previous, inflight.ended)
-        bucket = self._plain_bucket(len(inflight.requests))
-        self.policy.observe(bucket, PLAIN, seconds, [])
-        if inflight.features is not None:
-            self._plain_features.append((inflight.requests, inflight.starts, inflight.features))
-
-    def _deliver_plain_features(self) -> None:
-        """The ended visit's target features to the drafter: per request still running, its
-        rows of every step in order (one stack for the visit, not a call per step)."""
-        entries, self._plain_features = self._plain_features, []
-        if not entries:
-            return
-        requests, starts, _ = entries[0]
-        if any(e[0] != requests for e in entries):
-            raise RuntimeError("the plain arm: the batch changed inside a visit")
-        stacked = torch.stack([e[2] for e in entries], dim=1)  # [B, steps, F]
-        ids, firsts, rows = [], [], []
-        for b, (request, start) in enumerate(zip(requests, starts, strict=True)):
-            if not request.status.finished:
-                ids.append(request.request_id)
-                firsts.append(start)
-                rows.append(stacked[b])
-        if ids:
-            self.drafter.observe(TargetFeatures(ids, firsts, rows))
-
-    # ------------------------------------------------------- speculative rounds on the device
-    def _enter_rounds(self) -> None:
-        """Hands the batch to device rounds when every running request decodes with speculation
-        (one verify method, no logprobs, no penalties, biases, bans or grammar) and no waiting
-        request could join; else the synchronous step goes on."""
-        scheduler = self.scheduler
-        requests = list(scheduler.running)
-        if not requests or self._admission_pending():
-            return
-        method = requests[0].spec.method if requests[0].spec is not None else None
-        for request in requests:
-            if (
-                request.spec is None
-                or request.spec.method != method
-                or request.params.logprobs is not None
-                or request.host_processed  # processed with the output so far, on the host
-                or request.num_computed_tokens != request.num_tokens - 1
-                or request.num_tokens < 2
-            ):
-                return
-        rounds = self._device_round_runner()
-        if rounds is None:
-            return
-        rounds.begin(requests)
-        self._in_rounds = True
-
-    def _admission_pending(self) -> bool:
-        """Whether a waiting request could join the batch now (the rounds then drain)."""
-        scheduler = self.scheduler
-        return bool(scheduler.waiting) and len(scheduler.running) < self.config.max_num_seqs
-
-    def _device_round_runner(self) -> DeviceRounds | None:
-        if self._rounds is None:
-            k = self.speculative_config.num_speculative_tokens
-            drafting = self.drafter.device_drafting(
-                self.config.max_num_seqs, k + 1, self.max_model_len, self.device
-            )
-            if drafting is None or self.runner.graphs is None:
-                self.device_rounds = False  # this drafter drafts on the host only
-                return None
-            self._rounds = DeviceRounds(
-                self.runner,
-                self.drafter,
-                drafting,
-                max_k=k,
-                max_num_seqs=self.config.max_num_seqs,
-                max_model_len=self.max_model_len,
-                use_graphs=self.runner.graphs.use_graphs,
-            )
-        return self._rounds
-
-    def _step_rounds(self, only_finished: bool) -> list[RequestOutput]:
-        """One call of the device-round loop: launch the next round unless the batch must go
-        back to the synchronous step (a waiting request could join, one nears its length limit,
-        or the cache cannot hold what the round may write), then read the round before it."""
-        rounds = self._rounds
-        launched = False
-        k = None
-        if not self._plain_chosen and not self._admission_pending() and rounds.live_requests:
-            k = self._next_k if self._next_k is not None else self.policy.choose(rounds.num_rows)
-            self._next_k = None
-            if k == PLAIN:
-                self._plain_chosen, k = True, None  # drain the rounds in flight, then go plain
-                self._plain_rows = rounds.num_rows
-        if k is not None:
-            last = rounds.launch_room(k)
-            if last is not None and self._grow_ahead(rounds.live_requests, last):
-                rounds.launch(k, last)
-                self.loop_stats.observe_round(k, rounds.graph_cache.use_graphs)
-                launched = True
-        outputs: list[RequestOutput] = []
-        if rounds.inflight and (len(rounds.inflight) > 1 or not launched):
-            emissions, k, seconds = rounds.read()
-            outcomes = [(e.num_draft, e.num_accepted) for _, e in emissions]
-            self.policy.observe(rounds.num_rows, k, seconds, outcomes)
-            outputs = self._commit([(r, None, e) for r, e in emissions], only_finished)
-        if not launched and not rounds.inflight:
-            self._leave_rounds()
-            self._in_plain, self._plain_chosen = self._plain_chosen, False
-        return outputs
-
-    def _grow_ahead(self, requests: list[Request], last_positions: list[int]) -> bool:
-        """Blocks for every position a launched round may write (False, growing nothing, when
-        the cache cannot hold them all)."""
-        allocator = self.allocator
-        needed = [
-            max(allocator.blocks_needed(last + 1) - len(r.block_ids), 0)
-            for r, last in zip(requests, last_positions, strict=True)
-        ]
-        if sum(needed) > allocator.num_free_blocks:
-            return False
-        for request, last in zip(requests, last_positions, strict=True):
-            allocator.grow(request, last + 1)
-        return True
-
-    def _leave_rounds(self) -> None:
-        """Back to the synchronous step: the drafter's host state from the device, and the
-        blocks grown ahead for rounds that did not run given back."""
-        rounds = self._rounds
-        live = [r for r in rounds.live_requests if not r.status.finished]
-        rounds.end()
-        for request in live:
-            self.scheduler.commit(request, request.num_computed_tokens)
-        self._in_rounds = False

@@ -1,0 +1,29 @@
+"""A plain decode step launched but not read yet (the asynchronous loops of `llm_engine` and
+`speculative_loops`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.engine.request import Request
+from specdec.transfer import Readback
+
+
+@dataclass(frozen=True, slots=True)
+class Inflight:
+    """A plain decode step launched but not read (asynchronous scheduling): its requests in
+    batch order, their sampled tokens on the device, and the asynchronous copy reading them.
+    A step of the speculation policy's plain arm also keeps the positions of its input tokens,
+    their target features (drafters that read some; None otherwise) and the marks that measure
+    its cost."""
+
+    requests: list[Request]
+    token_ids: torch.Tensor
+    readback: Readback
+    plain_arm: bool = False
+    starts: list[int] | None = None
+    features: torch.Tensor | None = None
+    started: torch.cuda.Event | float | None = None
+    ended: torch.cuda.Event | float | None = None

@@ -1,0 +1,217 @@
+"""The engine's speculative loops beside its synchronous step: the speculation policy's plain
+arm (plain overlapped steps of speculative requests) and speculative rounds on the device
+(`device_round.DeviceRounds`), with the moves between them and the synchronous step. A mixin of
+`LLMEngine`, whose state (scheduler, runner, drafter, policy, the step in flight) it uses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.drafters import TargetFeatures
+from specdec.engine.device_round import DeviceRounds, seconds_between
+from specdec.engine.inflight import Inflight
+from specdec.engine.outputs import RequestOutput
+from specdec.engine.request import Request
+from specdec.engine.scheduler import ScheduledRequest
+from specdec.engine.spec_policy import PLAIN
+from specdec.runner.cuda_graph import batch_buckets, bucket_for
+
+
+class SpeculativeLoops:
+    """`LLMEngine`'s plain-arm and device-round loops (methods only)."""
+
+    # ------------------------------------------------------- the policy's plain arm
+    def _step_plain(self, only_finished: bool) -> list[RequestOutput]:
+        """One call of the plain arm's loop: the overlapped plain decode loop over the
+        speculative batch, asking the policy before every launch. It ends (back to device rounds
+        or to the synchronous step) when the policy picks a K, or when the next batch may differ
+        (as `_step_async`)."""
+        inflight = self._inflight
+        if inflight is None:  # the first plain step, right after the rounds drained
+            shares = self._plain_shares()
+            if shares is None:
+                self._in_plain = False
+                return self.step(only_finished)
+            self._inflight = self._launch(shares, None, plain_arm=True)
+            return []
+        self._inflight = None
+        if self._can_overlap(inflight):
+            k = self.policy.choose(self._plain_bucket(len(inflight.requests)))
+            if k == PLAIN:
+                shares = self._plain_shares()
+                if shares is not None:
+                    self._inflight = self._launch(shares, inflight, plain_arm=True)
+            else:
+                self._next_k = k
+        outputs = self._resolve(inflight, only_finished)
+        if self._inflight is None:
+            self._in_plain = False
+            self._plain_end = None
+            self._deliver_plain_features()
+            self._enter_rounds()
+            if not self._in_rounds:
+                self._next_k = None  # the synchronous step goes on; its choice is dropped
+        return outputs
+
+    def _plain_shares(self) -> list[ScheduledRequest] | None:
+        """The running requests as plain decode shares (one token each, its block grown), or
+        None when the batch must go back to the scheduler: a waiting request could join, one
+        has no plain decode step to run, or the cache cannot hold the step."""
+        requests = list(self.scheduler.running)
+        if not requests or self._admission_pending():
+            return None
+        for request in requests:
+            if request.status.finished or request.num_computed_tokens != request.num_tokens - 1:
+                return None
+            limit = self.outputs.output_limit(request)
+            if len(request.output_token_ids) + request.num_pending >= limit:
+                return None
+        if not self._grow_ahead(requests, [r.num_computed_tokens for r in requests]):
+            return None
+        return [ScheduledRequest(r, 1, 0, True) for r in requests]
+
+    def _plain_bucket(self, num_requests: int) -> int:
+        return bucket_for(
+            batch_buckets(self.config.max_num_seqs), max(num_requests, self._plain_rows)
+        )
+
+    def _observe_plain(self, inflight: Inflight) -> None:
+        """A read plain-arm step: its cost (as a device round's: from the previous step's end
+        to its own on the device; not measured for the first step of a visit) to the policy;
+        its input tokens' target features kept for `_deliver_plain_features`."""
+        previous, self._plain_end = self._plain_end, inflight.ended
+        if self.device.type != "cuda":
+            seconds = seconds_between(inflight.started, inflight.ended)
+        elif previous is None:  # the first step of a visit: no steady-state interval
+            seconds = None
+        else:
+            seconds = seconds_between(previous, inflight.ended)
+        bucket = self._plain_bucket(len(inflight.requests))
+        self.policy.observe(bucket, PLAIN, seconds, [])
+        if inflight.features is not None:
+            self._plain_features.append((inflight.requests, inflight.starts, inflight.features))
+
+    def _deliver_plain_features(self) -> None:
+        """The ended visit's target features to the drafter: per request still running, its
+        rows of every step in order (one stack for the visit, not a call per step)."""
+        entries, self._plain_features = self._plain_features, []
+        if not entries:
+            return
+        requests, starts, _ = entries[0]
+        if any(e[0] != requests for e in entries):
+            raise RuntimeError("the plain arm: the batch changed inside a visit")
+        stacked = torch.stack([e[2] for e in entries], dim=1)  # [B, steps, F]
+        ids, firsts, rows = [], [], []
+        for b, (request, start) in enumerate(zip(requests, starts, strict=True)):
+            if not request.status.finished:
+                ids.append(request.request_id)
+                firsts.append(start)
+                rows.append(stacked[b])
+        if ids:
+            self.drafter.observe(TargetFeatures(ids, firsts, rows))
+
+    # ------------------------------------------------------- speculative rounds on the device
+    def _enter_rounds(self) -> None:
+        """Hands the batch to device rounds when every running request decodes with speculation
+        (one verify method, no logprobs, no penalties, biases, bans or grammar) and no waiting
+        request could join; else the synchronous step goes on."""
+        scheduler = self.scheduler
+        requests = list(scheduler.running)
+        if not requests or self._admission_pending():
+            return
+        method = requests[0].spec.method if requests[0].spec is not None else None
+        for request in requests:
+            if (
+                request.spec is None
+                or request.spec.method != method
+                or request.params.logprobs is not None
+                or request.host_processed  # processed with the output so far, on the host
+                or request.num_computed_tokens != request.num_tokens - 1
+                or request.num_tokens < 2
+            ):
+                return
+        rounds = self._device_round_runner()
+        if rounds is None:
+            return
+        rounds.begin(requests)
+        self._in_rounds = True
+
+    def _admission_pending(self) -> bool:
+        """Whether a waiting request could join the batch now (the rounds then drain)."""
+        scheduler = self.scheduler
+        return bool(scheduler.waiting) and len(scheduler.running) < self.config.max_num_seqs
+
+    def _device_round_runner(self) -> DeviceRounds | None:
+        if self._rounds is None:
+            k = self.speculative_config.num_speculative_tokens
+            drafting = self.drafter.device_drafting(
+                self.config.max_num_seqs, k + 1, self.max_model_len, self.device
+            )
+            if drafting is None or self.runner.graphs is None:
+                self.device_rounds = False  # this drafter drafts on the host only
+                return None
+            self._rounds = DeviceRounds(
+                self.runner,
+                self.drafter,
+                drafting,
+                max_k=k,
+                max_num_seqs=self.config.max_num_seqs,
+                max_model_len=self.max_model_len,
+                use_graphs=self.runner.graphs.use_graphs,
+            )
+        return self._rounds
+
+    def _step_rounds(self, only_finished: bool) -> list[RequestOutput]:
+        """One call of the device-round loop: launch the next round unless the batch must go
+        back to the synchronous step (a waiting request could join, one nears its length limit,
+        or the cache cannot hold what the round may write), then read the round before it."""
+        rounds = self._rounds
+        launched = False
+        k = None
+        if not self._plain_chosen and not self._admission_pending() and rounds.live_requests:
+            k = self._next_k if self._next_k is not None else self.policy.choose(rounds.num_rows)
+            self._next_k = None
+            if k == PLAIN:
+                self._plain_chosen, k = True, None  # drain the rounds in flight, then go plain
+                self._plain_rows = rounds.num_rows
+        if k is not None:
+            last = rounds.launch_room(k)
+            if last is not None and self._grow_ahead(rounds.live_requests, last):
+                rounds.launch(k, last)
+                self.loop_stats.observe_round(k, rounds.graph_cache.use_graphs)
+                launched = True
+        outputs: list[RequestOutput] = []
+        if rounds.inflight and (len(rounds.inflight) > 1 or not launched):
+            emissions, k, seconds = rounds.read()
+            outcomes = [(e.num_draft, e.num_accepted) for _, e in emissions]
+            self.policy.observe(rounds.num_rows, k, seconds, outcomes)
+            outputs = self._commit([(r, None, e) for r, e in emissions], only_finished)
+        if not launched and not rounds.inflight:
+            self._leave_rounds()
+            self._in_plain, self._plain_chosen = self._plain_chosen, False
+        return outputs
+
+    def _grow_ahead(self, requests: list[Request], last_positions: list[int]) -> bool:
+        """Blocks for every position a launched round may write (False, growing nothing, when
+        the cache cannot hold them all)."""
+        allocator = self.allocator
+        needed = [
+            max(allocator.blocks_needed(last + 1) - len(r.block_ids), 0)
+            for r, last in zip(requests, last_positions, strict=True)
+        ]
+        if sum(needed) > allocator.num_free_blocks:
+            return False
+        for request, last in zip(requests, last_positions, strict=True):
+            allocator.grow(request, last + 1)
+        return True
+
+    def _leave_rounds(self) -> None:
+        """Back to the synchronous step: the drafter's host state from the device, and the
+        blocks grown ahead for rounds that did not run given back."""
+        rounds = self._rounds
+        live = [r for r in rounds.live_requests if not r.status.finished]
+        rounds.end()
+        for request in live:
+            self.scheduler.commit(request, request.num_computed_tokens)
+        self._in_rounds = False
