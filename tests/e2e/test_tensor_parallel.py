@@ -157,28 +157,32 @@ def test_more_ranks_than_gpus_is_one_line(monkeypatch):
     check_gpu_count(2, torch.device("cpu"))  # CPU ranks are processes: no limit
 
 
+# Kept-quantized GGUF kernels round activations and partial sums to bfloat16: TP = 2 adds two
+# rounded partial sums where TP = 1 rounds one, so scores may differ by a few bf16 steps (0.0625
+# at a logit of 8-16). A first difference within 4 such steps is a near-tie at that precision.
+BF16_NEAR_TIE = 0.25
+
+
 @pytest.mark.slow
 def test_gguf_blocks_kept_quantized_run_under_tp2():
     """The CPU default for the built-in GGUF (`quantization="auto"`: its Q4_1 / Q8_0 blocks kept,
-    the planned CPU decode path) at TP = 2. Its kernels compute in bfloat16, so a split sum may
-    round differently and sequences may part after a few tokens (not a near-tie at float32's
-    scale): required are equal first tokens and, on average, 3 equal tokens before they part."""
+    the planned CPU decode path) at TP = 2: greedy tokens equal TP = 1's except where TP = 1's
+    top-2 scores at the first difference are within BF16_NEAR_TIE (measured: 0.0625 and 0.156
+    nats on 2 of these 10 prompts), which is warned about, not hidden."""
     params = SamplingParams(max_tokens=8, temperature=0.0)
-    tokens = {}
+    outputs, reference = {}, None
     for tp in (1, 2):
         torch.set_num_threads(1)
         llm = LLM(tensor_parallel_size=tp, speculative_config=None, max_num_seqs=16, seed=0)
         assert llm.engine.model.quantization == "gguf" and llm.engine.runner.graphs is not None
-        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-        tokens[tp] = [out.outputs[0].token_ids for out in outputs]
-        llm.close()
-    common = []
-    for one, two in zip(tokens[1], tokens[2], strict=True):
-        pairs = enumerate(zip(one, two, strict=False))
-        index = next((i for i, (x, y) in pairs if x != y), min(len(one), len(two)))
-        common.append(index)
-    assert all(n >= 1 for n in common), common
-    assert sum(common) / len(common) >= 3, common
+        outputs[tp] = llm.generate(PROMPTS, params, use_tqdm=False)
+        if tp == 1:
+            reference = llm
+        else:
+            llm.close()
+    check_tokens_equal(
+        reference.engine.model, outputs[1], outputs[2], params, "GGUF TP=2", BF16_NEAR_TIE
+    )
 
 
 @pytest.mark.parametrize(
