@@ -27,7 +27,7 @@ class ToyDrafter(Drafter):
         self.toy = toy
 
     def propose(self, batch: DraftBatch) -> Proposal:
-        raise NotImplementedError
+        raise AssertionError("ToyDrafter drafts through draw_tree; nothing may call propose")
 
 
 def draw_tree(
