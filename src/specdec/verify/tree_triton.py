@@ -99,7 +99,7 @@ def _tree_walk_kernel(
     greedy = tl.load(greedy_ptr + b).to(tl.int32)
     res_row = residual_ptr + b * vocab
     staged = residual_ptr + (tl.num_programs(0) + b) * vocab  # the next residual, staged
-    current = 0  # table row of the visited node (0 = the round's input token)
+    current = b * 0  # int64 table row of the visited node (0 = the round's input token)
     accepted = 0
     walking = 1
     for depth in range(0, N + 1):  # a static bound: rows past the walk do nothing
