@@ -83,7 +83,9 @@ class LLMEngine(SpeculativeLoops):
             # Overlapped steps are not replayed on tensor-parallel workers (yet).
             self.async_scheduling = self.device.type == "cuda" and config.tensor_parallel_size == 1
         self.tensor_parallel: TensorParallelGroup | None = None
-        path = config.model or str(default_model_path())
+        # The built-in model's path is looked up only when a model is loaded here (a caller
+        # handing in `model` needs no checkpoint installed).
+        path = config.model or (str(default_model_path()) if model is None else None)
         if config.tensor_parallel_size > 1:
             check_tensor_parallel(config, self.device, model, speculative_config)
             loaded, self.tensor_parallel = start_target(

@@ -1,0 +1,194 @@
+"""Where the first engine step of a speculative generate call spends its time, against plain.
+
+The first `step` of a generate call (prefill, first token, and with speculation the drafter's
+catch-up and the start of device rounds) cost 37-40 ms with the shipped EAGLE head against
+20-22 ms plain on the H200 (benchmarks/results/h200-2026-12-01-s9, `steps.slowest_ms`). This
+probe builds both engines as `bench_spec_round.py` does (SmolLM2 GGUF, held-out prompts), warms
+them up, then times the parts of the first step of one more call, each bracketed by device
+synchronisations (so the parts add up to the step; overlap inside the step is lost), and keeps a
+torch.profiler table of that step (the ops with the most host time).
+
+    PYTHONPATH=src:benchmarks python3 benchmarks/probes/probe_first_step.py --out DIR \
+        --gguf SmolLM2-135M-Instruct.Q4_1.gguf [--batches 1,32]
+
+Writes DIR/first_step.json. Not a figure for BENCHMARKS.md by itself: a profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from bench_spec_round import make_engine  # noqa: E402
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class PartTimer:
+    """Wraps attributes (obj, name) so each call's synchronised wall time adds to a part."""
+
+    def __init__(self) -> None:
+        self.ms: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.active = False
+        self._undo: list[tuple[object, str, object]] = []
+
+    def wrap(self, obj, name: str, label: str) -> None:
+        inner = getattr(obj, name)
+        timer = self
+
+        def timed(*args, **kwargs):
+            if not timer.active:
+                return inner(*args, **kwargs)
+            sync()
+            start = time.perf_counter()
+            out = inner(*args, **kwargs)
+            sync()
+            timer.ms[label] = timer.ms.get(label, 0.0) + (time.perf_counter() - start) * 1e3
+            timer.calls[label] = timer.calls.get(label, 0) + 1
+            return out
+
+        self._undo.append((obj, name, inner))
+        setattr(obj, name, timed)
+
+    def restore(self) -> None:
+        for obj, name, inner in reversed(self._undo):
+            setattr(obj, name, inner)
+        self._undo.clear()
+
+
+def probe(llm, prompts, params, label: str) -> dict:
+    import specdec.engine.llm_engine as engine_module
+
+    engine = llm.engine
+    for _ in range(3):  # warm-up: graphs captured, rounds' buffers made
+        llm.generate(prompts, params, use_tqdm=False)
+    timer = PartTimer()
+    timer.wrap(engine, "_schedule", "schedule")
+    timer.wrap(engine.runner, "run_with_features", "target forward (prefill)")
+    timer.wrap(engine.emitter, "emit", "emit (sample)")
+    timer.wrap(engine, "_commit", "commit")
+    timer.wrap(engine_module, "propose", "propose")
+    timer.wrap(engine_module, "deliver_features", "deliver features (drafter observe)")
+    if engine.drafter is not None:
+        timer.wrap(engine, "_enter_rounds", "enter rounds (total)")
+        if engine._rounds is not None:
+            timer.wrap(engine._rounds, "begin", "rounds.begin")
+            timer.wrap(engine._rounds.drafting, "begin", "drafting.begin")
+    inner_step = engine.step
+    first: dict = {}
+    state = {"n": 0}
+    profiler_table: list[str] = []
+
+    def step(*args, **kwargs):
+        state["n"] += 1
+        if state["n"] != 1:
+            return inner_step(*args, **kwargs)
+        timer.active = True
+        sync()
+        start = time.perf_counter()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = inner_step(*args, **kwargs)
+        sync()
+        first["step_ms"] = (time.perf_counter() - start) * 1e3
+        timer.active = False
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+        profiler_table.extend(table.splitlines())
+        return out
+
+    engine.step = step
+    sync()
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    sync()
+    total_ms = (time.perf_counter() - start) * 1e3
+    engine.step = inner_step
+    timer.restore()
+    # The same first step again without the profiler or the part timers' syncs.
+    state["n"] = 0
+    plain_first = {}
+
+    def bare(*args, **kwargs):
+        state["n"] += 1
+        if state["n"] != 1:
+            return inner_step(*args, **kwargs)
+        sync()
+        t0 = time.perf_counter()
+        out = inner_step(*args, **kwargs)
+        sync()
+        plain_first["ms"] = (time.perf_counter() - t0) * 1e3
+        return out
+
+    engine.step = bare
+    llm.generate(prompts, params, use_tqdm=False)
+    engine.step = inner_step
+    row = {
+        "first_step_profiled_ms": round(first["step_ms"], 3),
+        "first_step_bare_ms": round(plain_first["ms"], 3),
+        "call_ms_profiled": round(total_ms, 3),
+        "parts_ms": {k: round(v, 3) for k, v in timer.ms.items()},
+        "parts_calls": timer.calls,
+        "profiler_top_self_cpu": profiler_table,
+    }
+    brief = {k: v for k, v in row.items() if k != "profiler_top_self_cpu"}
+    print(f"[first-step] {label}: {json.dumps(brief)}", flush=True)
+    print("\n".join(profiler_table[:20]), flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--gguf", default=None)
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--output-len", type=int, default=128)
+    args = parser.parse_args()
+    from specdec.drafters.default import default_speculative_config
+    from specdec.models import default_model_path, load_model
+    from specdec.sampling import SamplingParams
+
+    loaded = load_model(args.gguf or str(default_model_path()), dtype=torch.bfloat16, device="cuda")
+    model, tokenizer = loaded.model, loaded.tokenizer
+    lines = (HERE.parent / "data" / "heldout_prompts.jsonl").read_text().splitlines()
+    texts = [json.loads(line)["prompt"] for line in lines if line.strip()]
+    encoded = [tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
+    head = default_speculative_config(None)
+    results = {}
+    for batch in [int(b) for b in args.batches.split(",")]:
+        prompts = (encoded * batch)[:batch]
+        longest = max(map(len, prompts)) + args.output_len + 8
+        blocks = batch * (-(-longest // 16) + 2) + 64
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, seed=i)
+            for i in range(batch)
+        ]
+        for name, spec in (
+            ("plain", None),
+            ("eagle adaptive K<=4", {**head, "num_speculative_tokens": 4, "adaptive": True}),
+        ):
+            llm = make_engine(
+                model, tokenizer, spec, device="cuda", max_num_seqs=batch, max_model_len=1024,
+                blocks=blocks,
+            )  # fmt: skip
+            results[f"b{batch} {name}"] = probe(llm, prompts, params, f"b{batch} {name}")
+            del llm
+            torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "first_step.json").write_text(json.dumps(results, indent=1))
+    print(f"wrote {out / 'first_step.json'}")
+
+
+if __name__ == "__main__":
+    main()
