@@ -86,6 +86,21 @@ def probe(llm, prompts, params, label: str) -> dict:
         if engine._rounds is not None:
             timer.wrap(engine._rounds, "begin", "rounds.begin")
             timer.wrap(engine._rounds.drafting, "begin", "drafting.begin")
+        from specdec.models.attention import AttentionMetadata, AttentionPlan
+
+        drafter = engine.drafter
+        for obj, name in (
+            (drafter, "_catch_up"),
+            (drafter, "_step"),
+            (drafter, "_decode_step"),
+            (getattr(drafter, "head", None), "forward_paged"),
+            (getattr(drafter, "head", None), "project_features"),
+            (getattr(drafter, "allocator", None), "grow"),
+            (AttentionMetadata, "build"),
+            (AttentionPlan, "build"),
+        ):
+            if obj is not None and hasattr(obj, name):
+                timer.wrap(obj, name, f"{getattr(obj, '__name__', type(obj).__name__)}.{name}")
     inner_step = engine.step
     first: dict = {}
     state = {"n": 0}
