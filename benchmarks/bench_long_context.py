@@ -14,7 +14,9 @@ to the first token (the prefill), the decode TPOT ((end - first token) / (tokens
 warm-up request on the same engine that captures its graphs), that
 speculative greedy output equals plain greedy output, spec-decode statistics, and a NaN check
 (a separate 2-token request with logprobs: every logprob finite; one more prefill per length,
-`--skip-nan-check` leaves it out). Writes DIR/long_context.json.
+`--skip-nan-check` leaves it out), and on CUDA the plain TPOT against its floor: every weight
+and every cached K/V byte read once at the device-to-device copy bandwidth measured in the same
+run (`decode_floor`). Writes DIR/long_context.json.
 
 Memory (8B, bf16): 128 KiB of KV per token, 16 GiB at 131,072 tokens, beside 16 GB of weights;
 the KV cache is sized to the longest length (`num_kv_blocks`), not to free memory. Prefill runs
@@ -225,6 +227,48 @@ def free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+def copy_bandwidth(device: str, gigabytes: float = 4.0) -> float | None:
+    """Device-to-device copy bandwidth in bytes/s (read + write counted once each, as the
+    decode floor counts bytes read), median of 5 copies of `gigabytes` GB; None off CUDA."""
+    if device != "cuda":
+        return None
+    count = int(gigabytes * 1e9) // 2
+    src = torch.empty(count, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    free(device)
+    return 2 * count * 2 / sorted(times)[2]
+
+
+def decode_floor_ms(model, context_tokens: int, bandwidth: float | None) -> dict | None:
+    """A decode step's floor: every weight and every cached K/V byte of the context read once,
+    at the copy bandwidth measured in this run."""
+    if bandwidth is None:
+        return None
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    config = model.config
+    kv_per_token = (
+        2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+        * torch.finfo(model.dtype).bits // 8
+    )  # fmt: skip
+    kv_bytes = kv_per_token * context_tokens
+    return {
+        "weight_bytes": weight_bytes,
+        "kv_bytes": kv_bytes,
+        "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "floor_ms": (weight_bytes + kv_bytes) / bandwidth * 1e3,
+    }
+
+
 def bench_length(model, length: int, args) -> dict:
     k, new = args.k, args.new_tokens
     prompt_len = length - new - k - 1
@@ -246,7 +290,11 @@ def bench_length(model, length: int, args) -> dict:
     finally:
         del llm
         free(args.device)
-    log(f"[long] {length} plain: {row['plain']}")
+    floor = decode_floor_ms(model, prompt_len + new // 2, args.bandwidth)
+    if floor is not None:
+        floor["plain_tpot_over_floor"] = plain["decode_tpot_ms"] / floor["floor_ms"]
+        row["decode_floor"] = floor
+    log(f"[long] {length} plain: {row['plain']} floor: {floor}")
     llm = make_llm(model, spec, **common)
     try:
         if args.drafter == "oracle":
@@ -301,6 +349,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     model = build_model(args.shape, args.device)
+    args.bandwidth = copy_bandwidth(args.device)
     rows = [bench_length(model, length, args) for length in lengths]
     result = {
         "meta": {
@@ -313,6 +362,7 @@ def main() -> None:
             "acceptance": args.acceptance if args.drafter == "oracle" else None,
             "k": args.k,
             "prefill_chunk": args.prefill_chunk,
+            "copy_bandwidth_gb_s": None if args.bandwidth is None else args.bandwidth / 1e9,
             "seconds": time.perf_counter() - start,
         },
         "results": rows,
