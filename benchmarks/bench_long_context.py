@@ -33,6 +33,7 @@ import gc
 import json
 import math
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -276,7 +277,6 @@ def bench_length(model, length: int, args) -> dict:
     prompt = long_prompt(prompt_len, vocab, seed=length)
     row: dict = {"length": length, "prompt_tokens": prompt_len, "new_tokens": new}
     common = {"device": args.device, "max_model_len": length, "prefill_chunk": args.prefill_chunk}
-    spec = {"method": "ngram", "num_speculative_tokens": k, "adaptive": False}
     llm = make_llm(model, None, **common)
     try:
         warm_up(llm, vocab, args.device, length)
@@ -295,34 +295,71 @@ def bench_length(model, length: int, args) -> dict:
         floor["plain_tpot_over_floor"] = plain["decode_tpot_ms"] / floor["floor_ms"]
         row["decode_floor"] = floor
     log(f"[long] {length} plain: {row['plain']} floor: {floor}")
-    llm = make_llm(model, spec, **common)
+    row["drafters"] = {}
+    for drafter in args.drafters:
+        row["drafters"][drafter] = bench_drafter(model, drafter, prompt, plain, common, args)
+        log(f"[long] {length} {drafter}: {row['drafters'][drafter]}")
+    first = row["drafters"][args.drafters[0]]  # the table's "spec" columns
+    row["spec"] = first.get("spec")
+    row["spec_equals_plain"] = all(d.get("spec_equals_plain") for d in row["drafters"].values())
+    return row
+
+
+def drafter_config(model, drafter: str, k: int) -> dict:
+    """The speculative config of a drafter with its own state: a random EAGLE head (its paged
+    one-layer KV grows with the request) or a block drafter started from the target's weights
+    (its context: every drafter layer's K/V of the request's positions). n-gram and the oracle
+    keep no KV of their own. Acceptance means little for these weights; their rounds' cost and
+    exactness at the length are what is measured."""
+    if drafter in ("oracle", "ngram"):
+        return {"method": "ngram", "num_speculative_tokens": k, "adaptive": False}
+    root = Path(tempfile.mkdtemp(prefix=f"long-{drafter}-"))
+    if drafter == "eagle":
+        from probes.probe_spec_step import random_eagle_head
+
+        vocab = model.config.vocab_size
+        path = random_eagle_head(model, root / "head", draft_vocab=min(16384, vocab // 2))
+    else:
+        from bench_spec_round import block_drafter_dirs
+
+        path = block_drafter_dirs(model, None, root)[drafter]
+    return {"method": drafter, "model": path, "num_speculative_tokens": k, "adaptive": False}
+
+
+def bench_drafter(model, drafter: str, prompt, plain: dict, common: dict, args) -> dict:
+    """One drafter at one length: the same greedy request as plain, its TPOT, and whether its
+    output equals plain greedy output (else where they split and by what margin)."""
+    out: dict = {}
+    vocab = model.config.vocab_size
+    llm = None
     try:
-        if args.drafter == "oracle":
+        llm = make_llm(model, drafter_config(model, drafter, args.k), **common)
+        if drafter == "oracle":
             llm.engine.drafter = OracleDrafter(
                 vocab, args.acceptance, [prompt + plain["tokens"]], key_len=64
             )
-        warm_up(llm, vocab, args.device, length)
-        drafted = timed_generate(llm, prompt, new, args.device)
-        row["spec"] = {key: v for key, v in drafted.items() if key != "tokens"}
-        row["spec"]["loop"] = llm.get_metrics().get("loop")
-        row["spec_equals_plain"] = drafted["tokens"] == plain["tokens"]
-        if not row["spec_equals_plain"]:
+        warm_up(llm, vocab, args.device, common["max_model_len"])
+        drafted = timed_generate(llm, prompt, args.new_tokens, args.device)
+        out["spec"] = {key: v for key, v in drafted.items() if key != "tokens"}
+        out["spec"]["loop"] = llm.get_metrics().get("loop")
+        out["spec_over_plain_tpot"] = drafted["decode_tpot_ms"] / plain["decode_tpot_ms"]
+        out["spec_equals_plain"] = drafted["tokens"] == plain["tokens"]
+        if not out["spec_equals_plain"]:
             at = next(
                 i
                 for i, (a, b) in enumerate(zip(drafted["tokens"], plain["tokens"], strict=False))
                 if a != b
             )
-            row["first_mismatch_at"] = at
-            row["mismatch_margin"] = near_tie(
+            out["first_mismatch_at"] = at
+            out["mismatch_margin"] = near_tie(
                 model, prompt, plain["tokens"], drafted["tokens"], at, common
             )
     except Exception as err:
-        row["spec"] = {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()}
+        out["spec"] = {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()}
     finally:
         del llm
         free(args.device)
-    log(f"[long] {length} spec: {row.get('spec')} equal={row.get('spec_equals_plain')}")
-    return row
+    return out
 
 
 def main() -> None:
@@ -332,7 +369,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--lengths", default="32768,65536,131072")
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--drafter", default="oracle", choices=["oracle", "ngram"])
+    parser.add_argument(
+        "--drafter",
+        default="oracle",
+        help="comma list of oracle, ngram, eagle, dflash, dspark (each beside one plain run)",
+    )
     parser.add_argument("--acceptance", type=float, default=0.8, help="the oracle's a")
     parser.add_argument("--k", type=int, default=4, help="drafts per round (pinned)")
     parser.add_argument("--prefill-chunk", type=int, default=2048)
@@ -340,6 +381,10 @@ def main() -> None:
         "--skip-nan-check", action="store_true", help="no third prefill per length (the check)"
     )
     args = parser.parse_args()
+    args.drafters = args.drafter.split(",")
+    unknown = set(args.drafters) - {"oracle", "ngram", "eagle", "dflash", "dspark"}
+    if unknown:
+        parser.error(f"unknown drafters {sorted(unknown)}")
     lengths = [int(x) for x in args.lengths.split(",")]
     context = SHAPES[args.shape]["max_position_embeddings"]
     too_long = [n for n in lengths if n > context]
@@ -359,7 +404,7 @@ def main() -> None:
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "shape": args.shape,
             "drafter": args.drafter,
-            "acceptance": args.acceptance if args.drafter == "oracle" else None,
+            "acceptance": args.acceptance if "oracle" in args.drafters else None,
             "k": args.k,
             "prefill_chunk": args.prefill_chunk,
             "copy_bandwidth_gb_s": None if args.bandwidth is None else args.bandwidth / 1e9,

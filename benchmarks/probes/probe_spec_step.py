@@ -46,7 +46,9 @@ def random_eagle_head(model, out: Path, draft_vocab: int = 16384) -> str:
 
     layers = model.config.num_hidden_layers
     config = EagleConfig.for_target(
-        model.config, feature_layers=(2, layers // 2, layers - 1), draft_vocab_size=draft_vocab
+        model.config,
+        feature_layers=tuple(sorted({min(2, layers - 1), layers // 2, layers - 1})),
+        draft_vocab_size=draft_vocab,
     )
     head = EagleHead(config)
     tensors = {}
