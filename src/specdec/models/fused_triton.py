@@ -12,6 +12,13 @@ import triton.language as tl
 
 from specdec.models.attention import DecodeMetadata
 from specdec.models.attention_tiles import DECODE_BLOCK_N
+from specdec.triton_specialization import unspecialized
+
+# The decode kernel's per-step metadata (see `specdec.triton_specialization`).
+_DECODE_METADATA = unspecialized(
+    ints=("block_table_stride",),
+    pointers=("block_tables_ptr", "context_lens_ptr", "query_lens_ptr"),
+)
 
 
 @triton.jit
@@ -76,7 +83,7 @@ def _fp8_saturate(x):
     return tl.minimum(tl.maximum(x, -448.0), 448.0)
 
 
-@triton.jit
+@triton.jit(**unspecialized(pointers=("positions_ptr", "slot_mapping_ptr")))
 def _rope_write_kv_kernel(
     qkv_ptr,  # [T, (H_q + 2 H_kv) * D]
     positions_ptr,  # [T] int64
@@ -259,7 +266,7 @@ def _attend_chunk(
     return new_max, row_sum, acc * rescale[:, None] + update
 
 
-@triton.jit
+@triton.jit(**_DECODE_METADATA)
 def _paged_decode_attention_kernel(
     query_ptr,  # [B * Q, H_q, D]
     k_cache_ptr,  # [num_slots, H_kv, D]

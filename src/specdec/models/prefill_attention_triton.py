@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from specdec.models.attention_tiles import LOG2E, PREFILL_BLOCK_N
+from specdec.triton_specialization import unspecialized
 
 
 @triton.jit
@@ -78,7 +79,12 @@ def _prefill_tile(
     return new_max, row_sum, acc * rescale[:, None] + update
 
 
-@triton.jit
+@triton.jit(
+    **unspecialized(
+        ints=("block_table_stride",),
+        pointers=("block_tables_ptr", "cu_seqlens_q_ptr", "context_lens_ptr"),
+    )
+)
 def _paged_prefill_attention_kernel(
     query_ptr,  # [T, H_q, D]
     k_cache_ptr,  # [num_slots, H_kv, D]

@@ -18,9 +18,15 @@ import triton.language as tl
 from specdec.models.attention import DecodeMetadata
 from specdec.models.attention_tiles import DECODE_BLOCK_N, SPLIT_KV_PARTITION
 from specdec.models.fused_triton import _attend_chunk
+from specdec.triton_specialization import unspecialized
 
 
-@triton.jit
+@triton.jit(
+    **unspecialized(
+        ints=("block_table_stride",),
+        pointers=("block_tables_ptr", "context_lens_ptr", "query_lens_ptr"),
+    )
+)
 def _split_kv_partition_kernel(
     query_ptr,  # [B * Q, H_q, D]
     k_cache_ptr,  # [num_slots, H_kv, D]
