@@ -132,13 +132,18 @@ def test_serve_benchmark_starts_a_server_and_reports(tiny_dir, tmp_path):
 
 
 def test_long_context_benchmark_runs_on_the_tiny_shape(tmp_path):
-    """benchmarks/bench_long_context.py's code paths at toy sizes (CPU): the oracle drafter's
-    greedy output equals plain greedy output, and the NaN check passes."""
+    """benchmarks/bench_long_context.py's code paths at toy sizes (CPU): the oracle drafter's,
+    a random EAGLE head's and a DFlash drafter's greedy outputs equal plain greedy output, and
+    the NaN check passes."""
     run_script(
         "bench_long_context.py",
         *("--out", str(tmp_path), "--shape", "tiny", "--device", "cpu"),
-        *("--lengths", "160", "--new-tokens", "8", "--k", "2"),
+        *("--lengths", "160", "--new-tokens", "8", "--k", "2", "--drafter", "oracle,eagle,dflash"),
     )
     result = json.loads((tmp_path / "long_context.json").read_text())
     assert result["all_ok"], result["results"]
-    assert result["results"][0]["spec"]["spec_decode_stats"]["num_drafts"] > 0
+    row = result["results"][0]
+    assert row["spec"]["spec_decode_stats"]["num_drafts"] > 0
+    for name in ("oracle", "eagle", "dflash"):
+        assert row["drafters"][name]["spec_equals_plain"], (name, row["drafters"][name])
+        assert row["drafters"][name]["spec"]["spec_decode_stats"]["num_drafts"] > 0
