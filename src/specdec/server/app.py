@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -27,11 +26,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec import __version__
 from specdec.engine.outputs import CompletionOutput, RequestOutput
-from specdec.metrics import SpecDecodeStats
 from specdec.rng.seeds import fresh_request_id
 from specdec.sampling import SamplingParams
 from specdec.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from specdec.server.config import ServerConfig
+from specdec.server.errors import APIError, _validation_error, error_response
 from specdec.server.prometheus import ServerMetrics
 from specdec.server.protocol import (
     CONSTRAINT_FIELDS,
@@ -39,8 +38,17 @@ from specdec.server.protocol import (
     ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
-    ErrorResponse,
     TokenizeRequest,
+)
+from specdec.server.responses import (
+    _Deltas,
+    _finish_reason,
+    _full_response,
+    _merged,
+    _sse,
+    _tail,
+    _top,
+    prompt_logprobs_json,
 )
 
 logger = logging.getLogger(__name__)
@@ -49,33 +57,6 @@ logger = logging.getLogger(__name__)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # How often a non-streaming request checks whether its client is still connected.
 DISCONNECT_POLL_S = 0.25
-
-
-class APIError(Exception):
-    """An error a client caused (or a server state it should know of), sent as OpenAI's body."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-
-def error_response(
-    status: int, message: str, type: str, param: str | None = None, code: str | None = None
-) -> JSONResponse:
-    body = ErrorResponse(error={"message": message, "type": type, "param": param, "code": code})
-    return JSONResponse(body.model_dump(), status_code=status)
 
 
 @dataclass(slots=True)
@@ -407,27 +388,6 @@ class OpenAIServer:
         return {"content": content}
 
 
-def _top(entry: dict, num_top: int) -> list:
-    """The top `num_top` (token id, Logprob) of a vLLM logprob dict (its first entries)."""
-    return list(entry.items())[:num_top]
-
-
-def prompt_logprobs_json(prompt_logprobs: list | None) -> list | None:
-    """vLLM's `prompt_logprobs` in a response: per prompt token None or {id: {"logprob", "rank",
-    "decoded_token"}}."""
-    if prompt_logprobs is None:
-        return None
-    return [
-        None
-        if entry is None
-        else {
-            str(t): {"logprob": v.logprob, "rank": v.rank, "decoded_token": v.decoded_token}
-            for t, v in entry.items()
-        }
-        for entry in prompt_logprobs
-    ]
-
-
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
     """The messages as the chat template sees them (text content; `name` when given)."""
     out = []
@@ -460,91 +420,6 @@ SAMPLING_FIELDS = (
 )
 
 
-def usage(outputs: list[RequestOutput]) -> dict:
-    """OpenAI's usage summed over the prompts (each prompt counted once, whatever n)."""
-    prompt = sum(len(output.prompt_token_ids) for output in outputs)
-    completion = sum(len(c.token_ids) for output in outputs for c in output.outputs)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-
-
-def spec_decode_stats(outputs: list[RequestOutput]) -> dict:
-    """The per-request spec-decode counters summed over the prompts."""
-    if len(outputs) == 1:
-        return outputs[0].spec_decode_stats
-    total = SpecDecodeStats()
-    for output in outputs:
-        stats = output.spec_decode_stats
-        per_position = list(stats.get("accepted_per_position", []))
-        total.merge(
-            SpecDecodeStats(
-                num_spec_tokens=len(per_position),
-                num_drafts=stats.get("num_drafts", 0),
-                num_draft_tokens=stats.get("num_draft_tokens", 0),
-                num_accepted_tokens=stats.get("num_accepted_tokens", 0),
-                accepted_per_position=per_position,
-            )
-        )
-    return total.as_dict()
-
-
-def _tail(outputs: list[RequestOutput]) -> dict:
-    """What closes a response body: usage, the seed (shared by every prompt) and stats."""
-    return {
-        "usage": usage(outputs),
-        "seed": outputs[0].seed,
-        "spec_decode_stats": spec_decode_stats(outputs),
-    }
-
-
-def _full_response(head: dict, choices: list[dict], outputs: list[RequestOutput]) -> JSONResponse:
-    """A non-streamed completion or chat body: the head, choices, usage, seed and stats."""
-    return JSONResponse({**head, "choices": choices, **_tail(outputs)})
-
-
-async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(stream index, output) from several request streams as the outputs arrive.
-
-    Close it (`aclosing`) when stopping early: closing cancels the readers of the streams.
-    """
-    if len(streams) == 1:
-        async for output in streams[0]:
-            yield 0, output
-        return
-    arrivals: asyncio.Queue = asyncio.Queue()
-
-    async def read(index: int, stream: RequestStream) -> None:
-        try:
-            async for output in stream:
-                arrivals.put_nowait((index, output))
-        except Exception as err:
-            arrivals.put_nowait((index, err))
-        else:
-            arrivals.put_nowait((index, None))
-
-    readers = [asyncio.ensure_future(read(i, stream)) for i, stream in enumerate(streams)]
-    try:
-        remaining = len(streams)
-        while remaining:
-            index, item = await arrivals.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for reader in readers:
-            reader.cancel()
-
-
-def _finish_reason(completion: CompletionOutput) -> str | None:
-    return completion.finish_reason
-
-
 def _message_text(content: str | list[dict] | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
@@ -554,66 +429,6 @@ def _message_text(content: str | list[dict] | None) -> str:
             raise APIError(400, "only text content parts are supported", param="messages")
         parts.append(part["text"])
     return "".join(parts)
-
-
-def _validation_error(errors: list[dict]) -> APIError:
-    first = errors[0] if errors else {}
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(location) or None
-    kind = first.get("type", "")
-    if kind == "json_invalid":
-        return APIError(400, "the request body is not valid JSON", code="invalid_json")
-    if kind == "extra_forbidden":
-        return APIError(
-            400,
-            f"the field {param!r} is not supported by this server (it is not silently ignored; "
-            "leave it out)",
-            param=param,
-            code="unsupported_field",
-        )
-    if kind == "value_error":  # a validator's own message, which names what it checked
-        return APIError(400, str(first.get("ctx", {}).get("error", "invalid request")), param=param)
-    message = first.get("msg", "invalid request")
-    return APIError(400, f"{param}: {message}" if param else message, param=param)
-
-
-def _sse(payload: dict | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
-
-
-class _Deltas:
-    """Text and token offsets already streamed for each choice (prompt-major, then sample).
-
-    Text that may still turn out to be the start of a stop string (or an incomplete UTF-8
-    character) is held back until the sample finishes, so streamed text equals the final text.
-    """
-
-    def __init__(self, num_choices: int, stop: list[str] | None) -> None:
-        self.text = [0] * num_choices
-        self.tokens = [0] * num_choices
-        self.done = [False] * num_choices
-        self.hold = max((len(s) for s in stop or []), default=1) - 1
-
-    def next(self, completion: CompletionOutput, index: int) -> tuple[str, int] | None:
-        """(new text, token offset of the new logprobs) of choice `index`, or None when nothing
-        is to be sent."""
-        if self.done[index]:
-            return None
-        text = completion.text
-        end = len(text)
-        if completion.finish_reason is None:
-            end = max(self.text[index], end - self.hold)
-            while end > self.text[index] and text[end - 1] == "\ufffd":
-                end -= 1
-        delta = text[self.text[index] : end]
-        start = self.tokens[index]
-        if not delta and completion.finish_reason is None:
-            return None
-        self.text[index] = end
-        self.tokens[index] = len(completion.token_ids)
-        self.done[index] = completion.finish_reason is not None
-        return delta, start
 
 
 def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
