@@ -25,6 +25,7 @@ import torch
 
 from block_drafter_fixtures import observe_context, save_tiny_block_drafter, tiny_block_drafter
 from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
+from paged_block_fixtures import naive_block_attention, paged_layout, randn
 from specdec.drafters import DraftBatch
 from specdec.drafters.block import paged_context
 from specdec.drafters.block.dflash import DFlashDrafter
@@ -42,51 +43,15 @@ interpret = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 a
 CONTEXTS = [0, 1, 16, 17, 1024, 1025, 5000, 3]
 
 
-def _randn(*shape, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def paged_layout(context_lens, num_kv_heads, head_dim, seed, block_size=16):
-    """Pools whose block tables are random, non-contiguous choices (holes); entries past a
-    context name unused blocks."""
-    counts = [-(-c // block_size) for c in context_lens]
-    num_blocks = sum(counts) + 9
-    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
-    max_blocks = max(counts) + 2
-    tables = torch.full((len(context_lens), max_blocks), num_blocks - 1, dtype=torch.int64)
-    used = 0
-    for n, count in enumerate(counts):
-        tables[n, :count] = order[used : used + count]
-        used += count
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_pool, v_pool = _randn(*shape, seed=seed + 1), _randn(*shape, seed=seed + 2)
-    return k_pool, v_pool, tables, torch.tensor(context_lens)
-
-
-def naive_block_attention(query, key, value, k_pool, v_pool, tables, context_lens, scale):
-    """Softmax over [context keys 0..L-1, the block's own keys], one block at a time."""
-    num_heads = query.shape[2]
-    group = num_heads // key.shape[2]
-    out = torch.empty_like(query)
-    for b, length in enumerate(context_lens.tolist()):
-        keys = torch.cat([k_pool[tables[b]].flatten(0, 1)[:length], key[b]])  # [L + R, H_kv, D]
-        values = torch.cat([v_pool[tables[b]].flatten(0, 1)[:length], value[b]])
-        keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L + R, D]
-        values = values.repeat_interleave(group, dim=1).transpose(0, 1)
-        scores = query[b].transpose(0, 1) @ keys.transpose(-1, -2) * scale  # [H, R, L + R]
-        out[b] = (scores.softmax(-1) @ values).transpose(0, 1)
-    return out
-
-
 @pytest.mark.parametrize("heads", [(4, 1, 16), (4, 4, 8), (6, 2, 24)])
 @pytest.mark.parametrize("num_rows", [1, 5])
 def test_paged_block_attention_is_softmax_over_context_and_own_rows(heads, num_rows) -> None:
     num_heads, num_kv_heads, head_dim = heads
     k_pool, v_pool, tables, lens = paged_layout(CONTEXTS, num_kv_heads, head_dim, seed=3)
     n = len(CONTEXTS)
-    query = _randn(n, num_rows, num_heads, head_dim, seed=5)
-    key = _randn(n, num_rows, num_kv_heads, head_dim, seed=6)
-    value = _randn(n, num_rows, num_kv_heads, head_dim, seed=7)
+    query = randn(n, num_rows, num_heads, head_dim, seed=5)
+    key = randn(n, num_rows, num_kv_heads, head_dim, seed=6)
+    value = randn(n, num_rows, num_kv_heads, head_dim, seed=7)
     parts = split_kv.num_partitions(tables.shape[1] * 16)
     args = (k_pool, v_pool, tables, lens)
     got = paged_context.paged_block_attention(query, key, value, *args, parts, 0.3)
@@ -97,7 +62,7 @@ def test_paged_block_attention_is_softmax_over_context_and_own_rows(heads, num_r
 def test_context_lse_is_the_scores_logsumexp() -> None:
     k_pool, v_pool, tables, lens = paged_layout(CONTEXTS, 2, 16, seed=11)
     rows = 3
-    query = _randn(len(CONTEXTS) * rows, 4, 16, seed=12)
+    query = randn(len(CONTEXTS) * rows, 4, 16, seed=12)
     out, lse = split_kv.split_kv_attention_lse_ref(
         query, k_pool, v_pool, tables, lens, torch.zeros_like(lens), rows, 0.3
     )
@@ -120,7 +85,7 @@ def test_lse_kernels_interpreted_match_twin(monkeypatch) -> None:
     contexts = [0, 1, 16, 129, 300]
     k_pool, v_pool, tables, lens = paged_layout(contexts, 2, 16, seed=21)
     rows = 5
-    query = _randn(len(contexts) * rows, 8, 16, seed=22)
+    query = randn(len(contexts) * rows, 8, 16, seed=22)
     args = (query, k_pool, v_pool, tables, lens, torch.zeros_like(lens), rows)
     got_out, got_lse = split_kv_triton.split_kv_attention_lse_triton(*args, 4, 0.3)
     want_out, want_lse = split_kv.split_kv_attention_lse_ref(*args, 0.3)
