@@ -5,6 +5,21 @@ from __future__ import annotations
 
 import torch
 
+from specdec.models.attention import DecodeMetadata
+
+
+def context_meta(tables, context_lens, rows: int, num_partitions: int = 0) -> DecodeMetadata:
+    """The metadata of `rows` query rows a slot seeing their whole paged context (query_lens 0),
+    as `paged_context.paged_block_attention` builds it."""
+    return DecodeMetadata(
+        block_tables=tables,
+        context_lens=context_lens,
+        query_lens=torch.zeros_like(context_lens),
+        slot_mapping=context_lens[:0],
+        query_per_seq=rows,
+        num_partitions=num_partitions,
+    )
+
 
 def randn(*shape, seed: int, dtype=torch.float32, device="cpu") -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device, dtype)

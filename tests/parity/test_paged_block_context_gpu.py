@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_block_fixtures import naive_block_attention, paged_layout, randn
+from paged_block_fixtures import context_meta, naive_block_attention, paged_layout, randn
 from specdec.drafters.block.paged_context import paged_block_attention
 from specdec.models import split_kv
 
@@ -63,12 +63,11 @@ def _case(contexts, rows, heads, dtype, seed):
 @pytest.mark.parametrize("heads", [(32, 8, 128), (4, 1, 64), (4, 4, 24)])
 def test_lse_kernels_match_twin(dtype, rows, heads) -> None:
     query, _, _, k_pool, v_pool, tables, lens = _case(CONTEXTS, rows, heads, dtype, seed=41)
-    flat = query.flatten(0, 1)
-    args = (flat, k_pool, v_pool, tables, lens, torch.zeros_like(lens), rows)
     parts = split_kv.num_partitions(12000)  # more than any context needs: empty partitions
-    scale = heads[2] ** -0.5
-    got_out, got_lse = split_kv.split_kv_attention_lse(*args, parts, scale)
-    want_out, want_lse = split_kv.split_kv_attention_lse_ref(*args, scale)
+    meta = context_meta(tables, lens, rows, parts)
+    args = (query.flatten(0, 1), k_pool, v_pool, meta, heads[2] ** -0.5)
+    got_out, got_lse = split_kv.split_kv_attention_lse(*args)
+    want_out, want_lse = split_kv.split_kv_attention_lse_ref(*args)
     what = f"LSE split-KV rows {rows} heads {heads} {dtype}"
     _assert_close(got_out, want_out, f"{what}: out", dtype)
     _assert_close(got_lse, want_lse, f"{what}: lse", dtype)
@@ -92,11 +91,10 @@ def test_lse_kernels_at_128k_context() -> None:
     query, _, _, k_pool, v_pool, tables, lens = _case(
         contexts, rows, (32, 8, 128), torch.bfloat16, seed=61
     )
-    args = (query.flatten(0, 1), k_pool, v_pool, tables, lens, torch.zeros_like(lens), rows)
-    got_out, got_lse = split_kv.split_kv_attention_lse(
-        *args, split_kv.num_partitions(131072 + 9), 128**-0.5
-    )
-    want_out, want_lse = split_kv.split_kv_attention_lse_ref(*args, 128**-0.5)
+    meta = context_meta(tables, lens, rows, split_kv.num_partitions(131072 + 9))
+    args = (query.flatten(0, 1), k_pool, v_pool, meta, 128**-0.5)
+    got_out, got_lse = split_kv.split_kv_attention_lse(*args)
+    want_out, want_lse = split_kv.split_kv_attention_lse_ref(*args)
     _assert_close(got_out, want_out, "LSE split-KV at 128K: out", torch.bfloat16)
     _assert_close(got_lse, want_lse, "LSE split-KV at 128K: lse", torch.bfloat16)
 

@@ -127,16 +127,7 @@ def split_kv_decode_attention_ref(
     Returns:
         [B * Q, H_q, D] in query's dtype; rows of inert sequences (context 0) are 0.
     """
-    out, _ = split_kv_attention_lse_ref(
-        query,
-        k_cache,
-        v_cache,
-        meta.block_tables,
-        meta.context_lens,
-        meta.query_lens,
-        meta.query_per_seq,
-        scale,
-    )
+    out, _ = split_kv_attention_lse_ref(query, k_cache, v_cache, meta, scale)
     return out.to(query.dtype)
 
 
@@ -144,41 +135,36 @@ def split_kv_attention_lse_ref(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    query_lens: torch.Tensor,
-    query_per_seq: int,
+    meta: DecodeMetadata,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The split-KV attention with its row log-sum-exps, in float32 (to be merged with another
     partial attention of the same rows, as the block drafters' paged context is).
 
     Query row j of sequence b sits at position context_lens[b] - query_lens[b] + j and sees the
-    cached keys up to it: query_lens 0 lets every row see its whole context (no causal mask).
+    cached keys up to it (as `split_kv_decode_attention_ref`): query_lens 0 lets every row see
+    its whole context (no causal mask). `meta.slot_mapping` is not read.
 
     Args:
-        query: [B * Q, H_q, D] rotated queries, Q = query_per_seq rows a sequence.
+        query: [B * Q, H_q, D] rotated queries in the uniform layout of `meta`.
         k_cache, v_cache: [num_blocks, block_size, H_kv, D] one layer's caches.
-        block_tables: [B, max_blocks] int cache blocks of each sequence.
-        context_lens: [B] int keys of each sequence (0: an inert sequence).
-        query_lens: [B] int live query rows of each sequence (as `DecodeMetadata`).
-        query_per_seq: Q.
+        meta: block tables, context and query lengths (its `num_partitions` is the kernels').
         scale: softmax scale.
 
     Returns: (out [B * Q, H_q, D] float32, lse [B * Q, H_q] float32 of the scaled scores);
     rows that see no key have out 0 and lse -inf.
     """
-    q_per_seq = query_per_seq
+    q_per_seq = meta.query_per_seq
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
     lse = torch.full(query.shape[:2], -torch.inf, device=query.device)
-    query_lens = query_lens.tolist()
-    for b, context_len in enumerate(context_lens.tolist()):
+    query_lens = meta.query_lens.tolist()
+    for b, context_len in enumerate(meta.context_lens.tolist()):
         if context_len == 0:
             continue
-        blocks = block_tables[b, : -(-context_len // block_size)].to(torch.int64)
+        blocks = meta.block_tables[b, : -(-context_len // block_size)].to(torch.int64)
         keys = k_cache[blocks].flatten(0, 1)[:context_len]  # [S, H_kv, D]
         values = v_cache[blocks].flatten(0, 1)[:context_len]
         keys = keys.to(torch.float32).to(query.dtype).to(torch.float32).transpose(0, 1)
@@ -230,29 +216,13 @@ def split_kv_attention_lse(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    query_lens: torch.Tensor,
-    query_per_seq: int,
-    num_partitions: int,
+    meta: DecodeMetadata,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """See `split_kv_attention_lse_ref`; on CUDA the split-KV kernels over `num_partitions`
+    """See `split_kv_attention_lse_ref`; on CUDA the split-KV kernels over `meta.num_partitions`
     partitions a sequence (fixed: they must cover every context; CUDA-graph safe)."""
     if not query.is_cuda:
-        return split_kv_attention_lse_ref(
-            query, k_cache, v_cache, block_tables, context_lens, query_lens, query_per_seq, scale
-        )
+        return split_kv_attention_lse_ref(query, k_cache, v_cache, meta, scale)
     from specdec.models import split_kv_triton
 
-    return split_kv_triton.split_kv_attention_lse_triton(
-        query,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens,
-        query_lens,
-        query_per_seq,
-        num_partitions,
-        scale,
-    )
+    return split_kv_triton.split_kv_attention_lse_triton(query, k_cache, v_cache, meta, scale)

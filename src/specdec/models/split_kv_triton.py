@@ -206,19 +206,7 @@ def split_kv_decode_attention_triton(
     scale: float,
 ) -> torch.Tensor:
     out = torch.empty_like(query)
-    _launch(
-        query,
-        k_cache,
-        v_cache,
-        meta.block_tables,
-        meta.context_lens,
-        meta.query_lens,
-        meta.query_per_seq,
-        meta.num_partitions,
-        scale,
-        out,
-        None,
-    )
+    _launch(query, k_cache, v_cache, meta, scale, out, None)
     return out
 
 
@@ -226,29 +214,13 @@ def split_kv_attention_lse_triton(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    query_lens: torch.Tensor,
-    query_per_seq: int,
-    num_partitions: int,
+    meta: DecodeMetadata,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`split_kv.split_kv_attention_lse_ref` on the kernels: (out float32, lse float32)."""
     out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
     lse = torch.full(query.shape[:2], -torch.inf, device=query.device)
-    _launch(
-        query,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens,
-        query_lens,
-        query_per_seq,
-        num_partitions,
-        scale,
-        out,
-        lse,
-    )
+    _launch(query, k_cache, v_cache, meta, scale, out, lse)
     return out, lse
 
 
@@ -256,17 +228,14 @@ def _launch(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    query_lens: torch.Tensor,
-    query_per_seq: int,
-    num_parts: int,
+    meta: DecodeMetadata,
     scale: float,
     out: torch.Tensor,
     lse: torch.Tensor | None,
 ) -> None:
     """Both passes, writing `out` [B * Q, H_q, D] (and `lse` [B * Q, H_q] float32 if given)."""
-    num_seqs = context_lens.shape[0]
+    num_seqs = meta.context_lens.shape[0]
+    num_parts, query_per_seq = meta.num_partitions, meta.query_per_seq
     _, num_heads, head_dim = query.shape
     _, cache_block, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -295,13 +264,13 @@ def _launch(
         query.contiguous(),
         k_cache,
         v_cache,
-        block_tables,
-        context_lens,
-        query_lens,
+        meta.block_tables,
+        meta.context_lens,
+        meta.query_lens,
         part_max,
         part_sum,
         part_acc,
-        block_tables.stride(0),
+        meta.block_tables.stride(0),
         scale,
         CACHE_BLOCK=cache_block,
         BLOCK_N=DECODE_BLOCK_N,
@@ -314,7 +283,7 @@ def _launch(
         part_max,
         part_sum,
         part_acc,
-        context_lens,
+        meta.context_lens,
         out,
         out if lse is None else lse,
         WRITE_LSE=lse is not None,

@@ -25,7 +25,7 @@ import torch
 
 from block_drafter_fixtures import observe_context, save_tiny_block_drafter, tiny_block_drafter
 from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
-from paged_block_fixtures import naive_block_attention, paged_layout, randn
+from paged_block_fixtures import context_meta, naive_block_attention, paged_layout, randn
 from specdec.drafters import DraftBatch
 from specdec.drafters.block import paged_context
 from specdec.drafters.block.dflash import DFlashDrafter
@@ -63,9 +63,8 @@ def test_context_lse_is_the_scores_logsumexp() -> None:
     k_pool, v_pool, tables, lens = paged_layout(CONTEXTS, 2, 16, seed=11)
     rows = 3
     query = randn(len(CONTEXTS) * rows, 4, 16, seed=12)
-    out, lse = split_kv.split_kv_attention_lse_ref(
-        query, k_pool, v_pool, tables, lens, torch.zeros_like(lens), rows, 0.3
-    )
+    meta = context_meta(tables, lens, rows)
+    out, lse = split_kv.split_kv_attention_lse_ref(query, k_pool, v_pool, meta, 0.3)
     for b, length in enumerate(CONTEXTS):
         at = slice(b * rows, (b + 1) * rows)
         if length == 0:
@@ -86,9 +85,9 @@ def test_lse_kernels_interpreted_match_twin(monkeypatch) -> None:
     k_pool, v_pool, tables, lens = paged_layout(contexts, 2, 16, seed=21)
     rows = 5
     query = randn(len(contexts) * rows, 8, 16, seed=22)
-    args = (query, k_pool, v_pool, tables, lens, torch.zeros_like(lens), rows)
-    got_out, got_lse = split_kv_triton.split_kv_attention_lse_triton(*args, 4, 0.3)
-    want_out, want_lse = split_kv.split_kv_attention_lse_ref(*args, 0.3)
+    args = (query, k_pool, v_pool, context_meta(tables, lens, rows, num_partitions=4), 0.3)
+    got_out, got_lse = split_kv_triton.split_kv_attention_lse_triton(*args)
+    want_out, want_lse = split_kv.split_kv_attention_lse_ref(*args)
     torch.testing.assert_close(got_out, want_out, **FP32_TOL)
     torch.testing.assert_close(got_lse, want_lse, **FP32_TOL)
 

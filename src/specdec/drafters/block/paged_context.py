@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.drafters.device import BlockTables
-from specdec.models.attention import KVCache, cache_slots
+from specdec.models.attention import DecodeMetadata, KVCache, cache_slots
 from specdec.models.split_kv import num_partitions, split_kv_attention_lse
 from specdec.runner.kv_cache import BlockAllocator
 from specdec.transfer import to_device
@@ -219,16 +219,16 @@ def paged_block_attention(
     Returns: [N, R, H_q, D] in query's dtype.
     """
     n, r, num_heads, head_dim = query.shape
+    meta = DecodeMetadata(
+        block_tables=block_tables,
+        context_lens=context_lens,
+        query_lens=torch.zeros_like(context_lens),  # no row is causal: each sees its context
+        slot_mapping=context_lens[:0],  # nothing is written
+        query_per_seq=r,
+        num_partitions=num_partitions,
+    )
     context_out, context_lse = split_kv_attention_lse(
-        query.reshape(n * r, num_heads, head_dim),
-        k_pool,
-        v_pool,
-        block_tables,
-        context_lens,
-        torch.zeros_like(context_lens),  # no query row is causal: each sees its whole context
-        r,
-        num_partitions,
-        scale,
+        query.reshape(n * r, num_heads, head_dim), k_pool, v_pool, meta, scale
     )
     own_out, own_lse = own_rows_attention(query, key, value, scale)
     return merge_partials(
