@@ -300,3 +300,14 @@ def test_negative_control_rounds_reading_another_slots_table(model_dir, drafter_
     monkeypatch.setattr(paged_context.PagedBlockContext, "send_tables", swapped)
     rounds, _ = run_engine(model_dir, spec, True, requests)
     assert rounds != sync
+
+
+def test_the_pools_layers_count_in_the_kv_memory(model_dir, drafter_dirs):
+    """The engine sizes its KV cache with the block drafter's layers counted (its device rounds'
+    pools have as many blocks as the target's cache)."""
+    from specdec.engine.setup import draft_cache_layers
+
+    target = load_model(model_dir).model
+    for kind in ("dflash", "dspark"):
+        spec = SpeculativeConfig.from_dict({"method": kind, "model": str(drafter_dirs[kind])})
+        assert draft_cache_layers(spec, target) == 1  # the tiny drafters' one layer
