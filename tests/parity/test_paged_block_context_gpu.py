@@ -1,8 +1,9 @@
 """The block drafters' paged device context on the GPU: the split-KV kernels' LSE variant against
 their PyTorch twin (paged layouts with holes, contexts 0, 1, block and partition boundaries, 5000,
 131,072; block rows 5 and 9 a slot; GQA; float32 and bfloat16), the whole paged block attention
-(context partial + own rows, merged by LSE) against naive softmax, and its CUDA-graph replay with
-new tables and lengths against eager.
+(context partial + own rows, merged by LSE) against naive softmax, its CUDA-graph replay with new
+tables and lengths against eager, and DFlash / DSpark device rounds over contexts of several
+partitions (graphed and eager) emitting the synchronous step's tokens, every pool block back.
 
 Tolerances (as tests/parity/test_long_attention_gpu.py): the twin runs the kernels' 64-key steps
 and partitions in their order but not their tensor-core summation order nor the hardware exp, so
@@ -15,9 +16,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from block_drafter_fixtures import save_tiny_block_drafter
+from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
 from paged_block_fixtures import context_meta, naive_block_attention, paged_layout, randn
 from specdec.drafters.block.paged_context import paged_block_attention
-from specdec.models import split_kv
+from specdec.engine.llm import LLM
+from specdec.models import load_model, split_kv
+from specdec.sampling import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,
@@ -121,3 +126,55 @@ def test_paged_block_attention_replays_in_a_cuda_graph() -> None:
         torch.cuda.synchronize()
         eager = paged_block_attention(*inputs, parts, 0.125)
         assert torch.equal(out, eager), f"replay differs by {(out - eager).abs().max().item()}"
+
+
+@pytest.fixture(scope="module")
+def long_model_dir(tmp_path_factory):
+    """The tiny Llama with a declared context of 4096 (room for prompts of several partitions)."""
+    model = make_hf_model("llama")
+    model.config.max_position_embeddings = 4096
+    return save_hf_model(model, tmp_path_factory.mktemp("tiny-long-paged"))
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+@pytest.mark.parametrize("method", ["standard", "coupled"])
+def test_device_rounds_over_long_paged_contexts_emit_the_synchronous_tokens(
+    long_model_dir, tmp_path, kind, method
+) -> None:
+    target = load_model(long_model_dir).model
+    extra = {}
+    if kind == "dspark":
+        extra = {"confidence_scale": 10.0, "confidence_bias": -0.5, "min_survival_probability": 0.3}
+    drafter = save_tiny_block_drafter(
+        tmp_path / kind, kind, target, block_size=4, noise=0.05, **extra
+    )
+    spec = {
+        "method": kind,
+        "model": str(drafter),
+        "num_speculative_tokens": 3,
+        "rejection_sample_method": method,
+        "adaptive": False,
+    }
+    prompts = prompt_tokens(97, [2500, 40, 1100], seed=5)
+    params = [
+        SamplingParams(
+            temperature=1.0, top_k=30, top_p=0.9, max_tokens=24, ignore_eos=True, seed=70 + i
+        )
+        for i in range(len(prompts))
+    ]
+    args = {"max_model_len": 4096, "block_size": 16, "num_kv_blocks": 512, "dtype": "float32"}
+    results = {}
+    for name, options in {
+        "sync": {"async_scheduling": False},
+        "graphed": {"async_scheduling": True},
+        "eager": {"async_scheduling": True, "enforce_eager": True},
+    }.items():
+        llm = LLM(str(long_model_dir), speculative_config=spec, device="cuda", **args, **options)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        results[name] = [o.outputs[0].token_ids for o in outputs]
+        if name != "sync":
+            assert llm.get_metrics()["loop"]["num_device_rounds"] > 0, name
+            paged = llm.engine.drafter.device_context
+            assert paged is not None and paged.num_free_blocks == 512, name
+    assert results["graphed"] == results["sync"]
+    assert results["eager"] == results["sync"]
