@@ -9,6 +9,7 @@ import warnings
 
 import torch
 
+from specdec.drafters.block.network import BLOCK_DRAFTER_KINDS, read_block_drafter_config
 from specdec.engine.config import EngineConfig
 from specdec.models import LlamaForCausalLM
 
@@ -161,11 +162,14 @@ def _default_num_blocks(
 def draft_cache_layers(spec, model: LlamaForCausalLM) -> int:
     """Layers of the paged cache a drafter keeps beside the target's (same blocks): an EAGLE
     head's one layer, a truncated draft's N, another draft model counted as large as the target
-    (its config is read only when it loads); none for the other methods."""
+    (its config is read only when it loads), a DFlash / DSpark drafter's layers (its device
+    rounds' context pools); none for the other methods."""
     if spec is None:
         return 0
     if spec.method in ("eagle", "mtp"):
         return 1
+    if spec.method in BLOCK_DRAFTER_KINDS and spec.model:
+        return read_block_drafter_config(spec.model).num_hidden_layers
     if spec.method == "draft_model":
         prefix = "truncated:"
         if spec.model and spec.model.startswith(prefix) and spec.model[len(prefix) :].isdigit():

@@ -8,8 +8,10 @@ second pass combines the partials in partition order (Dao et al. 2023, Flash-Dec
 of one partition therefore gives the single-pass kernel's result bit for bit (its combine weights
 are exactly 1), and the partition a key falls in never depends on the batch. A launch covers
 `meta.num_partitions` partitions per sequence, fixed per CUDA-graph bucket (derived from
-max_model_len); programs of partitions past a sequence's context do no work. Never writes the
-cache or draws randomness.
+max_model_len); programs of partitions past a sequence's context do no work.
+`split_kv_attention_lse` also returns each row's log-sum-exp in float32 (for merging with another
+partial attention of the same rows: the block drafters' paged context). Never writes the cache or
+draws randomness.
 """
 
 from __future__ import annotations
@@ -80,6 +82,17 @@ def combine_partials_ref(
     exp(m_p - M) (0 where m_p = -inf), sum_p w_p acc_p / max(sum_p w_p l_p, 1e-30), summed from
     partition 0 up.
     """
+    return combine_partials_lse_ref(part_max, part_sum, part_acc)[0]
+
+
+def combine_partials_lse_ref(
+    part_max: torch.Tensor, part_sum: torch.Tensor, part_acc: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`combine_partials_ref` and the rows' log-sum-exp of their scaled scores.
+
+    Returns: (out [..., D] float32 as `combine_partials_ref`, lse [...] float32
+    = M' + log(sum_p w_p l_p) with M' = M, or 0 where M = -inf: -inf for rows that saw no key).
+    """
     global_max = part_max.amax(dim=0) if part_max.shape[0] else part_max.new_full((), -torch.inf)
     safe_max = torch.where(global_max == float("-inf"), 0.0, global_max)
     total = torch.zeros_like(safe_max)
@@ -89,7 +102,7 @@ def combine_partials_ref(
         weight = torch.where(part_max[p] == float("-inf"), 0.0, weight)
         total = total + part_sum[p] * weight
         acc = acc + part_acc[p] * weight[..., None]
-    return acc / total.clamp_min(1e-30)[..., None]
+    return acc / total.clamp_min(1e-30)[..., None], safe_max + torch.log(total)
 
 
 def split_kv_decode_attention_ref(
@@ -114,11 +127,39 @@ def split_kv_decode_attention_ref(
     Returns:
         [B * Q, H_q, D] in query's dtype; rows of inert sequences (context 0) are 0.
     """
+    out, _ = split_kv_attention_lse_ref(query, k_cache, v_cache, meta, scale)
+    return out.to(query.dtype)
+
+
+def split_kv_attention_lse_ref(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: DecodeMetadata,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-KV attention with its row log-sum-exps, in float32 (to be merged with another
+    partial attention of the same rows, as the block drafters' paged context is).
+
+    Query row j of sequence b sits at position context_lens[b] - query_lens[b] + j and sees the
+    cached keys up to it (as `split_kv_decode_attention_ref`): query_lens 0 lets every row see
+    its whole context (no causal mask). `meta.slot_mapping` is not read.
+
+    Args:
+        query: [B * Q, H_q, D] rotated queries in the uniform layout of `meta`.
+        k_cache, v_cache: [num_blocks, block_size, H_kv, D] one layer's caches.
+        meta: block tables, context and query lengths (its `num_partitions` is the kernels').
+        scale: softmax scale.
+
+    Returns: (out [B * Q, H_q, D] float32, lse [B * Q, H_q] float32 of the scaled scores);
+    rows that see no key have out 0 and lse -inf.
+    """
     q_per_seq = meta.query_per_seq
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    out = torch.zeros_like(query)
+    out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+    lse = torch.full(query.shape[:2], -torch.inf, device=query.device)
     query_lens = meta.query_lens.tolist()
     for b, context_len in enumerate(meta.context_lens.tolist()):
         if context_len == 0:
@@ -147,12 +188,12 @@ def split_kv_decode_attention_ref(
             for start in range(0, context_len, SPLIT_KV_PARTITION)
         ]
         part_max, part_sum, part_acc = (torch.stack(parts) for parts in zip(*partials, strict=True))
-        result = combine_partials_ref(part_max, part_sum, part_acc)  # [H_kv, M, D]
+        result, row_lse = combine_partials_lse_ref(part_max, part_sum, part_acc)  # [H_kv, M, ...]
         result = result.view(num_kv_heads, q_per_seq, group, head_dim).transpose(0, 1)
-        out[b * q_per_seq : (b + 1) * q_per_seq] = result.reshape(
-            q_per_seq, num_heads, head_dim
-        ).to(query.dtype)
-    return out
+        out[b * q_per_seq : (b + 1) * q_per_seq] = result.reshape(q_per_seq, num_heads, head_dim)
+        row_lse = row_lse.view(num_kv_heads, q_per_seq, group).transpose(0, 1)
+        lse[b * q_per_seq : (b + 1) * q_per_seq] = row_lse.reshape(q_per_seq, num_heads)
+    return out, lse
 
 
 def split_kv_decode_attention(
@@ -169,3 +210,19 @@ def split_kv_decode_attention(
     from specdec.models import split_kv_triton
 
     return split_kv_triton.split_kv_decode_attention_triton(query, k_cache, v_cache, meta, scale)
+
+
+def split_kv_attention_lse(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: DecodeMetadata,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See `split_kv_attention_lse_ref`; on CUDA the split-KV kernels over `meta.num_partitions`
+    partitions a sequence (fixed: they must cover every context; CUDA-graph safe)."""
+    if not query.is_cuda:
+        return split_kv_attention_lse_ref(query, k_cache, v_cache, meta, scale)
+    from specdec.models import split_kv_triton
+
+    return split_kv_triton.split_kv_attention_lse_triton(query, k_cache, v_cache, meta, scale)

@@ -5,8 +5,8 @@ Pass 1: one program per (sequence, KV head, partition) runs the single-pass deco
 64-key steps (`fused_triton._attend_chunk`) over its partition and writes the partial (row max,
 row sum, unnormalised output) of its BLOCK_M rows (query token x q head of the group); a program
 whose partition starts past its sequence's context reads and writes nothing. Pass 2: one program
-per (sequence, KV head) combines the live partitions in order. No host sync (CUDA-graph safe);
-addresses in int64.
+per (sequence, KV head) combines the live partitions in order (and, with WRITE_LSE, writes each
+row's log-sum-exp). No host sync (CUDA-graph safe); addresses in int64.
 """
 
 from __future__ import annotations
@@ -143,6 +143,7 @@ def _split_kv_reduce_kernel(
     part_acc_ptr,  # [B, H_kv, P, BLOCK_M, BLOCK_D] float32
     context_lens_ptr,  # [B] int
     out_ptr,  # [B * Q, H_q, D]
+    lse_ptr,  # [B * Q, H_q] float32 (read only with WRITE_LSE)
     Q_PER_SEQ: tl.constexpr,
     GROUP: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -152,6 +153,7 @@ def _split_kv_reduce_kernel(
     PARTITION: tl.constexpr,
     NUM_PARTITIONS: tl.constexpr,
     DEVICE_BOUND: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -198,6 +200,8 @@ def _split_kv_reduce_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=live_row[:, None] & (dims[None, :] < HEAD_DIM),
     )
+    if WRITE_LSE:  # log(0) = -inf for rows that saw no key
+        tl.store(lse_ptr + query_rows, safe_max + tl.log(total), mask=live_row)
 
 
 def split_kv_decode_attention_triton(
@@ -207,24 +211,52 @@ def split_kv_decode_attention_triton(
     meta: DecodeMetadata,
     scale: float,
 ) -> torch.Tensor:
+    out = torch.empty_like(query)
+    _launch(query, k_cache, v_cache, meta, scale, out, None)
+    return out
+
+
+def split_kv_attention_lse_triton(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: DecodeMetadata,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`split_kv.split_kv_attention_lse_ref` on the kernels: (out float32, lse float32)."""
+    out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+    lse = torch.full(query.shape[:2], -torch.inf, device=query.device)
+    _launch(query, k_cache, v_cache, meta, scale, out, lse)
+    return out, lse
+
+
+def _launch(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: DecodeMetadata,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+) -> None:
+    """Both passes, writing `out` [B * Q, H_q, D] (and `lse` [B * Q, H_q] float32 if given)."""
     num_seqs = meta.context_lens.shape[0]
+    num_parts, query_per_seq = meta.num_partitions, meta.query_per_seq
     _, num_heads, head_dim = query.shape
     _, cache_block, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    num_parts = meta.num_partitions
-    out = torch.empty_like(query)
     if num_seqs == 0 or num_parts == 0:
-        return out
+        return
     # The tile shapes of the single-pass kernel (`fused_triton`), so that a one-partition
     # context gives its bits.
-    block_m = max(16, triton.next_power_of_2(meta.query_per_seq * group))
+    block_m = max(16, triton.next_power_of_2(query_per_seq * group))
     block_d = max(16, triton.next_power_of_2(head_dim))
     device = query.device
     part_max = torch.empty(num_seqs, num_kv_heads, num_parts, block_m, device=device)
     part_sum = torch.empty_like(part_max)
     part_acc = torch.empty(num_seqs, num_kv_heads, num_parts, block_m, block_d, device=device)
     common = dict(
-        Q_PER_SEQ=meta.query_per_seq,
+        Q_PER_SEQ=query_per_seq,
         GROUP=group,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
@@ -254,6 +286,13 @@ def split_kv_decode_attention_triton(
         **common,
     )
     _split_kv_reduce_kernel[(num_seqs, num_kv_heads)](
-        part_max, part_sum, part_acc, meta.context_lens, out, num_warps=4, **common
+        part_max,
+        part_sum,
+        part_acc,
+        meta.context_lens,
+        out,
+        out if lse is None else lse,
+        WRITE_LSE=lse is not None,
+        num_warps=4,
+        **common,
     )
-    return out

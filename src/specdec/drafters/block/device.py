@@ -1,8 +1,10 @@
 """DFlash and DSpark drafting inside a device round: each slot's context (every drafter layer's
-keys and values of the positions the target has features for) lives in a dense device buffer, the
-block pass runs over it with a mask, and `observe` projects the features of what a round committed
-into it, so the host never reads a token or a length. DSpark's confidence scheduler runs as masks:
-its verify length per slot is a device tensor. Draft noise only through `Drafter.draw_on_device`.
+keys and values of the positions the target has features for) lives in paged pools
+(`paged_context`: blocks held per request, grown ahead by `prepare`, given back at `end` or when
+the request is released), the block pass attends over it through the slot's block table, and
+`observe` projects the features of what a round committed into it, so the host never reads a
+token or a length. DSpark's confidence scheduler runs as masks: its verify length per slot is a
+device tensor. Draft noise only through `Drafter.draw_on_device`.
 """
 
 from __future__ import annotations
@@ -11,40 +13,36 @@ import torch
 
 from specdec.drafters.base import Drafter, ProposalBuffer
 from specdec.drafters.block.context import store_context
+from specdec.drafters.block.paged_context import PagedBlockContext
 from specdec.drafters.device import DeviceDrafting, DeviceSlot, RoundView
 
 
 class BlockDeviceDrafting(DeviceDrafting):
-    """Per slot and drafter layer: context keys/values [capacity, H_kv, D_head] of positions
-    0..capacity-1, valid below the round anchor - 1 (the positions whose features the target has
-    delivered). DFlash drafting; `DSparkDeviceDrafting` overrides `_draw`.
+    """Per request in the rounds: its context keys/values in `context`'s pools, valid below the
+    round anchor - 1 (the positions whose features the target has delivered), copied in from the
+    host context at `begin` and back at `end`. DFlash drafting; `DSparkDeviceDrafting` overrides
+    `_draw`.
 
-    A round reads the context below its anchor - 1 and writes positions from there on, with
-    values computed from the round's inputs only: run twice around the round's saved state (a
-    graph's warm-up), it writes the same values again, so the context is not part of `state`.
+    A round reads the context below its anchor - 1 and writes positions from there on (into
+    blocks `prepare` allocated before the launch), with values computed from the round's inputs
+    only: run twice around the round's saved state (a graph's warm-up), it writes the same values
+    again, so the context is not part of `state`.
     """
 
-    def __init__(self, drafter: Drafter, num_slots: int, width: int, max_model_len: int) -> None:
-        self.drafter, self.width = drafter, width
+    def __init__(self, drafter: Drafter, context: PagedBlockContext, width: int) -> None:
+        self.drafter, self.context, self.width = drafter, context, width
         model = drafter.model
-        self.block_size = model.config.block_size
-        # A round writes positions up to anchor - 1 + width - 1 <= max_model_len + width.
-        self.capacity = max_model_len + width
-        device, dtype = model.mask_embedding.device, model.fc.weight.dtype
-        self.keys, self.values = [], []
-        for layer in model.layers:
-            attention = layer.self_attn
-            shape = (num_slots, self.capacity, attention.num_kv_heads, attention.head_dim)
-            self.keys.append(torch.zeros(shape, dtype=dtype, device=device))
-            self.values.append(torch.zeros(shape, dtype=dtype, device=device))
+        self.block_size = model.config.block_size  # drafts per block (not the pool's blocks)
+        device = model.mask_embedding.device
         self.out = ProposalBuffer(
-            num_slots, width - 1, drafter.target_vocab_size, device, drafter.greedy
+            context.num_slots, width - 1, drafter.target_vocab_size, device, drafter.greedy
         )
         self._loaded: dict[str, int] = {}  # request id -> context positions copied at `begin`
 
     @torch.inference_mode()  # the host contexts are inference tensors (`DFlashDrafter.observe`)
     def begin(self, slots: list[DeviceSlot], num_rows: int) -> None:
         self._loaded = {}
+        needs = {}
         for slot in slots:
             needed = len(slot.token_ids) - 1  # features of positions 0..anchor-2
             context = self.drafter._contexts.get(slot.request_id)
@@ -54,13 +52,26 @@ class BlockDeviceDrafting(DeviceDrafting):
                     f"request {slot.request_id}: the drafter has target features for {have} "
                     f"positions, its round at anchor {needed + 1} needs {needed}"
                 )
-            for layer, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
-                keys[slot.slot, :needed].copy_(context.keys[layer][:needed])
-                values[slot.slot, :needed].copy_(context.values[layer][:needed])
+            needs[slot.request_id] = needed
+        paged = self.context
+        paged.grow(needs)
+        for slot in slots:
+            needed = needs[slot.request_id]
+            context = self.drafter._contexts[slot.request_id]
+            at = paged.slots(slot.request_id, 0, needed)
+            for layer in range(len(context.keys) if needed else 0):
+                keys, values = paged.flat(layer)
+                keys.index_copy_(0, at, context.keys[layer][:needed])
+                values.index_copy_(0, at, context.values[layer][:needed])
             self._loaded[slot.request_id] = needed
+        paged.send_tables([(slot.slot, slot.request_id) for slot in slots])
 
     def prepare(self, slots: list[DeviceSlot], last_positions: list[int]) -> None:
-        return None  # dense per-slot buffers: nothing to allocate ahead
+        # A round writes the context at positions up to its last target position.
+        self.context.grow(
+            {slot.request_id: last + 1 for slot, last in zip(slots, last_positions, strict=True)}
+        )
+        self.context.send_tables([(slot.slot, slot.request_id) for slot in slots])
 
     def propose(self, view: RoundView) -> tuple:
         rows, k = view.num_rows, view.k
@@ -69,11 +80,8 @@ class BlockDeviceDrafting(DeviceDrafting):
             return out.draft_token_ids[:rows, :0], None, None, None
         live, anchors = view.live, view.anchors
         context_lens = torch.where(live, anchors - 1, 0)  # inert slots see their block only
-        layer_context = [
-            (keys[:rows], values[:rows])
-            for keys, values in zip(self.keys, self.values, strict=True)
-        ]
-        hidden = self.drafter.run_block(view.last_tokens, anchors, layer_context, context_lens)
+        layer_context = self.context.layers(rows, context_lens)
+        hidden = self.drafter.run_block(view.last_tokens, anchors, layer_context, None)
         drafted = self._draw(view, hidden, min(k, self.block_size))  # [S] int64
         draft_logits = None if out.draft_logits is None else out.draft_logits[:rows, :k]
         draft_lse = None if out.draft_logsumexp is None else out.draft_logsumexp[:rows, :k]
@@ -98,34 +106,31 @@ class BlockDeviceDrafting(DeviceDrafting):
         column = torch.arange(width, device=device)
         positions = view.anchors[:, None] - 1 + column  # [S, W]: the input token, then drafts
         layers = self.drafter.model.context_keys_values(features.view(rows, width, -1), positions)
-        # The input token and the accepted drafts are committed; the rest stays untouched.
-        keep = (view.live[:, None] & (column <= num_accepted[:, None]))[..., None, None]
-        slot = torch.arange(rows, device=device)[:, None]
-        at = (slot, positions.clamp(0, self.capacity - 1))
-        for (new_keys, new_values), keys, values in zip(
-            layers, self.keys, self.values, strict=True
-        ):
-            keys[at] = torch.where(keep, new_keys, keys[at])
-            values[at] = torch.where(keep, new_values, values[at])
+        # The input token and the accepted drafts are committed; the rest goes to scratch.
+        keep = view.live[:, None] & (column <= num_accepted[:, None])
+        paged = self.context
+        at = paged.round_slots(paged.tables.rows(rows), positions, keep).view(-1)
+        for layer, (new_keys, new_values) in enumerate(layers):
+            keys, values = paged.flat(layer)
+            keys[at] = new_keys.flatten(0, 1)
+            values[at] = new_values.flatten(0, 1)
 
     def state(self) -> list[torch.Tensor]:
         return []  # see the class docstring
 
     @torch.inference_mode()
     def end(self, slots: list[DeviceSlot]) -> None:
+        paged = self.context
         for slot in slots:
             needed = len(slot.token_ids) - 1
             context = self.drafter._contexts[slot.request_id]
             start = min(self._loaded.get(slot.request_id, 0), context.length)
-            for layer, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
-                store_context(
-                    context,
-                    layer,
-                    start,
-                    keys[slot.slot, start:needed],
-                    values[slot.slot, start:needed],
-                )
+            at = paged.slots(slot.request_id, start, needed)
+            for layer in range(paged.num_layers):
+                keys, values = paged.flat(layer)
+                store_context(context, layer, start, keys[at], values[at])
             context.length = needed
+            paged.free(slot.request_id)
 
 
 class DSparkDeviceDrafting(BlockDeviceDrafting):

@@ -23,6 +23,7 @@ from specdec.drafters.base import (
 )
 from specdec.drafters.block.context import RequestContext, store_context
 from specdec.drafters.block.network import BlockDrafterModel, block_mask, load_block_drafter
+from specdec.drafters.block.paged_context import FALLBACK_BLOCK_SIZE, PagedBlockContext
 from specdec.drafters.config import SpeculativeConfig
 from specdec.models import LlamaForCausalLM
 from specdec.transfer import to_device
@@ -36,41 +37,83 @@ class DFlashDrafter(Drafter):
 
     kind = "dflash"
 
-    def __init__(self, model: BlockDrafterModel, target: LlamaForCausalLM, greedy: bool = False):
+    def __init__(
+        self,
+        model: BlockDrafterModel,
+        target: LlamaForCausalLM,
+        greedy: bool = False,
+        *,
+        num_blocks: int | None = None,
+        block_size: int | None = None,
+    ) -> None:
         """Args:
         model: the block drafter (its config names the feature layers and block size).
         target: the target; its embedding table and LM head are shared with the drafter.
         greedy: propose the drafter's argmax (one-hot drafts) instead of sampling.
+        num_blocks, block_size: the geometry of device rounds' paged context (the engine's,
+            `DrafterSetup`); None: room for every slot at full length, in blocks of
+            `paged_context.FALLBACK_BLOCK_SIZE`.
         """
         super().__init__(target.config.vocab_size, greedy=greedy)
         self.model = model
         self.target = target
         self.feature_layers = tuple(model.config.feature_layers)
         self._contexts: dict[str, RequestContext] = {}
+        self._geometry = None if num_blocks is None else (num_blocks, block_size)
+        self.device_context: PagedBlockContext | None = None  # device rounds' pools
 
     @classmethod
     def from_config(
         cls, spec: SpeculativeConfig, target: LlamaForCausalLM, setup: DrafterSetup | None = None
     ) -> DFlashDrafter:
         """Loads the drafter of a SpeculativeConfig (`model` is its checkpoint directory). The
-        drafter keeps its context per request in buffers of its own: `setup` is not needed."""
+        host path keeps each request's context in buffers of its own; device rounds page it in a
+        pool of `setup`'s geometry."""
         model = load_block_drafter(spec.model, target)
         if model.config.kind != cls.kind:
             raise ValueError(
                 f'{spec.model} holds a "{model.config.kind}" drafter, not "{cls.kind}"'
             )
-        return cls(model, target, greedy=spec.draft_sample_method == "greedy")
+        geometry = {}
+        if setup is not None:
+            geometry = {"num_blocks": setup.num_blocks, "block_size": setup.block_size}
+        return cls(model, target, greedy=spec.draft_sample_method == "greedy", **geometry)
 
     def device_drafting(
         self, num_slots: int, width: int, max_model_len: int, device: torch.device
     ) -> DeviceDrafting | None:
         from specdec.drafters.block.device import BlockDeviceDrafting
 
-        return BlockDeviceDrafting(self, num_slots, width, max_model_len)
+        return BlockDeviceDrafting(self, self.paged_context(num_slots, width, max_model_len), width)
+
+    def paged_context(self, num_slots: int, width: int, max_model_len: int) -> PagedBlockContext:
+        """A new pool for device rounds (the drafter's `device_context` from now on: `release`
+        gives back a request's blocks there)."""
+        # A round writes positions up to anchor - 1 + width - 1 <= max_model_len + width.
+        max_positions = max_model_len + width
+        num_blocks, block_size = self._geometry or (
+            num_slots * -(-max_positions // FALLBACK_BLOCK_SIZE),
+            FALLBACK_BLOCK_SIZE,
+        )
+        attention = self.model.layers[0].self_attn
+        self.device_context = PagedBlockContext(
+            len(self.model.layers),
+            attention.num_kv_heads,
+            attention.head_dim,
+            self.model.fc.weight.dtype,
+            self.model.mask_embedding.device,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_slots=num_slots,
+            max_positions=max_positions,
+        )
+        return self.device_context
 
     # ---------------------------------------------------------------- context
     def release(self, request_id: str) -> None:
         self._contexts.pop(request_id, None)
+        if self.device_context is not None:
+            self.device_context.free(request_id)
 
     @torch.inference_mode()
     def observe(self, features: TargetFeatures) -> None:
@@ -131,16 +174,15 @@ class DFlashDrafter(Drafter):
             for index in range(len(model.layers))
         ]
         anchor_tokens = to_device([t[-1] for t in batch.token_ids], torch.int64, device)
-        return self.run_block(
-            anchor_tokens, batch.anchors.to(device), layer_context, context_lens.to(device)
-        )
+        mask = block_mask(context_lens.to(device), num_context, model.config.num_rows)
+        return self.run_block(anchor_tokens, batch.anchors.to(device), layer_context, mask)
 
     def run_block(
         self,
         anchor_tokens: torch.Tensor,
         anchors: torch.Tensor,
-        layer_context: list[tuple[torch.Tensor, torch.Tensor]],
-        context_lens: torch.Tensor,
+        layer_context: list,
+        mask: torch.Tensor | None,
     ) -> torch.Tensor:
         """The block pass itself (device work only; the host and device paths share it).
 
@@ -148,8 +190,9 @@ class DFlashDrafter(Drafter):
             anchor_tokens: [B] int64 each block's anchor token (the round's input token).
             anchors: [B] int64 round anchors A (the block's rows sit at A-1 .. A-1+R-1).
             layer_context: per drafter layer, (keys, values) [B, S, H_kv, D_head] of positions
-                0..S-1 (entries at or past context_lens[b] are ignored).
-            context_lens: [B] int64 context positions each block attends to.
+                0..S-1 attended through `mask` [B, R, S + R] (`block_mask`), or a paged context
+                (`paged_context.PagedLayerContext`, mask None).
+            mask: see layer_context.
 
         Returns: [B, R, D] final hidden states of the block's rows.
         """
@@ -158,7 +201,6 @@ class DFlashDrafter(Drafter):
         rows = model.mask_embedding.expand(anchor_tokens.shape[0], num_rows, -1).clone()
         rows[:, 0] = self.target.model.embed_tokens(anchor_tokens)
         positions = (anchors - 1)[:, None] + torch.arange(num_rows, device=anchors.device)
-        mask = block_mask(context_lens, layer_context[0][0].shape[1], num_rows)
         return model(rows, positions, layer_context, mask)  # [B, R, D]
 
     @staticmethod

@@ -74,12 +74,15 @@ class DSparkDrafter(DFlashDrafter):
         target: LlamaForCausalLM,
         greedy: bool = False,
         scheduler: ConfidenceScheduler | None = None,
+        *,
+        num_blocks: int | None = None,
+        block_size: int | None = None,
     ) -> None:
         """Args:
-        model, target, greedy: as for `DFlashDrafter`.
+        model, target, greedy, num_blocks, block_size: as for `DFlashDrafter`.
         scheduler: the verify-length scheduler (default: the checkpoint config's settings).
         """
-        super().__init__(model, target, greedy)
+        super().__init__(model, target, greedy, num_blocks=num_blocks, block_size=block_size)
         config = model.config
         self.scheduler = scheduler or ConfidenceScheduler(
             config.min_survival_probability, config.min_draft
@@ -90,7 +93,8 @@ class DSparkDrafter(DFlashDrafter):
     ) -> DeviceDrafting | None:
         from specdec.drafters.block.device import DSparkDeviceDrafting
 
-        return DSparkDeviceDrafting(self, num_slots, width, max_model_len)
+        context = self.paged_context(num_slots, width, max_model_len)
+        return DSparkDeviceDrafting(self, context, width)
 
     @torch.inference_mode()
     def propose(self, batch: DraftBatch) -> Proposal:

@@ -2,7 +2,8 @@
 
 A few decoder layers run over one block of query rows ([anchor token, mask, mask, ...]); the rows
 attend to each other without a causal mask and to the context's target features, projected once
-into every layer's keys and values. DSpark adds a low-rank Markov head and a confidence head.
+into every layer's keys and values (dense with a mask here; device rounds read them from paged
+pools, `paged_context`). DSpark adds a low-rank Markov head and a confidence head.
 The target's embedding table and LM head are borrowed, never stored. Nothing here samples or
 draws randomness: weights come from a checkpoint or from deterministic copies of the target's.
 """
@@ -162,13 +163,15 @@ class BlockAttention(LlamaAttention):
         hidden: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        context: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor,
+        context,
+        mask: torch.Tensor | None,
     ) -> torch.Tensor:
         """Args:
             hidden: [N, R, D] normed block rows.
             cos, sin: [N, R, head_dim] float32 of the rows' positions.
-            context: (keys, values) [N, S, H_kv, head_dim] of the context (from `keys_values`).
+            context: (keys, values) [N, S, H_kv, head_dim] of the context (from `keys_values`),
+                attended with `mask`; or a context that attends itself (`attend(query, key,
+                value, scale)`, as `paged_context.PagedLayerContext`: mask None).
             mask: [N, R, S + R] bool, True where row r may attend to key j (context, then rows).
 
         Returns: [N, R, D].
@@ -180,6 +183,9 @@ class BlockAttention(LlamaAttention):
         query = apply_rotary(query.flatten(0, 1), cos.flatten(0, 1), sin.flatten(0, 1))
         query = query.view(n, r, self.num_heads, self.head_dim)
         key, value = self.keys_values(hidden, cos, sin)  # [N, R, H_kv, head_dim] each
+        if not isinstance(context, tuple):
+            out = context.attend(query, key, value, self.scale)  # [N, R, H, head_dim]
+            return self.o_proj(out.reshape(n, r, self.num_heads * self.head_dim))
         keys = torch.cat([context[0], key], dim=1).transpose(1, 2)  # [N, H_kv, S + R, head_dim]
         values = torch.cat([context[1], value], dim=1).transpose(1, 2)
         out = F.scaled_dot_product_attention(
@@ -275,15 +281,16 @@ class BlockDrafterModel(nn.Module):
         self,
         rows: torch.Tensor,
         positions: torch.Tensor,
-        context: list[tuple[torch.Tensor, torch.Tensor]],
-        mask: torch.Tensor,
+        context: list,
+        mask: torch.Tensor | None,
     ) -> torch.Tensor:
         """Runs the block rows through the layers.
 
         Args:
             rows: [N, R, D] input rows (anchor embeddings and `mask_embedding`).
             positions: [N, R] int64 positions of the rows.
-            context: per layer, (keys, values) [N, S, H_kv, head_dim] from `context_keys_values`.
+            context: per layer, (keys, values) [N, S, H_kv, head_dim] from `context_keys_values`,
+                or a paged context (`paged_context.PagedLayerContext`; then mask is None).
             mask: [N, R, S + R] bool, True where a row may attend (context keys, then rows).
 
         Returns: [N, R, D] final hidden states (after the final norm).
