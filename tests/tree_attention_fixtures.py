@@ -32,7 +32,9 @@ class Share:
 
     @property
     def num_tokens(self) -> int:
-        return 0 if self.context_len == 0 else (self.count if self.parents is None else 1 + len(self.parents))
+        if self.context_len == 0:
+            return 0
+        return self.count if self.parents is None else 1 + len(self.parents)
 
 
 def random_parents(generator: torch.Generator, num_nodes: int) -> tuple[int, ...]:
@@ -116,11 +118,25 @@ def to_device(meta: DecodeMetadata, device: str) -> DecodeMetadata:
 
 
 def wrong_ancestor(meta: DecodeMetadata) -> DecodeMetadata:
-    """The same metadata with one tree row seeing a key it should not (the negative control):
-    the first row that hides a region key from itself gets that key."""
+    """The same metadata with one live row seeing an existing key it should not (the negative
+    control): of the rows that hide a key, the one that sees the fewest keys (where one more
+    key moves its output most) gets its first hidden key."""
     mask = meta.tree_mask.clone()
-    hidden = (~mask).nonzero()
-    b, i, j = hidden[0].tolist()
+    width = mask.shape[2]
+    best = None
+    for b, (ctx, q_len) in enumerate(
+        zip(meta.context_lens.tolist(), meta.query_lens.tolist(), strict=True)
+    ):
+        first = max(width - ctx, 0)  # region columns before the context do not exist
+        for i in range(q_len):
+            row = mask[b, i, first:]
+            hidden = (~row).nonzero()
+            if len(hidden):
+                seen = max(ctx - width, 0) + int(row.sum())
+                if best is None or seen < best[0]:
+                    best = (seen, b, i, first + int(hidden[0]))
+    assert best is not None, "no row hides a key"
+    _, b, i, j = best
     mask[b, i, j] = True
     return replace(meta, tree_mask=mask)
 
@@ -145,7 +161,7 @@ def standard_cases(generator: torch.Generator) -> dict[str, tuple[list[Share], i
             None,
         ),
         "deep16": (
-            [Share(16, shapes["deep"]), Share(65, shapes["deep"]), Share(200, rand + (11, 3, 0))],
+            [Share(16, shapes["deep"]), Share(65, shapes["deep"]), Share(200, (*rand, 11, 3, 0))],
             16,
             None,
         ),

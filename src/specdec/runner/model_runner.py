@@ -111,8 +111,7 @@ class PagedModelRunner:
 
     def _is_decode_step(self, inputs: list[StepInput]) -> bool:
         return len(inputs) <= self.max_num_seqs and all(
-            0 < len(s.token_ids) <= self.max_query_len
-            and s.num_logit_rows == len(s.token_ids)
+            0 < len(s.token_ids) <= self.max_query_len and s.num_logit_rows == len(s.token_ids)
             for s in inputs
         )
 
