@@ -29,7 +29,7 @@ CASES = standard_cases(torch.Generator().manual_seed(19))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads", [(2, 4, 64), (8, 1, 128), (1, 7, 24)], ids=str)
+@pytest.mark.parametrize("heads", [(2, 4, 64), (8, 1, 128)], ids=str)
 @pytest.mark.parametrize("name", list(CASES))
 def test_tree_kernel_matches_the_twin(name, heads, dtype):
     num_kv_heads, group, head_dim = heads
@@ -47,6 +47,8 @@ def test_tree_kernel_matches_the_twin(name, heads, dtype):
     torch.testing.assert_close(got[rows], want[rows], **TOL[dtype])
     inert = (meta.context_lens == 0).repeat_interleave(q).cpu()
     assert (got[inert] == 0).all()
+    as_int64 = replace(cuda_meta, tree_mask=cuda_meta.tree_mask.to(torch.int64))
+    assert torch.equal(fused.paged_decode_attention(*args, as_int64, scale).cpu(), got)
     # Negative controls: the mask ignored, or one wrong ancestor, must break the equality.
     causal = fused.paged_decode_attention(*args, replace(cuda_meta, tree_mask=None), scale)
     wrong = fused.paged_decode_attention(*args, to_device(wrong_ancestor(meta), "cuda"), scale)

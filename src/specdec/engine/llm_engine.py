@@ -148,7 +148,7 @@ class LLMEngine(SpeculativeLoops):
             if speculative_config.tree is not None and self.device_rounds:
                 raise ValueError(
                     "speculative_config.tree runs on the synchronous engine path only (no "
-                    "device rounds or CUDA graphs for trees yet): set async_scheduling=False"
+                    "device rounds for trees yet): set async_scheduling=False"
                 )
         self.speculative_config = speculative_config
         self.drafter = self._build_drafter(speculative_config)

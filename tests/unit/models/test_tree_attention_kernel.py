@@ -41,8 +41,12 @@ def test_tree_kernel_matches_the_twin_interpreted(name):
     got = _kernel(query, k_cache, v_cache, meta, scale)
     rows = live_rows(meta)
     torch.testing.assert_close(got[rows], want[rows], **FP32_TOL)
-    # Negative controls: the kernel without the mask, or with one wrong ancestor, differs.
     from dataclasses import replace
+
+    # The decode graphs' int64 mask reads the same.
+    as_int64 = replace(meta, tree_mask=meta.tree_mask.to(torch.int64))
+    assert torch.equal(_kernel(query, k_cache, v_cache, as_int64, scale), got)
+    # Negative controls: the kernel without the mask, or with one wrong ancestor, differs.
 
     causal = _kernel(query, k_cache, v_cache, replace(meta, tree_mask=None), scale)
     wrong = _kernel(query, k_cache, v_cache, wrong_ancestor(meta), scale)
