@@ -87,7 +87,7 @@ class DecodeGraphs:
             if weight_dtype == torch.float32
             else torch.empty(max_rows, vocab, dtype=weight_dtype, device=device)
         )
-        # (padded batch, Q, feature layers, split) -> (graph, features it writes or None)
+        # (padded batch, Q, feature layers, tree, split) -> (graph, features it writes or None)
         self.graph_cache = GraphCache(use_graphs)
         # Split-KV attention on CUDA: partitions covering the longest context, the same for
         # every graph. `run` picks it when a step's longest context spans more than one
@@ -154,7 +154,8 @@ class DecodeGraphs:
 
     @property
     def graphs(self) -> dict:
-        """(padded batch, Q, feature layers, split) -> (graph, features it writes or None)."""
+        """(padded batch, Q, feature layers, tree, split) -> (graph, features it writes or
+        None)."""
         return self.graph_cache.graphs
 
     def run(
@@ -249,7 +250,7 @@ class DecodeGraphs:
         # Tree steps take the single-pass kernel at any length (split-KV has no tree mask).
         split_kv = not tree and self.num_partitions > 1 and longest > SPLIT_KV_PARTITION
         features = self.graph_cache.run(
-            (num_padded, query_per_seq, feature_layers, split_kv, tree),
+            (num_padded, query_per_seq, feature_layers, tree, split_kv),
             lambda: self.forward(num_padded, query_per_seq, feature_layers, split_kv, tree),
         )
         if stacked and query_per_seq == 1:
