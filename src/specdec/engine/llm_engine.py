@@ -124,10 +124,9 @@ class LLMEngine(SpeculativeLoops):
             block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
-            # Verify rounds of the default K take the decode path; a request asking for more
-            # drafts runs its rounds eagerly.
-            max_query_len=1
-            + (speculative_config.num_speculative_tokens if speculative_config else 0),
+            # Verify rounds of the default K (a tree's N nodes) take the decode path; a request
+            # asking for more drafts runs its rounds eagerly.
+            max_query_len=1 + (round_drafts(speculative_config) if speculative_config else 0),
             enforce_eager=config.enforce_eager,
             decode_path=True if self.device_rounds else None,
             kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype, self.device),
@@ -149,7 +148,7 @@ class LLMEngine(SpeculativeLoops):
             if speculative_config.tree is not None and self.device_rounds:
                 raise ValueError(
                     "speculative_config.tree runs on the synchronous engine path only (no "
-                    "device rounds or CUDA graphs for trees yet): set async_scheduling=False"
+                    "device rounds for trees yet): set async_scheduling=False"
                 )
         self.speculative_config = speculative_config
         self.drafter = self._build_drafter(speculative_config)

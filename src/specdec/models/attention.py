@@ -178,7 +178,9 @@ class DecodeMetadata:
         tree_mask: [B, Q, W] bool or None (W >= Q): the last W keys of each context are a
             draft tree's region; query row i of sequence b sees the keys before it and the
             region's keys j with tree_mask[b, i, j] (its tree ancestors and itself) instead of
-            the causal rule. Runs on the PyTorch twin only.
+            the causal rule. bool, or an integer dtype read as nonzero = visible (the decode
+            graphs' int64 static input). The twin and the single-pass Triton kernel apply it;
+            split-KV refuses it.
     """
 
     block_tables: torch.Tensor

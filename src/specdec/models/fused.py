@@ -141,7 +141,7 @@ def paged_decode_attention_ref(
         query_pos = ctx - query_lens[b] + torch.arange(q_per_seq, device=query.device)
         visible = torch.arange(ctx, device=query.device)[None] <= query_pos[:, None]  # [Q, S]
         if meta.tree_mask is not None:  # the last W keys are a tree region
-            region = meta.tree_mask[b].to(query.device)  # [Q, W]
+            region = meta.tree_mask[b].to(query.device, torch.bool)  # [Q, W] (nonzero: seen)
             prefix = ctx - region.shape[1]
             if prefix < 0:  # a context shorter than the region: its first keys do not exist
                 region, prefix = region[:, -prefix:], 0
@@ -207,13 +207,10 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """See `paged_decode_attention_ref`; one kernel per step and layer on CUDA (no host sync, so
     it can be captured in a CUDA graph). Metadata with `num_partitions` runs the split-KV
-    kernels instead (`split_kv.py`: long contexts)."""
-    if meta.tree_mask is not None:
-        if meta.num_partitions:
-            raise ValueError("tree masks are not supported by the split-KV decode kernels")
-        if query.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise ValueError("tree masks run on the PyTorch twin: not inside a CUDA graph")
-        return paged_decode_attention_ref(query, k_cache, v_cache, meta, scale)
+    kernels instead (`split_kv.py`: long contexts); a tree mask always runs the single-pass
+    kernel (split-KV has no tree mask)."""
+    if meta.tree_mask is not None and meta.num_partitions:
+        raise ValueError("tree masks are not supported by the split-KV decode kernels")
     if meta.num_partitions:
         return split_kv_decode_attention(query, k_cache, v_cache, meta, scale)
     if not query.is_cuda:

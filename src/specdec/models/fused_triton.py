@@ -16,8 +16,8 @@ from specdec.triton_specialization import unspecialized
 
 # The decode kernel's per-step metadata (see `specdec.triton_specialization`).
 _DECODE_METADATA = unspecialized(
-    ints=("block_table_stride",),
-    pointers=("block_tables_ptr", "context_lens_ptr", "query_lens_ptr"),
+    ints=("block_table_stride", "tree_seq_stride", "tree_row_stride", "tree_width"),
+    pointers=("block_tables_ptr", "context_lens_ptr", "query_lens_ptr", "tree_mask_ptr"),
 )
 
 
@@ -232,8 +232,64 @@ def _attend_chunk(
     IEEE: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
-    """One online-softmax step over keys chunk * BLOCK_N .. + BLOCK_N - 1 (shared with the
-    split-KV kernel, whose partitions run exactly these steps)."""
+    """One online-softmax step over keys chunk * BLOCK_N .. + BLOCK_N - 1 under the causal rule
+    (shared with the split-KV kernel, whose partitions run exactly these steps)."""
+    return _attend_chunk_masked(
+        chunk,
+        query,
+        query_pos,
+        context_len,
+        row_max,
+        row_sum,
+        acc,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_table_ptr,
+        kv_head,
+        scale,
+        query_pos,  # unused without TREE
+        0,
+        0,
+        NUM_KV_HEADS,
+        HEAD_DIM,
+        CACHE_BLOCK,
+        BLOCK_N,
+        BLOCK_D,
+        IEEE,
+        KV_FP8,
+        False,
+    )
+
+
+@triton.jit
+def _attend_chunk_masked(
+    chunk,
+    query,  # [BLOCK_M, D]
+    query_pos,  # [BLOCK_M]
+    context_len,
+    row_max,  # [BLOCK_M] float32
+    row_sum,  # [BLOCK_M] float32
+    acc,  # [BLOCK_M, D] float32
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,  # this sequence's row of the block table
+    kv_head,
+    scale,
+    tree_rows_ptr,  # [BLOCK_M] pointers to each row's tree-mask row (read when TREE)
+    region_start,  # context_len - W: the first key of the tree region (may be < 0)
+    live_tree_row,  # [BLOCK_M] bool or 0: rows whose tree-mask row exists (read when TREE)
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    TREE: tl.constexpr,
+):
+    """`_attend_chunk`; with TREE, keys at or after `region_start` are seen by the tree mask
+    (row m sees region key j iff tree_rows_ptr[m][j] != 0) instead of the causal rule, as
+    `fused.paged_decode_attention_ref` applies `DecodeMetadata.tree_mask`."""
     dims = tl.arange(0, BLOCK_D)
     key_pos = chunk * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     live_key = key_pos < context_len
@@ -248,7 +304,14 @@ def _attend_chunk(
         scores = tl.dot(query, tl.trans(keys), input_precision="ieee") * scale
     else:
         scores = tl.dot(query, tl.trans(keys)) * scale  # [BLOCK_M, BLOCK_N] float32
-    visible = live_key[None, :] & (key_pos[None, :] <= query_pos[:, None])
+    causal = key_pos[None, :] <= query_pos[:, None]  # [BLOCK_M, BLOCK_N]
+    if TREE:
+        in_region = key_pos >= region_start  # [BLOCK_N]
+        column = key_pos - region_start
+        read = live_tree_row[:, None] & (live_key & in_region)[None, :]
+        bits = tl.load(tree_rows_ptr[:, None] + column[None, :], mask=read, other=0)
+        causal = tl.where(in_region[None, :], bits != 0, causal)
+    visible = live_key[None, :] & causal
     scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(scores, axis=1))
     # Rows that see no key yet keep -inf; shift them by 0 so exp gives 0, not NaN.
@@ -275,7 +338,11 @@ def _paged_decode_attention_kernel(
     context_lens_ptr,  # [B] int32
     query_lens_ptr,  # [B] int32
     out_ptr,  # [B * Q, H_q, D]
+    tree_mask_ptr,  # [B, Q, W] int8 / int64 tree region (read when TREE; nonzero: visible)
     block_table_stride,
+    tree_seq_stride,
+    tree_row_stride,
+    tree_width,  # W
     scale,
     Q_PER_SEQ: tl.constexpr,
     GROUP: tl.constexpr,
@@ -289,6 +356,7 @@ def _paged_decode_attention_kernel(
     KV_FP8: tl.constexpr,
     DEVICE_BOUND: tl.constexpr,
     HOST_NUM_CHUNKS: tl.constexpr,
+    TREE: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -311,9 +379,12 @@ def _paged_decode_attention_kernel(
     row_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     row_sum = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    # The tree region (TREE only): row m reads mask row [seq, m // GROUP] over the last W keys.
+    tree_rows_ptr = tree_mask_ptr + seq * tree_seq_stride + token_in_seq * tree_row_stride
+    region_start = context_len - tree_width
     if DEVICE_BOUND:
         for chunk in range(0, tl.cdiv(context_len, BLOCK_N)):
-            row_max, row_sum, acc = _attend_chunk(
+            row_max, row_sum, acc = _attend_chunk_masked(
                 chunk,
                 query,
                 query_pos,
@@ -326,6 +397,9 @@ def _paged_decode_attention_kernel(
                 block_tables_ptr + seq * block_table_stride,
                 kv_head,
                 scale,
+                tree_rows_ptr,
+                region_start,
+                live_row,
                 NUM_KV_HEADS,
                 HEAD_DIM,
                 CACHE_BLOCK,
@@ -333,10 +407,11 @@ def _paged_decode_attention_kernel(
                 BLOCK_D,
                 IEEE,
                 KV_FP8,
+                TREE,
             )
     else:  # Triton's CPU interpreter cannot loop to a loaded bound; masks void extra chunks
         for chunk in range(0, HOST_NUM_CHUNKS):
-            row_max, row_sum, acc = _attend_chunk(
+            row_max, row_sum, acc = _attend_chunk_masked(
                 chunk,
                 query,
                 query_pos,
@@ -349,6 +424,9 @@ def _paged_decode_attention_kernel(
                 block_tables_ptr + seq * block_table_stride,
                 kv_head,
                 scale,
+                tree_rows_ptr,
+                region_start,
+                live_row,
                 NUM_KV_HEADS,
                 HEAD_DIM,
                 CACHE_BLOCK,
@@ -356,6 +434,7 @@ def _paged_decode_attention_kernel(
                 BLOCK_D,
                 IEEE,
                 KV_FP8,
+                TREE,
             )
     out = acc / tl.maximum(row_sum, 1e-30)[:, None]
     tl.store(
@@ -377,6 +456,17 @@ def paged_decode_attention_triton(
     _, cache_block, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
+    tree = meta.tree_mask
+    if tree is not None:
+        if tree.dim() != 3 or tree.shape[:2] != (num_seqs, meta.query_per_seq):
+            raise ValueError(
+                f"tree_mask must be [B={num_seqs}, Q={meta.query_per_seq}, W], "
+                f"got {list(tree.shape)}"
+            )
+        if tree.stride(2) != 1:
+            raise ValueError("tree_mask's last dimension must be contiguous")
+        if tree.dtype == torch.bool:
+            tree = tree.view(torch.int8)  # the same bytes; Triton reads int8, not int1
     if num_seqs:
         _paged_decode_attention_kernel[(num_seqs, num_kv_heads)](
             query.contiguous(),
@@ -386,7 +476,11 @@ def paged_decode_attention_triton(
             meta.context_lens,
             meta.query_lens,
             out,
+            meta.context_lens if tree is None else tree,
             meta.block_tables.stride(0),
+            0 if tree is None else tree.stride(0),
+            0 if tree is None else tree.stride(1),
+            0 if tree is None else tree.shape[2],
             scale,
             Q_PER_SEQ=meta.query_per_seq,
             GROUP=group,
@@ -402,6 +496,7 @@ def paged_decode_attention_triton(
             HOST_NUM_CHUNKS=0
             if query.is_cuda
             else triton.cdiv(int(meta.context_lens.max()), DECODE_BLOCK_N),
+            TREE=tree is not None,
             num_warps=4,
         )
     return out

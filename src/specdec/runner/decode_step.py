@@ -3,8 +3,9 @@
 A step of B sequences with at most Q query tokens each runs on a batch padded to a bucket size
 (verify steps also padded to the largest Q). Padded sequences are inert (context 0: no K/V read or
 written, their logits ignored) and padded query tokens of a live sequence have slot -1 (no K/V
-written). One graph is captured per (bucket, Q) on first use; all share one memory pool and one
-logits buffer. Never samples or draws randomness.
+written). A tree verify step (`draft_tree`) also sends a [B, Q, Q] tree mask over the last Q keys
+of each context. One graph is captured per (bucket, Q, tree or not) on first use; all share one
+memory pool and one logits buffer. Never samples or draws randomness.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from specdec.draft_tree import region_rows, verify_step_mask, verify_step_positions
 from specdec.models.attention import DecodeMetadata, KVCache, cache_slots
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.split_kv import SPLIT_KV_PARTITION, num_partitions
@@ -68,6 +70,9 @@ class DecodeGraphs:
             },
             device,
         )
+        # A tree step's mask, sent with a copy of its own (chain and decode steps send none):
+        # int64 like every static input, read by the attention kernel as nonzero = visible.
+        self.tree_inputs = StaticInputs({"tree_mask": max_rows * max_query_len}, device)
         self._tables_width = max_blocks_per_seq
         self.input_ids, self.positions, self.slot_mapping = (
             self.inputs[name] for name in ("input_ids", "positions", "slot_mapping")
@@ -82,7 +87,7 @@ class DecodeGraphs:
             if weight_dtype == torch.float32
             else torch.empty(max_rows, vocab, dtype=weight_dtype, device=device)
         )
-        # (padded batch, Q, feature layers, split) -> (graph, features it writes or None)
+        # (padded batch, Q, feature layers, tree, split) -> (graph, features it writes or None)
         self.graph_cache = GraphCache(use_graphs)
         # Split-KV attention on CUDA: partitions covering the longest context, the same for
         # every graph. `run` picks it when a step's longest context spans more than one
@@ -99,14 +104,22 @@ class DecodeGraphs:
         query_per_seq: int,
         feature_layers: tuple[int, ...],
         split_kv: bool | None = None,
+        tree: bool = False,
     ) -> torch.Tensor | None:
         """The step over the first num_seqs x query_per_seq rows of the static buffers, as
         they are (device work only: what `run` replays, and what a caller that fills the
         buffers on the device runs inside its own graph); writes `self.logits[:rows]` and
         returns the [rows, F] features of `feature_layers` (or None). `split_kv`: attend with
-        the split-KV kernels (None: `split_by_default`)."""
+        the split-KV kernels (None: `split_by_default`). `tree`: attend under the tree mask
+        in the static [num_seqs, Q, Q] buffer (the single-pass kernel: split-KV has none)."""
         rows = num_seqs * query_per_seq
         split_kv = self.split_by_default if split_kv is None else split_kv
+        if tree and split_kv:
+            raise ValueError("tree verify steps attend with the single-pass kernel, not split-KV")
+        tree_mask = None
+        if tree:
+            flat = self.tree_inputs["tree_mask"][: rows * query_per_seq]
+            tree_mask = flat.view(num_seqs, query_per_seq, query_per_seq)
         meta = DecodeMetadata(
             block_tables=self.block_tables[:num_seqs],
             context_lens=self.context_lens[:num_seqs],
@@ -114,6 +127,7 @@ class DecodeGraphs:
             slot_mapping=self.slot_mapping[:rows],
             query_per_seq=query_per_seq,
             num_partitions=self.num_partitions if split_kv else 0,
+            tree_mask=tree_mask,
         )
         hidden, layers = self.model.model(
             self.input_ids[:rows], self.positions[:rows], meta, self.kv_cache, feature_layers
@@ -140,7 +154,8 @@ class DecodeGraphs:
 
     @property
     def graphs(self) -> dict:
-        """(padded batch, Q, feature layers, split) -> (graph, features it writes or None)."""
+        """(padded batch, Q, feature layers, tree, split) -> (graph, features it writes or
+        None)."""
         return self.graph_cache.graphs
 
     def run(
@@ -152,6 +167,7 @@ class DecodeGraphs:
         first_tokens: torch.Tensor | None = None,
         stacked: bool = False,
         min_rows: int = 0,
+        tree_parents: Sequence[Sequence[int] | None] | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """One decode/verify step.
 
@@ -168,6 +184,10 @@ class DecodeGraphs:
                 [num_seqs, V] view (a one-element list) instead of a view per sequence.
             min_rows: pad the batch to at least this bucket (a batch bucket, <= max_num_seqs),
                 so that a batch that lost requests keeps the graph it had.
+            tree_parents: per sequence, None (a causal step) or its draft tree's parents for a
+                tree verify step over [input token, node 0, ...] (`runner.StepInput`): node n
+                is rotated as position start + 1 + depth[n] and sees the cached prefix and its
+                ancestors only; its K/V go to slot start + 1 + n.
 
         Returns:
             (per sequence [len(token_ids[b]), V] float32 logits, per sequence
@@ -219,15 +239,19 @@ class DecodeGraphs:
                 slots[b, :count] = cache_slots(tables[b], token_pos, size)
                 context_lens[b] = start + count
                 query_lens[b] = count
+        tree = tree_parents is not None and any(p is not None for p in tree_parents)
+        if tree:
+            self._fill_tree(token_ids, starts, tree_parents, positions, num_padded, query_per_seq)
         inputs.send("block_tables", num_padded * width)
         if first_tokens is not None:
             device_ids = self.input_ids[:rows].view(num_padded, query_per_seq)
             device_ids[:num_seqs, 0].copy_(first_tokens)
         longest = max(start + len(tokens) for start, tokens in zip(starts, token_ids, strict=True))
-        split_kv = self.num_partitions > 1 and longest > SPLIT_KV_PARTITION
+        # Tree steps take the single-pass kernel at any length (split-KV has no tree mask).
+        split_kv = not tree and self.num_partitions > 1 and longest > SPLIT_KV_PARTITION
         features = self.graph_cache.run(
-            (num_padded, query_per_seq, feature_layers, split_kv),
-            lambda: self.forward(num_padded, query_per_seq, feature_layers, split_kv),
+            (num_padded, query_per_seq, feature_layers, tree, split_kv),
+            lambda: self.forward(num_padded, query_per_seq, feature_layers, split_kv, tree),
         )
         if stacked and query_per_seq == 1:
             # One view instead of num_seqs: host work each overlapped decode step.
@@ -244,3 +268,40 @@ class DecodeGraphs:
             features[row : row + len(tokens)]
             for row, tokens in zip(starts_of_rows, token_ids, strict=True)
         ]
+
+    def _fill_tree(
+        self,
+        token_ids: Sequence[Sequence[int]],
+        starts: Sequence[int],
+        tree_parents: Sequence[Sequence[int] | None],
+        positions: np.ndarray,
+        num_padded: int,
+        query_per_seq: int,
+    ) -> None:
+        """Writes a tree step's RoPE positions (over the causal ones in `positions`) and sends
+        its [num_padded, Q, Q] tree mask: a tree's rows see the prefix and their ancestors, a
+        chain's rows the causal rule, padding rows every key (never a row with nothing to see)."""
+        if len(tree_parents) != len(token_ids):
+            raise ValueError("tree_parents must have one entry (or None) per sequence")
+        q = query_per_seq
+        tree_inputs = self.tree_inputs
+        tree_inputs.begin()
+        mask = tree_inputs.host("tree_mask", num_padded * q * q).reshape(num_padded, q, q)
+        mask.fill(1)
+        for b, (tokens, start, parents) in enumerate(
+            zip(token_ids, starts, tree_parents, strict=True)
+        ):
+            count = len(tokens)
+            step_mask = None
+            if parents is not None:
+                if len(parents) != count - 1:
+                    raise ValueError(
+                        f"a tree step feeds its input token and one token per node: got "
+                        f"{count} tokens for {len(parents)} nodes"
+                    )
+                table = torch.tensor([list(parents)], dtype=torch.int64)
+                anchor = torch.tensor([start + 1], dtype=torch.int64)
+                positions[b, :count] = verify_step_positions(table, anchor)[0].numpy()
+                step_mask = verify_step_mask(table)[0]
+            mask[b, :count] = region_rows(step_mask, count, q).numpy()
+        tree_inputs.send("tree_mask", num_padded * q * q)

@@ -45,9 +45,9 @@ class PagedModelRunner:
     """Owns a model and its KV cache (`num_blocks` x `block_size` slots).
 
     Steps in which every input wants logits for all of its (at most `max_query_len`) query tokens
-    (decode: 1, verify: K + 1) run the fused decode path: on CUDA, replayed from CUDA graphs
-    captured per (padded batch size, query length) unless `enforce_eager`. Other steps (prefill
-    chunks) run the eager path.
+    (decode: 1, verify: K + 1, tree verify: N + 1) run the fused decode path: on CUDA, replayed
+    from CUDA graphs captured per (padded batch size, query length, tree or not) unless
+    `enforce_eager`. Other steps (prefill chunks) run the eager path.
     """
 
     def __init__(
@@ -111,9 +111,7 @@ class PagedModelRunner:
 
     def _is_decode_step(self, inputs: list[StepInput]) -> bool:
         return len(inputs) <= self.max_num_seqs and all(
-            0 < len(s.token_ids) <= self.max_query_len
-            and s.num_logit_rows == len(s.token_ids)
-            and s.tree_parents is None  # tree steps run eagerly (their mask has no kernel yet)
+            0 < len(s.token_ids) <= self.max_query_len and s.num_logit_rows == len(s.token_ids)
             for s in inputs
         )
 
@@ -197,12 +195,14 @@ class PagedModelRunner:
             return [], []
         layers = tuple(feature_layers)
         if self.graphs is not None and self._is_decode_step(inputs):
+            trees = [s.tree_parents for s in inputs]
             return self.graphs.run(
                 [s.token_ids for s in inputs],
                 [s.start for s in inputs],
                 [s.block_ids for s in inputs],
                 layers,
                 first_tokens,
+                tree_parents=trees if any(p is not None for p in trees) else None,
             )
         return self._run_eager(inputs, layers, first_tokens)
 
