@@ -338,7 +338,7 @@ def _paged_decode_attention_kernel(
     context_lens_ptr,  # [B] int32
     query_lens_ptr,  # [B] int32
     out_ptr,  # [B * Q, H_q, D]
-    tree_mask_ptr,  # [B, Q, W] int8 / int64 tree region (read when TREE; nonzero: visible)
+    tree_mask_ptr,  # [B, Q, W] int8 tree region (read when TREE; nonzero: visible)
     block_table_stride,
     tree_seq_stride,
     tree_row_stride,
@@ -465,8 +465,12 @@ def paged_decode_attention_triton(
             )
         if tree.stride(2) != 1:
             raise ValueError("tree_mask's last dimension must be contiguous")
-        if tree.dtype == torch.bool:
-            tree = tree.view(torch.int8)  # the same bytes; Triton reads int8, not int1
+        # One mask type for the kernel (int8: the bytes of a bool mask; Triton reads no int1).
+        # An int64 mask compiles another variant, and at 8 KV heads x 1 x D = 128 that variant
+        # did not give the same bits (s10 GPU run): every mask is read as int8.
+        if tree.dtype != torch.bool:
+            tree = tree != 0
+        tree = tree.view(torch.int8)
     if num_seqs:
         _paged_decode_attention_kernel[(num_seqs, num_kv_heads)](
             query.contiguous(),

@@ -71,7 +71,7 @@ class DecodeGraphs:
             device,
         )
         # A tree step's mask, sent with a copy of its own (chain and decode steps send none):
-        # int64 like every static input, read by the attention kernel as nonzero = visible.
+        # int64 like every static input, turned into a bool mask once per step.
         self.tree_inputs = StaticInputs({"tree_mask": max_rows * max_query_len}, device)
         self._tables_width = max_blocks_per_seq
         self.input_ids, self.positions, self.slot_mapping = (
@@ -119,7 +119,9 @@ class DecodeGraphs:
         tree_mask = None
         if tree:
             flat = self.tree_inputs["tree_mask"][: rows * query_per_seq]
-            tree_mask = flat.view(num_seqs, query_per_seq, query_per_seq)
+            # bool once per step (the layers' kernels then read the int8 bytes, as in eager
+            # tree steps: one kernel variant, so graphed and eager steps give the same bits).
+            tree_mask = flat.view(num_seqs, query_per_seq, query_per_seq) != 0
         meta = DecodeMetadata(
             block_tables=self.block_tables[:num_seqs],
             context_lens=self.context_lens[:num_seqs],
