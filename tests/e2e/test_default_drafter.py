@@ -10,7 +10,11 @@ import pytest
 
 from specdec import LLM, SamplingParams
 from specdec.cli import DEFAULT_SPECULATIVE_CONFIG, default_spec, main
-from specdec.drafters.default import DEFAULT_EAGLE_DIR, default_speculative_config
+from specdec.drafters.default import (
+    DEFAULT_EAGLE_DIR,
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
+    default_speculative_config,
+)
 
 pytestmark = [
     pytest.mark.e2e,
@@ -25,10 +29,16 @@ def test_the_shipped_head_is_small_and_the_default():
     files = list(DEFAULT_EAGLE_DIR.iterdir())
     assert {f.name for f in files} >= {"config.json", "model.safetensors"}
     assert sum(f.stat().st_size for f in files) <= 16 * 2**20
-    assert default_speculative_config(None)["method"] == "eagle"
-    assert default_speculative_config("some/other/model") is None
-    assert default_spec(None)["model"] == str(DEFAULT_EAGLE_DIR)
-    assert default_spec("some/other/model") == DEFAULT_SPECULATIVE_CONFIG
+    assert default_speculative_config(None, "cpu")["method"] == "eagle"
+    assert default_speculative_config("some/other/model", "cpu") is None
+    assert default_spec(None, "cpu")["model"] == str(DEFAULT_EAGLE_DIR)
+    assert default_spec("some/other/model", "cpu") == DEFAULT_SPECULATIVE_CONFIG
+    # K by device: 1 on the CPU (a third verify row costs the quantized target ~0.9 plain
+    # steps there), 2 on CUDA; an unknown device type is refused by name.
+    assert default_speculative_config(None, "cpu")["num_speculative_tokens"] == 1
+    assert default_speculative_config(None, "cuda")["num_speculative_tokens"] == 2
+    with pytest.raises(ValueError, match="'mps'"):
+        default_speculative_config(None, "mps")
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +48,8 @@ def llm():
 
 def test_llm_defaults_to_the_eagle_head_and_greedy_output_is_unchanged(llm):
     assert llm.engine.speculative_config.method == "eagle"
+    k = llm.engine.speculative_config.num_speculative_tokens
+    assert k == DEFAULT_NUM_SPECULATIVE_TOKENS[llm.engine.device.type]  # the device's default K
     question = [{"role": "user", "content": "Explain what a lighthouse does."}]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     on = llm.chat(question, params, use_tqdm=False)[0]

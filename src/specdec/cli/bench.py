@@ -69,7 +69,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.sweep:
         return _bench_sweep(args)
     check_before_loading(EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args)))
-    spec = speculative_config(args, default_spec(args.model))
+    spec = speculative_config(args, default_spec(args.model, args.device))
     plain = LLM(args.model, speculative_config=None, **engine_kwargs(args))
     prompts = [
         plain.tokenizer.encode_chat([{"role": "user", "content": text}])
@@ -147,7 +147,7 @@ def _bench_sweep(args: argparse.Namespace) -> int:
         except json.JSONDecodeError as err:
             raise ValueError(f"--drafter {name}: not valid JSON ({err.msg}): {text!r}") from None
     if not drafters:
-        shipped = default_spec(args.model)
+        shipped = default_spec(args.model, args.device)
         if shipped is not DEFAULT_SPECULATIVE_CONFIG:
             drafters["eagle"] = shipped
         drafters["ngram"] = DEFAULT_SPECULATIVE_CONFIG

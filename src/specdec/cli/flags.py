@@ -341,7 +341,12 @@ def sampling_params(args: argparse.Namespace, **overrides: Any) -> SamplingParam
 DEFAULT_SPECULATIVE_CONFIG = {"method": "ngram", "num_speculative_tokens": 4}
 
 
-def default_spec(model: str | None) -> dict:
-    """The default speculation of the commands for `model` (None: the built-in one): the
-    library's default (`default_speculative_config`), else prompt lookup."""
-    return default_speculative_config(model) or DEFAULT_SPECULATIVE_CONFIG
+def default_spec(model: str | None, device: str) -> dict:
+    """The default speculation of the commands for `model` (None: the built-in one) on `device`
+    (the --device value): the library's default (`default_speculative_config`), else prompt
+    lookup."""
+    from specdec.engine.setup import resolve_device
+
+    return (
+        default_speculative_config(model, resolve_device(device).type) or DEFAULT_SPECULATIVE_CONFIG
+    )

@@ -56,7 +56,7 @@ def _generate(args: argparse.Namespace) -> int:
     # Every argument is checked before the model loads (which takes seconds).
     params = sampling_params(args, structured_outputs=structured_outputs(args))
     check_before_loading(EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args)))
-    spec = None if args.no_spec else speculative_config(args, default_spec(args.model))
+    spec = None if args.no_spec else speculative_config(args, default_spec(args.model, args.device))
     llm = _load(args.model, spec, engine_kwargs(args))
     printed = [0]
 

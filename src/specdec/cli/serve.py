@@ -74,7 +74,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     engine_config = EngineConfig(model=args.model, **engine_kwargs(args, seed=True))
     check_before_loading(engine_config)
-    spec = None if args.no_spec else speculative_config(args, default_spec(args.model))
+    spec = None if args.no_spec else speculative_config(args, default_spec(args.model, args.device))
     launched = external_launch()
     if launched is not None and launched[0] != 0:  # a launcher's worker rank: no server
         LLMEngine(engine_config, spec)  # serves rank 0's steps, then exits the process

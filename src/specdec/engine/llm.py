@@ -11,6 +11,7 @@ from specdec.drafters.default import default_speculative_config
 from specdec.engine.config import EngineConfig, SpeculativeConfig
 from specdec.engine.llm_engine import LLMEngine
 from specdec.engine.outputs import RequestOutput
+from specdec.engine.setup import resolve_device
 from specdec.sampling import SamplingParams
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
@@ -36,19 +37,21 @@ class LLM:
         model: a Hugging Face directory or GGUF file; None = the built-in SmolLM2-135M-Instruct.
         speculative_config: vLLM's keys (method, model, num_speculative_tokens,
             draft_sample_method, rejection_sample_method, prompt_lookup_min/max); None = no
-            speculation; "auto" (the default) = the shipped EAGLE head at K = 2 for the built-in
-            model, no speculation for any other model.
+            speculation; "auto" (the default) = the shipped EAGLE head for the built-in model
+            (K = 1 on the CPU, 2 on CUDA: `DEFAULT_NUM_SPECULATIVE_TOKENS`), no speculation for
+            any other model.
         **engine_args: EngineConfig fields (max_num_seqs, max_model_len, dtype, device, seed,
             tensor_parallel_size (1; N splits the target over N processes), ...); unknown
             ones raise ValueError naming them.
         """
+        config = EngineConfig.from_kwargs(model=model, **engine_args)
         if isinstance(speculative_config, str):
             if speculative_config != "auto":
                 raise ValueError(
                     f'speculative_config must be a dict, None or "auto", got {speculative_config!r}'
                 )
-            speculative_config = default_speculative_config(model)
-        config = EngineConfig.from_kwargs(model=model, **engine_args)
+            device_type = resolve_device(config.device).type
+            speculative_config = default_speculative_config(model, device_type)
         self.engine = LLMEngine(config, SpeculativeConfig.from_dict(speculative_config))
 
     @property

@@ -10,21 +10,27 @@ from pathlib import Path
 from specdec.drafters.config import SHIPPED_HEAD_METHODS, SpeculativeConfig
 
 DEFAULT_EAGLE_DIR = Path(__file__).parent / "smollm2-135m-instruct-eagle"
-# K = 2: the fastest K for this head on the CPU (1.21x at T = 0, 1.13x at T = 1; K = 4 is
-# 0.97x / 0.81x; session 6). See BENCHMARKS.md.
-DEFAULT_NUM_SPECULATIVE_TOKENS = 2
+# The shipped head's K by device type. The CPU: 1, because the kept-quantized target's int4
+# kernel costs about as much for 2 rows as for 1 but ~1.9x for 3 (a K = 2 verify step is ~1.9
+# plain steps): K = 1 1.17x / 0.93x plain at T = 0 / 1 against 1.01x / 0.65x for K = 2 (session
+# 10; K = 2 was the fastest against the float target, session 6). CUDA: 2, the most the adaptive
+# policy picks from there. See BENCHMARKS.md area 4.
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"cpu": 1, "cuda": 2}
 
 
-def default_speculative_config(model: str | None) -> dict | None:
+def default_speculative_config(model: str | None, device_type: str) -> dict | None:
     """The speculation used when none is asked for (the one rule, for `LLM` and the commands):
-    the shipped EAGLE head at K = 2 for the built-in model (`model` None), if its files are in
-    this installation; None otherwise."""
+    the shipped EAGLE head for the built-in model (`model` None), at the K of
+    `DEFAULT_NUM_SPECULATIVE_TOKENS` for `device_type` ("cpu" or "cuda": the engine's resolved
+    device), if its files are in this installation; None otherwise."""
     if model is not None or not (DEFAULT_EAGLE_DIR / "model.safetensors").is_file():
         return None
+    if device_type not in DEFAULT_NUM_SPECULATIVE_TOKENS:
+        raise ValueError(f"no default speculation for device type {device_type!r}")
     return {
         "method": "eagle",
         "model": str(DEFAULT_EAGLE_DIR),
-        "num_speculative_tokens": DEFAULT_NUM_SPECULATIVE_TOKENS,
+        "num_speculative_tokens": DEFAULT_NUM_SPECULATIVE_TOKENS[device_type],
     }
 
 
