@@ -128,3 +128,52 @@ def test_the_plain_arm_keeps_coupled_and_greedy_exact(model_dir, dirs, prompts, 
         assert got == plain
         loop = llm.get_metrics()["loop"]
         assert loop["num_plain_arm_steps"] > 0 and loop["num_graph_rounds"] > 0
+
+
+def test_eagle_rounds_past_split_kv_length_emit_the_synchronous_tokens(
+    model_dir, head_dir, tmp_path
+):
+    """With a cache of long contexts (max_model_len >= SPLIT_KV_ROUNDS_FROM) the head attends
+    with split-KV, as the target does, in its eager steps and its graphs alike: on a
+    2,500-token prompt (three partitions) the graphed rounds, the op-by-op rounds and the
+    synchronous step emit the same tokens, greedy and sampled."""
+    import gc
+    import json
+    import shutil
+
+    import torch
+
+    from specdec.models.split_kv import SPLIT_KV_ROUNDS_FROM
+
+    long_dir = tmp_path / "long-target"
+    shutil.copytree(model_dir, long_dir)
+    config = json.loads((long_dir / "config.json").read_text())
+    config["max_position_embeddings"] = SPLIT_KV_ROUNDS_FROM + 4096
+    (long_dir / "config.json").write_text(json.dumps(config))
+    prompt = prompt_tokens(VOCAB, [2500], seed=5)
+    spec = {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": 3}
+    spec["adaptive"] = False
+    args = {"max_model_len": config["max_position_embeddings"], "block_size": 16}
+    for params in (
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=4),
+    ):
+        runs = {}
+        for name, extra in (
+            ("sync", {"async_scheduling": False}),
+            ("graphed", {"async_scheduling": True}),
+            ("eager", {"async_scheduling": True, "enforce_eager": True}),
+        ):
+            llm = LLM(
+                str(long_dir), speculative_config=spec, device="cuda", dtype="float32",
+                gpu_memory_utilization=0.3, **args, **extra,
+            )  # fmt: skip
+            assert llm.engine.drafter.num_partitions > 1
+            runs[name] = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+            if name != "sync":
+                assert llm.get_metrics()["loop"]["num_device_rounds"] > 0
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+        assert runs["graphed"] == runs["sync"], params
+        assert runs["eager"] == runs["sync"], params

@@ -27,6 +27,36 @@ def num_partitions(max_context_len: int) -> int:
     return -(-max_context_len // SPLIT_KV_PARTITION)
 
 
+# Steps filled on the device (device rounds) attend with split-KV when their cache holds contexts
+# of at least this many tokens: their contexts are not known on the host, and below it the
+# single-pass kernel's occupancy suffices while split-KV's second pass would cost every layer a
+# launch.
+SPLIT_KV_ROUNDS_FROM = 16384
+
+
+def step_partitions(max_context_len: int, device: torch.device) -> int:
+    """The split-KV partitions of a graphed decode step over a cache of contexts up to
+    `max_context_len` keys: enough to cover them on CUDA, 0 (the single-pass kernel) on the
+    CPU or when one partition covers them."""
+    count = num_partitions(max_context_len) if device.type == "cuda" else 0
+    return count if count > 1 else 0
+
+
+def split_when_unseen(max_context_len: int, device: torch.device) -> bool:
+    """Whether steps whose contexts the host cannot see (filled on the device) take split-KV:
+    on CUDA from `SPLIT_KV_ROUNDS_FROM` tokens of cache per sequence."""
+    return step_partitions(max_context_len, device) > 0 and (
+        max_context_len >= SPLIT_KV_ROUNDS_FROM
+    )
+
+
+def split_when_seen(longest_context: int, partitions: int) -> bool:
+    """Whether a step whose longest context the host knows takes split-KV (with `partitions`
+    from `step_partitions`): when it spans more than one partition (below that both kernels
+    give the same bits, so the choice never changes a request's tokens)."""
+    return partitions > 0 and longest_context > SPLIT_KV_PARTITION
+
+
 def _partition_ref(
     rows: torch.Tensor,
     keys: torch.Tensor,

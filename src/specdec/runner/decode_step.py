@@ -18,13 +18,8 @@ import torch
 from specdec.draft_tree import region_rows, verify_step_mask, verify_step_positions
 from specdec.models.attention import DecodeMetadata, KVCache, cache_slots
 from specdec.models.llama import LlamaForCausalLM
-from specdec.models.split_kv import SPLIT_KV_PARTITION, num_partitions
+from specdec.models.split_kv import split_when_seen, split_when_unseen, step_partitions
 from specdec.runner.cuda_graph import GraphCache, StaticInputs, batch_buckets, bucket_for
-
-# Steps filled on the device (device rounds) attend with split-KV when max_model_len is at least
-# this long: their contexts are not known on the host, and below it the single-pass kernel's
-# occupancy suffices while split-KV's second pass would cost every layer a launch.
-SPLIT_KV_ROUNDS_FROM = 16384
 
 
 class DecodeGraphs:
@@ -95,8 +90,8 @@ class DecodeGraphs:
         # a request's tokens); callers that fill the buffers on the device (device rounds)
         # cannot see the contexts and take it when max_model_len is long.
         max_context = max_blocks_per_seq * block_size
-        self.num_partitions = num_partitions(max_context) if device.type == "cuda" else 0
-        self.split_by_default = self.num_partitions > 1 and max_context >= SPLIT_KV_ROUNDS_FROM
+        self.num_partitions = step_partitions(max_context, device)
+        self.split_by_default = split_when_unseen(max_context, device)
 
     def forward(
         self,
@@ -250,7 +245,7 @@ class DecodeGraphs:
             device_ids[:num_seqs, 0].copy_(first_tokens)
         longest = max(start + len(tokens) for start, tokens in zip(starts, token_ids, strict=True))
         # Tree steps take the single-pass kernel at any length (split-KV has no tree mask).
-        split_kv = not tree and self.num_partitions > 1 and longest > SPLIT_KV_PARTITION
+        split_kv = not tree and split_when_seen(longest, self.num_partitions)
         features = self.graph_cache.run(
             (num_padded, query_per_seq, feature_layers, tree, split_kv),
             lambda: self.forward(num_padded, query_per_seq, feature_layers, split_kv, tree),

@@ -29,6 +29,7 @@ from specdec.drafters.eagle.state import EagleState
 from specdec.drafters.eagle.tree_drafting import propose_tree
 from specdec.models import AttentionMetadata, LlamaForCausalLM
 from specdec.models.attention import DecodeMetadata, cache_slots
+from specdec.models.split_kv import split_when_unseen, step_partitions
 from specdec.runner.cuda_graph import GraphCache, StaticInputs, batch_buckets, bucket_for
 from specdec.runner.kv_cache import BlockAllocator
 from specdec.transfer import to_device
@@ -85,6 +86,12 @@ class EagleDrafter(Drafter):
         self.device = head.fc.weight.device
         self._states: dict[str, EagleState] = {}
         self._graphs: _HeadGraphs | None = None
+        # The head's attention over long contexts, as the target's rounds take it: split-KV on
+        # CUDA when the head holds long contexts (max_entries), in its eager steps and its
+        # graphs alike (one rule for both paths, so both give the same bits; a fixed count, as a
+        # count per step would compile a kernel variant per count).
+        long = max_entries is not None and split_when_unseen(max_entries, self.device)
+        self.num_partitions = step_partitions(max_entries, self.device) if long else 0
         if max_entries is not None:  # (on the CPU: the same static buffers, run op by op)
             use_graphs = self.device.type == "cuda" and not enforce_eager
             max_blocks = -(-max_entries // block_size)
@@ -302,6 +309,7 @@ class EagleDrafter(Drafter):
             query_lens=query_t,
             slot_mapping=slots_t,
             query_per_seq=width,
+            num_partitions=self.num_partitions,
         )
         return self.head.forward_decode(
             hidden, self.embed(token_ids), positions_t, meta, self.kv_cache
@@ -421,6 +429,7 @@ class _HeadGraphs:
             query_lens=self.query_lens[:num_seqs],
             slot_mapping=self.slots[:rows],
             query_per_seq=width,
+            num_partitions=drafter.num_partitions,  # (split-KV at long contexts)
         )
         if kind == "catch_up":
             hidden = head.project_features(self.features[:rows])
