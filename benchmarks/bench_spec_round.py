@@ -210,7 +210,7 @@ def bench_smollm2(
     lines = (HERE / "data" / "heldout_prompts.jsonl").read_text().splitlines()
     texts = [json.loads(line)["prompt"] for line in lines if line.strip()]
     encoded = [tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
-    head = default_speculative_config(None)
+    head = default_speculative_config(None, device)
     results = {"num_prompts": len(encoded), "output_len": output_len, "rows": {}}
     for batch in batches:
         prompts = (encoded * batch)[:batch]

@@ -89,7 +89,7 @@ def load(shape: str, device: str):
     if shape == "smollm2":
         from specdec.drafters.default import default_speculative_config
 
-        return smollm2.model, smollm2.tokenizer, default_speculative_config(None)
+        return smollm2.model, smollm2.tokenizer, default_speculative_config(None, device)
     from bench_gpu_engine import build_ours
 
     spec = {"method": "draft_model", "model": "truncated:2", "num_speculative_tokens": 3}

@@ -129,7 +129,7 @@ def main() -> None:
     lines = (HERE.parent / "data" / "heldout_prompts.jsonl").read_text().splitlines()
     texts = [json.loads(line)["prompt"] for line in lines if line.strip()]
     encoded = [tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
-    head = default_speculative_config(None)
+    head = default_speculative_config(None, "cuda")
     batch = args.batch
     prompts = (encoded * batch)[:batch]
     longest = max(map(len, prompts)) + args.output_len + 8

@@ -66,7 +66,7 @@ def main() -> None:
     lines = (HERE.parent / "data" / "heldout_prompts.jsonl").read_text().splitlines()
     texts = [json.loads(line)["prompt"] for line in lines if line.strip()]
     encoded = [tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
-    head = default_speculative_config(None)
+    head = default_speculative_config(None, "cuda")
     adaptive = {**head, "num_speculative_tokens": 4, "adaptive": True}
     results = {}
     for batch, temperature, plain_arm in ((8, 1.0, True), (32, 0.0, True), (32, 0.0, False)):

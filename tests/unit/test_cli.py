@@ -188,8 +188,9 @@ def test_field_docs_read_the_attributes_section():
 
 
 def test_serve_and_generate_default_to_the_same_drafter(monkeypatch, capsys):
-    """Without --speculative-config both take `default_spec(model)` (the shipped head for the
-    built-in model, prompt lookup otherwise); --no-spec turns it off. The model never loads."""
+    """Without --speculative-config both take `default_spec(model, device)` (the shipped head
+    for the built-in model, prompt lookup otherwise); --no-spec turns it off. The model never
+    loads."""
     import specdec.engine.llm as llm_module
     import specdec.engine.llm_engine as engine_module
     import specdec.server.lifecycle as lifecycle
@@ -220,7 +221,7 @@ def test_serve_and_generate_default_to_the_same_drafter(monkeypatch, capsys):
         flag = ["--model", *model] if model else []
         assert run_main(["generate", "hi", *flag]) == 2
         assert run_main(["serve", *model]) == 2
-        expected = SpeculativeConfig.from_dict(default_spec(model[0] if model else None))
+        expected = SpeculativeConfig.from_dict(default_spec(model[0] if model else None, "auto"))
         assert seen[-2:] == [expected, expected]
     assert run_main(["serve", "--no-spec"]) == 2 and seen[-1] is None
     capsys.readouterr()
