@@ -175,6 +175,25 @@ def test_num_partitions_covers_the_context() -> None:
     ]
 
 
+def test_split_kv_rules_for_seen_and_unseen_contexts() -> None:
+    """Which steps take split-KV (the one rule for the target's decode graphs and the drafters'
+    attention): never off CUDA or where one partition covers the cache; steps whose contexts
+    the host cannot see from SPLIT_KV_ROUNDS_FROM tokens of cache; steps it sees when their
+    longest context spans more than one partition."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    size, unseen_from = split_kv.SPLIT_KV_PARTITION, split_kv.SPLIT_KV_ROUNDS_FROM
+    assert split_kv.step_partitions(131072, cpu) == 0
+    assert split_kv.step_partitions(size, cuda) == 0  # one partition: the single-pass kernel
+    assert split_kv.step_partitions(131072, cuda) == split_kv.num_partitions(131072)
+    assert split_kv.split_when_unseen(unseen_from, cuda)
+    assert not split_kv.split_when_unseen(unseen_from - 1, cuda)
+    assert not split_kv.split_when_unseen(131072, cpu)
+    partitions = split_kv.step_partitions(8192, cuda)
+    assert split_kv.split_when_seen(size + 1, partitions)
+    assert not split_kv.split_when_seen(size, partitions)  # both kernels give the same bits
+    assert not split_kv.split_when_seen(5000, 0)
+
+
 # ------------------------------------------------------------------------- the KV-cache dtype
 def test_kv_cache_dtype_option() -> None:
     assert EngineConfig().kv_cache_dtype == "auto"
