@@ -197,12 +197,11 @@ def replay_ms(graph, device: str, iters: int = 20) -> float | None:
 
 
 # --------------------------------------------------------------------------- SmolLM2
-def bench_smollm2(
-    gguf: str | None, device: str, output_len: int, batches, only: list[str] | None = None
-) -> dict:
+def load_smollm2(gguf: str | None, device: str):
+    """(model, tokenizer, the held-out prompts as chat token ids, the shipped head's config)
+    of the built-in SmolLM2 GGUF (or `gguf`), bf16 on CUDA."""
     from specdec.drafters.default import default_speculative_config
     from specdec.models import default_model_path, load_model
-    from specdec.sampling import SamplingParams
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     loaded = load_model(gguf or str(default_model_path()), dtype=dtype, device=device)
@@ -210,21 +209,34 @@ def bench_smollm2(
     lines = (HERE / "data" / "heldout_prompts.jsonl").read_text().splitlines()
     texts = [json.loads(line)["prompt"] for line in lines if line.strip()]
     encoded = [tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
-    head = default_speculative_config(None, device)
+    return model, tokenizer, encoded, default_speculative_config(None, device)
+
+
+def smollm2_batch(encoded, batch: int, output_len: int, temperature: float):
+    """(prompts, KV blocks that hold them all, per-request SamplingParams) of one batch: the
+    held-out prompts cycled to `batch`, `output_len` tokens each, EOS ignored, seeds 0.."""
+    from specdec.sampling import SamplingParams
+
+    prompts = (encoded * batch)[:batch]
+    longest = max(map(len, prompts)) + output_len + 8
+    blocks = batch * (-(-longest // 16) + 2) + 64
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True, seed=i)
+        for i in range(batch)
+    ]
+    return prompts, blocks, params
+
+
+def bench_smollm2(
+    gguf: str | None, device: str, output_len: int, batches, only: list[str] | None = None
+) -> dict:
+    model, tokenizer, encoded, head = load_smollm2(gguf, device)
     results = {"num_prompts": len(encoded), "output_len": output_len, "rows": {}}
     for batch in batches:
-        prompts = (encoded * batch)[:batch]
-        longest = max(map(len, prompts)) + output_len + 8
-        blocks = batch * (-(-longest // 16) + 2) + 64
         common = {"device": device, "max_num_seqs": batch, "max_model_len": 1024}
         ks = (2, 3, 4) if batch <= 8 else (2,)
         for temperature in (0.0, 1.0):
-            params = [
-                SamplingParams(
-                    temperature=temperature, max_tokens=output_len, ignore_eos=True, seed=i
-                )
-                for i in range(batch)
-            ]
+            prompts, blocks, params = smollm2_batch(encoded, batch, output_len, temperature)
             configs = {"plain": None}
             configs.update(
                 {

@@ -30,7 +30,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from bench_spec_round import make_engine  # noqa: E402
+from bench_spec_round import load_smollm2, make_engine, smollm2_batch  # noqa: E402
 
 GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
 
@@ -120,24 +120,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--min-gap-us", type=float, default=10.0)
     args = parser.parse_args()
-    from specdec.drafters.default import default_speculative_config
-    from specdec.models import default_model_path, load_model
-    from specdec.sampling import SamplingParams
-
-    loaded = load_model(args.gguf or str(default_model_path()), dtype=torch.bfloat16, device="cuda")
-    model, tokenizer = loaded.model, loaded.tokenizer
-    lines = (HERE.parent / "data" / "heldout_prompts.jsonl").read_text().splitlines()
-    texts = [json.loads(line)["prompt"] for line in lines if line.strip()]
-    encoded = [tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
-    head = default_speculative_config(None, "cuda")
+    model, tokenizer, encoded, head = load_smollm2(args.gguf, "cuda")
     batch = args.batch
-    prompts = (encoded * batch)[:batch]
-    longest = max(map(len, prompts)) + args.output_len + 8
-    blocks = batch * (-(-longest // 16) + 2) + 64
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, seed=i)
-        for i in range(batch)
-    ]
+    prompts, blocks, params = smollm2_batch(encoded, batch, args.output_len, 0.0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {}

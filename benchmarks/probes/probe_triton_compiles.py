@@ -28,7 +28,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from bench_spec_round import make_engine  # noqa: E402
+from bench_spec_round import load_smollm2, make_engine, smollm2_batch  # noqa: E402
 
 
 def kernel_variants() -> dict[str, int]:
@@ -57,28 +57,11 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=6)
     parser.add_argument("--output-len", type=int, default=128)
     args = parser.parse_args()
-    from specdec.drafters.default import default_speculative_config
-    from specdec.models import default_model_path, load_model
-    from specdec.sampling import SamplingParams
-
-    loaded = load_model(args.gguf or str(default_model_path()), dtype=torch.bfloat16, device="cuda")
-    model, tokenizer = loaded.model, loaded.tokenizer
-    lines = (HERE.parent / "data" / "heldout_prompts.jsonl").read_text().splitlines()
-    texts = [json.loads(line)["prompt"] for line in lines if line.strip()]
-    encoded = [tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
-    head = default_speculative_config(None, "cuda")
+    model, tokenizer, encoded, head = load_smollm2(args.gguf, "cuda")
     adaptive = {**head, "num_speculative_tokens": 4, "adaptive": True}
     results = {}
     for batch, temperature, plain_arm in ((8, 1.0, True), (32, 0.0, True), (32, 0.0, False)):
-        prompts = (encoded * batch)[:batch]
-        longest = max(map(len, prompts)) + args.output_len + 8
-        blocks = batch * (-(-longest // 16) + 2) + 64
-        params = [
-            SamplingParams(
-                temperature=temperature, max_tokens=args.output_len, ignore_eos=True, seed=i
-            )
-            for i in range(batch)
-        ]
+        prompts, blocks, params = smollm2_batch(encoded, batch, args.output_len, temperature)
         spec = {**adaptive, "plain_arm": plain_arm}
         llm = make_engine(
             model, tokenizer, spec, device="cuda", max_num_seqs=batch, max_model_len=1024,
