@@ -11,6 +11,8 @@ row's log-sum-exp). No host sync (CUDA-graph safe); addresses in int64.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -204,15 +206,34 @@ def _split_kv_reduce_kernel(
         tl.store(lse_ptr + query_rows, safe_max + tl.log(total), mask=live_row)
 
 
+@dataclass(frozen=True, slots=True)
+class SplitKVTiles:
+    """The launch shape of the first pass: keys per partition and per online-softmax step,
+    warps, and software-pipeline stages (None: Triton's default)."""
+
+    partition: int
+    block_n: int = DECODE_BLOCK_N
+    num_warps: int = 4
+    num_stages: int | None = None
+
+
+def default_tiles() -> SplitKVTiles:
+    """The tiles the twin follows (read at each launch: tests shrink the partition)."""
+    return SplitKVTiles(SPLIT_KV_PARTITION, DECODE_BLOCK_N)
+
+
 def split_kv_decode_attention_triton(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: DecodeMetadata,
     scale: float,
+    tiles: SplitKVTiles | None = None,
 ) -> torch.Tensor:
+    """Split-KV attention of `query` (with `meta.num_partitions` partitions of
+    `tiles.partition` keys); tiles other than the default are for the tuning probe."""
     out = torch.empty_like(query)
-    _launch(query, k_cache, v_cache, meta, scale, out, None)
+    _launch(query, k_cache, v_cache, meta, scale, out, None, tiles)
     return out
 
 
@@ -238,8 +259,11 @@ def _launch(
     scale: float,
     out: torch.Tensor,
     lse: torch.Tensor | None,
+    tiles: SplitKVTiles | None = None,
 ) -> None:
-    """Both passes, writing `out` [B * Q, H_q, D] (and `lse` [B * Q, H_q] float32 if given)."""
+    """Both passes, writing `out` [B * Q, H_q, D] (and `lse` [B * Q, H_q] float32 if given);
+    `tiles` other than the default only for the tuning probe (the twin follows the default)."""
+    tiles = tiles or default_tiles()
     num_seqs = meta.context_lens.shape[0]
     num_parts, query_per_seq = meta.num_partitions, meta.query_per_seq
     _, num_heads, head_dim = query.shape
@@ -262,7 +286,7 @@ def _launch(
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
         BLOCK_D=block_d,
-        PARTITION=SPLIT_KV_PARTITION,
+        PARTITION=tiles.partition,
         NUM_PARTITIONS=num_parts,
         DEVICE_BOUND=query.is_cuda,
     )
@@ -279,10 +303,11 @@ def _launch(
         meta.block_tables.stride(0),
         scale,
         CACHE_BLOCK=cache_block,
-        BLOCK_N=DECODE_BLOCK_N,
+        BLOCK_N=tiles.block_n,
         IEEE=query.dtype == torch.float32,
         KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
-        num_warps=4,
+        num_warps=tiles.num_warps,
+        **({} if tiles.num_stages is None else {"num_stages": tiles.num_stages}),
         **common,
     )
     _split_kv_reduce_kernel[(num_seqs, num_kv_heads)](
