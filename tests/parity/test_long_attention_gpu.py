@@ -145,7 +145,9 @@ def test_prefill_of_long_chunks_has_linear_memory() -> None:
 
 
 # ----------------------------------------------------------------------------- split-KV
-CONTEXTS = [1, 63, 64, 65, 1023, 1024, 1025, 3000, 0, 9000]
+# Partition edges follow the partition size (2,048 keys since s11).
+_P = split_kv.SPLIT_KV_PARTITION
+CONTEXTS = [1, 63, 64, 65, _P - 1, _P, _P + 1, 3000, 0, 9000]
 
 
 def _decode(contexts, q_per_seq, num_heads, num_kv_heads, head_dim, dtype, seed, cache=None):

@@ -33,7 +33,7 @@ TOLERANCE = {
     torch.float32: {"atol": 1e-4, "rtol": 1e-4},
     torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
 }
-CONTEXTS = [0, 1, 16, 17, 1024, 1025, 5000, 3]
+CONTEXTS = [0, 1, 16, 17, 2048, 2049, 5000, 3]
 
 
 def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str, dtype: torch.dtype) -> None:

@@ -12,4 +12,4 @@ LOG2E = 1.0 / math.log(2.0)
 # Keys per online-softmax step of the decode kernels (single-pass and split-KV alike).
 DECODE_BLOCK_N = 64
 # Keys per split-KV partition (a multiple of DECODE_BLOCK_N).
-SPLIT_KV_PARTITION = 1024
+SPLIT_KV_PARTITION = 2048

@@ -39,8 +39,8 @@ from specdec.sampling import SamplingParams, SamplingTensors
 FP32_TOL = {"atol": 2e-5, "rtol": 2e-5}
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton")
 interpret = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and Triton")
-# Contexts: empty, one key, at and past a block (16) and a partition (1024) edge, long.
-CONTEXTS = [0, 1, 16, 17, 1024, 1025, 5000, 3]
+# Contexts: empty, one key, at and past a block (16) and a partition (2048) edge, long.
+CONTEXTS = [0, 1, 16, 17, 2048, 2049, 5000, 3]
 
 
 @pytest.mark.parametrize("heads", [(4, 1, 16), (4, 4, 8), (6, 2, 24)])
