@@ -142,16 +142,25 @@ def long_prompt(length: int, vocab: int, seed: int) -> list[int]:
     return (stretch * (length // 512 + 1))[:length]
 
 
-def timed_generate(llm, prompt, new_tokens: int, device: str, speculative=None) -> dict:
-    """One greedy request: time to the first token, decode TPOT, the tokens."""
+def timed_generate(
+    llm, prompt, new_tokens: int, device: str, speculative=None, profile: Path | None = None
+) -> dict:
+    """One greedy request: time to the first token, decode TPOT, the tokens. With `profile`,
+    the decode part (from the first token on) runs under the PyTorch profiler (its TPOT then
+    includes the profiler's overhead) and the kernels' device time is written there."""
     from specdec.sampling import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     first: list[float] = []
+    profiler = None
+    if profile is not None:
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
 
     def on_tokens(output) -> None:
         if not first and output.outputs[0].token_ids:
             first.append(time.perf_counter())
+            if profiler is not None:
+                profiler.start()
 
     sync(device)
     start = time.perf_counter()
@@ -160,6 +169,10 @@ def timed_generate(llm, prompt, new_tokens: int, device: str, speculative=None) 
     )[0]
     sync(device)
     end = time.perf_counter()
+    if profiler is not None and first:
+        profiler.stop()
+        table = profiler.key_averages().table(sort_by="self_device_time_total", row_limit=40)
+        profile.write_text(f"decode of {new_tokens} tokens after the first\n{table}\n")
     tokens = list(out.outputs[0].token_ids)
     first_s = (first[0] if first else end) - start
     return {
@@ -339,8 +352,12 @@ def bench_drafter(model, drafter: str, prompt, plain: dict, common: dict, args) 
                 vocab, args.acceptance, [prompt + plain["tokens"]], key_len=64
             )
         warm_up(llm, vocab, args.device, common["max_model_len"])
-        drafted = timed_generate(llm, prompt, args.new_tokens, args.device)
+        profile = None
+        if args.profile_decode:
+            profile = Path(args.out) / f"profile_{common['max_model_len']}_{drafter}.txt"
+        drafted = timed_generate(llm, prompt, args.new_tokens, args.device, profile=profile)
         out["spec"] = {key: v for key, v in drafted.items() if key != "tokens"}
+        out["spec"]["profiled"] = profile is not None
         out["spec"]["loop"] = llm.get_metrics().get("loop")
         out["spec_over_plain_tpot"] = drafted["decode_tpot_ms"] / plain["decode_tpot_ms"]
         out["spec_equals_plain"] = drafted["tokens"] == plain["tokens"]
@@ -379,6 +396,12 @@ def main() -> None:
     parser.add_argument("--prefill-chunk", type=int, default=2048)
     parser.add_argument(
         "--skip-nan-check", action="store_true", help="no third prefill per length (the check)"
+    )
+    parser.add_argument(
+        "--profile-decode",
+        action="store_true",
+        help="each drafter's decode under the PyTorch profiler (DIR/profile_<L>_<drafter>.txt; "
+        "its TPOT then includes the profiler's overhead)",
     )
     args = parser.parse_args()
     args.drafters = args.drafter.split(",")
