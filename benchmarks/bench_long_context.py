@@ -7,8 +7,9 @@ replaying the plain run's own continuation with acceptance a, or n-gram over a r
         [--lengths 32768,65536,131072] [--new-tokens 256] [--drafter oracle|ngram] \
         [--acceptance 0.8] [--k 4] [--prefill-chunk 2048] [--shape llama-3-8b|tiny]
 
-A length L is the request's whole length: the prompt holds L - new_tokens - K - 1 tokens, so the
-request fits a max_model_len of L (131,072 for the largest). Per length and variant it records:
+A length L is the request's whole length: the prompt holds L - new_tokens - 3 (K + 1) - 1
+tokens, so the request fits a max_model_len of L (131,072 for the largest) with room for the
+rounds in flight after its last token. Per length and variant it records:
 no error (an exception is recorded with its message, and the next length still runs), the time
 to the first token (the prefill), the decode TPOT ((end - first token) / (tokens - 1), after a
 warm-up request on the same engine that captures its graphs), that
@@ -285,7 +286,9 @@ def decode_floor_ms(model, context_tokens: int, bandwidth: float | None) -> dict
 
 def bench_length(model, length: int, args) -> dict:
     k, new = args.k, args.new_tokens
-    prompt_len = length - new - k - 1
+    # Room for two rounds in flight past the last token: the request never reaches the
+    # length limit, where the synchronous step's smaller K would compile new Triton variants.
+    prompt_len = length - new - 3 * (k + 1) - 1
     vocab = model.config.vocab_size
     prompt = long_prompt(prompt_len, vocab, seed=length)
     row: dict = {"length": length, "prompt_tokens": prompt_len, "new_tokens": new}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import pstats
 import sys
 import time
@@ -25,6 +26,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench_long_context as blc  # the long-context engines and prompts
+from probes.probe_triton_compiles import kernel_variants
+
+
+def variant_keys(qualified: str) -> list[str]:
+    """The specialization keys of a Triton kernel's compiled variants ("module.name")."""
+    module, name = qualified.rsplit(".", 1)
+    caches = getattr(sys.modules[module], name).device_caches
+    keys = []
+    for entry in caches.values():
+        cache = entry[0] if isinstance(entry, tuple) else entry
+        keys += [str(key)[:1500] for key in cache]
+    return keys
 
 
 def main() -> None:
@@ -48,9 +61,12 @@ def main() -> None:
     profile = cProfile.Profile()
     first: list[float] = []
 
+    variants = [kernel_variants()]
+
     def on_tokens(output) -> None:
         if not first and output.outputs[0].token_ids:
             first.append(time.perf_counter())
+            variants.append(kernel_variants())
             profile.enable()
 
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
@@ -59,12 +75,23 @@ def main() -> None:
     blc.sync(args.device)
     profile.disable()
     end = time.perf_counter()
+    variants.append(kernel_variants())
+    grown = [
+        {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
+        for before, after in itertools.pairwise(variants)
+    ]
+    keys = {name: variant_keys(name) for name in (grown[1] if len(grown) > 1 else {})}
     tokens = len(out.outputs[0].token_ids)
     text = io.StringIO()
     text.write(f"command: python {' '.join(sys.argv)}\ndate: {time.strftime('%Y-%m-%d %H:%M')}\n")
     text.write(f"prefill s {first[0] - start:.2f}; decode s {end - first[0]:.3f} for ")
     text.write(f"{tokens - 1} tokens ({(end - first[0]) / max(tokens - 1, 1) * 1e3:.2f} ms each)\n")
-    text.write(f"loop: {llm.get_metrics().get('loop')}\n\n")
+    text.write(f"loop: {llm.get_metrics().get('loop')}\n")
+    text.write(f"Triton variants compiled in the prefill: {grown[0]}\n")
+    text.write(f"... in the decode: {grown[1] if len(grown) > 1 else None}\n")
+    for name, specializations in keys.items():  # what made the new variant differ
+        text.write(f"{name} variants:\n" + "".join(f"  {key}\n" for key in specializations))
+    text.write("\n")
     for order in ("tottime", "cumulative"):
         pstats.Stats(profile, stream=text).sort_stats(order).print_stats(30)
     path = args.out / f"long_round_host_{args.length}_{args.drafter}.txt"
