@@ -3,7 +3,8 @@
 deep and random trees from `draft_tree`; contexts across block and 64-key chunk boundaries and
 shorter than the region; inert rows; chain shares beside trees; GQA; Q up to 16; float32 and
 bfloat16, at test_decode_gpu's tolerances for the non-tree kernel), with negative controls (the
-mask ignored, one wrong ancestor); and the engine's tree rounds on CUDA through the decode path
+mask ignored, one wrong ancestor); the split-KV kernels under the same masks; and the engine's
+tree rounds on CUDA through the decode path
 and its CUDA graphs (greedy tree == greedy plain; graphs == enforce_eager)."""
 
 from __future__ import annotations
@@ -72,6 +73,42 @@ def test_tree_kernel_in_a_cuda_graph():
     want = fused.paged_decode_attention_ref(query, k_cache, v_cache, other, 0.125)
     rows = live_rows(meta)
     torch.testing.assert_close(out.cpu()[rows], want[rows], **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(2, 4, 64), (8, 1, 128)], ids=str)
+@pytest.mark.parametrize("name", list(CASES))
+def test_split_kv_tree_kernels_match_the_twins(name, heads, dtype, monkeypatch):
+    """The split-KV kernels under a tree mask (64-key partitions: the cases span up to four)
+    against the exact tree-masked softmax, with the negative controls; a context of one
+    partition gives the single-pass tree kernel's bits."""
+    from specdec.models import split_kv, split_kv_triton
+
+    for module in (split_kv, split_kv_triton):
+        monkeypatch.setattr(module, "SPLIT_KV_PARTITION", 64)
+    num_kv_heads, group, head_dim = heads
+    shares, q, width = CASES[name]
+    query, k_cache, v_cache, meta = tree_case(
+        shares, query_per_seq=q, width=width, num_kv_heads=num_kv_heads, group=group,
+        head_dim=head_dim, dtype=dtype, seed=7,
+    )  # fmt: skip
+    scale = head_dim**-0.5
+    want = fused.paged_decode_attention_ref(query, k_cache, v_cache, meta, scale)
+    args = (query.cuda(), k_cache.cuda(), v_cache.cuda())
+    cuda_meta = replace(to_device(meta, "cuda"), num_partitions=4)
+    got = fused.paged_decode_attention(*args, cuda_meta, scale).cpu()
+    rows = live_rows(meta)
+    torch.testing.assert_close(got[rows], want[rows], **TOL[dtype])
+    single = fused.paged_decode_attention(*args, replace(cuda_meta, num_partitions=0), scale)
+    for b, share in enumerate(shares):
+        if 0 < share.context_len <= 64:
+            block = slice(b * q, b * q + share.num_tokens)
+            assert torch.equal(got[block], single.cpu()[block]), f"sequence {b} ({share})"
+    causal = fused.paged_decode_attention(*args, replace(cuda_meta, tree_mask=None), scale)
+    wrong_meta = replace(to_device(wrong_ancestor(meta), "cuda"), num_partitions=4)
+    wrong = fused.paged_decode_attention(*args, wrong_meta, scale)
+    assert not torch.allclose(causal.cpu()[rows].float(), want[rows].float(), **TOL[dtype])
+    assert not torch.allclose(wrong.cpu()[rows].float(), want[rows].float(), **TOL[dtype])
 
 
 @pytest.fixture(scope="module")

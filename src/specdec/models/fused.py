@@ -207,10 +207,7 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """See `paged_decode_attention_ref`; one kernel per step and layer on CUDA (no host sync, so
     it can be captured in a CUDA graph). Metadata with `num_partitions` runs the split-KV
-    kernels instead (`split_kv.py`: long contexts); a tree mask always runs the single-pass
-    kernel (split-KV has no tree mask)."""
-    if meta.tree_mask is not None and meta.num_partitions:
-        raise ValueError("tree masks are not supported by the split-KV decode kernels")
+    kernels instead (`split_kv.py`: long contexts; a tree mask too)."""
     if meta.num_partitions:
         return split_kv_decode_attention(query, k_cache, v_cache, meta, scale)
     if not query.is_cuda:

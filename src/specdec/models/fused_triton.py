@@ -211,57 +211,6 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _attend_chunk(
-    chunk,
-    query,  # [BLOCK_M, D]
-    query_pos,  # [BLOCK_M]
-    context_len,
-    row_max,  # [BLOCK_M] float32
-    row_sum,  # [BLOCK_M] float32
-    acc,  # [BLOCK_M, D] float32
-    k_cache_ptr,
-    v_cache_ptr,
-    block_table_ptr,  # this sequence's row of the block table
-    kv_head,
-    scale,
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    CACHE_BLOCK: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    IEEE: tl.constexpr,
-    KV_FP8: tl.constexpr,
-):
-    """One online-softmax step over keys chunk * BLOCK_N .. + BLOCK_N - 1 under the causal rule
-    (shared with the split-KV kernel, whose partitions run exactly these steps)."""
-    return _attend_chunk_masked(
-        chunk,
-        query,
-        query_pos,
-        context_len,
-        row_max,
-        row_sum,
-        acc,
-        k_cache_ptr,
-        v_cache_ptr,
-        block_table_ptr,
-        kv_head,
-        scale,
-        query_pos,  # unused without TREE
-        0,
-        0,
-        NUM_KV_HEADS,
-        HEAD_DIM,
-        CACHE_BLOCK,
-        BLOCK_N,
-        BLOCK_D,
-        IEEE,
-        KV_FP8,
-        False,
-    )
-
-
-@triton.jit
 def _attend_chunk_masked(
     chunk,
     query,  # [BLOCK_M, D]
@@ -287,9 +236,11 @@ def _attend_chunk_masked(
     KV_FP8: tl.constexpr,
     TREE: tl.constexpr,
 ):
-    """`_attend_chunk`; with TREE, keys at or after `region_start` are seen by the tree mask
-    (row m sees region key j iff tree_rows_ptr[m][j] != 0) instead of the causal rule, as
-    `fused.paged_decode_attention_ref` applies `DecodeMetadata.tree_mask`."""
+    """One online-softmax step over keys chunk * BLOCK_N .. + BLOCK_N - 1 under the causal rule
+    (shared with the split-KV kernel, whose partitions run exactly these steps); with TREE,
+    keys at or after `region_start` are seen by the tree mask (row m sees region key j iff
+    tree_rows_ptr[m][j] != 0) instead of the causal rule, as `fused.paged_decode_attention_ref`
+    applies `DecodeMetadata.tree_mask`."""
     dims = tl.arange(0, BLOCK_D)
     key_pos = chunk * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     live_key = key_pos < context_len
@@ -444,6 +395,27 @@ def _paged_decode_attention_kernel(
     )
 
 
+def kernel_tree_mask(meta: DecodeMetadata) -> torch.Tensor | None:
+    """`meta.tree_mask` as the decode kernels read it (single-pass and split-KV alike): checked
+    [B, Q, W] with a contiguous last dimension, as int8 bytes (nonzero: visible)."""
+    tree = meta.tree_mask
+    if tree is None:
+        return None
+    num_seqs = meta.context_lens.shape[0]
+    if tree.dim() != 3 or tree.shape[:2] != (num_seqs, meta.query_per_seq):
+        raise ValueError(
+            f"tree_mask must be [B={num_seqs}, Q={meta.query_per_seq}, W], got {list(tree.shape)}"
+        )
+    if tree.stride(2) != 1:
+        raise ValueError("tree_mask's last dimension must be contiguous")
+    # One mask type for the kernels (int8: the bytes of a bool mask; Triton reads no int1).
+    # An int64 mask compiles another variant, and at 8 KV heads x 1 x D = 128 that variant did
+    # not give the same bits (s10 GPU run): every mask is read as int8.
+    if tree.dtype != torch.bool:
+        tree = tree != 0
+    return tree.view(torch.int8)
+
+
 def paged_decode_attention_triton(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -456,21 +428,7 @@ def paged_decode_attention_triton(
     _, cache_block, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
-    tree = meta.tree_mask
-    if tree is not None:
-        if tree.dim() != 3 or tree.shape[:2] != (num_seqs, meta.query_per_seq):
-            raise ValueError(
-                f"tree_mask must be [B={num_seqs}, Q={meta.query_per_seq}, W], "
-                f"got {list(tree.shape)}"
-            )
-        if tree.stride(2) != 1:
-            raise ValueError("tree_mask's last dimension must be contiguous")
-        # One mask type for the kernel (int8: the bytes of a bool mask; Triton reads no int1).
-        # An int64 mask compiles another variant, and at 8 KV heads x 1 x D = 128 that variant
-        # did not give the same bits (s10 GPU run): every mask is read as int8.
-        if tree.dtype != torch.bool:
-            tree = tree != 0
-        tree = tree.view(torch.int8)
+    tree = kernel_tree_mask(meta)
     if num_seqs:
         _paged_decode_attention_kernel[(num_seqs, num_kv_heads)](
             query.contiguous(),

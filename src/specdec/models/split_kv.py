@@ -9,9 +9,10 @@ of one partition therefore gives the single-pass kernel's result bit for bit (it
 are exactly 1), and the partition a key falls in never depends on the batch. A launch covers
 `meta.num_partitions` partitions per sequence, fixed per CUDA-graph bucket (derived from
 max_model_len); programs of partitions past a sequence's context do no work.
-`split_kv_attention_lse` also returns each row's log-sum-exp in float32 (for merging with another
-partial attention of the same rows: the block drafters' paged context). Never writes the cache or
-draws randomness.
+A tree verify step's mask (`DecodeMetadata.tree_mask`) applies in the partitions as in the
+single-pass kernel. `split_kv_attention_lse` also returns each row's log-sum-exp in float32
+(for merging with another partial attention of the same rows: the block drafters' paged
+context). Never writes the cache or draws randomness.
 """
 
 from __future__ import annotations
@@ -61,18 +62,17 @@ def _partition_ref(
     rows: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    query_pos: torch.Tensor,
-    first_key: int,
+    visible: torch.Tensor,
     scale: float,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One partition's partial, 64-key step by 64-key step as `_attend_chunk` runs them.
+    """One partition's partial, 64-key step by 64-key step as `_attend_chunk_masked` runs them.
 
     Args:
         rows: [H_kv, M, D] float32 queries (M = Q * group rows per KV head).
         keys, values: [H_kv, N, D] float32 keys/values of the partition's live keys.
-        query_pos: [M] int64 position of each row's query token.
-        first_key: position of keys[:, 0].
+        visible: [M, N] bool: which of the partition's keys each row sees (the causal rule, or
+            the tree mask over the tree region).
         dtype: the queries' dtype (the weights are rounded to it before the value product).
 
     Returns: (row max [H_kv, M], row sum [H_kv, M], acc [H_kv, M, D]), all float32.
@@ -84,10 +84,8 @@ def _partition_ref(
     acc = torch.zeros(num_kv_heads, num_rows, head_dim, device=device)
     for chunk_start in range(0, keys.shape[1], DECODE_BLOCK_N):
         chunk = slice(chunk_start, chunk_start + DECODE_BLOCK_N)
-        num_keys = keys[:, chunk].shape[1]
-        key_pos = first_key + chunk_start + torch.arange(num_keys, device=device)  # [N]
         scores = (rows @ keys[:, chunk].transpose(-1, -2)) * scale  # [H_kv, M, N]
-        scores = scores.masked_fill(key_pos[None, None, :] > query_pos[None, :, None], -torch.inf)
+        scores = scores.masked_fill(~visible[None, :, chunk], -torch.inf)
         new_max = torch.maximum(row_max, scores.amax(dim=-1))
         safe_max = torch.where(new_max == float("-inf"), 0.0, new_max)
         weights = torch.exp(scores - safe_max[..., None])
@@ -97,6 +95,23 @@ def _partition_ref(
         acc = acc * rescale[..., None] + update
         row_max = new_max
     return row_max, row_sum, acc
+
+
+def _visible_ref(meta: DecodeMetadata, b: int, context_len: int, query_len: int) -> torch.Tensor:
+    """[Q, S] bool: the keys each query token of sequence b sees: the causal rule (token j at
+    position S - query_len + j), the last W keys replaced by `meta.tree_mask[b]` when given (as
+    `fused.paged_decode_attention_ref`)."""
+    device = meta.context_lens.device
+    q_per_seq = meta.query_per_seq
+    query_pos = context_len - query_len + torch.arange(q_per_seq, device=device)
+    visible = torch.arange(context_len, device=device)[None] <= query_pos[:, None]
+    if meta.tree_mask is not None:
+        region = meta.tree_mask[b].to(device, torch.bool)  # [Q, W] (nonzero: seen)
+        prefix = context_len - region.shape[1]
+        if prefix < 0:  # a context shorter than the region: its first keys do not exist
+            region, prefix = region[:, -prefix:], 0
+        visible[:, prefix:] = region
+    return visible
 
 
 def combine_partials_ref(
@@ -173,7 +188,8 @@ def split_kv_attention_lse_ref(
 
     Query row j of sequence b sits at position context_lens[b] - query_lens[b] + j and sees the
     cached keys up to it (as `split_kv_decode_attention_ref`): query_lens 0 lets every row see
-    its whole context (no causal mask). `meta.slot_mapping` is not read.
+    its whole context (no causal mask); with `meta.tree_mask` the last W keys are seen through
+    the mask instead (a tree verify step). `meta.slot_mapping` is not read.
 
     Args:
         query: [B * Q, H_q, D] rotated queries in the uniform layout of `meta`.
@@ -204,14 +220,13 @@ def split_kv_attention_lse_ref(
         rows = rows.view(q_per_seq, num_kv_heads, group, head_dim).transpose(0, 1)
         rows = rows.reshape(num_kv_heads, q_per_seq * group, head_dim)
         token = torch.arange(q_per_seq * group, device=query.device) // group
-        query_pos = context_len - query_lens[b] + token  # [M]
+        visible = _visible_ref(meta, b, context_len, query_lens[b])[token]  # [M, S]
         partials = [
             _partition_ref(
                 rows,
                 keys[:, start : start + SPLIT_KV_PARTITION],
                 values[:, start : start + SPLIT_KV_PARTITION],
-                query_pos,
-                start,
+                visible[:, start : start + SPLIT_KV_PARTITION],
                 scale,
                 query.dtype,
             )

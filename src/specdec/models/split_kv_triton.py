@@ -2,7 +2,8 @@
 Triton's CPU interpreter).
 
 Pass 1: one program per (sequence, KV head, partition) runs the single-pass decode kernel's
-64-key steps (`fused_triton._attend_chunk`) over its partition and writes the partial (row max,
+64-key steps (`fused_triton._attend_chunk_masked`, under the tree mask when there is one) over
+its partition and writes the partial (row max,
 row sum, unnormalised output) of its BLOCK_M rows (query token x q head of the group); a program
 whose partition starts past its sequence's context reads and writes nothing. Pass 2: one program
 per (sequence, KV head) combines the live partitions in order (and, with WRITE_LSE, writes each
@@ -19,14 +20,14 @@ import triton.language as tl
 
 from specdec.models.attention import DecodeMetadata
 from specdec.models.attention_tiles import DECODE_BLOCK_N, SPLIT_KV_PARTITION
-from specdec.models.fused_triton import _attend_chunk
+from specdec.models.fused_triton import _attend_chunk_masked, kernel_tree_mask
 from specdec.triton_specialization import unspecialized
 
 
 @triton.jit(
     **unspecialized(
-        ints=("block_table_stride",),
-        pointers=("block_tables_ptr", "context_lens_ptr", "query_lens_ptr"),
+        ints=("block_table_stride", "tree_seq_stride", "tree_row_stride", "tree_width"),
+        pointers=("block_tables_ptr", "context_lens_ptr", "query_lens_ptr", "tree_mask_ptr"),
     )
 )
 def _split_kv_partition_kernel(
@@ -39,7 +40,11 @@ def _split_kv_partition_kernel(
     part_max_ptr,  # [B, H_kv, P, BLOCK_M] float32
     part_sum_ptr,  # [B, H_kv, P, BLOCK_M] float32
     part_acc_ptr,  # [B, H_kv, P, BLOCK_M, BLOCK_D] float32
+    tree_mask_ptr,  # [B, Q, W] int8 tree region (read when TREE; nonzero: visible)
     block_table_stride,
+    tree_seq_stride,
+    tree_row_stride,
+    tree_width,  # W
     scale,
     Q_PER_SEQ: tl.constexpr,
     GROUP: tl.constexpr,
@@ -54,6 +59,7 @@ def _split_kv_partition_kernel(
     IEEE: tl.constexpr,
     KV_FP8: tl.constexpr,
     DEVICE_BOUND: tl.constexpr,
+    TREE: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -80,21 +86,27 @@ def _split_kv_partition_kernel(
     row_sum = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     table_ptr = block_tables_ptr + seq * block_table_stride
+    # The tree region (TREE only): row m reads mask row [seq, m // GROUP] over the last W keys,
+    # as the single-pass kernel does.
+    tree_rows_ptr = tree_mask_ptr + seq * tree_seq_stride + token_in_seq * tree_row_stride
+    region_start = context_len - tree_width
     first_chunk = part * chunks_per_part
     if DEVICE_BOUND:
         last_chunk = tl.minimum(first_chunk + chunks_per_part, tl.cdiv(context_len, BLOCK_N))
         for chunk in range(first_chunk, last_chunk):
-            row_max, row_sum, acc = _attend_chunk(
+            row_max, row_sum, acc = _attend_chunk_masked(
                 chunk, query, query_pos, context_len, row_max, row_sum, acc,
                 k_cache_ptr, v_cache_ptr, table_ptr, kv_head, scale,
-                NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D, IEEE, KV_FP8,
+                tree_rows_ptr, region_start, live_row,
+                NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D, IEEE, KV_FP8, TREE,
             )  # fmt: skip
     else:  # Triton's CPU interpreter cannot loop to a loaded bound; masks void extra chunks
         for step in range(0, chunks_per_part):
-            row_max, row_sum, acc = _attend_chunk(
+            row_max, row_sum, acc = _attend_chunk_masked(
                 first_chunk + step, query, query_pos, context_len, row_max, row_sum, acc,
                 k_cache_ptr, v_cache_ptr, table_ptr, kv_head, scale,
-                NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D, IEEE, KV_FP8,
+                tree_rows_ptr, region_start, live_row,
+                NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D, IEEE, KV_FP8, TREE,
             )  # fmt: skip
     partial = ((seq * NUM_KV_HEADS + kv_head) * NUM_PARTITIONS + part) * BLOCK_M + rows
     tl.store(part_max_ptr + partial, row_max, mask=live_part & (rows < BLOCK_M))
@@ -290,6 +302,7 @@ def _launch(
         NUM_PARTITIONS=num_parts,
         DEVICE_BOUND=query.is_cuda,
     )
+    tree = kernel_tree_mask(meta)
     _split_kv_partition_kernel[(num_seqs, num_kv_heads, num_parts)](
         query.contiguous(),
         k_cache,
@@ -300,12 +313,17 @@ def _launch(
         part_max,
         part_sum,
         part_acc,
+        meta.context_lens if tree is None else tree,
         meta.block_tables.stride(0),
+        0 if tree is None else tree.stride(0),
+        0 if tree is None else tree.stride(1),
+        0 if tree is None else tree.shape[2],
         scale,
         CACHE_BLOCK=cache_block,
         BLOCK_N=tiles.block_n,
         IEEE=query.dtype == torch.float32,
         KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+        TREE=tree is not None,
         num_warps=tiles.num_warps,
         **({} if tiles.num_stages is None else {"num_stages": tiles.num_stages}),
         **common,

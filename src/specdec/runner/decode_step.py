@@ -106,11 +106,9 @@ class DecodeGraphs:
         buffers on the device runs inside its own graph); writes `self.logits[:rows]` and
         returns the [rows, F] features of `feature_layers` (or None). `split_kv`: attend with
         the split-KV kernels (None: `split_by_default`). `tree`: attend under the tree mask
-        in the static [num_seqs, Q, Q] buffer (the single-pass kernel: split-KV has none)."""
+        in the static [num_seqs, Q, Q] buffer (either kernel)."""
         rows = num_seqs * query_per_seq
         split_kv = self.split_by_default if split_kv is None else split_kv
-        if tree and split_kv:
-            raise ValueError("tree verify steps attend with the single-pass kernel, not split-KV")
         tree_mask = None
         if tree:
             flat = self.tree_inputs["tree_mask"][: rows * query_per_seq]
@@ -244,8 +242,7 @@ class DecodeGraphs:
             device_ids = self.input_ids[:rows].view(num_padded, query_per_seq)
             device_ids[:num_seqs, 0].copy_(first_tokens)
         longest = max(start + len(tokens) for start, tokens in zip(starts, token_ids, strict=True))
-        # Tree steps take the single-pass kernel at any length (split-KV has no tree mask).
-        split_kv = not tree and split_when_seen(longest, self.num_partitions)
+        split_kv = split_when_seen(longest, self.num_partitions)
         features = self.graph_cache.run(
             (num_padded, query_per_seq, feature_layers, tree, split_kv),
             lambda: self.forward(num_padded, query_per_seq, feature_layers, split_kv, tree),

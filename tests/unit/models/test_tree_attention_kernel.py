@@ -93,3 +93,77 @@ def test_decode_path_tree_step_equals_the_eager_tree_step():
         assert (runner.graphs is not None) == decode
     for eager, fused_step in zip(logits[False], logits[True], strict=True):
         torch.testing.assert_close(fused_step, eager, atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------ split-KV under a tree mask
+# Partitions of 64 keys (one online-softmax step each): the cases' contexts (up to 200 keys)
+# span up to four partitions, the tree region sits inside or across a partition edge.
+SMALL_PARTITION = 64
+
+
+@pytest.fixture()
+def small_partitions(monkeypatch):
+    from specdec.models import split_kv
+
+    monkeypatch.setattr(split_kv, "SPLIT_KV_PARTITION", SMALL_PARTITION)
+    if importlib.util.find_spec("triton"):  # the kernels' module imports Triton
+        from specdec.models import split_kv_triton
+
+        monkeypatch.setattr(split_kv_triton, "SPLIT_KV_PARTITION", SMALL_PARTITION)
+    return SMALL_PARTITION
+
+
+def _split_meta(meta, partitions: int = 4):
+    from dataclasses import replace
+
+    return replace(meta, num_partitions=partitions)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_split_kv_twin_under_a_tree_mask_matches_the_exact_softmax(name, small_partitions):
+    """The split-KV twin (`split_kv.split_kv_decode_attention_ref`) with a tree mask equals the
+    exact tree-masked softmax of `fused.paged_decode_attention_ref` on every live row; the same
+    twin without the mask, or with one wrong ancestor, does not (negative controls)."""
+    from dataclasses import replace
+
+    from specdec.models import split_kv
+
+    shares, q, width = CASES[name]
+    query, k_cache, v_cache, meta = tree_case(shares, query_per_seq=q, width=width, seed=3)
+    scale = query.shape[-1] ** -0.5
+    want = fused.paged_decode_attention_ref(query, k_cache, v_cache, meta, scale)
+    split = _split_meta(meta)
+    got = split_kv.split_kv_decode_attention_ref(query, k_cache, v_cache, split, scale)
+    rows = live_rows(meta)
+    torch.testing.assert_close(got[rows], want[rows], **FP32_TOL)
+    causal = split_kv.split_kv_decode_attention_ref(
+        query, k_cache, v_cache, replace(split, tree_mask=None), scale
+    )
+    wrong = split_kv.split_kv_decode_attention_ref(
+        query, k_cache, v_cache, _split_meta(wrong_ancestor(meta)), scale
+    )
+    assert not torch.allclose(causal[rows], want[rows], **FP32_TOL)
+    assert not torch.allclose(wrong[rows], want[rows], **FP32_TOL)
+
+
+@interpret
+@pytest.mark.parametrize("name", list(CASES))
+def test_split_kv_kernels_under_a_tree_mask_interpreted(name, small_partitions):
+    """The split-KV kernels with a tree mask against their twin, and (the batch-invariance
+    argument of `models/split_kv.py`) a context of one partition gives the single-pass tree
+    kernel's bits."""
+    from specdec.models import split_kv, split_kv_triton
+
+    shares, q, width = CASES[name]
+    query, k_cache, v_cache, meta = tree_case(shares, query_per_seq=q, width=width, seed=3)
+    scale = query.shape[-1] ** -0.5
+    split = _split_meta(meta)
+    got = split_kv_triton.split_kv_decode_attention_triton(query, k_cache, v_cache, split, scale)
+    twin = split_kv.split_kv_decode_attention_ref(query, k_cache, v_cache, split, scale)
+    rows = live_rows(meta)
+    torch.testing.assert_close(got[rows], twin[rows], **FP32_TOL)
+    single = _kernel(query, k_cache, v_cache, meta, scale)
+    for b, share in enumerate(shares):
+        if 0 < share.context_len <= SMALL_PARTITION:
+            block = slice(b * q, b * q + share.num_tokens)
+            assert torch.equal(got[block], single[block]), f"sequence {b} ({share})"
