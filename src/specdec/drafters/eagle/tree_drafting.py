@@ -19,41 +19,9 @@ from specdec.drafters.base import DraftBatch, Drafter, ProposalBuffer
 from specdec.drafters.config import TreeConfig
 from specdec.drafters.eagle.head import head_logits
 from specdec.drafters.eagle.state import EagleState
-from specdec.drafters.tree import draw_children
+from specdec.drafters.tree import GrowingTree, draw_level, expand_frontier
 from specdec.models.attention import DecodeMetadata, cache_slots
 from specdec.transfer import to_device
-
-
-class _Tree:
-    """One request's tree being grown (host lists), node n in drafting order."""
-
-    __slots__ = (
-        "budget",
-        "coupled",
-        "cum_logp",
-        "depths",
-        "hidden",
-        "on_first_path",
-        "parents",
-        "tokens",
-    )
-
-    def __init__(self, budget: int, coupled: bool) -> None:
-        self.budget = budget
-        self.coupled = coupled
-        self.on_first_path: list[bool] = []  # first child of a first child ... of the root
-        self.parents: list[int] = []
-        self.depths: list[int] = []
-        self.tokens: list[int] = []
-        self.cum_logp: list[float] = []
-        self.hidden: list[torch.Tensor] = []  # the head output each node's entry is fed with
-
-    def ancestors_and_self(self, node: int) -> list[int]:
-        chain = []
-        while node >= 0:
-            chain.append(node)
-            node = self.parents[node]
-        return chain
 
 
 def propose_tree(
@@ -86,17 +54,19 @@ def propose_tree(
     size, width = batch.batch_size, out.draft_token_ids.shape[1]
     anchors = batch.anchors.tolist()
     budgets = batch.num_draft.tolist()
-    trees = {b: _Tree(min(budgets[b], tree.nodes), batch.methods[b] == "coupled") for b in live}
+    trees = {
+        b: GrowingTree(min(budgets[b], tree.nodes), batch.methods[b] == "coupled") for b in live
+    }
     # Level 0: the root's children, from the catch-up logits.
     parents_rows = [(b, -1) for b in live]
     level_logits, level_hidden = logits, last
     for depth in range(tree.depth):
-        _draw_level(
+        draw_level(
             drafter, batch, trees, parents_rows, level_logits, level_hidden, depth, tree, out
         )
         if depth + 1 == tree.depth:
             break
-        parents_rows = _expand(trees, depth, tree.topk)
+        parents_rows = expand_frontier(trees, depth, tree.topk)
         if not parents_rows:
             break
         level_hidden = _head_level(drafter, trees, parents_rows, states, anchors)
@@ -108,73 +78,6 @@ def propose_tree(
         parents[b, :count] = torch.tensor(grown.parents, dtype=torch.int64)
         num_nodes[b] = count
     return parents, num_nodes
-
-
-def _draw_level(drafter, batch, trees, parents_rows, logits, hidden, depth, tree, out) -> None:
-    """Draws the children of `parents_rows` ((request, parent node) pairs, one logits row and
-    one head output each), as many as each request's budget allows, and records them."""
-    node_table, kept = [], []
-    next_node = {b: len(grown.parents) for b, grown in trees.items()}
-    for i, (b, _parent) in enumerate(parents_rows):
-        first = next_node[b]
-        count = max(0, min(tree.topk, trees[b].budget - first))
-        node_table.append(list(range(first, first + count)))
-        next_node[b] += count
-        if count:
-            kept.append(i)
-    if not kept:
-        return
-    rows = [parents_rows[i][0] for i in kept]
-    nodes = torch.full((len(kept), tree.topk), -1, dtype=torch.int64)
-    for j, i in enumerate(kept):
-        nodes[j, : len(node_table[i])] = torch.tensor(node_table[i])
-    index = to_device(kept, torch.int64, logits.device)
-    positions = torch.tensor([batch.anchors[r] + depth for r in rows], dtype=torch.int64)
-    children = draw_children(
-        drafter, logits[index], torch.tensor(rows, dtype=torch.int64), positions, batch, nodes
-    )
-    tokens = children.token_ids.to("cpu")
-    if children.draft_logits is None:
-        log_probs = drafter.to_target_vocab(logits[index]).log_softmax(dim=-1)  # [M, V]
-        picked = log_probs.gather(1, children.token_ids.clamp_min(0)).to("cpu")
-    else:
-        log_probs = children.draft_logits.log_softmax(dim=-1)  # [M, C, V]
-        picked = log_probs.gather(2, children.token_ids.clamp_min(0)[..., None])[..., 0]
-        picked = picked.to("cpu")
-    for j, i in enumerate(kept):
-        b, parent = parents_rows[i]
-        grown = trees[b]
-        base = 0.0 if parent < 0 else grown.cum_logp[parent]
-        for rank, node in enumerate(node_table[i]):
-            grown.parents.append(parent)
-            grown.depths.append(depth)
-            grown.tokens.append(int(tokens[j, rank]))
-            grown.cum_logp.append(base + float(picked[j, rank]))
-            grown.on_first_path.append(rank == 0 and (parent < 0 or grown.on_first_path[parent]))
-            grown.hidden.append(hidden[i])
-            out.draft_token_ids[b, node] = children.token_ids[j, rank]
-            if children.draft_logits is not None:
-                row = children.draft_logits[j, rank]
-                out.draft_logits[b, node] = row
-                out.draft_logsumexp[b, node] = row.logsumexp(dim=-1)
-
-
-def _expand(trees: dict[int, _Tree], depth: int, topk: int) -> list[tuple[int, int]]:
-    """The (request, node) pairs to expand next: per request with budget left, the `topk`
-    nodes at `depth` of highest cumulative draft log-probability (ties: the earlier node). A
-    coupled request expands its first path first: its first children carry the target's own
-    noise, so they are the drafts most likely to equal the target's samples (the chain a coupled
-    chain would draft), whatever their draft probability."""
-    chosen = []
-    for b, grown in trees.items():
-        if len(grown.parents) >= grown.budget:
-            continue
-        frontier = [n for n, d in enumerate(grown.depths) if d == depth]
-        frontier.sort(
-            key=lambda n: (-(grown.coupled and grown.on_first_path[n]), -grown.cum_logp[n], n)
-        )
-        chosen += [(b, n) for n in frontier[:topk]]
-    return chosen
 
 
 def _head_level(drafter, trees, parents_rows, states, anchors) -> torch.Tensor:
