@@ -1,5 +1,5 @@
-"""Through the whole engine, on a tiny real model: tree rounds (EAGLE head, synchronous path)
-emit tokens whose joint law is plain sampling's exactly.
+"""Through the whole engine, on a tiny real model: tree rounds (EAGLE head, or a draft model;
+synchronous path) emit tokens whose joint law is plain sampling's exactly.
 
 The vocabulary-8 Llama of `law_fixtures` is the target and an untrained (keyed-init) EAGLE head
 over its last layer drafts trees of 6 nodes (depth 3, top-2). N seeded requests run to 6 tokens
@@ -67,6 +67,38 @@ def test_tree_rounds_follow_the_target(model_dir, eagle_dir, method, sampling):
     counts = tree_counts(model_dir, eagle_dir, method, 0.7, **sampling)
     result = chi_square(counts.to(torch.int64), law)
     assert result.log10_p > -6, result.describe()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["standard", "coupled"])
+def test_draft_model_tree_rounds_follow_the_target(model_dir, method):
+    """H0: as above, with draft-model trees (the target's first layer as the draft model:
+    `truncated:1`, whose drafts both match and miss). Pearson chi-square over the 512 cells,
+    N = 12,000, temperature 0.7; fail iff p < 1e-6 (false-failure rate <= 1e-6 per case, 2
+    cases)."""
+    law = processed_law(model_dir, 0.7, 0)
+    result = chi_square(draft_model_counts(model_dir, method, 0.7).to(torch.int64), law)
+    assert result.log10_p > -6, result.describe()
+
+
+@pytest.mark.slow
+def test_draft_model_negative_control_residual_not_updated(model_dir):
+    """The draft-model case has power too: the residual not updated after a rejected child
+    must give p < 1e-6 (temperature 1.0, N = 12,000)."""
+    law = exact_continuation_law(model_dir, 1.0, NUM_TOKENS)
+    with residual_not_updated():
+        counts = draft_model_counts(model_dir, "standard", 1.0)
+    result = chi_square(counts.to(torch.int64), law)
+    assert result.log10_p < -6, result.describe()
+
+
+def draft_model_counts(model_dir, method, temperature):
+    spec = {"method": "draft_model", "model": "truncated:1", "rejection_sample_method": method}
+    counts, metrics = first_token_counts(
+        model_dir, {**spec, "tree": TREE}, temperature, 6, NUM_TOKENS, NUM_TRIALS
+    )
+    assert metrics["num_accepted_tokens"] > 0
+    return counts
 
 
 @pytest.mark.slow

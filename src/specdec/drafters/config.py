@@ -21,7 +21,7 @@ DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 
 
 # Methods that draft trees (`speculative_config["tree"]`).
-TREE_METHODS = ("eagle", "mtp")
+TREE_METHODS = ("eagle", "mtp", "draft_model")
 TREE_KEYS = ("nodes", "depth", "topk")
 
 
@@ -102,7 +102,7 @@ class SpeculativeConfig:
             token for token only with K pinned (the chosen K depends on the batch and on
             measured timings); coupled and greedy outputs equal plain decoding's whatever K is.
         tree: draft trees instead of chains ({"nodes": N, "depth": D, "topk": k}, a
-            `TreeConfig`), verified exactly with `specdec.verify.tree`; eagle/mtp only, not
+            `TreeConfig`), verified exactly with `specdec.verify.tree`; eagle/mtp/draft_model, not
             with block verification, and on the synchronous engine path only (rounds then
             verify N nodes; num_speculative_tokens is not used).
         plain_arm: with `adaptive`, also offer the policy arm P: leave device rounds and run the

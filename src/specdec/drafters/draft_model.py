@@ -1,5 +1,6 @@
 """Draft-model drafting: a smaller model with the target's tokenizer proposes K tokens
-autoregressively on its own paged KV cache.
+autoregressively on its own paged KV cache (or, with `speculative_config["tree"]`, a draft tree:
+`draft_model_tree.py`).
 
 Each round the drafter first catches up on the tokens its cache lacks (the last round's recovered
 or bonus token, and any accepted draft it had not fed), then drafts. Draft noise comes only from
@@ -15,8 +16,9 @@ import torch
 from torch import nn
 
 from specdec.drafters.base import DraftBatch, Drafter, DrafterSetup, Proposal, ProposalBuffer
-from specdec.drafters.config import SpeculativeConfig
+from specdec.drafters.config import SpeculativeConfig, TreeConfig, round_drafts
 from specdec.drafters.device import DeviceDrafting
+from specdec.drafters.draft_model_tree import propose_draft_model_tree
 from specdec.models import LlamaForCausalLM, default_quantization, load_model
 from specdec.runner import BlockAllocator, PagedModelRunner, StepInput
 from specdec.transfer import to_device
@@ -66,6 +68,7 @@ class DraftModelDrafter(Drafter):
         max_query_len: int = 1,
         decode_path: bool | None = None,
         max_model_len: int | None = None,
+        tree: TreeConfig | None = None,
     ) -> None:
         """Args:
         model: the draft model (its vocabulary must be the target's).
@@ -75,6 +78,7 @@ class DraftModelDrafter(Drafter):
         max_num_seqs: most requests in one round.
         max_query_len, decode_path, max_model_len: the draft runner's decode path (see
             `PagedModelRunner`); device rounds need it at width K + 1.
+        tree: draft a tree per round instead of a chain (synchronous engine path only).
         """
         if model.config.vocab_size != target_vocab_size:
             raise ValueError(
@@ -93,6 +97,7 @@ class DraftModelDrafter(Drafter):
         )
         self.allocator = BlockAllocator(num_blocks, block_size)
         self._states: dict[str, _DraftState] = {}
+        self.tree = tree
 
     @classmethod
     def from_config(
@@ -120,15 +125,17 @@ class DraftModelDrafter(Drafter):
             max_num_seqs=setup.max_num_seqs,
             max_query_len=spec.num_speculative_tokens + 1 if setup.device_rounds else 1,
             decode_path=True if setup.device_rounds else None,
-            # The draft cache holds up to K - 1 drafts past the last committed token.
-            max_model_len=setup.max_model_len + spec.num_speculative_tokens,
+            # The draft cache holds up to K - 1 drafts (a tree: its N nodes) past the last
+            # committed token.
+            max_model_len=setup.max_model_len + round_drafts(spec),
+            tree=spec.tree,
         )
 
     def device_drafting(
         self, num_slots: int, width: int, max_model_len: int, device: torch.device
     ) -> DeviceDrafting | None:
         graphs = self.runner.graphs
-        if graphs is None or graphs.max_query_len != width:
+        if self.tree is not None or graphs is None or graphs.max_query_len != width:
             return None
         from specdec.drafters.draft_model_device import DraftModelDeviceDrafting
 
@@ -156,9 +163,17 @@ class DraftModelDrafter(Drafter):
             states, batch.token_ids, batch.num_draft.tolist(), strict=False
         ):
             start = len(state.token_ids)
-            self.allocator.grow(state, len(tokens) + max(n - 1, 0))
+            # A chain's drafts 1..n-1 are fed back; a tree's n nodes take n slots.
+            ahead = n if self.tree is not None else max(n - 1, 0)
+            self.allocator.grow(state, len(tokens) + ahead)
             inputs.append(StepInput(tokens[start:], start, state.block_ids, 1))
             state.token_ids = list(tokens)
+        if self.tree is not None:
+            logits = torch.cat(self.runner.run(inputs))  # [B, V]: the token at each anchor
+            parents, num_nodes = propose_draft_model_tree(
+                self, batch, self.tree, states, logits, out
+            )
+            return out.proposal(num_nodes, parents)
         # Each draft step feeds the previous step's drafts straight from the device
         # (`first_tokens`); the host reads every draft once, after the loop.
         lengths = [len(state.token_ids) for state in states]

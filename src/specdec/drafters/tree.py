@@ -111,7 +111,8 @@ class GrowingTree:
         self.depths: list[int] = []
         self.tokens: list[int] = []
         self.cum_logp: list[float] = []
-        self.hidden: list[torch.Tensor] = []  # the head output each node's entry is fed with
+        # The head output each node's entry is fed with (EAGLE; empty for a draft model).
+        self.hidden: list[torch.Tensor] = []
 
     def ancestors_and_self(self, node: int) -> list[int]:
         chain = []
@@ -122,8 +123,9 @@ class GrowingTree:
 
 
 def draw_level(drafter, batch, trees, parents_rows, logits, hidden, depth, tree, out) -> None:
-    """Draws the children of `parents_rows` ((request, parent node) pairs, one logits row and
-    one head output each), as many as each request's budget allows, and records them."""
+    """Draws the children of `parents_rows` ((request, parent node) pairs, one logits row and,
+    for EAGLE, one head output each; `hidden` None for a draft model), as many as each
+    request's budget allows, and records them."""
     node_table, kept = [], []
     next_node = {b: len(grown.parents) for b, grown in trees.items()}
     for i, (b, _parent) in enumerate(parents_rows):
@@ -162,7 +164,8 @@ def draw_level(drafter, batch, trees, parents_rows, logits, hidden, depth, tree,
             grown.tokens.append(int(tokens[j, rank]))
             grown.cum_logp.append(base + float(picked[j, rank]))
             grown.on_first_path.append(rank == 0 and (parent < 0 or grown.on_first_path[parent]))
-            grown.hidden.append(hidden[i])
+            if hidden is not None:
+                grown.hidden.append(hidden[i])
             out.draft_token_ids[b, node] = children.token_ids[j, rank]
             if children.draft_logits is not None:
                 row = children.draft_logits[j, rank]

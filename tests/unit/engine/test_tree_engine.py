@@ -1,6 +1,8 @@
-"""Tree drafts in the engine (EAGLE head, CPU synchronous path): greedy trees emit greedy plain
-decoding, coupled trees emit plain sampling token for token, seeded standard trees replay, and
-unsupported combinations are refused by name."""
+"""Tree drafts in the engine (CPU synchronous path; an EAGLE head, and a draft model: a second
+random model, or the target itself as its own draft, whose first-child path greedy verification
+accepts in full): greedy trees emit greedy plain decoding, coupled trees emit plain sampling
+token for token, seeded standard trees replay, and unsupported combinations are refused by
+name."""
 
 from __future__ import annotations
 
@@ -27,15 +29,27 @@ def head_dir(target_dir, tmp_path_factory):
     return trained_head(target_dir, tmp_path_factory.mktemp("eagle"))
 
 
-def tree_llm(target_dir, head_dir, method="standard", draft="probabilistic", tree=TREE):
+@pytest.fixture(scope="module")
+def other_dir(tmp_path_factory):
+    """Another random model of the target's shape and vocabulary (a draft model)."""
+    return save_hf_model(make_hf_model("llama", seed=5), tmp_path_factory.mktemp("other"))
+
+
+def tree_llm(
+    target_dir, head_dir, method="standard", draft="probabilistic", tree=TREE, kind="eagle"
+):
     spec = {
-        "method": "eagle",
+        "method": "eagle" if kind == "eagle" else "draft_model",
         "model": str(head_dir),
         "rejection_sample_method": method,
         "draft_sample_method": draft,
         "tree": tree,
     }
     return LLM(str(target_dir), speculative_config=spec, **COMMON)
+
+
+def draft_model_llm(target_dir, draft_dir, method="standard", draft="probabilistic", tree=TREE):
+    return tree_llm(target_dir, draft_dir, method, draft, tree, kind="draft_model")
 
 
 def outputs(llm, prompts, params):
@@ -117,3 +131,70 @@ def test_trees_refuse_device_rounds_penalties_and_overrides(target_dir, head_dir
         engine.add_request([1, 2, 3], speculative={"num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="chain-only"):
         engine.add_request([1, 2, 3], speculative={"rejection_sample_method": "block"})
+
+
+# ------------------------------------------------------------------ the draft model's trees
+@pytest.mark.parametrize(
+    "method, draft", [("standard", "greedy"), ("standard", "probabilistic"), ("coupled", "greedy")]
+)
+@pytest.mark.parametrize("draft_kind", ["self", "other"])
+def test_draft_model_greedy_tree_equals_greedy_plain(
+    target_dir, other_dir, method, draft, draft_kind
+):
+    """Both draft models' trees emit plain greedy decoding. The target as its own draft with
+    greedy drafts: the root's first child is the target's greedy token and level 1 always
+    expands it (the root has 2 children), so every round accepts its first draft and, but where
+    the request's end leaves no room, its second."""
+    prompts = prompt_tokens(VOCAB, [5, 9, 14], seed=3)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = outputs(LLM(str(target_dir), **COMMON), prompts, params)
+    draft_dir = target_dir if draft_kind == "self" else other_dir
+    llm = draft_model_llm(target_dir, draft_dir, method, draft)
+    assert outputs(llm, prompts, params) == plain
+    metrics = llm.get_metrics()
+    assert metrics["num_drafts"] > 0
+    if draft_kind == "self" and draft == "greedy":
+        rounds, accepted = metrics["num_drafts"], metrics["accepted_per_position"]
+        assert accepted[0] == rounds, metrics
+        assert accepted[1] >= rounds - len(prompts), metrics
+
+
+def test_draft_model_chain_shaped_tree_of_its_own_target_accepts_every_draft(target_dir):
+    """topk 1, the target as its own greedy draft: a chain of 4 drafts, all accepted in every
+    round with room for them (a control that the tree step's logits are the draft model's)."""
+    prompts = prompt_tokens(VOCAB, [7, 12], seed=8)
+    params = SamplingParams(temperature=0, max_tokens=21, ignore_eos=True)
+    plain = outputs(LLM(str(target_dir), **COMMON), prompts, params)
+    tree = {"nodes": 4, "depth": 4, "topk": 1}
+    llm = draft_model_llm(target_dir, target_dir, "standard", "greedy", tree=tree)
+    assert outputs(llm, prompts, params) == plain
+    metrics = llm.get_metrics()
+    # 21 tokens: 1 from the prefill, then 4 rounds of 4 accepted drafts + 1 bonus token.
+    assert metrics["num_drafts"] == 4 * len(prompts), metrics
+    assert metrics["num_accepted_tokens"] == 16 * len(prompts), metrics
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, max_tokens=16, seed=7, ignore_eos=True),
+    SamplingParams(temperature=0.8, top_k=20, max_tokens=16, seed=8, ignore_eos=True),
+], ids=["t1", "top_k"])  # fmt: skip
+@pytest.mark.parametrize("draft_kind", ["self", "other"])
+def test_draft_model_coupled_tree_equals_plain_sampling(target_dir, other_dir, params, draft_kind):
+    prompts = prompt_tokens(VOCAB, [6, 11], seed=4)
+    plain = outputs(LLM(str(target_dir), **COMMON), prompts, params)
+    draft_dir = target_dir if draft_kind == "self" else other_dir
+    llm = draft_model_llm(target_dir, draft_dir, "coupled")
+    assert outputs(llm, prompts, params) == plain
+    metrics = llm.get_metrics()
+    assert metrics["num_drafts"] > 0
+    if draft_kind == "self":
+        assert metrics["num_accepted_tokens"] > 0, metrics
+
+
+def test_draft_model_seeded_standard_tree_replays(target_dir):
+    prompts = prompt_tokens(VOCAB, [6, 11], seed=5)
+    params = SamplingParams(temperature=1.0, max_tokens=16, seed=11, ignore_eos=True)
+    first = outputs(draft_model_llm(target_dir, target_dir), prompts, params)
+    llm = draft_model_llm(target_dir, target_dir)
+    assert outputs(llm, prompts, params) == first
+    assert llm.get_metrics()["num_accepted_tokens"] > 0
