@@ -199,7 +199,8 @@ def run_sweep(
     """Acceptance and speed-up of each drafter for every K and temperature on the same prompts
     and seeds; plain decoding is timed once per temperature. One engine per drafter (its K set
     per request), so the model loads once per drafter. `trees` ({"nodes", "depth", "topk"}
-    each) adds tree points for the drafters that draft trees (eagle / mtp), one engine per tree,
+    each) adds tree points for the drafters that draft trees (eagle / mtp / draft_model), one
+    engine per tree,
     on the synchronous engine path (async_scheduling off: trees have no device rounds yet)."""
 
     def params(temperature: float) -> list[SamplingParams]:

@@ -42,7 +42,7 @@ def add_bench(commands) -> None:
         "--trees",
         default="",
         help="comma-separated draft trees NODESxDEPTHxTOPK (e.g. 8x4x2,16x5x4) to run beside the "
-        "chains for eagle/mtp drafters (default: none)",
+        "chains for eagle/mtp/draft_model drafters (default: none)",
     )
     sweep.add_argument(
         "--temperatures", default="0,1", help="comma-separated temperatures (default 0,1)"
