@@ -88,6 +88,30 @@ def test_tokens_match_tp1(method):
         )
 
 
+def test_overlapped_plain_decoding_matches_tp1():
+    """async_scheduling=True without speculation under TP = 2: every step overlapped (its input
+    tokens, sampled on the driver's device and not read by the host, broadcast to the worker),
+    greedy and seeded sampled tokens equal to TP = 1's overlapped decoding."""
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    sampled = SamplingParams(max_tokens=8, temperature=0.8, seed=99)
+    prompts = PROMPTS[:4]
+    results = {}
+    for tp in (1, 2):
+        torch.set_num_threads(1)
+        llm = LLM(
+            tensor_parallel_size=tp, async_scheduling=True, speculative_config=None, **ENGINE_ARGS
+        )
+        results[tp] = [llm.generate(prompts, p, use_tqdm=False) for p in (greedy, sampled)]
+        assert llm.get_metrics()["loop"]["num_overlapped_steps"] == 2 * 7, tp
+        if tp == 1:
+            reference = llm
+        else:
+            llm.close()
+    for params, outputs_1, outputs_2 in zip((greedy, sampled), results[1], results[2], strict=True):
+        what = f"overlapped TP=2, T = {params.temperature}"
+        check_tokens_equal(reference.engine.model, outputs_1, outputs_2, params, what)
+
+
 def test_killed_worker_fails_with_its_rank():
     llm = _engine(2, None)
     params = SamplingParams(max_tokens=4, temperature=0.0)
@@ -188,7 +212,10 @@ def test_gguf_blocks_kept_quantized_run_under_tp2():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"async_scheduling": True}, "async_scheduling is not supported with tensor_parallel_size"),
+        (
+            {"async_scheduling": True, "speculative_config": {"method": "ngram"}},
+            "async_scheduling with speculation is not supported with tensor_parallel_size",
+        ),
         (
             {"speculative_config": {"method": "draft_model", "model": "truncated:4"}},
             "a truncated draft model shares the target's layers",
