@@ -112,6 +112,43 @@ def test_overlapped_plain_decoding_matches_tp1():
         check_tokens_equal(reference.engine.model, outputs_1, outputs_2, params, what)
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False},
+        {"method": "eagle", "num_speculative_tokens": 2, "adaptive": False},  # the shipped head
+    ],
+    ids=["ngram", "eagle"],
+)
+def test_device_rounds_match_tp1(spec):
+    """async_scheduling=True with speculation under TP = 2: the speculative rounds run on the
+    driver's device and the worker runs each round's target step beside it (the step's inputs,
+    filled on the device, broadcast from rank 0); K pinned, so greedy and seeded sampled tokens
+    equal TP = 1's rounds, with the same rounds and accepted drafts."""
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=1234)
+    prompts = PROMPTS[:4]
+    results, metrics = {}, {}
+    for tp in (1, 2):
+        torch.set_num_threads(1)
+        llm = LLM(
+            tensor_parallel_size=tp, async_scheduling=True, speculative_config=spec, **ENGINE_ARGS
+        )
+        results[tp] = [llm.generate(prompts, p, use_tqdm=False) for p in (greedy, sampled)]
+        metrics[tp] = llm.get_metrics()
+        assert metrics[tp]["loop"]["num_device_rounds"] > 0, tp
+        if tp == 1:
+            reference = llm
+        else:
+            llm.close()
+    for params, outputs_1, outputs_2 in zip((greedy, sampled), results[1], results[2], strict=True):
+        what = f"device rounds TP=2 {spec['method']}, T = {params.temperature}"
+        check_tokens_equal(reference.engine.model, outputs_1, outputs_2, params, what)
+    for key in ("num_drafts", "num_accepted_tokens"):
+        assert metrics[1][key] == metrics[2][key], (key, metrics[1][key], metrics[2][key])
+    assert metrics[2]["num_accepted_tokens"] > 0
+
+
 def test_killed_worker_fails_with_its_rank():
     llm = _engine(2, None)
     params = SamplingParams(max_tokens=4, temperature=0.0)
@@ -136,6 +173,25 @@ def test_worker_killed_mid_generation_fails_within_seconds():
     with pytest.raises(WorkerDiedError, match="rank 1"):
         llm.generate(PROMPTS * 4, params, use_tqdm=False)
     assert time.monotonic() - started < 20
+    llm.close()
+
+
+def test_worker_killed_during_device_rounds_fails_within_seconds():
+    llm = LLM(
+        tensor_parallel_size=2,
+        async_scheduling=True,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False},
+        **ENGINE_ARGS,
+    )
+    worker = llm.engine.runner._group.processes[0]
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    rounds = llm.engine.loop_stats
+    threading.Timer(2.0, os.kill, (worker.pid, signal.SIGKILL)).start()
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="rank 1"):
+        llm.generate(PROMPTS * 4, params, use_tqdm=False)
+    assert time.monotonic() - started < 20
+    assert rounds.num_device_rounds > 0  # the worker died while the rounds ran
     llm.close()
 
 
@@ -212,10 +268,6 @@ def test_gguf_blocks_kept_quantized_run_under_tp2():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (
-            {"async_scheduling": True, "speculative_config": {"method": "ngram"}},
-            "async_scheduling with speculation is not supported with tensor_parallel_size",
-        ),
         (
             {"speculative_config": {"method": "draft_model", "model": "truncated:4"}},
             "a truncated draft model shares the target's layers",

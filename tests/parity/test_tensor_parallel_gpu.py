@@ -6,6 +6,7 @@ SmolLM2. Skipped without 2 CUDA devices.
   TP = 1's except at detected near-ties, speculation (EAGLE head, n-gram) on and off, seeded
   sampling too);
 - bfloat16 (the CUDA default): the same token equalities with a wider near-tie margin;
+- with async_scheduling=True: overlapped plain decoding and device rounds equal TP = 1 too;
 - a worker killed between steps fails the engine naming rank 1 within seconds.
 """
 
@@ -43,7 +44,7 @@ PROMPTS = [
 BF16_NEAR_TIE = 0.5
 
 
-def _engine(tp: int, dtype: str, spec) -> LLM:
+def _engine(tp: int, dtype: str, spec, async_scheduling: bool = False) -> LLM:
     return LLM(
         tensor_parallel_size=tp,
         dtype=dtype,
@@ -56,9 +57,42 @@ def _engine(tp: int, dtype: str, spec) -> LLM:
         # would leave the second nothing), and both take the synchronous step (TP = 2 has no
         # overlapped one), so the two runs differ only by the split.
         num_kv_blocks=1024,
-        async_scheduling=False,
+        async_scheduling=async_scheduling,
         seed=0,
     )
+
+
+@pytest.mark.parametrize("method", ["eagle", "ngram"])
+def test_overlapped_and_device_rounds_tp2_match_tp1(method):
+    """async_scheduling=True on NCCL with CUDA graphs: overlapped plain decoding (speculation
+    off) and device rounds (K pinned: the round's target step replayed from a graph on the
+    driver, its inputs broadcast to the worker) emit TP = 1's tokens but at near-ties."""
+    spec = {"method": method, "num_speculative_tokens": 2, "adaptive": False}
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=1234)
+    results = {}
+    for tp in (1, 2):
+        llm = _engine(tp, "bfloat16", spec, async_scheduling=True)
+        runs = {}
+        for name, params in (("greedy", greedy), ("sampled", sampled)):
+            for enabled in (True, False):
+                runs[name, enabled] = llm.generate(
+                    PROMPTS, params, speculative={"enabled": enabled}, use_tqdm=False
+                )
+        loop = llm.get_metrics()["loop"]
+        assert loop["num_device_rounds"] > 0 and loop["num_overlapped_steps"] > 0, loop
+        if tp == 1:
+            reference = llm
+        else:
+            llm.close()
+        results[tp] = runs
+    for (name, enabled), outputs_1 in results[1].items():
+        params = greedy if name == "greedy" else sampled
+        what = f"async {method} {name} speculation {'on' if enabled else 'off'}"
+        check_tokens_equal(
+            reference.engine.model, outputs_1, results[2][name, enabled], params, what,
+            BF16_NEAR_TIE,
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize(

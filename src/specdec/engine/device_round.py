@@ -239,9 +239,17 @@ class DeviceRounds:
                 blocks = slot.request.block_ids
                 tables[b, : len(blocks)] = blocks
         inputs.send("tables", self.num_rows * self.max_blocks)
-        started = mark(self.device)
         key = (self.num_rows, k, self.method, self._filters)
-        self.graph_cache.run(key, lambda: self._round(k), self._state)
+        # Under tensor parallelism the workers run the round's target step beside it: twice
+        # when this launch captures the round's graph (its warm-up and the first replay both
+        # run the step's collectives; the capture itself runs none).
+        captures = self.graph_cache.use_graphs and key not in self.graph_cache.graphs
+        self.runner.announce_device_forward(
+            self.num_rows, self.width, self.drafter.feature_layers, 2 if captures else 1
+        )
+        started = mark(self.device)
+        with self.runner.device_step():
+            self.graph_cache.run(key, lambda: self._round(k), self._state)
         ended = mark(self.device)
         ring = self.num_rounds % 2
         self._ring[ring].copy_(self.out, non_blocking=True)
@@ -347,7 +355,7 @@ class DeviceRounds:
         graphs.context_lens[:rows].copy_(torch.where(live, view.anchors + k, 0))
         graphs.query_lens[:rows].copy_(torch.where(live, k + 1, 0))
         graphs.block_tables[:rows].copy_(tables)
-        features = graphs.forward(rows, width, self.drafter.feature_layers)
+        features = graphs.forward(rows, width, self.drafter.feature_layers, broadcast_inputs=True)
         logits = graphs.logits[: rows * width].view(rows, width, -1)[:, : k + 1]
         # 3. Verification (inert slots: greedy, nothing drafted).
         inputs = check_verify_inputs(

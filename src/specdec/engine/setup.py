@@ -191,9 +191,7 @@ def check_tensor_parallel(
     config: EngineConfig, device: torch.device, model: LlamaForCausalLM | None, spec
 ) -> None:
     """Refuses, in one line each, what tensor parallelism (tensor_parallel_size > 1) does not
-    run: a model passed in already loaded, more ranks than CUDA devices, overlapped
-    (async) scheduling asked for with speculation (plain overlapped decoding does run: each
-    step's inputs go to the workers with its device-sampled input tokens), and a draft model
+    run: a model passed in already loaded, more ranks than CUDA devices, and a draft model
     made of the target's own layers."""
     size = config.tensor_parallel_size
     if model is not None:
@@ -202,12 +200,6 @@ def check_tensor_parallel(
             "loaded model"
         )
     check_gpu_count(size, device)
-    if config.async_scheduling is True and spec is not None:
-        raise ValueError(
-            f"async_scheduling with speculation is not supported with tensor_parallel_size={size}"
-            " (device rounds are not replayed on the workers yet): use auto or off, or no "
-            "speculative_config"
-        )
     if (
         spec is not None
         and spec.method == "draft_model"

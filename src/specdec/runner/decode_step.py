@@ -10,7 +10,7 @@ memory pool and one logits buffer. Never samples or draws randomness.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -92,6 +92,9 @@ class DecodeGraphs:
         max_context = max_blocks_per_seq * block_size
         self.num_partitions = step_partitions(max_context, device)
         self.split_by_default = split_when_unseen(max_context, device)
+        # Under tensor parallelism: broadcasts a tensor from rank 0 in place (for steps whose
+        # inputs are filled on the driver's device); None in a single process.
+        self.broadcast: Callable[[torch.Tensor], None] | None = None
 
     def forward(
         self,
@@ -100,14 +103,24 @@ class DecodeGraphs:
         feature_layers: tuple[int, ...],
         split_kv: bool | None = None,
         tree: bool = False,
+        broadcast_inputs: bool = False,
     ) -> torch.Tensor | None:
         """The step over the first num_seqs x query_per_seq rows of the static buffers, as
         they are (device work only: what `run` replays, and what a caller that fills the
         buffers on the device runs inside its own graph); writes `self.logits[:rows]` and
         returns the [rows, F] features of `feature_layers` (or None). `split_kv`: attend with
         the split-KV kernels (None: `split_by_default`). `tree`: attend under the tree mask
-        in the static [num_seqs, Q, Q] buffer (either kernel)."""
+        in the static [num_seqs, Q, Q] buffer (either kernel). `broadcast_inputs`: first take
+        the step's inputs from rank 0 (`broadcast`, set under tensor parallelism: a step filled
+        on the driver's device, which the workers run beside it)."""
         rows = num_seqs * query_per_seq
+        if broadcast_inputs and self.broadcast is not None:
+            for inputs in (
+                self.input_ids[:rows], self.positions[:rows], self.slot_mapping[:rows],
+                self.context_lens[:num_seqs], self.query_lens[:num_seqs],
+                self.block_tables[:num_seqs],
+            ):  # fmt: skip
+                self.broadcast(inputs)
         split_kv = self.split_by_default if split_kv is None else split_kv
         tree_mask = None
         if tree:

@@ -6,6 +6,7 @@ target and by drafters for their own models. Never samples or draws randomness.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -130,6 +131,19 @@ class PagedModelRunner:
         Mutates: the KV cache slots of the query tokens.
         """
         return self.run_with_features(inputs, (), first_tokens)[0]
+
+    def announce_device_forward(
+        self, num_seqs: int, query_per_seq: int, feature_layers: Sequence[int], times: int = 1
+    ) -> None:
+        """Before work that runs `graphs.forward(..., broadcast_inputs=True)` `times` times
+        (a speculative round filled on the device): nothing to do in one process (under tensor
+        parallelism the workers are told to run it beside the driver: `TensorParallelRunner`)."""
+
+    @contextlib.contextmanager
+    def device_step(self):
+        """Around work that runs target steps outside `run` (a speculative round): nothing in
+        one process (under tensor parallelism a failure is named as `run`'s are)."""
+        yield
 
     def run_rows(
         self, inputs: list[StepInput], first_tokens: torch.Tensor | None = None

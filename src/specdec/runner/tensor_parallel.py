@@ -221,8 +221,14 @@ def worker_main(rank: int, spec: WorkerSpec) -> None:
                 break
             if command == "build":
                 runner = PagedModelRunner(model, **args)
+                share_device_inputs(runner)
                 continue
             assert runner is not None
+            if command == "device_forward":  # a step the driver filled on its device
+                num_seqs, query_per_seq, layers, times = args
+                for _ in range(times):
+                    runner.graphs.forward(num_seqs, query_per_seq, layers, broadcast_inputs=True)
+                continue
             inputs, layers, has_first, options = args
             first_tokens = None
             if has_first:
@@ -233,6 +239,14 @@ def worker_main(rank: int, spec: WorkerSpec) -> None:
         traceback.print_exc()
         os._exit(1)
     dist.destroy_process_group()
+
+
+def share_device_inputs(runner: PagedModelRunner) -> None:
+    """Lets the runner's decode path take a step's inputs from rank 0 (steps the driver fills
+    on its device: the speculative rounds), over the default process group (NCCL on CUDA, gloo
+    on the CPU)."""
+    if runner.graphs is not None:
+        runner.graphs.broadcast = lambda tensor: dist.broadcast(tensor, src=0)
 
 
 def _receive(group: TensorParallelGroup) -> tuple[str, Any]:
@@ -258,6 +272,7 @@ class TensorParallelRunner:
         self._failure: TensorParallelError | None = None  # once set, every step raises it
         self._send("build", runner_args)
         self._runner = PagedModelRunner(model, **runner_args)
+        share_device_inputs(self._runner)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -302,6 +317,36 @@ class TensorParallelRunner:
                 dist.broadcast(first_tokens.contiguous(), src=0)
             return getattr(self._runner, command)(inputs, layers, first_tokens, **options)
         except Exception as err:  # the ranks are out of step now: name why, then stay failed
+            self._failure = self._explain(err)
+            raise self._failure from err
+
+    def announce_device_forward(
+        self, num_seqs: int, query_per_seq: int, feature_layers: Sequence[int], times: int = 1
+    ) -> None:
+        """Tells the workers to run the decode path's step `times` times, its inputs filled on
+        the driver's device and broadcast each time the driver runs it (`DecodeGraphs.forward`
+        with `broadcast_inputs`: a speculative round's target step; twice when the driver
+        captures the round's graph). Sent before the round is launched (its host part: a
+        captured round replays only its device work). The workers run it eagerly."""
+        if self._failure is not None:
+            raise self._failure
+        try:
+            args = (num_seqs, query_per_seq, tuple(feature_layers), times)
+            self._send("device_forward", args)
+        except Exception as err:
+            self._failure = self._explain(err)
+            raise self._failure from err
+
+    @contextlib.contextmanager
+    def device_step(self):
+        """Around a speculative round (its target step runs on every rank outside `_step`): a
+        failure leaves the engine failed with the error `_step` would give (a dead worker
+        named)."""
+        if self._failure is not None:
+            raise self._failure
+        try:
+            yield
+        except Exception as err:
             self._failure = self._explain(err)
             raise self._failure from err
 
