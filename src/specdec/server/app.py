@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -31,6 +29,7 @@ from specdec.sampling import SamplingParams
 from specdec.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from specdec.server.config import ServerConfig
 from specdec.server.errors import APIError, _validation_error, error_response
+from specdec.server.guard import _GuardMiddleware
 from specdec.server.prometheus import ServerMetrics
 from specdec.server.protocol import (
     CONSTRAINT_FIELDS,
@@ -41,15 +40,13 @@ from specdec.server.protocol import (
     TokenizeRequest,
 )
 from specdec.server.responses import (
-    _Deltas,
     _finish_reason,
     _full_response,
     _merged,
-    _sse,
-    _tail,
     _top,
     prompt_logprobs_json,
 )
+from specdec.server.streaming import _streaming, _Timing
 
 logger = logging.getLogger(__name__)
 
@@ -57,24 +54,6 @@ logger = logging.getLogger(__name__)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # How often a non-streaming request checks whether its client is still connected.
 DISCONNECT_POLL_S = 0.25
-
-
-@dataclass(slots=True)
-class _Timing:
-    """Per-request timing for the TTFT and TPOT histograms."""
-
-    started: float = field(default_factory=time.perf_counter)
-    first_token: float | None = None
-
-    def observe(self, metrics: ServerMetrics, output: RequestOutput) -> None:
-        now = time.perf_counter()
-        if self.first_token is None and any(c.token_ids for c in output.outputs):
-            self.first_token = now
-            metrics.ttft.observe(now - self.started)
-        if output.finished and self.first_token is not None:
-            num_tokens = max(len(c.token_ids) for c in output.outputs)
-            if num_tokens > 1:
-                metrics.tpot.observe((now - self.first_token) / (num_tokens - 1))
 
 
 class OpenAIServer:
@@ -642,155 +621,3 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         return _full_response(head, choices, [output])
 
     return app
-
-
-class _GuardMiddleware:
-    """Pure ASGI (so that `Request.is_disconnected` sees the client leave): checks the API key
-    on `/v1` routes and counts responses by route and status."""
-
-    def __init__(self, app: Any, server: OpenAIServer) -> None:
-        self.app = app
-        self.server = server
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path = scope["path"]
-        route = path if path in _ROUTES else "other"
-        counter = self.server.metrics.requests
-        api_key = self.server.config.api_key
-        if path.startswith("/v1") and api_key is not None and not _authorized(scope, api_key):
-            counter.labels(route, "401").inc()
-            response = error_response(
-                401, "missing or invalid API key", "authentication_error", code="invalid_api_key"
-            )
-            await response(scope, receive, send)
-            return
-
-        async def counting_send(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                counter.labels(route, str(message["status"])).inc()
-            await send(message)
-
-        await self.app(scope, receive, counting_send)
-
-
-def _authorized(scope: dict, api_key: str) -> bool:
-    headers = dict(scope.get("headers") or [])
-    scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(
-        token.strip().encode(), api_key.encode()
-    )
-
-
-_ROUTES = frozenset(
-    (
-        "/health",
-        "/ping",
-        "/version",
-        "/metrics",
-        "/tokenize",
-        "/detokenize",
-        "/v1/models",
-        "/v1/completions",
-        "/v1/chat/completions",
-    )
-)
-
-
-def _streaming(
-    server: OpenAIServer,
-    streams: list[RequestStream],
-    timings: list[_Timing],
-    body: CompletionRequest | ChatCompletionRequest,
-    head: dict,
-    *,
-    chat: bool,
-    echoes: list[str] | None = None,
-) -> StreamingResponse:
-    """An SSE response of OpenAI chunks for one or more prompts (choices numbered prompt-major);
-    every request is aborted if the client disconnects. `echoes` (completions only): each
-    prompt's text, sent as the first text of its choices."""
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
-    n = body.n
-    deltas = _Deltas(len(streams) * n, [body.stop] if isinstance(body.stop, str) else body.stop)
-    wants_logprobs = bool(body.logprobs) if chat else body.logprobs is not None
-    num_top = (body.top_logprobs or 0) if chat else body.logprobs
-
-    def choice(completion: CompletionOutput, index: int, text: str, start: int) -> dict:
-        finish = _finish_reason(completion)
-        if chat:
-            delta = {"content": text}
-            logprobs = server.chat_logprobs(completion, start, num_top) if wants_logprobs else None
-            out = {"index": index, "delta": delta, "logprobs": logprobs}
-        else:
-            offset = len(completion.text[: deltas.text[index]]) - len(text)
-            logprobs = (
-                server.completion_logprobs(completion, start, offset, num_top)
-                if wants_logprobs
-                else None
-            )
-            out = {"index": index, "text": text, "logprobs": logprobs}
-        out["finish_reason"] = finish
-        if finish is not None:
-            out["stop_reason"] = completion.stop_reason
-        return out
-
-    def opening(index: int) -> dict:
-        """The first choice chunk of choice `index`: the assistant role, or the echoed prompt."""
-        if chat:
-            return {
-                "index": index,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-        text = echoes[index // n] if echoes is not None else ""
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": None}
-
-    async def events() -> AsyncIterator[bytes]:
-        last: list[RequestOutput | None] = [None] * len(streams)
-        try:
-            if chat or echoes is not None:
-                for index in range(len(streams) * n):
-                    yield _sse({**head, "choices": [opening(index)], "seed": None})
-            async with aclosing(_merged(streams)) as arrivals:
-                async for prompt_index, output in arrivals:
-                    timings[prompt_index].observe(server.metrics, output)
-                    last[prompt_index] = output
-                    choices = []
-                    for completion in output.outputs:
-                        index = prompt_index * n + completion.index
-                        step = deltas.next(completion, index)
-                        if step is not None:
-                            choices.append(choice(completion, index, *step))
-                    if choices:
-                        chunk = {**head, "choices": choices, "seed": output.seed}
-                        if output.finished:
-                            chunk["spec_decode_stats"] = output.spec_decode_stats
-                        if include_usage:
-                            chunk["usage"] = None
-                        yield _sse(chunk)
-            finished = [output for output in last if output is not None]
-            if include_usage and len(finished) == len(streams):
-                yield _sse({**head, "choices": [], **_tail(finished)})
-            yield _sse("[DONE]")
-        except EngineDeadError:
-            error = {
-                "message": "the request was aborted: the engine stopped",
-                "type": "server_error",
-                "param": None,
-                "code": None,
-            }
-            yield _sse({"error": error})
-        finally:
-            for stream in streams:
-                if stream.abort():
-                    server.metrics.aborts.inc()
-            for output in last:
-                server.count_tokens(output)
-
-    return StreamingResponse(
-        events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-    )
