@@ -78,7 +78,8 @@ def copies_for(nbytes: int) -> int:
 
 
 def fp8_weight(n: int, k: int):
-    from specdec.models.quant import QuantizedWeight, quantize_fp8
+    from specdec.models.quant import QuantizedWeight
+    from specdec.models.quant_formats import quantize_fp8
 
     dense = torch.randn(n, k, device="cuda") * 0.02
     return QuantizedWeight(quantize_fp8(dense), torch.device("cuda"))

@@ -17,10 +17,8 @@ from specdec.models.quant import (
     QuantizedWeight,
     quant_linear,
     quant_linear_ref,
-    quantize_fp8,
-    quantize_int4,
-    quantize_int8,
 )
+from specdec.models.quant_formats import quantize_fp8, quantize_int4, quantize_int8
 from specdec.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu

@@ -15,7 +15,7 @@ from specdec.drafters.config import (  # noqa: F401 - re-exported: the engine's 
     SPECULATIVE_METHODS,
     SpeculativeConfig,
 )
-from specdec.models.quant import QUANTIZATIONS
+from specdec.models.quant_formats import QUANTIZATIONS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")

@@ -20,7 +20,8 @@ from specdec.models.loader import (
     quantize_model,
     resolve_quantization,
 )
-from specdec.models.quant import QUANTIZATIONS, QuantizedWeight
+from specdec.models.quant import QuantizedWeight
+from specdec.models.quant_formats import QUANTIZATIONS
 from specdec.models.registry import default_model_path
 from specdec.models.rope import RopeScaling
 from specdec.models.tokenizer import Tokenizer

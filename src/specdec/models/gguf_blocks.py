@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specdec.models.quant import GroupQuantized
+from specdec.models.quant_formats import GroupQuantized
 
 QK_K = 256  # values per K-quant super-block
 

@@ -21,7 +21,7 @@ import torch
 from specdec.models.config import ModelConfig
 from specdec.models.gguf_blocks import GGUF_QUANT_TYPES, decode_blocks
 from specdec.models.gguf_header import GGUFHeaderError, read_header
-from specdec.models.quant import GroupQuantized
+from specdec.models.quant_formats import GroupQuantized
 from specdec.models.rope import RopeScaling, parse_rope_scaling
 from specdec.models.tensor_parallel import TensorSlice
 from specdec.models.tokenizer import Tokenizer

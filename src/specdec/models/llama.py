@@ -31,13 +31,8 @@ from specdec.models.fused import (
     rope_write_kv,
     silu_mul,
 )
-from specdec.models.quant import (
-    GroupQuantized,
-    QuantizedWeight,
-    embedding_lookup,
-    quant_linear,
-    rowwise_linear,
-)
+from specdec.models.quant import QuantizedWeight, embedding_lookup, quant_linear, rowwise_linear
+from specdec.models.quant_formats import GroupQuantized
 from specdec.models.rope import RotaryEmbedding, apply_rotary, attention_scale
 from specdec.models.tensor_parallel import Collectives, ShardLayout
 

@@ -20,11 +20,11 @@ import torch
 from specdec.models.config import ModelConfig
 from specdec.models.gguf_file import GGUFFile
 from specdec.models.llama import Linear, LlamaForCausalLM, fused_quantized, set_fused
-from specdec.models.quant import (
+from specdec.models.quant import QuantizedWeight
+from specdec.models.quant_formats import (
     Fp8Quantized,
     GroupQuantized,
     Quantized,
-    QuantizedWeight,
     check_quantization,
     concat_quantized,
     quantize,

@@ -13,7 +13,8 @@ import torch
 from models_fixtures import make_hf_model, prompt_tokens, save_hf_model, write_gguf
 from specdec.engine.llm import LLM
 from specdec.models.gguf_blocks import decode_blocks
-from specdec.models.quant import QuantizedWeight, quant_linear, quantize_int8
+from specdec.models.quant import QuantizedWeight, quant_linear
+from specdec.models.quant_formats import quantize_int8
 from specdec.sampling import SamplingParams
 
 gguf = pytest.importorskip("gguf", reason="gguf (runtime dependency) writes the files")

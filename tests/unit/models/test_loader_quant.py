@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from models_fixtures import make_hf_model, prompt_tokens, save_hf_model, write_gguf
 from specdec.engine.config import EngineConfig
 from specdec.models import CheckpointError, load_model, prompt_logits
-from specdec.models.quant import quantize_fp8
+from specdec.models.quant_formats import quantize_fp8
 
 gguf = pytest.importorskip("gguf", reason="gguf (runtime dependency) writes the files")
 pytest.importorskip("transformers", reason="transformers (test extra) builds the tiny models")

@@ -9,15 +9,17 @@ import torch
 
 from specdec.models.gguf_blocks import BLOCK_SIZES, GGUF_QUANT_TYPES, decode_blocks
 from specdec.models.quant import (
-    GroupQuantized,
     QuantizedWeight,
-    check_quantization,
     embedding_lookup,
     expand_input,
     int4_operands,
     int4_operands_dequantize,
     quant_linear,
     quant_linear_ref,
+)
+from specdec.models.quant_formats import (
+    GroupQuantized,
+    check_quantization,
     quantize_fp8,
     quantize_int4,
     quantize_int8,
