@@ -147,7 +147,7 @@ def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
 def launch_overhead_us() -> dict:
     """Host microseconds per launch: a Triton kernel of ~10 arguments that exits at once, and a
     one-element torch fill, each launched 500 times back to back."""
-    from specdec.verify.verifier_triton import _verify_emit_kernel
+    from specdec.verify.verifier_kernels import _verify_emit_kernel
 
     final_row = torch.full((1,), -1, dtype=torch.int32, device="cuda")
     best = torch.zeros(1, 16, device="cuda")
