@@ -17,13 +17,15 @@ from specdec.audit.checks import (
     check_block_beats_standard,
     check_block_rounds,
     check_coupled_identity,
-    check_coupled_identity_rules,
     check_far_tail_resolution,
     check_far_tail_sampling,
-    check_grammar_case,
-    check_identity_grammar,
     check_invariance,
     check_matrix_case,
+)
+from specdec.audit.checks_constraints import (
+    check_coupled_identity_rules,
+    check_grammar_case,
+    check_identity_grammar,
     check_rules_case,
 )
 from specdec.audit.laws import DRAFT_KINDS, GREEDY, METHODS, PROCESSINGS, RULE_SETS
