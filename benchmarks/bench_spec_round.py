@@ -4,7 +4,9 @@ Parts (each writes DIR/<part>.json; BENCHMARKS.md's tables are read from them):
 - `smollm2`: the built-in SmolLM2-135M-Instruct GGUF with the shipped EAGLE head on the held-out
   prompts, batch 1 / 8 / 32 / 64, T = 0 and 1: plain decoding, K = 2, 3, 4 pinned, and the
   adaptive policy (K <= 4), without and with its plain arm (`plain_arm`: plain overlapped steps
-  when they beat every round); output tokens per second of whole generate calls.
+  when they beat every round); output tokens per second of whole generate calls, and of the
+  profiled call without its first step (`after_first_step`: the prefill and, with speculation,
+  the start of the rounds; `speedup_after_first_step`).
   `--smollm2-configs plain,adaptive,plain-arm` runs only the configurations whose name holds one
   of those words.
 - `block`: DFlash and DSpark on the built-in SmolLM2 (checkpoints from `--block-drafters`, else
@@ -116,6 +118,7 @@ def timed(llm, prompts, params, device, repeats: int = 2, warmups: int = 4) -> t
         sync(device)
         times.append(time.perf_counter() - start)
     llm.timed_captures = CAPTURES[0] - before
+    llm.last_call_seconds = times[-1]  # the profiled call
     return statistics.median(times), outputs
 
 
@@ -168,9 +171,20 @@ def figures(llm, seconds: float, outputs) -> dict:
             f"bucket {b} K={k}": [round(sec * 1e3, 4), n]
             for (b, k), (sec, n) in sorted(policy.costs().items())
         }
+    decode = None
+    steps = getattr(llm, "step_profile", None)
+    if steps and getattr(llm, "last_call_seconds", None):
+        # The profiled call without its first step (the prefill, with speculation also the
+        # start of the rounds), which emits each request's first token.
+        first = steps[0][0]
+        decode = {
+            "first_step_ms": round(first * 1e3, 3),
+            "tokens_per_s": (emitted - len(outputs)) / max(llm.last_call_seconds - first, 1e-9),
+        }
     return {
         "seconds": seconds,
         "tokens_per_s": emitted / seconds,
+        "after_first_step": decode,
         "mean_acceptance_length": metrics["mean_acceptance_length"],
         "loop": metrics["loop"],
         "policy_costs_ms": costs,
@@ -253,14 +267,18 @@ def bench_smollm2(
                 configs = {
                     n: c for n, c in configs.items() if n == "plain" or any(w in n for w in only)
                 }
-            plain_rate = None
+            plain_rate, plain_decode = None, None
             for name, spec in configs.items():
                 llm = make_engine(model, tokenizer, spec, blocks=blocks, **common)
                 seconds, outputs = timed(llm, prompts, params, device)
                 row = figures(llm, seconds, outputs)
                 if name == "plain":
-                    plain_rate = row["tokens_per_s"]
+                    plain_rate, plain_decode = row["tokens_per_s"], row["after_first_step"]
                 row["speedup"] = row["tokens_per_s"] / plain_rate
+                if row["after_first_step"] and plain_decode:
+                    row["speedup_after_first_step"] = (
+                        row["after_first_step"]["tokens_per_s"] / plain_decode["tokens_per_s"]
+                    )
                 results["rows"][f"b{batch} T={temperature:g} {name}"] = row
                 log(f"[smollm2] b{batch} T={temperature:g} {name}: {row}")
                 del llm
