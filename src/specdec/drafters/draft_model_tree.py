@@ -20,7 +20,7 @@ import torch
 
 from specdec.drafters.base import DraftBatch, Drafter, ProposalBuffer
 from specdec.drafters.config import TreeConfig
-from specdec.drafters.tree import GrowingTree, draw_level, expand_frontier
+from specdec.drafters.tree import draw_level, expand_frontier, start_trees, tree_layout
 from specdec.runner import StepInput
 from specdec.transfer import to_device
 
@@ -52,9 +52,7 @@ def propose_draft_model_tree(
     size, width = batch.batch_size, out.draft_token_ids.shape[1]
     budgets = batch.num_draft.tolist()
     live = [b for b in range(size) if budgets[b] > 0]
-    trees = {
-        b: GrowingTree(min(budgets[b], tree.nodes), batch.methods[b] == "coupled") for b in live
-    }
+    trees = start_trees(batch, tree, live)
     parents_rows = [(b, -1) for b in live]
     level_logits = logits[to_device(live, torch.int64, logits.device)] if live else logits[:0]
     for depth in range(tree.depth):
@@ -66,13 +64,7 @@ def propose_draft_model_tree(
         parents_rows = expand_frontier(trees, depth, tree.topk)
         if parents_rows:
             level_logits = _tree_level(drafter, trees, parents_rows, states)
-    parents = torch.full((size, width), -1, dtype=torch.int64)
-    num_nodes = torch.zeros(size, dtype=torch.int64)
-    for b, grown in trees.items():
-        count = len(grown.parents)
-        parents[b, :count] = torch.tensor(grown.parents, dtype=torch.int64)
-        num_nodes[b] = count
-    return parents, num_nodes
+    return tree_layout(trees, size, width)
 
 
 def _tree_level(drafter, trees, parents_rows, states) -> torch.Tensor:

@@ -19,6 +19,7 @@ from specdec.transfer import to_device
 
 if TYPE_CHECKING:
     from specdec.drafters.base import DraftBatch, Drafter
+    from specdec.drafters.config import TreeConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,3 +190,26 @@ def expand_frontier(trees: dict[int, GrowingTree], depth: int, topk: int) -> lis
         )
         chosen += [(b, n) for n in frontier[:topk]]
     return chosen
+
+
+def start_trees(batch: DraftBatch, tree: TreeConfig, live: list[int]) -> dict[int, GrowingTree]:
+    """One empty tree per live request: its node budget min(num_draft[b], tree.nodes); a
+    coupled request expands its first path first (`expand_frontier`)."""
+    budgets = batch.num_draft.tolist()
+    return {
+        b: GrowingTree(min(budgets[b], tree.nodes), batch.methods[b] == "coupled") for b in live
+    }
+
+
+def tree_layout(
+    trees: dict[int, GrowingTree], size: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(parents [size, width] int64, -1 beyond a request's nodes; num_nodes [size] int64) of the
+    grown trees, on the host."""
+    parents = torch.full((size, width), -1, dtype=torch.int64)
+    num_nodes = torch.zeros(size, dtype=torch.int64)
+    for b, grown in trees.items():
+        count = len(grown.parents)
+        parents[b, :count] = torch.tensor(grown.parents, dtype=torch.int64)
+        num_nodes[b] = count
+    return parents, num_nodes

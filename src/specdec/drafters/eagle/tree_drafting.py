@@ -19,7 +19,7 @@ from specdec.drafters.base import DraftBatch, Drafter, ProposalBuffer
 from specdec.drafters.config import TreeConfig
 from specdec.drafters.eagle.head import head_logits
 from specdec.drafters.eagle.state import EagleState
-from specdec.drafters.tree import GrowingTree, draw_level, expand_frontier
+from specdec.drafters.tree import draw_level, expand_frontier, start_trees, tree_layout
 from specdec.models.attention import DecodeMetadata, cache_slots
 from specdec.transfer import to_device
 
@@ -53,10 +53,7 @@ def propose_tree(
     """
     size, width = batch.batch_size, out.draft_token_ids.shape[1]
     anchors = batch.anchors.tolist()
-    budgets = batch.num_draft.tolist()
-    trees = {
-        b: GrowingTree(min(budgets[b], tree.nodes), batch.methods[b] == "coupled") for b in live
-    }
+    trees = start_trees(batch, tree, live)
     # Level 0: the root's children, from the catch-up logits.
     parents_rows = [(b, -1) for b in live]
     level_logits, level_hidden = logits, last
@@ -71,13 +68,7 @@ def propose_tree(
             break
         level_hidden = _head_level(drafter, trees, parents_rows, states, anchors)
         level_logits = head_logits(drafter.head, level_hidden, drafter.lm_weight)
-    parents = torch.full((size, width), -1, dtype=torch.int64)
-    num_nodes = torch.zeros(size, dtype=torch.int64)
-    for b, grown in trees.items():
-        count = len(grown.parents)
-        parents[b, :count] = torch.tensor(grown.parents, dtype=torch.int64)
-        num_nodes[b] = count
-    return parents, num_nodes
+    return tree_layout(trees, size, width)
 
 
 def _head_level(drafter, trees, parents_rows, states, anchors) -> torch.Tensor:
