@@ -105,10 +105,10 @@ class SpeculativeConfig:
             `TreeConfig`), verified exactly with `specdec.verify.tree`; eagle/mtp/draft_model, not
             with block verification, and on the synchronous engine path only (rounds then
             verify N nodes; num_speculative_tokens is not used).
-        plain_arm: with `adaptive`, also offer the policy arm P: leave device rounds and run the
-            batch through the plain overlapped decode loop while that is measured to be faster
-            (its cost: the plain step at the batch bucket; its tokens per step: 1). Off by
-            default until measured on the GPU.
+        plain_arm: with `adaptive`, also offer the policy arm P: run the batch through the plain
+            overlapped decode loop (outside device rounds, or without entering them) while that
+            is predicted to be faster (its cost: the plain step at the batch bucket; its tokens
+            per step: 1). False leaves K = 0 rounds as the policy's only way not to draft.
     """
 
     method: str = "ngram"
@@ -119,7 +119,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     adaptive: bool = True
-    plain_arm: bool = False
+    plain_arm: bool = True
     tree: TreeConfig | None = None
 
     def __post_init__(self) -> None:

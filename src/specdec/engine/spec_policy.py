@@ -1,41 +1,69 @@
 """How many drafts each device round proposes: a cost model that never lets speculation lose.
 
-For each candidate K (0 = plain decoding) the policy keeps the measured cost of a round at each
-batch bucket and the running acceptance of draft position i (the rate at which draft i is
-accepted given drafts before it were), and picks the K that maximises expected tokens per
-second: (1 + a_1 + a_1 a_2 + ... + a_1...a_K) / cost(K). Costs are measured on the rounds
-themselves, in steady state (a round's cost runs from the previous round's end to its own, so
-the first round of a visit, which has no previous one, is not measured), as the median of the
-last `window` measurements (robust to a graph capture or a pause inside one); each candidate is
-tried at the start and again now and then (`explore_every`) for `explore_run` rounds in a row,
-so that it is measured in steady state and the choice follows the acceptance and the context
-length as they change.
+For each arm — K = 0..max_k drafts a round, and P (`PLAIN`, recorded as K = -1: a step of the
+plain overlapped decode loop, no drafter work) with `plain_arm` — the policy keeps the measured
+cost of a step at each batch bucket, the running acceptance of draft position i (the rate at
+which draft i is accepted given drafts before it were), and the measured cost of entering device
+rounds (the drafter's catch-up on what it has not seen).
 
-With `plain_arm`, one more arm, P (`PLAIN`, recorded as K = -1), stands beside K = 0..max_k: a
-step of the plain overlapped decode loop (no drafter work at all), whose cost is measured on those
-steps and whose expected tokens are 1. While P is best the engine leaves device rounds; the
-policy is then asked before every plain step, so the other arms are still re-explored.
+Two objectives, by what the engine knows of the work ahead:
+- A closed batch (no request waits to join; each request's remaining token budget given): the
+  arm that finishes the batch soonest. A batch ends with its slowest request, and the number of
+  rounds a request needs to emit n tokens varies with its draws: by renewal theory it is about
+  normal, with mean n / mu + (E[X^2] / mu^2 - 1) / 2 and variance n sigma^2 / mu^3 (X the tokens
+  a round emits: mu = 1 + a_1 + a_1 a_2 + ..., sigma^2 its variance), and the slowest of B such
+  requests needs about z_B standard deviations more than the mean (z_B: the expected maximum of
+  B standard normals). Plain steps emit one token each: n steps, no spread. Entering rounds adds
+  its measured cost; leaving them, one plain step (the overlap lost while they drain).
+- Otherwise (requests wait: a finished request's slot is refilled, the tail costs nothing):
+  the arm of most expected tokens per second, (1 + a_1 + a_1 a_2 + ... + a_1...a_K) / cost(K).
 
-Non-anticipating: a round's K is chosen at its launch from rounds already read, so it depends
-only on tokens emitted before the round's drafts are drawn; each round is an exact speculative
-step whatever its K. Deterministic given its measurements; draws no randomness.
+Costs are measured in steady state: a step's cost runs from the previous step's end to its own
+(the first step of a visit to an arm has no previous one and is not measured), the next `ramp`
+measured steps of a visit are dropped too (a graph capture, the loop settling after a switch),
+and an estimate is the median of the last `window` measurements. Each arm is tried at the start
+and re-explored now and then: an arm on the same side of the rounds every `explore_every` steps,
+for `explore_run` steps in a row; an arm that needs entering or leaving the rounds only once the
+time spent since its last exploration, times `explore_budget`, pays for the switch, so that
+exploring costs at most about that share of the time.
+
+Non-anticipating: a step's arm is chosen at its launch from steps already read and from the
+remaining budgets (known before any of the step's tokens is drawn), so it depends only on tokens
+emitted before the step's drafts are drawn; each round is an exact speculative step whatever its
+K. Deterministic given its measurements; draws no randomness.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 PLAIN = -1  # the plain arm: a plain overlapped decode step, outside device rounds
 
+# The expected maximum of 2^i independent standard normals, i = 0..10.
+_EXPECTED_MAX_NORMAL = (0.0, 0.5642, 1.0294, 1.4236, 1.7660, 2.0697, 2.3437, 2.5946, 2.8269,
+                        3.0439, 3.2482)  # fmt: skip
+
+
+def expected_max_normal(count: int) -> float:
+    """The expected maximum of `count` independent standard normals (interpolated in log2 of
+    `count` between the tabled powers of two; 0 for one)."""
+    if count <= 1:
+        return 0.0
+    x = min(math.log2(count), len(_EXPECTED_MAX_NORMAL) - 1)
+    i = min(int(x), len(_EXPECTED_MAX_NORMAL) - 2)
+    lo, hi = _EXPECTED_MAX_NORMAL[i], _EXPECTED_MAX_NORMAL[i + 1]
+    return lo + (hi - lo) * (x - i)
+
 
 @dataclass(slots=True)
 class _Cost:
-    """A K's cost at one bucket: the `recent` kept measurements (of `observed` read)."""
+    """An arm's cost at one bucket: the `recent` kept measurements."""
 
     recent: deque[float]
-    observed: int = 0
 
     @property
     def seconds(self) -> float:
@@ -44,15 +72,18 @@ class _Cost:
 
 @dataclass(slots=True)
 class SpeculationPolicy:
-    """Chooses K in [0, max_k] (or PLAIN, with `plain_arm`) per round (or always max_k when
+    """Chooses K in [0, max_k] (or PLAIN, with `plain_arm`) per step (or always max_k when
     not `adaptive`).
 
     Attributes:
         max_k: the largest K (the configured num_speculative_tokens).
         adaptive: False pins K to max_k (and never offers PLAIN).
         plain_arm: offer the arm PLAIN (a plain decode step) beside K = 0..max_k.
-        explore_every: rounds between two re-measurements of a K other than the best.
-        explore_run: rounds in a row an arm runs when it is explored.
+        explore_every: steps between two re-measurements of an arm other than the best.
+        explore_run: steps in a row an arm runs when it is explored.
+        explore_budget: the share of the time that exploring an arm across the rounds' border
+            (entering or leaving them) may cost.
+        ramp: measured steps at the start of each visit to an arm that are not kept.
         window: measurements of a cost kept (its estimate is their median).
         decay: weight of the newest round in the running acceptance.
     """
@@ -62,14 +93,20 @@ class SpeculationPolicy:
     plain_arm: bool = False
     explore_every: int = 48
     explore_run: int = 3
+    explore_budget: float = 0.02
+    ramp: int = 1
     window: int = 8
     decay: float = 0.1
     _costs: dict[tuple[int, int], _Cost] = field(default_factory=dict)
+    _entry: dict[int, deque[float]] = field(default_factory=dict)  # bucket -> entry costs
     _tried: dict[tuple[int, int], int] = field(default_factory=dict)
     _offered: list[float] = field(default_factory=list)  # rows that reached draft i
     _accepted: list[float] = field(default_factory=list)  # ... and accepted it
     _rounds: int = 0
     _hold: list[int] = field(default_factory=list)  # [arm, choices left] of an exploration
+    _visit: tuple[int, int] = (0, PLAIN - 1)  # (bucket, arm) of the visit going on
+    _visit_measured: int = 0  # its steps measured so far
+    _credit: float = 0.0  # seconds of exploration across the rounds' border earned so far
     chosen: dict[int, int] = field(default_factory=dict)  # K (PLAIN: -1) -> times chosen
 
     def __post_init__(self) -> None:
@@ -82,49 +119,114 @@ class SpeculationPolicy:
         plain = [PLAIN] if self.plain_arm and self.adaptive else []
         return plain + list(range(self.max_k + 1))
 
-    def choose(self, bucket: int) -> int:
-        """The K of the next round (or step, PLAIN) of `bucket` slots."""
-        k = self._choose(bucket)
+    def choose(
+        self, bucket: int, remaining: Sequence[int] | None = None, in_rounds: bool = True
+    ) -> int:
+        """The arm of the next step of `bucket` slots.
+
+        Args:
+            bucket: the batch bucket the step runs at.
+            remaining: per running request, the tokens it may still emit (its budget less what
+                it emitted), when no request waits to join the batch; None otherwise.
+            in_rounds: whether the batch is in device rounds now (K >= 0 needs no entry).
+        """
+        k = self._choose(bucket, remaining, in_rounds)
         self.chosen[k] = self.chosen.get(k, 0) + 1
         self._rounds += 1
         return k
 
-    def _choose(self, bucket: int) -> int:
+    def _choose(self, bucket: int, remaining: Sequence[int] | None, in_rounds: bool) -> int:
         if not self.adaptive:
             return self.max_k
         if self._hold and self._hold[1] > 0:
             self._hold[1] -= 1
             return self._hold[0]
-        # Every arm runs `explore_run` rounds in a row first (the first measurement of a graph
-        # includes its capture, so it is not kept), then again in turn every `explore_every`.
+        # Every arm runs `explore_run` steps in a row first, then again in turn now and then.
         arms = self.arms
         for k in arms:
             if self._tried.get((bucket, k), 0) < self.explore_run:
                 self._tried[(bucket, k)] = self._tried.get((bucket, k), 0) + 1
                 return k
-        best = max(arms, key=lambda k: self.tokens_per_second(bucket, k))
+        if remaining:
+            best = min(arms, key=lambda k: self.seconds_to_finish(bucket, k, remaining, in_rounds))
+        else:
+            best = max(arms, key=lambda k: self.tokens_per_second(bucket, k))
         if self._rounds % self.explore_every == 0:
-            others = [k for k in arms if k != best]
+            others = [k for k in arms if k != best and self._may_explore(bucket, k, in_rounds)]
             if others:
                 k = others[(self._rounds // self.explore_every) % len(others)]
+                if (k == PLAIN) == in_rounds:
+                    self._credit -= self.round_trip_seconds(bucket)
                 self._hold = [k, self.explore_run - 1]
                 return k
         return best
 
-    def expected_tokens(self, k: int) -> float:
-        """1 + sum over i <= k of the chance that drafts 1..i are all accepted (PLAIN: 1)."""
-        total, survive = 1.0, 1.0
-        for i in range(max(k, 0)):
-            survive *= self.acceptance(i)
-            total += survive
-        return total
+    def _may_explore(self, bucket: int, k: int, in_rounds: bool) -> bool:
+        """Whether arm k may be explored now: on the batch's side of the rounds' border always;
+        across it once the exploration credit covers the way there and back."""
+        return (k == PLAIN) != in_rounds or self._credit >= self.round_trip_seconds(bucket)
 
+    # ------------------------------------------------------------------ the model
     def acceptance(self, i: int) -> float:
         """The running acceptance of draft i (0-based) given drafts before it were accepted
         (optimistic 1 before any round has offered it, so that speculation is tried)."""
         if self._offered[i] <= 0:
             return 1.0
         return self._accepted[i] / self._offered[i]
+
+    def round_tokens(self, k: int) -> tuple[float, float]:
+        """(mean, variance) of the tokens a step of arm k emits per request: 1 + the accepted
+        drafts (P(X > i) = a_1 ... a_i); PLAIN: exactly 1."""
+        mean, second, survive = 1.0, 1.0, 1.0
+        for i in range(max(k, 0)):
+            survive *= self.acceptance(i)
+            mean += survive
+            second += (2 * i + 3) * survive  # E[X^2] = sum over j >= 1 of (2j - 1) P(X >= j)
+        return mean, max(second - mean * mean, 0.0)
+
+    def expected_tokens(self, k: int) -> float:
+        """1 + sum over i <= k of the chance that drafts 1..i are all accepted (PLAIN: 1)."""
+        return self.round_tokens(k)[0]
+
+    def expected_steps(self, k: int, remaining: Sequence[int]) -> float:
+        """The expected number of steps of arm k until the last of the requests with
+        `remaining` tokens to emit has emitted them (see the module docstring)."""
+        longest = max(remaining)
+        mean, variance = self.round_tokens(k)
+        if variance <= 0.0:
+            return float(longest) / mean
+        spread = math.sqrt(longest * variance / mean**3)  # standard deviation of the rounds
+        contenders = sum(n >= longest - 2 * mean * spread for n in remaining)
+        steps = longest / mean + (variance / mean**2) / 2  # renewal: the last round's overshoot
+        if contenders > 1:  # the largest of whole numbers of rounds: half a round above
+            steps += 0.5 + expected_max_normal(contenders) * spread
+        return steps
+
+    def switch_seconds(self, bucket: int, k: int, in_rounds: bool) -> float:
+        """The measured cost of moving to arm k: entering the rounds (from outside), or
+        leaving them for PLAIN (about one plain step of overlap lost); 0 when on its side."""
+        if k != PLAIN and not in_rounds:
+            entries = self._entry.get(bucket)
+            return statistics.median(entries) if entries else 0.0
+        if k == PLAIN and in_rounds:
+            cost = self._costs.get((bucket, PLAIN))
+            return cost.seconds if cost is not None and cost.recent else 0.0
+        return 0.0
+
+    def round_trip_seconds(self, bucket: int) -> float:
+        """The measured cost of leaving the rounds for PLAIN and entering them again."""
+        return self.switch_seconds(bucket, 0, False) + self.switch_seconds(bucket, PLAIN, True)
+
+    def seconds_to_finish(
+        self, bucket: int, k: int, remaining: Sequence[int], in_rounds: bool
+    ) -> float:
+        """The expected seconds until the batch has emitted `remaining` with arm k from now on
+        (0 when k was never measured here: worth measuring)."""
+        cost = self._costs.get((bucket, k))
+        if cost is None or not cost.recent:
+            return 0.0
+        steps = self.expected_steps(k, remaining)
+        return self.switch_seconds(bucket, k, in_rounds) + steps * cost.seconds
 
     def tokens_per_second(self, bucket: int, k: int) -> float:
         cost = self._costs.get((bucket, k))
@@ -133,19 +235,32 @@ class SpeculationPolicy:
         return self.expected_tokens(k) / max(cost.seconds, 1e-9)
 
     def costs(self) -> dict[tuple[int, int], tuple[float, int]]:
-        """(bucket, K) -> (estimated seconds of a round, measurements kept)."""
-        return {key: (c.seconds, len(c.recent)) for key, c in self._costs.items() if c.recent}
+        """(bucket, K) -> (estimated seconds of a step, measurements kept); (bucket, "entry")
+        -> the estimated seconds of entering device rounds."""
+        out: dict = {key: (c.seconds, len(c.recent)) for key, c in self._costs.items() if c.recent}
+        for bucket, entries in self._entry.items():
+            out[(bucket, "entry")] = (statistics.median(entries), len(entries))
+        return out
+
+    # ------------------------------------------------------------------ measurements
+    def observe_entry(self, bucket: int, seconds: float) -> None:
+        """Records the cost of one entry into device rounds at `bucket` (the drafter's
+        catch-up on the tokens it has not seen)."""
+        self._entry.setdefault(bucket, deque(maxlen=self.window)).append(seconds)
 
     def observe(
         self, bucket: int, k: int, seconds: float | None, outcomes: list[tuple[int, int]]
     ) -> None:
-        """Records a read round: its K, its measured cost (None: not measured, e.g. the first
-        round of a visit) and per live request (drafts verified, drafts accepted); a read plain
-        step: K = PLAIN, its cost, no outcomes."""
-        cost = self._costs.setdefault((bucket, k), _Cost(deque(maxlen=self.window)))
-        if seconds is not None:
-            cost.observed += 1
-            if cost.observed > 1:  # the first one includes the capture
+        """Records a read step: its arm, its measured cost (None: not measured, the first step
+        of a visit) and, for a round, per live request (drafts verified, drafts accepted)."""
+        if seconds is None or (bucket, k) != self._visit:
+            self._visit, self._visit_measured = (bucket, k), 0  # a new visit to arm k
+        if seconds is not None:  # credit for exploring, up to two round trips' worth
+            cap = 2 * self.round_trip_seconds(bucket)
+            self._credit = min(self._credit + self.explore_budget * seconds, cap)
+            self._visit_measured += 1
+            cost = self._costs.setdefault((bucket, k), _Cost(deque(maxlen=self.window)))
+            if self._visit_measured > self.ramp:
                 cost.recent.append(seconds)
         if not outcomes:
             return

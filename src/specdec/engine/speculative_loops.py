@@ -6,6 +6,8 @@ arm (plain overlapped steps of speculative requests) and speculative rounds on t
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from specdec.drafters import TargetFeatures
@@ -37,7 +39,8 @@ class SpeculativeLoops:
             return []
         self._inflight = None
         if self._can_overlap(inflight):
-            k = self.policy.choose(self._plain_bucket(len(inflight.requests)))
+            bucket = self._plain_bucket(len(inflight.requests))
+            k = self.policy.choose(bucket, self._horizon(inflight.requests), in_rounds=False)
             if k == PLAIN:
                 shares = self._plain_shares()
                 if shares is not None:
@@ -115,7 +118,9 @@ class SpeculativeLoops:
     def _enter_rounds(self) -> None:
         """Hands the batch to device rounds when every running request decodes with speculation
         (one verify method, no logprobs, no penalties, biases, bans or grammar) and no waiting
-        request could join; else the synchronous step goes on."""
+        request could join; else the synchronous step goes on. The policy is asked first: when
+        it picks the plain arm, the batch decodes in plain overlapped steps without entering the
+        rounds (and without paying the drafter's catch-up that entering costs)."""
         scheduler = self.scheduler
         requests = list(scheduler.running)
         if not requests or self._admission_pending():
@@ -134,8 +139,29 @@ class SpeculativeLoops:
         rounds = self._device_round_runner()
         if rounds is None:
             return
+        if self._next_k is None and self.policy.plain_arm and self.policy.adaptive:
+            bucket = bucket_for(batch_buckets(self.config.max_num_seqs), len(requests))
+            k = self.policy.choose(bucket, self._horizon(requests), in_rounds=False)
+            if k == PLAIN:
+                self._in_plain, self._plain_rows = True, bucket
+                return
+            self._next_k = k
+        started = time.perf_counter()
         rounds.begin(requests)
+        self.policy.observe_entry(rounds.num_rows, time.perf_counter() - started)
         self._in_rounds = True
+
+    def _horizon(self, requests: list[Request]) -> list[int] | None:
+        """Per request, the tokens it may still emit, when no request waits to join (the batch
+        is closed: it ends with its slowest request); None when one waits."""
+        if self.scheduler.waiting:
+            return None
+        limit = self.outputs.output_limit
+        return [
+            max(limit(r) - len(r.output_token_ids) - r.num_pending, 1)
+            for r in requests
+            if not r.status.finished
+        ] or None
 
     def _admission_pending(self) -> bool:
         """Whether a waiting request could join the batch now (the rounds then drain)."""
@@ -170,7 +196,10 @@ class SpeculativeLoops:
         launched = False
         k = None
         if not self._plain_chosen and not self._admission_pending() and rounds.live_requests:
-            k = self._next_k if self._next_k is not None else self.policy.choose(rounds.num_rows)
+            k = self._next_k
+            if k is None:
+                horizon = self._horizon(rounds.live_requests)
+                k = self.policy.choose(rounds.num_rows, horizon, in_rounds=True)
             self._next_k = None
             if k == PLAIN:
                 self._plain_chosen, k = True, None  # drain the rounds in flight, then go plain

@@ -10,6 +10,7 @@ captured) and a negative control without that catch-up fails; `adaptive: false` 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -73,7 +74,7 @@ class ScriptedPolicy(SpeculationPolicy):
         super().__init__(max_k, plain_arm=True)
         self.script = script
 
-    def _choose(self, bucket):
+    def _choose(self, bucket, remaining=None, in_rounds=True):
         return self.script(self._rounds)
 
 
@@ -296,6 +297,50 @@ def test_coupled_equals_plain_decoding_with_a_draft_model_and_dflash(
     assert loop.num_plain_arm_steps > 0 and loop.num_device_rounds > 0
 
 
+def test_a_batch_kept_plain_from_the_start_never_enters_the_rounds(
+    model_dir, head_dir, prompts, monkeypatch
+):
+    """The policy is asked before the rounds are entered: a batch it keeps in the plain arm
+    from its first decode step never pays the drafter's catch-up (`DeviceRounds.begin` is not
+    called) and emits plain decoding's tokens. Control: a policy that picks a K first enters."""
+    from specdec.engine.device_round import DeviceRounds
+
+    begins = []
+    original = DeviceRounds.begin
+    monkeypatch.setattr(
+        DeviceRounds, "begin", lambda self, reqs: begins.append(len(reqs)) or original(self, reqs)
+    )
+    requests = [(p, params_for(1.0, 30 + i)) for i, p in enumerate(prompts)]
+    spec = spec_for("eagle", head_dir, "coupled")
+    engine = make_engine(model_dir, spec, script=lambda n: PLAIN)
+    assert drive(engine, requests) == plain_decoding(model_dir, requests)
+    assert begins == [] and engine.loop_stats.num_plain_arm_steps > 0
+    drive(make_engine(model_dir, spec, script=lambda n: 2), requests)
+    assert begins
+
+
+def test_the_policy_sees_each_requests_remaining_budget_when_nothing_waits(
+    model_dir, head_dir, prompts
+):
+    """The horizon handed to the policy: per running request, max_tokens less what it emitted
+    (the prefill's token at the first decision), and None while a request waits to join."""
+    seen = []
+
+    class Recording(ScriptedPolicy):
+        def _choose(self, bucket, remaining=None, in_rounds=True):
+            seen.append((in_rounds, None if remaining is None else list(remaining)))
+            return super()._choose(bucket, remaining, in_rounds)
+
+    requests = [(p, params_for(1.0, 30 + i, max_tokens=10 + i)) for i, p in enumerate(prompts)]
+    engine = make_engine(model_dir, spec_for("eagle", head_dir, "coupled"))
+    engine.policy = Recording(3, alternate)
+    drive(engine, requests)
+    assert seen[0] == (False, [9, 10, 11, 12])  # entering: one token emitted by the prefill
+    assert all(r is None or max(r) <= 12 for _, r in seen) and any(i for i, _ in seen)
+    budgets = [r for _, r in seen if r is not None]
+    assert all(later[-1] <= earlier[-1] for earlier, later in itertools.pairwise(budgets))
+
+
 def test_abort_in_plain_mode_keeps_the_others_and_frees_everything(model_dir, head_dir, prompts):
     requests = [(p, params_for(1.0, 30 + i)) for i, p in enumerate(prompts)]
     expected = plain_decoding(model_dir, requests)
@@ -317,6 +362,6 @@ def test_abort_in_plain_mode_keeps_the_others_and_frees_everything(model_dir, he
 
 
 def test_plain_arm_must_be_a_bool():
-    assert SpeculativeConfig.from_dict({"method": "ngram"}).plain_arm is False
+    assert SpeculativeConfig.from_dict({"method": "ngram"}).plain_arm is True
     with pytest.raises(ValueError, match="plain_arm must be true or false"):
         SpeculativeConfig.from_dict({"method": "ngram", "plain_arm": "yes"})

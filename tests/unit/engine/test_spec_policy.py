@@ -108,6 +108,7 @@ def test_a_cost_is_the_median_of_recent_measurements_and_unmeasured_rounds_do_no
     seconds = {PLAIN: 1.0, 0: 1.3, 1: 1.4, 2: 1.5}
     explore(policy, seconds, accepted=0)
     assert policy.choose(BUCKET) == PLAIN
+    policy.observe(BUCKET, PLAIN, 7.0, [])  # a new visit: its first measured step is not kept
     policy.observe(BUCKET, PLAIN, 50.0, [])
     policy.observe(BUCKET, PLAIN, None, [])
     assert policy.costs()[(BUCKET, PLAIN)] == (1.0, 3)  # kept: 1.0, 1.0 (explored), 50.0
@@ -132,3 +133,142 @@ def test_acceptance_weighs_every_request_of_a_round_alike():
     for _, hit in outcomes:  # the per-row running average
         offered, accepted = 0.9 * offered + 0.1, 0.9 * accepted + 0.1 * hit
     assert accepted / offered < 0.3
+
+
+# --------------------------------------------------------------- a closed batch and its tail
+def measured(policy: SpeculationPolicy, bucket: int, seconds: dict[int, float], a: float):
+    """Explores every arm at `bucket` with the given costs, each round of K accepting draft i
+    with chance `a` (as frequencies over 100 requests); returns the policy."""
+    for _ in range(policy.explore_run * len(policy.arms)):
+        k = policy.choose(bucket)
+        outcomes = []
+        if k > 0:  # 100 requests: 100 a^j of them accept j drafts or more
+            reach = [round(100 * a**j) for j in range(k + 1)]
+            outcomes = [
+                (k, j)
+                for j in range(k + 1)
+                for _ in range(reach[j] - (reach[j + 1] if j < k else 0))
+            ]
+        policy.observe(bucket, k, seconds[k], outcomes)
+    return policy
+
+
+def test_expected_max_normal_matches_its_integral():
+    from scipy import integrate, stats
+
+    from specdec.engine.spec_policy import expected_max_normal
+
+    for n in (1, 2, 3, 8, 20, 32, 64, 100, 256):
+        exact = integrate.quad(
+            lambda x, n=n: x * n * stats.norm.pdf(x) * stats.norm.cdf(x) ** (n - 1), -12, 12
+        )[0]
+        assert abs(expected_max_normal(n) - exact) < 0.03, (n, exact)
+
+
+def test_round_tokens_mean_and_variance_of_the_accepted_run():
+    """X = 1 + accepted drafts, P(X > i) = a^i (i <= K): mean and variance by enumeration."""
+    policy = SpeculationPolicy(3)
+    policy.observe(BUCKET, 3, None, [(3, 3)] * 6 + [(3, 2)] * 2 + [(3, 0)] * 2)
+    a = [policy.acceptance(i) for i in range(3)]
+    probs = [1 - a[0], a[0] * (1 - a[1]), a[0] * a[1] * (1 - a[2]), a[0] * a[1] * a[2]]
+    mean = sum((j + 1) * p for j, p in enumerate(probs))
+    var = sum((j + 1) ** 2 * p for j, p in enumerate(probs)) - mean**2
+    got = policy.round_tokens(3)
+    assert abs(got[0] - mean) < 1e-12 and abs(got[1] - var) < 1e-12
+    assert policy.round_tokens(PLAIN) == (1.0, 0.0) and policy.round_tokens(0) == (1.0, 0.0)
+
+
+def test_renewal_model_of_the_slowest_request_matches_simulation():
+    """The expected rounds until the slowest of B requests has emitted n tokens (each round
+    1 + accepted drafts, P(X > i) = a^i), against a simulation of 4,000 batches: within 4%."""
+    import random
+
+    rng = random.Random(5)
+    policy = SpeculationPolicy(2)
+    a = 0.6
+    policy._offered, policy._accepted = [1.0, 1.0], [a, a]  # acceptance a at both positions
+    for batch, n in ((1, 128), (8, 128), (32, 128), (32, 24), (64, 8)):
+        total = 0
+        for _ in range(4000):
+            slowest = 0
+            for _ in range(batch):
+                emitted = rounds = 0
+                while emitted < n:
+                    x = 1
+                    while x < 3 and rng.random() < a:
+                        x += 1
+                    emitted, rounds = emitted + x, rounds + 1
+                slowest = max(slowest, rounds)
+            total += slowest
+        simulated = total / 4000
+        predicted = policy.expected_steps(2, [n] * batch)
+        assert abs(predicted - simulated) / simulated < 0.04, (batch, n, predicted, simulated)
+
+
+def test_a_closed_large_batch_goes_plain_where_tokens_per_second_would_speculate():
+    """Plain steps of 0.95 ms, K = 2 rounds of 1.52 ms and acceptance 0.4-0.5 a draft: a round
+    brings ~1.66 tokens for 1.6x the cost, 1.04x plain in tokens per second, but a closed batch
+    of 32 requests of 128 tokens waits for its slowest request and finishes sooner in plain
+    steps; one request alone, or a batch whose freed slots are refilled (remaining unknown),
+    speculates. Inside the rounds: no entry to pay."""
+    seconds = {PLAIN: 0.95e-3, 0: 1.10e-3, 1: 1.36e-3, 2: 1.52e-3}
+    policy = measured(SpeculationPolicy(2, plain_arm=True, explore_every=10**6), 32, seconds, 0.46)
+    assert 1.6 < policy.expected_tokens(2) < 1.7
+    assert policy.choose(32) == 2  # tokens per second
+    assert policy.choose(32, [128] * 32) == PLAIN  # the closed batch's tail
+    assert policy.choose(32, [128]) == 2  # one request: no tail
+    steps = policy.expected_steps(2, [128] * 32)
+    assert steps > 128 / policy.expected_tokens(2) + 4  # the tail is in the model
+
+
+def test_entering_the_rounds_costs_what_was_measured():
+    """Outside the rounds, a K pays the measured entry (the drafter's catch-up): a short batch
+    stays plain when the entry eats the gain, and speculates once in the rounds (no entry) or
+    when the batch is long enough to repay it."""
+    seconds = {PLAIN: 1.0e-3, 0: 1.1e-3, 1: 1.2e-3, 2: 1.3e-3}
+    policy = measured(SpeculationPolicy(2, plain_arm=True, explore_every=10**6), 1, seconds, 0.8)
+    policy.observe_entry(1, 8e-3)
+    assert policy.costs()[(1, "entry")] == (8e-3, 1)
+    assert policy.choose(1, [16], in_rounds=True) == 2
+    assert policy.choose(1, [16], in_rounds=False) == PLAIN
+    assert policy.choose(1, [400], in_rounds=False) == 2
+
+
+def test_exploring_across_the_rounds_border_costs_at_most_its_budget(monkeypatch):
+    """In plain steps of 1 ms with an entry of 8 ms, rounds are re-explored only as the 2%
+    budget pays for the way there and back: over 3,000 steps, the explorations' switches cost
+    at most ~2% of the time, and some exploration happens. Negative control: the same policy
+    with the budget check off explores every `explore_every` steps (10x more)."""
+    seconds = {PLAIN: 1.0e-3, 0: 1.3e-3, 1: 1.5e-3, 2: 1.7e-3}
+
+    def run(budget: bool) -> int:
+        policy = measured(SpeculationPolicy(2, plain_arm=True), 32, seconds, 0.2)
+        policy.observe_entry(32, 8e-3)
+        if not budget:
+            monkeypatch.setattr(SpeculationPolicy, "_may_explore", lambda *args: True)
+        explorations, previous = 0, PLAIN
+        for _ in range(3000):
+            k = policy.choose(32, [500] * 32, in_rounds=previous != PLAIN)
+            explorations += k != PLAIN and previous == PLAIN
+            policy.observe(32, k, seconds[k], [] if k == PLAIN else [(k, 0)] * 32)
+            previous = k
+        return explorations
+
+    with_budget, without = run(True), run(False)
+    assert with_budget >= 1 and with_budget * 9e-3 <= 0.025 * 3000 * 1e-3
+    assert without >= 10 * with_budget
+
+
+def test_non_anticipating_with_a_horizon():
+    """The budgets ahead are known before a step's drafts are drawn: the same observations and
+    budgets give the same choice, and a choice made before a round is read does not depend on
+    what the round then accepts."""
+    seconds = {PLAIN: 0.95e-3, 0: 1.1e-3, 1: 1.2e-3, 2: 1.42e-3}
+    a = measured(SpeculationPolicy(2, plain_arm=True, explore_every=10**6), 8, seconds, 0.7)
+    b = measured(SpeculationPolicy(2, plain_arm=True, explore_every=10**6), 8, seconds, 0.7)
+    horizon = [100, 90, 60, 100, 5, 77, 100, 100]
+    assert a.choose(8, horizon) == b.choose(8, horizon) == 2
+    for _ in range(30):
+        a.observe(8, 2, seconds[2], [(2, 2)] * 8)
+        b.observe(8, 2, seconds[2], [(2, 0)] * 8)
+    assert a.choose(8, horizon) == 2 and b.choose(8, horizon) == PLAIN
