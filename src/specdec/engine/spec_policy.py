@@ -93,7 +93,7 @@ class SpeculationPolicy:
     plain_arm: bool = False
     explore_every: int = 48
     explore_run: int = 3
-    explore_budget: float = 0.02
+    explore_budget: float = 0.01
     ramp: int = 1
     window: int = 8
     decay: float = 0.1

@@ -235,9 +235,9 @@ def test_entering_the_rounds_costs_what_was_measured():
 
 
 def test_exploring_across_the_rounds_border_costs_at_most_its_budget(monkeypatch):
-    """In plain steps of 1 ms with an entry of 8 ms, rounds are re-explored only as the 2%
+    """In plain steps of 1 ms with an entry of 8 ms, rounds are re-explored only as the 1%
     budget pays for the way there and back: over 3,000 steps, the explorations' switches cost
-    at most ~2% of the time, and some exploration happens. Negative control: the same policy
+    at most ~1% of the time, and some exploration happens. Negative control: the same policy
     with the budget check off explores every `explore_every` steps (10x more)."""
     seconds = {PLAIN: 1.0e-3, 0: 1.3e-3, 1: 1.5e-3, 2: 1.7e-3}
 
@@ -255,7 +255,7 @@ def test_exploring_across_the_rounds_border_costs_at_most_its_budget(monkeypatch
         return explorations
 
     with_budget, without = run(True), run(False)
-    assert with_budget >= 1 and with_budget * 9e-3 <= 0.025 * 3000 * 1e-3
+    assert with_budget >= 1 and with_budget * 9e-3 <= 0.015 * 3000 * 1e-3
     assert without >= 10 * with_budget
 
 
