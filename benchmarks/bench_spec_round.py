@@ -109,6 +109,8 @@ def timed(llm, prompts, params, device, repeats: int = 2, warmups: int = 4) -> t
             break
     times, outputs = [], None
     before = CAPTURES[0]
+    policy = getattr(llm.engine, "policy", None)
+    llm.chosen_before = dict(policy.chosen) if policy is not None else {}
     for repeat in range(repeats):
         if repeat == repeats - 1:
             profile_steps(llm)
@@ -169,7 +171,7 @@ def figures(llm, seconds: float, outputs) -> dict:
     if policy is not None:
         costs = {
             f"bucket {b} K={k}": [round(sec * 1e3, 4), n]
-            for (b, k), (sec, n) in sorted(policy.costs().items())
+            for (b, k), (sec, n) in sorted(policy.costs().items(), key=lambda i: str(i[0]))
         }
     decode = None
     steps = getattr(llm, "step_profile", None)
@@ -191,6 +193,13 @@ def figures(llm, seconds: float, outputs) -> dict:
         "acceptance": None
         if policy is None
         else [policy.acceptance(i) for i in range(policy.max_k)],
+        "k_chosen_while_timed": None
+        if policy is None
+        else {
+            k: n - getattr(llm, "chosen_before", {}).get(k, 0)
+            for k, n in sorted(policy.chosen.items())
+            if n - getattr(llm, "chosen_before", {}).get(k, 0)
+        },
         "steps": profile_summary(llm),
         "captures_while_timed": getattr(llm, "timed_captures", None),
     }
@@ -242,8 +251,15 @@ def smollm2_batch(encoded, batch: int, output_len: int, temperature: float):
 
 
 def bench_smollm2(
-    gguf: str | None, device: str, output_len: int, batches, only: list[str] | None = None
+    gguf: str | None,
+    device: str,
+    output_len: int,
+    batches,
+    only: list[str] | None = None,
+    save=None,
 ) -> dict:
+    """`save(results)`, when given, is called after every row (a later failure keeps them); a
+    configuration that fails is recorded with its error and the others go on."""
     model, tokenizer, encoded, head = load_smollm2(gguf, device)
     results = {"num_prompts": len(encoded), "output_len": output_len, "rows": {}}
     for batch in batches:
@@ -270,8 +286,15 @@ def bench_smollm2(
                 }
             plain_rate, plain_decode = None, None
             for name, spec in configs.items():
-                llm = make_engine(model, tokenizer, spec, blocks=blocks, **common)
-                seconds, outputs = timed(llm, prompts, params, device)
+                llm = None
+                try:
+                    llm = make_engine(model, tokenizer, spec, blocks=blocks, **common)
+                    seconds, outputs = timed(llm, prompts, params, device, repeats=5)
+                except Exception as error:  # recorded; the other configurations go on
+                    results["rows"][f"b{batch} T={temperature:g} {name}"] = {"error": repr(error)}
+                    log(f"[smollm2] b{batch} T={temperature:g} {name}: FAILED {error!r}")
+                    del llm
+                    continue
                 row = figures(llm, seconds, outputs)
                 if name == "plain":
                     plain_rate, plain_decode = row["tokens_per_s"], row["after_first_step"]
@@ -282,6 +305,8 @@ def bench_smollm2(
                     )
                 results["rows"][f"b{batch} T={temperature:g} {name}"] = row
                 log(f"[smollm2] b{batch} T={temperature:g} {name}: {row}")
+                if save is not None:
+                    save(results)
                 del llm
                 if device == "cuda":
                     torch.cuda.empty_cache()
@@ -535,8 +560,12 @@ def main() -> None:
     if "smollm2" in parts:
         batches = [int(b) for b in args.smollm2_batches.split(",")]
         only = args.smollm2_configs.split(",") if args.smollm2_configs else None
-        result = bench_smollm2(args.gguf, args.device, args.output_len, batches, only)
-        (out / "smollm2.json").write_text(json.dumps({"meta": meta, **result}, indent=1))
+        path = out / "smollm2.json"
+
+        def save(result: dict) -> None:
+            path.write_text(json.dumps({"meta": meta, **result}, indent=1))
+
+        save(bench_smollm2(args.gguf, args.device, args.output_len, batches, only, save))
     if "block" in parts:
         batches = [int(b) for b in args.block_batches.split(",")]
         result = bench_block(

@@ -295,8 +295,13 @@ def test_draft_step_buffers_give_the_drafts_of_the_plain_path(target_dir, head_d
         proposals.append(drafter.propose(ragged_batch(ids, [4, 2, 3])))
     plain, buffered = proposals
     assert torch.equal(plain.draft_token_ids, buffered.draft_token_ids)
-    assert torch.equal(plain.draft_logits, buffered.draft_logits)
-    assert torch.equal(plain.draft_logsumexp, buffered.draft_logsumexp)
+    # The logits to rounding: on some CPUs (seen on an AMD EPYC) a matrix product's bits depend
+    # on its row count, and the buffered path pads the rows to the graphs' shapes. On CUDA the
+    # graphs' parity is bit for bit (tests/parity/test_device_rounds_gpu.py).
+    torch.testing.assert_close(plain.draft_logits, buffered.draft_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        plain.draft_logsumexp, buffered.draft_logsumexp, rtol=1e-5, atol=1e-5
+    )
 
 
 def test_requests_may_draft_more_than_the_configured_k(target_dir, head_dir):
