@@ -29,6 +29,7 @@ from specdec.drafters.eagle.state import EagleState
 from specdec.drafters.eagle.tree_drafting import propose_tree
 from specdec.models import AttentionMetadata, LlamaForCausalLM
 from specdec.models.attention import DecodeMetadata, cache_slots
+from specdec.models.attention_tiles import decode_query_bucket
 from specdec.models.split_kv import split_when_unseen, step_partitions
 from specdec.runner.cuda_graph import GraphCache, StaticInputs, batch_buckets, bucket_for
 from specdec.runner.kv_cache import BlockAllocator
@@ -247,7 +248,13 @@ class EagleDrafter(Drafter):
         width = max(query_lens)
         if width <= self.MAX_DECODE_ENTRIES:
             # The usual round: a few new entries per request, through the fused decode path in
-            # the padded layout (request j's entries at rows j * width ..).
+            # the padded layout (request j's entries at rows j * width ..). The width follows
+            # the data (after plain-arm steps: how many ran), and the decode kernel compiles a
+            # variant per width (a constexpr), mid-run; padded to its bucket it takes one of a
+            # few, each with the tile (so the attention's bits) of the unpadded width.
+            attn = self.head.layer.self_attn
+            group = attn.num_heads // attn.num_kv_heads
+            width = decode_query_bucket(width, group, self.MAX_DECODE_ENTRIES)
             if width > 1 and min(query_lens) < width:
                 rows = [j * width + i for j, n in enumerate(query_lens) for i in range(n)]
                 padded = projected.new_zeros(len(live_states) * width, projected.shape[1])
