@@ -313,6 +313,31 @@ def test_eager_catch_up_pads_to_the_query_bucket(target_dir, head_dir, monkeypat
     torch.testing.assert_close(bucketed.draft_logits, unpadded.draft_logits, rtol=1e-5, atol=1e-5)
 
 
+def test_catch_up_variants_are_launched_inert(target_dir, head_dir, monkeypatch) -> None:
+    """`compile_catch_up_variants` (run at set-up on CUDA, where it compiles the kernel
+    variants): one inert launch per bucket of the catch-up's widths, output 0 and the head's
+    cache untouched; here on the CPU through the twin."""
+    from specdec.drafters.eagle import drafter as drafter_module
+
+    drafter, _ = fed_drafter(target_dir, head_dir, RAGGED_TOKENS, RAGGED_ANCHORS)
+    attn = drafter.head.layer.self_attn
+    group = attn.num_heads // attn.num_kv_heads
+    attend, widths = drafter_module.paged_decode_attention, []
+
+    def recording(query, k_cache, v_cache, meta, scale):
+        widths.append(meta.query_per_seq)
+        out = attend(query, k_cache, v_cache, meta, scale)
+        assert out.shape == query.shape and not out.any()
+        return out
+
+    monkeypatch.setattr(drafter_module, "paged_decode_attention", recording)
+    caches = (drafter.kv_cache.k_cache.clone(), drafter.kv_cache.v_cache.clone())
+    drafter.compile_catch_up_variants()
+    assert widths == sorted({decode_query_bucket(w, group, 16) for w in range(1, 17)})
+    assert torch.equal(drafter.kv_cache.k_cache, caches[0])
+    assert torch.equal(drafter.kv_cache.v_cache, caches[1])
+
+
 @pytest.mark.parametrize("width", [5, 8])
 def test_draft_step_buffers_give_the_drafts_of_the_plain_path(target_dir, head_dir, width):
     """Head steps through the static input buffers that CUDA graphs replay (run op by op here,
