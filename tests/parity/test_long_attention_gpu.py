@@ -18,6 +18,7 @@ import torch
 from models_fixtures import seeded_model
 from specdec.models import attention, fused, split_kv
 from specdec.models.attention import AttentionMetadata, DecodeMetadata, to_cache_dtype
+from specdec.models.attention_tiles import decode_query_bucket
 from specdec.models.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 from specdec.runner.model_runner import PagedModelRunner, StepInput
 
@@ -189,6 +190,39 @@ def test_split_kv_kernels_match_twin(dtype, q_per_seq, heads, cache) -> None:
     assert (got[inert] == 0).all(), f"{what}: the inert sequence's rows are not 0"
     exact = fused.paged_decode_attention_ref(query, k_cache, v_cache, meta(0), scale)
     _assert_close(got, exact, f"{what} vs exact softmax", dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128)])  # SmolLM2's; Llama-3-8B's
+def test_padding_to_the_query_bucket_keeps_each_rows_bits(dtype, heads) -> None:
+    """Widths laid out at their bucket (`decode_query_bucket`, as the EAGLE head's eager
+    catch-up pads) give each live row the bits of its own width, single-pass and split-KV alike
+    (the tile is the same; only Q_PER_SEQ, a constexpr, changes). A few widths per tile: each
+    width compiles variants of its own."""
+    from dataclasses import replace
+
+    num_heads, num_kv_heads, head_dim = heads
+    group, num_seqs = num_heads // num_kv_heads, len(CONTEXTS)
+    parts = split_kv.num_partitions(12000)
+    scale = head_dim**-0.5
+    for width in (1, 3, 6, 11):
+        bucket = decode_query_bucket(width, group, 16)
+        assert bucket > width
+        query, k_cache, v_cache, meta = _decode(CONTEXTS, width, *heads, dtype, 29)
+        padded = _randn(num_seqs, bucket, num_heads, head_dim, seed=31, dtype=dtype)
+        padded[:, :width] = query.view(num_seqs, width, num_heads, head_dim)
+        padded = padded.flatten(0, 1)
+        slots = torch.full((num_seqs * bucket,), -1, device="cuda")
+        for split in (0, parts):
+            want = fused.paged_decode_attention(query, k_cache, v_cache, meta(split), scale)
+            wide = replace(meta(split), query_per_seq=bucket, slot_mapping=slots)
+            got = fused.paged_decode_attention(padded, k_cache, v_cache, wide, scale)
+            got = got.view(num_seqs, bucket, num_heads, head_dim)[:, :width].flatten(0, 1)
+            diff = (got.float() - want.float()).abs().max().item()
+            assert torch.equal(got, want), (
+                f"width {width} padded to {bucket} (heads {heads}, {dtype}, partitions "
+                f"{split}): live rows differ by up to {diff:.3e}"
+            )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

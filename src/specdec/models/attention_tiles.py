@@ -13,3 +13,23 @@ LOG2E = 1.0 / math.log(2.0)
 DECODE_BLOCK_N = 64
 # Keys per split-KV partition (a multiple of DECODE_BLOCK_N).
 SPLIT_KV_PARTITION = 2048
+
+
+def decode_block_m(query_per_seq: int, group: int) -> int:
+    """Query rows (query token x q head of a KV head's group) per program of the decode kernels
+    (single-pass and split-KV alike): the next power of two of query_per_seq * group, at least
+    16 (`tl.dot`'s smallest tile)."""
+    return max(16, 1 << (query_per_seq * group - 1).bit_length())
+
+
+def decode_query_bucket(query_per_seq: int, group: int, limit: int) -> int:
+    """The widest layout of at most `limit` (and at least `query_per_seq`) query tokens per
+    sequence that the decode kernels tile as they tile `query_per_seq` (the same BLOCK_M).
+
+    The kernels take the width as a constexpr (Q_PER_SEQ), so every width compiles a variant of
+    its own; padded to its bucket, a step runs one of a few variants whose tile, and hence the
+    bits of every live row, are those of its own width. Used by steps whose width follows the
+    data (the EAGLE head's eager catch-up after plain-arm steps)."""
+    if query_per_seq >= limit:
+        return query_per_seq
+    return max(query_per_seq, min(limit, decode_block_m(query_per_seq, group) // group))

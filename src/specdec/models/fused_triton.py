@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from specdec.models.attention import DecodeMetadata
-from specdec.models.attention_tiles import DECODE_BLOCK_N
+from specdec.models.attention_tiles import DECODE_BLOCK_N, decode_block_m
 from specdec.triton_specialization import unspecialized
 
 # The decode kernel's per-step metadata (see `specdec.triton_specialization`).
@@ -449,7 +449,7 @@ def paged_decode_attention_triton(
             NUM_KV_HEADS=num_kv_heads,
             HEAD_DIM=head_dim,
             CACHE_BLOCK=cache_block,
-            BLOCK_M=max(16, triton.next_power_of_2(meta.query_per_seq * group)),
+            BLOCK_M=decode_block_m(meta.query_per_seq, group),
             BLOCK_N=DECODE_BLOCK_N,
             BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
             IEEE=query.dtype == torch.float32,

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from specdec.models.attention import DecodeMetadata
-from specdec.models.attention_tiles import DECODE_BLOCK_N, SPLIT_KV_PARTITION
+from specdec.models.attention_tiles import DECODE_BLOCK_N, SPLIT_KV_PARTITION, decode_block_m
 from specdec.models.fused_triton import _attend_chunk_masked, kernel_tree_mask
 from specdec.triton_specialization import unspecialized
 
@@ -285,7 +285,7 @@ def _launch(
         return
     # The tile shapes of the single-pass kernel (`fused_triton`), so that a one-partition
     # context gives its bits.
-    block_m = max(16, triton.next_power_of_2(query_per_seq * group))
+    block_m = decode_block_m(query_per_seq, group)
     block_d = max(16, triton.next_power_of_2(head_dim))
     device = query.device
     part_max = torch.empty(num_seqs, num_kv_heads, num_parts, block_m, device=device)

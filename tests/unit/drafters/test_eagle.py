@@ -17,6 +17,7 @@ from specdec.drafters.eagle.drafter import EagleDrafter
 from specdec.engine.config import SpeculativeConfig
 from specdec.engine.llm import LLM
 from specdec.models import AttentionMetadata, load_model
+from specdec.models.attention_tiles import decode_query_bucket
 from specdec.rng import Stream
 from specdec.sampling import SamplingParams, SamplingTensors
 from specdec.sampling import sampler as sampler_module
@@ -277,6 +278,64 @@ def test_decode_path_matches_general_path(target_dir, head_dir):
         want = general(torch.cat(last), first, [1, 1])
         got = decode(last, first, [1, 1], 1)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_eager_catch_up_pads_to_the_query_bucket(target_dir, head_dir, monkeypatch) -> None:
+    """The eager catch-up (no head graphs, or more new entries than they take: after plain-arm
+    steps) pads its data-driven width to `decode_query_bucket`, so that the decode kernel
+    (Q_PER_SEQ is a constexpr) compiles one variant per bucket, not per width; the drafts are
+    those of the unpadded layout."""
+    from specdec.drafters.eagle import drafter as drafter_module
+    from specdec.models import llama
+
+    widths = []
+    attend = llama.paged_decode_attention
+
+    def recording(query, k_cache, v_cache, meta, scale):
+        widths.append(meta.query_per_seq)
+        return attend(query, k_cache, v_cache, meta, scale)
+
+    monkeypatch.setattr(llama, "paged_decode_attention", recording)
+    proposals = []
+    for bucketed in (True, False):
+        if not bucketed:
+            monkeypatch.setattr(drafter_module, "decode_query_bucket", lambda width, *_: width)
+        drafter, ids = fed_drafter(target_dir, head_dir, RAGGED_TOKENS, RAGGED_ANCHORS)
+        attn = drafter.head.layer.self_attn
+        group = attn.num_heads // attn.num_kv_heads
+        widths.clear()
+        proposals.append(drafter.propose(ragged_batch(ids, [1, 1, 1])))  # the catch-up only
+        entries = max(a - 1 for a in RAGGED_ANCHORS)  # 7 new entries, the widest request
+        assert widths == [decode_query_bucket(entries, group, 16) if bucketed else entries]
+    assert widths != [decode_query_bucket(entries, group, 16)]  # (the control padded nothing)
+    bucketed, unpadded = proposals
+    assert torch.equal(bucketed.draft_token_ids, unpadded.draft_token_ids)
+    torch.testing.assert_close(bucketed.draft_logits, unpadded.draft_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_catch_up_variants_are_launched_inert(target_dir, head_dir, monkeypatch) -> None:
+    """`compile_catch_up_variants` (run at set-up on CUDA, where it compiles the kernel
+    variants): one inert launch per bucket of the catch-up's widths, output 0 and the head's
+    cache untouched; here on the CPU through the twin."""
+    from specdec.drafters.eagle import drafter as drafter_module
+
+    drafter, _ = fed_drafter(target_dir, head_dir, RAGGED_TOKENS, RAGGED_ANCHORS)
+    attn = drafter.head.layer.self_attn
+    group = attn.num_heads // attn.num_kv_heads
+    attend, widths = drafter_module.paged_decode_attention, []
+
+    def recording(query, k_cache, v_cache, meta, scale):
+        widths.append(meta.query_per_seq)
+        out = attend(query, k_cache, v_cache, meta, scale)
+        assert out.shape == query.shape and not out.any()
+        return out
+
+    monkeypatch.setattr(drafter_module, "paged_decode_attention", recording)
+    caches = (drafter.kv_cache.k_cache.clone(), drafter.kv_cache.v_cache.clone())
+    drafter.compile_catch_up_variants()
+    assert widths == sorted({decode_query_bucket(w, group, 16) for w in range(1, 17)})
+    assert torch.equal(drafter.kv_cache.k_cache, caches[0])
+    assert torch.equal(drafter.kv_cache.v_cache, caches[1])
 
 
 @pytest.mark.parametrize("width", [5, 8])

@@ -10,6 +10,7 @@ checked by tests/parity/test_long_attention_gpu.py.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 
 import pytest
@@ -24,6 +25,7 @@ from specdec.models.attention import (
     paged_attention,
     to_cache_dtype,
 )
+from specdec.models.attention_tiles import decode_block_m, decode_query_bucket
 from specdec.models.prefill_attention import PREFILL_BLOCK_N, paged_prefill_attention_ref
 
 # float32 twins against float32 naive attention: the same sums in another order.
@@ -268,3 +270,69 @@ def test_split_kv_kernels_interpreted_match_twin(small_partitions, q_per_seq) ->
     for b in (0, 1, 4):
         rows = slice(b * q_per_seq, (b + 1) * q_per_seq)
         assert torch.equal(got[rows], single[rows]), f"sequence {b}"
+
+
+def test_decode_query_bucket_keeps_the_tile() -> None:
+    """A width padded to its bucket keeps the decode kernels' BLOCK_M (so its rows' bits), and
+    the buckets of widths 1..16 are few (the kernel variants a data-driven width can need)."""
+    for group in range(1, 17):
+        buckets = set()
+        for width in range(1, 17):
+            block_m = max(16, 2 ** math.ceil(math.log2(width * group)))
+            assert decode_block_m(width, group) == block_m
+            bucket = decode_query_bucket(width, group, 16)
+            assert width <= bucket <= 16 and decode_block_m(bucket, group) == block_m
+            buckets.add(bucket)
+        assert len(buckets) <= 5, (group, sorted(buckets))
+    assert sorted({decode_query_bucket(w, 3, 16) for w in range(1, 17)}) == [5, 10, 16]
+    assert decode_query_bucket(20, 3, 16) == 20  # past the limit: as it is
+    if importlib.util.find_spec("triton"):
+        import triton
+
+        for n in range(0, 300):
+            assert decode_block_m(n, 1) == max(16, triton.next_power_of_2(n))
+
+
+def _in_layout(rows: torch.Tensor, num_seqs: int, width: int, padded: int) -> torch.Tensor:
+    """[num_seqs * width, ...] rows laid out `padded` rows per sequence (padding rows random)."""
+    out = _randn(num_seqs * padded, *rows.shape[1:], seed=99, dtype=rows.dtype)
+    out = out.view(num_seqs, padded, *rows.shape[1:])
+    out[:, :width] = rows.view(num_seqs, width, *rows.shape[1:])
+    return out.flatten(0, 1)
+
+
+@interpret
+@pytest.mark.parametrize("width", [2, 7, 12])
+def test_padding_to_the_query_bucket_keeps_each_rows_bits_interpreted(
+    small_partitions, width
+) -> None:
+    """The decode kernels (single-pass and split-KV) over a layout padded to its bucket give
+    every live row the bits of the unpadded layout (the EAGLE head's eager catch-up pads so)."""
+    from dataclasses import replace
+
+    from specdec.models import fused_triton, split_kv_triton
+
+    group, contexts = 3, [1, 70, 129, 300, 0]
+    query_lens = [min(width, c) for c in contexts]
+    query_lens[3] = 1
+    query, k_cache, v_cache, meta = _decode_case(contexts, query_lens, width, 2, group, 17)
+    bucket = decode_query_bucket(width, group, 16)
+    assert bucket > width
+    padded_query = _in_layout(query, len(contexts), width, bucket)
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(split_kv_triton, "SPLIT_KV_PARTITION", small_partitions)
+    try:
+        for parts in (0, 5):
+            launch = (
+                fused_triton.paged_decode_attention_triton
+                if parts == 0
+                else split_kv_triton.split_kv_decode_attention_triton
+            )
+            want = launch(query, k_cache, v_cache, meta(parts), 0.3)
+            slots = torch.full((len(contexts) * bucket,), -1)
+            wide = replace(meta(parts), query_per_seq=bucket, slot_mapping=slots)
+            got = launch(padded_query, k_cache, v_cache, wide, 0.3)
+            got = got.view(len(contexts), bucket, *got.shape[1:])[:, :width]
+            assert torch.equal(got.flatten(0, 1), want), f"partitions {parts}"
+    finally:
+        monkey.undo()

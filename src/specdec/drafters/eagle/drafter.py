@@ -29,6 +29,8 @@ from specdec.drafters.eagle.state import EagleState
 from specdec.drafters.eagle.tree_drafting import propose_tree
 from specdec.models import AttentionMetadata, LlamaForCausalLM
 from specdec.models.attention import DecodeMetadata, cache_slots
+from specdec.models.attention_tiles import decode_query_bucket
+from specdec.models.fused import paged_decode_attention
 from specdec.models.split_kv import split_when_unseen, step_partitions
 from specdec.runner.cuda_graph import GraphCache, StaticInputs, batch_buckets, bucket_for
 from specdec.runner.kv_cache import BlockAllocator
@@ -96,6 +98,8 @@ class EagleDrafter(Drafter):
             use_graphs = self.device.type == "cuda" and not enforce_eager
             max_blocks = -(-max_entries // block_size)
             self._graphs = _HeadGraphs(self, max_num_seqs, max_width, max_blocks, use_graphs)
+        if self.device.type == "cuda":
+            self.compile_catch_up_variants()
 
     @classmethod
     def from_config(
@@ -238,6 +242,32 @@ class EagleDrafter(Drafter):
                 logits = head_logits(self.head, last, self.lm_weight)
         return out.proposal(proposed)
 
+    def compile_catch_up_variants(self) -> None:
+        """Compiles the decode attention's variants for the eager catch-up's widths (one per
+        `decode_query_bucket` of 1..MAX_DECODE_ENTRIES; see `_catch_up`) at set-up, each
+        through one inert launch (no key read or written): otherwise a width's variant
+        compiles (0.3-0.7 s on the H200) inside the first round that resumes after a plain-arm
+        visit of that length. The launch passes what `_decode_step` passes (the head's cache,
+        its activation dtype, int64 metadata, the drafter's partitions)."""
+        attn = self.head.layer.self_attn
+        group = attn.num_heads // attn.num_kv_heads
+        limit = self.MAX_DECODE_ENTRIES
+        widths = sorted({decode_query_bucket(w, group, limit) for w in range(1, limit + 1)})
+        device, dtype = self.device, self.head.fc.weight.dtype
+        k_cache, v_cache = self.kv_cache.k_cache[0], self.kv_cache.v_cache[0]
+        inert = torch.zeros(1, dtype=torch.int64, device=device)  # context 0: nothing to read
+        for width in widths:
+            meta = DecodeMetadata(
+                block_tables=inert.view(1, 1),
+                context_lens=inert,
+                query_lens=inert,
+                slot_mapping=torch.full((width,), -1, dtype=torch.int64, device=device),
+                query_per_seq=width,
+                num_partitions=self.num_partitions,
+            )
+            query = torch.zeros(width, attn.num_heads, attn.head_dim, dtype=dtype, device=device)
+            paged_decode_attention(query, k_cache, v_cache, meta, attn.scale)
+
     def _catch_up(self, features, tokens, first_positions, query_lens, live_states):
         """The round's first head step without graphs: request j feeds the entries whose target
         features are features[j] ([query_lens[j], F]) and tokens tokens[j]. Returns each
@@ -247,7 +277,13 @@ class EagleDrafter(Drafter):
         width = max(query_lens)
         if width <= self.MAX_DECODE_ENTRIES:
             # The usual round: a few new entries per request, through the fused decode path in
-            # the padded layout (request j's entries at rows j * width ..).
+            # the padded layout (request j's entries at rows j * width ..). The width follows
+            # the data (after plain-arm steps: how many ran), and the decode kernel compiles a
+            # variant per width (a constexpr), mid-run; padded to its bucket it takes one of a
+            # few, each with the tile (so the attention's bits) of the unpadded width.
+            attn = self.head.layer.self_attn
+            group = attn.num_heads // attn.num_kv_heads
+            width = decode_query_bucket(width, group, self.MAX_DECODE_ENTRIES)
             if width > 1 and min(query_lens) < width:
                 rows = [j * width + i for j, n in enumerate(query_lens) for i in range(n)]
                 padded = projected.new_zeros(len(live_states) * width, projected.shape[1])
