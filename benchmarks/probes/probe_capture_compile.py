@@ -15,6 +15,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 
 CHILD = r"""
 import sys, torch, triton, triton.language as tl
@@ -42,9 +43,12 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     result = {}
+    # Triton reads a kernel's source from its file: the child runs from one.
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as child:
+        child.write(CHILD)
     for mode in ("global", "thread_local", "relaxed"):
         run = subprocess.run(
-            [sys.executable, "-c", CHILD, mode], capture_output=True, text=True, timeout=300
+            [sys.executable, child.name, mode], capture_output=True, text=True, timeout=300
         )
         tail = (run.stdout + run.stderr).strip().splitlines()[-3:]
         result[mode] = {"returncode": run.returncode, "tail": tail}

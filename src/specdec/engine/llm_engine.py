@@ -166,6 +166,7 @@ class LLMEngine(SpeculativeLoops):
         self._next_k: int | None = None  # a K chosen in plain mode for the next device round
         self._plain_end: torch.cuda.Event | float | None = None  # the last plain step's end
         self._plain_rows = 0  # the rows of the rounds a plain visit left (its steps pad to them)
+        self._entry_cost = None  # (bucket, host seconds, device marks) of the last entry
         # A plain visit's target features (requests, starts, [B, F] per step), delivered to the
         # drafter in one call when the visit ends, before the drafter drafts again.
         self._plain_features: list[tuple[list[Request], list[int], torch.Tensor]] = []

@@ -92,9 +92,9 @@ class SpeculationPolicy:
     adaptive: bool = True
     plain_arm: bool = False
     explore_every: int = 48
-    explore_run: int = 3
+    explore_run: int = 5
     explore_budget: float = 0.01
-    ramp: int = 1
+    ramp: int = 2
     window: int = 8
     decay: float = 0.1
     _costs: dict[tuple[int, int], _Cost] = field(default_factory=dict)

@@ -11,7 +11,7 @@ import time
 import torch
 
 from specdec.drafters import TargetFeatures
-from specdec.engine.device_round import DeviceRounds, seconds_between
+from specdec.engine.device_round import DeviceRounds, mark, seconds_between
 from specdec.engine.inflight import Inflight
 from specdec.engine.outputs import RequestOutput
 from specdec.engine.request import Request
@@ -146,9 +146,12 @@ class SpeculativeLoops:
                 self._in_plain, self._plain_rows = True, bucket
                 return
             self._next_k = k
-        started = time.perf_counter()
+        started, host = mark(self.device), time.perf_counter()
         rounds.begin(requests)
-        self.policy.observe_entry(rounds.num_rows, time.perf_counter() - started)
+        host = time.perf_counter() - host
+        # The entry's cost: its host time, or its device work when longer (read with the first
+        # round, when the events have completed).
+        self._entry_cost = (rounds.num_rows, host, started, mark(self.device))
         self._in_rounds = True
 
     def _horizon(self, requests: list[Request]) -> list[int] | None:
@@ -215,6 +218,11 @@ class SpeculativeLoops:
             emissions, k, seconds = rounds.read()
             outcomes = [(e.num_draft, e.num_accepted) for _, e in emissions]
             self.policy.observe(rounds.num_rows, k, seconds, outcomes)
+            if self._entry_cost is not None:
+                bucket, host, started, ended = self._entry_cost
+                self._entry_cost = None
+                device = host if isinstance(started, float) else seconds_between(started, ended)
+                self.policy.observe_entry(bucket, max(host, device))
             outputs = self._commit([(r, None, e) for r, e in emissions], only_finished)
         if not launched and not rounds.inflight:
             self._leave_rounds()

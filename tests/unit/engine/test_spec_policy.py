@@ -108,13 +108,15 @@ def test_a_cost_is_the_median_of_recent_measurements_and_unmeasured_rounds_do_no
     seconds = {PLAIN: 1.0, 0: 1.3, 1: 1.4, 2: 1.5}
     explore(policy, seconds, accepted=0)
     assert policy.choose(BUCKET) == PLAIN
-    policy.observe(BUCKET, PLAIN, 7.0, [])  # a new visit: its first measured step is not kept
+    for _ in range(policy.ramp):  # a new visit: its first measured steps are not kept
+        policy.observe(BUCKET, PLAIN, 7.0, [])
     policy.observe(BUCKET, PLAIN, 50.0, [])
     policy.observe(BUCKET, PLAIN, None, [])
-    assert policy.costs()[(BUCKET, PLAIN)] == (1.0, 3)  # kept: 1.0, 1.0 (explored), 50.0
+    kept = policy.explore_run - policy.ramp
+    assert policy.costs()[(BUCKET, PLAIN)] == (1.0, kept + 1)  # 1.0 (explored) ..., 50.0
     assert policy.choose(BUCKET) == PLAIN
-    kept = [1.0, 1.0, 50.0]
-    assert sum(kept) / len(kept) > seconds[2]  # a mean would have made PLAIN look worst
+    values = [1.0] * kept + [50.0]
+    assert sum(values) / len(values) > seconds[2]  # a mean would have made PLAIN look worst
 
 
 def test_acceptance_weighs_every_request_of_a_round_alike():
