@@ -141,6 +141,10 @@ class SpeculativeLoops:
             return
         if self._next_k is None and self.policy.plain_arm and self.policy.adaptive:
             bucket = bucket_for(batch_buckets(self.config.max_num_seqs), len(requests))
+            ids = {r.request_id for r in requests}
+            if ids <= self._batch_ids:  # the last batch less the requests that finished
+                bucket = max(bucket, self._plain_rows)  # its rows (and measured costs) stay
+            self._batch_ids = ids
             k = self.policy.choose(bucket, self._horizon(requests), in_rounds=False)
             if k == PLAIN:
                 self._in_plain, self._plain_rows = True, bucket
@@ -149,6 +153,7 @@ class SpeculativeLoops:
         started, host = mark(self.device), time.perf_counter()
         rounds.begin(requests)
         host = time.perf_counter() - host
+        self._plain_rows = rounds.num_rows
         # The entry's cost: its host time, or its device work when longer (read with the first
         # round, when the events have completed).
         self._entry_cost = (rounds.num_rows, host, started, mark(self.device))

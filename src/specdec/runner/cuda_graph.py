@@ -122,11 +122,7 @@ class GraphCache:
         for tensor, copy in saved:
             tensor.copy_(copy)
         graph = torch.cuda.CUDAGraph()
-        # "relaxed": a Triton kernel whose specialisation the warm-up did not meet compiles and
-        # loads its module during the capture (no stream work, nothing of it captured), which
-        # the default mode refuses, invalidating the capture (seen on the H200: an EAGLE round's
-        # capture failed so). Synchronising calls still fail the capture in this mode.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="relaxed"):
+        with torch.cuda.graph(graph, pool=self._pool):
             outputs = step()
         self._pool = graph.pool()
         return graph, outputs

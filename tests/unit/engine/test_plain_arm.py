@@ -341,6 +341,31 @@ def test_the_policy_sees_each_requests_remaining_budget_when_nothing_waits(
     assert all(later[-1] <= earlier[-1] for earlier, later in itertools.pairwise(budgets))
 
 
+def test_a_batch_that_shrinks_keeps_its_bucket(model_dir, head_dir, prompts):
+    """When requests of a plain visit finish, the rest re-enter the policy at the batch's
+    bucket (its measured costs and captured graphs), not at a smaller one it never measured;
+    a new batch starts from its own size."""
+    buckets = []
+
+    class Recording(ScriptedPolicy):
+        def _choose(self, bucket, remaining=None, in_rounds=True):
+            buckets.append(bucket)
+            return PLAIN
+
+    lengths = [6, 7, 20, 21]
+    requests = [
+        (p, params_for(1.0, 30 + i, max_tokens=n))
+        for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+    ]
+    engine = make_engine(model_dir, spec_for("eagle", head_dir, "coupled"))
+    engine.policy = Recording(3, alternate)
+    drive(engine, requests)
+    assert set(buckets) == {4}, buckets  # 2 requests left: still bucket 4
+    buckets.clear()
+    drive(engine, requests[:1])
+    assert set(buckets) == {1}, buckets
+
+
 def test_abort_in_plain_mode_keeps_the_others_and_frees_everything(model_dir, head_dir, prompts):
     requests = [(p, params_for(1.0, 30 + i)) for i, p in enumerate(prompts)]
     expected = plain_decoding(model_dir, requests)
