@@ -164,7 +164,6 @@ class LLMEngine(SpeculativeLoops):
         self._in_plain = False
         self._plain_chosen = False  # the policy chose PLAIN: drain the rounds, then go plain
         self._next_k: int | None = None  # a K chosen in plain mode for the next device round
-        self._plain_end: torch.cuda.Event | float | None = None  # the last plain step's end
         self._plain_rows = 0  # the rows of the rounds a plain visit left (its steps pad to them)
         self._entry_cost = None  # (bucket, host seconds, device marks) of the last entry
         self._batch_ids: set[str] = set()  # the requests of the last entry's batch
