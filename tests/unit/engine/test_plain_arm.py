@@ -199,6 +199,7 @@ def test_injected_costs_make_the_real_policy_go_plain(model_dir, head_dir, promp
     expected = plain_decoding(model_dir, requests)
     engine = make_engine(model_dir, spec_for("eagle", head_dir, "coupled"))
     engine.policy.explore_every = 16
+    engine.policy.explore_run, engine.policy.ramp = 3, 1  # explorations short beside 40 steps
     assert drive(engine, requests) == expected
     chosen = engine.policy.chosen
     assert chosen[PLAIN] > sum(n for k, n in chosen.items() if k != PLAIN)
