@@ -35,6 +35,7 @@ K. Deterministic given its measurements; draws no randomness.
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections import deque
@@ -61,13 +62,20 @@ def expected_max_normal(count: int) -> float:
 
 @dataclass(slots=True)
 class _Cost:
-    """An arm's cost at one bucket: the `recent` kept measurements."""
+    """An arm's cost at one bucket: the `recent` kept measurements and their median."""
 
     recent: deque[float]
+    _median: float | None = None
+
+    def add(self, seconds: float) -> None:
+        self.recent.append(seconds)
+        self._median = None
 
     @property
     def seconds(self) -> float:
-        return statistics.median(self.recent)
+        if self._median is None:  # asked before every step: computed once per measurement
+            self._median = statistics.median(self.recent)
+        return self._median
 
 
 @dataclass(slots=True)
@@ -148,7 +156,8 @@ class SpeculationPolicy:
                 self._tried[(bucket, k)] = self._tried.get((bucket, k), 0) + 1
                 return k
         if remaining:
-            best = min(arms, key=lambda k: self.seconds_to_finish(bucket, k, remaining, in_rounds))
+            ordered = sorted(remaining)
+            best = min(arms, key=lambda k: self._seconds_to_finish(bucket, k, ordered, in_rounds))
         else:
             best = max(arms, key=lambda k: self.tokens_per_second(bucket, k))
         if self._rounds % self.explore_every == 0:
@@ -191,12 +200,15 @@ class SpeculationPolicy:
     def expected_steps(self, k: int, remaining: Sequence[int]) -> float:
         """The expected number of steps of arm k until the last of the requests with
         `remaining` tokens to emit has emitted them (see the module docstring)."""
-        longest = max(remaining)
+        return self._expected_steps(k, sorted(remaining))
+
+    def _expected_steps(self, k: int, ordered: list[int]) -> float:
+        longest = ordered[-1]
         mean, variance = self.round_tokens(k)
         if variance <= 0.0:
             return float(longest) / mean
         spread = math.sqrt(longest * variance / mean**3)  # standard deviation of the rounds
-        contenders = sum(n >= longest - 2 * mean * spread for n in remaining)
+        contenders = len(ordered) - bisect.bisect_left(ordered, longest - 2 * mean * spread)
         steps = longest / mean + (variance / mean**2) / 2  # renewal: the last round's overshoot
         if contenders > 1:  # the largest of whole numbers of rounds: half a round above
             steps += 0.5 + expected_max_normal(contenders) * spread
@@ -222,10 +234,13 @@ class SpeculationPolicy:
     ) -> float:
         """The expected seconds until the batch has emitted `remaining` with arm k from now on
         (0 when k was never measured here: worth measuring)."""
+        return self._seconds_to_finish(bucket, k, sorted(remaining), in_rounds)
+
+    def _seconds_to_finish(self, bucket: int, k: int, ordered: list[int], in_rounds: bool) -> float:
         cost = self._costs.get((bucket, k))
         if cost is None or not cost.recent:
             return 0.0
-        steps = self.expected_steps(k, remaining)
+        steps = self._expected_steps(k, ordered)
         return self.switch_seconds(bucket, k, in_rounds) + steps * cost.seconds
 
     def tokens_per_second(self, bucket: int, k: int) -> float:
@@ -261,7 +276,7 @@ class SpeculationPolicy:
             self._visit_measured += 1
             cost = self._costs.setdefault((bucket, k), _Cost(deque(maxlen=self.window)))
             if self._visit_measured > self.ramp:
-                cost.recent.append(seconds)
+                cost.add(seconds)
         if not outcomes:
             return
         # The round's counts per draft position (over its requests) enter the running sums
