@@ -167,6 +167,8 @@ class LLMEngine(SpeculativeLoops):
         self._plain_rows = 0  # the rows of the rounds a plain visit left (its steps pad to them)
         self._entry_cost = None  # (bucket, host seconds, device marks) of the last entry
         self._batch_ids: set[str] = set()  # the requests of the last entry's batch
+        self._visit_horizon: list[int] | None = None  # a plain visit's budgets at its start
+        self._visit_steps = 0  # plain steps read in the visit
         # A plain visit's target features (requests, starts, [B, F] per step), delivered to the
         # drafter in one call when the visit ends, before the drafter drafts again.
         self._plain_features: list[tuple[list[Request], list[int], torch.Tensor]] = []

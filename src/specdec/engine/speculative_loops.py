@@ -35,14 +35,22 @@ class SpeculativeLoops:
             if shares is None:
                 self._in_plain = False
                 return self.step(only_finished)
+            # The visit's budgets, read once: each plain step emits one token per request, and
+            # the visit ends when the batch changes (host time per step counts here).
+            horizon = self._horizon([share.request for share in shares])
+            self._visit_horizon = sorted(horizon) if horizon else None
+            self._visit_steps = 0
             self._inflight = self._launch(shares, None, plain_arm=True)
             return []
         self._inflight = None
         if self._can_overlap(inflight):
             bucket = self._plain_bucket(len(inflight.requests))
-            k = self.policy.choose(bucket, self._horizon(inflight.requests), in_rounds=False)
+            self._visit_steps += 1
+            base = self._visit_horizon
+            horizon = None if base is None else [max(n - self._visit_steps, 1) for n in base]
+            k = self.policy.choose(bucket, horizon, in_rounds=False)
             if k == PLAIN:
-                shares = self._plain_shares()
+                shares = self._plain_shares(checked=True)
                 if shares is not None:
                     self._inflight = self._launch(shares, inflight, plain_arm=True)
             else:
@@ -56,14 +64,16 @@ class SpeculativeLoops:
                 self._next_k = None  # the synchronous step goes on; its choice is dropped
         return outputs
 
-    def _plain_shares(self) -> list[ScheduledRequest] | None:
+    def _plain_shares(self, checked: bool = False) -> list[ScheduledRequest] | None:
         """The running requests as plain decode shares (one token each, its block grown), or
         None when the batch must go back to the scheduler: a waiting request could join, one
-        has no plain decode step to run, or the cache cannot hold the step."""
+        has no plain decode step to run, or the cache cannot hold the step. `checked`: the
+        requests are those of the step in flight and `_can_overlap` passed (each may emit one
+        more token; nothing waits), so only the blocks are grown."""
         requests = list(self.scheduler.running)
         if not requests or self._admission_pending():
             return None
-        for request in requests:
+        for request in () if checked else requests:
             if request.status.finished or request.num_computed_tokens != request.num_tokens - 1:
                 return None
             limit = self.outputs.output_limit(request)
