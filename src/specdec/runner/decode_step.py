@@ -255,10 +255,9 @@ class DecodeGraphs:
             device_ids = self.input_ids[:rows].view(num_padded, query_per_seq)
             device_ids[:num_seqs, 0].copy_(first_tokens)
         longest = max(start + len(tokens) for start, tokens in zip(starts, token_ids, strict=True))
-        # Tree steps stay on the single-pass kernel until the split-KV kernels' tree mask has
-        # passed its GPU parity test (`test_split_kv_tree_kernels_match_the_twins`; written in
-        # s11, not yet run on a GPU): correct at any length, slower past one partition.
-        split_kv = not tree and split_when_seen(longest, self.num_partitions)
+        # Tree steps take split-KV by the same rule (the split-KV kernels' tree mask passed its
+        # GPU parity test, `test_split_kv_tree_kernels_match_the_twins`, on the H200 in s12).
+        split_kv = split_when_seen(longest, self.num_partitions)
         features = self.graph_cache.run(
             (num_padded, query_per_seq, feature_layers, tree, split_kv),
             lambda: self.forward(num_padded, query_per_seq, feature_layers, split_kv, tree),
