@@ -274,11 +274,11 @@ def bench_smollm2(
                     for k in ks
                 }
             )
-            # The default policy (its plain arm on), and the policy over device rounds alone.
+            # The default policy (over device rounds alone), and with its plain arm.
             configs["eagle adaptive K<=4"] = {**head, "num_speculative_tokens": 4, "adaptive": True}
-            configs["eagle adaptive no-plain-arm K<=4"] = {
+            configs["eagle adaptive plain-arm K<=4"] = {
                 **configs["eagle adaptive K<=4"],
-                "plain_arm": False,
+                "plain_arm": True,
             }
             if only:  # "plain" always runs: the speed-ups are against it
                 configs = {

@@ -108,7 +108,10 @@ class SpeculativeConfig:
         plain_arm: with `adaptive`, also offer the policy arm P: run the batch through the plain
             overlapped decode loop (outside device rounds, or without entering them) while that
             is predicted to be faster (its cost: the plain step at the batch bucket; its tokens
-            per step: 1). False leaves K = 0 rounds as the policy's only way not to draft.
+            per step: 1). Off by default: on the H200 (s12) it kept batch 32 at 0.97-1.01x plain
+            when chosen from the start, but batch 64 ran at 0.72-0.85x with it against 0.85-1.05x
+            without (BENCHMARKS.md area 2b); off, K = 0 rounds are the policy's only way not to
+            draft.
     """
 
     method: str = "ngram"
@@ -119,7 +122,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     adaptive: bool = True
-    plain_arm: bool = True
+    plain_arm: bool = False
     tree: TreeConfig | None = None
 
     def __post_init__(self) -> None:

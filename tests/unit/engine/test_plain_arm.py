@@ -388,6 +388,6 @@ def test_abort_in_plain_mode_keeps_the_others_and_frees_everything(model_dir, he
 
 
 def test_plain_arm_must_be_a_bool():
-    assert SpeculativeConfig.from_dict({"method": "ngram"}).plain_arm is True
+    assert SpeculativeConfig.from_dict({"method": "ngram"}).plain_arm is False
     with pytest.raises(ValueError, match="plain_arm must be true or false"):
         SpeculativeConfig.from_dict({"method": "ngram", "plain_arm": "yes"})
