@@ -90,12 +90,12 @@ class SpeculativeLoops:
 
     def _observe_plain(self, inflight: Inflight) -> None:
         """A read plain-arm step: its cost to the policy, and its input tokens' target features
-        kept for `_deliver_plain_features`. The cost is the step's own device time (its graph
-        and sampling, from the events around them): a plain step keeps the device busy in
-        steady state (its interval between launches equals that time, s10), and the intervals
-        of a short visit, still ramping up after the rounds drained, read 1.2-1.5 ms against
-        1.0-1.1 ms in long visits at batch 32-64 (s12), which made the plain arm look slower
-        than it is. Rounds keep their interval, which includes the host's time between them."""
+        kept for `_deliver_plain_features`. The cost is the step's own device time (from the
+        events around its graph and sampling), not the interval since the previous step: the
+        intervals of a short visit, still ramping up after the rounds drained, read 1.2-1.5 ms
+        at batch 32-64 (s12-E). Within the step the device still waits on the host where the
+        loop is host-bound (1.12-1.42 ms against 0.98-1.13 ms plain steps, s12-G/H), which it
+        should count. Rounds keep their interval, which includes the host's time between them."""
         seconds = seconds_between(inflight.started, inflight.ended)
         bucket = self._plain_bucket(len(inflight.requests))
         self.policy.observe(bucket, PLAIN, seconds, [])
