@@ -54,7 +54,10 @@ def add_train_drafter(commands) -> None:
     train.add_argument("--target", default=None, help="HF directory or GGUF (default: built-in)")
     train.add_argument("--kind", required=True, help="draft_model, eagle, mtp, ...")
     train.add_argument(
-        "--data", action="append", required=True, help=".jsonl prompts, text file or folder"
+        "--data",
+        action="append",
+        required=True,
+        help=".jsonl prompts, text file or folder, or an earlier run's train-tokens.pt (pooled)",
     )
     train.add_argument("--out", required=True, help="output directory DIR")
     train.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt")

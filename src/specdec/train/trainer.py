@@ -2,9 +2,10 @@
 resume, and measure held-out acceptance through the engine.
 
 Output directory: config.json + model.safetensors (what `speculative_config={"method": kind,
-"model": DIR}` loads), checkpoint.pt (resume state), train-data.pt (the annotated data, reused by
---resume), acceptance.json (the held-out evaluation). Randomness: weight init and example order
-come from `specdec.train.init` (keyed by the training seed); generation noise from the engine.
+"model": DIR}` loads), checkpoint.pt (resume state), train-tokens.pt (the data's token lists:
+reused by --resume, and poolable into another run's --data; features are recomputed from them),
+acceptance.json (the held-out evaluation). Randomness: weight init and example order come from
+`specdec.train.init` (keyed by the training seed); generation noise from the engine.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from specdec.models import LlamaForCausalLM, Tokenizer, default_model_path, load
 from specdec.train.data import (
     TrainingSet,
     annotate_token_lists,
+    generate_answers,
     read_corpus,
-    self_distill,
     text_token_lists,
 )
 from specdec.train.init import permutation
@@ -30,7 +31,7 @@ from specdec.train.kind import DrafterKind, TrainOptions
 from specdec.train.registry import get_kind
 
 CHECKPOINT_FILE = "checkpoint.pt"
-DATA_FILE = "train-data.pt"
+DATA_FILE = "train-tokens.pt"
 ACCEPTANCE_FILE = "acceptance.json"
 
 
@@ -44,7 +45,7 @@ class TrainConfig:
         out: output directory.
         target: the target (HF directory or GGUF file); None = the built-in default model.
         options: optimisation and kind settings.
-        resume: continue from out/checkpoint.pt (and reuse out/train-data.pt).
+        resume: continue from out/checkpoint.pt (and reuse out/train-tokens.pt).
         max_text_tokens: tokens taken from text files at most.
         max_prompts: chat prompts taken at most (0 = all).
         gen_max_tokens: answer length when self-distilling from prompts.
@@ -87,31 +88,62 @@ def _progress(total: int, desc: str, unit: str, initial: int = 0):
 
 
 def collect_data(
-    config: TrainConfig, target: LlamaForCausalLM, tokenizer: Tokenizer, layers: tuple[int, ...]
+    config: TrainConfig,
+    target: LlamaForCausalLM,
+    tokenizer: Tokenizer,
+    layers: tuple[int, ...],
+    device: torch.device | None = None,
 ) -> TrainingSet:
-    """Annotates the corpus with the outputs of `layers` (reusing out/train-data.pt on resume
-    when it holds the same layers)."""
+    """The corpus as token lists (reused from out/train-tokens.pt on resume; `.pt` token files
+    among `config.data` are pooled in), kept in out/train-tokens.pt, then annotated with the
+    outputs of `layers` by batched prefills (features kept on `device`, default the CPU)."""
     cache = Path(config.out) / DATA_FILE
     if config.resume and cache.is_file():
-        cached = TrainingSet.load(cache)
-        if cached.layers == layers:
-            return cached
+        token_lists, prompt_lens = load_token_lists(cache)
+    else:
+        token_lists, prompt_lens = gather_token_lists(config, target, tokenizer)
+        save_token_lists(cache, token_lists, prompt_lens)
+    keep_on = device if device is not None else torch.device("cpu")
+    bar = _progress(sum(map(len, token_lists)), "annotating", "tok")
+    sequences = annotate_token_lists(
+        target,
+        token_lists,
+        layers,
+        prompt_lens,
+        batch_tokens=16384 if keep_on.type == "cuda" else 4096,
+        progress=lambda n: bar.update(n),
+        keep_on=keep_on,
+    )
+    bar.close()
+    return TrainingSet(layers, sequences)
+
+
+def gather_token_lists(
+    config: TrainConfig, target: LlamaForCausalLM, tokenizer: Tokenizer
+) -> tuple[list[list[int]], list[int]]:
+    """(token lists, prompt lengths) of the corpus: pooled `.pt` token files, the target's
+    answers to the chat prompts, text chunks (prompt length 0)."""
     texts, prompts = [], []
+    token_lists: list[list[int]] = []
+    prompt_lens: list[int] = []
     for path in config.data:
+        if Path(path).suffix == ".pt":
+            more_lists, more_lens = load_token_lists(Path(path))
+            token_lists += more_lists
+            prompt_lens += more_lens
+            continue
         more_texts, more_prompts = read_corpus(Path(path))
         texts += more_texts
         prompts += more_prompts
     if config.max_prompts:
         prompts = prompts[: config.max_prompts]
-    sequences = []
     if prompts:
         total = len(prompts) * config.gen_repeats * config.gen_max_tokens
         bar = _progress(total, "self-distilling", "tok")
-        sequences += self_distill(
+        answers = generate_answers(
             target,
             tokenizer,
             prompts,
-            layers,
             max_tokens=config.gen_max_tokens,
             temperatures=config.gen_temperatures,
             seed=config.options.seed,
@@ -120,14 +152,31 @@ def collect_data(
             progress=lambda n: bar.update(n),
         )
         bar.close()
+        token_lists += [tokens for tokens, _ in answers]
+        prompt_lens += [n for _, n in answers]
     if texts:
         chunks = text_token_lists(tokenizer, texts, config.options.seq_len, config.max_text_tokens)
-        bar = _progress(sum(map(len, chunks)), "annotating text", "tok")
-        sequences += annotate_token_lists(target, chunks, layers, progress=lambda n: bar.update(n))
-        bar.close()
-    data = TrainingSet(layers, sequences)
-    data.save(cache)
-    return data
+        token_lists += chunks
+        prompt_lens += [0] * len(chunks)
+    return token_lists, prompt_lens
+
+
+def save_token_lists(path: Path, token_lists: list[list[int]], prompt_lens: list[int]) -> None:
+    """One int32 tensor of every token and the lengths: 4 bytes a token."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    flat = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.int32)
+    lengths = torch.tensor([len(tokens) for tokens in token_lists], dtype=torch.int64)
+    torch.save({"tokens": flat, "lengths": lengths, "prompt_lens": prompt_lens}, path)
+
+
+def load_token_lists(path: Path) -> tuple[list[list[int]], list[int]]:
+    try:
+        data = torch.load(path, weights_only=True)
+        flat, lengths, prompt_lens = data["tokens"], data["lengths"], data["prompt_lens"]
+    except Exception as error:  # any unreadable file gets the same message
+        raise ValueError(f"{path}: not a token file written by train-drafter ({error})") from None
+    token_lists = [part.tolist() for part in flat.split(lengths.tolist())]
+    return token_lists, [int(n) for n in prompt_lens]
 
 
 def learning_rate(step: int, options: TrainOptions) -> float:
@@ -152,7 +201,7 @@ def train_drafter(config: TrainConfig, log=print) -> dict:
     options = config.options
     feature_layers = kind.feature_layers(target, options)
     layers = tuple(sorted({*feature_layers, target.config.num_hidden_layers - 1}))
-    data = collect_data(config, target, tokenizer, layers)
+    data = collect_data(config, target, tokenizer, layers, device)
     train_set, held_out = data.split(config.holdout_fraction)
     tf32 = torch.backends.cuda.matmul.allow_tf32
     if device.type == "cuda":

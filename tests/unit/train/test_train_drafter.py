@@ -77,7 +77,7 @@ def test_train_drafter_end_to_end(target_dir, prompts_file, tmp_path, kind, opti
     out = tmp_path / kind
     first = train(target_dir, prompts_file, out, kind, 3, *options)
     assert first["steps"] == 3
-    for name in ("config.json", "model.safetensors", "checkpoint.pt", "train-data.pt"):
+    for name in ("config.json", "model.safetensors", "checkpoint.pt", "train-tokens.pt"):
         assert (out / name).is_file(), name
     for temperature in ("0.0", "1.0"):
         figures = first["acceptance"][temperature]
@@ -173,3 +173,34 @@ def test_nothing_held_out_is_said_loudly(target_dir, tmp_path, capsys):
     )
     assert "acceptance" not in result and "held_out_loss" not in result
     assert "WARNING: nothing is held out (the data has 1 sequence(s)" in capsys.readouterr().err
+
+
+def test_token_files_pool_into_data_and_annotate_like_the_prompts(target_dir, tmp_path):
+    """out/train-tokens.pt keeps a run's token lists; given to another run's --data it is
+    pooled in (its sequences annotated by prefills, as the prompts' answers are), and a file
+    that is not one fails with its name."""
+    from specdec.models import load_model
+    from specdec.train.trainer import (
+        TrainConfig,
+        collect_data,
+        load_token_lists,
+        save_token_lists,
+    )
+
+    target, _, tokenizer = load_model(str(target_dir), dtype=torch.float32, device="cpu")
+    lists = prompt_tokens(VOCAB, [9, 5, 12], seed=7)
+    path = tmp_path / "pool.pt"
+    save_token_lists(path, lists, [3, 0, 4])
+    assert load_token_lists(path) == (lists, [3, 0, 4])
+    config = TrainConfig(kind="eagle", data=(str(path),), out=str(tmp_path / "out"))
+    data = collect_data(config, target, tokenizer, (0, 1))
+    assert [s.token_ids.tolist() for s in data.sequences] == lists
+    assert [s.prompt_len for s in data.sequences] == [3, 0, 4]
+    assert data.sequences[0].loss_mask.tolist() == [False, False] + [True] * 7
+    assert data.sequences[2].layers.shape == (12, 2, target.config.hidden_size)
+    # Kept in out/ for --resume, unchanged.
+    assert load_token_lists(tmp_path / "out" / "train-tokens.pt") == (lists, [3, 0, 4])
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a torch file")
+    with pytest.raises(ValueError, match=r"bad\.pt: not a token file written by train-drafter"):
+        load_token_lists(bad)
