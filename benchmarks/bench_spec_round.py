@@ -257,10 +257,14 @@ def bench_smollm2(
     batches,
     only: list[str] | None = None,
     save=None,
+    head_dir: str | None = None,
 ) -> dict:
     """`save(results)`, when given, is called after every row (a later failure keeps them); a
-    configuration that fails is recorded with its error and the others go on."""
+    configuration that fails is recorded with its error and the others go on. `head_dir`: an
+    EAGLE head directory in place of the shipped one."""
     model, tokenizer, encoded, head = load_smollm2(gguf, device)
+    if head_dir is not None:
+        head = {**head, "model": head_dir}
     results = {"num_prompts": len(encoded), "output_len": output_len, "rows": {}}
     for batch in batches:
         common = {"device": device, "max_num_seqs": batch, "max_model_len": 1024}
@@ -535,6 +539,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--smollm2-batches", default="1,8,32,64")
+    parser.add_argument("--head", default=None, help="an EAGLE head directory (default: shipped)")
     parser.add_argument("--oracle-batches", default="1,8")
     parser.add_argument(
         "--smollm2-configs",
@@ -565,7 +570,7 @@ def main() -> None:
         def save(result: dict) -> None:
             path.write_text(json.dumps({"meta": meta, **result}, indent=1))
 
-        save(bench_smollm2(args.gguf, args.device, args.output_len, batches, only, save))
+        save(bench_smollm2(args.gguf, args.device, args.output_len, batches, only, save, args.head))
     if "block" in parts:
         batches = [int(b) for b in args.block_batches.split(",")]
         result = bench_block(

@@ -101,7 +101,13 @@ def collect_data(
     if config.resume and cache.is_file():
         token_lists, prompt_lens = load_token_lists(cache)
     else:
-        token_lists, prompt_lens = gather_token_lists(config, target, tokenizer)
+        decoder = target
+        if target.model.embed_tokens.weight.is_cuda:
+            # On the GPU the answers are decoded in bfloat16, the dtype the GPU engine serves
+            # in (several times faster than float32); their features come from `target`.
+            path = config.target or str(default_model_path())
+            decoder = load_model(path, dtype=torch.bfloat16, device="cuda").model
+        token_lists, prompt_lens = gather_token_lists(config, decoder, tokenizer)
         save_token_lists(cache, token_lists, prompt_lens)
     keep_on = device if device is not None else torch.device("cpu")
     bar = _progress(sum(map(len, token_lists)), "annotating", "tok")
