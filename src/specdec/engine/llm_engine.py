@@ -540,6 +540,11 @@ class LLMEngine(SpeculativeLoops):
             and not request.host_processed  # processed with the output so far, on the host
         )
 
+    def _admission_pending(self) -> bool:
+        """Whether a waiting request could join the batch now (the rounds then drain)."""
+        scheduler = self.scheduler
+        return bool(scheduler.waiting) and len(scheduler.running) < self.config.max_num_seqs
+
     def _can_overlap(self, inflight: Inflight) -> bool:
         """Whether the next schedule is certainly the in-flight requests again, each decoding
         one more token: nothing waits, nothing finished or was aborted, every request may still

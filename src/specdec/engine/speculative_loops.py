@@ -178,11 +178,6 @@ class SpeculativeLoops:
             if not r.status.finished
         ] or None
 
-    def _admission_pending(self) -> bool:
-        """Whether a waiting request could join the batch now (the rounds then drain)."""
-        scheduler = self.scheduler
-        return bool(scheduler.waiting) and len(scheduler.running) < self.config.max_num_seqs
-
     def _device_round_runner(self) -> DeviceRounds | None:
         if self._rounds is None:
             k = self.speculative_config.num_speculative_tokens
