@@ -541,17 +541,20 @@ class LLMEngine(SpeculativeLoops):
         )
 
     def _admission_pending(self) -> bool:
-        """Whether a waiting request could join the batch now (the rounds then drain)."""
+        """Whether a waiting request could join the batch now (the overlapped loop and the rounds
+        then drain). A full batch (max_num_seqs running) admits nobody until one finishes, so a
+        queue behind it does not stop them."""
         scheduler = self.scheduler
         return bool(scheduler.waiting) and len(scheduler.running) < self.config.max_num_seqs
 
     def _can_overlap(self, inflight: Inflight) -> bool:
         """Whether the next schedule is certainly the in-flight requests again, each decoding
-        one more token: nothing waits, nothing finished or was aborted, every request may still
-        emit after its pending token, and the cache has a slot for each without preempting."""
+        one more token: no waiting request could join (the batch is full or nothing waits),
+        nothing finished or was aborted, every request may still emit after its pending token,
+        and the cache has a slot for each without preempting."""
         scheduler = self.scheduler
         running = scheduler.running
-        if scheduler.waiting or len(running) != len(inflight.requests):
+        if self._admission_pending() or len(running) != len(inflight.requests):
             return False
         if len(running) > scheduler.config.max_num_batched_tokens:
             return False

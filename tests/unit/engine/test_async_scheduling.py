@@ -27,17 +27,21 @@ def make_engine(model_dir, async_scheduling: bool, **kwargs) -> LLMEngine:
     return LLMEngine(config, SpeculativeConfig.from_dict(None))
 
 
-def drive(engine: LLMEngine, requests, *, late=(), abort_after=None, only_finished=True):
+def drive(
+    engine: LLMEngine, requests, *, late=(), abort_after=None, only_finished=True, queued=False
+):
     """Final outputs by request id (tokens, finish reasons, stop reasons, text, logprobs), and
-    how many steps were launched while another was in flight."""
+    how many steps were launched while another was in flight (`queued`: and requests waited)."""
     for prompt, params in requests:
         engine.add_request(prompt, params)
     finals, steps, overlapped = {}, 0, 0
     while engine.has_unfinished:
         in_flight_before = engine._inflight is not None
+        waited = bool(engine.scheduler.waiting)
         outputs = engine.step(only_finished=only_finished)
         steps += 1
-        overlapped += in_flight_before and engine._inflight is not None
+        launched = in_flight_before and engine._inflight is not None
+        overlapped += launched and (waited or not queued)
         if steps == 3:
             for prompt, params in late:
                 engine.add_request(prompt, params)
@@ -122,3 +126,24 @@ def test_streamed_outputs_end_the_same(model_dir):
     ]
     sync, overlapped_run, _ = both(model_dir, requests, only_finished=False)
     assert overlapped_run == sync
+
+
+def test_a_full_batch_overlaps_while_requests_queue(model_dir):
+    """Requests waiting behind a full batch (max_num_seqs running) cannot join until one
+    finishes, so the batch's steps still overlap; each finish lets the next request in, with
+    the synchronous loop's tokens. Before this, any waiting request stopped the overlapped loop
+    (0 steps overlapped while the queue was non-empty: a saturated server decoded
+    synchronously)."""
+    prompts = prompt_tokens(VOCAB, [5, 9, 3, 12, 6, 4, 7, 8], seed=14)
+    requests = [
+        (p, SamplingParams(temperature=1.0, seed=40 + i, max_tokens=10 + 3 * i))
+        for i, p in enumerate(prompts)
+    ]
+    requests[2] = (prompts[2], SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[5]))
+    engine_args = {"max_num_seqs": 3}
+    sync, _ = drive(make_engine(model_dir, False, **engine_args), requests)
+    overlapped_run, queued = drive(
+        make_engine(model_dir, True, **engine_args), requests, queued=True
+    )
+    assert overlapped_run == sync and len(sync) == 8
+    assert queued > 10  # steps launched in flight while requests waited
