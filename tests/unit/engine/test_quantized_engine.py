@@ -75,20 +75,41 @@ def test_greedy_speculation_equals_greedy_plain(tmp_path: Path, quantization: st
 
 
 def test_gguf_rows_do_not_depend_on_what_shares_the_prefill(tmp_path: Path, monkeypatch) -> None:
-    """The default load of a GGUF file on the CPU keeps it quantized, and a prompt's logits are
-    bit-identical alone and inside a batched prefill of other prompts (every product takes the
-    weight-only kernel). Negative control: with a dequantized bfloat16 GEMM for products of 16
-    rows or more (what long prefill chunks once took), the same comparison fails."""
-    from specdec.models import load_model, prompt_logits
+    """The default load of a GGUF file on the CPU keeps it quantized, and a prompt's final
+    hidden states, and its logits taken row by row, are bit-identical alone and inside a batched
+    prefill of other prompts (every layer's product takes the weight-only kernel). The LM head is
+    compared row by row (`decode=True`): this fixture's head has a vocabulary the kernels do not
+    take, so its batched product is a float GEMM, whose bits for a row may depend on how many
+    rows it multiplies (on an AVX-512 AMD EPYC, 7e-7 apart for a prompt at the end of a 67-row
+    prefill). Negative control: with a dequantized bfloat16 GEMM for products of 16 rows or more
+    (what long prefill chunks once took), the same comparison fails."""
+    from specdec.models import load_model
+    from specdec.models.llama import AttentionMetadata
 
     model = load_model(_gguf_model(tmp_path), quantization="auto").model
     assert model.quantization == "gguf"
     prompts = prompt_tokens(97, [21, 37, 9], seed=5)
 
+    def prefill(batch: list[list[int]]) -> list[torch.Tensor]:
+        lengths = [len(p) for p in batch]
+        tables, next_block = [], 0
+        for length in lengths:
+            tables.append(list(range(next_block, next_block + -(-length // 16))))
+            next_block += len(tables[-1])
+        attn = AttentionMetadata.build(lengths, lengths, tables, 16, model.device)
+        ids = torch.cat([torch.tensor(p) for p in batch])
+        positions = torch.cat([torch.arange(n) for n in lengths])
+        hidden = model(ids, positions, attn, model.allocate_kv_cache(next_block, 16))
+        return list(hidden.split(lengths))
+
     def compare() -> bool:
-        alone = [prompt_logits(model, [p])[0] for p in prompts]
-        batched = prompt_logits(model, prompts)
-        return all(torch.equal(a, b) for a, b in zip(alone, batched, strict=True))
+        alone = [prefill([p])[0] for p in prompts]
+        batched = prefill(prompts)
+        return all(
+            torch.equal(a, b)
+            and torch.equal(model.compute_logits(a, decode=True), model.compute_logits(b, True))
+            for a, b in zip(alone, batched, strict=True)
+        )
 
     assert compare()
     kernel = QuantizedWeight.matmul
