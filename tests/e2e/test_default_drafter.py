@@ -34,9 +34,9 @@ def test_the_shipped_head_is_small_and_the_default():
     assert default_spec(None, "cpu")["model"] == str(DEFAULT_EAGLE_DIR)
     assert default_spec("some/other/model", "cpu") == DEFAULT_SPECULATIVE_CONFIG
     # K by device: 1 on the CPU (a third verify row costs the quantized target ~0.9 plain
-    # steps there), 2 on CUDA; an unknown device type is refused by name.
+    # steps there), 4 on CUDA (the policy's bound); an unknown device type is refused by name.
     assert default_speculative_config(None, "cpu")["num_speculative_tokens"] == 1
-    assert default_speculative_config(None, "cuda")["num_speculative_tokens"] == 2
+    assert default_speculative_config(None, "cuda")["num_speculative_tokens"] == 4
     with pytest.raises(ValueError, match="'mps'"):
         default_speculative_config(None, "mps")
 

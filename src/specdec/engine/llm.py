@@ -38,7 +38,7 @@ class LLM:
         speculative_config: vLLM's keys (method, model, num_speculative_tokens,
             draft_sample_method, rejection_sample_method, prompt_lookup_min/max); None = no
             speculation; "auto" (the default) = the shipped EAGLE head for the built-in model
-            (K = 1 on the CPU, 2 on CUDA: `DEFAULT_NUM_SPECULATIVE_TOKENS`), no speculation for
+            (K = 1 on the CPU, 4 on CUDA: `DEFAULT_NUM_SPECULATIVE_TOKENS`), no speculation for
             any other model.
         **engine_args: EngineConfig fields (max_num_seqs, max_model_len, dtype, device, seed,
             tensor_parallel_size (1; N splits the target over N processes), ...); unknown

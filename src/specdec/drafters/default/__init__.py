@@ -1,6 +1,6 @@
 """Drafters shipped inside the package: an EAGLE head distilled from the built-in default model
-(SmolLM2-135M-Instruct) by `specdec train-drafter` (see BENCHMARKS.md for the command and its
-acceptance figures). Data files only; nothing here runs a model."""
+(SmolLM2-135M-Instruct) by `specdec train-drafter` (trained in session 13; BENCHMARKS.md has the
+command, [D9], and its acceptance figures). Data files only; nothing here runs a model."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ DEFAULT_EAGLE_DIR = Path(__file__).parent / "smollm2-135m-instruct-eagle"
 # The shipped head's K by device type. The CPU: 1, because the kept-quantized target's int4
 # kernel costs about as much for 2 rows as for 1 but ~1.9x for 3 (a K = 2 verify step is ~1.9
 # plain steps): K = 1 1.17x / 0.93x plain at T = 0 / 1 against 1.01x / 0.65x for K = 2 (session
-# 10; K = 2 was the fastest against the float target, session 6). CUDA: 2, the most the adaptive
-# policy picks from there. See BENCHMARKS.md area 4.
-DEFAULT_NUM_SPECULATIVE_TOKENS = {"cpu": 1, "cuda": 2}
+# 10; K = 2 was the fastest against the float target, session 6). CUDA: 4, the most the adaptive
+# policy picks from: at batch 1 it beat K <= 2 for the s3 and the s13 heads at both temperatures
+# (session 13), and the session 12 figures at batches 8-64 were taken with it. See BENCHMARKS.md
+# areas 2b and 4.
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"cpu": 1, "cuda": 4}
 
 
 def default_speculative_config(model: str | None, device_type: str) -> dict | None:
