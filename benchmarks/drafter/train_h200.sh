@@ -35,7 +35,7 @@ python3 -m specdec train-drafter --target "$gguf" --kind eagle --device cuda \
     --option draft_vocab_size=16384 --option ttt_steps=4 --option feature_layers=2,15,29 \
     --eval-prompts 32 --eval-max-tokens 128 --eval-k 4 ${RESUME:+--resume} \
     ${MAX_PROMPTS:+--max-prompts "$MAX_PROMPTS"} 2>&1 | tr '\r' '\n' |
-    awk '!/(step|tok)\/s/ || NR % 100 == 0' | tee -a "$out/train.log"
+    awk '!/(step|tok)\/s/ || NR % 100 == 0 {print; fflush()}' | tee -a "$out/train.log"
 
 if [ "${SWEEP:-1}" = 0 ]; then exit 0; fi
 python3 -m specdec bench --sweep --model "$gguf" --device cuda \
@@ -43,4 +43,4 @@ python3 -m specdec bench --sweep --model "$gguf" --device cuda \
     --drafter shipped='{"method": "eagle", "model": "src/specdec/drafters/default/smollm2-135m-instruct-eagle"}' \
     --prompts-file benchmarks/data/heldout_prompts.jsonl --num-prompts 16 --output-len 128 \
     --ks 2,4,6 --trees 16x5x4,16x6x2 --temperatures 0,1 --max-num-seqs 1 --num-kv-blocks 4096 --out "$out/sweep.json" 2>&1 |
-    tr '\r' '\n' | awk '!/it\/s\]$/' | tee "$out/sweep.log"
+    tr '\r' '\n' | awk '!/it\/s\]$/ {print; fflush()}' | tee "$out/sweep.log"
