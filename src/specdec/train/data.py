@@ -254,7 +254,7 @@ def generate_answers(
         max_model_len=min(target.config.max_position_embeddings, 2048),
     )
     engine = LLMEngine(config, None, model=target, tokenizer=tokenizer)
-    prompt_ids = {}
+    requests = []
     for i, prompt in enumerate(prompts):
         ids = (
             list(prompt["prompt_token_ids"])
@@ -271,16 +271,21 @@ def generate_answers(
                 max_tokens=max_tokens,
                 seed=seed + r * len(prompts) + i,
             )
-            request_id = f"p{i}" if r == 0 else f"p{i}r{r}"
-            prompt_ids[engine.add_request(ids, params, request_id=request_id)] = ids
+            requests.append((f"p{i}" if r == 0 else f"p{i}r{r}", ids, params))
+    # In waves of max_num_seqs requests, none waiting: a request that finishes then costs the
+    # overlapped loop one bubble, where admitting a waiting one costs a synchronous step with
+    # its prefill, and with hundreds of short answers in flight one finishes almost every step.
     answers = {}
-    while engine.has_unfinished:
-        for out in engine.step():
-            if out.finished:
-                answers[out.request_id] = out.outputs[0].token_ids
-                if progress is not None:
-                    progress(len(out.prompt_token_ids) + len(out.outputs[0].token_ids))
-    return [(ids + list(answers[rid]), len(ids)) for rid, ids in prompt_ids.items()]
+    for first in range(0, len(requests), max_num_seqs):
+        for request_id, ids, params in requests[first : first + max_num_seqs]:
+            engine.add_request(ids, params, request_id=request_id)
+        while engine.has_unfinished:
+            for out in engine.step():
+                if out.finished:
+                    answers[out.request_id] = out.outputs[0].token_ids
+                    if progress is not None:
+                        progress(len(out.prompt_token_ids) + len(out.outputs[0].token_ids))
+    return [(ids + list(answers[rid]), len(ids)) for rid, ids, _ in requests]
 
 
 def self_distill(
