@@ -339,23 +339,7 @@ def quantize_model(model: LlamaForCausalLM, quantization: str) -> LlamaForCausal
         raise ValueError(f"the model is already quantized ({model.quantization})")
     device, dtype = model.device, model.dtype
     for layer in model.model.layers:
-        for block_name, fused_name, names in _FUSED_GROUPS:
-            block = getattr(layer, block_name)
-            linears = [getattr(block, name) for name in names]
-            weights = [quantize(linear.weight.detach(), quantization) for linear in linears]
-            fused = _fuse(linears, weights, device)
-            assert fused is not None  # one format for all
-            biases = [linear.bias for linear in linears]
-            bias = None
-            if all(b is not None for b in biases):
-                parts = [b.detach() for b in biases if b is not None]
-                bias = torch.cat(parts).to(device=device, dtype=dtype)
-            set_fused(block, fused_name, fused_quantized(linears, fused, bias))
-        for block_name, name in _SINGLE_LINEARS:
-            linear = getattr(getattr(layer, block_name), name)
-            linear.set_quantized(
-                QuantizedWeight(quantize(linear.weight.detach(), quantization), device)
-            )
+        quantize_layer(layer, quantization, device, dtype)
     if model.lm_head is not None:
         head = quantize(model.lm_head.weight.detach(), quantization)
         model.lm_head.set_quantized(QuantizedWeight(head, device, keep_source=True))
@@ -364,6 +348,28 @@ def quantize_model(model: LlamaForCausalLM, quantization: str) -> LlamaForCausal
         model.tied_head = QuantizedWeight(table, device, keep_source=True)
     model.quantization = quantization
     return model
+
+
+def quantize_layer(
+    layer: torch.nn.Module, quantization: str, device: torch.device, dtype: torch.dtype
+) -> None:
+    """Quantizes one decoder layer's linears in place (q/k/v and gate/up fused)."""
+    for block_name, fused_name, names in _FUSED_GROUPS:
+        block = getattr(layer, block_name)
+        linears = [getattr(block, name) for name in names]
+        weights = [quantize(linear.weight.detach(), quantization) for linear in linears]
+        fused = _fuse(linears, weights, device)
+        assert fused is not None  # one format for all
+        biases = [linear.bias for linear in linears]
+        bias = None
+        if all(b is not None for b in biases):
+            parts = [b.detach() for b in biases if b is not None]
+            bias = torch.cat(parts).to(device=device, dtype=dtype)
+        set_fused(block, fused_name, fused_quantized(linears, fused, bias))
+    for block_name, name in _SINGLE_LINEARS:
+        linear = getattr(getattr(layer, block_name), name)
+        weight = quantize(linear.weight.detach(), quantization)
+        linear.set_quantized(QuantizedWeight(weight, device))
 
 
 def _fuse(
