@@ -144,3 +144,50 @@ def test_gguf_seeded_runs_replay_alone_batched_and_preempted(tmp_path: Path) -> 
     small = LLM(path, speculative_config=spec, max_model_len=64, num_kv_blocks=9, block_size=8)
     assert run(small, prompts) == batched
     assert small.engine.num_preemptions > 0
+
+
+def test_an_eagle_head_over_a_kept_quantized_target_is_int8_and_exact(tmp_path: Path) -> None:
+    """On the CPU a head over a GGUF target kept quantized takes int8 weight-only linears (its
+    norms stay float), and speculation stays exact: greedy output equals greedy plain decoding
+    with drafts accepted, and with K pinned the device rounds (async scheduling, op by op) emit
+    the synchronous path's tokens for seeded sampling (the same drafts from the same head)."""
+    from eagle_fixtures import trained_head
+
+    path = _gguf_model(tmp_path)
+    head_dir = trained_head(
+        save_hf_model(make_hf_model("llama"), tmp_path / "hf"), tmp_path / "head", steps=30
+    )
+    spec = {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": 2}
+    spec["adaptive"] = False
+    prompts = prompt_tokens(97, [6, 11, 3, 8], seed=4)
+    outputs = {}
+    for async_scheduling in (False, True):
+        llm = LLM(
+            path, speculative_config=spec, max_model_len=128, async_scheduling=async_scheduling
+        )
+        head = llm.engine.drafter.head
+        assert llm.engine.model.quantization == "gguf"
+        for linear in (
+            head.fc,
+            head.in_proj,
+            head.layer.self_attn.o_proj,
+            head.layer.mlp.down_proj,
+        ):
+            assert linear.quantized is not None and linear.quantized.layout == "cpu_int8"
+        assert head.norm.weight.dtype == torch.float32
+        greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        plain = llm.generate(prompts, greedy, speculative={"enabled": False}, use_tqdm=False)
+        spec_out = llm.generate(prompts, greedy, use_tqdm=False)
+        for a, b in zip(plain, spec_out, strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert sum(o.spec_decode_stats["num_accepted_tokens"] for o in spec_out) > 0
+        sampled = [
+            SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=10 + i)
+            for i in range(len(prompts))
+        ]
+        outputs[async_scheduling] = [
+            o.outputs[0].token_ids for o in llm.generate(prompts, sampled, use_tqdm=False)
+        ]
+        if async_scheduling:
+            assert llm.get_metrics()["loop"]["num_device_rounds"] > 0
+    assert outputs[True] == outputs[False]

@@ -22,7 +22,7 @@ class EagleDeviceDrafting(DeviceDrafting):
         graphs = drafter._graphs
         self.drafter, self.graphs = drafter, graphs
         self.width = width = graphs.width
-        device, dtype = drafter.device, drafter.head.fc.weight.dtype
+        device, dtype = drafter.device, drafter.head.dtype
         feature_size = drafter.head.config.feature_size
         self.entry_features = torch.zeros(
             num_slots, width, feature_size, dtype=dtype, device=device

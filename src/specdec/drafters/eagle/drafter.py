@@ -24,7 +24,13 @@ from specdec.drafters.base import (
 )
 from specdec.drafters.config import MAX_NUM_SPECULATIVE_TOKENS, SpeculativeConfig, TreeConfig
 from specdec.drafters.device import DeviceDrafting
-from specdec.drafters.eagle.head import EagleHead, head_logits, head_logits_weight, load_eagle_head
+from specdec.drafters.eagle.head import (
+    EagleHead,
+    head_logits,
+    head_logits_weight,
+    load_eagle_head,
+    quantize_head_int8,
+)
 from specdec.drafters.eagle.state import EagleState
 from specdec.drafters.eagle.tree_drafting import propose_tree
 from specdec.models import AttentionMetadata, LlamaForCausalLM
@@ -81,11 +87,11 @@ class EagleDrafter(Drafter):
         head.layer.mlp.fuse()
         self.feature_layers = tuple(head.config.feature_layers)
         self.embed = target.model.embed_tokens
-        self.lm_weight = head_logits_weight(target, draft_to_target, head.fc.weight.dtype)
+        self.lm_weight = head_logits_weight(target, draft_to_target, head.dtype)
         self.kv_cache = head.allocate_kv_cache(num_blocks, block_size)
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.block_size = block_size
-        self.device = head.fc.weight.device
+        self.device = head.device
         self._states: dict[str, EagleState] = {}
         self._graphs: _HeadGraphs | None = None
         # The head's attention over long contexts, as the target's rounds take it: split-KV on
@@ -111,6 +117,9 @@ class EagleDrafter(Drafter):
         head, draft_to_target = load_eagle_head(
             spec.model, target.config, dtype=target.dtype, device=target.device
         )
+        if target.quantization is not None:
+            # The head follows a target kept quantized on the CPU: int8 weight-only linears.
+            quantize_head_int8(head)
         return cls(
             head,
             target,
@@ -143,7 +152,7 @@ class EagleDrafter(Drafter):
     def observe(self, features: TargetFeatures) -> None:
         if not features.request_ids:
             return
-        dtype = self.head.fc.weight.dtype
+        dtype = self.head.dtype
         # A copy: the engine's feature tensors may be views of buffers it reuses. One copy for
         # every request (their rows joined), then a view per request.
         if len(features.features) == 1:
@@ -253,7 +262,7 @@ class EagleDrafter(Drafter):
         group = attn.num_heads // attn.num_kv_heads
         limit = self.MAX_DECODE_ENTRIES
         widths = sorted({decode_query_bucket(w, group, limit) for w in range(1, limit + 1)})
-        device, dtype = self.device, self.head.fc.weight.dtype
+        device, dtype = self.device, self.head.dtype
         k_cache, v_cache = self.kv_cache.k_cache[0], self.kv_cache.v_cache[0]
         inert = torch.zeros(1, dtype=torch.int64, device=device)  # context 0: nothing to read
         for width in widths:
@@ -417,7 +426,7 @@ class _HeadGraphs:
         self.width = width
         self.max_blocks = max_blocks
         head = drafter.head
-        device, dtype = drafter.device, head.fc.weight.dtype
+        device, dtype = drafter.device, head.dtype
         rows = max_num_seqs * width
         self.features = torch.zeros(rows, head.config.feature_size, dtype=dtype, device=device)
         self.hidden = torch.zeros(max_num_seqs, head.config.hidden_size, dtype=dtype, device=device)

@@ -87,7 +87,7 @@ def _head_level(drafter, trees, parents_rows, states, anchors) -> torch.Tensor:
     tokens = [0] * rows
     tables, context_lens, query_lens = [], [], []
     mask = torch.zeros(num_seqs, query_per_seq, region, dtype=torch.bool)
-    hidden = torch.zeros(rows, drafter.head.config.hidden_size, dtype=drafter.head.fc.weight.dtype)
+    hidden = torch.zeros(rows, drafter.head.config.hidden_size, dtype=drafter.head.dtype)
     hidden = hidden.to(device)
     row_of = {}
     for j, b in enumerate(requests):
