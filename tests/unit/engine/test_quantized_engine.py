@@ -75,14 +75,15 @@ def test_greedy_speculation_equals_greedy_plain(tmp_path: Path, quantization: st
 
 
 def test_gguf_rows_do_not_depend_on_what_shares_the_prefill(tmp_path: Path, monkeypatch) -> None:
-    """The default load of a GGUF file on the CPU keeps it quantized, and a prompt's final
-    hidden states, and its logits taken row by row, are bit-identical alone and inside a batched
-    prefill of other prompts (every layer's product takes the weight-only kernel). The LM head is
-    compared row by row (`decode=True`): this fixture's head has a vocabulary the kernels do not
-    take, so its batched product is a float GEMM, whose bits for a row may depend on how many
-    rows it multiplies (on an AVX-512 AMD EPYC, 7e-7 apart for a prompt at the end of a 67-row
-    prefill). Negative control: with a dequantized bfloat16 GEMM for products of 16 rows or more
-    (what long prefill chunks once took), the same comparison fails."""
+    """The default load of a GGUF file on the CPU keeps it quantized, and a prompt's final hidden
+    states, and its logits taken row by row, are bit-identical alone and inside a batched
+    prefill of other prompts (every layer's product takes the weight-only kernel). The LM head
+    is compared row by row (`decode=True`): this fixture's head is a float product (its GGUF
+    leaves output.weight unquantized; quantized, 97 rows would take the dequantizing reference
+    layout), and a float GEMM's bits for a row may depend on how many rows it multiplies (on an
+    AVX-512 AMD EPYC, 7e-7 apart for a prompt at the end of a 67-row prefill). Negative control:
+    with a dequantized bfloat16 GEMM for products of 16 rows or more (what long prefill chunks
+    once took), the same comparison fails."""
     from specdec.models import load_model
     from specdec.models.llama import AttentionMetadata
 
