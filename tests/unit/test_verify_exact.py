@@ -330,6 +330,44 @@ def test_temperature_zero_verifies_greedily(method):
     assert torch.equal(result.token_ids, expected)
 
 
+@pytest.mark.parametrize("method", c.METHODS)
+def test_an_all_greedy_batch_emits_what_its_rows_emit_beside_a_sampled_one(method):
+    """A batch of greedy rows only takes the verifier's greedy shortcut on the CPU; each row
+    emits what it emits in a batch that also holds a sampled row (the general path), with
+    top-k / top-p and short chains."""
+    generator = torch.Generator().manual_seed(9)
+    batch, k, vocab = 24, 4, 11
+    target_logits = torch.randn(batch + 1, k + 1, vocab, generator=generator)
+    argmax = target_logits.argmax(-1)
+    match = torch.randint(0, k + 1, (batch + 1,), generator=generator)
+    drafts = torch.where(torch.arange(k) < match[:, None], argmax[:, :k], (argmax[:, :k] + 3) % 11)
+    draft_logits = torch.randn(batch + 1, k, vocab, generator=generator)
+    num_draft = torch.randint(0, k + 1, (batch + 1,), generator=generator)
+    temperature = torch.zeros(batch + 1)
+    temperature[-1] = 1.0
+    top_k = torch.randint(0, 6, (batch + 1,), generator=generator)
+    top_p = torch.full((batch + 1,), 0.9)
+
+    def run(rows: int):
+        return verify(
+            target_logits[:rows],
+            drafts[:rows],
+            draft_logits[:rows],
+            torch.arange(rows),
+            torch.full((rows,), 7, dtype=torch.int64),
+            temperature=temperature[:rows],
+            top_k=top_k[:rows],
+            top_p=top_p[:rows],
+            num_draft=num_draft[:rows],
+            method=method,
+        )
+
+    greedy_only, mixed = run(batch), run(batch + 1)
+    assert torch.equal(greedy_only.num_accepted, mixed.num_accepted[:batch])
+    assert torch.equal(greedy_only.token_ids, mixed.token_ids[:batch])
+    assert int(greedy_only.num_accepted.sum()) > 0
+
+
 @pytest.mark.parametrize("method", ["standard", "block"])
 def test_bonus_and_empty_rounds_are_the_plain_sample(method):
     """A fully accepted chain's bonus token, and a round with num_draft = 0, are exactly the
