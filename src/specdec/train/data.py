@@ -286,18 +286,3 @@ def generate_answers(
                     if progress is not None:
                         progress(len(out.prompt_token_ids) + len(out.outputs[0].token_ids))
     return [(ids + list(answers[rid]), len(ids)) for rid, ids, _ in requests]
-
-
-def self_distill(
-    target: LlamaForCausalLM,
-    tokenizer: Tokenizer | None,
-    prompts: list[dict],
-    layers: tuple[int, ...],
-    **options,
-) -> list[AnnotatedSequence]:
-    """`generate_answers(target, tokenizer, prompts, **options)`, annotated with the outputs of
-    `layers`; loss_mask covers the answer."""
-    answers = generate_answers(target, tokenizer, prompts, **options)
-    return annotate_token_lists(
-        target, [tokens for tokens, _ in answers], layers, [n for _, n in answers]
-    )

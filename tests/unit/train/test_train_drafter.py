@@ -117,40 +117,38 @@ def test_initialisation_and_order_are_pure_functions_of_the_seed():
     assert permutation(3, 0, 10) != permutation(3, 1, 10)
 
 
-def test_self_distill_repeats_answer_each_prompt_with_its_own_seed(target_dir):
+def test_generated_answers_repeat_each_prompt_with_its_own_seed(target_dir):
     """--gen-repeats R: every prompt is answered R times (answer r at temperatures[(i + r) %
-    len], seed + r * len(prompts) + i), independently of the batch size; features cover every
-    fed token."""
+    len], seed + r * len(prompts) + i), in prompt order, independently of the batch size (the
+    waves of max_num_seqs requests); each answer follows its prompt's tokens."""
     from specdec.models import load_model
-    from specdec.train.data import self_distill
+    from specdec.train.data import generate_answers
 
     target, _, tokenizer = load_model(str(target_dir), dtype=torch.float32, device="cpu")
     prompts = [{"prompt_token_ids": p} for p in prompt_tokens(VOCAB, [5, 7], seed=3)]
     runs = [
-        self_distill(
+        generate_answers(
             target,
             tokenizer,
             prompts,
-            (1,),
             max_tokens=12,
             temperatures=(0.0, 1.0),
             seed=0,
             repeats=repeats,
             max_num_seqs=batch,
         )
-        for repeats, batch in ((3, 8), (3, 1), (1, 8))
+        for repeats, batch in ((3, 8), (3, 1), (3, 2), (1, 8))
     ]
-    wide, narrow, single = runs
+    wide, narrow, waves, single = runs
     assert len(wide) == 3 * len(prompts) and len(single) == len(prompts)
-    for a, b in zip(wide, narrow, strict=True):  # the batch changes nothing
-        assert torch.equal(a.token_ids, b.token_ids)
-    # In order prompt by prompt; prompt 0's answers 0 and 2 are greedy, so equal, and equal to
-    # its only answer without repeats.
+    assert wide == narrow == waves  # the batch and the waves change nothing
+    # Prompt 0's answers 0 and 2 are greedy, so equal, and equal to its only answer without
+    # repeats; its answer 1 is sampled.
     first = wide[:3]
-    assert torch.equal(first[0].token_ids, first[2].token_ids)
-    assert torch.equal(single[0].token_ids, first[0].token_ids)
-    for seq in wide:
-        assert seq.layers.shape[:2] == (seq.token_ids.shape[0], 1)
+    assert first[0] == first[2] == single[0]
+    repeated = [p for p in prompts for _ in range(3)]
+    for (tokens, prompt_len), prompt in zip(wide, repeated, strict=True):
+        assert tokens[:prompt_len] == prompt["prompt_token_ids"] and len(tokens) > prompt_len
 
 
 def test_a_small_corpus_still_holds_out_a_sequence():
