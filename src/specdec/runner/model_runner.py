@@ -80,7 +80,6 @@ class PagedModelRunner:
             raise ValueError("kv_cache_dtype='fp8' needs CUDA")
         self.model = model
         self.block_size = block_size
-        self.kv_cache = model.allocate_kv_cache(num_blocks, block_size, kv_cache_dtype)
         self.device = model.device
         self.max_query_len = max_query_len
         self.max_num_seqs = max_num_seqs
@@ -91,13 +90,19 @@ class PagedModelRunner:
             decode_path = model.config.eager_only_reason is None and (
                 self.device.type == "cuda" or model.quantization is not None
             )
-        self.graphs: DecodeGraphs | None = None
         if decode_path:
             if model.config.eager_only_reason is not None:
                 raise ValueError(
                     f"the decode path has no {model.config.eager_only_reason}; run eagerly"
                 )
+            # Before the cache: fused weights allocated after it would take the free tail of
+            # the cache's CUDA segment, and, living as long as the model, keep the whole
+            # segment reserved after this runner is gone (the next engine's cache could not
+            # be sized into it).
             model.fuse_projections()
+        self.kv_cache = model.allocate_kv_cache(num_blocks, block_size, kv_cache_dtype)
+        self.graphs: DecodeGraphs | None = None
+        if decode_path:
             max_blocks = -(-(max_model_len or num_blocks * block_size) // block_size)
             self.graphs = DecodeGraphs(
                 model,

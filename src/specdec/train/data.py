@@ -10,6 +10,7 @@ training seed.
 
 from __future__ import annotations
 
+import gc
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -173,39 +174,56 @@ def annotate_token_lists(
     keep_on: torch.device | str = "cpu",
 ) -> list[AnnotatedSequence]:
     """Runs each token list through the target (batched prefills of about `batch_tokens`) and
-    keeps the outputs of `layers` per token, on `keep_on`. loss_mask is True from position
-    prompt_len - 1 on (0 when None)."""
+    keeps the outputs of `layers` per token, on `keep_on`, in float16 (3 layers of a 576-wide
+    target: 3.5 KB a token). loss_mask is True from position prompt_len - 1 on (0 when None).
+
+    One runner (one KV cache, sized for the largest prefill) serves every prefill, on the eager
+    path: a prefill from position 0 writes every slot it reads, so nothing carries over. Each
+    kept tensor owns its storage (a copy, never a view of the prefill's features)."""
     block_size = 16
-    out: list[AnnotatedSequence] = []
-    index = 0
+    groups, index = [], 0
     while index < len(token_lists):
-        group = [token_lists[index]]
-        while (
-            index + len(group) < len(token_lists)
-            and sum(map(len, group)) + len(token_lists[index + len(group)]) <= batch_tokens
-        ):
-            group.append(token_lists[index + len(group)])
-        num_blocks = sum(-(-len(t) // block_size) for t in group)
-        runner = PagedModelRunner(target, num_blocks, block_size, max_num_seqs=len(group))
+        end = index + 1
+        total = len(token_lists[index])
+        while end < len(token_lists) and total + len(token_lists[end]) <= batch_tokens:
+            total += len(token_lists[end])
+            end += 1
+        groups.append((index, end))
+        index = end
+    if not groups:
+        return []
+    runner = PagedModelRunner(
+        target,
+        max(sum(-(-len(t) // block_size) for t in token_lists[a:b]) for a, b in groups),
+        block_size,
+        max_num_seqs=max(b - a for a, b in groups),
+        decode_path=False,  # prefills only: no fused weights, static buffers or graphs
+    )
+    out: list[AnnotatedSequence] = []
+    for first, end in groups:
+        group = token_lists[first:end]
         inputs, next_block = [], 0
         for tokens in group:
             count = -(-len(tokens) // block_size)
             inputs.append(StepInput(tokens, 0, list(range(next_block, next_block + count)), 1))
             next_block += count
-        _, features = runner.run_with_features(inputs, layers)
+        logits, features = runner.run_with_features(inputs, layers)
+        del logits
         for offset, (tokens, rows) in enumerate(zip(group, features, strict=True)):
-            prompt_len = prompt_lens[index + offset] if prompt_lens is not None else 0
+            prompt_len = prompt_lens[first + offset] if prompt_lens is not None else 0
             mask = torch.zeros(len(tokens), dtype=torch.bool)
             mask[max(prompt_len - 1, 0) :] = True
             out.append(
                 AnnotatedSequence(
                     torch.tensor(tokens, dtype=torch.int64, device=keep_on),
-                    rows.view(len(tokens), len(layers), -1).to(keep_on, torch.float16),
+                    # copy=True: a float16 target's features on `keep_on` would otherwise be
+                    # kept as views that pin the whole prefill's [T, F] tensor.
+                    rows.view(len(tokens), len(layers), -1).to(keep_on, torch.float16, copy=True),
                     mask.to(keep_on),
                     prompt_len,
                 )
             )
-        index += len(group)
+        del features, rows
         if progress is not None:
             progress(sum(map(len, group)))
     return out
@@ -285,4 +303,11 @@ def generate_answers(
                     answers[out.request_id] = out.outputs[0].token_ids
                     if progress is not None:
                         progress(len(out.prompt_token_ids) + len(out.outputs[0].token_ids))
+    # The engine's KV cache fills the free GPU memory (gpu_memory_utilization), and the engine
+    # sits in reference cycles: collect it now, before the caller allocates anything.
+    engine.close()
+    del engine
+    gc.collect()
+    if config.device == "cuda":
+        torch.cuda.empty_cache()
     return [(ids + list(answers[rid]), len(ids)) for rid, ids, _ in requests]

@@ -10,6 +10,7 @@ acceptance.json (the held-out evaluation). Randomness: weight init and example o
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import time
@@ -108,7 +109,11 @@ def collect_data(
             path = config.target or str(default_model_path())
             decoder = load_model(path, dtype=torch.bfloat16, device="cuda").model
         token_lists, prompt_lens = gather_token_lists(config, decoder, tokenizer)
+        del decoder  # (the bfloat16 copy; `generate_answers` already freed its engine)
         save_token_lists(cache, token_lists, prompt_lens)
+    if target.model.embed_tokens.weight.is_cuda:
+        gc.collect()
+        torch.cuda.empty_cache()
     keep_on = device if device is not None else torch.device("cpu")
     bar = _progress(sum(map(len, token_lists)), "annotating", "tok")
     sequences = annotate_token_lists(

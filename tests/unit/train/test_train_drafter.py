@@ -202,3 +202,55 @@ def test_token_files_pool_into_data_and_annotate_like_the_prompts(target_dir, tm
     bad.write_bytes(b"not a torch file")
     with pytest.raises(ValueError, match=r"bad\.pt: not a token file written by train-drafter"):
         load_token_lists(bad)
+
+
+def test_prefills_share_one_cache_and_keep_float16_copies(target_dir):
+    """annotate_token_lists runs every prefill on one runner's cache (a prefill after a longer
+    one meets its stale K/V and must not see it): each prefill's features are those of the same
+    prefill (prefills of [40], [7, 33], [5, 18] tokens) run alone, float16 tensors of their own
+    (no view of a prefill's features)."""
+    from specdec.models import load_model
+    from specdec.train.data import annotate_token_lists
+
+    target, _, _ = load_model(str(target_dir), dtype=torch.float32, device="cpu")
+    lists = prompt_tokens(VOCAB, [40, 7, 33, 5, 18], seed=11)
+    lens = [3, 0, 2, 0, 1]
+    together = annotate_token_lists(target, lists, (0, 1), lens, batch_tokens=45)
+    alone = [
+        seq
+        for a, b in ((0, 1), (1, 3), (3, 5))
+        for seq in annotate_token_lists(target, lists[a:b], (0, 1), lens[a:b], batch_tokens=45)
+    ]
+    for tokens, prompt_len, seq, ref in zip(lists, lens, together, alone, strict=True):
+        assert torch.equal(seq.layers, ref.layers) and seq.layers.dtype == torch.float16
+        assert seq.layers.shape == (len(tokens), 2, target.config.hidden_size)
+        assert seq.layers.untyped_storage().nbytes() == seq.layers.numel() * 2
+        assert seq.token_ids.tolist() == tokens and seq.prompt_len == prompt_len
+
+
+def test_generated_answers_free_their_engine_on_return(target_dir, monkeypatch):
+    """The decoding engine (whose KV cache fills the free GPU memory) is gone when
+    generate_answers returns, though it sits in reference cycles: annotation comes next."""
+    import gc
+    import weakref
+
+    from specdec.engine import llm_engine
+    from specdec.models import load_model
+    from specdec.train.data import generate_answers
+
+    engines = []
+    init = llm_engine.LLMEngine.__init__
+
+    def tracked(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        engines.append(weakref.ref(self))
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", tracked)
+    target, _, tokenizer = load_model(str(target_dir), dtype=torch.float32, device="cpu")
+    prompts = [{"prompt_token_ids": p} for p in prompt_tokens(VOCAB, [5, 7], seed=3)]
+    gc.disable()
+    try:
+        generate_answers(target, tokenizer, prompts, max_tokens=4, temperatures=(0.0,), seed=0)
+        assert len(engines) == 1 and engines[0]() is None
+    finally:
+        gc.enable()
