@@ -18,6 +18,7 @@ from specdec.rng import (
     words_to_uniform32,
     words_to_uniform64,
 )
+from specdec.rng.philox import philox4x32_10_torch
 
 # Random123's kat_vectors for philox4x32_10: (counter, key, output), words in hex.
 KAT_VECTORS = [
@@ -72,6 +73,32 @@ def test_philox_matches_python_twin_on_random_inputs():
     out = torch.stack(philox4x32_10(*inputs.unbind(1)), dim=1)
     for row, result in zip(inputs.tolist(), out.tolist(), strict=True):
         assert tuple(result) == philox_python(tuple(row[:4]), tuple(row[4:]))
+
+
+@pytest.mark.parametrize("counter, key, expected", KAT_VECTORS)
+def test_torch_operations_known_answers(counter, key, expected):
+    """The torch-operation rounds (CUDA's eager path and graphs), beside the CPU's NumPy ones."""
+    out = philox4x32_10_torch(*words(counter), *words(key))
+    assert [int(w) for w in out] == list(expected)
+
+
+@pytest.mark.parametrize("shape", [(1, 12288), (3, 5), (2, 40000), (0, 4)])
+def test_cpu_rounds_equal_the_torch_operations_bit_for_bit(shape):
+    """The CPU's NumPy rounds against the torch ones on broadcast inputs like `random_words`'
+    (blocks along the last axis, per-row words), edge words included, across several chunks;
+    a changed round constant would make them differ (checked: the control below)."""
+    generator = torch.Generator().manual_seed(1)
+    rows, blocks = shape
+    c0 = torch.arange(blocks, dtype=torch.int64)[None, :]
+    per_row = torch.randint(0, 2**32, (5, rows, 1), generator=generator, dtype=torch.int64)
+    if rows:
+        per_row[:, 0] = 2**32 - 1
+    want = philox4x32_10_torch(c0, *per_row)
+    got = philox4x32_10(c0, *per_row)
+    assert all(g.shape == w.shape and torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    if rows and blocks:  # the control: one key word off by one gives other words
+        other = philox4x32_10(c0, *per_row[:4], per_row[4] ^ 1)
+        assert not torch.equal(other[0], want[0])
 
 
 def test_random_words_key_layout():
