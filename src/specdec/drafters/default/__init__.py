@@ -1,6 +1,7 @@
 """Drafters shipped inside the package: an EAGLE head distilled from the built-in default model
 (SmolLM2-135M-Instruct) by `specdec train-drafter` (trained in session 14 on 8.1M self-distilled
-tokens; BENCHMARKS.md has the command, [D11], and its acceptance figures). Data files only; nothing here runs a model."""
+tokens; BENCHMARKS.md has the command, [D11], and its acceptance figures). Data files only;
+nothing here runs a model."""
 
 from __future__ import annotations
 
