@@ -8,10 +8,11 @@
 # command's held-out evaluation (eagle/acceptance.json) and the acceptance / speed-up sweep on the
 # held-out prompts beside the shipped head, chains and trees (sweep.json, sweep.png).
 # Self-distillation: the target answers each of the 10,170 wide training prompts (330 topics, 31
-# kinds of request) 4 times, once at T = 0 and 3 times at T = 1 (<= 320 tokens, ending at EOS),
+# kinds of request) 3 times, once at T = 0 and twice at T = 1 (<= 320 tokens, ending at EOS),
 # decoded by the plain CUDA engine 256 requests at a time; the answers' features come from batched
 # prefills. DATA, REPEATS and TEMPS override the prompts file, the answers per prompt and their
-# temperatures (the s3 head: DATA=benchmarks/data/train_prompts.jsonl REPEATS=6 TEMPS=0,1). DATA
+# temperatures (the s3 head: DATA=benchmarks/data/train_prompts.jsonl REPEATS=6 TEMPS=0,1; the s13
+# head: MAX_PROMPTS=2500 REPEATS=4 TEMPS=0,1,1,1 STEPS=4000; the s14 head: these defaults). DATA
 # may also name token files (OUT/train-tokens.pt of earlier runs), pooled in. MAX_PROMPTS caps the
 # prompts used; STEPS sets the training steps; SWEEP=0 skips the sweep; RESUME=1 continues in the
 # same OUT (reusing its token lists and checkpoint), so that generation and training can run in two
@@ -22,9 +23,9 @@ gguf=$1
 out=$2
 time_limit=${3:-330}
 data=${DATA:-benchmarks/data/train_prompts_wide.jsonl}
-repeats=${REPEATS:-4}
-temps=${TEMPS:-0,1,1,1}
-steps=${STEPS:-4000}
+repeats=${REPEATS:-3}
+temps=${TEMPS:-0,1,1}
+steps=${STEPS:-3000}
 mkdir -p "$out"
 
 python3 -m specdec train-drafter --target "$gguf" --kind eagle --device cuda \
