@@ -6,7 +6,9 @@ Parts (each writes DIR/<part>.json; BENCHMARKS.md's tables are read from them):
   adaptive policy (K <= 4), without and with its plain arm (`plain_arm`: plain overlapped steps
   when they beat every round); output tokens per second of whole generate calls, and of the
   profiled call without its first step (`after_first_step`: the prefill and, with speculation,
-  the start of the rounds; `speedup_after_first_step`).
+  the start of the rounds; `speedup_after_first_step`), and `paired`: 5 more calls of each
+  speculative configuration alternating with calls of the plain engine (kept alive beside it),
+  each pair's speed-up and their median, the figure to read when the machine's rate drifts.
   `--smollm2-configs plain,adaptive,plain-arm` runs only the configurations whose name holds one
   of those words.
 - `block`: DFlash and DSpark on the built-in SmolLM2 (checkpoints from `--block-drafters`, else
@@ -121,7 +123,32 @@ def timed(llm, prompts, params, device, repeats: int = 2, warmups: int = 4) -> t
         times.append(time.perf_counter() - start)
     llm.timed_captures = CAPTURES[0] - before
     llm.last_call_seconds = times[-1]  # the profiled call
+    llm.engine.__dict__.pop("step", None)  # the profiler's wrapper (later calls run bare)
     return statistics.median(times), outputs
+
+
+def paired(plain_llm, llm, prompts, params, device, pairs: int = 5) -> dict:
+    """Alternating calls of plain decoding and `llm` (both warmed up by `timed`), each pair's
+    speed-up (both emit the same number of tokens: EOS ignored, a fixed `max_tokens`): a drift of
+    the machine's rate between configurations moves both sides of a pair alike, where a
+    configuration timed minutes after plain decoding is compared with a rate the machine no
+    longer has (s13's batch-1 figure: 1.57x against a plain run 16% slower than s14's)."""
+    plain_times, times, ratios = [], [], []
+    for _ in range(pairs):
+        for engine, into in ((plain_llm, plain_times), (llm, times)):
+            sync(device)
+            start = time.perf_counter()
+            outputs = engine.generate(prompts, params, use_tqdm=False)
+            sync(device)
+            into.append(time.perf_counter() - start)
+        ratios.append(plain_times[-1] / times[-1])
+    emitted = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {
+        "speedup": statistics.median(ratios),
+        "ratios": [round(r, 4) for r in ratios],
+        "plain_tokens_per_s": emitted / statistics.median(plain_times),
+        "tokens_per_s": emitted / statistics.median(times),
+    }
 
 
 def profile_steps(llm) -> None:
@@ -288,20 +315,24 @@ def bench_smollm2(
                 configs = {
                     n: c for n, c in configs.items() if n == "plain" or any(w in n for w in only)
                 }
-            plain_rate, plain_decode = None, None
+            plain_rate, plain_decode, plain_llm = None, None, None
             for name, spec in configs.items():
                 llm = None
                 try:
                     llm = make_engine(model, tokenizer, spec, blocks=blocks, **common)
                     seconds, outputs = timed(llm, prompts, params, device, repeats=5)
+                    row = figures(llm, seconds, outputs)
+                    if name != "plain" and plain_llm is not None:
+                        # Beside plain decoding, call for call (its engine kept alive).
+                        row["paired"] = paired(plain_llm, llm, prompts, params, device)
                 except Exception as error:  # recorded; the other configurations go on
                     results["rows"][f"b{batch} T={temperature:g} {name}"] = {"error": repr(error)}
                     log(f"[smollm2] b{batch} T={temperature:g} {name}: FAILED {error!r}")
                     del llm
                     continue
-                row = figures(llm, seconds, outputs)
                 if name == "plain":
                     plain_rate, plain_decode = row["tokens_per_s"], row["after_first_step"]
+                    plain_llm = llm
                 row["speedup"] = row["tokens_per_s"] / plain_rate
                 if row["after_first_step"] and plain_decode:
                     row["speedup_after_first_step"] = (
@@ -314,6 +345,7 @@ def bench_smollm2(
                 del llm
                 if device == "cuda":
                     torch.cuda.empty_cache()
+            del plain_llm
     return results
 
 

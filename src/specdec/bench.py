@@ -10,7 +10,7 @@ import json
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -180,9 +180,10 @@ class SweepPoint:
     mean_acceptance_length: float
     acceptance_per_position: list[float]
     tokens_per_s: float
-    plain_tokens_per_s: float
-    speedup: float
+    plain_tokens_per_s: float  # the mean of plain decoding's rates before and after the drafters
+    speedup: float  # tokens_per_s / plain_tokens_per_s
     tree: str | None = None  # "NODESxDEPTHxTOPK" for a tree point (k = its nodes), else None
+    plain_before_after: tuple[float, float] | None = None  # plain tokens/s timed first and last
 
 
 def run_sweep(
@@ -197,7 +198,10 @@ def run_sweep(
     trees: list[dict] | None = None,
 ) -> list[SweepPoint]:
     """Acceptance and speed-up of each drafter for every K and temperature on the same prompts
-    and seeds; plain decoding is timed once per temperature. One engine per drafter (its K set
+    and seeds; plain decoding is timed per temperature before the drafters and again after them,
+    and speed-ups are against the mean of the two (a machine whose rate drifts during the sweep
+    shows it in `plain_before_after`, where one plain run at the start misread s13's batch-1
+    speed-up by 20%). One engine per drafter (its K set
     per request), so the model loads once per drafter. `trees` ({"nodes", "depth", "topk"}
     each) adds tree points for the drafters that draft trees (eagle / mtp / draft_model), one
     engine per tree,
@@ -229,14 +233,19 @@ def run_sweep(
             use_tqdm=False,
         )
 
-    plain = LLM(model, speculative_config=None, **engine_args)
-    plain_rate = {}
-    for temperature in temperatures:
-        warm_up(plain, temperature)
-        figures, _ = run_workload(plain, f"plain T={temperature:g}", prompts, params(temperature))
-        plain_rate[temperature] = figures.tokens_per_s
-    plain.close()  # stops tensor-parallel workers before the next engine starts
-    del plain
+    def time_plain(label: str) -> dict[float, float]:
+        plain = LLM(model, speculative_config=None, **engine_args)
+        rates = {}
+        for temperature in temperatures:
+            warm_up(plain, temperature)
+            figures, _ = run_workload(
+                plain, f"plain{label} T={temperature:g}", prompts, params(temperature)
+            )
+            rates[temperature] = figures.tokens_per_s
+        plain.close()  # stops tensor-parallel workers before the next engine starts
+        return rates
+
+    plain_rate = time_plain("")
     points = []
     for name, spec in drafters.items():
         llm = LLM(
@@ -292,7 +301,35 @@ def run_sweep(
                     )
                 )
             del llm
-    return points
+    after = time_plain(" again")
+    bracketed = []
+    for point in points:
+        before_after = (plain_rate[point.temperature], after[point.temperature])
+        plain = sum(before_after) / 2
+        bracketed.append(
+            replace(
+                point,
+                plain_tokens_per_s=plain,
+                speedup=point.tokens_per_s / plain,
+                plain_before_after=before_after,
+            )
+        )
+    return bracketed
+
+
+def plain_drift(points: list[SweepPoint]) -> str | None:
+    """A line naming the temperatures whose plain rate moved by more than 10% between the
+    sweep's first and last plain runs (its speed-ups are then uncertain at that level), or None."""
+    moved = {}
+    for point in points:
+        if point.plain_before_after is not None:
+            before, after = point.plain_before_after
+            if abs(after / before - 1) > 0.10:
+                moved[point.temperature] = (before, after)
+    if not moved:
+        return None
+    parts = ", ".join(f"T = {t:g}: {b:.1f} then {a:.1f} tokens/s" for t, (b, a) in moved.items())
+    return f"plain decoding's rate moved by more than 10% during the sweep ({parts})"
 
 
 def tree_label(tree: dict) -> str:
@@ -328,6 +365,9 @@ def sweep_table(points: list[SweepPoint]) -> str:
             f"{per_position} | {p.tokens_per_s:.1f} | {p.plain_tokens_per_s:.1f} | "
             f"{p.speedup:.2f}x |"
         )
+    drift = plain_drift(points)
+    if drift is not None:
+        lines += ["", f"Note: {drift}."]
     return "\n".join(lines)
 
 
