@@ -103,8 +103,9 @@ class DeviceDrafting(abc.ABC):
         num_accepted: torch.Tensor,
     ) -> None:
         """Takes what the round committed (device only, graph-safe): the target features of the
-        round's input token and drafts ([S * W, F] in rows b * W + j, or None when the drafter
-        reads none), the emitted tokens [S, W] (-1 padded) and num_accepted [S]."""
+        round's input token and drafts ([S * Q, F] in rows b * Q + j, Q = the round's K + 1, or
+        None when the drafter reads none), the emitted tokens [S, W] (-1 padded; W = the
+        widest round's K + 1) and num_accepted [S]."""
 
     @abc.abstractmethod
     def state(self) -> list[torch.Tensor]:

@@ -245,7 +245,7 @@ class DeviceRounds:
         # run the step's collectives; the capture itself runs none).
         captures = self.graph_cache.use_graphs and key not in self.graph_cache.graphs
         self.runner.announce_device_forward(
-            self.num_rows, self.width, self.drafter.feature_layers, 2 if captures else 1
+            self.num_rows, k + 1, self.drafter.feature_layers, 2 if captures else 1
         )
         started = mark(self.device)
         with self.runner.device_step():
@@ -337,26 +337,29 @@ class DeviceRounds:
         if drafted is not None:
             num_draft = torch.minimum(num_draft, drafted)
         num_draft = torch.where(live, num_draft, 0)
-        # 2. The target over [input token, drafts] in the decode step's layout (W rows a slot).
+        # 2. The target over [input token, drafts] in the decode step's layout, Q = k + 1 rows a
+        # slot (the round's K, not the widest: a round of few drafts in a large batch costs
+        # the target's pass over its own rows only; one graph per K either way).
         graphs = self.runner.graphs
-        column = torch.arange(width, device=self.device)
-        positions = view.anchors[:, None] - 1 + column  # [S, W]
-        fed = live[:, None] & (column <= k)
-        tokens = torch.zeros(rows, width, dtype=torch.int64, device=self.device)
+        query = k + 1
+        column = torch.arange(query, device=self.device)
+        positions = view.anchors[:, None] - 1 + column  # [S, Q]
+        fed = live[:, None].expand(rows, query)
+        tokens = torch.zeros(rows, query, dtype=torch.int64, device=self.device)
         tokens[:, 0] = view.last_tokens
         if k:
-            tokens[:, 1 : k + 1] = draft_ids.clamp_min(0)
+            tokens[:, 1:] = draft_ids.clamp_min(0)
         tables = self.inputs["tables"][: rows * self.max_blocks].view(rows, self.max_blocks)
         block = (positions // self.block_size).clamp(0, self.max_blocks - 1)
         slots = tables.gather(1, block) * self.block_size + positions % self.block_size
-        graphs.input_ids[: rows * width].copy_(tokens.view(-1))
-        graphs.positions[: rows * width].copy_(torch.where(fed, positions, 0).view(-1))
-        graphs.slot_mapping[: rows * width].copy_(torch.where(fed, slots, -1).view(-1))
+        graphs.input_ids[: rows * query].copy_(tokens.view(-1))
+        graphs.positions[: rows * query].copy_(torch.where(fed, positions, 0).view(-1))
+        graphs.slot_mapping[: rows * query].copy_(torch.where(fed, slots, -1).view(-1))
         graphs.context_lens[:rows].copy_(torch.where(live, view.anchors + k, 0))
-        graphs.query_lens[:rows].copy_(torch.where(live, k + 1, 0))
+        graphs.query_lens[:rows].copy_(torch.where(live, query, 0))
         graphs.block_tables[:rows].copy_(tables)
-        features = graphs.forward(rows, width, self.drafter.feature_layers, broadcast_inputs=True)
-        logits = graphs.logits[: rows * width].view(rows, width, -1)[:, : k + 1]
+        features = graphs.forward(rows, query, self.drafter.feature_layers, broadcast_inputs=True)
+        logits = graphs.logits[: rows * query].view(rows, query, -1)
         # 3. Verification (inert slots: greedy, nothing drafted).
         inputs = check_verify_inputs(
             logits,

@@ -340,3 +340,45 @@ def test_a_round_run_twice_around_its_saved_state_runs_once(
     requests = [(p, params_for(1.0, 60 + i)) for i, p in enumerate(prompts)]
     sync, rounds, engine, _ = both(model_dir, spec, requests)
     assert rounds == sync and engine.loop_stats.num_device_rounds > 0
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "dspark"])
+def test_a_round_of_k_drafts_runs_the_target_over_k_plus_1_rows(
+    model_dir, dirs, prompts, monkeypatch, drafter
+):
+    """The round's target pass covers the input token and its k drafts only (not the widest
+    round's K + 1 rows): with the policy scripted through K = 0, 1 and 3, each round's forward
+    has k + 1 rows a slot, and the drafters that read its features (EAGLE's entries, DSpark's
+    context) keep coupled and greedy output equal to plain decoding's."""
+    from specdec.engine.spec_policy import SpeculationPolicy
+
+    class Scripted(SpeculationPolicy):
+        def _choose(self, bucket, remaining=None, in_rounds=True):
+            return (0, 1, 3)[self._rounds % 3]
+
+    widths = []
+    original = device_round.DeviceRounds._round
+
+    def spy(self, k):
+        forward = self.runner.graphs.forward
+
+        def recorded(num_seqs, query_per_seq, *args, **kwargs):
+            widths.append((k, query_per_seq))
+            return forward(num_seqs, query_per_seq, *args, **kwargs)
+
+        self.runner.graphs.forward = recorded
+        try:
+            return original(self, k)
+        finally:
+            del self.runner.graphs.forward
+
+    monkeypatch.setattr(device_round.DeviceRounds, "_round", spy)
+    for method, temperature in (("coupled", 1.0), ("standard", 0.0)):
+        requests = [(p, params_for(temperature, 70 + i)) for i, p in enumerate(prompts)]
+        expected, _ = drive(make_engine(model_dir, None, False), requests)
+        engine = make_engine(model_dir, spec_for(drafter, dirs, method, k=3, adaptive=True), True)
+        engine.policy = Scripted(3)
+        got, _ = drive(engine, requests)
+        assert got == expected
+    assert {k for k, _ in widths} == {0, 1, 3}
+    assert all(query == k + 1 for k, query in widths)

@@ -101,11 +101,11 @@ class BlockDeviceDrafting(DeviceDrafting):
         return torch.full((rows,), k, dtype=torch.int64, device=hidden.device)
 
     def observe(self, view, features, token_ids, num_accepted) -> None:
-        rows, width = view.num_rows, self.width
+        rows, query = view.num_rows, view.k + 1
         device = token_ids.device
-        column = torch.arange(width, device=device)
-        positions = view.anchors[:, None] - 1 + column  # [S, W]: the input token, then drafts
-        layers = self.drafter.model.context_keys_values(features.view(rows, width, -1), positions)
+        column = torch.arange(query, device=device)
+        positions = view.anchors[:, None] - 1 + column  # [S, Q]: the input token, then drafts
+        layers = self.drafter.model.context_keys_values(features.view(rows, query, -1), positions)
         # The input token and the accepted drafts are committed; the rest goes to scratch.
         keep = view.live[:, None] & (column <= num_accepted[:, None])
         paged = self.context

@@ -149,8 +149,9 @@ class EagleDeviceDrafting(DeviceDrafting):
         return out.draft_token_ids[:rows, :k], draft_logits, draft_lse, None
 
     def observe(self, view, features, token_ids, num_accepted) -> None:
-        rows, width = view.num_rows, self.width
-        self.entry_features[:rows].copy_(features.view(rows, width, -1))
+        rows, query = view.num_rows, view.k + 1
+        # Entries past num_accepted + 1 (<= Q) are never read: `propose` masks by entry_count.
+        self.entry_features[:rows, :query].copy_(features.view(rows, query, -1))
         self.entry_tokens[:rows].copy_(token_ids.clamp_min(0))
         self.entry_count[:rows].copy_(num_accepted + 1)
 
