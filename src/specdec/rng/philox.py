@@ -21,6 +21,8 @@ PHILOX_W1 = 0xBB67AE85
 PHILOX_ROUNDS = 10
 MASK32 = 0xFFFFFFFF
 
+Words = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # Philox's 4 output words
+
 
 def _mulhilo(a: torch.Tensor, multiplier: int) -> tuple[torch.Tensor, torch.Tensor]:
     """High and low 32-bit words of `a * multiplier` for 32-bit `a` and `multiplier`.
@@ -43,7 +45,7 @@ def philox4x32_10(
     c3: torch.Tensor,
     k0: torch.Tensor,
     k1: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> Words:
     """One Philox4x32-10 block per element of the broadcast inputs.
 
     Args:
@@ -66,7 +68,7 @@ def philox4x32_10_torch(
     c3: torch.Tensor,
     k0: torch.Tensor,
     k1: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> Words:
     """`philox4x32_10` in torch operations on any device (what CUDA graphs capture)."""
     c0, c1, c2, c3, k0, k1 = torch.broadcast_tensors(c0, c1, c2, c3, k0, k1)
     for round_index in range(PHILOX_ROUNDS):
@@ -82,21 +84,12 @@ def philox4x32_10_torch(
 _CPU_CHUNK = 16384  # elements per pass: the working set of a pass stays in the cache
 
 
-def _philox_cpu(
-    c0: torch.Tensor,
-    c1: torch.Tensor,
-    c2: torch.Tensor,
-    c3: torch.Tensor,
-    k0: torch.Tensor,
-    k1: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _philox_cpu(*words: torch.Tensor) -> Words:
     """`philox4x32_10` for CPU int64 tensors, in NumPy uint64 (the same words, bit for bit:
     `tests/unit/test_rng.py` checks it against `philox4x32_10_torch`)."""
-    shape = torch.broadcast_shapes(c0.shape, c1.shape, c2.shape, c3.shape, k0.shape, k1.shape)
+    shape = torch.broadcast_shapes(*(w.shape for w in words))
     u64 = np.uint64
-    ins = [
-        np.broadcast_to(w.numpy().view(u64), shape).reshape(-1) for w in (c0, c1, c2, c3, k0, k1)
-    ]
+    ins = [np.broadcast_to(w.numpy().view(u64), shape).reshape(-1) for w in words]
     total = int(np.prod(shape, dtype=np.int64))
     outs = [np.empty(total, u64) for _ in range(4)]
     m0, m1, w0, w1 = u64(PHILOX_M0), u64(PHILOX_M1), u64(PHILOX_W0), u64(PHILOX_W1)
