@@ -4,7 +4,7 @@ The reference twin of `specdec.rng.philox_triton`: integer arithmetic only, so i
 any device. Words are held in int64 tensors with values in [0, 2**32); no intermediate ever
 exceeds 2**49, so nothing relies on signed overflow. On the CPU the same rounds run in NumPy's
 uint64 (a 32 x 32-bit product fits, and unsigned wrap-around is defined), with a third of the
-operations: one full-vocabulary draw (12,288 blocks) takes 0.5 ms this way against 1.7-2.6 ms
+operations: one full-vocabulary draw (12,288 blocks) takes 0.51 ms this way against 1.66 ms
 through the torch operations on a 2-core machine, where sampling at T > 0 draws one every token
 (`benchmarks/probes/probe_cpu_philox.py`).
 """
