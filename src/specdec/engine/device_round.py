@@ -123,6 +123,9 @@ class DeviceRounds:
         # Outputs of the latest round: emitted tokens, accepted and verified drafts per slot.
         self.out = torch.zeros(size * (self.width + 2), dtype=torch.int64, device=device)
         self.inputs = StaticInputs({"live": size, "tables": size * self.max_blocks}, device)
+        # (0-d constants for `torch.where(..., out=)`, which takes no Python scalar)
+        self._zero = torch.zeros((), dtype=torch.int64, device=device)
+        self._minus_one = torch.full((), -1, dtype=torch.int64, device=device)
         self.graph_cache = GraphCache(use_graphs)
         on_cuda = device.type == "cuda"
         self._ring = [
@@ -342,21 +345,24 @@ class DeviceRounds:
         # the target's pass over its own rows only; one graph per K either way).
         graphs = self.runner.graphs
         query = k + 1
+        flat = rows * query
         column = torch.arange(query, device=self.device)
         positions = view.anchors[:, None] - 1 + column  # [S, Q]
-        fed = live[:, None].expand(rows, query)
-        tokens = torch.zeros(rows, query, dtype=torch.int64, device=self.device)
+        fed = live[:, None]
+        # The step's inputs written straight into the decode graph's buffers (`out=`: one
+        # kernel each, no temporaries copied in after).
+        tokens = graphs.input_ids[:flat].view(rows, query)
         tokens[:, 0] = view.last_tokens
         if k:
-            tokens[:, 1:] = draft_ids.clamp_min(0)
+            torch.clamp(draft_ids, min=0, out=tokens[:, 1:])
         tables = self.inputs["tables"][: rows * self.max_blocks].view(rows, self.max_blocks)
-        block = (positions // self.block_size).clamp(0, self.max_blocks - 1)
-        slots = tables.gather(1, block) * self.block_size + positions % self.block_size
-        graphs.input_ids[: rows * query].copy_(tokens.view(-1))
-        graphs.positions[: rows * query].copy_(torch.where(fed, positions, 0).view(-1))
-        graphs.slot_mapping[: rows * query].copy_(torch.where(fed, slots, -1).view(-1))
-        graphs.context_lens[:rows].copy_(torch.where(live, view.anchors + k, 0))
-        graphs.query_lens[:rows].copy_(torch.where(live, query, 0))
+        block = torch.div(positions, self.block_size, rounding_mode="floor")
+        slots = tables.gather(1, block.clamp_(0, self.max_blocks - 1)).mul_(self.block_size)
+        slots.add_(positions % self.block_size)
+        torch.where(fed, positions, self._zero, out=graphs.positions[:flat].view(rows, query))
+        torch.where(fed, slots, self._minus_one, out=graphs.slot_mapping[:flat].view(rows, query))
+        torch.where(live, view.anchors + k, self._zero, out=graphs.context_lens[:rows])
+        torch.mul(live, query, out=graphs.query_lens[:rows])
         graphs.block_tables[:rows].copy_(tables)
         features = graphs.forward(rows, query, self.drafter.feature_layers, broadcast_inputs=True)
         logits = graphs.logits[: rows * query].view(rows, query, -1)
@@ -378,15 +384,15 @@ class DeviceRounds:
         )
         result = verify_checked(inputs)
         # 4. Bookkeeping: the emitted tokens, the next anchor and input token.
-        accepted = torch.where(live, result.num_accepted, 0)
-        emitted = torch.full((rows, width), -1, dtype=torch.int64, device=self.device)
+        # (written straight into the results the host reads: `out`'s three sections)
+        size, out = self.anchors.shape[0], self.out
+        emitted = out[: size * width].view(size, width)[:rows]
+        emitted[:, k + 1 :].fill_(-1)
         emitted[:, : k + 1] = result.token_ids
-        final = emitted.gather(1, accepted[:, None]).squeeze(1)
-        size = self.anchors.shape[0]
-        out = self.out
-        out[: size * width].view(size, width)[:rows].copy_(emitted)
-        out[size * width : size * width + rows].copy_(accepted)
+        accepted = out[size * width : size * width + rows]
+        torch.where(live, result.num_accepted, self._zero, out=accepted)
         out[size * (width + 1) : size * (width + 1) + rows].copy_(num_draft)
+        final = emitted.gather(1, accepted[:, None]).squeeze(1)
         self.drafting.observe(view, features, emitted, accepted)  # before the anchors move
         self._advance(view, accepted, final)
 

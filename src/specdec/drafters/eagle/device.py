@@ -11,6 +11,7 @@ import torch
 
 from specdec.drafters.base import Drafter, ProposalBuffer
 from specdec.drafters.device import BlockTables, DeviceDrafting, DeviceSlot, RoundView
+from specdec.drafters.eagle.chain_inputs import ChainInputs
 from specdec.transfer import to_device
 
 
@@ -127,26 +128,35 @@ class EagleDeviceDrafting(DeviceDrafting):
         graphs.features[: rows * width].copy_(self.entry_features[:rows].view(rows * width, -1))
         last, logits = graphs.forward("catch_up", rows)
         out = self.out
+        chain = self._chain_inputs(view, tables) if k > 1 else None
         for i in range(k):
             tokens = drafter.draw_on_device(logits, anchors + i, view, out, i)
             if i + 1 == k:
                 break
             # Entry t = anchor - 1 + i: the previous head output and draft i (at anchor + i).
-            entry = anchors - 1 + i
-            block = (entry // size).clamp(0, self.max_blocks - 1)
-            slot = tables.gather(1, block[:, None]).squeeze(1) * size + entry % size
-            graphs.slots[:rows].copy_(torch.where(live, slot, -1))
-            graphs.positions[:rows].copy_(torch.where(live, entry + 1, 0))
-            graphs.tokens[:rows].copy_(tokens)
-            graphs.context_lens[:rows].copy_(torch.where(live, entry + 1, 0))
-            graphs.query_lens[:rows].copy_(live.to(torch.int64))
-            graphs.hidden[:rows].copy_(last)
-            last, logits = graphs.forward("chain", rows)
+            slots, positions, query_lens = chain
+            step = ChainInputs(slots[i], positions[i], query_lens, tokens, last, tables)
+            last, logits = graphs.forward("chain", rows, step)
         if k == 0:
             return out.draft_token_ids[:rows, :0], None, None, None
         draft_logits = None if out.draft_logits is None else out.draft_logits[:rows, :k]
         draft_lse = None if out.draft_logsumexp is None else out.draft_logsumexp[:rows, :k]
         return out.draft_token_ids[:rows, :k], draft_logits, draft_lse, None
+
+    def _chain_inputs(
+        self, view: RoundView, tables: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The round's K - 1 chain steps' inputs at once: ([K - 1, S] cache slots of entries
+        t = anchor - 1 + i (-1 for inert slots), [K - 1, S] their positions t + 1 (0 for inert
+        slots), [S] query lengths): a few ops per round instead of a few per step."""
+        live, size = view.live, self.drafter.block_size
+        steps = torch.arange(view.k - 1, device=live.device)
+        entries = view.anchors[:, None] - 1 + steps  # [S, K - 1]
+        block = torch.div(entries, size, rounding_mode="floor").clamp_(0, self.max_blocks - 1)
+        slots = tables.gather(1, block).mul_(size).add_(entries % size)
+        slots = torch.where(live[:, None], slots, -1).t().contiguous()
+        positions = torch.where(live[:, None], entries + 1, 0).t().contiguous()
+        return slots, positions, live.to(torch.int64)
 
     def observe(self, view, features, token_ids, num_accepted) -> None:
         rows, query = view.num_rows, view.k + 1

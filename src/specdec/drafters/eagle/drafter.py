@@ -24,6 +24,7 @@ from specdec.drafters.base import (
 )
 from specdec.drafters.config import MAX_NUM_SPECULATIVE_TOKENS, SpeculativeConfig, TreeConfig
 from specdec.drafters.device import DeviceDrafting
+from specdec.drafters.eagle.chain_inputs import ChainInputs
 from specdec.drafters.eagle.head import (
     EagleHead,
     head_logits,
@@ -461,28 +462,42 @@ class _HeadGraphs:
         """(step kind, padded batch) -> (graph, its outputs)."""
         return self.graph_cache.graphs
 
-    def forward(self, kind: str, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, kind: str, num_seqs: int, chain: ChainInputs | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """A head step of `kind` over the first `num_seqs` requests' rows of the static buffers,
         as they are (device work only: what `_run` replays, and what a device round runs inside
-        its own graph). Returns (head outputs [num_seqs, D], draft logits [num_seqs, V_draft])."""
+        its own graph), or for a "chain" step inside a device round over `chain`'s tensors
+        instead (the same values without copying them into the buffers first: a round is
+        one graph, so its steps need no static inputs of their own). Returns (head outputs
+        [num_seqs, D], draft logits [num_seqs, V_draft])."""
         drafter, head = self.drafter, self.drafter.head
         width = self.width if kind == "catch_up" else 1
         rows = num_seqs * width
+        if chain is not None:
+            if kind != "chain":
+                raise ValueError("direct inputs are for chain steps only")
+            tables, context_lens, query_lens = chain.tables, chain.positions, chain.query_lens
+            slots, positions, tokens = chain.slots, chain.positions, chain.tokens
+        else:
+            tables, context_lens = self.tables[:num_seqs], self.context_lens[:num_seqs]
+            query_lens, slots = self.query_lens[:num_seqs], self.slots[:rows]
+            positions, tokens = self.positions[:rows], self.tokens[:rows]
         meta = DecodeMetadata(
-            block_tables=self.tables[:num_seqs],
-            context_lens=self.context_lens[:num_seqs],
-            query_lens=self.query_lens[:num_seqs],
-            slot_mapping=self.slots[:rows],
+            block_tables=tables,
+            context_lens=context_lens,
+            query_lens=query_lens,
+            slot_mapping=slots,
             query_per_seq=width,
             num_partitions=drafter.num_partitions,  # (split-KV at long contexts)
         )
         if kind == "catch_up":
             hidden = head.project_features(self.features[:rows])
+        elif chain is not None:
+            hidden = chain.hidden
         else:
             hidden = self.hidden[:num_seqs]
-        out = head.forward_decode(
-            hidden, drafter.embed(self.tokens[:rows]), self.positions[:rows], meta, drafter.kv_cache
-        )
+        out = head.forward_decode(hidden, drafter.embed(tokens), positions, meta, drafter.kv_cache)
         if kind == "catch_up":
             out = out.index_select(0, self.ends[:num_seqs])  # each request's last entry
         return out, head_logits(head, out, drafter.lm_weight)
