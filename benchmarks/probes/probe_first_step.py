@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
+EARLY = 4  # steps timed at the start of each bare call
 sys.path.insert(0, str(HERE.parent))
 
 from bench_spec_round import load_smollm2, make_engine, smollm2_batch  # noqa: E402
@@ -68,7 +70,7 @@ class PartTimer:
         self._undo.clear()
 
 
-def probe(llm, prompts, params, label: str) -> dict:
+def probe(llm, prompts, params, label: str, calls: int = 1, profile: bool = True) -> dict:
     import specdec.engine.llm_engine as engine_module
 
     engine = llm.engine
@@ -113,6 +115,12 @@ def probe(llm, prompts, params, label: str) -> dict:
         timer.active = True
         sync()
         start = time.perf_counter()
+        if not profile:
+            out = inner_step(*args, **kwargs)
+            sync()
+            first["step_ms"] = (time.perf_counter() - start) * 1e3
+            timer.active = False
+            return out
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             out = inner_step(*args, **kwargs)
         sync()
@@ -130,27 +138,38 @@ def probe(llm, prompts, params, label: str) -> dict:
     total_ms = (time.perf_counter() - start) * 1e3
     engine.step = inner_step
     timer.restore()
-    # The same first step again without the profiler or the part timers' syncs.
-    state["n"] = 0
-    plain_first = {}
+    # The first steps again without the profiler or the part timers' syncs: each of the
+    # first `EARLY` steps of `calls` calls, synchronised at the step's ends only.
+    early: list[list[float]] = []
 
     def bare(*args, **kwargs):
         state["n"] += 1
-        if state["n"] != 1:
+        if state["n"] > EARLY:
             return inner_step(*args, **kwargs)
         sync()
         t0 = time.perf_counter()
         out = inner_step(*args, **kwargs)
         sync()
-        plain_first["ms"] = (time.perf_counter() - t0) * 1e3
+        early[-1].append((time.perf_counter() - t0) * 1e3)
         return out
 
     engine.step = bare
-    llm.generate(prompts, params, use_tqdm=False)
+    call_ms = []
+    for _ in range(calls):
+        state["n"] = 0
+        early.append([])
+        sync()
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        sync()
+        call_ms.append((time.perf_counter() - t0) * 1e3)
     engine.step = inner_step
+    first_steps = [steps[0] for steps in early]
     row = {
         "first_step_profiled_ms": round(first["step_ms"], 3),
-        "first_step_bare_ms": round(plain_first["ms"], 3),
+        "first_step_bare_ms": round(statistics.median(first_steps), 3),
+        "early_steps_bare_ms": [[round(t, 3) for t in steps] for steps in early],
+        "call_bare_ms": [round(t, 3) for t in call_ms],
         "call_ms_profiled": round(total_ms, 3),
         "parts_ms": {k: round(v, 3) for k, v in timer.ms.items()},
         "parts_calls": timer.calls,
@@ -168,8 +187,11 @@ def main() -> None:
     parser.add_argument("--gguf", default=None)
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--calls", type=int, default=1, help="bare calls timed (median)")
+    parser.add_argument("--no-profiler", action="store_true", help="parts only, no profiler")
     args = parser.parse_args()
-    model, tokenizer, encoded, head = load_smollm2(args.gguf, "cuda")
+    model, tokenizer, encoded, head = load_smollm2(args.gguf, args.device)
     results = {}
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts, blocks, params = smollm2_batch(encoded, batch, args.output_len, 0.0)
@@ -178,12 +200,16 @@ def main() -> None:
             ("eagle adaptive K<=4", {**head, "num_speculative_tokens": 4, "adaptive": True}),
         ):
             llm = make_engine(
-                model, tokenizer, spec, device="cuda", max_num_seqs=batch, max_model_len=1024,
-                blocks=blocks,
+                model, tokenizer, spec, device=args.device, max_num_seqs=batch,
+                max_model_len=1024, blocks=blocks,
             )  # fmt: skip
-            results[f"b{batch} {name}"] = probe(llm, prompts, params, f"b{batch} {name}")
+            label = f"b{batch} {name}"
+            results[label] = probe(
+                llm, prompts, params, label, args.calls, profile=not args.no_profiler
+            )
             del llm
-            torch.cuda.empty_cache()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "first_step.json").write_text(json.dumps(results, indent=1))
