@@ -98,6 +98,8 @@ class LoopStats:
       previous one was read;
     - num_graph_rounds: those of them replayed from CUDA graphs;
     - num_sync_steps: steps of the synchronous path;
+    - num_graphed_prefill_steps: those of them that ran prefill chunks on the decode path's
+      CUDA graphs (`EngineConfig.prefill_graph_tokens`);
     - num_plain_arm_steps: plain overlapped decode steps the speculation policy chose (its arm
       P) for speculative requests, counted in num_overlapped_steps too;
     - k_chosen: device rounds per K (the policy's choice; 0 = a round of no drafts; -1 = the
@@ -108,6 +110,7 @@ class LoopStats:
     num_device_rounds: int = 0
     num_graph_rounds: int = 0
     num_sync_steps: int = 0
+    num_graphed_prefill_steps: int = 0
     num_plain_arm_steps: int = 0
     k_chosen: dict[int, int] = field(default_factory=dict)
 
@@ -126,6 +129,7 @@ class LoopStats:
             "num_device_rounds": self.num_device_rounds,
             "num_graph_rounds": self.num_graph_rounds,
             "num_sync_steps": self.num_sync_steps,
+            "num_graphed_prefill_steps": self.num_graphed_prefill_steps,
             "num_plain_arm_steps": self.num_plain_arm_steps,
             "k_chosen": dict(sorted(self.k_chosen.items())),
         }

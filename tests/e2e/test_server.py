@@ -490,6 +490,7 @@ def test_metrics_expose_vllm_names(server):
         "specdec:num_graph_rounds_total",
         "specdec:num_overlapped_steps_total",
         "specdec:num_sync_steps_total",
+        "specdec:num_graphed_prefill_steps_total",
         "specdec:num_plain_arm_steps_total",
     ):
         assert name in text, name

@@ -21,7 +21,12 @@ from specdec.drafters import Drafter, DrafterSetup
 from specdec.drafters.config import check_num_speculative_tokens, round_drafts
 from specdec.drafters.default import with_shipped_head
 from specdec.drafters.registry import build_drafter
-from specdec.engine.config import EngineConfig, SpeculativeConfig
+from specdec.engine.config import (
+    AUTO_PREFILL_GRAPH_TOKENS,
+    PREFILL_GRAPH_WIDTH,
+    EngineConfig,
+    SpeculativeConfig,
+)
 from specdec.engine.device_round import DeviceRounds, mark
 from specdec.engine.emitter import Emission, Emitter
 from specdec.engine.inflight import Inflight
@@ -131,6 +136,13 @@ class LLMEngine(SpeculativeLoops):
             decode_path=True if self.device_rounds else None,
             kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype, self.device),
         )
+        graphed_prefill = config.prefill_graph_tokens
+        if graphed_prefill == "auto":
+            # On CUDA, under enforce_eager too: the decode path then runs the same chunks op by
+            # op, so an eager engine's numbers stay those of the graphed one.
+            on_cuda = self.device.type == "cuda"
+            graphed_prefill = AUTO_PREFILL_GRAPH_TOKENS if on_cuda else 0
+        runner_args["prefill_width"] = PREFILL_GRAPH_WIDTH if graphed_prefill else 0
         if self.tensor_parallel is None:
             self.runner = PagedModelRunner(model, **runner_args)
         else:  # every rank builds its runner; each step is replayed on the workers
@@ -140,6 +152,9 @@ class LLMEngine(SpeculativeLoops):
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
+                # (no decode path, e.g. a float model on the CPU: every prefill runs eagerly)
+                prefill_graph_tokens=graphed_prefill if self.runner.graphs is not None else 0,
+                prefill_graph_width=PREFILL_GRAPH_WIDTH,
             ),
             self.allocator,
         )
@@ -437,7 +452,9 @@ class LLMEngine(SpeculativeLoops):
         drafts = propose(self.drafter, self.emitter.constants, scheduled)
         inputs = step_inputs(scheduled, drafts, self.outputs.wants_prompt_logprobs)
         layers = self.drafter.feature_layers if self.drafter is not None else ()
+        graphed = self.runner.num_graphed_prefill_steps
         logits, features = self.runner.run_with_features(inputs, layers)
+        self.loop_stats.num_graphed_prefill_steps += self.runner.num_graphed_prefill_steps - graphed
         logits = self._take_prompt_logprobs(scheduled, inputs, logits)
         emitted = self.emitter.emit(scheduled, logits, drafts)
         paths = [None if e is None else e.path for e in emitted]

@@ -18,12 +18,16 @@ from specdec.runner.kv_cache import BlockAllocator
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """max_num_seqs: requests per step; max_num_batched_tokens: query tokens per step;
-    max_model_len: tokens per request (prompt + output). No defaults: the engine's settings
-    (`EngineConfig`) are the only place they are chosen."""
+    max_model_len: tokens per request (prompt + output); prefill_graph_tokens,
+    prefill_graph_width: a prefill of at most prefill_graph_tokens tokens still to compute is
+    chunked at prefill_graph_width tokens a step (the runner's graphed prefill; 0: never). No
+    defaults: the engine's settings (`EngineConfig`) are the only place they are chosen."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    prefill_graph_tokens: int
+    prefill_graph_width: int
 
 
 @dataclass(slots=True)
@@ -147,6 +151,8 @@ class Scheduler:
             end = num_tokens if not request.output_token_ids else num_tokens - 1
             remaining = end - request.num_computed_tokens
             chunk = min(remaining, budget)
+            if remaining <= self.config.prefill_graph_tokens:
+                chunk = min(chunk, self.config.prefill_graph_width)
             emits = chunk == remaining and not request.output_token_ids
             return ScheduledRequest(request, chunk, 0, emits)
         if request.spec is None:

@@ -36,6 +36,7 @@ class DecodeGraphs:
         block_size: int,
         use_graphs: bool,
         pad_batches: bool | None = None,
+        prefill_width: int = 0,
     ) -> None:
         """Args:
         model, kv_cache: the model and its cache.
@@ -44,21 +45,26 @@ class DecodeGraphs:
         block_size: tokens per cache block.
         use_graphs: capture and replay CUDA graphs (else run the same step eagerly).
         pad_batches: pad each step to a bucket size (None: exactly when capturing graphs).
+        prefill_width: query tokens per sequence of the last-row steps (graphed prefill
+            chunks, `run(last_rows=True)`); 0: none.
         """
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.max_query_len = max_query_len
+        self.prefill_width = prefill_width
         self.pad_batches = use_graphs if pad_batches is None else pad_batches
         self.buckets = batch_buckets(max_num_seqs)
         device = model.device
         max_rows = max_num_seqs * max_query_len
+        # (last-row steps are wider, and want one row of logits a sequence)
+        input_rows = max_num_seqs * max(max_query_len, prefill_width)
         # Every per-step input in one int64 buffer (block tables last), sent with one copy.
         self.inputs = StaticInputs(
             {
-                "input_ids": max_rows,
-                "positions": max_rows,
-                "slot_mapping": max_rows,
+                "input_ids": input_rows,
+                "positions": input_rows,
+                "slot_mapping": input_rows,
                 "context_lens": max_num_seqs,
                 "query_lens": max_num_seqs,
                 "block_tables": max_num_seqs * max_blocks_per_seq,
@@ -82,7 +88,8 @@ class DecodeGraphs:
             if weight_dtype == torch.float32
             else torch.empty(max_rows, vocab, dtype=weight_dtype, device=device)
         )
-        # (padded batch, Q, feature layers, tree, split) -> (graph, features it writes or None)
+        # (padded batch, Q, feature layers, tree, last rows, split) -> (graph, features it
+        # writes or None)
         self.graph_cache = GraphCache(use_graphs)
         # Split-KV attention on CUDA: partitions covering the longest context, the same for
         # every graph. `run` picks it when a step's longest context spans more than one
@@ -104,6 +111,7 @@ class DecodeGraphs:
         split_kv: bool | None = None,
         tree: bool = False,
         broadcast_inputs: bool = False,
+        last_rows: bool = False,
     ) -> torch.Tensor | None:
         """The step over the first num_seqs x query_per_seq rows of the static buffers, as
         they are (device work only: what `run` replays, and what a caller that fills the
@@ -112,7 +120,8 @@ class DecodeGraphs:
         the split-KV kernels (None: `split_by_default`). `tree`: attend under the tree mask
         in the static [num_seqs, Q, Q] buffer (either kernel). `broadcast_inputs`: first take
         the step's inputs from rank 0 (`broadcast`, set under tensor parallelism: a step filled
-        on the driver's device, which the workers run beside it)."""
+        on the driver's device, which the workers run beside it). `last_rows`: logits of each
+        sequence's last query row only, in `self.logits[:num_seqs]` (graphed prefill)."""
         rows = num_seqs * query_per_seq
         if broadcast_inputs and self.broadcast is not None:
             for inputs in (
@@ -140,6 +149,10 @@ class DecodeGraphs:
         hidden, layers = self.model.model(
             self.input_ids[:rows], self.positions[:rows], meta, self.kv_cache, feature_layers
         )
+        if last_rows:
+            ends = (self.query_lens[:num_seqs] - 1).clamp_min(0)
+            ends += torch.arange(num_seqs, device=ends.device) * query_per_seq
+            hidden, rows = hidden.index_select(0, ends), num_seqs
         quantized_cpu = not hidden.is_cuda and self.model.quantization is not None
         if self.model.lm_head_quantized is not None or quantized_cpu or self.model.tp:
             # Rows as each would be alone: a verify row's logits equal the decode row's (and
@@ -162,8 +175,8 @@ class DecodeGraphs:
 
     @property
     def graphs(self) -> dict:
-        """(padded batch, Q, feature layers, tree, split) -> (graph, features it writes or
-        None)."""
+        """(padded batch, Q, feature layers, tree, last rows, split) -> (graph, features it
+        writes or None)."""
         return self.graph_cache.graphs
 
     def run(
@@ -176,8 +189,10 @@ class DecodeGraphs:
         stacked: bool = False,
         min_rows: int = 0,
         tree_parents: Sequence[Sequence[int] | None] | None = None,
+        last_rows: bool = False,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """One decode/verify step.
+        """One decode/verify step (or, with `last_rows`, a step of prefill chunks of at most
+        `prefill_width` tokens: the logits of each sequence's last token only).
 
         Args:
             token_ids: per sequence, its 1..max_query_len query tokens.
@@ -197,6 +212,9 @@ class DecodeGraphs:
                 is rotated as position start + 1 + depth[n] and sees the cached prefix and its
                 ancestors only; its K/V go to slot start + 1 + n.
 
+            last_rows: each sequence's last row's logits only ([1, V] each), the step padded
+                to `prefill_width` rows a sequence.
+
         Returns:
             (per sequence [len(token_ids[b]), V] float32 logits, per sequence
             [len(token_ids[b]), F] features, or [] when no layers are asked): views of static
@@ -206,7 +224,12 @@ class DecodeGraphs:
         """
         num_seqs = len(token_ids)
         query_per_seq = max(len(tokens) for tokens in token_ids)
-        if self.pad_batches and query_per_seq > 1:
+        if last_rows:
+            if query_per_seq > self.prefill_width or tree_parents is not None:
+                raise ValueError(f"a last-row step takes <= {self.prefill_width} causal tokens")
+            if self.pad_batches:
+                query_per_seq = self.prefill_width
+        elif self.pad_batches and query_per_seq > 1:
             # Verify steps always use the widest layout: the number of drafts varies from
             # round to round, and one graph per width would mean many captures for little gain.
             query_per_seq = self.max_query_len
@@ -259,18 +282,23 @@ class DecodeGraphs:
         # GPU parity test, `test_split_kv_tree_kernels_match_the_twins`, on the H200 in s12).
         split_kv = split_when_seen(longest, self.num_partitions)
         features = self.graph_cache.run(
-            (num_padded, query_per_seq, feature_layers, tree, split_kv),
-            lambda: self.forward(num_padded, query_per_seq, feature_layers, split_kv, tree),
+            (num_padded, query_per_seq, feature_layers, tree, last_rows, split_kv),
+            lambda: self.forward(
+                num_padded, query_per_seq, feature_layers, split_kv, tree, last_rows=last_rows
+            ),
         )
         if stacked and query_per_seq == 1:
             # One view instead of num_seqs: host work each overlapped decode step.
             stacked_features = [] if features is None else [features[:num_seqs]]
             return [self.logits[:num_seqs]], stacked_features
         starts_of_rows = [b * query_per_seq for b in range(num_seqs)]
-        logits = [
-            self.logits[row : row + len(tokens)]
-            for row, tokens in zip(starts_of_rows, token_ids, strict=True)
-        ]
+        if last_rows:
+            logits = [self.logits[b : b + 1] for b in range(num_seqs)]
+        else:
+            logits = [
+                self.logits[row : row + len(tokens)]
+                for row, tokens in zip(starts_of_rows, token_ids, strict=True)
+            ]
         if features is None:
             return logits, []
         return logits, [

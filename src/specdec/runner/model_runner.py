@@ -48,7 +48,9 @@ class PagedModelRunner:
     Steps in which every input wants logits for all of its (at most `max_query_len`) query tokens
     (decode: 1, verify: K + 1, tree verify: N + 1) run the fused decode path: on CUDA, replayed
     from CUDA graphs captured per (padded batch size, query length, tree or not) unless
-    `enforce_eager`. Other steps (prefill chunks) run the eager path.
+    `enforce_eager`. With `prefill_width`, steps of prefill chunks of at most that many tokens
+    (and decode tokens) that want at most their last row's logits take the decode path too
+    (graphed prefill). Other steps (longer prefill chunks, prompt logprobs) run the eager path.
     """
 
     def __init__(
@@ -64,6 +66,7 @@ class PagedModelRunner:
         decode_path: bool | None = None,
         pad_batches: bool | None = None,
         kv_cache_dtype: torch.dtype | None = None,
+        prefill_width: int = 0,
     ) -> None:
         """Args:
         model, num_blocks, block_size: the model and its cache geometry.
@@ -75,6 +78,7 @@ class PagedModelRunner:
             CPU for quantized models).
         pad_batches: pad decode batches to the graph buckets (None: when capturing graphs).
         kv_cache_dtype: the cache's dtype (None: the model's; float8 e4m3 on CUDA only).
+        prefill_width: most tokens of a prefill chunk on the decode path (0: none).
         """
         if kv_cache_dtype == torch.float8_e4m3fn and model.device.type != "cuda":
             raise ValueError("kv_cache_dtype='fp8' needs CUDA")
@@ -82,6 +86,8 @@ class PagedModelRunner:
         self.block_size = block_size
         self.device = model.device
         self.max_query_len = max_query_len
+        self.prefill_width = prefill_width
+        self.num_graphed_prefill_steps = 0  # steps `_is_graphed_prefill` sent to the graphs
         self.max_num_seqs = max_num_seqs
         if decode_path is None:
             # On the CPU only for quantized models: there per-operation overhead bounds the
@@ -113,12 +119,26 @@ class PagedModelRunner:
                 block_size=block_size,
                 use_graphs=self.device.type == "cuda" and not enforce_eager,
                 pad_batches=pad_batches,
+                prefill_width=prefill_width,
             )
 
     def _is_decode_step(self, inputs: list[StepInput]) -> bool:
         return len(inputs) <= self.max_num_seqs and all(
             0 < len(s.token_ids) <= self.max_query_len and s.num_logit_rows == len(s.token_ids)
             for s in inputs
+        )
+
+    def _is_graphed_prefill(self, inputs: list[StepInput]) -> bool:
+        """Prefill chunks (and decode tokens) of at most `prefill_width` tokens that want at
+        most their last row's logits: a step for the decode path's last-row graphs."""
+        width = self.prefill_width
+        return (
+            width > 0
+            and len(inputs) <= self.max_num_seqs
+            and all(
+                0 < len(s.token_ids) <= width and s.num_logit_rows <= 1 and s.tree_parents is None
+                for s in inputs
+            )
         )
 
     def run(
@@ -223,6 +243,17 @@ class PagedModelRunner:
                 first_tokens,
                 tree_parents=trees if any(p is not None for p in trees) else None,
             )
+        if self.graphs is not None and self._is_graphed_prefill(inputs):
+            self.num_graphed_prefill_steps += 1
+            last, features = self.graphs.run(
+                [s.token_ids for s in inputs],
+                [s.start for s in inputs],
+                [s.block_ids for s in inputs],
+                layers,
+                first_tokens,
+                last_rows=True,
+            )
+            return [row[: s.num_logit_rows] for row, s in zip(last, inputs, strict=True)], features
         return self._run_eager(inputs, layers, first_tokens)
 
     def _run_eager(

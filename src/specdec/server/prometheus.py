@@ -95,6 +95,11 @@ class _EngineCollector(Collector):
             "specdec:num_sync_steps", "Steps of the synchronous path.", snap.num_sync_steps
         )
         yield counter(
+            "specdec:num_graphed_prefill_steps",
+            "Synchronous steps that ran prefill chunks on the decode path's CUDA graphs.",
+            snap.num_graphed_prefill_steps,
+        )
+        yield counter(
             "specdec:num_plain_arm_steps",
             "Plain overlapped decode steps the speculation policy chose over device rounds.",
             snap.num_plain_arm_steps,

@@ -16,6 +16,8 @@ def config(**overrides) -> SchedulerConfig:
         "max_num_seqs": engine.max_num_seqs,
         "max_num_batched_tokens": engine.max_num_batched_tokens,
         "max_model_len": 2048,
+        "prefill_graph_tokens": 0,
+        "prefill_graph_width": 16,
     }
     return SchedulerConfig(**{**values, **overrides})
 
@@ -122,3 +124,27 @@ def test_block_allocator_rollback_and_slots():
     assert allocator.num_free_blocks == 8
     with pytest.raises(RuntimeError, match="out of KV blocks"):
         allocator.grow(request, 100)
+
+
+def test_short_prefills_are_chunked_at_the_graph_width():
+    """A prefill of at most prefill_graph_tokens tokens still to compute runs in chunks of
+    prefill_graph_width (the runner's graphed prefill); a longer one in one chunk; a request
+    emits only with its last chunk."""
+    cfg = config(prefill_graph_tokens=48, prefill_graph_width=16)
+    scheduler = Scheduler(cfg, BlockAllocator(256, 16))
+    short, long = make_request("short", 40), make_request("long", 100)
+    scheduler.add(short)
+    scheduler.add(long)
+    chunks = {"short": [], "long": []}
+    for _ in range(4):
+        out = scheduler.schedule()
+        for share in out.scheduled:
+            request = share.request
+            if request.num_computed_tokens < request.num_tokens - 1 or not share.emits:
+                chunks[request.request_id].append((share.num_query_tokens, share.emits))
+            scheduler.commit(request, request.num_computed_tokens + share.num_query_tokens)
+    assert chunks["short"] == [(16, False), (16, False), (8, True)]
+    assert chunks["long"] == [(100, True)]
+    off = Scheduler(config(prefill_graph_tokens=0), BlockAllocator(256, 16))
+    off.add(make_request("short", 40))
+    assert [s.num_query_tokens for s in off.schedule().scheduled] == [40]
