@@ -1,14 +1,14 @@
 """What a speculative step costs on the CPU, part by part, against a plain step.
 
 The built-in SmolLM2 (the GGUF kept quantized, the CPU default) with the shipped EAGLE head at
-K = 1 and K = 2 and without speculation; greedy, 48 tokens per prompt, `--batch` held-out
-prompts at once. Per part of the synchronous step (the drafter's `propose`, the target's
-forward over [input token + drafts], `emit`: sampling and verification, feature delivery) the
-median host milliseconds per call; tokens/s of the whole call. Pin the threads and run it on
-an otherwise idle machine.
+K = 1 and K = 2 and without speculation; greedy (or `--temperature`), 48 tokens per prompt,
+`--batch` held-out prompts at once. Per part of the synchronous step (the drafter's `propose`,
+the target's forward over [input token + drafts], `emit`: sampling and verification, feature
+delivery) the median host milliseconds per call; tokens/s of the whole call. Pin the threads
+and run it on an otherwise idle machine.
 
     PYTHONPATH=src python benchmarks/probes/probe_cpu_spec_step.py --out FILE [--batch 1] \
-        [--threads 2]
+        [--threads 2] [--temperature 1]
 
 Writes FILE (JSON). A profile, not a BENCHMARKS.md figure by itself.
 """
@@ -27,7 +27,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 
 
-def run(spec: dict | None, texts: list[str], tokens: int) -> dict:
+def run(spec: dict | None, texts: list[str], tokens: int, temperature: float = 0.0) -> dict:
     from specdec import LLM, SamplingParams
     from specdec.engine import llm_engine
 
@@ -36,7 +36,7 @@ def run(spec: dict | None, texts: list[str], tokens: int) -> dict:
         {"prompt_token_ids": llm.tokenizer.encode_chat([{"role": "user", "content": text}])}
         for text in texts
     ]
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True, seed=0)
     llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
     engine = llm.engine
     host: dict[str, list[float]] = collections.defaultdict(list)
@@ -83,6 +83,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--temperature", type=float, default=0.0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from specdec.drafters.default import DEFAULT_EAGLE_DIR
@@ -92,13 +93,18 @@ def main() -> None:
     lines = (HERE.parent / "data" / "heldout_prompts.jsonl").read_text().splitlines()
     texts = [json.loads(line)["prompt"] for line in lines if line.strip()][: args.batch]
     head = {"method": "eagle", "model": str(DEFAULT_EAGLE_DIR)}
-    report = {"batch": args.batch, "threads": args.threads, "tokens": args.tokens}
+    report = {
+        "batch": args.batch,
+        "threads": args.threads,
+        "tokens": args.tokens,
+        "temperature": args.temperature,
+    }
     for name, spec in (
         ("plain", None),
         ("eagle K=1", {**head, "num_speculative_tokens": 1}),
         ("eagle K=2", {**head, "num_speculative_tokens": 2}),
     ):
-        report[name] = run(spec, texts, args.tokens)
+        report[name] = run(spec, texts, args.tokens, args.temperature)
         print(name, json.dumps(report[name]), flush=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out}")
