@@ -112,6 +112,34 @@ def test_overlapped_plain_decoding_matches_tp1():
         check_tokens_equal(reference.engine.model, outputs_1, outputs_2, params, what)
 
 
+def test_graphed_prefill_matches_tp1():
+    """Graphed prefill (`prefill_graph_tokens`, the CUDA default, asked for here) under TP = 2:
+    every rank routes a step of short prefill chunks to the decode path's last-row step alike;
+    greedy tokens equal TP = 1's with the same chunks. (n-gram device rounds: what gives this
+    float model its decode path on the CPU.)"""
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    prompts = [*PROMPTS[:3], " ".join(PROMPTS)]  # the last one prefills in several chunks
+    results = {}
+    for tp in (1, 2):
+        torch.set_num_threads(1)
+        llm = LLM(
+            tensor_parallel_size=tp,
+            async_scheduling=True,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False},
+            prefill_graph_tokens=128,
+            **ENGINE_ARGS,
+        )
+        results[tp] = llm.generate(prompts, greedy, use_tqdm=False)
+        assert llm.get_metrics()["loop"]["num_graphed_prefill_steps"] >= 1, tp
+        if tp == 1:
+            reference = llm
+        else:
+            llm.close()
+    check_tokens_equal(
+        reference.engine.model, results[1], results[2], greedy, "graphed prefill TP=2"
+    )
+
+
 @pytest.mark.parametrize(
     "spec",
     [
