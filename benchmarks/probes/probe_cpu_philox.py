@@ -1,11 +1,13 @@
 """What the CPU's Philox rounds cost: torch operations against NumPy uint64, alone and in decoding.
 
 1. One `philox4x32_10` call over the blocks of a full-vocabulary draw (49,152 float32 lanes:
-   12,288 blocks) and of two and eight rows of them, both ways (median ms of 30 calls; the words
-   must be equal).
+   12,288 blocks) and of two and eight rows of them, each way: torch operations, the NumPy rounds
+   of `random_words`' layout (per-row scalar keys), the general NumPy rounds (median ms of 30
+   calls; the words must be equal).
 2. The built-in model (the CPU default: the kept-quantized GGUF), plain decoding and the default
    speculation, T = 1, 48 tokens of one held-out prompt: tokens/s with `random_words` drawing
-   through each, alternating, the median of `--repeats` calls each (the tokens must be equal).
+   through each of the three, alternating, the median of `--repeats` calls each (the tokens
+   must be equal).
 
     PYTHONPATH=src python benchmarks/probes/probe_cpu_philox.py --out FILE [--threads 2]
 
@@ -48,9 +50,13 @@ def kernel_part() -> dict:
         got = philox._philox_cpu(c0, *words)
         if not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
             raise AssertionError("the NumPy rounds differ from the torch ones")
+        general = philox._philox_cpu_any(c0, *words)
+        if not all(torch.equal(a, b) for a, b in zip(general, want, strict=True)):
+            raise AssertionError("the general NumPy rounds differ from the torch ones")
         out[f"rows={rows}"] = {
             "torch_ms": time_call(lambda w=words: philox.philox4x32_10_torch(c0, *w), 30),
             "numpy_ms": time_call(lambda w=words: philox._philox_cpu(c0, *w), 30),
+            "numpy_general_ms": time_call(lambda w=words: philox._philox_cpu_any(c0, *w), 30),
         }
     return out
 
@@ -67,10 +73,15 @@ def decode_part(repeats: int) -> dict:
         ids = llm.tokenizer.encode_chat([{"role": "user", "content": text}])
         params = SamplingParams(temperature=1.0, max_tokens=48, ignore_eos=True, seed=1)
         llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)  # warm-up
-        rates: dict[str, list[float]] = {"torch": [], "numpy": []}
+        rates: dict[str, list[float]] = {"torch": [], "numpy": [], "numpy_general": []}
         tokens = {}
+        ways = (
+            ("numpy", philox.philox4x32_10),
+            ("numpy_general", philox._philox_cpu_any),
+            ("torch", philox.philox4x32_10_torch),
+        )
         for _ in range(repeats):
-            for way, fn in (("numpy", philox.philox4x32_10), ("torch", philox.philox4x32_10_torch)):
+            for way, fn in ways:
                 draws.philox4x32_10 = fn
                 start = time.perf_counter()
                 result = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
@@ -80,7 +91,7 @@ def decode_part(repeats: int) -> dict:
         out[name] = {
             "tokens_per_s": {way: statistics.median(r) for way, r in rates.items()},
             "runs": rates,
-            "same_tokens": tokens["numpy"] == tokens["torch"],
+            "same_tokens": tokens["numpy"] == tokens["torch"] == tokens["numpy_general"],
         }
         out[name]["speedup"] = (
             out[name]["tokens_per_s"]["numpy"] / out[name]["tokens_per_s"]["torch"]

@@ -101,6 +101,17 @@ def test_cpu_rounds_equal_the_torch_operations_bit_for_bit(shape):
         assert not torch.equal(other[0], want[0])
 
 
+def test_cpu_rounds_of_any_layout_equal_the_torch_operations():
+    """The CPU's general NumPy rounds (every word may vary along every axis; `random_words`'
+    layout takes a faster path, checked above) against the torch ones, across chunks."""
+    generator = torch.Generator().manual_seed(2)
+    for shape in [(3, 17000), (40,), (2, 3, 5)]:
+        inputs = torch.randint(0, 2**32, (6, *shape), generator=generator, dtype=torch.int64)
+        want = philox4x32_10_torch(*inputs)
+        got = philox4x32_10(*inputs)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), shape
+
+
 def test_random_words_key_layout():
     """Counter = (lane block, position, stream, step); key = (seed low, seed high)."""
     seed = 0x0123456789ABCDEF

@@ -4,9 +4,11 @@ The reference twin of `specdec.rng.philox_triton`: integer arithmetic only, so i
 any device. Words are held in int64 tensors with values in [0, 2**32); no intermediate ever
 exceeds 2**49, so nothing relies on signed overflow. On the CPU the same rounds run in NumPy's
 uint64 (a 32 x 32-bit product fits, and unsigned wrap-around is defined), with a third of the
-operations: one full-vocabulary draw (12,288 blocks) takes 0.51 ms this way against 1.66 ms
-through the torch operations on a 2-core machine, where sampling at T > 0 draws one every token
-(`benchmarks/probes/probe_cpu_philox.py`).
+operations, and in `random_words`' layout (counter word 0 along the row, every other word one
+per row) with per-row scalar keys and the first rounds' row-constant words kept as scalars: one
+full-vocabulary draw (12,288 blocks) takes 0.28 ms that way, 0.46 ms through the general NumPy
+rounds and 1.58 ms through the torch operations on a 2-core machine, where sampling at T > 0
+draws one every token (`benchmarks/probes/probe_cpu_philox.py`).
 """
 
 from __future__ import annotations
@@ -87,6 +89,14 @@ _CPU_CHUNK = 16384  # elements per pass: the working set of a pass stays in the 
 def _philox_cpu(*words: torch.Tensor) -> Words:
     """`philox4x32_10` for CPU int64 tensors, in NumPy uint64 (the same words, bit for bit:
     `tests/unit/test_rng.py` checks it against `philox4x32_10_torch`)."""
+    c0, rest = words[0], words[1:]
+    if c0.dim() == 2 and c0.shape[0] == 1 and all(w.dim() == 2 and w.shape[1] == 1 for w in rest):
+        return _philox_cpu_rows(c0[0], rest)  # `random_words`' layout
+    return _philox_cpu_any(*words)
+
+
+def _philox_cpu_any(*words: torch.Tensor) -> Words:
+    """`_philox_cpu` for any broadcast layout: every word an array along the whole shape."""
     shape = torch.broadcast_shapes(*(w.shape for w in words))
     u64 = np.uint64
     ins = [np.broadcast_to(w.numpy().view(u64), shape).reshape(-1) for w in words]
@@ -120,3 +130,64 @@ def _philox_cpu(*words: torch.Tensor) -> Words:
             np.bitwise_and(q1, mask, out=x1)
             np.bitwise_and(q0, mask, out=x3)
     return tuple(torch.from_numpy(out.view(np.int64)).view(shape) for out in outs)
+
+
+def _philox_cpu_rows(blocks: torch.Tensor, per_row: tuple[torch.Tensor, ...]) -> Words:
+    """`_philox_cpu` for `random_words`' layout: counter word 0 = `blocks` [B] along the row,
+    the other counter words and the key one value per row ([N, 1] each). Per row the keys are
+    scalars, and so are two words of round 0 and one of round 1 (only c0 varies along the row),
+    which saves about a third of the array operations of the general rounds."""
+    rows, width = per_row[0].shape[0], blocks.shape[0]
+    rows = max((w.shape[0] for w in per_row), default=rows)
+    u64 = np.uint64
+    c0 = blocks.numpy().view(u64)
+    columns = [np.broadcast_to(w.numpy().view(u64).reshape(-1), (rows,)) for w in per_row]
+    outs = [np.empty((rows, width), u64) for _ in range(4)]
+    m0, m1, mask, shift = u64(PHILOX_M0), u64(PHILOX_M1), u64(MASK32), u64(32)
+    size = max(min(_CPU_CHUNK, width), 1)
+    q0_buf, q1_buf = np.empty(size, u64), np.empty(size, u64)
+    for r in range(rows):
+        c1, c2, c3, key0, key1 = (int(column[r]) for column in columns)
+        keys = [
+            ((key0 + i * PHILOX_W0) & MASK32, (key1 + i * PHILOX_W1) & MASK32)
+            for i in range(PHILOX_ROUNDS)
+        ]  # each round's key words
+        for start in range(0, width, _CPU_CHUNK):
+            end = min(start + _CPU_CHUNK, width)
+            n = end - start
+            x0, x1, x2, x3 = (out[r, start:end] for out in outs)
+            q0, q1 = q0_buf[:n], q1_buf[:n]
+            # Round 0: c1, c2, c3 are scalars; so are the new x0, x1.
+            k0, k1 = keys[0]
+            np.multiply(c0[start:end], m0, out=q0)
+            p1 = c2 * PHILOX_M1
+            s0, s1 = (p1 >> 32) ^ c1 ^ k0, p1 & MASK32
+            np.bitwise_xor(np.right_shift(q0, shift, out=x2), u64(c3 ^ k1), out=x2)
+            np.bitwise_and(q0, mask, out=x3)
+            # Round 1: x0, x1 scalars; the new x3 is a scalar.
+            k0, k1 = keys[1]
+            p0 = s0 * PHILOX_M0
+            np.multiply(x2, m1, out=q1)
+            np.bitwise_xor(np.right_shift(q1, shift, out=x0), u64(s1 ^ k0), out=x0)
+            np.bitwise_and(q1, mask, out=x1)
+            np.bitwise_xor(x3, u64((p0 >> 32) ^ k1), out=x2)
+            s3 = p0 & MASK32
+            # Round 2: x3 a scalar.
+            k0, k1 = keys[2]
+            np.multiply(x0, m0, out=q0)
+            np.multiply(x2, m1, out=q1)
+            np.bitwise_xor(np.right_shift(q1, shift, out=x0), x1, out=x0)
+            np.bitwise_xor(x0, u64(k0), out=x0)
+            np.bitwise_xor(np.right_shift(q0, shift, out=x2), u64(s3 ^ k1), out=x2)
+            np.bitwise_and(q1, mask, out=x1)
+            np.bitwise_and(q0, mask, out=x3)
+            for k0, k1 in keys[3:]:
+                np.multiply(x0, m0, out=q0)
+                np.multiply(x2, m1, out=q1)
+                np.bitwise_xor(np.right_shift(q1, shift, out=x0), x1, out=x0)
+                np.bitwise_xor(x0, u64(k0), out=x0)
+                np.bitwise_xor(np.right_shift(q0, shift, out=x2), x3, out=x2)
+                np.bitwise_xor(x2, u64(k1), out=x2)
+                np.bitwise_and(q1, mask, out=x1)
+                np.bitwise_and(q0, mask, out=x3)
+    return tuple(torch.from_numpy(out.view(np.int64)) for out in outs)
