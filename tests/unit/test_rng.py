@@ -82,7 +82,7 @@ def test_torch_operations_known_answers(counter, key, expected):
     assert [int(w) for w in out] == list(expected)
 
 
-@pytest.mark.parametrize("shape", [(1, 12288), (3, 5), (2, 40000), (0, 4)])
+@pytest.mark.parametrize("shape", [(1, 12288), (3, 5), (2, 40000), (0, 4), (0, 2048), (3, 1024)])
 def test_cpu_rounds_equal_the_torch_operations_bit_for_bit(shape):
     """The CPU's NumPy rounds against the torch ones on broadcast inputs like `random_words`'
     (blocks along the last axis, per-row words), edge words included, across several chunks;

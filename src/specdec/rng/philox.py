@@ -84,14 +84,22 @@ def philox4x32_10_torch(
 
 
 _CPU_CHUNK = 16384  # elements per pass: the working set of a pass stays in the cache
+# The row-by-row rounds loop over rows in Python: for rows this narrow (small vocabularies, slot
+# draws) the general rounds over every row at once are faster.
+_ROWS_MIN_WIDTH = 1024
 
 
 def _philox_cpu(*words: torch.Tensor) -> Words:
     """`philox4x32_10` for CPU int64 tensors, in NumPy uint64 (the same words, bit for bit:
     `tests/unit/test_rng.py` checks it against `philox4x32_10_torch`)."""
     c0, rest = words[0], words[1:]
-    if c0.dim() == 2 and c0.shape[0] == 1 and all(w.dim() == 2 and w.shape[1] == 1 for w in rest):
-        return _philox_cpu_rows(c0[0], rest)  # `random_words`' layout
+    if (
+        c0.dim() == 2
+        and c0.shape[0] == 1
+        and c0.shape[1] >= _ROWS_MIN_WIDTH
+        and all(w.dim() == 2 and w.shape[1] == 1 for w in rest)
+    ):
+        return _philox_cpu_rows(c0[0], rest)  # `random_words`' layout, rows of many blocks
     return _philox_cpu_any(*words)
 
 
