@@ -21,8 +21,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DEVICES = ("auto", "cpu", "cuda")
 # Graphed prefill: prompts of at most AUTO_PREFILL_GRAPH_TOKENS tokens (the "auto" default on
-# CUDA with graphs) are prefilled on the decode path's CUDA graphs, PREFILL_GRAPH_WIDTH tokens
-# per sequence and step.
+# CUDA, enforce_eager included) are prefilled on the decode path (its CUDA graphs),
+# PREFILL_GRAPH_WIDTH tokens per sequence and step.
 PREFILL_GRAPH_WIDTH = 16
 AUTO_PREFILL_GRAPH_TOKENS = 128
 
