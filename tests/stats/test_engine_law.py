@@ -190,11 +190,14 @@ def test_negative_control_device_rounds_reading_a_stale_anchor(model_dir, monkey
     test in tests/unit/engine/test_device_rounds.py is the control for that one.)"""
     from specdec.engine import device_round
 
-    def stale_anchor(rounds, view, accepted, final):
-        rows = view.num_rows
-        rounds.last_tokens[:rows].copy_(torch.where(view.live, final, view.last_tokens))
+    finish_round = device_round.finish_round
 
-    monkeypatch.setattr(device_round.DeviceRounds, "_advance", stale_anchor)
+    def stale_anchor(token_ids, num_accepted, live, results, anchors, last_tokens):
+        before = anchors.clone()
+        finish_round(token_ids, num_accepted, live, results, anchors, last_tokens)
+        anchors.copy_(before)
+
+    monkeypatch.setattr(device_round, "finish_round", stale_anchor)
     law = exact_law(model_dir, 0.7)
     spec = {**spec_config("standard", "probabilistic"), "adaptive": False}
     counts = emitted_counts(model_dir, spec, 0.7, 6, async_scheduling=True)

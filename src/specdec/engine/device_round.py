@@ -29,6 +29,13 @@ from specdec.drafters import Drafter
 from specdec.drafters.device import DeviceDrafting, DeviceSlot, RoundView
 from specdec.engine.emitter import Emission
 from specdec.engine.request import Request
+from specdec.engine.round_bookkeeping import (
+    RoundInputs,
+    RoundResults,
+    RoundSlots,
+    finish_round,
+    round_inputs,
+)
 from specdec.runner import PagedModelRunner
 from specdec.runner.cuda_graph import GraphCache, StaticInputs, batch_buckets, bucket_for
 from specdec.sampling import SamplingTensors
@@ -123,9 +130,12 @@ class DeviceRounds:
         # Outputs of the latest round: emitted tokens, accepted and verified drafts per slot.
         self.out = torch.zeros(size * (self.width + 2), dtype=torch.int64, device=device)
         self.inputs = StaticInputs({"live": size, "tables": size * self.max_blocks}, device)
-        # (0-d constants for `torch.where(..., out=)`, which takes no Python scalar)
-        self._zero = torch.zeros((), dtype=torch.int64, device=device)
-        self._minus_one = torch.full((), -1, dtype=torch.int64, device=device)
+        # The round's own copies of what its view reads (`round_inputs` writes them first; the
+        # slots' anchors and input tokens move on at the round's end).
+        self.round_anchors = torch.zeros(size, dtype=torch.int64, device=device)
+        self.round_last_tokens = torch.zeros(size, dtype=torch.int64, device=device)
+        self.round_live = torch.zeros(size, dtype=torch.bool, device=device)
+        self.round_temperature = torch.zeros(size, dtype=torch.float32, device=device)
         self.graph_cache = GraphCache(use_graphs)
         on_cuda = device.type == "cuda"
         self._ring = [
@@ -307,11 +317,11 @@ class DeviceRounds:
 
     # ------------------------------------------------------------------ the round
     def _view(self, k: int) -> RoundView:
+        """The round's view of the slots (the copies `round_inputs` wrote)."""
         rows = self.num_rows
         top_k, top_p, min_p = self._filters
-        live = self.inputs["live"][:rows].bool()
         params = SamplingTensors(
-            temperature=torch.where(live, self.temperature[:rows], 0.0),  # inert rows: greedy
+            temperature=self.round_temperature[:rows],  # inert rows: 0, greedy
             top_k=self.top_k[:rows] if top_k else None,
             top_p=self.top_p[:rows] if top_p else None,
             min_p=self.min_p[:rows] if min_p else None,
@@ -320,9 +330,9 @@ class DeviceRounds:
             num_rows=rows,
             k=k,
             method=self.method,
-            anchors=self.anchors[:rows],
-            last_tokens=self.last_tokens[:rows],
-            live=live,
+            anchors=self.round_anchors[:rows],
+            last_tokens=self.round_last_tokens[:rows],
+            live=self.round_live[:rows],
             seeds=self.seeds[:rows],
             params=params,
             max_draft=self.max_draft[:rows],
@@ -330,43 +340,53 @@ class DeviceRounds:
 
     def _round(self, k: int) -> None:
         """One round over the static buffers (device work only; see the module docstring)."""
-        rows, width = self.num_rows, self.width
-        view = self._view(k)
-        live = view.live
-        # 1. Drafts.
-        draft_ids, draft_logits, draft_lse, drafted = self.drafting.propose(view)
-        room = (self.draft_limit[:rows] - view.anchors).clamp_min(0)
-        num_draft = torch.minimum(torch.minimum(view.max_draft, room), torch.full_like(room, k))
-        if drafted is not None:
-            num_draft = torch.minimum(num_draft, drafted)
-        num_draft = torch.where(live, num_draft, 0)
-        # 2. The target over [input token, drafts] in the decode step's layout, Q = k + 1 rows a
-        # slot (the round's K, not the widest: a round of few drafts in a large batch costs
-        # the target's pass over its own rows only; one graph per K either way).
-        graphs = self.runner.graphs
+        rows, width, size = self.num_rows, self.width, self.anchors.shape[0]
         query = k + 1
         flat = rows * query
-        column = torch.arange(query, device=self.device)
-        positions = view.anchors[:, None] - 1 + column  # [S, Q]
-        fed = live[:, None]
-        # The step's inputs written straight into the decode graph's buffers (`out=`: one
-        # kernel each, no temporaries copied in after).
-        tokens = graphs.input_ids[:flat].view(rows, query)
-        tokens[:, 0] = view.last_tokens
+        graphs, out = self.runner.graphs, self.out
+        # 1. The round's inputs, the target step's included, in one kernel on CUDA: the target
+        # runs over [input token, drafts] in the decode step's layout, Q = k + 1 rows a slot
+        # (the round's K, not the widest: a round of few drafts in a large batch costs the
+        # target's pass over its own rows only; one graph per K either way).
+        num_draft = out[size * (width + 1) : size * (width + 1) + rows]  # read by the host too
+        round_inputs(
+            RoundSlots(
+                anchors=self.anchors[:rows],
+                last_tokens=self.last_tokens[:rows],
+                live=self.inputs["live"][:rows],
+                draft_limit=self.draft_limit[:rows],
+                max_draft=self.max_draft[:rows],
+                temperature=self.temperature[:rows],
+                tables=self.inputs["tables"][: rows * self.max_blocks].view(rows, self.max_blocks),
+            ),
+            RoundInputs(
+                anchors=self.round_anchors[:rows],
+                last_tokens=self.round_last_tokens[:rows],
+                live=self.round_live[:rows],
+                temperature=self.round_temperature[:rows],
+                num_draft=num_draft,
+                input_ids=graphs.input_ids[:flat],
+                positions=graphs.positions[:flat],
+                slot_mapping=graphs.slot_mapping[:flat],
+                context_lens=graphs.context_lens[:rows],
+                query_lens=graphs.query_lens[:rows],
+                block_tables=graphs.block_tables[:rows],
+            ),
+            k,
+            self.block_size,
+        )
+        view = self._view(k)
+        # 2. Drafts (written after the input token; a drafter that drafts fewer than k for a
+        # slot says so in `drafted`).
+        draft_ids, draft_logits, draft_lse, drafted = self.drafting.propose(view)
         if k:
-            torch.clamp(draft_ids, min=0, out=tokens[:, 1:])
-        tables = self.inputs["tables"][: rows * self.max_blocks].view(rows, self.max_blocks)
-        block = torch.div(positions, self.block_size, rounding_mode="floor")
-        slots = tables.gather(1, block.clamp_(0, self.max_blocks - 1)).mul_(self.block_size)
-        slots.add_(positions % self.block_size)
-        torch.where(fed, positions, self._zero, out=graphs.positions[:flat].view(rows, query))
-        torch.where(fed, slots, self._minus_one, out=graphs.slot_mapping[:flat].view(rows, query))
-        torch.where(live, view.anchors + k, self._zero, out=graphs.context_lens[:rows])
-        torch.mul(live, query, out=graphs.query_lens[:rows])
-        graphs.block_tables[:rows].copy_(tables)
+            torch.clamp(draft_ids, min=0, out=graphs.input_ids[:flat].view(rows, query)[:, 1:])
+        if drafted is not None:
+            torch.minimum(num_draft, drafted, out=num_draft)
+        # 3. The target.
         features = graphs.forward(rows, query, self.drafter.feature_layers, broadcast_inputs=True)
         logits = graphs.logits[: rows * query].view(rows, query, -1)
-        # 3. Verification (inert slots: greedy, nothing drafted).
+        # 4. Verification (inert slots: greedy, nothing drafted).
         inputs = check_verify_inputs(
             logits,
             draft_ids,
@@ -383,22 +403,18 @@ class DeviceRounds:
             check_values=False,
         )
         result = verify_checked(inputs)
-        # 4. Bookkeeping: the emitted tokens, the next anchor and input token.
-        # (written straight into the results the host reads: `out`'s three sections)
-        size, out = self.anchors.shape[0], self.out
-        emitted = out[: size * width].view(size, width)[:rows]
-        emitted[:, k + 1 :].fill_(-1)
-        emitted[:, : k + 1] = result.token_ids
-        accepted = out[size * width : size * width + rows]
-        torch.where(live, result.num_accepted, self._zero, out=accepted)
-        out[size * (width + 1) : size * (width + 1) + rows].copy_(num_draft)
-        final = emitted.gather(1, accepted[:, None]).squeeze(1)
-        self.drafting.observe(view, features, emitted, accepted)  # before the anchors move
-        self._advance(view, accepted, final)
-
-    def _advance(self, view: RoundView, accepted: torch.Tensor, final: torch.Tensor) -> None:
-        """The next round's anchor (after the accepted drafts and the emitted token) and input
-        token (the emitted one), for the live slots."""
-        rows, live = view.num_rows, view.live
-        self.last_tokens[:rows].copy_(torch.where(live, final, view.last_tokens))
-        self.anchors[:rows].copy_(torch.where(live, view.anchors + accepted + 1, view.anchors))
+        # 5. The results the host reads (`out`'s first two sections), then the drafter's
+        # bookkeeping, then the slots' next anchors and input tokens.
+        results = RoundResults(
+            emitted=out[: size * width].view(size, width)[:rows],
+            accepted=out[size * width : size * width + rows],
+        )
+        finish_round(
+            result.token_ids,
+            result.num_accepted,
+            view.live,
+            results,
+            self.anchors[:rows],
+            self.last_tokens[:rows],
+        )
+        self.drafting.observe(view, features, results.emitted, results.accepted)

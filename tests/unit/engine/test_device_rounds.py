@@ -305,13 +305,14 @@ def test_negative_control_a_stale_input_token_breaks_the_equality(
     requests = [(p, params_for(0.0, 1)) for p in prompts]
     sync, _ = drive(make_engine(model_dir, spec, False), requests)
 
-    def stale_advance(rounds, view, accepted, final):
-        rows = view.num_rows
-        rounds.anchors[:rows].copy_(
-            torch.where(view.live, view.anchors + accepted + 1, view.anchors)
-        )
+    finish_round = device_round.finish_round
 
-    monkeypatch.setattr(device_round.DeviceRounds, "_advance", stale_advance)
+    def stale_input_token(token_ids, num_accepted, live, results, anchors, last_tokens):
+        before = last_tokens.clone()
+        finish_round(token_ids, num_accepted, live, results, anchors, last_tokens)
+        last_tokens.copy_(before)
+
+    monkeypatch.setattr(device_round, "finish_round", stale_input_token)
     rounds, _ = drive(make_engine(model_dir, spec, True), requests)
     assert rounds != sync
 
