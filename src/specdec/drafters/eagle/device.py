@@ -11,7 +11,7 @@ import torch
 
 from specdec.drafters.base import Drafter, ProposalBuffer
 from specdec.drafters.device import BlockTables, DeviceDrafting, DeviceSlot, RoundView
-from specdec.drafters.eagle.chain_inputs import ChainInputs
+from specdec.drafters.eagle.step_inputs import HeadStepInputs
 from specdec.transfer import to_device
 
 
@@ -135,7 +135,7 @@ class EagleDeviceDrafting(DeviceDrafting):
                 break
             # Entry t = anchor - 1 + i: the previous head output and draft i (at anchor + i).
             slots, positions, query_lens = chain
-            step = ChainInputs(slots[i], positions[i], query_lens, tokens, last, tables)
+            step = HeadStepInputs(slots[i], positions[i], query_lens, tokens, last, tables)
             last, logits = graphs.forward("chain", rows, step)
         if k == 0:
             return out.draft_token_ids[:rows, :0], None, None, None

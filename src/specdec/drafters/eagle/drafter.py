@@ -24,7 +24,6 @@ from specdec.drafters.base import (
 )
 from specdec.drafters.config import MAX_NUM_SPECULATIVE_TOKENS, SpeculativeConfig, TreeConfig
 from specdec.drafters.device import DeviceDrafting
-from specdec.drafters.eagle.chain_inputs import ChainInputs
 from specdec.drafters.eagle.head import (
     EagleHead,
     head_logits,
@@ -33,6 +32,7 @@ from specdec.drafters.eagle.head import (
     quantize_head_int8,
 )
 from specdec.drafters.eagle.state import EagleState
+from specdec.drafters.eagle.step_inputs import HeadStepInputs
 from specdec.drafters.eagle.tree_drafting import propose_tree
 from specdec.models import AttentionMetadata, LlamaForCausalLM
 from specdec.models.attention import DecodeMetadata, cache_slots
@@ -463,7 +463,7 @@ class _HeadGraphs:
         return self.graph_cache.graphs
 
     def forward(
-        self, kind: str, num_seqs: int, chain: ChainInputs | None = None
+        self, kind: str, num_seqs: int, chain: HeadStepInputs | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A head step of `kind` over the first `num_seqs` requests' rows of the static buffers,
         as they are (device work only: what `_run` replays, and what a device round runs inside

@@ -8,7 +8,7 @@ import torch
 
 
 @dataclass(frozen=True, slots=True)
-class ChainInputs:
+class HeadStepInputs:
     """A chain head step's inputs as device tensors, one row per slot (a device round's):
     `positions` [S] is both each entry's RoPE position and its context length after the step
     (entry t sits at position t + 1 and is the context's last); `slots` [S] its cache slot (-1
