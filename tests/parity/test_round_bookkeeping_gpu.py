@@ -1,11 +1,17 @@
-"""The Triton kernels of a device round's bookkeeping against their PyTorch twins, bit for bit, on
-random slots (live and inert, anchors across block boundaries, every K of a round)."""
+"""The Triton kernels of a device round's bookkeeping (the engine's, and the EAGLE head's inputs)
+against their PyTorch twins, bit for bit, on random slots (live and inert, anchors across block
+boundaries, every K of a round)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from specdec.drafters.eagle.round_inputs import (
+    HeadRoundInputs,
+    head_round_inputs,
+    head_round_inputs_ref,
+)
 from specdec.engine.round_bookkeeping import (
     RoundInputs,
     RoundResults,
@@ -112,3 +118,42 @@ def test_finish_round_kernel_matches_twin(rows, k):
     for mine, twin in zip(outputs["cuda"], outputs["cpu"], strict=True):
         assert torch.equal(mine.cpu(), twin)
     assert not torch.equal(outputs["cpu"][2], anchors) or not live.any()  # slots moved on
+
+
+def empty_head_inputs(rows: int, width: int, steps: int, device: str) -> HeadRoundInputs:
+    def ints(*shape: int) -> torch.Tensor:
+        return torch.full(shape, -7, dtype=torch.int64, device=device)  # unwritten: -7
+
+    return HeadRoundInputs(
+        catch_slots=ints(rows * width),
+        catch_positions=ints(rows * width),
+        catch_tokens=ints(rows * width),
+        catch_context_lens=ints(rows),
+        catch_query_lens=ints(rows),
+        catch_ends=ints(rows),
+        # (sliced from wider buffers, as the drafter's are: rows of the widest batch)
+        chain_slots=ints(steps, rows + 3)[:, :rows],
+        chain_positions=ints(steps, rows + 3)[:, :rows],
+        chain_query_lens=ints(rows),
+    )
+
+
+@pytest.mark.parametrize("rows", [1, 5, 32])
+@pytest.mark.parametrize("k", [0, 1, 2, 4])
+def test_head_round_inputs_kernel_matches_twin(rows, k):
+    width, steps = 5, max(k - 1, 0)
+    slots = random_slots(rows, seed=rows * 7 + k)
+    g = torch.Generator().manual_seed(rows + k)
+    live = slots.live.bool()
+    counts = torch.randint(1, width + 1, (rows,), generator=g)
+    anchors = torch.where(live, slots.anchors + width, slots.anchors)  # room for the entries
+    tokens = torch.randint(0, 1000, (rows, width), generator=g)
+    want = empty_head_inputs(rows, width, steps, "cpu")
+    head_round_inputs_ref(anchors, live, counts, tokens, slots.tables, BLOCK_SIZE, want)
+    got = empty_head_inputs(rows, width, steps, "cuda")
+    args = (anchors, live, counts, tokens, slots.tables)
+    head_round_inputs(*(t.cuda() for t in args), BLOCK_SIZE, got)
+    for field in HeadRoundInputs.__slots__:
+        assert torch.equal(getattr(got, field).cpu(), getattr(want, field)), field
+    fed = want.catch_slots.view(rows, width) >= 0
+    assert fed.any() and (~fed).any()  # the case is not trivial

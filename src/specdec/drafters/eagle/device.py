@@ -11,6 +11,7 @@ import torch
 
 from specdec.drafters.base import Drafter, ProposalBuffer
 from specdec.drafters.device import BlockTables, DeviceDrafting, DeviceSlot, RoundView
+from specdec.drafters.eagle.round_inputs import HeadRoundInputs, head_round_inputs
 from specdec.drafters.eagle.step_inputs import HeadStepInputs
 from specdec.transfer import to_device
 
@@ -32,6 +33,23 @@ class EagleDeviceDrafting(DeviceDrafting):
         self.entry_count = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.max_blocks = graphs.max_blocks
         self.tables = BlockTables(num_slots, self.max_blocks, device)
+        # The round's head inputs (`head_round_inputs` writes them at its start).
+        steps = max(width - 2, 0)  # chain steps of the widest round
+
+        def ints(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=torch.int64, device=device)
+
+        self.inputs = HeadRoundInputs(
+            catch_slots=ints(num_slots * width),
+            catch_positions=ints(num_slots * width),
+            catch_tokens=ints(num_slots * width),
+            catch_context_lens=ints(num_slots),
+            catch_query_lens=ints(num_slots),
+            catch_ends=ints(num_slots),
+            chain_slots=ints(steps, num_slots),
+            chain_positions=ints(steps, num_slots),
+            chain_query_lens=ints(num_slots),
+        )
         self.out = ProposalBuffer(
             num_slots, width - 1, drafter.target_vocab_size, device, drafter.greedy
         )
@@ -104,38 +122,36 @@ class EagleDeviceDrafting(DeviceDrafting):
     def propose(self, view: RoundView) -> tuple:
         graphs, drafter = self.graphs, self.drafter
         rows, width, k = view.num_rows, self.width, view.k
-        device = self.entry_count.device
-        live, anchors = view.live, view.anchors
-        size = drafter.block_size
         tables = self.tables.rows(rows)
-        count = self.entry_count[:rows]
+        inputs = self._round_inputs(view, tables)
         # The round's first head step: entries t = anchor - 1 - n .. anchor - 2 (token t + 1).
-        column = torch.arange(width, device=device)
-        entries = anchors[:, None] - 1 - count[:, None] + column  # [S, W]
-        valid = live[:, None] & (column < count[:, None])
-        safe = entries.clamp_min(0)
-        slots = tables.gather(1, (safe // size).clamp_max(self.max_blocks - 1)) * size + safe % size
-        graphs.slots[: rows * width].copy_(torch.where(valid, slots, -1).view(-1))
-        graphs.positions[: rows * width].copy_(torch.where(valid, entries + 1, 0).view(-1))
-        graphs.tokens[: rows * width].copy_(
-            torch.where(valid, self.entry_tokens[:rows], 0).view(-1)
+        catch_up = HeadStepInputs(
+            slots=inputs.catch_slots,
+            positions=inputs.catch_positions,
+            context_lens=inputs.catch_context_lens,
+            query_lens=inputs.catch_query_lens,
+            tokens=inputs.catch_tokens,
+            tables=tables,
+            features=self.entry_features[:rows].view(rows * width, -1),
+            ends=inputs.catch_ends,
         )
-        graphs.context_lens[:rows].copy_(torch.where(live, anchors - 1, 0))
-        graphs.query_lens[:rows].copy_(torch.where(live, count, 0))
-        rows_start = torch.arange(rows, device=device) * width
-        graphs.ends[:rows].copy_(rows_start + (count - 1).clamp_min(0))
-        graphs.tables[:rows].copy_(tables)
-        graphs.features[: rows * width].copy_(self.entry_features[:rows].view(rows * width, -1))
-        last, logits = graphs.forward("catch_up", rows)
+        last, logits = graphs.forward("catch_up", rows, catch_up)
         out = self.out
-        chain = self._chain_inputs(view, tables) if k > 1 else None
         for i in range(k):
-            tokens = drafter.draw_on_device(logits, anchors + i, view, out, i)
+            tokens = drafter.draw_on_device(logits, view.anchors + i, view, out, i)
             if i + 1 == k:
                 break
             # Entry t = anchor - 1 + i: the previous head output and draft i (at anchor + i).
-            slots, positions, query_lens = chain
-            step = HeadStepInputs(slots[i], positions[i], query_lens, tokens, last, tables)
+            positions = inputs.chain_positions[i]
+            step = HeadStepInputs(
+                slots=inputs.chain_slots[i],
+                positions=positions,
+                context_lens=positions,  # entry t sits at t + 1 and is the context's last
+                query_lens=inputs.chain_query_lens,
+                tokens=tokens,
+                tables=tables,
+                hidden=last,
+            )
             last, logits = graphs.forward("chain", rows, step)
         if k == 0:
             return out.draft_token_ids[:rows, :0], None, None, None
@@ -143,20 +159,32 @@ class EagleDeviceDrafting(DeviceDrafting):
         draft_lse = None if out.draft_logsumexp is None else out.draft_logsumexp[:rows, :k]
         return out.draft_token_ids[:rows, :k], draft_logits, draft_lse, None
 
-    def _chain_inputs(
-        self, view: RoundView, tables: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The round's K - 1 chain steps' inputs at once: ([K - 1, S] cache slots of entries
-        t = anchor - 1 + i (-1 for inert slots), [K - 1, S] their positions t + 1 (0 for inert
-        slots), [S] query lengths): a few ops per round instead of a few per step."""
-        live, size = view.live, self.drafter.block_size
-        steps = torch.arange(view.k - 1, device=live.device)
-        entries = view.anchors[:, None] - 1 + steps  # [S, K - 1]
-        block = torch.div(entries, size, rounding_mode="floor").clamp_(0, self.max_blocks - 1)
-        slots = tables.gather(1, block).mul_(size).add_(entries % size)
-        slots = torch.where(live[:, None], slots, -1).t().contiguous()
-        positions = torch.where(live[:, None], entries + 1, 0).t().contiguous()
-        return slots, positions, live.to(torch.int64)
+    def _round_inputs(self, view: RoundView, tables: torch.Tensor) -> HeadRoundInputs:
+        """The round's head inputs (the catch-up's and its K - 1 chain steps'), written at once
+        (one kernel on CUDA) into views of the first `view.num_rows` slots' buffers."""
+        rows, width, steps = view.num_rows, self.width, max(view.k - 1, 0)
+        buffers = self.inputs
+        inputs = HeadRoundInputs(
+            catch_slots=buffers.catch_slots[: rows * width],
+            catch_positions=buffers.catch_positions[: rows * width],
+            catch_tokens=buffers.catch_tokens[: rows * width],
+            catch_context_lens=buffers.catch_context_lens[:rows],
+            catch_query_lens=buffers.catch_query_lens[:rows],
+            catch_ends=buffers.catch_ends[:rows],
+            chain_slots=buffers.chain_slots[:steps, :rows],
+            chain_positions=buffers.chain_positions[:steps, :rows],
+            chain_query_lens=buffers.chain_query_lens[:rows],
+        )
+        head_round_inputs(
+            view.anchors,
+            view.live,
+            self.entry_count[:rows],
+            self.entry_tokens[:rows],
+            tables,
+            self.drafter.block_size,
+            inputs,
+        )
+        return inputs
 
     def observe(self, view, features, token_ids, num_accepted) -> None:
         rows, query = view.num_rows, view.k + 1

@@ -463,43 +463,40 @@ class _HeadGraphs:
         return self.graph_cache.graphs
 
     def forward(
-        self, kind: str, num_seqs: int, chain: HeadStepInputs | None = None
+        self, kind: str, num_seqs: int, step: HeadStepInputs | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A head step of `kind` over the first `num_seqs` requests' rows of the static buffers,
-        as they are (device work only: what `_run` replays, and what a device round runs inside
-        its own graph), or for a "chain" step inside a device round over `chain`'s tensors
-        instead (the same values without copying them into the buffers first: a round is
-        one graph, so its steps need no static inputs of their own). Returns (head outputs
-        [num_seqs, D], draft logits [num_seqs, V_draft])."""
+        as they are (device work only: what `_run` replays), or, inside a device round, over
+        `step`'s tensors instead (the same values without copying them into the buffers
+        first). Returns (head outputs [num_seqs, D], draft logits [num_seqs, V_draft])."""
         drafter, head = self.drafter, self.drafter.head
         width = self.width if kind == "catch_up" else 1
         rows = num_seqs * width
-        if chain is not None:
-            if kind != "chain":
-                raise ValueError("direct inputs are for chain steps only")
-            tables, context_lens, query_lens = chain.tables, chain.positions, chain.query_lens
-            slots, positions, tokens = chain.slots, chain.positions, chain.tokens
-        else:
-            tables, context_lens = self.tables[:num_seqs], self.context_lens[:num_seqs]
-            query_lens, slots = self.query_lens[:num_seqs], self.slots[:rows]
-            positions, tokens = self.positions[:rows], self.tokens[:rows]
+        if step is None:
+            step = HeadStepInputs(
+                slots=self.slots[:rows],
+                positions=self.positions[:rows],
+                context_lens=self.context_lens[:num_seqs],
+                query_lens=self.query_lens[:num_seqs],
+                tokens=self.tokens[:rows],
+                tables=self.tables[:num_seqs],
+                hidden=self.hidden[:num_seqs],
+                features=self.features[:rows],
+                ends=self.ends[:num_seqs],
+            )
         meta = DecodeMetadata(
-            block_tables=tables,
-            context_lens=context_lens,
-            query_lens=query_lens,
-            slot_mapping=slots,
+            block_tables=step.tables,
+            context_lens=step.context_lens,
+            query_lens=step.query_lens,
+            slot_mapping=step.slots,
             query_per_seq=width,
             num_partitions=drafter.num_partitions,  # (split-KV at long contexts)
         )
+        hidden = head.project_features(step.features) if kind == "catch_up" else step.hidden
+        embeds = drafter.embed(step.tokens)
+        out = head.forward_decode(hidden, embeds, step.positions, meta, drafter.kv_cache)
         if kind == "catch_up":
-            hidden = head.project_features(self.features[:rows])
-        elif chain is not None:
-            hidden = chain.hidden
-        else:
-            hidden = self.hidden[:num_seqs]
-        out = head.forward_decode(hidden, drafter.embed(tokens), positions, meta, drafter.kv_cache)
-        if kind == "catch_up":
-            out = out.index_select(0, self.ends[:num_seqs])  # each request's last entry
+            out = out.index_select(0, step.ends)  # each request's last entry
         return out, head_logits(head, out, drafter.lm_weight)
 
     def catch_up(self, features, tokens, first_positions, query_lens, states):
