@@ -258,6 +258,27 @@ def test_sample_without_value_checks_is_the_same_sample() -> None:
     assert torch.equal(_bits(checked.logsumexp), _bits(unchecked.logsumexp))
 
 
+def test_sample_into_strided_columns_is_the_same_sample() -> None:
+    """`out=` one column of [N, K, V] / [N, K] proposal buffers (a device round's drafts): the
+    kernels write there the bits they return without it, and touch no other column."""
+    from specdec.sampling import SampleOutput
+
+    gen, logits, seeds, positions, temperature = _sample_inputs(24, 32000, torch.float32, 6)
+    kwargs = _to(CUDA, {"temperature": temperature, **_filters("top_k", 24, 32000, gen)})
+    args = (logits.to(CUDA), seeds.to(CUDA), positions.to(CUDA))
+    want = sample(*args, check_values=False, **kwargs)
+    ids = torch.full((24, 3), -1, dtype=torch.int64, device=CUDA)
+    lse = torch.zeros(24, 3, device=CUDA)
+    proposal = torch.full((24, 3, 32000), float("-inf"), device=CUDA)
+    column = SampleOutput(ids[:, 2], proposal[:, 2], lse[:, 2])
+    got = sample(*args, check_values=False, out=column, **kwargs)
+    assert got is column
+    assert torch.equal(ids[:, 2], want.token_ids)
+    assert torch.equal(_bits(proposal[:, 2]), _bits(want.processed_logits))
+    assert torch.equal(_bits(lse[:, 2]), _bits(want.logsumexp))
+    assert bool((ids[:, :2] == -1).all()) and bool((proposal[:, :2] == float("-inf")).all())
+
+
 def test_sample_batch_invariance() -> None:
     """A row alone == in a batch == permuted, bit for bit (processed logits, token, logsumexp)."""
     _, logits, seeds, positions, temperature = _sample_inputs(16, 151936, torch.bfloat16, 3)

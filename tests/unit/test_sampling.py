@@ -208,6 +208,30 @@ def test_sample_is_gumbel_max_on_the_processed_logits():
         assert bool(torch.isfinite(processed.gather(1, out.token_ids[:, None])).all())
 
 
+def test_sample_writes_into_strided_columns_of_a_proposal():
+    """`out=` (one column of [N, K, V] / [N, K] proposal buffers) holds what `sample` returns
+    without it, and nothing else in the buffers changes; a misshapen `out` is refused."""
+    from specdec.sampling import SampleOutput
+
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(8, 11, generator=generator)
+    seeds, positions = keys(8)
+    params = {"temperature": torch.linspace(0.0, 1.5, 8), "top_k": 5}
+    want = sample(logits, seeds, positions, **params)
+    ids, lse = torch.full((8, 3), -1), torch.zeros(8, 3)
+    proposal = torch.full((8, 3, 11), float("-inf"))
+    column = SampleOutput(ids[:, 1], proposal[:, 1], lse[:, 1])
+    got = sample(logits, seeds, positions, **params, out=column)
+    assert got is column
+    assert torch.equal(ids[:, 1], want.token_ids)
+    assert torch.equal(proposal[:, 1], want.processed_logits)
+    assert torch.equal(lse[:, 1], want.logsumexp)
+    assert (ids[:, [0, 2]] == -1).all() and (proposal[:, [0, 2]] == float("-inf")).all()
+    wrong = SampleOutput(ids[:4, 0], proposal[:, 0], lse[:, 0])
+    with pytest.raises(ValueError, match=r"out\.token_ids"):
+        sample(logits, seeds, positions, **params, out=wrong)
+
+
 def test_sample_mixes_greedy_and_sampled_rows():
     logits = torch.tensor([[0.0, 1.0, 0.5]]).expand(6, 3)
     seeds, positions = keys(6)

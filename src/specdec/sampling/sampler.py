@@ -121,6 +121,7 @@ def sample(
     step: int | torch.Tensor = 0,
     check_values: bool = True,
     context: LogitsContext | None = None,
+    out: SampleOutput | None = None,
 ) -> SampleOutput:
     """Samples one token per row by Gumbel-max on keyed noise.
 
@@ -142,19 +143,26 @@ def sample(
             drafters): the call then never waits for the device. Shapes are always checked.
         context: the rows' penalties, biases and bans (`LogitsContext` of N requests, row n is
             request n), applied to the raw logits before temperature; None: none.
+        out: where to write the results (tensors of the returned shapes and dtypes on the
+            logits' device, processed_logits with unit stride along V; rows may be strided,
+            such as one column of a [N, K, V] proposal): the same values as without it,
+            written in place (on CUDA by the kernels themselves, not copied in after).
 
     Returns:
-        SampleOutput(token_ids [N] int64, processed_logits [N, V] float32, logsumexp [N] float32).
+        SampleOutput(token_ids [N] int64, processed_logits [N, V] float32, logsumexp [N] float32):
+        `out` when given.
 
     RNG: `stream` at (position, step), one Gumbel value per vocabulary id for each sampled row.
     """
     if context is not None:
         check_logits_and_keys(logits, seeds, positions)
         logits = apply_context(logits, context)
+    if out is not None:
+        check_sample_out(out, logits)
     if logits.is_cuda:
         from specdec.sampling.sampler_triton import sample_triton
 
-        out = sample_triton(
+        result = sample_triton(
             logits,
             seeds,
             positions,
@@ -165,12 +173,13 @@ def sample(
             stream=stream,
             step=step,
             check_values=check_values,
+            out=out,
         )
-        if out is not None and check_values and bool((~torch.isfinite(out.logsumexp)).any()):
-            out = None  # a row without a distribution: the reference raises the error
-        if out is not None:
-            return out
-    return sample_ref(
+        if result is not None and check_values and not bool(torch.isfinite(result.logsumexp).all()):
+            result = None  # a row without a distribution: the reference raises the error
+        if result is not None:
+            return result
+    result = sample_ref(
         logits,
         seeds,
         positions,
@@ -181,3 +190,27 @@ def sample(
         stream=stream,
         step=step,
     )
+    if out is None:
+        return result
+    out.token_ids.copy_(result.token_ids)
+    out.processed_logits.copy_(result.processed_logits)
+    out.logsumexp.copy_(result.logsumexp)
+    return out
+
+
+def check_sample_out(out: SampleOutput, logits: torch.Tensor) -> None:
+    """Raises ValueError unless `out` can take `sample`'s results for `logits` [N, V]."""
+    num_rows, vocab = logits.shape
+    expected = (
+        ("token_ids", out.token_ids, (num_rows,), torch.int64),
+        ("processed_logits", out.processed_logits, (num_rows, vocab), torch.float32),
+        ("logsumexp", out.logsumexp, (num_rows,), torch.float32),
+    )
+    for name, tensor, shape, dtype in expected:
+        if tensor.shape != shape or tensor.dtype != dtype or tensor.device != logits.device:
+            raise ValueError(
+                f"out.{name} must be {dtype} {list(shape)} on {logits.device}, got "
+                f"{tensor.dtype} {list(tensor.shape)} on {tensor.device}"
+            )
+    if vocab > 1 and out.processed_logits.stride(1) != 1:
+        raise ValueError("out.processed_logits must have unit stride along the vocabulary")

@@ -126,7 +126,7 @@ def _sample_chunk_kernel(
     positions_ptr,  # [N] int64
     streams_ptr,  # [N] int64 (read when PER_ROW_STREAM)
     steps_ptr,  # [N] int64 (read when PER_ROW_STEP)
-    processed_ptr,  # [N, V] float32 out
+    processed_ptr,  # [N, V] float32 out, unit stride along V
     chunk_max_ptr,  # [N, C] float32 out: max of the chunk's processed logits
     chunk_sum_ptr,  # [N, C] float32 out: sum of exp(processed - chunk max)
     chunk_best_ptr,  # [N, C] float32 out: max of processed + noise
@@ -136,6 +136,7 @@ def _sample_chunk_kernel(
     step_value,
     vocab,
     stride_row,
+    processed_stride_row,
     num_chunks,
     ROWS: tl.constexpr,
     TILES: tl.constexpr,  # tiles per chunk
@@ -157,7 +158,7 @@ def _sample_chunk_kernel(
     stream = row_value(streams_ptr, stream_value, row, PER_ROW_STREAM)
     step = row_value(steps_ptr, step_value, row, PER_ROW_STEP)
     logits_row = logits_ptr + row * stride_row
-    processed_row = processed_ptr + row * vocab
+    processed_row = processed_ptr + row * processed_stride_row
 
     chunk_first = chunk * TILES * (4 * ROWS)
     run_max = tl.full([ROWS], float("-inf"), tl.float32)
@@ -198,6 +199,8 @@ def _sample_reduce_kernel(
     token_ids_ptr,  # [N] int64 out
     logsumexp_ptr,  # [N] float32 out
     num_chunks,
+    token_stride,
+    logsumexp_stride,
     CHUNKS: tl.constexpr,  # power of two >= num_chunks
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -209,13 +212,13 @@ def _sample_reduce_kernel(
     row_max = tl.max(chunk_max)
     ref = tl.where(row_max == float("-inf"), 0.0, row_max)
     total = tl.sum(chunk_sum * tl.exp(chunk_max - ref))
-    tl.store(logsumexp_ptr + row, ref + tl.log(total))
+    tl.store(logsumexp_ptr + row * logsumexp_stride, ref + tl.log(total))
     chunk_best = tl.load(chunk_best_ptr + base + chunks, mask=mask, other=float("-inf"))
     best = tl.max(chunk_best)
     first = tl.min(tl.where((chunk_best == best) & mask, chunks, CHUNKS))
     first = tl.minimum(first, num_chunks - 1)
     token = tl.load(chunk_idx_ptr + base + first)
-    tl.store(token_ids_ptr + row, token.to(tl.int64))
+    tl.store(token_ids_ptr + row * token_stride, token.to(tl.int64))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -293,8 +296,10 @@ def sample_triton(
     stream: Stream | int = Stream.TARGET,
     step: int | torch.Tensor = 0,
     check_values: bool = True,
+    out: SampleOutput | None = None,
 ) -> SampleOutput | None:
-    """`sample` on CUDA tensors: same arguments, same results as `sample_ref`.
+    """`sample` on CUDA tensors: same arguments, same results as `sample_ref` (written into
+    `out` when given, checked by the caller).
 
     processed_logits are bit-identical to `sample_ref`'s; token_ids are identical on inputs
     without near-ties (the Gumbel transform's log / log1p may differ from the CPU's by an ulp);
@@ -380,9 +385,12 @@ def sample_triton(
                 return None
         scaled = scale_logits(logits, rows_temperature)
         threshold = filter_threshold(scaled, top_k_t, top_p_t, min_p_t)
-    processed = torch.empty(num_rows, vocab, dtype=torch.float32, device=device)
-    token_ids = torch.empty(num_rows, dtype=torch.int64, device=device)
-    logsumexp = torch.empty(num_rows, dtype=torch.float32, device=device)
+    if out is None:
+        processed = torch.empty(num_rows, vocab, dtype=torch.float32, device=device)
+        token_ids = torch.empty(num_rows, dtype=torch.int64, device=device)
+        logsumexp = torch.empty(num_rows, dtype=torch.float32, device=device)
+    else:
+        token_ids, processed, logsumexp = out.token_ids, out.processed_logits, out.logsumexp
     plan = SAMPLE_PLANS.get(logits.element_size(), SAMPLE_PLANS[4])
     rows, tiles, num_chunks, num_warps = chunk_plan(vocab, plan)
     chunk_f32 = torch.empty(3, num_rows, num_chunks, dtype=torch.float32, device=device)
@@ -409,6 +417,7 @@ def sample_triton(
         *scalars,
         vocab,
         logits.stride(0),
+        processed.stride(0),
         num_chunks,
         ROWS=rows,
         TILES=tiles,
@@ -424,6 +433,8 @@ def sample_triton(
         token_ids,
         logsumexp,
         num_chunks,
+        token_ids.stride(0),
+        logsumexp.stride(0),
         CHUNKS=max(16, triton.next_power_of_2(num_chunks)),
         num_warps=1 if num_chunks <= 256 else 4,
     )
