@@ -105,7 +105,7 @@ def test_finish_round_kernel_matches_twin(rows, k):
             emitted=torch.full((rows, width), -7, dtype=torch.int64, device=device),
             accepted=torch.full((rows,), -7, dtype=torch.int64, device=device),
         )
-        mine_anchors, mine_last = anchors.to(device), last.to(device)
+        mine_anchors, mine_last = anchors.clone().to(device), last.clone().to(device)
         finish(
             tokens.to(device),
             accepted.to(device),
@@ -135,6 +135,7 @@ def empty_head_inputs(rows: int, width: int, steps: int, device: str) -> HeadRou
         chain_slots=ints(steps, rows + 3)[:, :rows],
         chain_positions=ints(steps, rows + 3)[:, :rows],
         chain_query_lens=ints(rows),
+        draft_positions=ints(steps + 1, rows + 3)[:, :rows],
     )
 
 
@@ -142,6 +143,7 @@ def empty_head_inputs(rows: int, width: int, steps: int, device: str) -> HeadRou
 @pytest.mark.parametrize("k", [0, 1, 2, 4])
 def test_head_round_inputs_kernel_matches_twin(rows, k):
     width, steps = 5, max(k - 1, 0)
+    assert k <= width - 1
     slots = random_slots(rows, seed=rows * 7 + k)
     g = torch.Generator().manual_seed(rows + k)
     live = slots.live.bool()

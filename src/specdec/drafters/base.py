@@ -108,12 +108,23 @@ class ProposalBuffer:
     (-1 where nothing is drafted) and, for sampled drafts, [B, K, V] processed draft logits (-inf
     where nothing is drafted) with their [B, K] log-normalisers. `Drafter.draw` writes into it."""
 
-    __slots__ = ("draft_logits", "draft_logsumexp", "draft_token_ids")
+    __slots__ = ("draft_logits", "draft_logsumexp", "draft_token_ids", "target_logits")
 
     def __init__(
-        self, batch_size: int, k: int, vocab_size: int, device: torch.device, greedy: bool
+        self,
+        batch_size: int,
+        k: int,
+        vocab_size: int,
+        device: torch.device,
+        greedy: bool,
+        reduced_vocab: bool = False,
     ) -> None:
         self.draft_token_ids = torch.full((batch_size, k), -1, dtype=torch.int64, device=device)
+        # A drafter over a reduced vocabulary: [B, V] -inf outside its ids, kept between draws
+        # (`Drafter.to_target_vocab` writes only the ids it drafts over).
+        self.target_logits = None
+        if reduced_vocab:
+            self.target_logits = torch.full((batch_size, vocab_size), float("-inf"), device=device)
         self.draft_logits = None
         self.draft_logsumexp = None
         if not greedy:
@@ -359,29 +370,32 @@ class Drafter(abc.ABC):
         and take the argmax: their keys decide nothing.
         """
         num_rows = view.num_rows
-        full = self.to_target_vocab(logits)
+        scratch = out.target_logits
+        full = self.to_target_vocab(logits, None if scratch is None else scratch[:num_rows])
         if self.greedy:
             tokens = full.argmax(dim=-1)
-        else:
-            stream = draft_stream(view.method)
-            params = view.params
-            sampled = sample(
-                full,
-                view.seeds,
-                positions,
-                temperature=params.temperature,
-                top_k=params.top_k,
-                top_p=params.top_p,
-                min_p=params.min_p,
-                stream=stream,
-                step=view.anchors if stream == Stream.DRAFT else 0,
-                check_values=False,  # the engine's parameters, valid by construction
-            )
-            tokens = sampled.token_ids
-            out.draft_logits[:num_rows, column] = sampled.processed_logits
-            out.draft_logsumexp[:num_rows, column] = sampled.logsumexp
-        out.draft_token_ids[:num_rows, column] = tokens
-        return tokens
+            out.draft_token_ids[:num_rows, column] = tokens
+            return tokens
+        stream = draft_stream(view.method)
+        params = view.params
+        sampled = sample(
+            full,
+            view.seeds,
+            positions,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            min_p=params.min_p,
+            stream=stream,
+            step=view.anchors if stream == Stream.DRAFT else 0,
+            check_values=False,  # the engine's parameters, valid by construction
+            out=SampleOutput(  # straight into column `column` of the proposal
+                out.draft_token_ids[:num_rows, column],
+                out.draft_logits[:num_rows, column],
+                out.draft_logsumexp[:num_rows, column],
+            ),
+        )
+        return sampled.token_ids
 
     def _draft_to_target_on(self, device: torch.device) -> torch.Tensor:
         """`draft_to_target` on `device`, copied there once (not at every draft step)."""
@@ -391,8 +405,12 @@ class Drafter(abc.ABC):
             self._draft_to_target_cache = (self.draft_to_target, cached)
         return cached
 
-    def to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """[N, V_draft] -> [N, V_target] float32, -inf where the draft cannot go."""
+    def to_target_vocab(
+        self, logits: torch.Tensor, into: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[N, V_draft] -> [N, V_target] float32, -inf where the draft cannot go. `into`: an
+        [N, V_target] float32 tensor that is already -inf outside the draft vocabulary's ids
+        (a buffer kept between draws), written and returned instead of a new one."""
         if self.draft_to_target is None:
             if logits.shape[-1] != self.target_vocab_size:
                 raise ValueError(
@@ -400,11 +418,12 @@ class Drafter(abc.ABC):
                     f"{self.target_vocab_size}; give draft_to_target for a reduced vocabulary"
                 )
             return logits.to(torch.float32)
-        out = torch.full(
-            (logits.shape[0], self.target_vocab_size), float("-inf"), device=logits.device
-        )
-        out[:, self._draft_to_target_on(logits.device)] = logits.to(torch.float32)
-        return out
+        if into is None:
+            into = torch.full(
+                (logits.shape[0], self.target_vocab_size), float("-inf"), device=logits.device
+            )
+        into.index_copy_(1, self._draft_to_target_on(logits.device), logits.to(torch.float32))
+        return into
 
     def sample_draft(
         self,

@@ -49,9 +49,15 @@ class EagleDeviceDrafting(DeviceDrafting):
             chain_slots=ints(steps, num_slots),
             chain_positions=ints(steps, num_slots),
             chain_query_lens=ints(num_slots),
+            draft_positions=ints(width - 1, num_slots),
         )
         self.out = ProposalBuffer(
-            num_slots, width - 1, drafter.target_vocab_size, device, drafter.greedy
+            num_slots,
+            width - 1,
+            drafter.target_vocab_size,
+            device,
+            drafter.greedy,
+            reduced_vocab=drafter.draft_to_target is not None,
         )
 
     def begin(self, slots: list[DeviceSlot], num_rows: int) -> None:
@@ -138,7 +144,7 @@ class EagleDeviceDrafting(DeviceDrafting):
         last, logits = graphs.forward("catch_up", rows, catch_up)
         out = self.out
         for i in range(k):
-            tokens = drafter.draw_on_device(logits, view.anchors + i, view, out, i)
+            tokens = drafter.draw_on_device(logits, inputs.draft_positions[i], view, out, i)
             if i + 1 == k:
                 break
             # Entry t = anchor - 1 + i: the previous head output and draft i (at anchor + i).
@@ -174,6 +180,7 @@ class EagleDeviceDrafting(DeviceDrafting):
             chain_slots=buffers.chain_slots[:steps, :rows],
             chain_positions=buffers.chain_positions[:steps, :rows],
             chain_query_lens=buffers.chain_query_lens[:rows],
+            draft_positions=buffers.draft_positions[: view.k, :rows],
         )
         head_round_inputs(
             view.anchors,

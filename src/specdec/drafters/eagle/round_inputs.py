@@ -1,6 +1,6 @@
 """The EAGLE head's inputs for a whole device round, computed at its start: the catch-up step's
 (the entries the last round committed: their cache slots, positions, tokens, lengths and last
-rows) and every chained step's (one entry a slot at anchor - 1 + i).
+rows), every chained step's (one entry a slot at anchor - 1 + i) and the drafts' positions.
 
 One Triton kernel on CUDA (one program per slot) where the same work in PyTorch is some fifty
 small kernels, each a launch in the round's CUDA graph; the PyTorch twin runs elsewhere and
@@ -28,6 +28,7 @@ class HeadRoundInputs:
         chain_slots, chain_positions: [K - 1, S] chain step i's entry t = anchor - 1 + i: its
             cache slot (-1 on inert slots) and position t + 1 (0 on inert slots).
         chain_query_lens: [S] 1 on live slots, 0 on inert ones.
+        draft_positions: [K, S] the position of draft i: anchor + i (every slot).
     """
 
     catch_slots: torch.Tensor
@@ -39,6 +40,7 @@ class HeadRoundInputs:
     chain_slots: torch.Tensor
     chain_positions: torch.Tensor
     chain_query_lens: torch.Tensor
+    draft_positions: torch.Tensor
 
 
 def head_round_inputs(
@@ -96,3 +98,5 @@ def head_round_inputs_ref(
         out.chain_slots.copy_(torch.where(live[:, None], slots, -1).t())
         out.chain_positions.copy_(torch.where(live[:, None], entries + 1, 0).t())
     out.chain_query_lens.copy_(live.to(torch.int64))
+    draws = out.draft_positions.shape[0]
+    out.draft_positions.copy_((anchors[:, None] + torch.arange(draws, device=device)).t())

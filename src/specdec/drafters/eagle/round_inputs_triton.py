@@ -34,6 +34,7 @@ def _head_round_inputs_kernel(
     chain_slots_ptr,  # [K - 1, S]
     chain_positions_ptr,  # [K - 1, S]
     chain_query_lens_ptr,  # [S]
+    draft_positions_ptr,  # [K, S]
     width,
     steps,
     block_size,
@@ -41,8 +42,11 @@ def _head_round_inputs_kernel(
     tokens_stride,
     table_stride,
     chain_stride,
+    draws,
+    draft_stride,
     BLOCK_W: tl.constexpr,
     BLOCK_STEPS: tl.constexpr,
+    BLOCK_DRAWS: tl.constexpr,
 ):
     b = tl.program_id(0)
     anchor = tl.load(anchors_ptr + b)
@@ -76,6 +80,8 @@ def _head_round_inputs_kernel(
     tl.store(chain_slots_ptr + at, tl.where(live, slots, zero_s - 1), mask=within)
     tl.store(chain_positions_ptr + at, tl.where(live, chained + 1, zero_s), mask=within)
     tl.store(chain_query_lens_ptr + b, live.to(tl.int64))
+    draw = tl.arange(0, BLOCK_DRAWS)
+    tl.store(draft_positions_ptr + draw * draft_stride + b, anchor + draw, mask=draw < draws)
 
 
 def head_round_inputs_triton(
@@ -92,7 +98,7 @@ def head_round_inputs_triton(
     rows, width = entry_tokens.shape
     if rows == 0:
         return
-    steps = out.chain_slots.shape[0]
+    steps, draws = out.chain_slots.shape[0], out.draft_positions.shape[0]
     _head_round_inputs_kernel[(rows,)](
         anchors,
         live,
@@ -108,6 +114,7 @@ def head_round_inputs_triton(
         out.chain_slots,
         out.chain_positions,
         out.chain_query_lens,
+        out.draft_positions,
         width,
         steps,
         block_size,
@@ -115,6 +122,9 @@ def head_round_inputs_triton(
         entry_tokens.stride(0),
         tables.stride(0),
         out.chain_slots.stride(0),
+        draws,
+        out.draft_positions.stride(0),
         BLOCK_W=triton.next_power_of_2(width),
         BLOCK_STEPS=max(triton.next_power_of_2(steps), 1),
+        BLOCK_DRAWS=max(triton.next_power_of_2(draws), 1),
     )
