@@ -148,9 +148,22 @@ class FeatureNorm(nn.Module):
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """[.., F] -> [.., F] in the input's dtype."""
         shape = features.shape
+        if features.is_cuda and features.dim() == 2 and not torch.is_grad_enabled():
+            # Inference on CUDA: the norm in one fused kernel (no backward), its weight after.
+            parts = features.reshape(-1, self.dim)
+            normed, _ = add_rms_norm(parts, None, self._unit_weight(parts), self.eps)
+            return self.weight * normed.view(shape)
         x = features.to(torch.float32).view(*shape[:-1], self.num_parts, self.dim)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.view(shape).to(features.dtype)
+
+    def _unit_weight(self, like: torch.Tensor) -> torch.Tensor:
+        """[D] ones in `like`'s dtype and device, made once (before any graph capture: the
+        head's first step runs eagerly)."""
+        ones = getattr(self, "_ones", None)
+        if ones is None or ones.dtype != like.dtype or ones.device != like.device:
+            ones = self._ones = torch.ones(self.dim, dtype=like.dtype, device=like.device)
+        return ones
 
 
 class EagleHead(nn.Module):
