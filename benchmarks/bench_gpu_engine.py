@@ -90,7 +90,7 @@ def random_prompts(batch: int, vocab: int, seed: int, length: int = PROMPT_LEN) 
 
 
 # --------------------------------------------------------------------------- specdec
-def build_ours(shape: str):
+def build_ours(shape: str, device: str = "cuda"):
     from specdec.models import LlamaForCausalLM, ModelConfig
     from specdec.models.weights import assign_weights
 
@@ -98,15 +98,15 @@ def build_ours(shape: str):
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     shapes = {name: p.shape for name, p in model.named_parameters()}
-    generator = torch.Generator(device="cuda").manual_seed(0)
+    generator = torch.Generator(device=device).manual_seed(0)
 
     def read(name: str) -> torch.Tensor:
         if name.endswith("norm.weight"):
-            return torch.ones(shapes[name], dtype=torch.bfloat16, device="cuda")
-        out = torch.empty(shapes[name], dtype=torch.bfloat16, device="cuda")
+            return torch.ones(shapes[name], dtype=torch.bfloat16, device=device)
+        out = torch.empty(shapes[name], dtype=torch.bfloat16, device=device)
         return out.normal_(0.0, 0.02, generator=generator)
 
-    assign_weights(model, read, f"random:{shape}", torch.bfloat16, "cuda")
+    assign_weights(model, read, f"random:{shape}", torch.bfloat16, device)
     return model
 
 

@@ -291,7 +291,7 @@ def bench_smollm2(
     EAGLE head directory in place of the shipped one."""
     model, tokenizer, encoded, head = load_smollm2(gguf, device)
     if head_dir is not None:
-        head = {**head, "model": head_dir}
+        head = {**(head or {"method": "eagle"}), "model": head_dir}
     results = {"num_prompts": len(encoded), "output_len": output_len, "rows": {}}
     for batch in batches:
         common = {"device": device, "max_num_seqs": batch, "max_model_len": 1024}
