@@ -449,6 +449,20 @@ def decode_phase(llm, prompts, new_tokens: int, device: str) -> tuple[float, lis
     return (total - one) / new_tokens, outputs
 
 
+def step_graph(graphs, bucket: int, query: int):
+    """The decode path's graph of a plain step of `query` rows a sequence at `bucket` (no
+    features, no tree, every row's logits, no split-KV): its key's first three fields, the rest
+    off."""
+    matches = [
+        graph
+        for key, (graph, _) in graphs.graphs.items()
+        if key[:3] == (bucket, query, ()) and not any(key[3:])
+    ]
+    if len(matches) != 1:
+        raise RuntimeError(f"{len(matches)} graphs of ({bucket}, {query}): {list(graphs.graphs)}")
+    return matches[0]
+
+
 def bench_oracle(shapes, device: str, new_tokens: int, batches, acceptances) -> dict:
     from specdec.runner.cuda_graph import bucket_for
 
@@ -483,8 +497,8 @@ def bench_oracle(shapes, device: str, new_tokens: int, batches, acceptances) -> 
             for width in (1, k + 1):
                 graphs.run([[7] * width] * batch, starts, tables)
             if device == "cuda":
-                row["decode_step_ms"] = replay_ms(graphs.graphs[(bucket, 1, ())][0], device)
-                row["verify_step_ms"] = replay_ms(graphs.graphs[(bucket, k + 1, ())][0], device)
+                row["decode_step_ms"] = replay_ms(step_graph(graphs, bucket, 1), device)
+                row["verify_step_ms"] = replay_ms(step_graph(graphs, bucket, k + 1), device)
             del floors
             for a in acceptances:
                 spec = {"method": "ngram", "num_speculative_tokens": k, "adaptive": False}

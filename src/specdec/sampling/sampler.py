@@ -178,7 +178,7 @@ def sample(
         if result is not None and check_values and not bool(torch.isfinite(result.logsumexp).all()):
             result = None  # a row without a distribution: the reference raises the error
         if result is not None:
-            return result
+            return result if out is None else out
     result = sample_ref(
         logits,
         seeds,
