@@ -514,10 +514,10 @@ def bench_oracle(shapes, device: str, new_tokens: int, batches, acceptances) -> 
                     "expected_tokens_per_round": sum(a**i for i in range(k + 1)),
                     "loop": metrics["loop"],
                 }
-                if rounds is not None and rounds.round_seconds:
-                    entry["round_launch_interval_ms_median"] = (
-                        statistics.median(rounds.round_seconds) * 1e3
-                    )
+                # (None: the first round after each `begin`, which has no previous one)
+                intervals = [] if rounds is None else [s for s in rounds.round_seconds if s]
+                if intervals:
+                    entry["round_launch_interval_ms_median"] = statistics.median(intervals) * 1e3
                     key = next(iter(rounds.graph_cache.graphs), None)
                     if key is not None:
                         entry["round_graph_ms"] = replay_ms(
