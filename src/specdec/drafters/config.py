@@ -33,7 +33,9 @@ class TreeConfig:
 
     Attributes:
         nodes: most draft nodes per round (N; the round verifies N + 1 target rows).
-        depth: most levels (the longest path; at most `nodes`).
+        depth: most levels (the longest path; at most `nodes`). The budget caps it too: level
+            1 holds `topk` nodes and every later one topk^2, so a tree has at most
+            1 + ceil((nodes - topk) / topk^2) levels.
         topk: children per expanded node, and expanded nodes per level.
     """
 
