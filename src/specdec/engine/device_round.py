@@ -29,13 +29,8 @@ from specdec.drafters import Drafter
 from specdec.drafters.device import DeviceDrafting, DeviceSlot, RoundView
 from specdec.engine.emitter import Emission
 from specdec.engine.request import Request
-from specdec.engine.round_bookkeeping import (
-    RoundInputs,
-    RoundResults,
-    RoundSlots,
-    finish_round,
-    round_inputs,
-)
+from specdec.engine.round_bookkeeping import finish_round, round_inputs
+from specdec.engine.round_buffers import RoundInputs, RoundResults, RoundSlots
 from specdec.runner import PagedModelRunner
 from specdec.runner.cuda_graph import GraphCache, StaticInputs, batch_buckets, bucket_for
 from specdec.sampling import SamplingTensors

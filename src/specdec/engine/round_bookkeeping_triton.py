@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.engine.round_bookkeeping import RoundInputs, RoundResults, RoundSlots
+from specdec.engine.round_buffers import RoundInputs, RoundResults, RoundSlots
 
 TABLE_BLOCK = 128
 

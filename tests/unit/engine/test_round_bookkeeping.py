@@ -6,14 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.drafters.eagle.round_inputs import HeadRoundInputs, head_round_inputs_ref
-from specdec.engine.round_bookkeeping import (
-    RoundInputs,
-    RoundResults,
-    RoundSlots,
-    finish_round_ref,
-    round_inputs_ref,
-)
+from specdec.drafters.eagle.round_inputs import head_round_inputs_ref
+from specdec.drafters.eagle.step_inputs import HeadRoundInputs
+from specdec.engine.round_bookkeeping import finish_round_ref, round_inputs_ref
+from specdec.engine.round_buffers import RoundInputs, RoundResults, RoundSlots
 
 BLOCK, MAX_BLOCKS = 4, 6
 

@@ -11,8 +11,8 @@ import torch
 
 from specdec.drafters.base import Drafter, ProposalBuffer
 from specdec.drafters.device import BlockTables, DeviceDrafting, DeviceSlot, RoundView
-from specdec.drafters.eagle.round_inputs import HeadRoundInputs, head_round_inputs
-from specdec.drafters.eagle.step_inputs import HeadStepInputs
+from specdec.drafters.eagle.round_inputs import head_round_inputs
+from specdec.drafters.eagle.step_inputs import HeadRoundInputs, HeadStepInputs
 from specdec.transfer import to_device
 
 

@@ -10,37 +10,9 @@ defines the values (integers: the kernel matches it bit for bit,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True, slots=True)
-class HeadRoundInputs:
-    """Where `head_round_inputs` writes, for S slots of W entries and K - 1 chain steps.
-
-    Attributes:
-        catch_slots, catch_positions, catch_tokens: [S * W] the catch-up's entries (slot b's
-            row b * W + c: entry t = anchor - 1 - count + c, fed when c < count on a live slot;
-            cache slot (-1 when not fed), position t + 1 (0), token (0)).
-        catch_context_lens, catch_query_lens, catch_ends: [S] anchor - 1 and count (0 on
-            inert slots), and b * W + max(count - 1, 0).
-        chain_slots, chain_positions: [K - 1, S] chain step i's entry t = anchor - 1 + i: its
-            cache slot (-1 on inert slots) and position t + 1 (0 on inert slots).
-        chain_query_lens: [S] 1 on live slots, 0 on inert ones.
-        draft_positions: [K, S] the position of draft i: anchor + i (every slot).
-    """
-
-    catch_slots: torch.Tensor
-    catch_positions: torch.Tensor
-    catch_tokens: torch.Tensor
-    catch_context_lens: torch.Tensor
-    catch_query_lens: torch.Tensor
-    catch_ends: torch.Tensor
-    chain_slots: torch.Tensor
-    chain_positions: torch.Tensor
-    chain_query_lens: torch.Tensor
-    draft_positions: torch.Tensor
+from specdec.drafters.eagle.step_inputs import HeadRoundInputs
 
 
 def head_round_inputs(

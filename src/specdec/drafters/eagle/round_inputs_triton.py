@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.drafters.eagle.round_inputs import HeadRoundInputs
+from specdec.drafters.eagle.step_inputs import HeadRoundInputs
 
 
 @triton.jit
