@@ -88,6 +88,17 @@ class DrafterKind(abc.ABC):
     """How to train one kind of drafter. Subclasses set `name` and implement the methods."""
 
     name: str = ""
+    option_names: frozenset[str] = frozenset()  # the `--option` keys this kind reads
+
+    def check_options(self, options: TrainOptions) -> None:
+        """Refuses `--option` keys this kind does not read, naming them."""
+        unknown = sorted(set(options.extra) - self.option_names)
+        if unknown:
+            known = ", ".join(sorted(self.option_names)) or "none"
+            raise ValueError(
+                f"--option {', '.join(unknown)}: not an option of the {self.name} drafter "
+                f"(its options: {known})"
+            )
 
     def feature_layers(self, target: LlamaForCausalLM, options: TrainOptions) -> tuple[int, ...]:
         """Target layers whose outputs the batches must carry as `features` (default none)."""

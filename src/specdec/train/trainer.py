@@ -203,13 +203,14 @@ def train_drafter(config: TrainConfig, log=print) -> dict:
     """Runs the whole training; returns the acceptance evaluation (also in acceptance.json)."""
     from specdec.engine.setup import resolve_device
 
+    kind = get_kind(config.kind)
+    options = config.options
+    kind.check_options(options)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     device = resolve_device(config.device)
     target_path = config.target or str(default_model_path())
     target, _, tokenizer = load_model(target_path, dtype=torch.float32, device=device)
-    kind = get_kind(config.kind)
-    options = config.options
     feature_layers = kind.feature_layers(target, options)
     layers = tuple(sorted({*feature_layers, target.config.num_hidden_layers - 1}))
     data = collect_data(config, target, tokenizer, layers, device)

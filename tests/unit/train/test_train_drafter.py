@@ -11,10 +11,14 @@ import torch
 
 from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
 from specdec.cli import main
+from specdec.drafters.eagle.head import EagleConfig, EagleHead, load_eagle_head
 from specdec.engine.llm import LLM
+from specdec.models import load_model
 from specdec.sampling import SamplingParams
 from specdec.train import get_kind, kind_names
 from specdec.train.init import init_parameters_, permutation
+from specdec.train.kind import TrainOptions
+from specdec.train.kinds.eagle import EagleKind, widen_head_
 
 VOCAB = 97
 
@@ -32,7 +36,7 @@ def prompts_file(tmp_path_factory):
     return path
 
 
-def train(target_dir, prompts_file, out, kind, steps, *extra):
+def train(target_dir, prompts_file, out, kind, steps, *extra, status=0):
     argv = [
         "train-drafter",
         "--target",
@@ -65,8 +69,8 @@ def train(target_dir, prompts_file, out, kind, steps, *extra):
         "1",
         *extra,
     ]
-    assert main(argv) == 0
-    return json.loads((out / "acceptance.json").read_text())
+    assert main(argv) == status
+    return json.loads((out / "acceptance.json").read_text()) if status == 0 else None
 
 
 @pytest.mark.parametrize(
@@ -254,3 +258,138 @@ def test_generated_answers_free_their_engine_on_return(target_dir, monkeypatch):
         assert len(engines) == 1 and engines[0]() is None
     finally:
         gc.enable()
+
+
+# Starting an EAGLE head from an earlier one (`--option init_from=DIR`), its MLP widened without
+# changing what it computes; `--option` keys a kind does not read, refused by name.
+
+
+def _head(target_config, intermediate: int, seed: int) -> EagleHead:
+    config = EagleConfig.for_target(
+        target_config, feature_layers=(0, 1), intermediate_size=intermediate
+    )
+    head = EagleHead(config)
+    init_parameters_(head, seed)
+    return head
+
+
+def _outputs(head: EagleHead, features, embeds) -> torch.Tensor:
+    """The head's layer over [T, D] inputs, the paged path's numerics as training runs them."""
+    from specdec.train.dense import causal_layer
+
+    hidden = head.project_features(features)
+    x = head.layer_input(hidden, embeds)[None]
+    cos, sin = head.rotary_emb(torch.arange(x.shape[1]))
+    out, _ = causal_layer(head.layer, x, cos, sin)
+    return head.norm(out)[0]
+
+
+def test_a_widened_head_computes_what_its_source_computes(target_dir):
+    target, _, _ = load_model(str(target_dir), dtype=torch.float32, device="cpu")
+    config = target.config
+    source = _head(config, config.intermediate_size, seed=1)
+    wide = _head(config, 2 * config.intermediate_size, seed=2)
+    torch.manual_seed(0)
+    features = torch.randn(7, 2 * config.hidden_size)
+    embeds = torch.randn(7, config.hidden_size)
+    before = _outputs(wide, features, embeds)
+    assert not torch.allclose(before, _outputs(source, features, embeds), atol=1e-3)
+    widen_head_(wide, source)
+    torch.testing.assert_close(
+        _outputs(wide, features, embeds), _outputs(source, features, embeds), rtol=0, atol=1e-5
+    )
+    # The new units keep their own initialisation in gate/up (so they can learn) and are
+    # silenced by zero down columns.
+    width = config.intermediate_size
+    assert wide.layer.mlp.gate_proj.weight[width:].abs().sum() > 0
+    assert wide.layer.mlp.down_proj.weight[:, width:].abs().sum() == 0
+    # Negative control: without zeroing the new down columns the function changes.
+    with torch.no_grad():
+        wide.layer.mlp.down_proj.weight[:, width:] = 0.1
+    assert not torch.allclose(
+        _outputs(wide, features, embeds), _outputs(source, features, embeds), atol=1e-3
+    )
+
+
+def test_narrowing_or_another_shape_is_refused(target_dir):
+    target, _, _ = load_model(str(target_dir), dtype=torch.float32, device="cpu")
+    config = target.config
+    wide = _head(config, 2 * config.intermediate_size, seed=1)
+    narrow = _head(config, config.intermediate_size, seed=2)
+    with pytest.raises(ValueError, match=r"init_from: layer\.mlp\.\w+_proj\.weight is"):
+        widen_head_(narrow, wide)
+    other = EagleHead(EagleConfig.for_target(config, feature_layers=(0,)))
+    with pytest.raises(ValueError, match=r"init_from: feature_norm\.weight is \(64,\)"):
+        widen_head_(narrow, other)
+
+
+def test_training_from_a_head_keeps_its_vocabulary_and_features(target_dir, prompts_file, tmp_path):
+    first = tmp_path / "first"
+    common = ["--option", "ttt_steps=2", "--option", "feature_layers=0,1"]
+    train(target_dir, prompts_file, first, "eagle", 2, *common, "--option", "draft_vocab_size=40")
+    second = tmp_path / "second"
+    target_config = load_model(str(target_dir), dtype=torch.float32, device="cpu")[0].config
+    wide = 2 * target_config.intermediate_size
+    train(
+        target_dir,
+        prompts_file,
+        second,
+        "eagle",
+        0,
+        "--option",
+        "ttt_steps=2",
+        "--option",
+        f"init_from={first}",
+        "--option",
+        f"intermediate_size={wide}",
+    )
+    head, rows = load_eagle_head(second, target_config, torch.float32, "cpu")
+    start, start_rows = load_eagle_head(first, target_config, torch.float32, "cpu")
+    assert head.config.feature_layers == (0, 1) and head.config.intermediate_size == wide
+    assert torch.equal(rows, start_rows) and rows.shape == (40,)
+    # Zero steps trained: the saved head is the widened start, which computes the same.
+    torch.manual_seed(1)
+    features = torch.randn(5, 2 * target_config.hidden_size)
+    embeds = torch.randn(5, target_config.hidden_size)
+    torch.testing.assert_close(
+        _outputs(head, features, embeds), _outputs(start, features, embeds), rtol=0, atol=1e-3
+    )
+
+
+def test_a_start_with_another_vocabulary_or_features_is_refused(
+    target_dir, prompts_file, tmp_path, capsys
+):
+    first = tmp_path / "first"
+    train(target_dir, prompts_file, first, "eagle", 1, "--option", "draft_vocab_size=40")
+    for option, match in (
+        ("draft_vocab_size=50", "drafts over 40 tokens"),
+        ("feature_layers=0", "reads feature_layers"),
+    ):
+        capsys.readouterr()
+        train(
+            target_dir,
+            prompts_file,
+            tmp_path / option.split("=")[0],
+            "eagle",
+            1,
+            "--option",
+            f"init_from={first}",
+            "--option",
+            option,
+            status=2,
+        )
+        assert f"error: init_from: the head in {first} {match}" in capsys.readouterr().err
+
+
+def test_options_a_kind_does_not_read_are_refused_by_name(
+    target_dir, prompts_file, tmp_path, capsys
+):
+    train(target_dir, prompts_file, tmp_path / "e", "eagle", 1, "--option", "ttt_step=2", status=2)
+    assert "error: --option ttt_step: not an option of the eagle drafter" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()  # refused before anything was loaded or written
+    kind = get_kind("draft_model")
+    with pytest.raises(ValueError, match="markov_rank: not an option of the draft_model"):
+        kind.check_options(TrainOptions(extra={"markov_rank": "4"}))
+    get_kind("dspark").check_options(TrainOptions(extra={"markov_rank": "4", "min_draft": "2"}))
+    EagleKind().check_options(TrainOptions(extra={"init_from": "x", "intermediate_size": "8"}))
+    assert VOCAB > 40  # the reduced vocabularies above are real reductions

@@ -9,9 +9,9 @@ token-level verification accepts draft i, sum_x min(target(x), draft(x)), a soft
 
 Options (`--option key=value`): block_size (default 8), num_layers (1), feature_layers
 (comma-separated target layers; default low/middle/high), anchor_stride (default block_size),
-position_decay (0.8: weight of draft i is decay ** i), save_dtype (float16 | float32); dspark
-only: markov_rank (32, at most the hidden size), min_survival_probability (0.2),
-min_draft (1), confidence_weight (1.0).
+position_decay (0.8: weight of draft i is decay ** i), min_draft (1), save_dtype (float16 |
+float32); dspark only: markov_rank (32, at most the hidden size), min_survival_probability
+(0.2), confidence_weight (1.0).
 """
 
 from __future__ import annotations
@@ -33,9 +33,22 @@ from specdec.drafters.block.network import (
 from specdec.models import LlamaForCausalLM
 from specdec.train.kind import DrafterKind, TrainBatch, TrainOptions, target_logits
 
+_BLOCK_OPTIONS = frozenset(
+    {
+        "block_size",
+        "num_layers",
+        "feature_layers",
+        "anchor_stride",
+        "position_decay",
+        "min_draft",
+        "save_dtype",
+    }
+)
+
 
 class DFlashKind(DrafterKind):
     name = "dflash"
+    option_names = _BLOCK_OPTIONS
 
     def feature_layers(self, target: LlamaForCausalLM, options: TrainOptions) -> tuple[int, ...]:
         text = options.get("feature_layers", "")
@@ -88,6 +101,11 @@ class DFlashKind(DrafterKind):
 
 class DSparkKind(DFlashKind):
     name = "dspark"
+    option_names = _BLOCK_OPTIONS | {
+        "markov_rank",
+        "min_survival_probability",
+        "confidence_weight",
+    }
 
 
 def block_anchors(batch: TrainBatch, stride: int) -> torch.Tensor:

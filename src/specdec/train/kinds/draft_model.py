@@ -59,6 +59,7 @@ def hf_config_dict(config: ModelConfig) -> dict:
 
 class DraftModelKind(DrafterKind):
     name = "draft_model"
+    option_names = frozenset({"draft_layers", "save_dtype"})
 
     def build(self, target: LlamaForCausalLM, options: TrainOptions) -> nn.Module:
         total = target.config.num_hidden_layers

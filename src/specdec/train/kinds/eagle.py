@@ -4,7 +4,9 @@ is unrolled for `ttt_steps` draft steps, later steps reading its own outputs as 
 
 Options (`--option key=value`): feature_layers (comma-separated target layers; default the last),
 draft_vocab_size (0 = the full vocabulary; else the most frequent training tokens), ttt_steps
-(default 3), intermediate_size (default the target's), save_dtype (float16 | float32).
+(default 3), intermediate_size (default the target's), save_dtype (float16 | float32), init_from
+(a head directory to start from, see `widen_head_`: its draft vocabulary and feature layers are
+kept, its MLP may be widened).
 """
 
 from __future__ import annotations
@@ -40,21 +42,78 @@ def pick_draft_vocab(counts: torch.Tensor, size: int, always: list[int]) -> torc
     return torch.tensor(sorted(chosen), dtype=torch.int64)
 
 
+@torch.no_grad()
+def widen_head_(head: EagleHead, source: EagleHead) -> None:
+    """Copies `source`'s parameters into `head`, whose MLP may be wider (same function).
+
+    Every parameter of the same shape is copied. A wider MLP (intermediate I' > I) takes the
+    source's gate/up rows and down columns in its first I units; its new units keep `head`'s
+    initialisation in gate/up and get zero down columns, so the widened head computes exactly
+    what the source computes until training moves them (function-preserving widening, as in
+    Net2Net, Chen et al. 2016).
+
+    Raises:
+        ValueError: a parameter missing, or of a shape that is neither equal nor a widening.
+    Mutates: `head`'s parameters.
+    """
+    given = dict(source.named_parameters())
+    for name, param in head.named_parameters():
+        if name not in given:
+            raise ValueError(f"init_from: the head has no {name}")
+        old = given[name].to(param.dtype)
+        if old.shape == param.shape:
+            param.copy_(old)
+        elif name.endswith(("gate_proj.weight", "up_proj.weight")) and (
+            old.shape[1] == param.shape[1] and old.shape[0] < param.shape[0]
+        ):
+            param[: old.shape[0]].copy_(old)
+        elif name.endswith("down_proj.weight") and (
+            old.shape[0] == param.shape[0] and old.shape[1] < param.shape[1]
+        ):
+            param[:, : old.shape[1]].copy_(old)
+            param[:, old.shape[1] :].zero_()
+        else:
+            raise ValueError(
+                f"init_from: {name} is {tuple(old.shape)} in the given head and "
+                f"{tuple(param.shape)} here (only the MLP may be widened)"
+            )
+
+
 class EagleKind(DrafterKind):
     name = "eagle"
+    option_names = frozenset(
+        {
+            "feature_layers",
+            "draft_vocab_size",
+            "ttt_steps",
+            "intermediate_size",
+            "save_dtype",
+            "init_from",
+        }
+    )
 
     def __init__(self) -> None:
         self._draft_to_target: torch.Tensor | None = None
+        self._source: EagleHead | None = None
 
     def feature_layers(self, target: LlamaForCausalLM, options: TrainOptions) -> tuple[int, ...]:
         text = options.get("feature_layers", "")
         if not text:
+            start = _init_config(options)
+            if start is not None:
+                return tuple(start.feature_layers)
             return (target.config.num_hidden_layers - 1,)
         return tuple(int(part) for part in text.split(","))
 
     def prepare(self, target: LlamaForCausalLM, token_counts: torch.Tensor, options) -> None:
         size = options.get("draft_vocab_size", 0, int)
         vocab = target.config.vocab_size
+        self._source = None
+        init_from = options.get("init_from", "")
+        if init_from:
+            self._source, rows = self._start_from(init_from, target, options)
+            self._draft_to_target = rows
+            return
         if not 0 < size < vocab:
             self._draft_to_target = None
             return
@@ -68,15 +127,44 @@ class EagleKind(DrafterKind):
         with torch.no_grad():  # each feature part starts normalised as the target's LM head reads
             final_norm = target.model.norm.weight.detach().float()
             head.feature_norm.weight.copy_(final_norm.repeat(len(config.feature_layers)))
+        if self._source is not None:
+            widen_head_(head, self._source)
+            self._source = None
         rows = self._draft_to_target
         return EagleTrainable(head, None if rows is None else rows.to(head.fc.weight.device))
 
+    def _start_from(self, init_from: str, target: LlamaForCausalLM, options: TrainOptions):
+        """The head in `init_from` (float32, on the target's device) and its draft vocabulary,
+        after checking that the options do not ask for another vocabulary or other features."""
+        device = target.model.embed_tokens.weight.device
+        source, rows = load_eagle_head(init_from, target.config, torch.float32, device)
+        kept = source.config
+        size = options.get("draft_vocab_size", None, int)
+        have = kept.draft_vocab_size or 0
+        if size is not None and size != have:
+            raise ValueError(
+                f"init_from: the head in {init_from} drafts over "
+                f"{f'{have} tokens' if have else 'the full vocabulary'} "
+                f"(draft_vocab_size={have}), not draft_vocab_size={size}"
+            )
+        if self.feature_layers(target, options) != tuple(kept.feature_layers):
+            raise ValueError(
+                f"init_from: the head in {init_from} reads feature_layers "
+                f"{','.join(map(str, kept.feature_layers))}, not "
+                f"{','.join(map(str, self.feature_layers(target, options)))}"
+            )
+        return source, rows
+
     def _config(self, target, options, draft_to_target) -> EagleConfig:
+        start = _init_config(options)
+        intermediate = options.get("intermediate_size", 0, int)
+        if not intermediate and start is not None:
+            intermediate = start.intermediate_size
         return EagleConfig.for_target(
             target.config,
             feature_layers=self.feature_layers(target, options),
             draft_vocab_size=None if draft_to_target is None else int(draft_to_target.shape[0]),
-            intermediate_size=options.get("intermediate_size", 0, int) or None,
+            intermediate_size=intermediate or None,
         )
 
     def loss(
@@ -149,6 +237,17 @@ class EagleKind(DrafterKind):
         head.train()
         self._draft_to_target = rows
         return EagleTrainable(head, rows)
+
+
+def _init_config(options: TrainOptions) -> EagleConfig | None:
+    """The config of the `init_from` head, or None without that option."""
+    init_from = options.get("init_from", "")
+    if not init_from:
+        return None
+    path = Path(init_from) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"init_from: no config.json in {init_from} (not an EAGLE head)")
+    return EagleConfig.from_dict(json.loads(path.read_text(encoding="utf-8")))
 
 
 def _lm_weight(target: LlamaForCausalLM, rows: torch.Tensor | None) -> torch.Tensor:
