@@ -27,16 +27,24 @@ TREE_KEYS = ("nodes", "depth", "topk")
 
 @dataclass(frozen=True, slots=True)
 class TreeConfig:
-    """A draft tree per round (`speculative_config["tree"]`), EAGLE-2 style: the root's `topk`
-    best children, then at each depth the `topk` frontier nodes of highest cumulative draft
-    confidence each get `topk` children, until `nodes` nodes or `depth` levels.
+    """A draft tree per round (`speculative_config["tree"]`), EAGLE-2 style.
+
+    A sampled request (temperature > 0) grows level by level: the root's `topk` best children,
+    then at each depth the `topk` frontier nodes of highest cumulative draft confidence each
+    get `topk` children, until `nodes` nodes or `depth` levels. A greedy request (temperature
+    0, where any tree is exact) grows best-first: `depth` steps, each making nodes of the
+    max(1, nodes // depth) candidates (the last step: the budget left) of highest cumulative
+    draft log-probability among the children the previous steps' nodes offered
+    (`drafters.tree.grow_best_first`).
 
     Attributes:
         nodes: most draft nodes per round (N; the round verifies N + 1 target rows).
-        depth: most levels (the longest path; at most `nodes`). The budget caps it too: level
-            1 holds `topk` nodes and every later one topk^2, so a tree has at most
-            1 + ceil((nodes - topk) / topk^2) levels.
-        topk: children per expanded node, and expanded nodes per level.
+        depth: most levels (the longest path; at most `nodes`). Level by level the budget caps
+            it too: level 1 holds `topk` nodes and every later one topk^2, so a sampled tree
+            has at most 1 + ceil((nodes - topk) / topk^2) levels; a greedy tree can reach
+            `depth`.
+        topk: children per expanded node, and expanded nodes per level (sampled trees; greedy
+            trees do not read it).
     """
 
     nodes: int

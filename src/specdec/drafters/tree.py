@@ -91,7 +91,16 @@ def draw_children(
 
 
 class GrowingTree:
-    """One request's tree being grown (host lists), node n in drafting order."""
+    """One request's tree being grown (host lists), node n in drafting order.
+
+    A greedy request (temperature 0) grows best-first (`wave` > 0): each step offers the top
+    `offer` children of every node added by the step before as candidates, and the `wave`
+    candidates of highest cumulative draft log-probability over the whole tree become nodes
+    (the last step: as many as the budget has left).
+    Any tree is exact for it (greedy verification compares tokens with the target's argmax
+    alone), so the tree may depend on the drafts' own probabilities, as EAGLE-2's re-ranking
+    does. Sampled requests grow level by level (`draw_level`, `expand_frontier`).
+    """
 
     __slots__ = (
         "budget",
@@ -99,14 +108,23 @@ class GrowingTree:
         "cum_logp",
         "depths",
         "hidden",
+        "last_wave",
+        "offer",
         "on_first_path",
         "parents",
+        "pool",
         "tokens",
+        "wave",
     )
 
-    def __init__(self, budget: int, coupled: bool) -> None:
+    def __init__(self, budget: int, coupled: bool, wave: int = 0, offer: int = 0) -> None:
         self.budget = budget
         self.coupled = coupled
+        self.wave = wave  # > 0: best-first, nodes added a step
+        self.offer = max(offer, wave)  # best-first: candidates each new node offers
+        # Best-first candidates: (cum_logp, order, parent, token, draft logits row, hidden).
+        self.pool: list[tuple] = []
+        self.last_wave: list[int] = []  # the nodes the last best-first step added
         self.on_first_path: list[bool] = []  # first child of a first child ... of the root
         self.parents: list[int] = []
         self.depths: list[int] = []
@@ -126,12 +144,14 @@ class GrowingTree:
 def draw_level(drafter, batch, trees, parents_rows, logits, hidden, depth, tree, out) -> None:
     """Draws the children of `parents_rows` ((request, parent node) pairs, one logits row and,
     for EAGLE, one head output each; `hidden` None for a draft model), as many as each
-    request's budget allows, and records them."""
+    request's budget allows, and records them (best-first trees: `grow_best_first`)."""
+    last = depth + 1 == tree.depth
+    grow_best_first(drafter, trees, parents_rows, logits, hidden, out, last)
     node_table, kept = [], []
     next_node = {b: len(grown.parents) for b, grown in trees.items()}
     for i, (b, _parent) in enumerate(parents_rows):
         first = next_node[b]
-        count = max(0, min(tree.topk, trees[b].budget - first))
+        count = 0 if trees[b].wave else max(0, min(tree.topk, trees[b].budget - first))
         node_table.append(list(range(first, first + count)))
         next_node[b] += count
         if count:
@@ -174,6 +194,54 @@ def draw_level(drafter, batch, trees, parents_rows, logits, hidden, depth, tree,
                 out.draft_logsumexp[b, node] = row.logsumexp(dim=-1)
 
 
+def grow_best_first(drafter, trees, parents_rows, logits, hidden, out, last: bool) -> None:
+    """One best-first step of the greedy trees among `parents_rows`: the top `offer` children
+    of each of their parents join the tree's candidates (with the parent's draft logits, and
+    for EAGLE its head output), then the `wave` best candidates by cumulative draft
+    log-probability (ties: the earlier offered; the `last` step: all the budget left) become
+    nodes. A candidate's parent is always a node already, so node order stays topological. No
+    noise: greedy rows draw nothing."""
+    rows = [i for i, (b, _parent) in enumerate(parents_rows) if trees[b].wave]
+    if not rows:
+        return
+    full = drafter.to_target_vocab(logits[to_device(rows, torch.int64, logits.device)]).float()
+    log_probs = full.log_softmax(dim=-1)
+    width = min(max(trees[parents_rows[i][0]].offer for i in rows), full.shape[-1])
+    top = log_probs.topk(width, dim=-1)
+    values, ids = top.values.to("cpu").tolist(), top.indices.to("cpu").tolist()
+    touched = {}
+    for j, i in enumerate(rows):
+        b, parent = parents_rows[i]
+        grown = trees[b]
+        base = 0.0 if parent < 0 else grown.cum_logp[parent]
+        for rank in range(min(grown.offer, width)):
+            if values[j][rank] == float("-inf"):
+                break
+            entry = (base + values[j][rank], len(grown.pool), parent, ids[j][rank], full[j])
+            grown.pool.append((*entry, None if hidden is None else hidden[i]))
+        touched[b] = grown
+    for b, grown in touched.items():
+        grown.pool.sort(key=lambda c: (-c[0], c[1]))
+        left = grown.budget - len(grown.parents)
+        take = max(0, left if last else min(grown.wave, left))
+        chosen, grown.pool = grown.pool[:take], grown.pool[take:]
+        grown.last_wave = []
+        for cum_logp, _order, parent, token, row, head_out in chosen:
+            node = len(grown.parents)
+            grown.parents.append(parent)
+            grown.depths.append(0 if parent < 0 else grown.depths[parent] + 1)
+            grown.tokens.append(token)
+            grown.cum_logp.append(cum_logp)
+            grown.on_first_path.append(False)
+            if head_out is not None:
+                grown.hidden.append(head_out)
+            grown.last_wave.append(node)
+            out.draft_token_ids[b, node] = token
+            if not drafter.greedy:  # the row a temperature-0 draw reads (logits / 1)
+                out.draft_logits[b, node] = row
+                out.draft_logsumexp[b, node] = row.logsumexp(dim=-1)
+
+
 def expand_frontier(trees: dict[int, GrowingTree], depth: int, topk: int) -> list[tuple[int, int]]:
     """The (request, node) pairs to expand next: per request with budget left, the `topk`
     nodes at `depth` of highest cumulative draft log-probability (ties: the earlier node). A
@@ -183,6 +251,9 @@ def expand_frontier(trees: dict[int, GrowingTree], depth: int, topk: int) -> lis
     chosen = []
     for b, grown in trees.items():
         if len(grown.parents) >= grown.budget:
+            continue
+        if grown.wave:  # best-first: the nodes the last step added offer their children
+            chosen += [(b, n) for n in grown.last_wave]
             continue
         frontier = [n for n, d in enumerate(grown.depths) if d == depth]
         frontier.sort(
@@ -194,11 +265,21 @@ def expand_frontier(trees: dict[int, GrowingTree], depth: int, topk: int) -> lis
 
 def start_trees(batch: DraftBatch, tree: TreeConfig, live: list[int]) -> dict[int, GrowingTree]:
     """One empty tree per live request: its node budget min(num_draft[b], tree.nodes); a
-    coupled request expands its first path first (`expand_frontier`)."""
+    coupled request expands its first path first (`expand_frontier`); a greedy one grows
+    best-first in `depth` steps of max(1, budget // depth) nodes, the last step taking what
+    the budget has left, so a confident path can reach `depth` levels."""
     budgets = batch.num_draft.tolist()
-    return {
-        b: GrowingTree(min(budgets[b], tree.nodes), batch.methods[b] == "coupled") for b in live
-    }
+    greedy = (batch.params.temperature == 0).tolist()
+    trees = {}
+    for b in live:
+        budget = min(budgets[b], tree.nodes)
+        coupled = batch.methods[b] == "coupled"
+        if not greedy[b]:
+            trees[b] = GrowingTree(budget, coupled)
+            continue
+        wave = max(1, budget // tree.depth)
+        trees[b] = GrowingTree(budget, coupled, wave, budget - (tree.depth - 1) * wave)
+    return trees
 
 
 def tree_layout(
