@@ -5,6 +5,7 @@ safetensors read shard by shard): it serves, and when a worker is killed the nex
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -119,6 +120,25 @@ def test_an_env_var_launch_runs_the_same_script_on_every_rank(tmp_path):
         str(model_dir), speculative_config=None, quantization=None, max_num_seqs=4, num_kv_blocks=64
     ).generate(prompts, SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
     assert json.loads(results[0][0]) == [out.outputs[0].token_ids for out in reference]
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="needs PyTorch's torchrun")
+def test_torchrun_generate_prints_what_tp1_prints(tmp_path):
+    """torchrun itself (two ranks on this machine, gloo): `specdec generate` prints the tokens
+    TP = 1 prints, and nothing else reaches stdout (the worker's notes go to stderr)."""
+    model_dir = make_tiny_model_dir(tmp_path)
+    args = ["generate", "--model", str(model_dir), "--no-spec", "--no-chat", "--temperature", "0"]
+    args += ["--max-tokens", "8", "--ignore-eos", "--threads", "1", "hello there"]
+    run = dict(capture_output=True, text=True, timeout=180)
+    alone = subprocess.run([sys.executable, "-m", "specdec", *args], **run)
+    assert alone.returncode == 0, alone.stderr
+    port = str(free_port())
+    launcher = ["torchrun", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
+    launcher += ["--master-port", port, "-m", "specdec.cli"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    both = subprocess.run([*launcher, *args, "--tensor-parallel-size", "2"], env=env, **run)
+    assert both.returncode == 0, both.stderr
+    assert alone.stdout.strip() and both.stdout == alone.stdout
 
 
 def test_an_env_var_launch_of_serve_serves_from_rank_0_and_stops_both(tmp_path):

@@ -16,6 +16,7 @@ import contextlib
 import os
 import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Sequence
@@ -215,7 +216,11 @@ def worker_main(rank: int, spec: WorkerSpec) -> None:
             try:
                 command, args = _receive(group)
             except RuntimeError:  # the driver went away between steps: nothing is lost
-                print(f"tensor-parallel worker rank {rank}: the driver is gone; exiting")
+                print(
+                    f"tensor-parallel worker rank {rank}: the driver is gone; exiting",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os._exit(0)
             if command == "stop":
                 break
