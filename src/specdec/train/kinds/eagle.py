@@ -59,7 +59,7 @@ def widen_head_(head: EagleHead, source: EagleHead) -> None:
     given = dict(source.named_parameters())
     for name, param in head.named_parameters():
         if name not in given:
-            raise ValueError(f"init_from: the head has no {name}")
+            raise ValueError(f"init_from: the given head has no {name}")
         old = given[name].to(param.dtype)
         if old.shape == param.shape:
             param.copy_(old)
