@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specdec.triton_specialization import unspecialized
+
 FLT_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
 ROW_BLOCK = 256
 
@@ -29,7 +31,9 @@ def _or(a, b):
     return a | b
 
 
-@triton.jit
+# K (the drafts a row may have: a tree's node count varies from round to round) is a runtime
+# value under its power-of-two tile KP, so a new K reuses its KP's compiled variant.
+@triton.jit(**unspecialized(ints=("K",)))
 def _value_rules_kernel(
     positions_ptr,  # [B] int64
     num_draft_ptr,  # [B] int64
@@ -47,7 +51,7 @@ def _value_rules_kernel(
     drafts_stride,
     draft_stride0,
     draft_stride1,
-    K: tl.constexpr,
+    K,
     KP: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_TOP_K: tl.constexpr,
@@ -176,7 +180,7 @@ class DeviceRuleBits:
             max_position,
             drafts.stride(0) if k else 0,
             *strides,
-            K=k,
+            k,
             KP=triton.next_power_of_2(max(k, 1)),
             BLOCK=ROW_BLOCK,
             HAS_TOP_K=params.top_k is not None,

@@ -26,6 +26,7 @@ from specdec.rng.philox_triton import (
     words_to_uniform32,
 )
 from specdec.sampling.sampler_triton import argmax_finish, argmax_update, tile_lanes
+from specdec.triton_specialization import unspecialized
 from specdec.verify.tree_inputs import PreparedTree, TreeVerifyResult
 
 STREAM_TARGET: tl.constexpr = tl.constexpr(int(Stream.TARGET))
@@ -71,7 +72,10 @@ def _noisy_argmax(
     return top_idx.to(tl.int64)
 
 
-@triton.jit
+# The tree's size and children-table width vary from round to round (a shorter tree near a
+# request's length limit, best-first trees' widest node): runtime bounds, so that one compiled
+# variant serves every tree instead of one compile (0.2-0.5 s) per new (N, C).
+@triton.jit(**unspecialized(ints=("N", "C")))
 def _tree_walk_kernel(
     target_ptr,  # [B, N+1, V] float32 processed target logits, contiguous
     logp_ptr,  # [B, N+1, V] float32 target log-probabilities, contiguous
@@ -86,9 +90,9 @@ def _tree_walk_kernel(
     out_tokens_ptr,  # [B, N+1] int64 out, pre-filled with -1
     out_nodes_ptr,  # [B, N] int64 out, pre-filled with -1
     out_accepted_ptr,  # [B] int64 out
+    N,  # nodes (runtime)
+    C,  # children-table width (runtime)
     vocab: tl.constexpr,
-    N: tl.constexpr,
-    C: tl.constexpr,
     COUPLED: tl.constexpr,
     DRAFT_LOGITS: tl.constexpr,
     ROWS: tl.constexpr,
@@ -102,7 +106,9 @@ def _tree_walk_kernel(
     current = b * 0  # int64 table row of the visited node (0 = the round's input token)
     accepted = 0
     walking = 1
-    for depth in range(0, N + 1):  # a static bound: rows past the walk do nothing
+    # While loops: runtime bounds (Triton's interpreter cannot take a runtime `range` bound).
+    depth = 0
+    while (depth <= N) & (walking != 0):
         if walking != 0:
             position = anchor + depth
             node_off = (b * (N + 1) + current) * vocab
@@ -122,7 +128,8 @@ def _tree_walk_kernel(
             rejected_any = 0
             moved = 0
             next_row = current
-            for rank in range(0, C):
+            rank = 0
+            while rank < C:
                 child = tl.load(children_ptr + (b * (N + 1) + current) * C + rank)
                 if (moved == 0) & (child >= 0):
                     token = tl.load(tokens_ptr + b * N + child)
@@ -152,6 +159,7 @@ def _tree_walk_kernel(
                     if accept != 0:
                         moved = 1
                         next_row = child + 1
+                rank += 1
             if moved != 0:
                 node = next_row - 1
                 token = tl.load(tokens_ptr + b * N + node)
@@ -179,6 +187,7 @@ def _tree_walk_kernel(
                             )
                 tl.store(out_tokens_ptr + b * (N + 1) + accepted, final)
                 walking = 0
+        depth += 1
     tl.store(out_accepted_ptr + b, accepted)
 
 
@@ -311,9 +320,9 @@ def verify_tree_triton(prepared: PreparedTree) -> TreeVerifyResult:
         out_tokens,
         out_nodes,
         out_accepted,
+        n,
+        prepared.children.shape[2],
         vocab=vocab,
-        N=n,
-        C=prepared.children.shape[2],
         COUPLED=prepared.method == "coupled",
         DRAFT_LOGITS=has_draft,
         ROWS=rows,
