@@ -13,6 +13,19 @@ import torch.distributed as dist
 LOGITS_ATOL = 2e-3
 # Two top logits closer than this are a near-tie: TP = 1 and TP = N may pick either.
 NEAR_TIE = 2 * LOGITS_ATOL
+# The prompts every TP = N against TP = 1 comparison runs.
+PROMPTS = [
+    "The capital of France is",
+    "1, 2, 3, 4,",
+    "Once upon a time",
+    "def fibonacci(n):",
+    "The quick brown fox",
+    "Water boils at",
+    "My favourite colour is",
+    "To make a cake you need",
+    "The largest planet in the solar system is",
+    "Hello, my name is",
+]
 
 
 def shard_prompt_logits(rank: int, world_size: int, port: int, jobs, queue) -> None:

@@ -35,6 +35,7 @@ import specdec.engine.llm_engine as llm_engine
 import specdec.engine.setup as engine_setup
 import specdec.runner.tensor_parallel as tp_runner
 from specdec.models.tensor_parallel import Collectives
+from tensor_parallel_fixtures import PROMPTS
 
 PART = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--part=")), None)
 if PART is None and "--part" in sys.argv:
@@ -70,18 +71,6 @@ Collectives.all_reduce, Collectives.gather_vocab = _counted_all_reduce, _counted
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: a smoke run of the flow
 HEAD = "src/specdec/drafters/default/smollm2-135m-instruct-eagle"
-PROMPTS = [
-    "The capital of France is",
-    "1, 2, 3, 4,",
-    "Once upon a time",
-    "def fibonacci(n):",
-    "The quick brown fox",
-    "Water boils at",
-    "My favourite colour is",
-    "To make a cake you need",
-    "The largest planet in the solar system is",
-    "Hello, my name is",
-]
 
 
 def _tokens(outputs) -> list[list[int]]:

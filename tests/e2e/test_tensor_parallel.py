@@ -22,20 +22,13 @@ import torch
 from specdec import LLM, SamplingParams
 from specdec.models import prompt_logits
 from specdec.runner.tensor_parallel import WorkerDiedError
-from tensor_parallel_fixtures import LOGITS_ATOL, check_tokens_equal, sharded_prompt_logits
+from tensor_parallel_fixtures import (
+    LOGITS_ATOL,
+    PROMPTS,
+    check_tokens_equal,
+    sharded_prompt_logits,
+)
 
-PROMPTS = [
-    "The capital of France is",
-    "1, 2, 3, 4,",
-    "Once upon a time",
-    "def fibonacci(n):",
-    "The quick brown fox",
-    "Water boils at",
-    "My favourite colour is",
-    "To make a cake you need",
-    "The largest planet in the solar system is",
-    "Hello, my name is",
-]
 MAX_TOKENS = 12
 ENGINE_ARGS = dict(quantization=None, max_num_seqs=16, max_model_len=256, seed=0)
 

@@ -21,25 +21,13 @@ import torch
 
 from specdec import LLM, SamplingParams
 from specdec.runner.tensor_parallel import WorkerDiedError
-from tensor_parallel_fixtures import check_tokens_equal
+from tensor_parallel_fixtures import PROMPTS, check_tokens_equal
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
 ]
 
-PROMPTS = [
-    "The capital of France is",
-    "1, 2, 3, 4,",
-    "Once upon a time",
-    "def fibonacci(n):",
-    "The quick brown fox",
-    "Water boils at",
-    "My favourite colour is",
-    "To make a cake you need",
-    "The largest planet in the solar system is",
-    "Hello, my name is",
-]
 # bfloat16 logits round to ~0.1 at magnitude 30: a split of the sums may flip ties that close.
 BF16_NEAR_TIE = 0.5
 # `check_tokens_equal` judges a sampled token by the plain sampler's rule (logits / T + Gumbel
