@@ -106,87 +106,85 @@ def _tree_walk_kernel(
     current = b * 0  # int64 table row of the visited node (0 = the round's input token)
     accepted = 0
     walking = 1
-    # While loops: runtime bounds (Triton's interpreter cannot take a runtime `range` bound).
+    # While loops: runtime bounds (Triton's interpreter cannot take a runtime `range` bound);
+    # the walk stops at its first node without an accepted child.
     depth = 0
     while (depth <= N) & (walking != 0):
-        if walking != 0:
-            position = anchor + depth
-            node_off = (b * (N + 1) + current) * vocab
-            if COUPLED:
-                if greedy != 0:
-                    choice = _noisy_argmax(
-                        target_ptr + node_off, vocab, seed, position, 0, False, ROWS
-                    )
-                else:
-                    choice = _noisy_argmax(
-                        target_ptr + node_off, vocab, seed, position, STREAM_TARGET, True, ROWS
-                    )
+        position = anchor + depth
+        node_off = (b * (N + 1) + current) * vocab
+        if COUPLED:
+            if greedy != 0:
+                choice = _noisy_argmax(target_ptr + node_off, vocab, seed, position, 0, False, ROWS)
             else:
-                choice = _noisy_argmax(logp_ptr + node_off, vocab, seed, position, 0, False, ROWS)
-            log_norm = 0.0
-            in_scratch = 0  # the residual is still the target row (no scratch copy yet)
-            rejected_any = 0
-            moved = 0
-            next_row = current
-            rank = 0
-            while rank < C:
-                child = tl.load(children_ptr + (b * (N + 1) + current) * C + rank)
-                if (moved == 0) & (child >= 0):
-                    token = tl.load(tokens_ptr + b * N + child)
-                    accept = (token == choice).to(tl.int32)  # coupled and greedy rows
-                    if not COUPLED:  # noqa: SIM102 - a compile-time branch around a runtime one
-                        if greedy == 0:
-                            accept, log_norm, in_scratch = _try_child(
-                                logp_ptr + node_off,
-                                draft_ptr,
-                                draft_lse_ptr,
-                                res_row,
-                                staged,
-                                b * N + child,
-                                token,
-                                seed,
-                                position,
-                                anchor,
-                                rank,
-                                log_norm,
-                                in_scratch,
-                                vocab,
-                                DRAFT_LOGITS,
-                                ROWS,
-                            )
-                            if accept == 0:
-                                rejected_any = 1
-                    if accept != 0:
-                        moved = 1
-                        next_row = child + 1
-                rank += 1
-            if moved != 0:
-                node = next_row - 1
-                token = tl.load(tokens_ptr + b * N + node)
-                tl.store(out_tokens_ptr + b * (N + 1) + accepted, token)
-                tl.store(out_nodes_ptr + b * N + accepted, node.to(tl.int64))
-                accepted += 1
-                current = next_row
-            else:
-                final = choice
+                choice = _noisy_argmax(
+                    target_ptr + node_off, vocab, seed, position, STREAM_TARGET, True, ROWS
+                )
+        else:
+            choice = _noisy_argmax(logp_ptr + node_off, vocab, seed, position, 0, False, ROWS)
+        log_norm = 0.0
+        in_scratch = 0  # the residual is still the target row (no scratch copy yet)
+        rejected_any = 0
+        moved = 0
+        next_row = current
+        rank = 0
+        while rank < C:
+            child = tl.load(children_ptr + (b * (N + 1) + current) * C + rank)
+            if (moved == 0) & (child >= 0):
+                token = tl.load(tokens_ptr + b * N + child)
+                accept = (token == choice).to(tl.int32)  # coupled and greedy rows
                 if not COUPLED:  # noqa: SIM102 - a compile-time branch around a runtime one
                     if greedy == 0:
-                        if rejected_any != 0:
-                            final = _noisy_argmax(
-                                res_row, vocab, seed, position, STREAM_RESIDUAL, True, ROWS
-                            )
-                        else:
-                            final = _noisy_argmax(
-                                target_ptr + node_off,
-                                vocab,
-                                seed,
-                                position,
-                                STREAM_TARGET,
-                                True,
-                                ROWS,
-                            )
-                tl.store(out_tokens_ptr + b * (N + 1) + accepted, final)
-                walking = 0
+                        accept, log_norm, in_scratch = _try_child(
+                            logp_ptr + node_off,
+                            draft_ptr,
+                            draft_lse_ptr,
+                            res_row,
+                            staged,
+                            b * N + child,
+                            token,
+                            seed,
+                            position,
+                            anchor,
+                            rank,
+                            log_norm,
+                            in_scratch,
+                            vocab,
+                            DRAFT_LOGITS,
+                            ROWS,
+                        )
+                        if accept == 0:
+                            rejected_any = 1
+                if accept != 0:
+                    moved = 1
+                    next_row = child + 1
+            rank += 1
+        if moved != 0:
+            node = next_row - 1
+            token = tl.load(tokens_ptr + b * N + node)
+            tl.store(out_tokens_ptr + b * (N + 1) + accepted, token)
+            tl.store(out_nodes_ptr + b * N + accepted, node.to(tl.int64))
+            accepted += 1
+            current = next_row
+        else:
+            final = choice
+            if not COUPLED:  # noqa: SIM102 - a compile-time branch around a runtime one
+                if greedy == 0:
+                    if rejected_any != 0:
+                        final = _noisy_argmax(
+                            res_row, vocab, seed, position, STREAM_RESIDUAL, True, ROWS
+                        )
+                    else:
+                        final = _noisy_argmax(
+                            target_ptr + node_off,
+                            vocab,
+                            seed,
+                            position,
+                            STREAM_TARGET,
+                            True,
+                            ROWS,
+                        )
+            tl.store(out_tokens_ptr + b * (N + 1) + accepted, final)
+            walking = 0
         depth += 1
     tl.store(out_accepted_ptr + b, accepted)
 
