@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specdec.models.attention import DecodeMetadata, cache_slots
+from specdec.models.attention import AttentionMetadata, DecodeMetadata, cache_slots
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +60,7 @@ class DecodePlanCPU:
         inv_freq: torch.Tensor,
         block_size: int,
     ) -> DecodePlanCPU:
-        """The plan of one step (host work: the metadata is read into NumPy).
+        """The plan of one decode/verify step (host work: the metadata is read into NumPy).
 
         Args:
             meta: the step's decode metadata (on the CPU).
@@ -69,33 +69,88 @@ class DecodePlanCPU:
             block_size: tokens per cache block.
         """
         per_seq = meta.query_per_seq
-        context = meta.context_lens.numpy().astype(np.int64)  # [B]
         query_lens = meta.query_lens.numpy().astype(np.int64)  # [B]
-        slot_mapping = meta.slot_mapping
+        first_rows = np.arange(len(query_lens), dtype=np.int64) * per_seq
+        return cls._build(
+            first_rows,
+            query_lens,
+            meta.context_lens.numpy().astype(np.int64),
+            meta.block_tables.numpy(),
+            meta.slot_mapping,
+            positions,
+            inv_freq,
+            block_size,
+            all_live=bool((query_lens == per_seq).all()),
+        )
+
+    @classmethod
+    def from_attention(
+        cls,
+        attn: AttentionMetadata,
+        positions: torch.Tensor,
+        inv_freq: torch.Tensor,
+        block_size: int,
+    ) -> DecodePlanCPU:
+        """The plan of any step without a tree mask (prefill chunks beside decode and verify
+        rows, in the ragged layout of `AttentionMetadata`): every query row attends exactly
+        as a decode row of the same token would, so a row's values never depend on what
+        shares its step, on the chunk its prompt was split into, or on a prefix recomputed
+        after preemption.
+
+        Args:
+            attn: the step's metadata (on the CPU; no `tree_mask`).
+            positions: [T] int64 position of each query row.
+            inv_freq, block_size: as in `build`.
+        """
+        if attn.tree_mask is not None:
+            raise ValueError("a tree-masked step has no row-by-row plan")
+        cu = attn.cu_seqlens_q.numpy().astype(np.int64)  # [B + 1]
+        return cls._build(
+            cu[:-1],
+            cu[1:] - cu[:-1],
+            attn.context_lens.numpy().astype(np.int64),
+            attn.block_tables.numpy(),
+            attn.slot_mapping,
+            positions,
+            inv_freq,
+            block_size,
+            all_live=True,
+        )
+
+    @classmethod
+    def _build(
+        cls,
+        first_rows: np.ndarray,
+        query_lens: np.ndarray,
+        context: np.ndarray,
+        tables: np.ndarray,
+        slot_mapping: torch.Tensor,
+        positions: torch.Tensor,
+        inv_freq: torch.Tensor,
+        block_size: int,
+        all_live: bool,
+    ) -> DecodePlanCPU:
+        """`build`'s work over per-sequence first rows ([B] int64), query and context lengths
+        ([B] int64), block tables ([B, W]) and the [T] slot of each row (-1: not written)."""
         keep = slot_mapping.numpy() >= 0
         if keep.all():
             slots, write_rows = slot_mapping, None
         else:
             write_rows = torch.from_numpy(np.flatnonzero(keep))
             slots = slot_mapping[write_rows]
-        tables = meta.block_tables.numpy()
         sequences: list[tuple[int, list[int], int | torch.Tensor]] = []
-        for b, (length, count) in enumerate(
-            zip(context.tolist(), query_lens.tolist(), strict=True)
+        for first_row, length, count, table in zip(
+            first_rows.tolist(), context.tolist(), query_lens.tolist(), tables, strict=True
         ):
-            if length == 0:
-                continue  # an inert padding sequence: its rows stay 0
+            if length == 0 or count == 0:
+                continue  # an inert padding sequence (its rows stay 0), or no query row
             width = -(-length // block_size)
-            seq_slots = cache_slots(
-                tables[b, :width].astype(np.int64), np.arange(length), block_size
-            )
-            first = int(seq_slots[0])
-            keys: int | torch.Tensor = first
-            if seq_slots[-1] - first != length - 1:  # not consecutive: gather the slots
-                keys = torch.from_numpy(seq_slots)
+            blocks = table[:width].astype(np.int64)
+            keys: int | torch.Tensor = int(blocks[0]) * block_size
+            if (np.diff(blocks) != 1).any():  # blocks not consecutive: gather the slots
+                keys = torch.from_numpy(cache_slots(blocks, np.arange(length), block_size))
             counts = list(range(length - count + 1, length + 1))  # row j sees its prefix
-            sequences.append((b * per_seq, counts, keys))
-        all_live = bool((query_lens == per_seq).all())
+            sequences.append((first_row, counts, keys))
         freqs = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)  # [T, D / 2]
         cos, sin = freqs.cos(), freqs.sin()
         half = freqs.shape[1]

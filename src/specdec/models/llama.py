@@ -224,7 +224,7 @@ class LlamaAttention(nn.Module):
         hidden: torch.Tensor,
         positions: torch.Tensor,
         inv_freq: torch.Tensor,
-        meta: DecodeMetadata,
+        meta: DecodeMetadata | None,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         plan: DecodePlanCPU | None = None,
@@ -399,6 +399,13 @@ class LlamaModel(nn.Module):
         """Returns the normed final hidden [T, D] and the outputs of the `return_layers` layers."""
         if isinstance(attn, DecodeMetadata):
             return self._forward_decode(input_ids, positions, attn, kv_cache, return_layers)
+        if self._plans_rows(input_ids) and attn.tree_mask is None:
+            # Every row as a decode row of the same token (the CPU's one numerics for a
+            # quantized model: see `DecodePlanCPU.from_attention`).
+            plan = DecodePlanCPU.from_attention(
+                attn, positions, self.rotary_emb.inv_freq, kv_cache.block_size
+            )
+            return self._forward_decode(input_ids, positions, None, kv_cache, return_layers, plan)
         wanted = set(return_layers)
         captured: dict[int, torch.Tensor] = {}
         cos, sin = self.rotary_emb(positions)  # [T, D_head] each
@@ -410,23 +417,31 @@ class LlamaModel(nn.Module):
                 captured[index] = hidden
         return self.norm(hidden), [captured[index] for index in return_layers]
 
+    def _plans_rows(self, input_ids: torch.Tensor) -> bool:
+        """Whether a step runs through a `DecodePlanCPU`: a quantized model on the CPU (its
+        steps are bound by per-operation overhead, and every row then takes the same
+        operations whatever else the step holds)."""
+        return not input_ids.is_cuda and self.is_quantized and self.sliding_window is None
+
     def _forward_decode(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        meta: DecodeMetadata,
+        meta: DecodeMetadata | None,
         kv_cache: KVCache,
         return_layers: Sequence[int],
+        plan: DecodePlanCPU | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The decode/verify step through the fused kernels (no host sync: CUDA-graph safe).
-        Each residual add is fused into the next RMSNorm."""
+        Each residual add is fused into the next RMSNorm. `plan`: the step's CPU plan, made
+        from `meta` when None and the model plans its rows."""
         wanted = set(return_layers)
         captured: dict[int, torch.Tensor] = {}
         inv_freq = self.rotary_emb.inv_freq
-        plan = None
-        if not input_ids.is_cuda and self.is_quantized and meta.tree_mask is None:
-            # index work once for every layer (tree-masked steps take the twins instead)
-            plan = DecodePlanCPU.build(meta, positions, inv_freq, kv_cache.block_size)
+        if plan is None and meta is not None and self._plans_rows(input_ids):
+            if meta.tree_mask is None:  # tree-masked steps take the twins instead
+                # index work once for every layer
+                plan = DecodePlanCPU.build(meta, positions, inv_freq, kv_cache.block_size)
         out = self.embed_tokens(input_ids)  # [T, D]
         residual: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
