@@ -18,6 +18,9 @@ MODEL_METHODS = ("draft_model", "eagle", "mtp", "dflash", "dspark")
 # Methods whose `model` may be left out for the built-in target: the shipped head is used.
 SHIPPED_HEAD_METHODS = ("eagle", "mtp")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+# The default verifier: its tokens are plain sampling's whatever the drafter proposes, so a
+# seeded request replays whatever K the adaptive policy picks (DESIGN.md, batch invariance).
+DEFAULT_REJECTION_SAMPLE_METHOD = "coupled"
 
 
 # Methods that draft trees (`speculative_config["tree"]`).
@@ -103,7 +106,11 @@ class SpeculativeConfig:
         num_speculative_tokens: drafts per round, K.
         draft_sample_method: "probabilistic" (drafts sampled from the draft distribution, which
             the verifier is given) or "greedy" (the draft's argmax, verified as a one-hot draft).
-        rejection_sample_method: "standard", "block" or "coupled".
+        rejection_sample_method: "coupled" (the default: drafts are drawn with the target's
+            own noise and the emitted tokens are plain sampling's, token for token, whatever
+            the drafter and K), "standard" (Leviathan et al.) or "block" (Sun et al.). All
+            three are exact in law; with the adaptive policy on, standard/block replay a seeded
+            request token for token only with K pinned (`adaptive`).
         prompt_lookup_min / prompt_lookup_max: n-gram sizes tried by "ngram".
         adaptive: when rounds run on the device (asynchronous scheduling), choose each round's
             K in [0, num_speculative_tokens] from measured round costs and the running
@@ -128,7 +135,7 @@ class SpeculativeConfig:
     model: str | None = None
     num_speculative_tokens: int = 4
     draft_sample_method: str = "probabilistic"
-    rejection_sample_method: str = "standard"
+    rejection_sample_method: str = DEFAULT_REJECTION_SAMPLE_METHOD
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     adaptive: bool = True

@@ -9,6 +9,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from specdec.drafters.config import DEFAULT_REJECTION_SAMPLE_METHOD
 from specdec.engine.detokenize import IncrementalText
 from specdec.metrics import SpecDecodeStats
 from specdec.sampling.context import LogitsContext, LogitsRules
@@ -40,7 +41,7 @@ class SpecSettings:
     """Per-request speculation: how many drafts per round and how they are verified."""
 
     num_speculative_tokens: int
-    method: str = "standard"
+    method: str = DEFAULT_REJECTION_SAMPLE_METHOD
 
 
 @dataclass(slots=True, eq=False)
