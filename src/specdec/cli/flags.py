@@ -19,7 +19,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from specdec.drafters.default import default_speculative_config
+from specdec.drafters.default import complete_speculative_config, default_speculative_config
 from specdec.engine.config import EngineConfig, SpeculativeConfig
 from specdec.sampling import SamplingParams, StructuredOutputsParams
 
@@ -297,8 +297,15 @@ def engine_kwargs(args: argparse.Namespace, *, seed: bool = False) -> dict[str, 
 
 
 def speculative_config(args: argparse.Namespace, default: dict | None) -> SpeculativeConfig | None:
-    """The --speculative-config JSON, or `default` when the flag is absent."""
-    values = args.speculative_config if args.speculative_config is not None else default
+    """The --speculative-config JSON (keys it leaves out keep the default speculation's values
+    when it keeps the default's drafter: `complete_speculative_config`), or `default` when the
+    flag is absent."""
+    if args.speculative_config is None:
+        return SpeculativeConfig.from_dict(default)
+    from specdec.engine.setup import resolve_device
+
+    device_type = resolve_device(args.device).type
+    values = complete_speculative_config(args.speculative_config, args.model, device_type)
     return SpeculativeConfig.from_dict(values)
 
 

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from specdec.drafters.default import default_speculative_config
+from specdec.drafters.default import complete_speculative_config, default_speculative_config
 from specdec.engine.config import EngineConfig, SpeculativeConfig
 from specdec.engine.llm_engine import LLMEngine
 from specdec.engine.outputs import RequestOutput
@@ -39,7 +39,8 @@ class LLM:
             draft_sample_method, rejection_sample_method, prompt_lookup_min/max); None = no
             speculation; "auto" (the default) = the shipped EAGLE head for the built-in model
             (K = 1 on the CPU, 4 on CUDA: `DEFAULT_NUM_SPECULATIVE_TOKENS`), no speculation for
-            any other model.
+            any other model. A dict that keeps the default's drafter and sets only some keys
+            (`{"rejection_sample_method": "block"}`) keeps the default's values for the rest.
         **engine_args: EngineConfig fields (max_num_seqs, max_model_len, dtype, device, seed,
             tensor_parallel_size (1; N splits the target over N processes), ...); unknown
             ones raise ValueError naming them.
@@ -52,6 +53,9 @@ class LLM:
                 )
             device_type = resolve_device(config.device).type
             speculative_config = default_speculative_config(model, device_type)
+        elif isinstance(speculative_config, dict):
+            device_type = resolve_device(config.device).type
+            speculative_config = complete_speculative_config(speculative_config, model, device_type)
         self.engine = LLMEngine(config, SpeculativeConfig.from_dict(speculative_config))
 
     @property

@@ -37,6 +37,31 @@ def default_speculative_config(model: str | None, device_type: str) -> dict | No
     }
 
 
+def complete_speculative_config(
+    values: dict | None, model: str | None, device_type: str
+) -> dict | None:
+    """A `speculative_config` dict that sets only some keys, with the default speculation's
+    values for the rest when it keeps the default's drafter: for the built-in model,
+    `{"rejection_sample_method": "block"}` or `{"method": "eagle"}` keep the shipped head at
+    this device's K. A dict naming another method or drafter model (or any dict for another
+    target) is returned as it is (`SpeculativeConfig`'s own defaults fill it).
+
+    Args:
+        values: the caller's keys (None: no speculation, returned as it is).
+        model, device_type: as in `default_speculative_config`.
+    """
+    if not isinstance(values, dict):
+        return values
+    default = default_speculative_config(model, device_type)
+    if default is None:
+        return values
+    if values.get("method", default["method"]) not in SHIPPED_HEAD_METHODS:
+        return values
+    if values.get("model", default["model"]) != default["model"]:
+        return values
+    return {**default, **values}
+
+
 def with_shipped_head(
     spec: SpeculativeConfig | None, builtin_target: bool
 ) -> SpeculativeConfig | None:
