@@ -31,6 +31,7 @@ from specdec.models.fused import (
     rope_write_kv,
     silu_mul,
 )
+from specdec.models.linear import batch_invariant_linear
 from specdec.models.quant import QuantizedWeight, embedding_lookup, quant_linear, rowwise_linear
 from specdec.models.quant_formats import GroupQuantized
 from specdec.models.rope import RotaryEmbedding, apply_rotary, attention_scale
@@ -64,7 +65,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
             return quant_linear(x, self.quantized, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return batch_invariant_linear(x, self.weight, self.bias)
 
     def decode(self, x: torch.Tensor) -> torch.Tensor:
         """`forward` for a decode/verify step: a quantized weight always goes through its
@@ -73,7 +74,7 @@ class Linear(nn.Module):
         dequantize for a GEMM when there are many rows (a prefill chunk)."""
         if self.quantized is not None:
             return quant_linear(x, self.quantized, self.bias, kernel_only=True)
-        return F.linear(x, self.weight, self.bias)
+        return batch_invariant_linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Module):
@@ -438,10 +439,10 @@ class LlamaModel(nn.Module):
         wanted = set(return_layers)
         captured: dict[int, torch.Tensor] = {}
         inv_freq = self.rotary_emb.inv_freq
-        if plan is None and meta is not None and self._plans_rows(input_ids):
-            if meta.tree_mask is None:  # tree-masked steps take the twins instead
-                # index work once for every layer
-                plan = DecodePlanCPU.build(meta, positions, inv_freq, kv_cache.block_size)
+        planned = meta is not None and meta.tree_mask is None  # tree steps: the twins instead
+        if plan is None and planned and self._plans_rows(input_ids):
+            # index work once for every layer
+            plan = DecodePlanCPU.build(meta, positions, inv_freq, kv_cache.block_size)
         out = self.embed_tokens(input_ids)  # [T, D]
         residual: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
@@ -597,7 +598,7 @@ class LlamaForCausalLM(nn.Module):
         elif decode:
             logits = rowwise_linear(hidden, self.lm_head_weight).float()
         else:
-            logits = F.linear(hidden, self.lm_head_weight).float()
+            logits = batch_invariant_linear(hidden, self.lm_head_weight).float()
         return logits if self.tp is None else self.tp.gather_vocab(logits)
 
     def allocate_kv_cache(

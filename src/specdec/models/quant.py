@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from specdec.models.linear import batch_invariant_linear
 from specdec.models.quant_formats import (
     Fp8Quantized,
     GroupQuantized,
@@ -451,11 +452,11 @@ class QuantizedWeight:
         if layout in ("triton_int", "triton_fp8"):
             from specdec.models import quant_triton
 
-            if dequant and x.shape[0] >= CUDA_DEQUANT_MIN_ROWS:  # a prefill chunk: cuBLAS
+            if dequant and x.shape[0] >= CUDA_DEQUANT_MIN_ROWS:  # a prefill chunk: one GEMM
                 weight = quant_triton.dequantize_triton(
                     self._tensors, self._meta, self.shape, x.dtype
                 )
-                return F.linear(x, weight)
+                return batch_invariant_linear(x, weight)
             if "int4pack" in self._tensors:
                 xk = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
                 out = torch.ops.aten._weight_int4pack_mm(
@@ -467,7 +468,7 @@ class QuantizedWeight:
                 return out if out.dtype == x.dtype else out.to(x.dtype)
             return quant_triton.quant_matmul_triton(x, self._tensors, self._meta, self.shape)
         weight = self.dequantize().to(x.dtype)
-        return rowwise_linear(x, weight) if kernel_only else F.linear(x, weight)
+        return rowwise_linear(x, weight) if kernel_only else batch_invariant_linear(x, weight)
 
 
 def rowwise_linear(
@@ -478,7 +479,9 @@ def rowwise_linear(
     path (verify rows must equal decode rows); on CUDA the plain product.
 
     Args: x: [M, K]. weight: [N, K]. bias: [N] or None. Returns: [M, N]."""
-    if x.is_cuda or x.shape[0] <= 1:
+    if x.is_cuda:
+        return batch_invariant_linear(x, weight, bias)
+    if x.shape[0] <= 1:
         return F.linear(x, weight, bias)
     return torch.cat([F.linear(x[row : row + 1], weight, bias) for row in range(x.shape[0])])
 
