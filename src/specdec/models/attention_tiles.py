@@ -9,6 +9,7 @@ import math
 PREFILL_BLOCK_N = 64
 # Base-2 exponentials: exp(x) = 2 ** (x * LOG2E).
 LOG2E = 1.0 / math.log(2.0)
+LN2 = math.log(2.0)  # base-2 row maxima back to natural logs (split-KV's log-sum-exp)
 # Keys per online-softmax step of the decode kernels (single-pass and split-KV alike).
 DECODE_BLOCK_N = 64
 # Keys per split-KV partition (a multiple of DECODE_BLOCK_N).

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from specdec.models.attention import DecodeMetadata
-from specdec.models.attention_tiles import DECODE_BLOCK_N, decode_block_m
+from specdec.models.attention_tiles import DECODE_BLOCK_N, LOG2E, decode_block_m
 from specdec.triton_specialization import unspecialized
 
 # The decode kernel's per-step metadata (see `specdec.triton_specialization`).
@@ -223,7 +223,7 @@ def _attend_chunk_masked(
     v_cache_ptr,
     block_table_ptr,  # this sequence's row of the block table
     kv_head,
-    scale,
+    qk_scale,
     tree_rows_ptr,  # [BLOCK_M] pointers to each row's tree-mask row (read when TREE)
     region_start,  # context_len - W: the first key of the tree region (may be < 0)
     live_tree_row,  # [BLOCK_M] bool or 0: rows whose tree-mask row exists (read when TREE)
@@ -237,7 +237,9 @@ def _attend_chunk_masked(
     TREE: tl.constexpr,
 ):
     """One online-softmax step over keys chunk * BLOCK_N .. + BLOCK_N - 1 under the causal rule
-    (shared with the split-KV kernel, whose partitions run exactly these steps); with TREE,
+    (shared with the split-KV kernel, whose partitions run exactly these steps), in base 2 with
+    `qk_scale` = scale * log2(e): the prefill kernel's step (`_prefill_tile`) to the operation,
+    so a token's row is the same bits whichever of the kernels computes it; with TREE,
     keys at or after `region_start` are seen by the tree mask (row m sees region key j iff
     tree_rows_ptr[m][j] != 0) instead of the causal rule, as `fused.paged_decode_attention_ref`
     applies `DecodeMetadata.tree_mask`."""
@@ -252,9 +254,10 @@ def _attend_chunk_masked(
     if KV_FP8:  # an FP8 cache is read as it is (scale 1.0), in the queries' dtype
         keys = keys.to(tl.float32).to(query.dtype)
     if IEEE:
-        scores = tl.dot(query, tl.trans(keys), input_precision="ieee") * scale
+        scores = tl.dot(query, tl.trans(keys), input_precision="ieee")
     else:
-        scores = tl.dot(query, tl.trans(keys)) * scale  # [BLOCK_M, BLOCK_N] float32
+        scores = tl.dot(query, tl.trans(keys))  # [BLOCK_M, BLOCK_N] float32
+    scores = scores * qk_scale
     causal = key_pos[None, :] <= query_pos[:, None]  # [BLOCK_M, BLOCK_N]
     if TREE:
         in_region = key_pos >= region_start  # [BLOCK_N]
@@ -265,10 +268,10 @@ def _attend_chunk_masked(
     visible = live_key[None, :] & causal
     scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-    # Rows that see no key yet keep -inf; shift them by 0 so exp gives 0, not NaN.
+    # Rows that see no key yet keep -inf; shift them by 0 so exp2 gives 0, not NaN.
     safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-    weights = tl.exp(scores - safe_max[:, None])
-    rescale = tl.exp(row_max - safe_max)
+    weights = tl.math.exp2(scores - safe_max[:, None])
+    rescale = tl.math.exp2(row_max - safe_max)
     row_sum = row_sum * rescale + tl.sum(weights, axis=1)
     values = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
     if KV_FP8:
@@ -294,7 +297,7 @@ def _paged_decode_attention_kernel(
     tree_seq_stride,
     tree_row_stride,
     tree_width,  # W
-    scale,
+    qk_scale,  # softmax scale * log2(e)
     Q_PER_SEQ: tl.constexpr,
     GROUP: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -347,7 +350,7 @@ def _paged_decode_attention_kernel(
                 v_cache_ptr,
                 block_tables_ptr + seq * block_table_stride,
                 kv_head,
-                scale,
+                qk_scale,
                 tree_rows_ptr,
                 region_start,
                 live_row,
@@ -374,7 +377,7 @@ def _paged_decode_attention_kernel(
                 v_cache_ptr,
                 block_tables_ptr + seq * block_table_stride,
                 kv_head,
-                scale,
+                qk_scale,
                 tree_rows_ptr,
                 region_start,
                 live_row,
@@ -443,7 +446,7 @@ def paged_decode_attention_triton(
             0 if tree is None else tree.stride(0),
             0 if tree is None else tree.stride(1),
             0 if tree is None else tree.shape[2],
-            scale,
+            scale * LOG2E,
             Q_PER_SEQ=meta.query_per_seq,
             GROUP=group,
             NUM_KV_HEADS=num_kv_heads,

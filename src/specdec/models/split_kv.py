@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from specdec.models.attention import DecodeMetadata
-from specdec.models.attention_tiles import DECODE_BLOCK_N, SPLIT_KV_PARTITION
+from specdec.models.attention_tiles import DECODE_BLOCK_N, LN2, LOG2E, SPLIT_KV_PARTITION
 
 
 def num_partitions(max_context_len: int) -> int:
@@ -63,10 +63,11 @@ def _partition_ref(
     keys: torch.Tensor,
     values: torch.Tensor,
     visible: torch.Tensor,
-    scale: float,
+    qk_scale: float,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One partition's partial, 64-key step by 64-key step as `_attend_chunk_masked` runs them.
+    """One partition's partial, 64-key step by 64-key step as `_attend_chunk_masked` runs them
+    (in base 2: `qk_scale` = scale * log2(e); the row max is of the base-2 scores).
 
     Args:
         rows: [H_kv, M, D] float32 queries (M = Q * group rows per KV head).
@@ -84,12 +85,12 @@ def _partition_ref(
     acc = torch.zeros(num_kv_heads, num_rows, head_dim, device=device)
     for chunk_start in range(0, keys.shape[1], DECODE_BLOCK_N):
         chunk = slice(chunk_start, chunk_start + DECODE_BLOCK_N)
-        scores = (rows @ keys[:, chunk].transpose(-1, -2)) * scale  # [H_kv, M, N]
+        scores = (rows @ keys[:, chunk].transpose(-1, -2)) * qk_scale  # [H_kv, M, N], base 2
         scores = scores.masked_fill(~visible[None, :, chunk], -torch.inf)
         new_max = torch.maximum(row_max, scores.amax(dim=-1))
         safe_max = torch.where(new_max == float("-inf"), 0.0, new_max)
-        weights = torch.exp(scores - safe_max[..., None])
-        rescale = torch.exp(row_max - safe_max)
+        weights = torch.exp2(scores - safe_max[..., None])
+        rescale = torch.exp2(row_max - safe_max)
         row_sum = row_sum * rescale + weights.sum(dim=-1)
         update = weights.to(dtype).to(torch.float32) @ values[:, chunk]
         acc = acc * rescale[..., None] + update
@@ -124,8 +125,8 @@ def combine_partials_ref(
         part_acc: [P, ..., D] float32 unnormalised outputs.
 
     Returns: [..., D] float32: with M = max_p m_p and w_p = 1 where m_p == M, else
-    exp(m_p - M) (0 where m_p = -inf), sum_p w_p acc_p / max(sum_p w_p l_p, 1e-30), summed from
-    partition 0 up.
+    2^(m_p - M) (0 where m_p = -inf; maxima of base-2 scores), sum_p w_p acc_p / max(sum_p w_p
+    l_p, 1e-30), summed from partition 0 up.
     """
     return combine_partials_lse_ref(part_max, part_sum, part_acc)[0]
 
@@ -136,18 +137,19 @@ def combine_partials_lse_ref(
     """`combine_partials_ref` and the rows' log-sum-exp of their scaled scores.
 
     Returns: (out [..., D] float32 as `combine_partials_ref`, lse [...] float32
-    = M' + log(sum_p w_p l_p) with M' = M, or 0 where M = -inf: -inf for rows that saw no key).
+    = M' ln 2 + log(sum_p w_p l_p) with M' = M, or 0 where M = -inf: the natural log-sum-exp,
+    -inf for rows that saw no key).
     """
     global_max = part_max.amax(dim=0) if part_max.shape[0] else part_max.new_full((), -torch.inf)
     safe_max = torch.where(global_max == float("-inf"), 0.0, global_max)
     total = torch.zeros_like(safe_max)
     acc = torch.zeros(part_acc.shape[1:], device=part_acc.device)
     for p in range(part_max.shape[0]):
-        weight = torch.where(part_max[p] == global_max, 1.0, torch.exp(part_max[p] - safe_max))
+        weight = torch.where(part_max[p] == global_max, 1.0, torch.exp2(part_max[p] - safe_max))
         weight = torch.where(part_max[p] == float("-inf"), 0.0, weight)
         total = total + part_sum[p] * weight
         acc = acc + part_acc[p] * weight[..., None]
-    return acc / total.clamp_min(1e-30)[..., None], safe_max + torch.log(total)
+    return acc / total.clamp_min(1e-30)[..., None], safe_max * LN2 + torch.log(total)
 
 
 def split_kv_decode_attention_ref(
@@ -227,7 +229,7 @@ def split_kv_attention_lse_ref(
                 keys[:, start : start + SPLIT_KV_PARTITION],
                 values[:, start : start + SPLIT_KV_PARTITION],
                 visible[:, start : start + SPLIT_KV_PARTITION],
-                scale,
+                scale * LOG2E,
                 query.dtype,
             )
             for start in range(0, context_len, SPLIT_KV_PARTITION)

@@ -3,11 +3,11 @@ Triton's CPU interpreter).
 
 Pass 1: one program per (sequence, KV head, partition) runs the single-pass decode kernel's
 64-key steps (`fused_triton._attend_chunk_masked`, under the tree mask when there is one) over
-its partition and writes the partial (row max,
-row sum, unnormalised output) of its BLOCK_M rows (query token x q head of the group); a program
-whose partition starts past its sequence's context reads and writes nothing. Pass 2: one program
-per (sequence, KV head) combines the live partitions in order (and, with WRITE_LSE, writes each
-row's log-sum-exp). No host sync (CUDA-graph safe); addresses in int64.
+its partition and writes the partial (row max of the base-2 scores, row sum, unnormalised
+output) of its BLOCK_M rows (query token x q head of the group); a program whose partition
+starts past its sequence's context reads and writes nothing. Pass 2: one program per (sequence,
+KV head) combines the live partitions in order (and, with WRITE_LSE, writes each row's natural
+log-sum-exp). No host sync (CUDA-graph safe); addresses in int64.
 """
 
 from __future__ import annotations
@@ -19,7 +19,13 @@ import triton
 import triton.language as tl
 
 from specdec.models.attention import DecodeMetadata
-from specdec.models.attention_tiles import DECODE_BLOCK_N, SPLIT_KV_PARTITION, decode_block_m
+from specdec.models.attention_tiles import (
+    DECODE_BLOCK_N,
+    LN2,
+    LOG2E,
+    SPLIT_KV_PARTITION,
+    decode_block_m,
+)
 from specdec.models.fused_triton import _attend_chunk_masked, kernel_tree_mask
 from specdec.triton_specialization import unspecialized
 
@@ -45,7 +51,7 @@ def _split_kv_partition_kernel(
     tree_seq_stride,
     tree_row_stride,
     tree_width,  # W
-    scale,
+    qk_scale,  # softmax scale * log2(e)
     Q_PER_SEQ: tl.constexpr,
     GROUP: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -96,7 +102,7 @@ def _split_kv_partition_kernel(
         for chunk in range(first_chunk, last_chunk):
             row_max, row_sum, acc = _attend_chunk_masked(
                 chunk, query, query_pos, context_len, row_max, row_sum, acc,
-                k_cache_ptr, v_cache_ptr, table_ptr, kv_head, scale,
+                k_cache_ptr, v_cache_ptr, table_ptr, kv_head, qk_scale,
                 tree_rows_ptr, region_start, live_row,
                 NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D, IEEE, KV_FP8, TREE,
             )  # fmt: skip
@@ -104,7 +110,7 @@ def _split_kv_partition_kernel(
         for step in range(0, chunks_per_part):
             row_max, row_sum, acc = _attend_chunk_masked(
                 first_chunk + step, query, query_pos, context_len, row_max, row_sum, acc,
-                k_cache_ptr, v_cache_ptr, table_ptr, kv_head, scale,
+                k_cache_ptr, v_cache_ptr, table_ptr, kv_head, qk_scale,
                 tree_rows_ptr, region_start, live_row,
                 NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D, IEEE, KV_FP8, TREE,
             )  # fmt: skip
@@ -145,7 +151,7 @@ def _combine_partition(
         mask=inside[:, None] & (dims[None, :] < BLOCK_D),
         other=0.0,
     )
-    weight = tl.where(part_max == global_max, 1.0, tl.exp(part_max - safe_max))
+    weight = tl.where(part_max == global_max, 1.0, tl.math.exp2(part_max - safe_max))
     weight = tl.where(part_max == float("-inf"), 0.0, weight)
     return total + part_sum * weight, acc + part_acc * weight[:, None]
 
@@ -214,8 +220,8 @@ def _split_kv_reduce_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=live_row[:, None] & (dims[None, :] < HEAD_DIM),
     )
-    if WRITE_LSE:  # log(0) = -inf for rows that saw no key
-        tl.store(lse_ptr + query_rows, safe_max + tl.log(total), mask=live_row)
+    if WRITE_LSE:  # natural log; log(0) = -inf for rows that saw no key
+        tl.store(lse_ptr + query_rows, safe_max * LN2 + tl.log(total), mask=live_row)
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,7 +324,7 @@ def _launch(
         0 if tree is None else tree.stride(0),
         0 if tree is None else tree.stride(1),
         0 if tree is None else tree.shape[2],
-        scale,
+        scale * LOG2E,
         CACHE_BLOCK=cache_block,
         BLOCK_N=tiles.block_n,
         IEEE=query.dtype == torch.float32,
