@@ -1,0 +1,385 @@
+# ruff: noqa: B023  (closures are called inside the loops that define them)
+"""Batch invariance on CUDA: which parts of a step make a row's value depend on what shares it.
+
+Parts (`--parts`, comma-separated):
+- `dot`: (1) the row-invariant GEMM (`models/linear_triton.py`): is a row's output the same bits
+  for every tile shape (BLOCK_M, BLOCK_N, BLOCK_K, warps) and every row count? (2) cuBLAS
+  (`F.linear`): from which row count on does a row differ from the row alone? (3) time of
+  both at the row counts of decode (1, 8, 64), verify (320) and prefill (2048) on the SmolLM2 and
+  Llama-3-8B weight shapes.
+- `attention`: the decode kernel's row for a token alone (Q = 1), as the last row of a verify
+  (Q = 5) and of a 16-token graphed-prefill chunk, beside other sequences; the prefill kernel's
+  row for the same token; split-KV with one partition.
+- `engine`: seeded requests on a random-weight model of SmolLM2's shape (bf16, graphs): each
+  alone against joining a running engine at random steps, a closed batch, and preemption;
+  plain decoding and the default speculation (the shipped head, adaptive K, the default
+  verifier); greedy speculative against greedy plain with half the requests joining mid-run.
+  With `--toggle-linear`, also with `ROW_INVARIANT_ON_CUDA = False` (cuBLAS).
+- `tpot`: plain TPOT at batch 1 and 64 (SmolLM2 shape), with the row-invariant GEMM and with
+  cuBLAS, in this process.
+
+`PYTHONPATH=src:benchmarks python3 benchmarks/probes/probe_batch_invariance.py --out FILE.json
+[--parts dot,attention,engine,tpot] [--toggle-linear]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import statistics
+import time
+
+import torch
+
+RESULTS: dict = {}
+DEVICE = "cuda"
+SHAPE = "smollm2-135m"
+
+
+def log(*args) -> None:
+    print(*args, flush=True)
+
+
+def median_ms(fn, repeats: int = 50) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=repeats, return_mode="median")
+
+
+# --------------------------------------------------------------------------- dot
+WEIGHT_SHAPES = {
+    "smollm2": [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)],
+    "llama-3-8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
+}
+TILES = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); the first is linear_tile's
+    (16, 64, 128, 4, 4),
+    (16, 64, 64, 4, 4),
+    (32, 64, 128, 4, 4),
+    (16, 32, 128, 4, 4),
+    (16, 128, 64, 4, 4),
+    (64, 64, 64, 4, 3),
+    (64, 128, 64, 4, 3),
+    (128, 128, 64, 8, 3),
+    (128, 64, 64, 4, 3),
+    (128, 256, 64, 8, 3),
+]
+
+
+def run_tile(x, weight, tile):
+    import triton
+
+    from specdec.models.linear_triton import _linear_kernel
+
+    block_m, block_n, block_k, warps, stages = tile
+    rows, depth = x.shape
+    cols = weight.shape[0]
+    out = torch.empty(rows, cols, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(cols, block_n), triton.cdiv(rows, block_m))
+    _linear_kernel[grid](
+        x, weight, weight, out, rows, cols, x.stride(0), out.stride(0),
+        DEPTH=depth, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_BIAS=False, IEEE=False, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+def part_dot() -> None:
+    import torch.nn.functional as F
+
+    from specdec.models.linear_triton import linear_triton
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    result: dict = {"tiles": {}, "cublas_first_differing_rows": {}, "times_ms": {}}
+    for family, shapes in WEIGHT_SHAPES.items():
+        for cols, depth in shapes:
+            name = f"{family} {cols}x{depth}"
+            weight = torch.randn(cols, depth, device="cuda", generator=generator).bfloat16() * 0.02
+            x = torch.randn(512, depth, device="cuda", generator=generator).bfloat16()
+            # (1) tiles and row counts
+            base = run_tile(x, weight, TILES[0])
+            alone = torch.cat([run_tile(x[i : i + 1], weight, TILES[0]) for i in range(8)])
+            tiles = {"rows alone == in 512": bool(torch.equal(alone, base[:8]))}
+            for tile in TILES[1:]:
+                out = run_tile(x, weight, tile)
+                tiles[str(tile)] = float((out != base).float().mean())  # fraction differing
+            result["tiles"][name] = tiles
+            # (2) cuBLAS: rows against the row alone
+            ref = torch.cat([F.linear(x[i : i + 1], weight) for i in range(8)])
+            differing = []
+            for rows in (2, 4, 8, 16, 32, 64, 80, 128, 320, 512):
+                out = F.linear(x[:rows], weight)
+                if not torch.equal(out[: min(rows, 8)], ref[: min(rows, 8)]):
+                    differing.append(rows)
+            result["cublas_first_differing_rows"][name] = differing
+            # (3) times
+            times = {}
+            for rows in (1, 8, 64, 320, 2048):
+                xr = torch.randn(rows, depth, device="cuda", generator=generator).bfloat16()
+                times[rows] = {
+                    "cublas": median_ms(lambda xr=xr: F.linear(xr, weight)),
+                    "triton": median_ms(lambda xr=xr: linear_triton(xr, weight)),
+                    "tile 64x64x64": median_ms(lambda xr=xr: run_tile(xr, weight, TILES[5])),
+                    "tile 128x128x64": median_ms(lambda xr=xr: run_tile(xr, weight, TILES[7])),
+                }
+            result["times_ms"][name] = times
+            log(name, tiles, "cuBLAS differs at", differing)
+            log("   ", {r: {k: round(v * 1e3, 1) for k, v in t.items()} for r, t in times.items()})
+    RESULTS["dot"] = result
+
+
+# --------------------------------------------------------------------------- attention
+def part_attention() -> None:
+    from specdec.models.attention import DecodeMetadata
+    from specdec.models.fused_triton import paged_decode_attention_triton
+    from specdec.models.prefill_attention_triton import paged_prefill_attention_triton
+    from specdec.models.split_kv import split_kv_decode_attention
+
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    result = {}
+    for name, (heads, kv_heads, dim) in {"smollm2": (9, 3, 64), "llama-3-8b": (32, 8, 128)}.items():
+        block, num_blocks, context = 16, 512, 300
+        shape = (num_blocks, block, kv_heads, dim)
+        k_cache = torch.randn(shape, device="cuda", generator=generator).bfloat16()
+        v_cache = torch.randn(shape, device="cuda", generator=generator).bfloat16()
+        num_seqs = 4  # sequence s holds blocks s*32 ..
+        tables = torch.stack(
+            [torch.arange(s * 32, s * 32 + 32, device="cuda") for s in range(num_seqs)]
+        ).int()
+        queries = torch.randn(16, heads, dim, device="cuda", generator=generator).bfloat16()
+        scale = dim**-0.5
+
+        def decode(width: int, seqs: int):
+            # sequence 0's last `width` query tokens (positions context-width .. context-1);
+            # the other sequences bring random queries.
+            q = torch.randn(seqs * width, heads, dim, device="cuda", generator=generator)
+            q = q.bfloat16()
+            q[:width] = queries[16 - width :]
+            meta = DecodeMetadata(
+                block_tables=tables[:seqs],
+                context_lens=torch.full((seqs,), context, device="cuda", dtype=torch.int32),
+                query_lens=torch.full((seqs,), width, device="cuda", dtype=torch.int32),
+                slot_mapping=torch.full((seqs * width,), -1, device="cuda", dtype=torch.int64),
+                query_per_seq=width,
+            )
+            return paged_decode_attention_triton(q, k_cache, v_cache, meta, scale)[:width], meta
+
+        last_alone, _ = decode(1, 1)
+        row = {}
+        for width, seqs in ((1, 4), (5, 1), (5, 4), (16, 1), (16, 4), (3, 2)):
+            out, _ = decode(width, seqs)
+            row[f"Q={width} seqs={seqs}"] = bool(torch.equal(out[-1], last_alone[0]))
+        # split-KV over one partition
+        out16, meta16 = decode(16, 1)
+        split_meta = DecodeMetadata(
+            meta16.block_tables, meta16.context_lens, meta16.query_lens,
+            meta16.slot_mapping, 16, num_partitions=4,
+        )  # fmt: skip
+        q16 = torch.zeros(16, heads, dim, device="cuda").bfloat16()
+        q16[:] = queries
+        split = split_kv_decode_attention(q16, k_cache, v_cache, split_meta, scale)
+        row["split-KV (1 partition) == single pass, Q=16"] = bool(torch.equal(split, out16))
+        # the prefill kernel over a 16-token chunk at the same positions
+        pre = paged_prefill_attention_triton(
+            queries.clone(), k_cache, v_cache,
+            torch.tensor([0, 16], device="cuda", dtype=torch.int32),
+            torch.tensor([context], device="cuda", dtype=torch.int32),
+            tables[:1], 16, scale=scale,
+        )  # fmt: skip
+        row["prefill kernel row == decode row (Q=1)"] = bool(torch.equal(pre[-1], last_alone[0]))
+        row["prefill kernel rows == decode rows (Q=16)"] = bool(torch.equal(pre, out16))
+        row["prefill vs decode max abs diff"] = float((pre[-1] - last_alone[0]).abs().max())
+        result[name] = row
+        log(name, row)
+    RESULTS["attention"] = result
+
+
+# --------------------------------------------------------------------------- engine
+def make_engine(model, spec, max_num_seqs: int = 16, num_kv_blocks: int = 4096):
+    from specdec.engine.config import EngineConfig, SpeculativeConfig
+    from specdec.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(
+        device=DEVICE,
+        dtype="bfloat16",
+        max_num_seqs=max_num_seqs,
+        max_model_len=1024,
+        num_kv_blocks=num_kv_blocks,
+    )
+    return LLMEngine(config, SpeculativeConfig.from_dict(spec), model=model, tokenizer=None)
+
+
+def run_arrivals(engine, prompts, params, arrivals, tag: str) -> dict[str, list[int]]:
+    """Adds request i at step s for each (s, i) of `arrivals`, steps until all finish."""
+    out: dict[str, list[int]] = {}
+    pending = sorted(arrivals)
+    step = 0
+    while pending or engine.has_unfinished:
+        while pending and pending[0][0] <= step:
+            _, i = pending.pop(0)
+            engine.add_request(prompts[i], params[i], request_id=f"{tag}{i}")
+        for output in engine.step(only_finished=True):
+            if output.finished:
+                out[output.request_id[len(tag) :]] = output.outputs[0].token_ids
+        step += 1
+    return out
+
+
+def part_engine(toggle: bool) -> None:
+    from bench_gpu_engine import build_ours
+    from specdec.drafters.default import DEFAULT_EAGLE_DIR
+    from specdec.models import linear as linear_module
+    from specdec.sampling import SamplingParams
+
+    model = build_ours(SHAPE, DEVICE)
+    vocab = model.config.vocab_size
+    rng = random.Random(0)
+    lengths = [5, 9, 17, 30, 64, 100, 150, 200, 260, 7, 40, 12]
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+    n = len(prompts)
+    sampled = [
+        SamplingParams(temperature=0.8, top_p=0.95, max_tokens=40, seed=1000 + i, ignore_eos=True)
+        for i in range(n)
+    ]
+    greedy = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) for _ in range(n)]
+    spec_default = {"method": "eagle", "model": str(DEFAULT_EAGLE_DIR), "num_speculative_tokens": 4}
+    if SHAPE == "tiny":  # the smoke test: the shipped head is SmolLM2's
+        spec_default = {
+            "method": "draft_model",
+            "model": "truncated:1",
+            "num_speculative_tokens": 4,
+        }
+    result = {}
+    for row_invariant in [True, False] if toggle else [True]:
+        linear_module.ROW_INVARIANT_ON_CUDA = row_invariant
+        label = "row-invariant GEMM" if row_invariant else "cuBLAS"
+        plain_solo = None
+        for spec_name, spec in (("plain", None), ("default spec", spec_default)):
+            t0 = time.perf_counter()
+            engine = make_engine(model, spec)
+            solo = {}
+            for i in range(n):
+                solo.update(run_arrivals(engine, prompts, sampled, [(0, i)], "solo"))
+            joined = run_arrivals(
+                engine, prompts, sampled, [(rng.randrange(0, 60), i) for i in range(n)], "join"
+            )
+            bursts = run_arrivals(
+                engine, prompts, sampled, [(10 * (i // 4), i) for i in range(n)], "burst"
+            )
+            closed = run_arrivals(engine, prompts, sampled, [(0, i) for i in range(n)], "closed")
+            loop = dataclasses.asdict(engine.loop_stats)
+            del engine
+            small = make_engine(model, spec, num_kv_blocks=40)
+            pre = run_arrivals(small, prompts, sampled, [(0, i) for i in range(n)], "pre")
+            preemptions = small.num_preemptions
+            del small
+            torch.cuda.empty_cache()
+
+            def count(got):
+                return sum(got[str(i)] == solo[str(i)] for i in range(n))
+
+            row = {
+                "joined": count(joined),
+                "bursts": count(bursts),
+                "closed": count(closed),
+                "preempted": count(pre),
+                "preemptions": preemptions,
+                "of": n,
+                "seconds": round(time.perf_counter() - t0, 1),
+                "loop": loop,
+            }
+            if spec is None:
+                plain_solo = solo
+            else:
+                row["solo equal to plain"] = sum(
+                    solo[str(i)] == plain_solo[str(i)] for i in range(n)
+                )
+            result[f"{label} / {spec_name}"] = row
+            log(label, spec_name, row)
+        # greedy speculation against greedy plain, half the requests joining mid-run
+        engine = make_engine(model, None, max_num_seqs=6)
+        plain_g = run_arrivals(engine, prompts, greedy, [(0, i) for i in range(n)], "g")
+        del engine
+        engine = make_engine(model, spec_default, max_num_seqs=6)
+        spec_g = run_arrivals(engine, prompts, greedy, [(0, i) for i in range(n)], "g")
+        del engine
+        torch.cuda.empty_cache()
+        same = sum(plain_g[str(i)] == spec_g[str(i)] for i in range(n))
+        result[f"{label} / greedy spec == greedy plain (max_num_seqs 6)"] = same
+        log(label, "greedy spec == plain", same, "of", n)
+    linear_module.ROW_INVARIANT_ON_CUDA = True
+    RESULTS["engine"] = result
+
+
+# --------------------------------------------------------------------------- tpot
+def part_tpot() -> None:
+    from bench_gpu_engine import build_ours, engine_tpot, make_llm, random_prompts
+    from specdec.models import linear as linear_module
+
+    model = build_ours("smollm2-135m")
+    result = {}
+    for _repeat in range(2):
+        for row_invariant in (True, False):
+            linear_module.ROW_INVARIANT_ON_CUDA = row_invariant
+            for batch in (1, 64):
+                llm = make_llm(model, None, max_num_seqs=64)
+                prompts = random_prompts(batch, 49152, seed=batch)
+                res = engine_tpot(llm, prompts, 64)
+                key = f"{'row-invariant' if row_invariant else 'cuBLAS'} b{batch}"
+                result.setdefault(key, []).append(res["tpot_ms"])
+                log(key, round(res["tpot_ms"], 4), "ms")
+                del llm
+                torch.cuda.empty_cache()
+    linear_module.ROW_INVARIANT_ON_CUDA = True
+    RESULTS["tpot_ms"] = {k: statistics.median(v) for k, v in result.items()}
+    RESULTS["tpot_ms_runs"] = result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--parts", default="dot,attention,engine,tpot")
+    parser.add_argument("--toggle-linear", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="a tiny shape on the CPU")
+    args = parser.parse_args()
+    if args.smoke:
+        global DEVICE, SHAPE
+        import bench_gpu_engine
+
+        DEVICE, SHAPE = "cpu", "tiny"
+        bench_gpu_engine.SHAPES["tiny"] = {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "tie_word_embeddings": True,
+            "vocab_size": 500,
+        }
+    RESULTS["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    RESULTS["torch"] = torch.__version__
+    parts = args.parts.split(",")
+    for part in parts:
+        t0 = time.perf_counter()
+        try:
+            if part == "dot":
+                part_dot()
+            elif part == "attention":
+                part_attention()
+            elif part == "engine":
+                part_engine(args.toggle_linear)
+            elif part == "tpot":
+                part_tpot()
+        except Exception as error:  # keep the other parts' results
+            import traceback
+
+            traceback.print_exc()
+            RESULTS[f"{part}_error"] = repr(error)
+        log(f"part {part}: {time.perf_counter() - t0:.1f} s")
+        with open(args.out, "w") as f:
+            json.dump(RESULTS, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

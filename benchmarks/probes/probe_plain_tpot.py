@@ -1,0 +1,44 @@
+"""Plain decoding TPOT of a random-weight model (SmolLM2's shape by default) at batch 1 and 64,
+with whatever `specdec` is on the path: run it with two source trees one after the other in
+one lease to compare them (e.g. before and after a change of the decode step).
+
+`PYTHONPATH=src:benchmarks python3 benchmarks/probes/probe_plain_tpot.py --out FILE.json
+[--shape smollm2-135m] [--batches 1,64] [--new-tokens 64]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from bench_gpu_engine import build_ours, engine_tpot, make_llm, random_prompts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--shape", default="smollm2-135m")
+    parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    import specdec
+
+    model = build_ours(args.shape)
+    result = {"specdec": specdec.__file__, "shape": args.shape, "tpot_ms": {}}
+    for batch in [int(b) for b in args.batches.split(",")]:
+        llm = make_llm(model, None, max_num_seqs=64)
+        prompts = random_prompts(batch, model.config.vocab_size, seed=batch)
+        result["tpot_ms"][batch] = engine_tpot(llm, prompts, args.new_tokens)["tpot_ms"]
+        print(
+            specdec.__file__, "batch", batch, round(result["tpot_ms"][batch], 4), "ms", flush=True
+        )
+        del llm
+        torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
