@@ -8,6 +8,7 @@ only).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from typing import Any
 from models_fixtures import make_hf_model, prompt_tokens, save_hf_model, write_gguf
 from specdec.engine.config import EngineConfig, SpeculativeConfig
 from specdec.engine.llm_engine import LLMEngine
+from specdec.engine.outputs import CompletionOutput
 from specdec.models import LlamaForCausalLM
 from specdec.sampling import SamplingParams
 
@@ -130,15 +132,15 @@ def drive(
     requests: Sequence[ReplayRequest],
     schedule: Sequence[tuple[int, int]],
     overrides: dict[int, dict] | None = None,
-) -> list[list[int]]:
+) -> list[CompletionOutput]:
     """Adds each request before the engine step its arrival names (`engine.add_request`
     between `engine.step()` calls; a step of an idle engine does nothing) and steps until every
     request finished. `overrides`: per request index, its `speculative` override. Returns each
-    request's tokens, by request index."""
+    request's final output, by request index."""
     overrides = overrides or {}
     pending = sorted(schedule, key=lambda entry: entry[0])  # stable: keeps the order of a step
     index_of: dict[str, int] = {}
-    tokens: dict[int, list[int]] = {}
+    finals: dict[int, CompletionOutput] = {}
     step = 0
     while pending or engine.has_unfinished:
         while pending and pending[0][0] <= step:
@@ -150,18 +152,18 @@ def drive(
             index_of[request_id] = index
         for output in engine.step(only_finished=True):
             if output.finished:
-                tokens[index_of[output.request_id]] = list(output.outputs[0].token_ids)
+                finals[index_of[output.request_id]] = output.outputs[0]
         step += 1
         if step > 10_000:
             raise RuntimeError("the engine did not finish its requests")
-    return [tokens[index] for index in range(len(requests))]
+    return [finals[index] for index in range(len(requests))]
 
 
 def run_alone(
     engine: LLMEngine,
     requests: Sequence[ReplayRequest],
     overrides: dict[int, dict] | None = None,
-) -> list[list[int]]:
+) -> list[CompletionOutput]:
     """Each request alone, one after another, on `engine` (idle between them)."""
     overrides = overrides or {}
     alone = []
@@ -172,22 +174,51 @@ def run_alone(
 
 
 def mismatches(
-    want: Sequence[list[int]], got: Sequence[list[int]], requests: Sequence[ReplayRequest]
+    want: Sequence[CompletionOutput],
+    got: Sequence[CompletionOutput],
+    requests: Sequence[ReplayRequest],
 ) -> list[str]:
     """Token-for-token differences, one line per request that differs (empty: replayed). Each
-    output must also have its request's max_tokens tokens (ignore_eos)."""
+    output must also have its request's max_tokens tokens (ignore_eos). Where the requests
+    asked for logprobs, the values too: each emitted token's log-probability, bit for bit (a
+    row whose logits depend on its batch by an ulp differs there long before a token does)."""
     lines = []
     for index, (a, b) in enumerate(zip(want, got, strict=True)):
         expected = requests[index].params.max_tokens
-        if len(a) != expected or len(b) != expected:
-            lines.append(f"request {index}: {len(a)} / {len(b)} tokens, expected {expected}")
-        elif a != b:
-            first = next(j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
-            lines.append(
-                f"request {index} (T={requests[index].params.temperature}): first differs at "
-                f"token {first} of {expected}: {a[first : first + 4]} != {b[first : first + 4]}"
+        name = f"request {index} (T={requests[index].params.temperature})"
+        if len(a.token_ids) != expected or len(b.token_ids) != expected:
+            lines.append(f"{name}: {len(a.token_ids)} / {len(b.token_ids)} tokens, not {expected}")
+        elif a.token_ids != b.token_ids:
+            first = next(
+                j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y
             )
+            lines.append(
+                f"{name}: token {first} of {expected} differs: "
+                f"{a.token_ids[first : first + 4]} != {b.token_ids[first : first + 4]}"
+            )
+        elif requests[index].params.logprobs is not None:
+            values = [emitted_logprobs(out) for out in (a, b)]
+            differ = [j for j, (x, y) in enumerate(zip(*values, strict=True)) if x != y]
+            if differ:
+                gap = max(abs(values[0][j] - values[1][j]) for j in differ)
+                lines.append(
+                    f"{name}: same tokens, but the log-probabilities of {len(differ)} of them "
+                    f"differ (first: token {differ[0]}; largest gap {gap:.3g})"
+                )
     return lines
+
+
+def emitted_logprobs(output: CompletionOutput) -> list[float]:
+    """The log-probability of each emitted token (the request asked for logprobs)."""
+    return [
+        entry[token].logprob for entry, token in zip(output.logprobs, output.token_ids, strict=True)
+    ]
+
+
+def with_logprobs(requests: Sequence[ReplayRequest]) -> list[ReplayRequest]:
+    """The same requests asking for their tokens' log-probabilities (`logprobs=0`), so that
+    `mismatches` compares values too. (Such requests take the synchronous step only.)"""
+    return [ReplayRequest(r.prompt, dataclasses.replace(r.params, logprobs=0)) for r in requests]
 
 
 def make_batch_dependent(monkeypatch, scale: float = 0.05) -> None:

@@ -27,6 +27,7 @@ from replay_fixtures import (
     replay_requests,
     run_alone,
     spy_schedule,
+    with_logprobs,
 )
 
 pytest.importorskip("gguf", reason="gguf (runtime dependency) writes the kept-quantized model")
@@ -66,12 +67,13 @@ def alone(model_paths, requests):
     """Per model: each request alone on an idle plain (speculation off) engine."""
     cache = {}
 
-    def get(model: str) -> list[list[int]]:
-        if model not in cache:
+    def get(model: str, values: bool = False) -> list:
+        if (model, values) not in cache:
             engine = engine_factory(model_paths[model])()
             assert engine.model.quantization == ("gguf" if model == "gguf" else None)
-            cache[model] = run_alone(engine, requests)
-        return cache[model]
+            batch = with_logprobs(requests) if values else requests
+            cache[model, values] = run_alone(engine, batch)
+        return cache[model, values]
 
     return get
 
@@ -177,6 +179,51 @@ def test_per_request_k_above_the_engines_replays(
     )
     assert not diff, diff
     assert engine.stats.num_accepted_tokens > 0
+
+
+FLOAT_ROWS_DEPEND_ON_THE_BATCH = (
+    "a float model on the CPU runs the eager path (`PagedModelRunner._run_eager`: every linear "
+    "one GEMM over the step's rows, attention as padded SDPA over the step's sequences); a "
+    "GEMM's bits for a row depend on how many rows it multiplies, so nearly every logit row "
+    "differs by ~1e-6 between a request alone and in a batch (tokens replay here only because "
+    "no sampled token sat that close to a tie)"
+)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "spec", "engine_args"),
+    [
+        ("closed", None, {}),
+        ("bursts", None, {"max_num_batched_tokens": 16}),
+        ("uniform", "draft_model", {}),
+        ("closed", None, {"num_kv_blocks": 14, "max_num_batched_tokens": 32}),
+    ],
+    ids=["closed", "chunked", "draft_model", "preempted"],
+)
+@pytest.mark.parametrize(
+    "model",
+    [
+        "gguf",
+        pytest.param(
+            "float", marks=pytest.mark.xfail(strict=True, reason=FLOAT_ROWS_DEPEND_ON_THE_BATCH)
+        ),
+    ],
+)
+def test_values_replay_bit_for_bit(
+    model_paths, dirs, requests, alone, model, pattern, spec, engine_args
+):
+    """The requests ask for their tokens' log-probabilities (so the synchronous step serves
+    them): each emitted token's log-probability must equal, bit for bit, the one it has alone
+    on an idle plain engine, in a closed batch, chunked beside decode rows, as a speculative
+    verify row (coupled: plain decoding's tokens and logits) and after preemption. Fails if a
+    row's logits depend on the step by an ulp, which tokens reveal only at near-ties."""
+    make = engine_factory(model_paths[model])
+    spec = None if spec is None else drafter_spec(spec, dirs)
+    batch = with_logprobs(requests)
+    engine, _, diff = replay(make, batch, alone(model, values=True), pattern, spec, **engine_args)
+    assert not diff, diff
+    if "num_kv_blocks" in engine_args:
+        assert engine.num_preemptions > 0
 
 
 @pytest.mark.parametrize(
