@@ -587,14 +587,16 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, decode: bool = False) -> torch.Tensor:
         """Args: hidden: [N, D] final hidden states; decode: rows of a decode/verify step
-        (computed as each would be alone, see `Linear.decode`).
+        (computed as each would be alone, see `Linear.decode`). A model whose CPU steps are
+        planned row by row (quantized) computes every row so, `decode` or not: a float head's
+        GEMM would give a row other bits beside a prefill chunk's rows than alone.
 
         Returns: [N, V] float32 logits (under tensor parallelism every rank's vocabulary rows,
         gathered)."""
         head = self.lm_head_quantized
         if head is not None:
             logits = quant_linear(hidden, head, kernel_only=decode).float()
-        elif decode:
+        elif decode or self.model._plans_rows(hidden):
             logits = rowwise_linear(hidden, self.lm_head_weight).float()
         else:
             logits = F.linear(hidden, self.lm_head_weight).float()
