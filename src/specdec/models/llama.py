@@ -378,6 +378,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
         self.sliding_window = config.sliding_window
+        self.eager_only_reason = config.eager_only_reason
 
     @property
     def is_quantized(self) -> bool:
@@ -420,8 +421,10 @@ class LlamaModel(nn.Module):
     def _plans_rows(self, input_ids: torch.Tensor) -> bool:
         """Whether a step runs through a `DecodePlanCPU`: a quantized model on the CPU (its
         steps are bound by per-operation overhead, and every row then takes the same
-        operations whatever else the step holds)."""
-        return not input_ids.is_cuda and self.is_quantized and self.sliding_window is None
+        operations whatever else the step holds) that the plan can run (one frequency table
+        for every position, no window: not dynamic NTK, whose frequencies depend on the
+        position)."""
+        return not input_ids.is_cuda and self.is_quantized and self.eager_only_reason is None
 
     def _forward_decode(
         self,
