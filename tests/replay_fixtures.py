@@ -291,13 +291,46 @@ def drafter_spec(drafter: str, dirs: dict[str, Path], **keys: Any) -> dict:
 EngineFactory = Callable[..., LLMEngine]
 
 
-def engine_factory(model: Path | str | None, device: str = "cpu") -> EngineFactory:
+def engine_factory(model: Path | str | None, device: str = "cpu", **defaults: Any) -> EngineFactory:
     """`make(spec=None, **engine_args)`: a fresh engine of `model` (None: the built-in one) on
-    `device`, max_model_len 128 unless given."""
+    `device`, max_model_len 128 and `defaults` unless `engine_args` say otherwise."""
 
     def make(spec: dict | None = None, **engine_args: Any) -> LLMEngine:
-        args = {"max_model_len": MAX_MODEL_LEN, **engine_args}
+        args = {"max_model_len": MAX_MODEL_LEN, **defaults, **engine_args}
         config = EngineConfig(model=None if model is None else str(model), device=device, **args)
         return LLMEngine(config, SpeculativeConfig.from_dict(spec))
 
     return make
+
+
+class AloneOutputs:
+    """Per model (and with or without logprobs): each request alone on an idle plain engine
+    (speculation off), computed once."""
+
+    def __init__(self, factories: dict[str, EngineFactory], requests: list[ReplayRequest]):
+        self.factories, self.requests = factories, requests
+        self.cache: dict[tuple[str, bool], list[CompletionOutput]] = {}
+
+    def __call__(self, model: str, values: bool = False) -> list[CompletionOutput]:
+        if (model, values) not in self.cache:
+            batch = with_logprobs(self.requests) if values else self.requests
+            self.cache[model, values] = run_alone(self.factories[model](), batch)
+        return self.cache[model, values]
+
+
+def replay(
+    make: EngineFactory,
+    requests: Sequence[ReplayRequest],
+    want: Sequence[CompletionOutput],
+    pattern: str,
+    spec: dict | None = None,
+    overrides: dict[int, dict] | None = None,
+    **engine_args: Any,
+) -> tuple[LLMEngine, StepLog, list[str]]:
+    """The replay check: `requests` arriving by `pattern` on a fresh engine (`make(spec,
+    **engine_args)`), compared with `want` (`mismatches`). Returns (the engine, its step log,
+    the mismatches)."""
+    engine = make(spec, **engine_args)
+    log = spy_schedule(engine)
+    got = drive(engine, requests, arrivals(pattern, len(requests)).schedule, overrides)
+    return engine, log, mismatches(want, got, requests)

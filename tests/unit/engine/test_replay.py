@@ -15,6 +15,7 @@ import torch
 from replay_fixtures import (
     ARRIVAL_PATTERNS,
     DRAFTERS,
+    AloneOutputs,
     arrivals,
     drafter_dirs,
     drafter_spec,
@@ -24,6 +25,7 @@ from replay_fixtures import (
     gguf_model_file,
     make_batch_dependent,
     mismatches,
+    replay,
     replay_requests,
     run_alone,
     spy_schedule,
@@ -65,26 +67,11 @@ def requests():
 @pytest.fixture(scope="module")
 def alone(model_paths, requests):
     """Per model: each request alone on an idle plain (speculation off) engine."""
-    cache = {}
-
-    def get(model: str, values: bool = False) -> list:
-        if (model, values) not in cache:
-            engine = engine_factory(model_paths[model])()
-            assert engine.model.quantization == ("gguf" if model == "gguf" else None)
-            batch = with_logprobs(requests) if values else requests
-            cache[model, values] = run_alone(engine, batch)
-        return cache[model, values]
-
-    return get
-
-
-def replay(make, requests, want, pattern, spec=None, overrides=None, **engine_args):
-    """Runs `requests` arriving by `pattern` on a fresh engine; returns (engine, step log,
-    mismatches against `want`)."""
-    engine = make(spec, **engine_args)
-    log = spy_schedule(engine)
-    got = drive(engine, requests, arrivals(pattern, len(requests)).schedule, overrides)
-    return engine, log, mismatches(want, got, requests)
+    factories = {model: engine_factory(path) for model, path in model_paths.items()}
+    for model, make in factories.items():
+        quantization = make().model.quantization
+        assert quantization == ("gguf" if model == "gguf" else None)  # kept quantized or float
+    return AloneOutputs(factories, requests)
 
 
 @pytest.mark.parametrize("pattern", ARRIVAL_PATTERNS)
@@ -181,12 +168,14 @@ def test_per_request_k_above_the_engines_replays(
     assert engine.stats.num_accepted_tokens > 0
 
 
+# A float model on the CPU runs the eager path (`PagedModelRunner._run_eager`): each linear is one
+# GEMM over all of the step's rows, whose bits for a row depend on how many rows it multiplies
+# (here: 1, 2-3 and 4+ rows give three results), and attention is SDPA padded to the step's
+# longest sequence. Nearly every logits row then differs by ~1e-6 between a request alone and
+# in a batch; its tokens replayed here only because no sampled token sat that close to a tie.
 FLOAT_ROWS_DEPEND_ON_THE_BATCH = (
-    "a float model on the CPU runs the eager path (`PagedModelRunner._run_eager`: every linear "
-    "one GEMM over the step's rows, attention as padded SDPA over the step's sequences); a "
-    "GEMM's bits for a row depend on how many rows it multiplies, so nearly every logit row "
-    "differs by ~1e-6 between a request alone and in a batch (tokens replay here only because "
-    "no sampled token sat that close to a tie)"
+    "float model on the CPU: the eager path's GEMMs over the step's rows give a row other bits "
+    "in a batch than alone"
 )
 
 
