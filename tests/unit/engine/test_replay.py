@@ -237,3 +237,19 @@ def test_negative_control_batch_dependent_logits_fail_the_comparison(
     spec = None if spec is None else drafter_spec(spec, dirs)
     _, _, diff = replay(make, requests, want, pattern, spec, **engine_args)
     assert diff
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_negative_control_values_catch_a_batch_dependence_tokens_miss(
+    model_paths, requests, monkeypatch, model
+):
+    """The values comparison (`test_values_replay_bit_for_bit`) with a batch-dependent term
+    50,000 times smaller than the token tests' control (1e-6 of the step's mean logits row,
+    which no token here reveals): it must find the log-probabilities differ."""
+    make_batch_dependent(monkeypatch, scale=1e-6)
+    make = engine_factory(model_paths[model])
+    batch = with_logprobs(requests)
+    want = run_alone(make(), batch)
+    _, _, diff = replay(make, batch, want, "closed")
+    assert diff
+    assert all("same tokens" in line for line in diff)
