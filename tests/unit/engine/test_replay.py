@@ -2,9 +2,10 @@
 engine, whatever the engine does around it: requests joining a running engine at random steps or
 in bursts, a closed batch in any order, preemption and recompute, chunked prefill beside decode
 rows, the overlapped loop and device rounds (the adaptive policy changing K), and speculation by
-every drafter with the default (coupled) verifier, whose tokens are plain decoding's. On the
-tiny Llama kept quantized (GGUF: the CPU's per-row plan) and as a float model (the eager path).
-A negative control (logits that depend on the step's batch) must fail the same comparison.
+every drafter with the default (coupled) verifier, whose tokens are plain decoding's; where the
+requests ask for logprobs, each emitted token's log-probability too, bit for bit. On the tiny
+Llama kept quantized (GGUF: the CPU's per-row plan) and as a float model (the eager runner).
+Negative controls (logits that depend on the step's batch) must fail the same comparisons.
 """
 
 from __future__ import annotations
