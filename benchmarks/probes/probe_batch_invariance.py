@@ -42,10 +42,10 @@ def log(*args) -> None:
     print(*args, flush=True)
 
 
-def median_ms(fn, repeats: int = 50) -> float:
+def median_ms(fn, repeats: int = 50, warmup: int = 25) -> float:
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=25, rep=repeats, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=warmup, rep=repeats, return_mode="median")
 
 
 # --------------------------------------------------------------------------- dot
@@ -129,6 +129,93 @@ def part_dot() -> None:
     RESULTS["dot"] = result
 
 
+# --------------------------------------------------------------------------- tune
+TUNE_SPACE = {  # candidate tiles by row-count class: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+    "small": [
+        (16, n, k, w, st)
+        for n in (16, 32, 64)
+        for k in (64, 128, 256)
+        for w in (2, 4)
+        for st in (3, 5)
+    ],
+    "mid": [
+        (m, n, k, 4, st)
+        for m in (16, 32, 64)
+        for n in (32, 64, 128)
+        for k in (64, 128)
+        for st in (3, 4)
+    ],
+    "large": [
+        (m, n, 64, w, st)
+        for m in (64, 128)
+        for n in (64, 128, 256)
+        for w in (4, 8)
+        for st in (3, 4)
+    ],
+}
+
+
+def graphed_ms(fn, launches: int = 20) -> float:
+    """Milliseconds per call of fn replayed from a CUDA graph of `launches` calls (the decode
+    step's situation: no launch gaps)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            fn()
+    return median_ms(graph.replay, repeats=15, warmup=3) / launches
+
+
+def part_tune() -> None:
+    import torch.nn.functional as F
+
+    from specdec.models.linear_triton import LinearTile, launch_linear, linear_tile
+
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    result = {}
+    for family, shapes in WEIGHT_SHAPES.items():
+        for cols, depth in shapes:
+            name = f"{family} {cols}x{depth}"
+            weight = torch.randn(cols, depth, device="cuda", generator=generator).bfloat16()
+            result[name] = {}
+            for rows in (1, 16, 64, 320, 2048):
+                if family == "llama-3-8b" and rows == 2048 and cols > 6144:
+                    continue
+                x = torch.randn(rows, depth, device="cuda", generator=generator).bfloat16()
+                out = torch.empty(rows, cols, device="cuda", dtype=torch.bfloat16)
+                space = "small" if rows <= 16 else "mid" if rows <= 128 else "large"
+                times = {}
+                for tile in TUNE_SPACE[space]:
+                    t = LinearTile(*tile)
+                    try:
+                        times[tile] = graphed_ms(lambda t=t: launch_linear(x, weight, None, out, t))
+                    except Exception as error:  # out of shared memory, say
+                        times[tile] = float("inf")
+                        log("   ", tile, type(error).__name__)
+                best = min(times, key=times.get)
+                current = linear_tile(rows, cols, depth)
+                current_ms = graphed_ms(lambda: launch_linear(x, weight, None, out, current))
+                cublas = graphed_ms(lambda: F.linear(x, weight))
+                ranked = sorted(times, key=times.get)[:5]
+                result[name][rows] = {
+                    "cublas_us": cublas * 1e3,
+                    "current_us": current_ms * 1e3,
+                    "best_us": times[best] * 1e3,
+                    "best": best,
+                    "top5": [(list(t), round(times[t] * 1e3, 2)) for t in ranked],
+                }
+                log(
+                    f"{name} M={rows}: cuBLAS {cublas * 1e3:.1f} us, current "
+                    f"{current_ms * 1e3:.1f}, best {times[best] * 1e3:.1f} {best}"
+                )
+    RESULTS["tune"] = result
+
+
 # --------------------------------------------------------------------------- attention
 def part_attention() -> None:
     from specdec.models.attention import DecodeMetadata
@@ -139,13 +226,13 @@ def part_attention() -> None:
     generator = torch.Generator(device="cuda").manual_seed(1)
     result = {}
     for name, (heads, kv_heads, dim) in {"smollm2": (9, 3, 64), "llama-3-8b": (32, 8, 128)}.items():
-        block, num_blocks, context = 16, 512, 300
+        block, num_blocks, context = 16, 512, 300  # 4 sequences x 128 blocks
         shape = (num_blocks, block, kv_heads, dim)
         k_cache = torch.randn(shape, device="cuda", generator=generator).bfloat16()
         v_cache = torch.randn(shape, device="cuda", generator=generator).bfloat16()
         num_seqs = 4  # sequence s holds blocks s*32 ..
         tables = torch.stack(
-            [torch.arange(s * 32, s * 32 + 32, device="cuda") for s in range(num_seqs)]
+            [torch.arange(s * 128, s * 128 + 128, device="cuda") for s in range(num_seqs)]
         ).int()
         queries = torch.randn(16, heads, dim, device="cuda", generator=generator).bfloat16()
         scale = dim**-0.5
@@ -190,6 +277,34 @@ def part_attention() -> None:
         row["prefill kernel row == decode row (Q=1)"] = bool(torch.equal(pre[-1], last_alone[0]))
         row["prefill kernel rows == decode rows (Q=16)"] = bool(torch.equal(pre, out16))
         row["prefill vs decode max abs diff"] = float((pre[-1] - last_alone[0]).abs().max())
+        # every position of a long chunk, each against its decode row alone
+        for length in (40, 700, 2000):
+            tables_long = tables[:1]
+            chunk_queries = torch.randn(
+                length, heads, dim, device="cuda", generator=generator
+            ).bfloat16()
+            pre_long = paged_prefill_attention_triton(
+                chunk_queries, k_cache, v_cache,
+                torch.tensor([0, length], device="cuda", dtype=torch.int32),
+                torch.tensor([length], device="cuda", dtype=torch.int32),
+                tables_long, length, scale=scale,
+            )  # fmt: skip
+            equal = 0
+            for pos in range(0, length, max(1, length // 40)):
+                meta = DecodeMetadata(
+                    block_tables=tables_long,
+                    context_lens=torch.tensor([pos + 1], device="cuda", dtype=torch.int32),
+                    query_lens=torch.ones(1, device="cuda", dtype=torch.int32),
+                    slot_mapping=torch.full((1,), -1, device="cuda", dtype=torch.int64),
+                    query_per_seq=1,
+                )
+                alone = paged_decode_attention_triton(
+                    chunk_queries[pos : pos + 1], k_cache, v_cache, meta, scale
+                )
+                equal += bool(torch.equal(alone[0], pre_long[pos]))
+            row[f"prefill chunk of {length}: rows equal to decode rows"] = (
+                f"{equal}/{len(range(0, length, max(1, length // 40)))}"
+            )
         result[name] = row
         log(name, row)
     RESULTS["attention"] = result
@@ -371,6 +486,8 @@ def main() -> None:
                 part_engine(args.toggle_linear)
             elif part == "tpot":
                 part_tpot()
+            elif part == "tune":
+                part_tune()
         except Exception as error:  # keep the other parts' results
             import traceback
 
