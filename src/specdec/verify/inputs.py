@@ -255,9 +255,11 @@ def unusable_draft_row_message(b: int, j: int) -> str:
     )
 
 
-def unusable_bonus_row_message(b: int, n: int) -> str:
-    """The error of a bonus row (n = num_draft[b]) without a distribution, read after a full
-    chain."""
+def unusable_bonus_row_message(b: int, n: int, outcome_known: bool) -> str:
+    """The error of a bonus row (n = num_draft[b]) without a distribution: read after a full
+    chain (`outcome_known`), or counted as read before any outcome is known."""
+    if not outcome_known:
+        return f"target_logits[{b}, {n}] {UNUSABLE_ROW_MESSAGE}; every live row must have one"
     return (
         f"target_logits[{b}, {n}] {UNUSABLE_ROW_MESSAGE}; request {b} accepted all {n} drafts "
         "and draws its bonus token from it"
@@ -393,4 +395,5 @@ class ValueCheck:
         hit = read.nonzero()
         if hit.numel():
             b = int(hit[0, 0])
-            raise ValueError(unusable_bonus_row_message(b, int(self._num_draft[b])))
+            n = int(self._num_draft[b])
+            raise ValueError(unusable_bonus_row_message(b, n, num_accepted is not None))
