@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from bad_logits_fixtures import unusable_logits
 from e2e.server_fixtures import ServerThread, make_tiny_model_dir
 from specdec.engine.config import EngineConfig, SpeculativeConfig
 from specdec.engine.llm_engine import LLMEngine
@@ -745,3 +746,72 @@ def test_drain_ends_open_requests_with_a_final_abort_output(model_dir):
     assert {c.finish_reason for c in last[-1].outputs} == {"abort"}
     async_engine.shutdown(TIMEOUT_S)
     assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
+
+
+def test_a_request_without_usable_logits_ends_in_error_alone(model_dir):
+    """A request whose logits row goes NaN mid-generation ends with finish_reason "error" and the
+    engine's message in its choice (non-streaming, and as the last chunk of a stream, completion
+    and chat), keeping the text it had; a prompt batched beside it gets the text it gets alone;
+    specdec:request_errors_total counts it."""
+    engine = LLMEngine(
+        EngineConfig(model=str(model_dir), max_model_len=MAX_MODEL_LEN),
+        SpeculativeConfig.from_dict(SPECULATIVE),
+    )
+    marker = char_ids("NaN?")
+    spoiling = [True]
+
+    def position_of(request) -> int | None:
+        ids = request.prompt_token_ids
+        marked = any(ids[i : i + len(marker)] == marker for i in range(len(ids)))
+        return request.num_prompt_tokens + 3 if marked and spoiling[0] else None
+
+    config = ServerConfig(served_model_name=MODEL, api_key=API_KEY)
+    with unusable_logits(engine, position_of):
+        server = ServerThread(build_app(AsyncEngine(engine), config)).start()
+        try:
+            client = openai.OpenAI(
+                base_url=f"{server.url}/v1", api_key=API_KEY, timeout=TIMEOUT_S, max_retries=0
+            )
+            extra = {"ignore_eos": True}
+            prompts = ["NaN? hello", "hello there"]
+            good_alone = complete(client, prompt=prompts[1], seed=4, extra_body=extra)
+            out = complete(client, prompt=prompts, seed=4, extra_body=extra)
+            bad, good = sorted(out.choices, key=lambda c: c.index)
+            message = (
+                f"the model produced no usable logits for the token at position "
+                f"{len(prompts[0]) + 3} (NaN or -inf everywhere, or a +inf): the request was "
+                "stopped"
+            )
+            assert bad.finish_reason == "error" and bad.model_extra["error"] == message
+            assert good.finish_reason == "length" and "error" not in good.model_extra
+            assert good.text == good_alone.choices[0].text
+            assert out.usage.completion_tokens == 3 + 12  # the tokens before the bad row stay
+            assert metric(server, "specdec:request_errors_total") == 1
+
+            chunks = list(complete(client, prompt=prompts, seed=4, stream=True, extra_body=extra))
+            streamed, last = ["", ""], [None, None]
+            for chunk in chunks:
+                for c in chunk.choices:
+                    streamed[c.index] += c.text
+                    last[c.index] = c
+            assert streamed == [bad.text, good.text]
+            assert last[0].finish_reason == "error" and last[0].model_extra["error"] == message
+            assert last[1].finish_reason == "length"
+
+            chat = {"model": MODEL, "messages": [{"role": "user", "content": "NaN? hi"}]}
+            reply = client.chat.completions.create(**chat, max_tokens=10, seed=3)
+            assert reply.choices[0].finish_reason == "error"
+            assert "no usable logits" in reply.choices[0].model_extra["error"]
+            stream = client.chat.completions.create(**chat, max_tokens=10, seed=3, stream=True)
+            finishes = [c.choices[0] for c in stream if c.choices]
+            assert finishes[-1].finish_reason == "error"
+            assert finishes[-1].model_extra["error"] == reply.choices[0].model_extra["error"]
+            assert metric(server, "specdec:request_errors_total") == 4
+
+            spoiling[0] = False  # the same request with usable logits: the text it cut short
+            clean = complete(client, prompt=prompts[0], seed=4, extra_body=extra)
+            assert clean.choices[0].finish_reason == "length"
+            assert clean.choices[0].text.startswith(bad.text)
+            assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
+        finally:
+            server.stop()

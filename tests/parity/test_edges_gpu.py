@@ -97,8 +97,48 @@ def test_nan_is_minus_infinity_and_unusable_rows_are_refused_on_cuda():
     with pytest.raises(ValueError, match="logits row 3 has no finite logit"):
         sample(bad.to(CUDA), seeds.to(CUDA), positions.to(CUDA), temperature=1.0)
     target[2, 1] = float("-inf")
-    with pytest.raises(ValueError, match="a target_logits row"):
+    with pytest.raises(ValueError, match=r"target_logits\[2, 1\] has no finite logit"):
         verify(*(t.to(CUDA) for t in (target, drafts, draft, seeds, positions)), temperature=1.0)
+
+
+@pytest.mark.parametrize("fill", [float("nan"), float("-inf"), float("inf")])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("method", ["standard", "block", "coupled"])
+def test_only_rows_the_outcome_reads_are_refused_on_cuda(method, temperature, fill):
+    """The CPU's contract (tests/unit/test_verify_inputs.py): a garbage bonus row after a
+    rejection is never read (the fused kernels emit the CPU's tokens), a bonus row read after
+    a full chain and a draft row are refused, naming the row."""
+    gen = torch.Generator().manual_seed(7)
+    target = torch.full((B, K + 1, V), -10.0) + 0.1 * torch.randn(B, K + 1, V, generator=gen)
+    for j in range(K + 1):
+        target[:, j, j + 1] = 10.0
+    drafts = torch.tensor([[1, 2, 3]] * B)
+    drafts[::2, 2] = 0  # even requests reject their draft 2 (target(0) ~ e**-20)
+    seeds = torch.arange(B, dtype=torch.int64) + 5
+    positions = torch.arange(B, dtype=torch.int64) * 10 + 3
+
+    def spoil(row: torch.Tensor) -> None:
+        if fill == float("inf"):
+            row[4] = fill
+        else:
+            row.fill_(fill)
+
+    for b in range(0, B, 2):
+        spoil(target[b, K])  # bonus rows after a rejection: never read
+    kwargs = {"temperature": temperature, "method": method}
+    cpu = verify_ref(target, drafts, None, seeds, positions, **kwargs)
+    on = [t.to(CUDA) for t in (target, drafts)]
+    gpu = verify(on[0], on[1], None, seeds.to(CUDA), positions.to(CUDA), **kwargs)
+    assert cpu.num_accepted.tolist() == [2, 3] * (B // 2)
+    assert torch.equal(cpu.token_ids, gpu.token_ids.cpu())
+    read = target.clone()
+    spoil(read[1, K])  # request 1 accepts all 3 drafts: its bonus row is read
+    with pytest.raises(ValueError, match=r"target_logits\[1, 3\] .*accepted all 3"):
+        verify(read.to(CUDA), on[1], None, seeds.to(CUDA), positions.to(CUDA), **kwargs)
+    read = target.clone()
+    spoil(read[2, 2])  # request 2's rejected draft row: read
+    with pytest.raises(ValueError, match=r"target_logits\[2, 2\] .*its draft 2"):
+        verify(read.to(CUDA), on[1], None, seeds.to(CUDA), positions.to(CUDA), **kwargs)
 
 
 @pytest.mark.parametrize("method", ["standard", "block", "coupled"])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specdec.sampling import SamplingParams
-from specdec.verify import verify
+from specdec.verify import verify, verify_ref
 
 B, K, V = 2, 3, 6
 
@@ -131,7 +131,7 @@ def test_rows_without_a_distribution_are_refused(fill):
     target, drafts, draft_logits, seeds, positions = inputs()
     target[1, 2] = fill if fill != float("inf") else target[1, 2]
     target[1, 2, 0] = fill
-    with pytest.raises(ValueError, match=r"a target_logits row .* has no finite logit"):
+    with pytest.raises(ValueError, match=r"target_logits\[1, 2\] has no finite logit"):
         verify(target, drafts, draft_logits, seeds, positions, temperature=1.0)
     # A row past num_draft is never drawn from: it is not checked.
     verify(
@@ -143,3 +143,99 @@ def test_rows_without_a_distribution_are_refused(fill):
         temperature=1.0,
         num_draft=torch.tensor([3, 1]),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows the outcome never reads (the GPU twin: tests/parity/test_edges_gpu)
+# ---------------------------------------------------------------------------------------------
+
+FILLS = [float("nan"), float("-inf"), float("inf")]
+
+
+def peaked_round(accept_all: bool):
+    """Two requests, K = 3, target rows that put all but ~1e-8 of their mass on one token each
+    (row j on token j + 1), so that each draft's fate is certain: request 0 drafts [1, 2, 0]
+    (its draft 2 is rejected: target(0) ~ e**-20 at row 2) unless `accept_all`, which makes it
+    [1, 2, 3]; request 1 drafts [1, 2] of num_draft 2 (both accepted: its bonus is row 2).
+    One-hot drafts (draft_logits None), as an n-gram drafter's."""
+    target = torch.full((2, K + 1, V), -10.0)
+    for j in range(K + 1):
+        target[:, j, j + 1] = 10.0
+    drafts = torch.tensor([[1, 2, 3 if accept_all else 0], [1, 2, 5]])
+    return target, drafts, torch.tensor([11, 12]), torch.tensor([40, 60]), torch.tensor([3, 2])
+
+
+def garbage(row: torch.Tensor, fill: float) -> None:
+    """Makes a [V] row unusable: all `fill` (NaN, -inf), or one +inf among finite values."""
+    if fill == float("inf"):
+        row[4] = fill
+    else:
+        row.fill_(fill)
+
+
+@pytest.mark.parametrize("fill", FILLS)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("method", ["standard", "block", "coupled"])
+def test_an_unread_bonus_row_may_hold_anything(method, temperature, fill):
+    """HF transformers' own speculative-sampling test passes an all -inf bonus row after a
+    rejection. The outcome never reads it (the recovered token comes from the rejected row), so
+    verify accepts it and emits exactly what it emits with a finite bonus row; rows past
+    num_draft are not read either."""
+    target, drafts, seeds, positions, num_draft = peaked_round(accept_all=False)
+    args = (drafts, None, seeds, positions)
+    kwargs = {"temperature": temperature, "method": method, "num_draft": num_draft}
+    clean = verify(target, *args, **kwargs)
+    assert clean.num_accepted.tolist() == [2, 2]  # request 0 rejects its draft 2
+    garbage(target[0, 3], fill)  # request 0's bonus row: never read after its rejection
+    garbage(target[1, 3], fill)  # request 1's row past num_draft: never read
+    out = verify(target, *args, **kwargs)
+    assert torch.equal(out.token_ids, clean.token_ids)
+    assert torch.equal(out.num_accepted, clean.num_accepted)
+    ref = verify_ref(target, *args, **kwargs)
+    assert torch.equal(ref.token_ids, clean.token_ids)
+
+
+@pytest.mark.parametrize("fill", FILLS)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("method", ["standard", "block", "coupled"])
+def test_a_read_row_without_a_distribution_is_refused(method, temperature, fill):
+    """The negative control of the test above: the same garbage row once the outcome reads it
+    is refused, naming the request's row. A bonus row is read after a full chain; a draft row
+    (j < num_draft) always, even past the first rejection (block reads every one)."""
+    kwargs = {"temperature": temperature, "method": method}
+    target, drafts, seeds, positions, num_draft = peaked_round(accept_all=True)
+    garbage(target[0, 3], fill)
+    with pytest.raises(ValueError, match=r"target_logits\[0, 3\] has no finite logit.*all 3"):
+        verify(target, drafts, None, seeds, positions, num_draft=num_draft, **kwargs)
+    with pytest.raises(ValueError, match=r"target_logits\[0, 3\]"):
+        verify_ref(target, drafts, None, seeds, positions, num_draft=num_draft, **kwargs)
+    # Request 1's bonus row is row 2 (num_draft 2, both accepted).
+    target, drafts, seeds, positions, num_draft = peaked_round(accept_all=False)
+    garbage(target[1, 2], fill)
+    with pytest.raises(ValueError, match=r"target_logits\[1, 2\] .*all 2 drafts"):
+        verify(target, drafts, None, seeds, positions, num_draft=num_draft, **kwargs)
+    # Request 0 rejects its draft 2 at row 2; its draft rows are read whatever the outcome.
+    for row in (1, 2):
+        target, drafts, seeds, positions, num_draft = peaked_round(accept_all=False)
+        garbage(target[0, row], fill)
+        with pytest.raises(ValueError, match=rf"target_logits\[0, {row}\] .*its draft {row}"):
+            verify(target, drafts, None, seeds, positions, num_draft=num_draft, **kwargs)
+    # No drafts: row 0 is the bonus row, always read.
+    target, _, seeds, positions, _ = peaked_round(accept_all=False)
+    garbage(target[1, 0], fill)
+    no_drafts = torch.empty(2, 0, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"target_logits\[1, 0\]"):
+        verify(target[:, :1], no_drafts, None, seeds, positions, **kwargs)
+
+
+def test_checked_inputs_count_every_live_row_as_read():
+    """`check_verify_inputs` with its value checks (what `verify_tree` runs) does not know the
+    outcome: every live row, the bonus row included, must have a distribution."""
+    from specdec.verify import check_verify_inputs
+
+    target, drafts, seeds, positions, num_draft = peaked_round(accept_all=False)
+    target[0, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"target_logits\[0, 3\]"):
+        check_verify_inputs(
+            target, drafts, None, seeds, positions, temperature=1.0, num_draft=num_draft
+        )

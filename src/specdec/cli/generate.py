@@ -93,6 +93,9 @@ def _generate(args: argparse.Namespace) -> int:
         f"finish: {', '.join(str(c.finish_reason) for c in out.outputs)}, seed: {out.seed}]",
         file=sys.stderr,
     )
+    for c in out.outputs:
+        if c.error is not None:
+            print(f"[sample {c.index}: {c.error}]", file=sys.stderr)
     if spec is not None:
         per_position = ", ".join(f"{rate:.2f}" for rate in stats["acceptance_per_position"])
         print(

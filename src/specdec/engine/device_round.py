@@ -10,9 +10,12 @@ needs next: `DeviceDrafting.observe`). On CUDA the step is replayed from a CUDA 
 
 The host launches round N + 1 before it reads round N's tokens (through pinned memory), so it
 applies stops one round late: a request that finished in round N is inert from round N + 2 on,
-and whatever round N + 1 emitted for it is dropped, never reported. Blocks are allocated ahead for
-the rounds in flight. Anything else (a new request, a preemption, a request near its length
-limit) drains the rounds in flight and hands the batch back to the synchronous step.
+and whatever round N + 1 emitted for it is dropped, never reported. A request whose round read a
+target row without a distribution (`first_unusable_read_row`, computed in the round and read
+back with its tokens) is ended the same way, with an error, emitting nothing from that round.
+Blocks are allocated ahead for the rounds in flight. Anything else (a new request, a preemption,
+a request near its length limit) drains the rounds in flight and hands the batch back to the
+synchronous step.
 
 Never draws randomness itself: drafts come from the drafter, emitted tokens from `verify`.
 """
@@ -34,7 +37,7 @@ from specdec.engine.round_buffers import RoundInputs, RoundResults, RoundSlots
 from specdec.runner import PagedModelRunner
 from specdec.runner.cuda_graph import GraphCache, StaticInputs, batch_buckets, bucket_for
 from specdec.sampling import SamplingTensors
-from specdec.verify import check_verify_inputs, verify_checked
+from specdec.verify import check_verify_inputs, first_unusable_read_row, verify_checked
 
 
 def mark(device: torch.device) -> torch.cuda.Event | float:
@@ -122,8 +125,9 @@ class DeviceRounds:
         self.top_k = torch.zeros(size, dtype=torch.int64, device=device)
         self.top_p = torch.ones(size, dtype=torch.float32, device=device)
         self.min_p = torch.zeros(size, dtype=torch.float32, device=device)
-        # Outputs of the latest round: emitted tokens, accepted and verified drafts per slot.
-        self.out = torch.zeros(size * (self.width + 2), dtype=torch.int64, device=device)
+        # Outputs of the latest round: emitted tokens, accepted and verified drafts per slot,
+        # and the first target row the round read without a distribution (-1: none).
+        self.out = torch.zeros(size * (self.width + 3), dtype=torch.int64, device=device)
         self.inputs = StaticInputs({"live": size, "tables": size * self.max_blocks}, device)
         # The round's own copies of what its view reads (`round_inputs` writes them first; the
         # slots' anchors and input tokens move on at the round's end).
@@ -283,19 +287,25 @@ class DeviceRounds:
         seconds = self._seconds(launched)
         self.round_seconds.append(seconds)
         rows, width = len(self.slots), self.width
-        size = self.out.shape[0] // (width + 2)
+        size = self.out.shape[0] // (width + 3)
         emissions = []
         for b, slot in enumerate(self.slots[:rows]):
             if not launched.live[b]:
                 continue
             accepted = values[size * width + b]
             num_draft = values[size * (width + 1) + b]
+            bad_row = values[size * (width + 2) + b]
             tokens = values[b * width : b * width + accepted + 1]
             request = slot.request
+            if not request.status.finished:
+                if bad_row >= 0:  # the row of the token at anchor + bad_row: nothing emitted
+                    position = slot.anchor + bad_row
+                    emission = Emission([], num_draft, 0, None, unusable_position=position)
+                else:
+                    emission = Emission(tokens, num_draft, accepted, None)
+                emissions.append((request, emission))
             request.num_computed_tokens = slot.anchor + accepted
             slot.anchor += accepted + 1
-            if not request.status.finished:
-                emissions.append((request, Emission(tokens, num_draft, accepted, None)))
         return emissions, launched.k, seconds
 
     def _state(self) -> list[torch.Tensor]:
@@ -398,6 +408,10 @@ class DeviceRounds:
             check_values=False,
         )
         result = verify_checked(inputs)
+        # The first row each slot's outcome read without a distribution (`out`'s fourth
+        # section): the host ends such a request (inert slots read nothing it looks at).
+        bad_row = first_unusable_read_row(inputs.target_logits, num_draft, result.num_accepted)
+        out[size * (width + 2) : size * (width + 2) + rows].copy_(bad_row)
         # 5. The results the host reads (`out`'s first two sections), then the drafter's
         # bookkeeping, then the slots' next anchors and input tokens.
         results = RoundResults(

@@ -1,6 +1,10 @@
 """Turns a step's logits into emitted tokens: one sampler call for the shares without drafts, one
 verifier call per verify method for the shares with drafts. Every emitted token comes from
 `specdec.sampling.sample` or `specdec.verify.verify`; nothing here draws randomness itself.
+
+A share whose step read a logits row without a distribution (all NaN or -inf, or a +inf: a
+failed forward pass) emits nothing: its `Emission` names the position instead, read back with
+the step's tokens, and the engine ends that request alone (finish_reason "error").
 """
 
 from __future__ import annotations
@@ -16,8 +20,15 @@ from specdec.engine.proposals import StepDrafts
 from specdec.engine.request import Request, logits_context
 from specdec.engine.scheduler import ScheduledRequest
 from specdec.sampling import sample
+from specdec.sampling.processing import unusable_rows
 from specdec.transfer import to_device
-from specdec.verify import VERIFY_METHODS, check_verify_inputs, verify_checked
+from specdec.verify import (
+    VERIFY_METHODS,
+    check_verify_inputs,
+    first_unusable_read_depth,
+    first_unusable_read_row,
+    verify_checked,
+)
 from specdec.verify.tree import verify_tree
 
 
@@ -32,6 +43,9 @@ class Emission:
         rows: the share's raw target logits [num_draft + 1, V]; the first len(tokens) rows are the
             emitted tokens' distributions (None when the step's logits were not kept).
         path: for a tree round, the accepted nodes (root side first); None for a chain.
+        unusable_position: the position Q of the first token whose logits row the step read
+            had no distribution (then `tokens` is empty, `num_accepted` 0, and the request
+            ends with an error); None otherwise.
     """
 
     tokens: list[int]
@@ -39,6 +53,7 @@ class Emission:
     num_accepted: int
     rows: torch.Tensor | None
     path: list[int] | None = None
+    unusable_position: int | None = None
 
     @property
     def num_rejected(self) -> int:
@@ -134,13 +149,24 @@ class Emitter:
             min_p=params.min_p,
             num_nodes=num_nodes,
             method=method,
+            check_values=False,  # valid by construction; unusable rows are looked for below
         )
-        host_accepted = out.num_accepted.tolist()
-        host_tokens = out.token_ids.tolist()
-        host_paths = out.accepted_nodes.tolist()
-        for i, tokens, accepted, path, c in zip(
-            indices, host_tokens, host_accepted, host_paths, counts, strict=True
-        ):
+        bad_depth = first_unusable_read_depth(target, out)
+        batch = len(requests)
+        # One device sync for the group: accepted counts, bad depths, tokens, paths.
+        host = torch.cat(
+            [out.num_accepted, bad_depth, out.token_ids.flatten(), out.accepted_nodes.flatten()]
+        ).tolist()
+        host_accepted, host_bad = host[:batch], host[batch : 2 * batch]
+        host_tokens = _split_rows(host[2 * batch :], batch, n + 1)
+        host_paths = _split_rows(host[2 * batch + batch * (n + 1) :], batch, n)
+        for i, request, tokens, accepted, bad, path, c in zip(
+            indices, requests, host_tokens, host_accepted, host_bad, host_paths, counts,
+            strict=True,
+        ):  # fmt: skip
+            if bad >= 0:
+                emitted[i] = Emission([], c, 0, None, unusable_position=request.num_tokens + bad)
+                continue
             path = path[:accepted]
             rows = logits[i][torch.tensor([0] + [1 + node for node in path])]
             emitted[i] = Emission(tokens[: accepted + 1], c, accepted, rows, path)
@@ -157,23 +183,49 @@ class Emitter:
         requests = [scheduled[i].request for i in indices]
         row_logits = [logits[i] for i in indices]  # [1, V] each: one logit row was asked for
         rows = row_logits[0] if len(row_logits) == 1 else torch.cat(row_logits)  # [B, V]
-        sampled = self.sample_rows(requests, rows).tolist()  # one device sync for the batch
-        for i, token, row in zip(indices, sampled, row_logits, strict=True):
-            emitted[i] = Emission([token], 0, 0, row)
+        tokens, unusable = self.sample_rows(requests, rows)
+        # One device sync for the batch: the tokens and the unusable flags together.
+        sampled, bad = torch.stack([tokens, unusable.to(torch.int64)]).tolist()
+        for i, request, token, row, unusable_row in zip(
+            indices, requests, sampled, row_logits, bad, strict=True
+        ):
+            if unusable_row:
+                emitted[i] = Emission([], 0, 0, row, unusable_position=request.num_tokens)
+            else:
+                emitted[i] = Emission([token], 0, 0, row)
 
-    def sample_rows(self, requests: list[Request], rows: torch.Tensor) -> torch.Tensor:
-        """[B] int64 device tokens sampled from [B, V] logit rows at each request's next
-        position (not read by the host)."""
+    def sample_rows(
+        self, requests: list[Request], rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples one token per [B, V] logit row at each request's next position.
+
+        Returns:
+            ([B] int64 tokens, [B] bool unusable), both on the device, not read by the host.
+            An unusable row (no finite logit or a +inf one, after the requests' logits rules;
+            or a processed row without a finite log-normaliser) has no distribution: its token
+            is a valid id that must never be emitted.
+        """
         constants = self.constants.get("plain", requests, rows.device)
         context = logits_context(requests)
         if context is not None:
             rows = context.apply(rows)
         if constants.greedy:
-            # All greedy: `sample` would take the argmax (first maximum) without noise; the
-            # filters never remove the maximum. One kernel instead of the sampler's setup.
-            return rows.argmax(dim=-1)
+            # All greedy: `sample` would take the first maximum with NaN as -inf and no noise
+            # (the filters never remove the maximum). Two kernels instead of the sampler's
+            # setup; the maximum also says whether the row has a distribution.
+            inf = float("inf")
+            top, tokens = rows.nan_to_num(nan=-inf, posinf=inf, neginf=-inf).max(dim=-1)
+            return tokens, ~torch.isfinite(top)
+        unusable = None
+        if not rows.is_cuda:
+            # The PyTorch sampler refuses such rows: they draw from a harmless row instead
+            # (asking costs no device sync here). The CUDA sampler takes them as they are
+            # (check_values=False) and gives them a non-finite log-normaliser.
+            unusable = unusable_rows(rows)
+            if bool(unusable.any()):
+                rows = rows.masked_fill(unusable[:, None], 0.0)
         params = constants.params
-        return sample(
+        out = sample(
             rows,
             constants.seeds,
             to_device([r.num_tokens for r in requests], torch.int64, rows.device),
@@ -182,7 +234,11 @@ class Emitter:
             top_p=params.top_p,
             min_p=params.min_p,
             check_values=False,  # parameters validated by SamplingParams, keys by the engine
-        ).token_ids
+        )
+        no_distribution = ~torch.isfinite(out.logsumexp)
+        if unusable is not None:
+            no_distribution |= unusable
+        return out.token_ids, no_distribution
 
     def _verify_group(
         self,
@@ -241,10 +297,25 @@ class Emitter:
             context=logits_context(requests),
         )
         out = verify_checked(inputs)
-        host_accepted = out.num_accepted.tolist()  # one device sync each for the whole group
-        host_tokens = out.token_ids.tolist()
-        for i, tokens, accepted, n in zip(indices, host_tokens, host_accepted, counts, strict=True):
-            emitted[i] = Emission(tokens[: accepted + 1], n, accepted, logits[i])
+        bad_row = first_unusable_read_row(inputs.target_logits, num_draft, out.num_accepted)
+        batch = len(requests)
+        # One device sync for the whole group: accepted counts, bad rows, tokens.
+        host = torch.cat([out.num_accepted, bad_row, out.token_ids.flatten()]).tolist()
+        host_accepted, host_bad = host[:batch], host[batch : 2 * batch]
+        host_tokens = _split_rows(host[2 * batch :], batch, k + 1)
+        for i, request, tokens, accepted, bad, n in zip(
+            indices, requests, host_tokens, host_accepted, host_bad, counts, strict=True
+        ):
+            if bad >= 0:
+                position = request.num_tokens + bad
+                emitted[i] = Emission([], n, 0, logits[i], unusable_position=position)
+            else:
+                emitted[i] = Emission(tokens[: accepted + 1], n, accepted, logits[i])
+
+
+def _split_rows(values: list[int], num_rows: int, width: int) -> list[list[int]]:
+    """A flat host list as `num_rows` rows of `width` values."""
+    return [values[row * width : (row + 1) * width] for row in range(num_rows)]
 
 
 def _device_int64(*columns: list[int], device: torch.device) -> list[torch.Tensor]:

@@ -14,10 +14,10 @@ from specdec.transfer import Readback
 @dataclass(frozen=True, slots=True)
 class Inflight:
     """A plain decode step launched but not read (asynchronous scheduling): its requests in
-    batch order, their sampled tokens on the device, and the asynchronous copy reading them.
-    A step of the speculation policy's plain arm also keeps the positions of its input tokens,
-    their target features (drafters that read some; None otherwise) and the marks that measure
-    its cost."""
+    batch order, their sampled tokens on the device, the asynchronous copy reading them (with
+    each row's unusable flag) and the positions of its input tokens. A step of the speculation
+    policy's plain arm also keeps their target features (drafters that read some; None
+    otherwise) and the marks that measure its cost."""
 
     requests: list[Request]
     token_ids: torch.Tensor

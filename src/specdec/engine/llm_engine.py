@@ -30,7 +30,7 @@ from specdec.engine.config import (
 from specdec.engine.device_round import DeviceRounds, mark
 from specdec.engine.emitter import Emission, Emitter
 from specdec.engine.inflight import Inflight
-from specdec.engine.output_processor import OutputProcessor, RequestGroup
+from specdec.engine.output_processor import OutputProcessor, RequestGroup, unusable_logits_message
 from specdec.engine.outputs import RequestOutput
 from specdec.engine.proposals import compact_path, deliver_features, propose, step_inputs
 from specdec.engine.request import Request, RequestStatus, SpecSettings
@@ -494,14 +494,21 @@ class LLMEngine(SpeculativeLoops):
     ) -> list[RequestOutput]:
         """The commit path of both loops. Per (request, num_computed, emission): records that
         its first num_computed tokens have K/V (rejected draft slots rolled back; None: committed
-        when launched), counts the emission's drafts, appends its tokens under the stop rules;
-        then builds the outputs to report (streaming: every group that emitted; else only those
-        with a request that finished)."""
+        when launched), counts the emission's drafts, appends its tokens under the stop rules,
+        or ends the request with an error when its step read a logits row without a
+        distribution (that request alone: the others of the step go on); then builds the
+        outputs to report (streaming: every group that emitted; else only those with a request
+        that finished)."""
         reported: dict[str, RequestGroup] = {}
         for request, num_computed, emission in commits:
             if num_computed is not None:
                 self.scheduler.commit(request, num_computed)
             if emission is None:
+                continue
+            if emission.unusable_position is not None:
+                self.outputs.fail(request, unusable_logits_message(emission.unusable_position))
+                group = self.outputs.group_of(request)
+                reported[group.request_id] = group
                 continue
             if emission.num_draft:
                 request.stats.observe(emission.num_draft, emission.num_accepted)
@@ -611,28 +618,39 @@ class LLMEngine(SpeculativeLoops):
         )
         if features is not None:
             features = features.clone()  # a static buffer's view: the next step overwrites it
-        token_ids = self.emitter.sample_rows(requests, rows)
+        token_ids, unusable = self.emitter.sample_rows(requests, rows)
         ended = mark(self.device) if plain_arm else None
         for request, step_input in zip(requests, inputs, strict=True):
             self.scheduler.commit(request, step_input.start + 1)
             request.num_pending += 1
         self.loop_stats.num_overlapped_steps += 1
-        readback = Readback({"tokens": token_ids}, {})
-        if not plain_arm:
-            return Inflight(requests, token_ids, readback)
-        self.loop_stats.observe_plain_arm()
+        # A row without a distribution still yields a valid id (the next step may take it as
+        # its input); its flag comes back in the same copy and `_resolve` drops the token.
+        readback = Readback({"tokens": token_ids, "unusable": unusable}, {})
         starts = [s.start for s in inputs]
+        if not plain_arm:
+            return Inflight(requests, token_ids, readback, starts=starts)
+        self.loop_stats.observe_plain_arm()
         return Inflight(requests, token_ids, readback, True, starts, features, started, ended)
 
     def _resolve(self, inflight: Inflight, only_finished: bool) -> list[RequestOutput]:
         """Reads a launched step's tokens and commits them as a synchronous step would have
-        (requests that finished meanwhile drop theirs; the cache was committed at launch)."""
-        tokens = inflight.readback.values()["tokens"].tolist()
+        (requests that finished meanwhile drop theirs; the cache was committed at launch). A
+        request whose row had no distribution ends with an error instead."""
+        values = inflight.readback.values()
+        tokens, unusable = values["tokens"].tolist(), values["unusable"].tolist()
         if inflight.plain_arm:
             self._observe_plain(inflight)
         commits = []
-        for request, token in zip(inflight.requests, tokens, strict=True):
+        for request, token, bad, start in zip(
+            inflight.requests, tokens, unusable, inflight.starts, strict=True
+        ):
             request.num_pending -= 1
-            if not request.status.finished:
-                commits.append((request, None, Emission([token], 0, 0, None)))
+            if request.status.finished:
+                continue
+            if bad:  # the row of the token at start + 1
+                emission = Emission([], 0, 0, None, unusable_position=start + 1)
+            else:
+                emission = Emission([token], 0, 0, None)
+            commits.append((request, None, emission))
         return self._commit(commits, only_finished)

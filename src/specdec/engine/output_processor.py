@@ -1,6 +1,7 @@
 """Output processing: a prompt's request group, appending emitted tokens with the stop rules
-(stop tokens, stop strings, `max_tokens`, `max_model_len`), logprobs, detokenization, and the
-`RequestOutput`s callers are given. Host work only: it never runs a model or draws randomness.
+(stop tokens, stop strings, `max_tokens`, `max_model_len`), requests the engine ends with an
+error, logprobs, detokenization, and the `RequestOutput`s callers are given. Host work only: it
+never runs a model or draws randomness.
 """
 
 from __future__ import annotations
@@ -37,6 +38,16 @@ class RequestGroup:
     stop_reasons: list[str | int | None] = field(default_factory=list)
     logprobs: list[SampleLogprobs | None] = field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None  # filled as prefill chunks run
+    errors: list[str | None] = field(default_factory=list)  # why a sample ended in error
+
+
+def unusable_logits_message(position: int) -> str:
+    """The error of a request whose logits row for the token at `position` has no
+    distribution (`specdec.sampling.processing.unusable_rows`)."""
+    return (
+        f"the model produced no usable logits for the token at position {position} (NaN or "
+        "-inf everywhere, or a +inf): the request was stopped"
+    )
 
 
 class OutputProcessor:
@@ -60,10 +71,12 @@ class OutputProcessor:
         self._group_of: dict[int, RequestGroup] = {}
 
     def add(self, group: RequestGroup) -> None:
-        """Registers a new group. Mutates: group.texts, stop_reasons, logprobs (one per sample)."""
+        """Registers a new group. Mutates: group.texts, stop_reasons, errors, logprobs (one per
+        sample)."""
         n = len(group.samples)
         group.texts = [None] * n
         group.stop_reasons = [None] * n
+        group.errors = [None] * n
         params = group.samples[0].params
         wants_logprobs = params.logprobs is not None
         group.logprobs = [[] if wants_logprobs else None for _ in range(n)]
@@ -123,6 +136,13 @@ class OutputProcessor:
                 self.finish(request, RequestStatus.FINISHED_LENGTH)
                 return True
         return False
+
+    def fail(self, request: Request, message: str) -> None:
+        """Ends a running request with finish_reason "error" and `message` (its tokens so far
+        stay emitted). Mutates: the group's errors; the request's status (through `finish`)."""
+        group = self._group_of[id(request)]
+        group.errors[group.samples.index(request)] = message
+        self.finish(request, RequestStatus.FINISHED_ERROR)
 
     def logprob_entries(
         self, rows: torch.Tensor, token_ids: list[int], num_top: int
@@ -220,6 +240,7 @@ class OutputProcessor:
                     token_ids=list(request.output_token_ids),
                     finish_reason=status.value if done else None,
                     stop_reason=group.stop_reasons[index],
+                    error=group.errors[index],
                     logprobs=None if logprobs is None else list(logprobs),
                     cumulative_logprob=None
                     if logprobs is None

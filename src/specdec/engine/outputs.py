@@ -33,11 +33,13 @@ class CompletionOutput:
         index: which of the request's n samples this is.
         text: the generated text (stop strings removed unless asked to keep them).
         token_ids: the generated token ids.
-        finish_reason: "stop", "length", "abort", or None while running.
+        finish_reason: "stop", "length", "abort", "error", or None while running.
         stop_reason: the stop string or stop token id that ended it, if any.
         logprobs: per generated token, when SamplingParams.logprobs is set: token id ->
             `Logprob` for the top `logprobs` ids (rank order) and the generated token.
         cumulative_logprob: sum of the tokens' log-probabilities, when logprobs are computed.
+        error: with finish_reason "error", the one line saying why the engine ended the
+            sequence (the tokens before it stay emitted); None otherwise.
     """
 
     index: int
@@ -47,6 +49,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

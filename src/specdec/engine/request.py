@@ -25,6 +25,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # the engine ended it (vLLM's FinishReason.ERROR): see its error
 
     @property
     def finished(self) -> bool:
@@ -32,7 +33,12 @@ class RequestStatus(enum.Enum):
 
 
 _FINISHED = frozenset(
-    (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+    (
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    )
 )
 
 

@@ -223,7 +223,11 @@ class SpeculativeLoops:
         outputs: list[RequestOutput] = []
         if rounds.inflight and (len(rounds.inflight) > 1 or not launched):
             emissions, k, seconds = rounds.read()
-            outcomes = [(e.num_draft, e.num_accepted) for _, e in emissions]
+            outcomes = [
+                (e.num_draft, e.num_accepted)
+                for _, e in emissions
+                if e.unusable_position is None  # a failed round says nothing of acceptance
+            ]
             self.policy.observe(rounds.num_rows, k, seconds, outcomes)
             if self._entry_cost is not None:
                 bucket, host, started, ended = self._entry_cost

@@ -40,6 +40,7 @@ from specdec.server.protocol import (
     TokenizeRequest,
 )
 from specdec.server.responses import (
+    _error_field,
     _finish_reason,
     _full_response,
     _merged,
@@ -295,17 +296,21 @@ class OpenAIServer:
                 if stream.abort():
                     self.metrics.aborts.inc()
             for output in last:
-                self.count_tokens(output)
+                self.count_output(output)
         outputs = [output for output in last if output is not None and output.finished]
         if len(outputs) != len(streams):
             raise APIError(503, "the request was aborted", type="server_error")
         return outputs
 
-    def count_tokens(self, output: RequestOutput | None) -> None:
+    def count_output(self, output: RequestOutput | None) -> None:
+        """Counts a request's last output: its tokens, and its samples that ended in error."""
         if output is None:
             return
         self.metrics.prompt_tokens.inc(len(output.prompt_token_ids))
         self.metrics.generation_tokens.inc(sum(len(c.token_ids) for c in output.outputs))
+        errors = sum(c.finish_reason == "error" for c in output.outputs)
+        if errors:
+            self.metrics.request_errors.inc(errors)
 
     # ----------------------------------------------------------------- responses
     def token_text(self, token_id: int) -> str:
@@ -573,6 +578,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                     "logprobs": logprobs(output, c),
                     "finish_reason": _finish_reason(c),
                     "stop_reason": c.stop_reason,
+                    **_error_field(c),
                 }
                 if body.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
@@ -613,6 +619,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                 "logprobs": server.chat_logprobs(c, 0, logprobs) if body.logprobs else None,
                 "finish_reason": _finish_reason(c),
                 "stop_reason": c.stop_reason,
+                **_error_field(c),
             }
             for c in output.outputs
         ]

@@ -131,6 +131,12 @@ class ServerMetrics:
             "Requests aborted before they finished (client gone or engine stopped).",
             registry=self.registry,
         )
+        self.request_errors = Counter(
+            "specdec:request_errors",
+            'Samples the engine ended with finish_reason "error" (the model produced no usable '
+            "logits for one of their tokens); the requests beside them went on.",
+            registry=self.registry,
+        )
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens", "Prompt tokens processed.", registry=self.registry
         )

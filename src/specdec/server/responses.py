@@ -1,6 +1,6 @@
 """OpenAI response pieces built from engine outputs: usage, spec-decode statistics, prompt
-logprobs, finish reasons, SSE framing, the text deltas of streamed choices, and the merge of
-several request streams."""
+logprobs, finish reasons (and the error of a choice the engine ended), SSE framing, the text
+deltas of streamed choices, and the merge of several request streams."""
 
 from __future__ import annotations
 
@@ -119,6 +119,12 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Requ
 
 def _finish_reason(completion: CompletionOutput) -> str | None:
     return completion.finish_reason
+
+
+def _error_field(completion: CompletionOutput) -> dict:
+    """{"error": the one-line message} for a choice that ended with finish_reason "error" (the
+    engine stopped that request alone: its text so far stays), else {}."""
+    return {} if completion.error is None else {"error": completion.error}
 
 
 def _sse(payload: dict | str) -> bytes:

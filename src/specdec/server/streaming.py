@@ -15,7 +15,14 @@ from specdec.engine.outputs import CompletionOutput, RequestOutput
 from specdec.server.async_engine import EngineDeadError, RequestStream
 from specdec.server.prometheus import ServerMetrics
 from specdec.server.protocol import ChatCompletionRequest, CompletionRequest
-from specdec.server.responses import _Deltas, _finish_reason, _merged, _sse, _tail
+from specdec.server.responses import (
+    _Deltas,
+    _error_field,
+    _finish_reason,
+    _merged,
+    _sse,
+    _tail,
+)
 
 
 @dataclass(slots=True)
@@ -72,6 +79,7 @@ def _streaming(
         out["finish_reason"] = finish
         if finish is not None:
             out["stop_reason"] = completion.stop_reason
+            out.update(_error_field(completion))
         return out
 
     def opening(index: int) -> dict:
@@ -126,7 +134,7 @@ def _streaming(
                 if stream.abort():
                     server.metrics.aborts.inc()
             for output in last:
-                server.count_tokens(output)
+                server.count_output(output)
 
     return StreamingResponse(
         events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}

@@ -12,8 +12,11 @@ from specdec.verify.inputs import (
     VerifyInputs,
     VerifyResult,
     check_verify_inputs,
+    first_unusable_read_row,
+    rows_read,
 )
 from specdec.verify.tree import TREE_METHODS, TreeVerifyResult, verify_tree
+from specdec.verify.tree_inputs import first_unusable_read_depth
 from specdec.verify.verifier import verify, verify_checked, verify_checked_ref, verify_ref
 
 __all__ = [
@@ -25,6 +28,9 @@ __all__ = [
     "VerifyInputs",
     "VerifyResult",
     "check_verify_inputs",
+    "first_unusable_read_depth",
+    "first_unusable_read_row",
+    "rows_read",
     "verify",
     "verify_checked",
     "verify_checked_ref",

@@ -1,5 +1,6 @@
 """The arguments of `verify`: their shapes and types (`check_verify_inputs`), their value rules
-(`ValueCheck`: checked on the host on the CPU, by one small kernel on CUDA), and the result type.
+(`ValueCheck`: checked on the host on the CPU, by one small kernel on CUDA), the target rows a
+round reads (`rows_read`, `first_unusable_read_row`), and the result type.
 Never creates noise and never verifies.
 """
 
@@ -77,6 +78,9 @@ def check_verify_inputs(
 
     `check_values=False` skips the value checks (the one host round trip) for callers that build
     their inputs valid by construction (the engine); shapes and dtypes are always checked.
+    Checked here, every live target row (0..num_draft[b]) must have a distribution, as if every
+    bonus row were read (`verify_tree` relies on this); `verify` itself refuses a bonus row only
+    when its outcome reads it (`ValueCheck.wait_read`).
     With a `context`, the returned target logits are the context-processed ones
     (`context_target_logits`)."""
     if method not in VERIFY_METHODS:
@@ -123,7 +127,7 @@ def check_verify_inputs(
             raise ValueError(f"context has {context.num_rows} requests for B={batch}")
         target_logits = context_target_logits(target_logits, draft_token_ids, num_draft, context)
     if check_values:
-        ValueCheck(
+        check = ValueCheck(
             draft_token_ids,
             draft_logits,
             positions,
@@ -133,7 +137,9 @@ def check_verify_inputs(
             active_rows,
             vocab,
             target_logits,
-        ).wait()
+        )
+        check.wait()
+        check.wait_read(None)
     return VerifyInputs(
         target_logits,
         draft_token_ids,
@@ -182,9 +188,54 @@ def context_target_logits(
     return context.apply(flat, rows, prefix).view(batch, num_rows, vocab)
 
 
+def rows_read(num_draft: torch.Tensor, num_accepted: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The target rows a verified round read: rows 0..n-1 (n = num_draft[b]) whatever the
+    outcome, and the bonus row n when all n drafts were accepted. Rows past n are never read.
+
+    Rows 0..n-1 count as read even past the first rejection: block verification reads every one
+    of them (its h_i, Sun et al. 2024, Alg. 2) and the other methods evaluate their acceptance
+    tests together, so whether such a row is refused never depends on the round's draws. A
+    rejection draws the recovered token from row `num_accepted` (< n), which is one of them.
+
+    Args:
+        num_draft: [B] int64 in [0, K].
+        num_accepted: [B] int64 in [0, num_draft].
+        num_rows: K + 1.
+
+    Returns:
+        [B, K+1] bool.
+    """
+    rows = torch.arange(num_rows, device=num_draft.device)[None, :]
+    bonus = (rows == num_draft[:, None]) & (num_accepted == num_draft)[:, None]
+    return (rows < num_draft[:, None]) | bonus
+
+
+def first_unusable_read_row(
+    target_logits: torch.Tensor, num_draft: torch.Tensor, num_accepted: torch.Tensor
+) -> torch.Tensor:
+    """Per request, the first row its verified round read (`rows_read`) that has no distribution
+    (`unusable_rows`), or -1. Device ops only, no host sync (CUDA-graph safe): the engine reads
+    it back with the round's tokens and ends such a request instead of emitting.
+
+    Args:
+        target_logits: [B, K+1, V] the target logits verify read (context-processed, if any).
+        num_draft: [B] int64 in [0, K].
+        num_accepted: [B] int64, verify's result.
+
+    Returns:
+        [B] int64 row index in [0, K], or -1.
+    """
+    num_rows = target_logits.shape[1]
+    bad = unusable_rows(target_logits) & rows_read(num_draft, num_accepted, num_rows)
+    rows = torch.arange(num_rows, device=bad.device)[None, :]
+    first = torch.where(bad, rows, num_rows).amin(dim=-1)
+    return torch.where(first < num_rows, first, -1)
+
+
 def value_rule_messages(k: int, vocab: int) -> list[str]:
     """The messages of `verify`'s value rules, in the order they are checked (rule r is bit r of
-    the GPU's rule word, `specdec.sampling.checks_triton`)."""
+    the GPU's rule word, `specdec.sampling.checks_triton`). The target rows' own rule (a row
+    read without a distribution) is checked after them (`ValueCheck`)."""
     return [
         f"positions must lie in [0, 2**32 - 1 - K] = [0, {MAX_POSITION - k}] for K={k}: a "
         "round keys its draws by positions[b] .. positions[b] + K, 32-bit counter words",
@@ -193,19 +244,43 @@ def value_rule_messages(k: int, vocab: int) -> list[str]:
         *SAMPLING_RULE_MESSAGES,
         "a draft token has zero probability under its draft_logits: draft_logits "
         "must be the processed logits the drafts were sampled from",
-        f"a target_logits row (up to num_draft) {UNUSABLE_ROW_MESSAGE}",
     ]
+
+
+def unusable_draft_row_message(b: int, j: int) -> str:
+    """The error of a draft row (j < num_draft[b]) without a distribution."""
+    return (
+        f"target_logits[{b}, {j}] {UNUSABLE_ROW_MESSAGE}; request {b} reads it to test its "
+        f"draft {j}"
+    )
+
+
+def unusable_bonus_row_message(b: int, n: int, outcome_known: bool) -> str:
+    """The error of a bonus row (n = num_draft[b]) without a distribution: read after a full
+    chain (`outcome_known`), or counted as read before any outcome is known."""
+    if not outcome_known:
+        return f"target_logits[{b}, {n}] {UNUSABLE_ROW_MESSAGE}; every live row must have one"
+    return (
+        f"target_logits[{b}, {n}] {UNUSABLE_ROW_MESSAGE}; request {b} accepted all {n} drafts "
+        "and draws its bonus token from it"
+    )
 
 
 class ValueCheck:
     """The value checks of one `verify` call, made without stalling the device.
 
-    On CUDA one small kernel evaluates every rule (`specdec.sampling.checks_triton`) ahead of the
-    verify kernels and one asynchronous copy brings the rule word to pinned host memory; `wait()`
-    waits for that copy only (not for work queued after it, such as the verify kernels) and raises
-    ValueError naming the first violated rule. Elsewhere the same rules run as PyTorch ops.
-    The rule on the target rows themselves (a row without a distribution) is a PyTorch reduction
-    on every device, read back after the rule word.
+    On CUDA one small kernel evaluates the argument rules (`specdec.sampling.checks_triton`)
+    ahead of the verify kernels and one asynchronous copy brings the rule word to pinned host
+    memory; `wait()` waits for that copy only (not for work queued after it, such as the verify
+    kernels) and raises ValueError naming the first violated rule. Elsewhere the same rules run
+    as PyTorch ops.
+
+    The target rows (given `target_logits`) are checked against what the round reads
+    (`rows_read`), by PyTorch reductions on every device read back by a copy of their own:
+    `wait()` refuses a draft row (j < num_draft[b]) without a distribution, which every outcome
+    reads; `wait_read(num_accepted)`, once the result is known, refuses a bonus row without one
+    only if its request accepted every draft. The bonus rule costs nothing more unless some
+    live bonus row is unusable: only then does `wait_read` read the result (one more sync).
     """
 
     def __init__(
@@ -225,14 +300,11 @@ class ValueCheck:
         self._layout = (k, vocab)
         self._checked = False
         self._device_bits = None
-        self._unusable = None  # whether some live target row has no distribution
+        self._rows = None  # the read-back of the target rows' rule
+        self._bonus_bad = None  # [A] bool on the device: the live bonus row has no distribution
+        self._num_draft = num_draft[:active_rows]
         if target_logits is not None and active_rows > 0:
-            rows = torch.arange(k + 1, device=target_logits.device)[None, :]
-            live = rows <= num_draft[:active_rows, None]
-            flag = (live & unusable_rows(target_logits[:active_rows])).any()
-            # Read back by an asynchronous copy of its own: waiting for it waits for this
-            # reduction only, not for the verify kernels queued after it.
-            self._unusable = Readback({"unusable": flag.reshape(1)}, {})
+            self._read_target_rows(target_logits[:active_rows], self._num_draft, k)
         if positions.is_cuda:
             from specdec.sampling.checks_triton import DeviceRuleBits
 
@@ -270,23 +342,58 @@ class ValueCheck:
             flags.append(none)
         self._flags = torch.stack(flags).tolist()
 
+    def _read_target_rows(self, target: torch.Tensor, num_draft: torch.Tensor, k: int) -> None:
+        """Starts the read-back of the first unusable draft row (flat index into [A, K], or -1)
+        and of whether some live bonus row is unusable; keeps the bonus rows' flags."""
+        bad = unusable_rows(target)  # [A, K+1]
+        rows = torch.arange(k, device=target.device)[None, :]
+        draft_bad = (bad[:, :k] & (rows < num_draft[:, None])).flatten()
+        first = torch.full((), -1, dtype=torch.int64, device=target.device)
+        if draft_bad.numel():
+            first = torch.where(draft_bad.any(), draft_bad.to(torch.int8).argmax(), first)
+        # Clamped so that an invalid num_draft (refused by the rule word) still indexes in range.
+        self._bonus_bad = bad.gather(1, num_draft.clamp(0, k)[:, None])[:, 0]
+        # Read back by an asynchronous copy of its own: waiting for it waits for these
+        # reductions only, not for the verify kernels queued after them.
+        self._rows = Readback(
+            {"first": first.reshape(1), "bonus": self._bonus_bad.any().reshape(1)}, {}
+        )
+
     def bits(self) -> int:
         """The rule word: bit r set when rule r of `value_rule_messages` is violated (waits for
-        the device's copy on CUDA)."""
+        the device's copy on CUDA). The target rows' rule is not part of it."""
         if self._device_bits is not None:
-            bits = self._device_bits.bits()
-        else:
-            bits = sum(1 << r for r, violated in enumerate(self._flags) if violated)
-        if self._unusable is not None and bool(self._unusable.values()["unusable"][0]):
-            bits |= 1 << (len(value_rule_messages(*self._layout)) - 1)
-        return bits
+            return self._device_bits.bits()
+        return sum(1 << r for r, violated in enumerate(self._flags) if violated)
 
     def wait(self) -> None:
-        """Waits for the values and raises ValueError naming the first violated rule."""
+        """Waits for the values and raises ValueError naming the first violated rule, then a
+        draft row without a distribution (`target_logits[b, j]`)."""
         if self._checked:
             return
         bits = self.bits()
         if bits:
             first = (bits & -bits).bit_length() - 1
             raise ValueError(value_rule_messages(*self._layout)[first])
+        if self._rows is not None:
+            first = int(self._rows.values()["first"][0])
+            if first >= 0:
+                k = self._layout[0]
+                raise ValueError(unusable_draft_row_message(first // k, first % k))
         self._checked = True
+
+    def wait_read(self, num_accepted: torch.Tensor | None) -> None:
+        """Raises ValueError when a request's bonus row has no distribution and its outcome
+        reads it: it accepted all its drafts (`num_accepted`, [B] int64: verify's result), or
+        always when `num_accepted` is None (every bonus row counts as read). Call after
+        `wait()`. Reads the result back only when some live bonus row is unusable."""
+        if self._rows is None or not bool(self._rows.values()["bonus"][0]):
+            return
+        read = self._bonus_bad
+        if num_accepted is not None:
+            read = read & (num_accepted[: read.shape[0]] == self._num_draft)
+        hit = read.nonzero()
+        if hit.numel():
+            b = int(hit[0, 0])
+            n = int(self._num_draft[b])
+            raise ValueError(unusable_bonus_row_message(b, n, num_accepted is not None))

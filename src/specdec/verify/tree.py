@@ -41,6 +41,7 @@ def verify_tree(
     min_p: RowParam = None,
     num_nodes: torch.Tensor | None = None,
     method: str = "standard",
+    check_values: bool = True,
 ) -> TreeVerifyResult:
     """Verifies one draft tree per request and emits the accepted path plus one token.
 
@@ -70,6 +71,9 @@ def verify_tree(
         temperature, top_k, top_p, min_p: scalars or [B]; processed exactly as `sample` does.
         num_nodes: [B] int64 in [0, N] live nodes per row (None = N); nodes beyond are ignored.
         method: "standard" or "coupled" ("block" is chain-only: refused).
+        check_values: False skips the value checks and their host round trip, for callers whose
+            inputs are valid by construction (the engine). With them, every live row (0..N)
+            must have a distribution (a finite logit and no +inf), whichever path is walked.
 
     Returns:
         TreeVerifyResult(token_ids [B, N+1], num_accepted [B], accepted_nodes [B, N]).
@@ -96,6 +100,7 @@ def verify_tree(
         min_p=min_p,
         num_draft=num_nodes,
         method=method,
+        check_values=check_values,
     )
     if parents.shape != draft_token_ids.shape:
         raise ValueError(

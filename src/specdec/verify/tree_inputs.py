@@ -1,5 +1,6 @@
 """What both twins of the tree walk share: the result type, and the processed inputs
-(`prepare_tree`, in PyTorch on any device, so that the twins start from the same bits)."""
+(`prepare_tree`, in PyTorch on any device, so that the twins start from the same bits); which
+target rows a walk read (`first_unusable_read_depth`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.draft_tree import children_table, node_depths
-from specdec.sampling.processing import process_logits
+from specdec.sampling.processing import process_logits, unusable_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +25,31 @@ class TreeVerifyResult:
     token_ids: torch.Tensor
     num_accepted: torch.Tensor
     accepted_nodes: torch.Tensor
+
+
+def first_unusable_read_depth(
+    target_logits: torch.Tensor, result: TreeVerifyResult
+) -> torch.Tensor:
+    """Per request, the first depth of its walk whose row has no distribution (`unusable_rows`),
+    or -1. The walk reads the rows of the nodes it visits: the root's (row 0), then row 1 + n of
+    each accepted node n; the last one visited gives the recovered or bonus token. Device ops
+    only, no host sync.
+
+    Args:
+        target_logits: [B, N+1, V] the target logits the walk read.
+        result: its `TreeVerifyResult`.
+
+    Returns:
+        [B] int64 depth d in [0, N] (the row of the token at positions[b] + d), or -1.
+    """
+    batch, num_rows, _ = target_logits.shape
+    bad = unusable_rows(target_logits)  # [B, N+1]
+    root = torch.zeros(batch, 1, dtype=torch.int64, device=bad.device)
+    visited = torch.cat([root, 1 + result.accepted_nodes[:, : num_rows - 1]], dim=1)  # pad: 0
+    depths = torch.arange(num_rows, device=bad.device)[None, :]
+    hit = bad.gather(1, visited.clamp_min(0)) & (depths <= result.num_accepted[:, None])
+    first = torch.where(hit, depths, num_rows).amin(dim=-1)
+    return torch.where(first < num_rows, first, -1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,8 +43,11 @@ def verify(
 
     Args:
         target_logits: [B, K+1, V] raw target logits; row i is the distribution of the token at
-            positions[b] + i (row K is the bonus row). NaN counts as -inf; a row (up to
-            num_draft[b]) without a finite logit, or with a +inf, is refused.
+            positions[b] + i (row num_draft[b] is the bonus row). NaN counts as -inf. A row
+            that the round reads (`specdec.verify.inputs.rows_read`: rows 0..num_draft[b]-1
+            always, the bonus row when every draft is accepted) without a finite logit, or
+            with a +inf, is refused (ValueError naming target_logits[b, row]); a row the
+            outcome never reads (such as the bonus row after a rejection) may hold anything.
         draft_token_ids: [B, K] int64 drafts; entries at or beyond num_draft[b] are ignored.
         draft_logits: [B, K, V] processed logits the drafts were sampled from (what `sample`
             returned; -inf where the draft cannot go), or None for deterministic (one-hot) drafts.
@@ -88,19 +91,10 @@ def verify(
         context=context,
     )
     # The value checks read their values back while the kernels run: the kernels are memory-safe
-    # on any values (they clamp ids and counts), and nothing is returned before the checks pass.
-    # Filtering rows first compute thresholds from the parameters, so those wait for the checks.
-    check = ValueCheck(
-        draft_token_ids,
-        draft_logits,
-        positions,
-        inputs.num_draft,
-        inputs.params,
-        method,
-        inputs.active_rows,
-        target_logits.shape[-1],
-        inputs.target_logits,
-    )
+    # on any values (they clamp ids and counts; a row is read only by its own request's
+    # outcome), and nothing is returned before the checks pass. Filtering rows first compute
+    # thresholds from the parameters, so those wait for the checks.
+    check = _value_check(inputs)
     params = inputs.params
     if not target_logits.is_cuda or any(
         t is not None for t in (params.top_k, params.top_p, params.min_p)
@@ -108,7 +102,23 @@ def verify(
         check.wait()
     result = verify_checked(inputs)
     check.wait()
+    check.wait_read(result.num_accepted)
     return result
+
+
+def _value_check(inputs: VerifyInputs) -> ValueCheck:
+    """The value checks of validated inputs, the target rows included (started, not waited)."""
+    return ValueCheck(
+        inputs.draft_token_ids,
+        inputs.draft_logits,
+        inputs.positions,
+        inputs.num_draft,
+        inputs.params,
+        inputs.method,
+        inputs.active_rows,
+        inputs.target_logits.shape[-1],
+        inputs.target_logits,
+    )
 
 
 def verify_checked(inputs: VerifyInputs) -> VerifyResult:
@@ -184,9 +194,14 @@ def verify_ref(
         method=method,
         draft_logsumexp=draft_logsumexp,
         active_rows=active_rows,
+        check_values=False,
         context=context,
     )
-    return verify_checked_ref(inputs)
+    check = _value_check(inputs)
+    check.wait()
+    result = verify_checked_ref(inputs)
+    check.wait_read(result.num_accepted)
+    return result
 
 
 def verify_checked_ref(inputs: VerifyInputs) -> VerifyResult:
