@@ -1,21 +1,31 @@
-"""Float products whose rows never depend on the batch: `linear` (dispatch) and its twin
-`linear_ref`.
+"""Float products whose rows never depend on the batch: `batch_invariant_linear` (dispatch),
+its twin `batch_invariant_linear_ref`, and `check_cublas_rows`, the start-up check that decides
+which weights may keep cuBLAS.
 
 A decode row's logits must not change with what shares its step (other requests' decode,
-verify or prefill rows, the CUDA-graph bucket): cuBLAS picks its kernel, split-K included, by
-the row count, so on CUDA every float product of the model runs `linear_triton`, whose tiles are
-a function of the weight alone. On the CPU the product is F.linear (the kept-quantized default
+verify or prefill rows, the CUDA-graph bucket). cuBLAS picks its kernel, split-K included, by
+the row count, and on the H200 that changes a row's bits for some weights (Llama-3-8B's from 64
+rows on) and not for others (SmolLM2's, up to 512 rows at least). So on CUDA a weight keeps
+cuBLAS only where `check_cublas_rows` found every row of every row count the engine can run
+equal to the row alone; every other float product runs `linear_triton`, whose rows are the
+same bits for every row count. On the CPU the product is F.linear (the kept-quantized default
 takes the weight-only kernels of `quant.py` instead). Nothing here draws randomness.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 
-# Whether CUDA products take the row-invariant kernel (probes measure its cost by turning it
+# Whether CUDA products are made row-invariant at all (probes measure the cost by turning it
 # off; the engine never does).
 ROW_INVARIANT_ON_CUDA = True
+
+# (N, K, dtype, device) of a weight -> the most rows for which cuBLAS was checked to give every
+# row the bits of the row alone (absent: not checked or failed: the Triton kernel).
+_CUBLAS_ROWS: dict[tuple[int, int, torch.dtype, torch.device], int] = {}
 
 
 def batch_invariant_linear_ref(
@@ -31,17 +41,65 @@ def batch_invariant_linear_ref(
     return out.to(x.dtype)
 
 
+def _key(weight: torch.Tensor) -> tuple[int, int, torch.dtype, torch.device]:
+    return (weight.shape[0], weight.shape[1], weight.dtype, weight.device)
+
+
 def batch_invariant_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x W^T (+ bias) for x of [..., K] and weight [N, K]: on CUDA through `linear_triton`
-    (every row computed as it would be alone), elsewhere F.linear. Returns [..., N]."""
+    """x W^T (+ bias) for x of [..., K] and weight [N, K]: on CUDA every row computed as it
+    would be alone (cuBLAS for a weight `check_cublas_rows` cleared, in slices of at most the
+    rows it checked; `linear_triton` otherwise), elsewhere F.linear. Returns [..., N]."""
     if not (x.is_cuda and ROW_INVARIANT_ON_CUDA) or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
-    from specdec.models.linear_triton import linear_triton
-
-    if x.dim() == 2:
-        return linear_triton(x, weight, bias)
     lead = x.shape[:-1]
-    out = linear_triton(x.reshape(-1, x.shape[-1]), weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    checked = _CUBLAS_ROWS.get(_key(weight))
+    if checked is not None:
+        if rows.shape[0] <= checked:
+            out = F.linear(rows, weight, bias)
+        else:
+            out = torch.cat([F.linear(part, weight, bias) for part in rows.split(checked)])
+    else:
+        from specdec.models.linear_triton import linear_triton
+
+        out = linear_triton(rows, weight, bias)
     return out.view(*lead, out.shape[-1])
+
+
+@torch.inference_mode()
+def check_cublas_rows(weights: Iterable[torch.Tensor], max_rows: int) -> dict[tuple, bool]:
+    """Decides, for each distinct CUDA weight shape, whether cuBLAS may compute its products:
+    for every row count 1..max_rows, F.linear over x[:M] must give every row the bits it gets
+    alone (on fixed, non-random inputs: cuBLAS chooses its kernel by shapes, not values).
+    Records the weights that pass for `batch_invariant_linear`; a shape that fails (or was never
+    checked) takes the Triton kernel. Stops at a shape's first differing row count.
+
+    Args:
+        weights: the model's float weights ([N, K] each; other devices are skipped).
+        max_rows: the most rows a product of the engine can have (its steps' token budget).
+
+    Returns: {(N, K, dtype, device): passed} for the shapes checked now.
+    """
+    results: dict[tuple, bool] = {}
+    for weight in weights:
+        key = _key(weight)
+        if not weight.is_cuda or key in results or key in _CUBLAS_ROWS:
+            continue
+        depth = weight.shape[1]
+        # Deterministic inputs of varied magnitude (no randomness: none outside rng/).
+        grid = torch.arange(max_rows * depth, device=weight.device, dtype=torch.float32)
+        x = torch.sin(grid * 0.618034).mul_(2.0).view(max_rows, depth).to(weight.dtype)
+        alone = torch.cat([F.linear(x[i : i + 1], weight) for i in range(max_rows)])
+        differs = torch.zeros((), dtype=torch.bool, device=weight.device)
+        passed = True
+        for count in range(2, max_rows + 1):
+            differs |= (F.linear(x[:count], weight) != alone[:count]).any()
+            if (count % 64 == 0 or count == max_rows) and bool(differs):
+                passed = False
+                break
+        results[key] = passed
+        if passed:
+            _CUBLAS_ROWS[key] = max_rows
+    return results

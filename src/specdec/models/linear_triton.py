@@ -84,12 +84,18 @@ class LinearTile:
 
 def linear_tile(num_rows: int, num_cols: int, depth: int) -> LinearTile:
     """The launch shape for [num_rows, depth] x [num_cols, depth]^T (speed only: every shape
-    gives a row the same bits)."""
-    del num_cols, depth
+    gives a row the same bits). From the H200 sweep (`probe_batch_invariance.py --parts tune`,
+    graph replays of the SmolLM2 and Llama-3-8B weights): decode-sized products want many
+    narrow column tiles and deep K steps, prefill-sized ones wide tiles."""
     if num_rows <= 16:
-        return LinearTile(16, 32, 128, 4, 4)
+        block_n = 16 if num_cols <= 8192 else 32 if num_cols <= 32768 else 64
+        return LinearTile(16, block_n, 256 if depth >= 512 else 128, 4, 3)
     if num_rows <= 128:
-        return LinearTile(32, 64, 128, 4, 4)
+        if num_cols > 8192:
+            return LinearTile(64, 128, 128, 4, 3)
+        return LinearTile(16, 32 if num_cols <= 1024 else 64, 128, 4, 3)
+    if num_rows <= 512:
+        return LinearTile(64, 128, 64, 8, 3)
     return LinearTile(128, 128, 64, 8, 3)
 
 

@@ -575,6 +575,18 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
+    def float_product_weights(self) -> list[torch.Tensor]:
+        """The float [N, K] weights of every product the forward pass runs through
+        `batch_invariant_linear` (the layers' projections, fused or not, and a float LM head)."""
+        weights = [
+            module.weight
+            for module in self.modules()
+            if isinstance(module, Linear) and module.quantized is None and module.weight is not None
+        ]
+        if self.lm_head_quantized is None:
+            weights.append(self.lm_head_weight)
+        return weights
+
     @property
     def lm_head_quantized(self) -> QuantizedWeight | None:
         """The LM head's quantized [V, D] weight, or None when it is a float tensor."""

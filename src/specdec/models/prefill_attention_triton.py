@@ -2,9 +2,10 @@
 or under Triton's CPU interpreter).
 
 One program per (query tile of BLOCK_M tokens, sequence, query head): it walks the key tiles its
-rows can see, gathering keys and values through the block table, first the tiles every row sees
-whole (no mask), then the diagonal ones (causal and context masks); a sliding window masks every
-tile. No host sync; addresses in int64 (a 128K context times heads times head_dim passes 2^31).
+rows can see, gathering keys and values through the block table, every tile under the causal,
+context (and sliding-window) masks with the decode kernels' arithmetic, so that a token's row
+has the same bits whichever kernel computes it (tests/parity checks it). No host sync;
+addresses in int64 (a 128K context times heads times head_dim passes 2^31).
 """
 
 from __future__ import annotations
@@ -131,21 +132,15 @@ def _paged_prefill_attention_kernel(
     num_live = tl.minimum(tl.maximum(q_len - q_tile * BLOCK_M, 0), BLOCK_M)
     first_pos = context_len - q_len + q_tile * BLOCK_M
     hi = tl.where(num_live > 0, first_pos + num_live, 0)
-    if SLIDING:
+    if SLIDING:  # noqa: SIM108 (a constexpr branch)
         lo = (tl.maximum(first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N
-        whole_end = lo  # every tile is masked
     else:
         lo = hi * 0
-        whole_end = tl.where(num_live > 0, ((first_pos + 1) // BLOCK_N) * BLOCK_N, 0)
     if DEVICE_BOUND:
-        for key_start in range(lo, whole_end, BLOCK_N):
-            row_max, row_sum, acc = _prefill_tile(
-                key_start, query, query_pos, context_len, window, row_max, row_sum, acc,
-                k_cache_ptr, v_cache_ptr, table_ptr, kv_head, qk_scale,
-                NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D,
-                False, SLIDING, KV_FP8, IEEE,
-            )  # fmt: skip
-        for key_start in range(whole_end, hi, BLOCK_N):
+        # Every tile masked, as the decode kernels' steps are (`_attend_chunk_masked`): an
+        # unmasked tile lets the compiler fuse the scale into the exponent's subtraction, and a
+        # token's row would then differ in its last bits from the row decode computes for it.
+        for key_start in range(lo, hi, BLOCK_N):
             row_max, row_sum, acc = _prefill_tile(
                 key_start, query, query_pos, context_len, window, row_max, row_sum, acc,
                 k_cache_ptr, v_cache_ptr, table_ptr, kv_head, qk_scale,

@@ -1,0 +1,140 @@
+"""Batch invariance of the CUDA step's parts, bit for bit: a row's value must not depend on what
+else its product or its attention call holds.
+
+- The row-invariant GEMM (`models/linear_triton.py`): a row computed alone, among any number of
+  rows, and under every tile `linear_tile` can pick, gives the same bits (the kernel relies on
+  `tl.dot` giving a row's bits independently of the tile; this test is that assumption's guard).
+- `batch_invariant_linear` after `check_cublas_rows`: cuBLAS kept only where it passed, every row
+  equal to the row alone either way; a negative control (plain F.linear on a weight cuBLAS fails)
+  must differ.
+- Attention: a token's row is the same bits from the prefill kernel (every position of chunks
+  of 40, 700 and 2,000 tokens), the decode kernel alone (Q = 1), as a verify row and as a graphed
+  prefill row (Q = 5, 16), and split-KV over one partition.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec.models import linear as linear_module
+from specdec.models.attention import DecodeMetadata
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from specdec.models.fused_triton import paged_decode_attention_triton  # noqa: E402
+from specdec.models.linear_triton import LinearTile, launch_linear, linear_tile  # noqa: E402
+from specdec.models.prefill_attention_triton import paged_prefill_attention_triton  # noqa: E402
+from specdec.models.split_kv import split_kv_decode_attention  # noqa: E402
+
+SHAPES = [(960, 576), (3072, 576), (576, 1536), (49152, 576), (4096, 4096)]
+
+
+def _randn(*shape, seed: int) -> torch.Tensor:
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(*shape, device="cuda", generator=generator)
+
+
+@pytest.mark.parametrize(("cols", "depth"), SHAPES)
+def test_gemm_rows_do_not_depend_on_row_count_or_tile(cols: int, depth: int) -> None:
+    weight = (_randn(cols, depth, seed=0) * 0.05).bfloat16()
+    x = _randn(600, depth, seed=1).bfloat16()
+    alone = torch.cat(
+        [_kernel(x[i : i + 1], weight, linear_tile(1, cols, depth)) for i in range(24)]
+    )
+    tiles = {linear_tile(rows, cols, depth) for rows in (1, 16, 17, 128, 129, 512, 513)}
+    tiles |= {LinearTile(16, 64, 64, 4, 3), LinearTile(128, 256, 64, 8, 3)}
+    for rows in (2, 7, 16, 24, 64, 200, 600):
+        for tile in tiles:
+            out = _kernel(x[:rows], weight, tile)
+            assert torch.equal(out[: min(rows, 24)], alone[: min(rows, 24)]), (rows, tile)
+    # The twin: equal up to the float32 accumulation order.
+    want = linear_module.batch_invariant_linear_ref(x[:64], weight).float()
+    got = _kernel(x[:64], weight, tiles.pop()).float()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def _kernel(x: torch.Tensor, weight: torch.Tensor, tile: LinearTile) -> torch.Tensor:
+    out = torch.empty(x.shape[0], weight.shape[0], device="cuda", dtype=x.dtype)
+    launch_linear(x, weight, None, out, tile)
+    return out
+
+
+def test_dispatch_rows_equal_alone_and_negative_control() -> None:
+    small = (_randn(960, 576, seed=2) * 0.05).bfloat16()
+    large = (_randn(4096, 4096, seed=3) * 0.02).bfloat16()
+    max_rows = 200
+    passed = linear_module.check_cublas_rows([small, large], max_rows)
+    assert set(passed) == {
+        (960, 576, torch.bfloat16, small.device),
+        (4096, 4096, torch.bfloat16, large.device),
+    }
+    for weight in (small, large):
+        depth = weight.shape[1]
+        x = _randn(300, depth, seed=4).bfloat16()
+        alone = torch.cat(
+            [linear_module.batch_invariant_linear(x[i : i + 1], weight) for i in range(300)]
+        )
+        for rows in (3, 64, 150, 200, 300):  # 300 > max_rows: cuBLAS in slices of 200
+            out = linear_module.batch_invariant_linear(x[:rows], weight)
+            assert torch.equal(out, alone[:rows]), (weight.shape, rows)
+    if not passed[(4096, 4096, torch.bfloat16, large.device)]:
+        # Negative control: cuBLAS itself on the weight it failed gives a row other bits.
+        x = _randn(200, 4096, seed=5).bfloat16()
+        alone = torch.cat([F.linear(x[i : i + 1], large) for i in range(8)])
+        assert any(not torch.equal(F.linear(x[:rows], large)[:8], alone) for rows in (64, 128, 200))
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (32, 8, 128)])
+def test_token_rows_equal_across_attention_kernels(heads: int, kv_heads: int, dim: int) -> None:
+    num_blocks, block = 256, 16
+    k_cache = _randn(num_blocks, block, kv_heads, dim, seed=6).bfloat16()
+    v_cache = _randn(num_blocks, block, kv_heads, dim, seed=7).bfloat16()
+    table = torch.arange(num_blocks, device="cuda", dtype=torch.int32)[None]
+    scale = dim**-0.5
+
+    def decode(queries: torch.Tensor, context: int) -> torch.Tensor:
+        width = queries.shape[0]
+        meta = DecodeMetadata(
+            block_tables=table,
+            context_lens=torch.tensor([context], device="cuda", dtype=torch.int32),
+            query_lens=torch.tensor([width], device="cuda", dtype=torch.int32),
+            slot_mapping=torch.full((width,), -1, device="cuda", dtype=torch.int64),
+            query_per_seq=width,
+        )
+        return paged_decode_attention_triton(queries, k_cache, v_cache, meta, scale)
+
+    for length in (40, 700, 2000):
+        queries = _randn(length, heads, dim, seed=length).bfloat16()
+        prefill = paged_prefill_attention_triton(
+            queries,
+            k_cache,
+            v_cache,
+            torch.tensor([0, length], device="cuda", dtype=torch.int32),
+            torch.tensor([length], device="cuda", dtype=torch.int32),
+            table,
+            length,
+            scale=scale,
+        )
+        for pos in range(0, length, max(1, length // 50)):
+            alone = decode(queries[pos : pos + 1], pos + 1)[0]
+            assert torch.equal(prefill[pos], alone), (length, pos)
+        for width in (5, 16):  # a verify step, a graphed prefill chunk
+            end = length
+            rows = decode(queries[end - width : end], end)
+            assert torch.equal(rows, prefill[end - width : end]), (length, width)
+    # Split-KV over one partition gives the single pass's bits.
+    queries = _randn(16, heads, dim, seed=9).bfloat16()
+    single = decode(queries, 1000)
+    meta = DecodeMetadata(
+        block_tables=table,
+        context_lens=torch.tensor([1000], device="cuda", dtype=torch.int32),
+        query_lens=torch.tensor([16], device="cuda", dtype=torch.int32),
+        slot_mapping=torch.full((16,), -1, device="cuda", dtype=torch.int64),
+        query_per_seq=16,
+        num_partitions=4,
+    )
+    assert torch.equal(split_kv_decode_attention(queries, k_cache, v_cache, meta, scale), single)
