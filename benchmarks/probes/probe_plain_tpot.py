@@ -22,8 +22,18 @@ def main() -> None:
     parser.add_argument("--shape", default="smollm2-135m")
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--cublas", action="store_true", help="force cuBLAS for every product (if supported)"
+    )
     args = parser.parse_args()
     import specdec
+
+    try:
+        from specdec.models import linear as linear_module
+    except ImportError:  # a source tree from before the row-invariant products
+        linear_module = None
+    if linear_module is not None and args.cublas:
+        linear_module.ROW_INVARIANT_ON_CUDA = False
 
     model = build_ours(args.shape)
     result = {"specdec": specdec.__file__, "shape": args.shape, "tpot_ms": {}}
@@ -36,6 +46,10 @@ def main() -> None:
         )
         del llm
         torch.cuda.empty_cache()
+    if linear_module is not None:
+        result["cublas_rows"] = {str(k[:2]): v for k, v in linear_module._CUBLAS_ROWS.items()}
+        result["cublas_forced"] = args.cublas
+        print("cuBLAS kept for", result["cublas_rows"], "forced" if args.cublas else "", flush=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
 

@@ -34,3 +34,10 @@ def decode_query_bucket(query_per_seq: int, group: int, limit: int) -> int:
     if query_per_seq >= limit:
         return query_per_seq
     return max(query_per_seq, min(limit, decode_block_m(query_per_seq, group) // group))
+
+
+# NO_FP_FUSION: the attention kernels (prefill, decode, split-KV) launch with
+# enable_fp_fusion=False. Their online-softmax step is one formula, but with contraction on,
+# the compiler fuses a multiply into the next add (an FMA, one rounding fewer) in some kernels'
+# layouts and not in others', and a token's row then differs in its last bits between the
+# prefill kernel and the decode kernel (seen on the H200 at head_dim 128).

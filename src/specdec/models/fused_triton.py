@@ -462,6 +462,7 @@ def paged_decode_attention_triton(
             if query.is_cuda
             else triton.cdiv(int(meta.context_lens.max()), DECODE_BLOCK_N),
             TREE=tree is not None,
+            enable_fp_fusion=False,  # see attention_tiles.NO_FP_FUSION
             num_warps=4,
         )
     return out

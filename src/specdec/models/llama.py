@@ -229,11 +229,13 @@ class LlamaAttention(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         plan: DecodePlanCPU | None = None,
+        flash: AttentionPlan | None = None,
     ) -> torch.Tensor:
         """`forward` for a decode/verify step through the fused kernels: [T, D] -> [T, D].
         With a `plan` (the CPU step of a quantized model, shared by its layers) RoPE and
-        attention run as it plans; otherwise through `fused.py` (Triton on CUDA, the twins on
-        the CPU).
+        attention run as it plans; with `flash` (a CUDA step of prefill chunks and any other
+        rows) RoPE and the K/V write through `fused.py` and attention through the prefill
+        kernel; otherwise through `fused.py` (Triton on CUDA, the twins on the CPU).
 
         Mutates: writes the live query tokens' K/V into `k_cache`/`v_cache`.
         """
@@ -260,11 +262,14 @@ class LlamaAttention(nn.Module):
             inv_freq,
             k_cache,
             v_cache,
-            meta.slot_mapping,
+            meta.slot_mapping if flash is None else flash.slot_mapping,
             self.num_heads,
             self.num_kv_heads,
         )  # [T, H_q, D_head]
-        out = paged_decode_attention(query, k_cache, v_cache, meta, self.scale)
+        if flash is not None:
+            out = paged_attention(query, k_cache, v_cache, flash, scale=self.scale)
+        else:
+            out = paged_decode_attention(query, k_cache, v_cache, meta, self.scale)
         return self._reduce(
             self.o_proj.decode(out.reshape(num_tokens, self.num_heads * self.head_dim))
         )
@@ -408,6 +413,15 @@ class LlamaModel(nn.Module):
                 attn, positions, self.rotary_emb.inv_freq, kv_cache.block_size
             )
             return self._forward_decode(input_ids, positions, None, kv_cache, return_layers, plan)
+        if input_ids.is_cuda and self.eager_only_reason is None and attn.tree_mask is None:
+            # The decode step's kernels for every row (prefill chunks beside decode rows), with
+            # the prefill kernel's attention, whose rows are the decode kernel's bits: a
+            # token's row never depends on the path its step takes.
+            flash = AttentionPlan.build(attn, kv_cache.block_size, input_ids.device)
+            if flash.flash:
+                return self._forward_decode(
+                    input_ids, positions, None, kv_cache, return_layers, flash=flash
+                )
         wanted = set(return_layers)
         captured: dict[int, torch.Tensor] = {}
         cos, sin = self.rotary_emb(positions)  # [T, D_head] each
@@ -435,10 +449,12 @@ class LlamaModel(nn.Module):
         kv_cache: KVCache,
         return_layers: Sequence[int],
         plan: DecodePlanCPU | None = None,
+        flash: AttentionPlan | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The decode/verify step through the fused kernels (no host sync: CUDA-graph safe).
         Each residual add is fused into the next RMSNorm. `plan`: the step's CPU plan, made
-        from `meta` when None and the model plans its rows."""
+        from `meta` when None and the model plans its rows; `flash`: a CUDA step of any rows
+        (no `meta`), attending through the prefill kernel."""
         wanted = set(return_layers)
         captured: dict[int, torch.Tensor] = {}
         inv_freq = self.rotary_emb.inv_freq
@@ -460,6 +476,7 @@ class LlamaModel(nn.Module):
                 kv_cache.k_cache[index],
                 kv_cache.v_cache[index],
                 plan,
+                flash,
             )
             normed, residual = add_rms_norm(
                 out,

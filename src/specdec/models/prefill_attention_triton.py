@@ -212,6 +212,7 @@ def paged_prefill_attention_triton(
         IEEE=query.dtype == torch.float32,
         DEVICE_BOUND=query.is_cuda,
         HOST_NUM_TILES=host_tiles,
+        enable_fp_fusion=False,  # see attention_tiles.NO_FP_FUSION
         num_warps=num_warps,
         num_stages=num_stages,
     )

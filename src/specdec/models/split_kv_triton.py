@@ -330,6 +330,7 @@ def _launch(
         IEEE=query.dtype == torch.float32,
         KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
         TREE=tree is not None,
+        enable_fp_fusion=False,  # see attention_tiles.NO_FP_FUSION
         num_warps=tiles.num_warps,
         **({} if tiles.num_stages is None else {"num_stages": tiles.num_stages}),
         **common,
@@ -342,6 +343,7 @@ def _launch(
         out,
         out if lse is None else lse,
         WRITE_LSE=lse is not None,
+        enable_fp_fusion=False,
         num_warps=4,
         **common,
     )
