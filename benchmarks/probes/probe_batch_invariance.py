@@ -310,6 +310,62 @@ def part_attention() -> None:
     RESULTS["attention"] = result
 
 
+def part_prefill_tiles() -> None:
+    """Which prefill-kernel tiles (BLOCK_M, warps) give every row the decode kernel's bits, on
+    the Llama-3-8B attention shape (head_dim 128) and SmolLM2's."""
+    from specdec.models import prefill_attention_triton as prefill_module
+    from specdec.models.attention import DecodeMetadata
+    from specdec.models.fused_triton import paged_decode_attention_triton
+
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    original = prefill_module.prefill_tile
+    result = {}
+    for name, (heads, kv_heads, dim) in {"llama-3-8b": (32, 8, 128), "smollm2": (9, 3, 64)}.items():
+        k_cache = torch.randn(256, 16, kv_heads, dim, device="cuda", generator=generator).bfloat16()
+        v_cache = torch.randn(256, 16, kv_heads, dim, device="cuda", generator=generator).bfloat16()
+        table = torch.arange(256, device="cuda", dtype=torch.int32)[None]
+        length = 1200
+        queries = torch.randn(length, heads, dim, device="cuda", generator=generator).bfloat16()
+        positions = list(range(0, length, 13))
+        alone = []
+        for pos in positions:
+            meta = DecodeMetadata(
+                block_tables=table,
+                context_lens=torch.tensor([pos + 1], device="cuda", dtype=torch.int32),
+                query_lens=torch.ones(1, device="cuda", dtype=torch.int32),
+                slot_mapping=torch.full((1,), -1, device="cuda", dtype=torch.int64),
+                query_per_seq=1,
+            )
+            alone.append(
+                paged_decode_attention_triton(
+                    queries[pos : pos + 1], k_cache, v_cache, meta, dim**-0.5
+                )[0]
+            )
+        for tile in [(128, 8, 3), (128, 4, 3), (64, 4, 3), (64, 8, 2), (32, 4, 3), (16, 4, 3)]:
+            prefill_module.prefill_tile = lambda dtype, block_d, tile=tile: tile
+            out = prefill_module.paged_prefill_attention_triton(
+                queries, k_cache, v_cache,
+                torch.tensor([0, length], device="cuda", dtype=torch.int32),
+                torch.tensor([length], device="cuda", dtype=torch.int32),
+                table, length, scale=dim**-0.5,
+            )  # fmt: skip
+            equal = sum(bool(torch.equal(out[p], a)) for p, a in zip(positions, alone, strict=True))
+            ms = median_ms(
+                lambda: prefill_module.paged_prefill_attention_triton(
+                    queries, k_cache, v_cache,
+                    torch.tensor([0, length], device="cuda", dtype=torch.int32),
+                    torch.tensor([length], device="cuda", dtype=torch.int32),
+                    table, length, scale=dim**-0.5,
+                ),  # fmt: skip
+                repeats=20,
+                warmup=5,
+            )
+            result[f"{name} {tile}"] = {"equal": f"{equal}/{len(positions)}", "ms": ms}
+            log(name, tile, f"{equal}/{len(positions)}", f"{ms:.3f} ms")
+        prefill_module.prefill_tile = original
+    RESULTS["prefill_tiles"] = result
+
+
 # --------------------------------------------------------------------------- engine
 def make_engine(model, spec, max_num_seqs: int = 16, num_kv_blocks: int = 4096):
     from specdec.engine.config import EngineConfig, SpeculativeConfig
@@ -486,6 +542,8 @@ def main() -> None:
                 part_engine(args.toggle_linear)
             elif part == "tpot":
                 part_tpot()
+            elif part == "prefill-tiles":
+                part_prefill_tiles()
             elif part == "tune":
                 part_tune()
         except Exception as error:  # keep the other parts' results

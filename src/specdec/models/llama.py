@@ -595,10 +595,13 @@ class LlamaForCausalLM(nn.Module):
     def float_product_weights(self) -> list[torch.Tensor]:
         """The float [N, K] weights of every product the forward pass runs through
         `batch_invariant_linear` (the layers' projections, fused or not, and a float LM head)."""
+        linears = [module for module in self.modules() if isinstance(module, Linear)]
+        for layer in self.model.layers:  # fused projections are not registered submodules
+            linears += [layer.self_attn.qkv_proj, layer.mlp.gate_up_proj]
         weights = [
-            module.weight
-            for module in self.modules()
-            if isinstance(module, Linear) and module.quantized is None and module.weight is not None
+            linear.weight
+            for linear in linears
+            if linear is not None and linear.quantized is None and linear.weight is not None
         ]
         if self.lm_head_quantized is None:
             weights.append(self.lm_head_weight)

@@ -159,6 +159,15 @@ def _paged_prefill_attention_kernel(
     tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
+def prefill_tile(dtype: torch.dtype, block_d: int) -> tuple[int, int, int]:
+    """(BLOCK_M, num_warps, num_stages) of the prefill kernel for queries of `dtype`."""
+    if dtype == torch.float32:
+        return 32, 4, 1
+    if block_d > 128:
+        return 64, 8, 2
+    return 128, 8, 3
+
+
 def paged_prefill_attention_triton(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -178,12 +187,7 @@ def paged_prefill_attention_triton(
     if num_tokens == 0 or num_seqs == 0 or max_seqlen_q == 0:
         return out
     block_d = max(16, triton.next_power_of_2(head_dim))
-    if query.dtype == torch.float32:
-        block_m, num_warps, num_stages = 32, 4, 1
-    elif block_d > 128:
-        block_m, num_warps, num_stages = 64, 8, 2
-    else:
-        block_m, num_warps, num_stages = 128, 8, 3
+    block_m, num_warps, num_stages = prefill_tile(query.dtype, block_d)
     host_tiles = 0
     if not query.is_cuda:  # the interpreter's bound: every key tile of the longest context
         host_tiles = triton.cdiv(int(context_lens.max()), PREFILL_BLOCK_N)
