@@ -350,16 +350,15 @@ def part_prefill_tiles() -> None:
                 table, length, scale=dim**-0.5,
             )  # fmt: skip
             equal = sum(bool(torch.equal(out[p], a)) for p, a in zip(positions, alone, strict=True))
-            ms = median_ms(
-                lambda: prefill_module.paged_prefill_attention_triton(
-                    queries, k_cache, v_cache,
-                    torch.tensor([0, length], device="cuda", dtype=torch.int32),
-                    torch.tensor([length], device="cuda", dtype=torch.int32),
-                    table, length, scale=dim**-0.5,
-                ),  # fmt: skip
-                repeats=20,
-                warmup=5,
-            )
+            cu = torch.tensor([0, length], device="cuda", dtype=torch.int32)
+            lens = torch.tensor([length], device="cuda", dtype=torch.int32)
+
+            def run(cu=cu, lens=lens):
+                return prefill_module.paged_prefill_attention_triton(
+                    queries, k_cache, v_cache, cu, lens, table, length, scale=dim**-0.5
+                )
+
+            ms = median_ms(run, repeats=20, warmup=5)
             result[f"{name} {tile}"] = {"equal": f"{equal}/{len(positions)}", "ms": ms}
             log(name, tile, f"{equal}/{len(positions)}", f"{ms:.3f} ms")
         prefill_module.prefill_tile = original
