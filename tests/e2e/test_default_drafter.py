@@ -10,9 +10,11 @@ import pytest
 
 from specdec import LLM, SamplingParams
 from specdec.cli import DEFAULT_SPECULATIVE_CONFIG, default_spec, main
+from specdec.drafters.config import DEFAULT_REJECTION_SAMPLE_METHOD
 from specdec.drafters.default import (
     DEFAULT_EAGLE_DIR,
     DEFAULT_NUM_SPECULATIVE_TOKENS,
+    complete_speculative_config,
     default_speculative_config,
 )
 
@@ -39,6 +41,62 @@ def test_the_shipped_head_is_small_and_the_default():
     assert default_speculative_config(None, "cuda")["num_speculative_tokens"] == 4
     with pytest.raises(ValueError, match="'mps'"):
         default_speculative_config(None, "mps")
+
+
+def test_a_partial_speculative_config_keeps_the_default_drafter_and_k():
+    """Keys left out keep the default speculation's values when the default's drafter is kept
+    (they used to fall back to n-gram at K = 4, and `{"method": "eagle"}` took K = 4 on the
+    CPU); another drafter, another head or another target keeps the dataclass defaults."""
+    for device, k in DEFAULT_NUM_SPECULATIVE_TOKENS.items():
+        verifier = complete_speculative_config(
+            {"rejection_sample_method": "standard"}, None, device
+        )
+        assert verifier == {
+            "method": "eagle",
+            "model": str(DEFAULT_EAGLE_DIR),
+            "num_speculative_tokens": k,
+            "rejection_sample_method": "standard",
+        }
+        eagle = complete_speculative_config({"method": "eagle"}, None, device)
+        assert eagle["num_speculative_tokens"] == k and eagle["model"] == str(DEFAULT_EAGLE_DIR)
+        assert (
+            complete_speculative_config({"num_speculative_tokens": 2}, None, device)[
+                "num_speculative_tokens"
+            ]
+            == 2
+        )
+    assert complete_speculative_config({"method": "ngram"}, None, "cpu") == {"method": "ngram"}
+    other_head = {"method": "eagle", "model": "/a/head"}
+    assert complete_speculative_config(other_head, None, "cpu") == other_head
+    partial = {"rejection_sample_method": "block"}
+    assert complete_speculative_config(partial, "some/model", "cpu") == partial
+    assert complete_speculative_config(None, None, "cpu") is None
+    # The LLM and the command line take the same rule; the default verifier is coupled.
+    assert DEFAULT_REJECTION_SAMPLE_METHOD == "coupled"
+    spec = LLM(
+        speculative_config={"rejection_sample_method": "standard"}, max_model_len=256
+    ).engine.speculative_config
+    assert (spec.method, spec.model, spec.num_speculative_tokens) == (
+        "eagle",
+        str(DEFAULT_EAGLE_DIR),
+        DEFAULT_NUM_SPECULATIVE_TOKENS["cpu"],
+    )
+    assert spec.rejection_sample_method == "standard"
+    assert LLM(max_model_len=256).engine.speculative_config.rejection_sample_method == "coupled"
+
+
+def test_the_command_line_keeps_the_default_for_keys_it_leaves_out():
+    import argparse
+
+    from specdec.cli.flags import speculative_config
+
+    args = argparse.Namespace(
+        speculative_config={"rejection_sample_method": "block"}, model=None, device="cpu"
+    )
+    spec = speculative_config(args, default_spec(None, "cpu"))
+    assert spec.method == "eagle" and spec.model == str(DEFAULT_EAGLE_DIR)
+    assert spec.num_speculative_tokens == DEFAULT_NUM_SPECULATIVE_TOKENS["cpu"]
+    assert spec.rejection_sample_method == "block"
 
 
 @pytest.fixture(scope="module")
