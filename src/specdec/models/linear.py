@@ -8,8 +8,9 @@ the row count, and on the H200 that changes a row's bits for some weights (Llama
 rows on) and not for others (SmolLM2's, up to 512 rows at least). So on CUDA a weight keeps
 cuBLAS only where `check_cublas_rows` found every row of every row count the engine can run
 equal to the row alone; every other float product runs `linear_triton`, whose rows are the
-same bits for every row count. On the CPU the product is F.linear (the kept-quantized default
-takes the weight-only kernels of `quant.py` instead). Nothing here draws randomness.
+same bits for every row count. On the CPU the product is F.linear over rows padded to a multiple
+of 4 (the kept-quantized default takes the weight-only kernels of `quant.py` instead). Nothing
+here draws randomness.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ import torch.nn.functional as F
 # Whether CUDA products are made row-invariant at all (probes measure the cost by turning it
 # off; the engine never does).
 ROW_INVARIANT_ON_CUDA = True
+# On the CPU a float GEMM gives a row other bits for 1-3, 5-7 and 9-11 rows than for 4, 8 and
+# 12 or more (this 2-core EPYC's BLAS), and the same bits for every multiple of 4 (checked up to
+# 520 rows: tests/unit/models/test_linear_cpu.py guards it): products are padded to it.
+CPU_ROW_MULTIPLE = 4
 
 # (N, K, dtype, device) of a weight -> the most rows for which cuBLAS was checked to give every
 # row the bits of the row alone (absent: not checked or failed: the Triton kernel).
@@ -41,6 +46,21 @@ def batch_invariant_linear_ref(
     return out.to(x.dtype)
 
 
+def _padded_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """F.linear over x's rows padded with zeros to a multiple of CPU_ROW_MULTIPLE (the CPU's
+    row-invariant product; see CPU_ROW_MULTIPLE). x: [..., K] -> [..., N]."""
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1])
+    count = rows.shape[0]
+    extra = -count % CPU_ROW_MULTIPLE
+    if extra:
+        rows = torch.cat([rows, rows.new_zeros(extra, rows.shape[1])])
+    out = F.linear(rows, weight, bias)[:count]
+    return out.reshape(*lead, out.shape[-1])
+
+
 def _key(weight: torch.Tensor) -> tuple[int, int, torch.dtype, torch.device]:
     return (weight.shape[0], weight.shape[1], weight.dtype, weight.device)
 
@@ -51,7 +71,9 @@ def batch_invariant_linear(
     """x W^T (+ bias) for x of [..., K] and weight [N, K]: on CUDA every row computed as it
     would be alone (cuBLAS for a weight `check_cublas_rows` cleared, in slices of at most the
     rows it checked; `linear_triton` otherwise), elsewhere F.linear. Returns [..., N]."""
-    if not (x.is_cuda and ROW_INVARIANT_ON_CUDA) or x.dtype != weight.dtype:
+    if not x.is_cuda:
+        return _padded_linear(x, weight, bias)
+    if not ROW_INVARIANT_ON_CUDA or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])

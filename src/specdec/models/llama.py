@@ -32,7 +32,7 @@ from specdec.models.fused import (
     silu_mul,
 )
 from specdec.models.linear import batch_invariant_linear
-from specdec.models.quant import QuantizedWeight, embedding_lookup, quant_linear, rowwise_linear
+from specdec.models.quant import QuantizedWeight, embedding_lookup, quant_linear
 from specdec.models.quant_formats import GroupQuantized
 from specdec.models.rope import RotaryEmbedding, apply_rotary, attention_scale
 from specdec.models.tensor_parallel import Collectives, ShardLayout
@@ -407,8 +407,8 @@ class LlamaModel(nn.Module):
         if isinstance(attn, DecodeMetadata):
             return self._forward_decode(input_ids, positions, attn, kv_cache, return_layers)
         if self._plans_rows(input_ids) and attn.tree_mask is None:
-            # Every row as a decode row of the same token (the CPU's one numerics for a
-            # quantized model: see `DecodePlanCPU.from_attention`).
+            # Every row as a decode row of the same token (the CPU's one numerics: see
+            # `DecodePlanCPU.from_attention`).
             plan = DecodePlanCPU.from_attention(
                 attn, positions, self.rotary_emb.inv_freq, kv_cache.block_size
             )
@@ -434,12 +434,12 @@ class LlamaModel(nn.Module):
         return self.norm(hidden), [captured[index] for index in return_layers]
 
     def _plans_rows(self, input_ids: torch.Tensor) -> bool:
-        """Whether a step runs through a `DecodePlanCPU`: a quantized model on the CPU (its
-        steps are bound by per-operation overhead, and every row then takes the same
-        operations whatever else the step holds) that the plan can run (one frequency table
-        for every position, no window: not dynamic NTK, whose frequencies depend on the
-        position)."""
-        return not input_ids.is_cuda and self.is_quantized and self.eager_only_reason is None
+        """Whether a step runs through a `DecodePlanCPU`: every model on the CPU that the plan
+        can run (one frequency table for every position, no window: not dynamic NTK, whose
+        frequencies depend on the position), so that every row takes the same operations
+        whatever else the step holds (and a quantized model's step, bound by per-operation
+        overhead, does its index work once)."""
+        return not input_ids.is_cuda and self.eager_only_reason is None
 
     def _forward_decode(
         self,
@@ -623,17 +623,14 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, decode: bool = False) -> torch.Tensor:
         """Args: hidden: [N, D] final hidden states; decode: rows of a decode/verify step
-        (computed as each would be alone, see `Linear.decode`). A model whose CPU steps are
-        planned row by row (quantized) computes every row so, `decode` or not: a float head's
-        GEMM would give a row other bits beside a prefill chunk's rows than alone.
+        (a quantized head then always takes its weight-only kernel, see `Linear.decode`; a
+        float head's rows never depend on the row count: `batch_invariant_linear`).
 
         Returns: [N, V] float32 logits (under tensor parallelism every rank's vocabulary rows,
         gathered)."""
         head = self.lm_head_quantized
         if head is not None:
             logits = quant_linear(hidden, head, kernel_only=decode).float()
-        elif decode or self.model._plans_rows(hidden):
-            logits = rowwise_linear(hidden, self.lm_head_weight).float()
         else:
             logits = batch_invariant_linear(hidden, self.lm_head_weight).float()
         return logits if self.tp is None else self.tp.gather_vocab(logits)

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 from specdec.models.linear import batch_invariant_linear
 from specdec.models.quant_formats import (
@@ -468,22 +467,7 @@ class QuantizedWeight:
                 return out if out.dtype == x.dtype else out.to(x.dtype)
             return quant_triton.quant_matmul_triton(x, self._tensors, self._meta, self.shape)
         weight = self.dequantize().to(x.dtype)
-        return rowwise_linear(x, weight) if kernel_only else batch_invariant_linear(x, weight)
-
-
-def rowwise_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """F.linear one row at a time on the CPU: a GEMM's result for a row may depend on how many
-    rows it multiplies (its blocking), one row's never does. For float weights on the decode
-    path (verify rows must equal decode rows); on CUDA the plain product.
-
-    Args: x: [M, K]. weight: [N, K]. bias: [N] or None. Returns: [M, N]."""
-    if x.is_cuda:
-        return batch_invariant_linear(x, weight, bias)
-    if x.shape[0] <= 1:
-        return F.linear(x, weight, bias)
-    return torch.cat([F.linear(x[row : row + 1], weight, bias) for row in range(x.shape[0])])
+        return batch_invariant_linear(x, weight)
 
 
 def _pack_int4_rows(nibbles: torch.Tensor, rows_per_call: int = 4096) -> torch.Tensor:

@@ -91,8 +91,8 @@ class PagedModelRunner:
         self.max_num_seqs = max_num_seqs
         if decode_path is None:
             # On the CPU only for quantized models: there per-operation overhead bounds the
-            # step and the decode path plans it once; float models keep the eager path, which
-            # reproduces `transformers` bit for bit.
+            # step and the decode path plans it once; float models keep the eager path (whose
+            # forward plans every row the same way: `LlamaModel._plans_rows`).
             decode_path = model.config.eager_only_reason is None and (
                 self.device.type == "cuda" or model.quantization is not None
             )

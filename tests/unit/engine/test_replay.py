@@ -169,17 +169,6 @@ def test_per_request_k_above_the_engines_replays(
     assert engine.stats.num_accepted_tokens > 0
 
 
-# A float model on the CPU runs the eager path (`PagedModelRunner._run_eager`): each linear is one
-# GEMM over all of the step's rows, whose bits for a row depend on how many rows it multiplies
-# (here: 1, 2-3 and 4+ rows give three results), and attention is SDPA padded to the step's
-# longest sequence. Nearly every logits row then differs by ~1e-6 between a request alone and
-# in a batch; its tokens replayed here only because no sampled token sat that close to a tie.
-FLOAT_ROWS_DEPEND_ON_THE_BATCH = (
-    "float model on the CPU: the eager path's GEMMs over the step's rows give a row other bits "
-    "in a batch than alone"
-)
-
-
 @pytest.mark.parametrize(
     ("pattern", "spec", "engine_args"),
     [
@@ -194,9 +183,7 @@ FLOAT_ROWS_DEPEND_ON_THE_BATCH = (
     "model",
     [
         "gguf",
-        pytest.param(
-            "float", marks=pytest.mark.xfail(strict=True, reason=FLOAT_ROWS_DEPEND_ON_THE_BATCH)
-        ),
+        "float",
     ],
 )
 def test_values_replay_bit_for_bit(
