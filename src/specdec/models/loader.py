@@ -19,7 +19,8 @@ import torch
 
 from specdec.models.config import ModelConfig
 from specdec.models.gguf_file import GGUFFile
-from specdec.models.llama import Linear, LlamaForCausalLM, fused_quantized, set_fused
+from specdec.models.layers import Linear, fused_quantized, set_fused
+from specdec.models.llama import LlamaForCausalLM
 from specdec.models.quant import QuantizedWeight
 from specdec.models.quant_formats import (
     Fp8Quantized,

@@ -22,13 +22,8 @@ from torch import nn
 
 from specdec.drafters.config import MAX_NUM_SPECULATIVE_TOKENS
 from specdec.models import LlamaForCausalLM, ModelConfig
-from specdec.models.llama import (
-    Embedding,
-    Linear,
-    LlamaAttention,
-    LlamaMLP,
-    RMSNorm,
-)
+from specdec.models.layers import Embedding, Linear, RMSNorm
+from specdec.models.llama import LlamaAttention, LlamaMLP
 from specdec.models.rope import RotaryEmbedding, apply_rotary
 from specdec.models.weights import CheckpointError, assign_weights
 

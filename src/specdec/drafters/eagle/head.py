@@ -22,12 +22,8 @@ from torch import nn
 from specdec.models.attention import AttentionMetadata, AttentionPlan, DecodeMetadata, KVCache
 from specdec.models.config import ModelConfig
 from specdec.models.fused import add_rms_norm
-from specdec.models.llama import (
-    Linear,
-    LlamaDecoderLayer,
-    LlamaForCausalLM,
-    RMSNorm,
-)
+from specdec.models.layers import Linear, RMSNorm
+from specdec.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from specdec.models.loader import quantize_layer
 from specdec.models.quant import QuantizedWeight, quant_linear
 from specdec.models.quant_formats import quantize
