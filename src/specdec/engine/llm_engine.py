@@ -38,6 +38,7 @@ from specdec.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfi
 from specdec.engine.setup import (
     check_kv_cache_dtype,
     check_tensor_parallel,
+    choose_products,
     draft_cache_layers,
     resolve_device,
     resolve_dtype,
@@ -49,7 +50,6 @@ from specdec.engine.spec_policy import SpeculationPolicy
 from specdec.engine.speculative_loops import SpeculativeLoops
 from specdec.metrics import LoopStats, SpecDecodeStats
 from specdec.models import LlamaForCausalLM, Tokenizer, default_model_path, load_model
-from specdec.models.linear import check_cublas_rows
 from specdec.models.loader import load_vocabulary_layers
 from specdec.rng import derive_seed, engine_request_seed, fresh_seed, to_signed64
 from specdec.runner import BlockAllocator, PagedModelRunner, StepInput
@@ -146,14 +146,7 @@ class LLMEngine(SpeculativeLoops):
         runner_args["prefill_width"] = PREFILL_GRAPH_WIDTH if graphed_prefill else 0
         if self.tensor_parallel is None:
             self.runner = PagedModelRunner(model, **runner_args)
-            if self.device.type == "cuda":
-                # Which weights keep cuBLAS (its rows must not depend on the row count, up to
-                # the most rows a step's product can have); the rest take the Triton GEMM.
-                max_rows = max(
-                    config.max_num_batched_tokens,
-                    config.max_num_seqs * runner_args["max_query_len"],
-                )
-                check_cublas_rows(model.float_product_weights(), max_rows)
+            choose_products(model, config, runner_args["max_query_len"])
         else:  # every rank builds its runner; each step is replayed on the workers
             self.runner = TensorParallelRunner(model, self.tensor_parallel, runner_args)
         self.scheduler = Scheduler(

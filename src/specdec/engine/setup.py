@@ -12,6 +12,7 @@ import torch
 from specdec.drafters.block.network import BLOCK_DRAFTER_KINDS, read_block_drafter_config
 from specdec.engine.config import EngineConfig
 from specdec.models import LlamaForCausalLM
+from specdec.models.linear import check_cublas_rows
 
 CPU_KV_CACHE_BYTES = 1 << 30
 # max_model_len of a model whose config declares no context length.
@@ -157,6 +158,17 @@ def _default_num_blocks(
             f"max_model_len={max_model_len} needs ({minimum}); lower max_model_len"
         )
     return num_blocks
+
+
+def choose_products(model: LlamaForCausalLM, config: EngineConfig, max_query_len: int) -> None:
+    """On CUDA, which of the model's float weights keep cuBLAS: those whose rows do not depend
+    on the row count up to the most rows one of the engine's products can have (a step's token
+    budget, or a decode step's rows); the rest take the row-invariant Triton GEMM
+    (`models/linear.py`). Nothing on the CPU."""
+    if model.device.type != "cuda":
+        return
+    max_rows = max(config.max_num_batched_tokens, config.max_num_seqs * max_query_len)
+    check_cublas_rows(model.float_product_weights(), max_rows)
 
 
 def draft_cache_layers(spec, model: LlamaForCausalLM) -> int:
