@@ -477,19 +477,26 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("the LM head is quantized: it has no float weight")
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def compute_logits(self, hidden: torch.Tensor, decode: bool = False) -> torch.Tensor:
+    def compute_logits(
+        self, hidden: torch.Tensor, decode: bool = False, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Args: hidden: [N, D] final hidden states; decode: rows of a decode/verify step
         (a quantized head then always takes its weight-only kernel, see `Linear.decode`; a
-        float head's rows never depend on the row count: `batch_invariant_linear`).
+        float head's rows never depend on the row count: `batch_invariant_linear`); out: a
+        float32 [N, V] buffer to write them into (a graphed step's), cast in the copy.
 
-        Returns: [N, V] float32 logits (under tensor parallelism every rank's vocabulary rows,
-        gathered)."""
+        Returns: [N, V] float32 logits (`out` if given; under tensor parallelism every rank's
+        vocabulary rows, gathered)."""
         head = self.lm_head_quantized
         if head is not None:
-            logits = quant_linear(hidden, head, kernel_only=decode).float()
+            logits = quant_linear(hidden, head, kernel_only=decode)
         else:
-            logits = batch_invariant_linear(hidden, self.lm_head_weight).float()
-        return logits if self.tp is None else self.tp.gather_vocab(logits)
+            logits = batch_invariant_linear(hidden, self.lm_head_weight)
+        if self.tp is not None:
+            logits = self.tp.gather_vocab(logits.float())
+        if out is not None:
+            return out.copy_(logits)
+        return logits.float()
 
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None

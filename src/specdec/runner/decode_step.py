@@ -82,12 +82,6 @@ class DecodeGraphs:
         self.block_tables = self.inputs["block_tables"].view(max_num_seqs, max_blocks_per_seq)
         vocab = model.config.vocab_size
         self.logits = torch.empty(max_rows, vocab, dtype=torch.float32, device=device)
-        weight_dtype = model.dtype
-        self._logits_lowp = (
-            None
-            if weight_dtype == torch.float32
-            else torch.empty(max_rows, vocab, dtype=weight_dtype, device=device)
-        )
         # (padded batch, Q, feature layers, tree, last rows, split) -> (graph, features it
         # writes or None)
         self.graph_cache = GraphCache(use_graphs)
@@ -153,16 +147,10 @@ class DecodeGraphs:
             ends = (self.query_lens[:num_seqs] - 1).clamp_min(0)
             ends += torch.arange(num_seqs, device=ends.device) * query_per_seq
             hidden, rows = hidden.index_select(0, ends), num_seqs
-        quantized_cpu = not hidden.is_cuda and self.model.quantization is not None
-        if self.model.lm_head_quantized is not None or quantized_cpu or self.model.tp:
-            # Rows as each would be alone: a verify row's logits equal the decode row's (and
-            # under tensor parallelism the ranks' vocabulary shards are gathered).
-            self.logits[:rows].copy_(self.model.compute_logits(hidden, decode=True))
-        elif self._logits_lowp is None:
-            torch.mm(hidden, self.model.lm_head_weight.t(), out=self.logits[:rows])
-        else:
-            torch.mm(hidden, self.model.lm_head_weight.t(), out=self._logits_lowp[:rows])
-            self.logits[:rows].copy_(self._logits_lowp[:rows])
+        # Every row's logits as the row alone would get them (`compute_logits` through
+        # `batch_invariant_linear`: a bare cuBLAS product here gave the LM head of a model
+        # whose head shape fails the start-up check other bits at other batch buckets).
+        self.model.compute_logits(hidden, decode=True, out=self.logits[:rows])
         return torch.cat(layers, dim=-1) if layers else None
 
     @property
