@@ -15,6 +15,10 @@ Parts (`--parts`, comma-separated):
   plain decoding and the default speculation (the shipped head, adaptive K, the default
   verifier); greedy speculative against greedy plain with half the requests joining mid-run.
   With `--toggle-linear`, also with `ROW_INVARIANT_ON_CUDA = False` (cuBLAS).
+- `bisect`: the replay fixtures' requests alone against a closed batch and arrivals (tokens,
+  and logprobs bit for bit) under engine settings that each turn one part off (graphs, the
+  overlapped loop, graphed prefill, cuBLAS): on random weights and on `--model`.
+- `capture`: cuBLAS rows of an M-row product replayed from a CUDA graph against the rows alone.
 - `tpot`: plain TPOT at batch 1 and 64 (SmolLM2 shape), with the row-invariant GEMM and with
   cuBLAS, in this process.
 
@@ -367,17 +371,21 @@ def part_prefill_tiles() -> None:
 
 # --------------------------------------------------------------------------- engine
 def make_engine(model, spec, max_num_seqs: int = 16, num_kv_blocks: int = 4096):
+    """An engine on `model` (a built model object, or a GGUF / HF path loaded by the engine)."""
     from specdec.engine.config import EngineConfig, SpeculativeConfig
     from specdec.engine.llm_engine import LLMEngine
 
+    path = model if isinstance(model, str) else None
     config = EngineConfig(
+        model=path,
         device=DEVICE,
         dtype="bfloat16",
         max_num_seqs=max_num_seqs,
         max_model_len=1024,
         num_kv_blocks=num_kv_blocks,
     )
-    return LLMEngine(config, SpeculativeConfig.from_dict(spec), model=model, tokenizer=None)
+    built = None if path else model
+    return LLMEngine(config, SpeculativeConfig.from_dict(spec), model=built, tokenizer=None)
 
 
 def run_arrivals(engine, prompts, params, arrivals, tag: str) -> dict[str, list[int]]:
@@ -396,14 +404,17 @@ def run_arrivals(engine, prompts, params, arrivals, tag: str) -> dict[str, list[
     return out
 
 
-def part_engine(toggle: bool) -> None:
+def part_engine(toggle: bool, model_path: str | None) -> None:
     from bench_gpu_engine import build_ours
     from specdec.drafters.default import DEFAULT_EAGLE_DIR
     from specdec.models import linear as linear_module
     from specdec.sampling import SamplingParams
 
-    model = build_ours(SHAPE, DEVICE)
-    vocab = model.config.vocab_size
+    if model_path:  # a real checkpoint (the built-in GGUF): prompts from its vocabulary
+        model, vocab = model_path, 49152
+    else:
+        model = build_ours(SHAPE, DEVICE)
+        vocab = model.config.vocab_size
     rng = random.Random(0)
     lengths = [5, 9, 17, 30, 64, 100, 150, 200, 260, 7, 40, 12]
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
@@ -475,11 +486,162 @@ def part_engine(toggle: bool) -> None:
         spec_g = run_arrivals(engine, prompts, greedy, [(0, i) for i in range(n)], "g")
         del engine
         torch.cuda.empty_cache()
+        # each greedy request alone, plain and speculative: which side changed
+        engine = make_engine(model, None)
+        plain_alone = {}
+        for i in range(n):
+            plain_alone.update(run_arrivals(engine, prompts, greedy, [(0, i)], "ga"))
+        del engine
+        engine = make_engine(model, spec_default)
+        spec_alone = {}
+        for i in range(n):
+            spec_alone.update(run_arrivals(engine, prompts, greedy, [(0, i)], "ga"))
+        del engine
+        torch.cuda.empty_cache()
+        differing = []
+        for i in map(str, range(n)):
+            a, b = plain_g[i], spec_g[i]
+            if a != b:
+                first = next(
+                    (j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                    min(len(a), len(b)),
+                )
+                differing.append({
+                    "request": int(i), "first position": first, "plain": a[first:first + 3],
+                    "spec": b[first:first + 3], "plain alone == plain batched": plain_alone[i] == a,
+                    "spec alone == spec batched": spec_alone[i] == b,
+                    "spec alone == plain alone": spec_alone[i] == plain_alone[i],
+                })  # fmt: skip
         same = sum(plain_g[str(i)] == spec_g[str(i)] for i in range(n))
         result[f"{label} / greedy spec == greedy plain (max_num_seqs 6)"] = same
-        log(label, "greedy spec == plain", same, "of", n)
+        result[f"{label} / greedy differing"] = differing
+        result[f"{label} / greedy alone: spec == plain"] = sum(
+            plain_alone[str(i)] == spec_alone[str(i)] for i in range(n)
+        )
+        log(label, "greedy spec == plain", same, "of", n, differing)
     linear_module.ROW_INVARIANT_ON_CUDA = True
     RESULTS["engine"] = result
+
+
+# --------------------------------------------------------------------------- bisect
+BISECT_CONFIGS = {  # engine arguments; "_triton": every float product on the Triton GEMM
+    "default": {},
+    "eager (no graphs)": {"enforce_eager": True},
+    "no async": {"async_scheduling": False},
+    "no prefill graphs": {"prefill_graph_tokens": 0},
+    "triton everywhere": {"_triton": True},
+    "eager, no async, triton": {"enforce_eager": True, "async_scheduling": False, "_triton": True},
+}
+
+
+def force_triton(on: bool) -> None:
+    """Every float product on the Triton GEMM (the start-up cuBLAS check skipped) or back."""
+    from specdec.engine import setup as setup_module
+    from specdec.models import linear as linear_module
+
+    if not hasattr(setup_module, "_probe_check"):
+        setup_module._probe_check = setup_module.check_cublas_rows
+    linear_module._CUBLAS_ROWS.clear()
+    setup_module.check_cublas_rows = (lambda w, m: {}) if on else setup_module._probe_check
+
+
+def part_bisect(model_path: str | None) -> None:
+    """The replay fixtures' six requests (tests/replay_fixtures.py) alone against a closed batch
+    and uniform arrivals, tokens (the overlapped path) and with logprobs (values bit for bit),
+    under each of BISECT_CONFIGS: which part of the CUDA path makes a row depend on its batch."""
+    from bench_gpu_engine import build_ours
+    from replay_fixtures import (
+        arrivals,
+        drive,
+        mismatches,
+        replay_requests,
+        run_alone,
+        with_logprobs,
+    )
+    from specdec.engine.config import EngineConfig, SpeculativeConfig
+    from specdec.engine.llm_engine import LLMEngine
+
+    models = {"random": build_ours(SHAPE, DEVICE)}
+    if model_path:
+        models["builtin"] = model_path
+    requests = replay_requests()
+    result = {}
+    for model_name, model in models.items():
+        for config_name, args in BISECT_CONFIGS.items():
+            args = dict(args)
+            force_triton(args.pop("_triton", False))
+            path = model if isinstance(model, str) else None
+
+            def make():
+                config = EngineConfig(
+                    model=path, device=DEVICE, dtype="bfloat16", max_model_len=128, **args
+                )
+                built = None if path else model
+                return LLMEngine(config, SpeculativeConfig.from_dict(None), model=built)
+
+            row = {}
+            t0 = time.perf_counter()
+            for values in (False, True):
+                batch = with_logprobs(requests) if values else requests
+                alone = run_alone(make(), batch)
+                for pattern in ("closed", "uniform"):
+                    got = drive(make(), batch, arrivals(pattern, len(batch)).schedule)
+                    key = pattern + (" values" if values else " tokens")
+                    row[key] = mismatches(alone, got, batch)
+            row["seconds"] = round(time.perf_counter() - t0, 1)
+            if config_name == "default":  # the weights' layout and the cuBLAS check's verdicts
+                from specdec.models import linear as linear_module
+
+                engine = make()
+                row["weights"] = sorted(
+                    {
+                        (tuple(w.shape), w.is_contiguous(), tuple(w.stride()), w.data_ptr() % 256)
+                        for w in engine.model.float_product_weights()
+                    }
+                )
+                row["cublas rows"] = {str(k[:2]): v for k, v in linear_module._CUBLAS_ROWS.items()}
+                del engine
+            result[f"{model_name} / {config_name}"] = row
+            log(
+                model_name,
+                config_name,
+                {k: len(v) if isinstance(v, list) else v for k, v in row.items()},
+            )
+            torch.cuda.empty_cache()
+    force_triton(False)
+    RESULTS["bisect"] = result
+
+
+def part_capture() -> None:
+    """cuBLAS inside a captured graph against eager: each SmolLM2 weight shape, rows alone
+    (eager) against the same rows of an M-row product replayed from a graph, M = 1..64."""
+    import torch.nn.functional as F
+
+    result = {}
+    for n, k in WEIGHT_SHAPES["smollm2"]:
+        weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+        alone = torch.cat([F.linear(x[i : i + 1], weight) for i in range(64)])
+        eager_bad, graph_bad = [], []
+        for m in range(1, 65):
+            if not torch.equal(F.linear(x[:m], weight), alone[:m]):
+                eager_bad.append(m)
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                out.copy_(F.linear(x[:m], weight))
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out.copy_(F.linear(x[:m], weight))
+            graph.replay()
+            torch.cuda.synchronize()
+            if not torch.equal(out, alone[:m]):
+                graph_bad.append(m)
+        result[f"{n}x{k}"] = {"eager differs at M": eager_bad, "graph differs at M": graph_bad}
+        log(n, k, result[f"{n}x{k}"])
+    RESULTS["capture"] = result
 
 
 # --------------------------------------------------------------------------- tpot
@@ -511,6 +673,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--parts", default="dot,attention,engine,tpot")
     parser.add_argument("--toggle-linear", action="store_true")
+    parser.add_argument("--model", default=None, help="engine part: a GGUF or HF path")
     parser.add_argument("--smoke", action="store_true", help="a tiny shape on the CPU")
     args = parser.parse_args()
     if args.smoke:
@@ -538,13 +701,17 @@ def main() -> None:
             elif part == "attention":
                 part_attention()
             elif part == "engine":
-                part_engine(args.toggle_linear)
+                part_engine(args.toggle_linear, args.model)
             elif part == "tpot":
                 part_tpot()
             elif part == "prefill-tiles":
                 part_prefill_tiles()
             elif part == "tune":
                 part_tune()
+            elif part == "bisect":
+                part_bisect(args.model)
+            elif part == "capture":
+                part_capture()
         except Exception as error:  # keep the other parts' results
             import traceback
 
