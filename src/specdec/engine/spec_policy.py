@@ -43,6 +43,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 PLAIN = -1  # the plain arm: a plain overlapped decode step, outside device rounds
+# The share of the time that re-exploring K on an engine of synchronous steps (the CPU) may
+# cost (`SpeculationPolicy.side_budget`).
+SYNC_EXPLORE_BUDGET = 0.02
 
 # The expected maximum of 2^i independent standard normals, i = 0..10.
 _EXPECTED_MAX_NORMAL = (0.0, 0.5642, 1.0294, 1.4236, 1.7660, 2.0697, 2.3437, 2.5946, 2.8269,
@@ -94,6 +97,10 @@ class SpeculationPolicy:
         ramp: measured steps at the start of each visit to an arm that are not kept.
         window: measurements of a cost kept (its estimate is their median).
         decay: weight of the newest round in the running acceptance.
+        side_budget: None: an arm on the batch's side of the rounds' border is re-explored
+            every `explore_every` steps. A share (the synchronous step of the CPU, where a
+            drafted step costs twice a plain one): only once that share of the time since pays
+            for what exploring it is expected to lose against the best arm.
     """
 
     max_k: int
@@ -105,6 +112,7 @@ class SpeculationPolicy:
     ramp: int = 2
     window: int = 8
     decay: float = 0.1
+    side_budget: float | None = None
     _costs: dict[tuple[int, int], _Cost] = field(default_factory=dict)
     _entry: dict[int, deque[float]] = field(default_factory=dict)  # bucket -> entry costs
     _tried: dict[tuple[int, int], int] = field(default_factory=dict)
@@ -115,6 +123,7 @@ class SpeculationPolicy:
     _visit: tuple[int, int] = (0, PLAIN - 1)  # (bucket, arm) of the visit going on
     _visit_measured: int = 0  # its steps measured so far
     _credit: float = 0.0  # seconds of exploration across the rounds' border earned so far
+    _side_credit: float = 0.0  # seconds of exploration on the batch's side (`side_budget`)
     chosen: dict[int, int] = field(default_factory=dict)  # K (PLAIN: -1) -> times chosen
 
     def __post_init__(self) -> None:
@@ -151,7 +160,9 @@ class SpeculationPolicy:
             return self._hold[0]
         # Every arm runs `explore_run` steps in a row first, then again in turn now and then.
         arms = self.arms
-        for k in arms:
+        # Synchronous steps (`side_budget`) try the largest K first, so that the first steps of
+        # short requests draft (device rounds start cheap, from K = 0).
+        for k in arms if self.side_budget is None else arms[::-1]:
             if self._tried.get((bucket, k), 0) < self.explore_run:
                 self._tried[(bucket, k)] = self._tried.get((bucket, k), 0) + 1
                 return k
@@ -166,6 +177,8 @@ class SpeculationPolicy:
                 k = others[(self._rounds // self.explore_every) % len(others)]
                 if (k == PLAIN) == in_rounds:
                     self._credit -= self.round_trip_seconds(bucket)
+                elif self.side_budget is not None:
+                    self._side_credit -= self.exploration_loss(bucket, k, best)
                 self._hold = [k, self.explore_run - 1]
                 return k
         return best
@@ -173,7 +186,26 @@ class SpeculationPolicy:
     def _may_explore(self, bucket: int, k: int, in_rounds: bool) -> bool:
         """Whether arm k may be explored now: on the batch's side of the rounds' border always;
         across it once the exploration credit covers the way there and back."""
-        return (k == PLAIN) != in_rounds or self._credit >= self.round_trip_seconds(bucket)
+        if (k == PLAIN) == in_rounds:
+            return self._credit >= self.round_trip_seconds(bucket)
+        if self.side_budget is None:
+            return True
+        loss = self.exploration_loss(bucket, k, self._best(bucket))
+        self._side_credit = min(self._side_credit, 2 * loss)  # at most two explorations banked
+        return self._side_credit >= loss
+
+    def _best(self, bucket: int) -> int:
+        """The arm of most expected tokens per second at `bucket` (unmeasured arms first)."""
+        return max(self.arms, key=lambda k: self.tokens_per_second(bucket, k))
+
+    def exploration_loss(self, bucket: int, k: int, best: int) -> float:
+        """The seconds that `explore_run` steps of arm k are expected to lose against arm
+        `best`: their cost less the time `best` takes to emit their expected tokens (0 when
+        either was never measured at `bucket`)."""
+        cost, rate = self._costs.get((bucket, k)), self.tokens_per_second(bucket, best)
+        if cost is None or not cost.recent or math.isinf(rate):
+            return 0.0
+        return self.explore_run * max(cost.seconds - self.expected_tokens(k) / rate, 0.0)
 
     # ------------------------------------------------------------------ the model
     def acceptance(self, i: int) -> float:
@@ -273,6 +305,8 @@ class SpeculationPolicy:
         if seconds is not None:  # credit for exploring, up to two round trips' worth
             cap = 2 * self.round_trip_seconds(bucket)
             self._credit = min(self._credit + self.explore_budget * seconds, cap)
+            if self.side_budget is not None:
+                self._side_credit += self.side_budget * seconds
             self._visit_measured += 1
             cost = self._costs.setdefault((bucket, k), _Cost(deque(maxlen=self.window)))
             if self._visit_measured > self.ramp:

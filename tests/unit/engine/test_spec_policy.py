@@ -274,3 +274,29 @@ def test_non_anticipating_with_a_horizon():
         a.observe(8, 2, seconds[2], [(2, 2)] * 8)
         b.observe(8, 2, seconds[2], [(2, 0)] * 8)
     assert a.choose(8, horizon) == 2 and b.choose(8, horizon) == PLAIN
+
+
+def test_side_budget_keeps_the_cost_of_re_exploring_k_within_its_share():
+    """Synchronous steps (the CPU): a K = 1 step costs 2.2 s for 1.5 tokens, a K = 0 step 1 s
+    for 1, so exploring K = 1 for `explore_run` steps loses 5 x (2.2 - 1.5) = 3.5 s. With a 2%
+    side budget over 2,000 steps (~2,000 s), the re-explorations lose at most ~2% of the time
+    (and some happen); negative control: without the budget K = 1 is re-explored every
+    `explore_every` steps, several times more."""
+    seconds = {0: 1.0, 1: 2.2}
+
+    def run(side_budget: float | None) -> int:
+        policy = SpeculationPolicy(1, explore_every=20, side_budget=side_budget)
+        explore(policy, seconds, accepted=0)  # every arm measured (K = 1: acceptance 0 so far)
+        for _ in range(10):  # then acceptance 0.5: 1.5 tokens a K = 1 step
+            policy.observe(BUCKET, 1, None, [(1, 1), (1, 0)])
+        drafted = 0
+        for _ in range(2000):
+            k = policy.choose(BUCKET)
+            drafted += k == 1
+            policy.observe(BUCKET, k, seconds[k], [(1, 1), (1, 0)] if k else [])
+        return drafted
+
+    with_budget, without = run(0.02), run(None)
+    loss_per_step = seconds[1] - 1.5 / 1.0
+    assert with_budget >= 1 and with_budget * loss_per_step <= 0.025 * 2000
+    assert without >= 5 * with_budget
