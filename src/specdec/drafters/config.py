@@ -112,9 +112,11 @@ class SpeculativeConfig:
             three are exact in law; with the adaptive policy on, standard/block replay a seeded
             request token for token only with K pinned (`adaptive`).
         prompt_lookup_min / prompt_lookup_max: n-gram sizes tried by "ngram".
-        adaptive: when rounds run on the device (asynchronous scheduling), choose each round's
-            K in [0, num_speculative_tokens] from measured round costs and the running
-            acceptance (`specdec.engine.spec_policy`); False pins K to num_speculative_tokens.
+        adaptive: choose each round's K in [0, num_speculative_tokens] from measured step
+            costs at the batch size and the running acceptance (`specdec.engine.spec_policy`):
+            the device rounds' K on CUDA, the synchronous step's on the CPU (where a drafted
+            step costs about twice a plain one from batch 8 on, so K = 0 wins there); False
+            pins K to num_speculative_tokens.
             Standard/block outputs stay exact in law either way, but a seeded request replays
             token for token only with K pinned (the chosen K depends on the batch and on
             measured timings); coupled and greedy outputs equal plain decoding's whatever K is.

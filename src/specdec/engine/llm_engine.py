@@ -14,6 +14,7 @@ each step sends its per-request values with one copy per sampler or verifier cal
 from __future__ import annotations
 
 import itertools
+import time
 
 import torch
 
@@ -46,7 +47,7 @@ from specdec.engine.setup import (
     resolve_max_model_len,
     size_kv_cache,
 )
-from specdec.engine.spec_policy import SpeculationPolicy
+from specdec.engine.spec_policy import SYNC_EXPLORE_BUDGET, SpeculationPolicy
 from specdec.engine.speculative_loops import SpeculativeLoops
 from specdec.metrics import LoopStats, SpecDecodeStats
 from specdec.models import LlamaForCausalLM, Tokenizer, default_model_path, load_model
@@ -195,7 +196,12 @@ class LLMEngine(SpeculativeLoops):
                 speculative_config.num_speculative_tokens,
                 speculative_config.adaptive,
                 plain_arm=speculative_config.plain_arm,
+                # Without device rounds (the CPU) every step is synchronous and a drafted step
+                # costs about twice a plain one: explore within a share of the time.
+                side_budget=None if self.device_rounds else SYNC_EXPLORE_BUDGET,
             )
+        self._sync_k: dict[int, int] = {}  # batch bucket -> the K its last measured step took
+        self._sync_emitted: list[Emission | None] = []  # the last synchronous step's
         self._ids = itertools.count()
         self._unseeded = itertools.count()  # requests without a seed, for `config.seed`
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
@@ -440,7 +446,11 @@ class LLMEngine(SpeculativeLoops):
         scheduled = self._schedule()
         if not scheduled:
             return []
+        chosen = self._sync_step_k(scheduled)
+        started = time.perf_counter()
         outputs = self._run_step(scheduled, only_finished)
+        if chosen is not None:
+            self._observe_sync_step(chosen, time.perf_counter() - started)
         self.loop_stats.num_sync_steps += 1
         if self.device_rounds:
             self._enter_rounds()
@@ -459,6 +469,7 @@ class LLMEngine(SpeculativeLoops):
         self.loop_stats.num_graphed_prefill_steps += self.runner.num_graphed_prefill_steps - graphed
         logits = self._take_prompt_logprobs(scheduled, inputs, logits)
         emitted = self.emitter.emit(scheduled, logits, drafts)
+        self._sync_emitted = emitted  # the policy's acceptance counts (`_observe_sync_step`)
         paths = [None if e is None else e.path for e in emitted]
         if features:
             rejected = [0 if e is None else e.num_rejected for e in emitted]

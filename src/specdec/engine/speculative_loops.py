@@ -23,6 +23,56 @@ from specdec.runner.cuda_graph import batch_buckets, bucket_for
 class SpeculativeLoops:
     """`LLMEngine`'s plain-arm and device-round loops (methods only)."""
 
+    # ------------------------------------------------------- the synchronous step's K
+    def _sync_step_k(self, scheduled: list[ScheduledRequest]) -> tuple[int, int] | None:
+        """The speculation policy's K for a synchronous step of an engine without device
+        rounds (the CPU): every decode share drafts at most K (a request's own larger K stands
+        when the policy picks the engine's). With the default (coupled) verifier K never
+        changes a token. Mutates the shares' num_draft / num_query_tokens (the slots allocated
+        for the drafts not proposed are released at commit).
+
+        Returns (bucket, K) to `_observe_sync_step` after the step, or None where nothing is to
+        be measured: K pinned, device rounds, trees, no speculative decode share, or a prefill
+        chunk in the step (its cost says nothing of K: the bucket's last choice holds)."""
+        policy = self.policy
+        if (
+            policy is None
+            or not policy.adaptive
+            or self.device_rounds
+            or self.speculative_config.tree is not None
+        ):
+            return None
+        decodes = [share for share in scheduled if not share.request.in_prefill]
+        if not any(share.request.spec is not None for share in decodes):
+            return None
+        bucket = bucket_for(batch_buckets(self.config.max_num_seqs), len(decodes))
+        measured = len(decodes) == len(scheduled)
+        if measured:
+            horizon = self._horizon([share.request for share in decodes])
+            k = policy.choose(bucket, horizon, in_rounds=True)
+            self._sync_k[bucket] = k
+            self.loop_stats.k_chosen[k] = self.loop_stats.k_chosen.get(k, 0) + 1
+        else:
+            k = self._sync_k.get(bucket, policy.max_k)
+        cap = max(k, 0)  # the plain arm (PLAIN), where offered, is a step of no drafts here
+        if cap < policy.max_k:
+            for share in decodes:
+                if share.num_draft > cap:
+                    share.num_query_tokens -= share.num_draft - cap
+                    share.num_draft = cap
+        return (bucket, k) if measured else None
+
+    def _observe_sync_step(self, chosen: tuple[int, int], seconds: float) -> None:
+        """A measured synchronous step (`_sync_step_k`): its cost and its rounds' acceptance to
+        the policy."""
+        bucket, k = chosen
+        outcomes = [
+            (e.num_draft, e.num_accepted)
+            for e in self._sync_emitted
+            if e is not None and e.num_draft and e.unusable_position is None
+        ]
+        self.policy.observe(bucket, k, seconds, outcomes)
+
     # ------------------------------------------------------- the policy's plain arm
     def _step_plain(self, only_finished: bool) -> list[RequestOutput]:
         """One call of the plain arm's loop: the overlapped plain decode loop over the

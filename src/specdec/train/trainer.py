@@ -390,7 +390,10 @@ def evaluate_acceptance(
                 max_num_seqs=len(prompts),
                 max_model_len=min(target.config.max_position_embeddings, 2048),
             ),
-            SpeculativeConfig(method=method, model=str(out), num_speculative_tokens=config.eval_k),
+            # K pinned: the acceptance reported is at eval_k, every round
+            SpeculativeConfig(
+                method=method, model=str(out), num_speculative_tokens=config.eval_k, adaptive=False
+            ),
             model=target,
             tokenizer=tokenizer,
         )

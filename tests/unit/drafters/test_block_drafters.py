@@ -318,6 +318,7 @@ def test_seeded_runs_replay_alone_batched_permuted_and_preempted(
         "model": str(path),
         "num_speculative_tokens": 4,
         "rejection_sample_method": method,
+        "adaptive": False,  # standard/block replay with K pinned (the policy's K depends on timing)
     }
     prompts = prompt_tokens(97, [5, 9, 14, 3], seed=3)
     params = SamplingParams(temperature=1.0, max_tokens=24, seed=11, ignore_eos=True)

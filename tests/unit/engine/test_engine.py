@@ -87,6 +87,7 @@ def test_seeded_runs_replay_alone_batched_permuted_and_preempted(model_dir, prom
         "model": "truncated:2",
         "num_speculative_tokens": 4,
         "rejection_sample_method": method,
+        "adaptive": False,  # standard/block replay with K pinned (the policy's K depends on timing)
     }
     llm = make_llm(model_dir, spec)
     batched = token_ids(llm.generate(prompts, SAMPLED, use_tqdm=False))

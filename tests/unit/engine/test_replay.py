@@ -152,6 +152,35 @@ def test_speculation_replays_plain_decoding(model_paths, dirs, requests, alone, 
     assert engine.stats.num_accepted_tokens > 0  # drafts were verified and accepted
 
 
+@pytest.mark.parametrize("method", ["coupled", "standard"])
+def test_the_policys_k_per_step_replays_plain_decoding(
+    model_paths, dirs, requests, alone, monkeypatch, method
+):
+    """The synchronous step's K comes from the speculation policy (`_sync_step_k`): here a
+    seeded random K in 0..3 per step, the requests joining at random steps. With the default
+    verifier each request emits plain decoding's tokens whatever the K; the negative control,
+    `standard` under the same K sequence, must not (its tokens depend on the drafts)."""
+    import random
+
+    from specdec.engine.spec_policy import SpeculationPolicy
+
+    make = engine_factory(model_paths["float"])
+    engine = make(
+        drafter_spec("draft_model", dirs, num_speculative_tokens=3, rejection_sample_method=method)
+    )
+    assert engine.policy.adaptive and not engine.device_rounds  # the CPU's synchronous path
+    draws = random.Random(7)
+    monkeypatch.setattr(SpeculationPolicy, "choose", lambda self, *a, **k: draws.randint(0, 3))
+    got = drive(engine, requests, arrivals("uniform", len(requests)).schedule)
+    assert set(engine.loop_stats.k_chosen) == {0, 1, 2, 3}  # the steps took every K
+    assert engine.stats.num_accepted_tokens > 0
+    diff = mismatches(alone("float"), got, requests)
+    if method == "coupled":
+        assert not diff, diff
+    else:
+        assert diff  # K changed standard's tokens: the comparison can fail
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("model", MODELS)
 def test_per_request_k_above_the_engines_replays(

@@ -22,7 +22,13 @@ PARAMS = [
     SamplingParams(temperature=1.3, min_p=0.1, seed=4, max_tokens=11, ignore_eos=True),
     SamplingParams(temperature=0.9, seed=5, max_tokens=7, n=2, ignore_eos=True),
 ]
-SPEC = {"method": "draft_model", "model": "truncated:1", "num_speculative_tokens": 3}
+# K pinned: some requests ask for standard/block, which replay only with K pinned.
+SPEC = {
+    "method": "draft_model",
+    "model": "truncated:1",
+    "num_speculative_tokens": 3,
+    "adaptive": False,
+}
 
 
 @pytest.fixture(scope="module")
