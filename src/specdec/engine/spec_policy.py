@@ -161,8 +161,14 @@ class SpeculationPolicy:
         # Every arm runs `explore_run` steps in a row first, then again in turn now and then.
         arms = self.arms
         # Synchronous steps (`side_budget`) try the largest K first, so that the first steps of
-        # short requests draft (device rounds start cheap, from K = 0).
-        for k in arms if self.side_budget is None else arms[::-1]:
+        # short requests draft (device rounds start cheap, from K = 0); once one bucket has
+        # every arm measured, another bucket measures only its cheapest arm first and
+        # estimates the others from that bucket's cost ratios (`step_seconds`) until the one
+        # chosen is measured.
+        initial = arms if self.side_budget is None else arms[::-1]
+        if self.side_budget is not None and self._reference(bucket) is not None:
+            initial = arms[:1]
+        for k in initial:
             if self._tried.get((bucket, k), 0) < self.explore_run:
                 self._tried[(bucket, k)] = self._tried.get((bucket, k), 0) + 1
                 return k
@@ -201,11 +207,43 @@ class SpeculationPolicy:
     def exploration_loss(self, bucket: int, k: int, best: int) -> float:
         """The seconds that `explore_run` steps of arm k are expected to lose against arm
         `best`: their cost less the time `best` takes to emit their expected tokens (0 when
-        either was never measured at `bucket`)."""
-        cost, rate = self._costs.get((bucket, k)), self.tokens_per_second(bucket, best)
-        if cost is None or not cost.recent or math.isinf(rate):
+        either has no estimate at `bucket`)."""
+        cost, rate = self.step_seconds(bucket, k), self.tokens_per_second(bucket, best)
+        if cost is None or math.isinf(rate):
             return 0.0
-        return self.explore_run * max(cost.seconds - self.expected_tokens(k) / rate, 0.0)
+        return self.explore_run * max(cost - self.expected_tokens(k) / rate, 0.0)
+
+    def _measured(self, bucket: int, k: int) -> float | None:
+        cost = self._costs.get((bucket, k))
+        return cost.seconds if cost is not None and cost.recent else None
+
+    def _reference(self, bucket: int) -> int | None:
+        """`side_budget` only: the bucket nearest `bucket` (in ratio) other than it with every
+        arm measured, whose cost ratios stand in for arms not measured at `bucket`."""
+        complete = {
+            b
+            for (b, _) in self._costs
+            if b != bucket and all(self._measured(b, k) for k in self.arms)
+        }
+        return min(complete, key=lambda b: abs(math.log(b / bucket)), default=None)
+
+    def step_seconds(self, bucket: int, k: int) -> float | None:
+        """The cost of a step of arm k at `bucket`: measured there, or (`side_budget`) the
+        reference bucket's cost of k scaled by the ratio of an arm measured at both (1 when
+        none is measured here yet: only ratios between arms matter); None: no estimate."""
+        measured = self._measured(bucket, k)
+        if measured is not None or self.side_budget is None:
+            return measured
+        reference = self._reference(bucket)
+        if reference is None:
+            return None
+        ratios = [
+            here / self._measured(reference, j)
+            for j in self.arms
+            if (here := self._measured(bucket, j)) is not None
+        ]
+        scale = statistics.median(ratios) if ratios else 1.0
+        return self._measured(reference, k) * scale
 
     # ------------------------------------------------------------------ the model
     def acceptance(self, i: int) -> float:
@@ -269,17 +307,17 @@ class SpeculationPolicy:
         return self._seconds_to_finish(bucket, k, sorted(remaining), in_rounds)
 
     def _seconds_to_finish(self, bucket: int, k: int, ordered: list[int], in_rounds: bool) -> float:
-        cost = self._costs.get((bucket, k))
-        if cost is None or not cost.recent:
+        cost = self.step_seconds(bucket, k)
+        if cost is None:
             return 0.0
         steps = self._expected_steps(k, ordered)
-        return self.switch_seconds(bucket, k, in_rounds) + steps * cost.seconds
+        return self.switch_seconds(bucket, k, in_rounds) + steps * cost
 
     def tokens_per_second(self, bucket: int, k: int) -> float:
-        cost = self._costs.get((bucket, k))
-        if cost is None or not cost.recent:
+        cost = self.step_seconds(bucket, k)
+        if cost is None:
             return float("inf")  # not measured yet: worth measuring
-        return self.expected_tokens(k) / max(cost.seconds, 1e-9)
+        return self.expected_tokens(k) / max(cost, 1e-9)
 
     def costs(self) -> dict[tuple[int, int], tuple[float, int]]:
         """(bucket, K) -> (estimated seconds of a step, measurements kept); (bucket, "entry")

@@ -300,3 +300,25 @@ def test_side_budget_keeps_the_cost_of_re_exploring_k_within_its_share():
     loss_per_step = seconds[1] - 1.5 / 1.0
     assert with_budget >= 1 and with_budget * loss_per_step <= 0.025 * 2000
     assert without >= 5 * with_budget
+
+
+def test_side_budget_a_new_bucket_starts_from_the_measured_ones():
+    """Synchronous steps: batch 1 is explored arm by arm (K = 1 wins there: 1.6 tokens for 1.3 s
+    against 1 for 1 s). At batch 8, where a K = 1 step costs 2.2x a K = 0 one, only K = 0 is
+    measured first; K = 1 is then tried from batch 1's ratio, measured, and dropped: after the
+    first 20 steps at batch 8 K = 0 runs (and K = 1 ran at most 5 + explore_run steps)."""
+    policy = SpeculationPolicy(1, side_budget=0.02)
+    small, large = {0: 1.0, 1: 1.3}, {0: 3.0, 1: 6.6}
+    for _ in range(40):
+        k = policy.choose(1)
+        policy.observe(1, k, small[k], [(1, 1), (1, 1), (1, 0)] if k else [])
+    assert policy.choose(1) == 1
+    chosen = []
+    for _ in range(60):
+        k = policy.choose(8)
+        chosen.append(k)
+        policy.observe(8, k, large[k], [(1, 1), (1, 1), (1, 0)] if k else [])
+    assert chosen[: policy.explore_run] == [0] * policy.explore_run  # the cheapest arm first
+    assert 1 in chosen[:20]  # then K = 1 from batch 1's ratio
+    assert chosen[20:] == [0] * 40
+    assert chosen.count(1) <= 5 + policy.explore_run
