@@ -1,7 +1,7 @@
 """The GPU benchmark's scripts end to end on CPU, at toy sizes: benchmarks/make_checkpoint.py's
 `tiny` shape loads with specdec and with `transformers`, which agree on its log-probabilities;
 `--tokenizer-json` rebuilds the same directory from the exported tokenizer.json alone;
-benchmarks/serve.py starts `specdec serve` on it, drives it and writes its report.
+benchmarks/bench_serve.py starts `specdec serve` on it, drives it and writes its report.
 
 The scripts run as subprocesses (tests never import benchmarks/). No timing is asserted.
 """
@@ -102,7 +102,7 @@ def test_tokenizer_json_alone_rebuilds_the_same_checkpoint(tiny_dir, tmp_path):
 
 def test_serve_benchmark_starts_a_server_and_reports(tiny_dir, tmp_path):
     run_script(
-        "serve.py",
+        "bench_serve.py",
         "--serve",
         str(tiny_dir),
         "--device",

@@ -12,10 +12,10 @@ and measures requests/s, output tokens/s, TTFT and TPOT percentiles; "spec" requ
 `{"enabled": false}`, on the same server.
 
     python benchmarks/make_checkpoint.py llama-3.2-1b --out /tmp/llama-3.2-1b --device cuda
-    python benchmarks/serve.py --serve /tmp/llama-3.2-1b --device cuda --dtype bfloat16 \\
+    python benchmarks/bench_serve.py --serve /tmp/llama-3.2-1b --device cuda --dtype bfloat16 \\
         --requests-per-level 8 --max-tokens 128 --out-dir bench-results/serve-h200
     # against a running server:
-    python benchmarks/serve.py --url http://127.0.0.1:8000 --out-dir bench-results/serve-cpu
+    python benchmarks/bench_serve.py --url http://127.0.0.1:8000 --out-dir bench-results/serve-cpu
 """
 
 from __future__ import annotations
