@@ -1,4 +1,4 @@
-"""Drives `specdec serve` at several concurrency levels, speculation on vs off (JSON + markdown).
+"""Drives `specdec serve` at several loads, speculation on vs off (JSON, markdown and a plot).
 
 With `--serve MODEL` the script starts `specdec serve MODEL` itself on a free loopback port
 (engine flags: --device, --dtype, --speculative-config, and any --serve-arg), waits for /health,
@@ -6,10 +6,17 @@ warms it up, runs the levels, and stops it; its log goes to OUT_DIR/server.log. 
 `--url` names a server that is already running.
 
 Each level sends `--requests-per-level` (at least the concurrency) streaming chat requests with
-`--concurrency` in flight at once, with ignore_eos and fixed seeds (greedy unless --temperature),
-and measures requests/s, output tokens/s, TTFT and TPOT percentiles; "spec" requests ask
+ignore_eos and fixed seeds (greedy unless --temperature): with `--concurrency C` in flight at
+once, or with `--request-rate R` arriving as a Poisson process of R requests/s (seeded by
+`--seed`; at most `--max-concurrency` in flight). It measures requests/s, output tokens/s, and
+TTFT, TPOT and ITL (the gaps between streamed chunks) percentiles; "spec" requests ask
 `speculative: {"enabled": true}` (the server's --speculative-config), "plain" ones
-`{"enabled": false}`, on the same server.
+`{"enabled": false}`, on the same server. The prompts: the built-in chats, or `--prompts-file`
+(a .jsonl of {"prompt": ...}, e.g. benchmarks/data/heldout_prompts.jsonl).
+
+With `--generate` (and `--serve`), after the server has stopped the same requests run through
+`LLM.chat` in this process, a closed batch per concurrency level (max_num_seqs = the
+concurrency), spec and plain: the engine's ceiling, beside the server's figures.
 
     python benchmarks/make_checkpoint.py llama-3.2-1b --out /tmp/llama-3.2-1b --device cuda
     python benchmarks/bench_serve.py --serve /tmp/llama-3.2-1b --device cuda --dtype bfloat16 \\
@@ -22,9 +29,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
+import random
 import signal
 import socket
 import subprocess
@@ -51,12 +60,14 @@ class RequestResult:
     output_tokens: int
     accepted_tokens: int
     drafts: int
+    itl_s: tuple[float, ...] = ()  # gaps between successive streamed chunks after the first
 
 
 @dataclass(frozen=True, slots=True)
 class LevelResult:
     mode: str
-    concurrency: int
+    concurrency: int  # the most in flight (0: no limit)
+    request_rate: float | None  # Poisson arrivals a second (None: all at once, gated)
     num_requests: int
     num_failed: int
     duration_s: float
@@ -68,7 +79,17 @@ class LevelResult:
     tpot_p50_ms: float
     tpot_p90_ms: float
     tpot_p99_ms: float
+    itl_p50_ms: float
+    itl_p90_ms: float
+    itl_p99_ms: float
     mean_acceptance_length: float
+
+    @property
+    def label(self) -> str:
+        """The level's load: c=N or r=R/s."""
+        return (
+            f"c={self.concurrency}" if self.request_rate is None else f"r={self.request_rate:g}/s"
+        )
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -103,6 +124,7 @@ async def one_request(
     }
     started = time.perf_counter()
     first = None
+    chunks: list[float] = []
     usage, stats = {}, {}
     async with http.stream("POST", "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
@@ -113,8 +135,9 @@ async def one_request(
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(f"stream error: {chunk['error']}")
-            if first is None and any(c["delta"].get("content") for c in chunk["choices"]):
-                first = time.perf_counter()
+            if any(c["delta"].get("content") for c in chunk["choices"]):
+                chunks.append(time.perf_counter())
+                first = chunks[0]
             if chunk.get("usage"):
                 usage = chunk["usage"]
                 stats = chunk.get("spec_decode_stats") or {}
@@ -130,11 +153,34 @@ async def one_request(
         output_tokens=tokens,
         accepted_tokens=stats.get("num_accepted_tokens", 0),
         drafts=stats.get("num_drafts", 0),
+        itl_s=tuple(b - a for a, b in itertools.pairwise(chunks)),
     )
 
 
+PROMPTS: list[str] = list(DEFAULT_PROMPTS)  # `--prompts-file` replaces them
+
+
 def prompt(i: int) -> str:
-    return DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)]
+    return PROMPTS[i % len(PROMPTS)]
+
+
+def read_prompts(path: str) -> list[str]:
+    """The "prompt" of each line of a .jsonl file."""
+    prompts = [json.loads(line)["prompt"] for line in Path(path).read_text().splitlines() if line]
+    if not prompts:
+        raise SystemExit(f"{path}: no prompts")
+    return prompts
+
+
+def arrival_times(rate: float, count: int, seed: int) -> list[float]:
+    """Seconds after the start at which `count` requests arrive as a Poisson process of `rate`
+    a second (seeded: the same load for every mode)."""
+    draws = random.Random(seed)
+    times, now = [], 0.0
+    for _ in range(count):
+        now += draws.expovariate(rate)
+        times.append(now)
+    return times
 
 
 def _client(args: argparse.Namespace, concurrency: int) -> httpx.AsyncClient:
@@ -160,16 +206,22 @@ async def warm_up(args: argparse.Namespace) -> None:
             )
 
 
-async def run_level(args: argparse.Namespace, concurrency: int, spec: bool) -> LevelResult:
+async def run_level(
+    args: argparse.Namespace, concurrency: int, spec: bool, rate: float | None = None
+) -> LevelResult:
+    """One level: `concurrency` requests in flight at once (0: no limit), all queued at the
+    start, or arriving at `rate` a second (Poisson)."""
     num_requests = max(concurrency, args.requests_per_level)
-    gate = asyncio.Semaphore(concurrency)
-    async with _client(args, concurrency) as http:
+    gate = asyncio.Semaphore(concurrency or num_requests)
+    arrivals = arrival_times(rate, num_requests, args.seed) if rate else [0.0] * num_requests
+    async with _client(args, concurrency or num_requests) as http:
+        started = time.perf_counter()
 
         async def gated(i: int) -> RequestResult:
+            await asyncio.sleep(max(0.0, started + arrivals[i] - time.perf_counter()))
             async with gate:
                 return await one_request(http, args, prompt(i), i, args.max_tokens, spec)
 
-        started = time.perf_counter()
         outcomes = await asyncio.gather(
             *[gated(i) for i in range(num_requests)], return_exceptions=True
         )
@@ -180,11 +232,13 @@ async def run_level(args: argparse.Namespace, concurrency: int, spec: bool) -> L
         print(f"  {len(failures)} requests failed; first: {failures[0]!r}", file=sys.stderr)
     ttft = [r.ttft_s * 1e3 for r in results]
     tpot = [r.tpot_s * 1e3 for r in results if r.tpot_s is not None]
+    itl = [gap * 1e3 for r in results for gap in r.itl_s]
     drafts = sum(r.drafts for r in results)
     accepted = sum(r.accepted_tokens for r in results)
     return LevelResult(
         mode="spec" if spec else "plain",
         concurrency=concurrency,
+        request_rate=rate,
         num_requests=num_requests,
         num_failed=len(failures),
         duration_s=duration,
@@ -196,7 +250,92 @@ async def run_level(args: argparse.Namespace, concurrency: int, spec: bool) -> L
         tpot_p50_ms=percentile(tpot, 0.5),
         tpot_p90_ms=percentile(tpot, 0.9),
         tpot_p99_ms=percentile(tpot, 0.99),
+        itl_p50_ms=percentile(itl, 0.5),
+        itl_p90_ms=percentile(itl, 0.9),
+        itl_p99_ms=percentile(itl, 0.99),
         mean_acceptance_length=1.0 + accepted / drafts if drafts else 1.0,
+    )
+
+
+# ------------------------------------------------------- the engine's ceiling
+def generate_levels(args: argparse.Namespace) -> list[LevelResult]:
+    """`LLM.chat` on each concurrency level's requests in this process (a closed batch of
+    max_num_seqs = the concurrency), plain and spec: what the engine delivers without the
+    server. Only throughput is measured (NaN latencies)."""
+    from specdec import LLM, SamplingParams
+
+    levels = []
+    for spec in (False, True):
+        for concurrency in args.concurrency:
+            llm = LLM(
+                model=args.serve,
+                device=args.device,
+                dtype=args.dtype,
+                max_num_seqs=concurrency,
+                speculative_config=args.speculative_config if spec else None,
+                **(
+                    {"max_model_len": args.generate_max_model_len}
+                    if args.generate_max_model_len
+                    else {}
+                ),
+            )
+            num_requests = max(concurrency, args.requests_per_level)
+            chats = [[{"role": "user", "content": prompt(i)}] for i in range(num_requests)]
+            params = [
+                SamplingParams(
+                    max_tokens=args.max_tokens,
+                    temperature=args.temperature,
+                    seed=i,
+                    ignore_eos=True,
+                )
+                for i in range(num_requests)
+            ]
+            warm = [SamplingParams(max_tokens=WARMUP_MAX_TOKENS, ignore_eos=True, seed=0)]
+            llm.chat(
+                chats[:1] * min(concurrency, num_requests),
+                warm * min(concurrency, num_requests),
+                use_tqdm=False,
+            )
+            started = time.perf_counter()
+            outputs = llm.chat(chats, params, use_tqdm=False)
+            duration = time.perf_counter() - started
+            tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+            stats = llm.get_metrics()
+            drafts = stats.get("num_drafts", 0)
+            accepted = stats.get("num_accepted_tokens", 0)
+            latencies = {
+                f"{name}_{q}_ms": float("nan")
+                for name in ("ttft", "tpot", "itl")
+                for q in ("p50", "p90", "p99")
+            }
+            levels.append(
+                LevelResult(
+                    mode="generate spec" if spec else "generate plain",
+                    concurrency=concurrency,
+                    request_rate=None,
+                    num_requests=num_requests,
+                    num_failed=0,
+                    duration_s=duration,
+                    requests_per_s=num_requests / duration,
+                    output_tokens_per_s=tokens / duration,
+                    mean_acceptance_length=1.0 + accepted / drafts if drafts else 1.0,
+                    **latencies,
+                )
+            )
+            print_level(levels[-1])
+            del llm
+    return levels
+
+
+def print_level(level: LevelResult) -> None:
+    ttft = f"{level.ttft_p50_ms:.0f}/{level.ttft_p90_ms:.0f}/{level.ttft_p99_ms:.0f}"
+    tpot = f"{level.tpot_p50_ms:.1f}/{level.tpot_p90_ms:.1f}/{level.tpot_p99_ms:.1f}"
+    itl = f"{level.itl_p50_ms:.1f}/{level.itl_p99_ms:.1f}"
+    print(
+        f"{level.mode:>14} {level.label:>8} {level.num_requests:>4} {level.num_failed:>4} "
+        f"{level.requests_per_s:>6.2f} {level.output_tokens_per_s:>7.1f} {ttft:>22} "
+        f"{tpot:>22} {itl:>15} {level.mean_acceptance_length:>7.2f} {level.duration_s:>5.1f}",
+        flush=True,
     )
 
 
@@ -288,36 +427,80 @@ def markdown(meta: dict, levels: list[LevelResult]) -> str:
         f"Date: {meta['date']}. Model: {meta['model']}. Machine: {json.dumps(meta['machine'])}.",
         f"Speculation (server): {json.dumps(meta['speculative_config'])}. "
         f"{meta['max_tokens']} output tokens per request (EOS ignored), temperature "
-        f"{meta['temperature']}, at least {meta['requests_per_level']} requests per level.",
+        f"{meta['temperature']}, at least {meta['requests_per_level']} requests per level; "
+        f"prompts: {meta['prompts']}.",
         "",
         "```",
         command,
         "```",
         "",
-        "| mode | concurrency | requests | failed | req/s | output tok/s | TTFT p50/p90/p99 ms "
-        "| TPOT p50/p90/p99 ms | mean acceptance length |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| mode | load | requests | failed | req/s | output tok/s | TTFT p50/p90/p99 ms "
+        "| TPOT p50/p90/p99 ms | ITL p50/p90/p99 ms | mean acceptance length |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for x in levels:
         lines.append(
-            f"| {x.mode} | {x.concurrency} | {x.num_requests} | {x.num_failed} "
+            f"| {x.mode} | {x.label} | {x.num_requests} | {x.num_failed} "
             f"| {x.requests_per_s:.2f} | {x.output_tokens_per_s:.1f} "
             f"| {x.ttft_p50_ms:.0f}/{x.ttft_p90_ms:.0f}/{x.ttft_p99_ms:.0f} "
             f"| {x.tpot_p50_ms:.1f}/{x.tpot_p90_ms:.1f}/{x.tpot_p99_ms:.1f} "
+            f"| {x.itl_p50_ms:.1f}/{x.itl_p90_ms:.1f}/{x.itl_p99_ms:.1f} "
             f"| {x.mean_acceptance_length:.2f} |"
         )
-    lines += ["", "| concurrency | plain tok/s | spec tok/s | spec / plain |", "|---|---|---|---|"]
-    by_key = {(x.mode, x.concurrency): x for x in levels}
-    for concurrency in meta["concurrency"]:
-        plain, spec = by_key.get(("plain", concurrency)), by_key.get(("spec", concurrency))
+    by_key = {(x.mode, x.label): x for x in levels}
+    labels = list(dict.fromkeys(x.label for x in levels if not x.mode.startswith("generate")))
+    header = "| load | plain tok/s | spec tok/s | spec / plain |"
+    ceiling = any(x.mode.startswith("generate") for x in levels)
+    if ceiling:
+        header += " server / `LLM.generate`: plain | spec |"
+    lines += ["", header, "|---|---|---|---|" + ("---|---|" if ceiling else "")]
+    for label in labels:
+        plain, spec = by_key.get(("plain", label)), by_key.get(("spec", label))
         if plain is None or spec is None:
             continue
         ratio = spec.output_tokens_per_s / plain.output_tokens_per_s
-        lines.append(
-            f"| {concurrency} | {plain.output_tokens_per_s:.1f} "
-            f"| {spec.output_tokens_per_s:.1f} | {ratio:.2f} |"
+        row = (
+            f"| {label} | {plain.output_tokens_per_s:.1f} | {spec.output_tokens_per_s:.1f} "
+            f"| {ratio:.2f} |"
         )
+        if ceiling:
+            for server, mode in ((plain, "generate plain"), (spec, "generate spec")):
+                engine = by_key.get((mode, label))
+                row += (
+                    f" {server.output_tokens_per_s / engine.output_tokens_per_s:.2f} |"
+                    if engine
+                    else " |"
+                )
+        lines.append(row)
     return "\n".join(lines) + "\n"
+
+
+def plot(levels: list[LevelResult], path: Path) -> None:
+    """Output tokens/s and TTFT p99 against the load, a line per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(x.label for x in levels))
+    fig, (rate_axis, ttft_axis) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode in dict.fromkeys(x.mode for x in levels):
+        rows = {x.label: x for x in levels if x.mode == mode}
+        xs = [i for i, label in enumerate(labels) if label in rows]
+        rate_axis.plot(
+            xs, [rows[labels[i]].output_tokens_per_s for i in xs], marker="o", label=mode
+        )
+        if not mode.startswith("generate"):
+            ttft_axis.plot(xs, [rows[labels[i]].ttft_p99_ms for i in xs], marker="o", label=mode)
+    for axis, title in ((rate_axis, "output tokens/s"), (ttft_axis, "TTFT p99 (ms)")):
+        axis.set_xticks(range(len(labels)), labels)
+        axis.set_xlabel("load")
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+        axis.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def run(args: argparse.Namespace) -> tuple[dict, list[LevelResult]]:
@@ -326,21 +509,20 @@ def run(args: argparse.Namespace) -> tuple[dict, list[LevelResult]]:
         asyncio.run(warm_up(args))
     levels = []
     print(
-        f"{'mode':>5} {'conc':>4} {'reqs':>4} {'fail':>4} {'req/s':>6} {'tok/s':>7} "
-        f"{'TTFT p50/p90/p99 ms':>22} {'TPOT p50/p90/p99 ms':>22} {'acc len':>7} {'s':>5}"
+        f"{'mode':>14} {'load':>8} {'reqs':>4} {'fail':>4} {'req/s':>6} {'tok/s':>7} "
+        f"{'TTFT p50/p90/p99 ms':>22} {'TPOT p50/p90/p99 ms':>22} {'ITL p50/p99 ms':>15} "
+        f"{'acc len':>7} {'s':>5}"
     )
-    for concurrency in args.concurrency:
+    loads = (
+        [(args.max_concurrency, rate) for rate in args.request_rate]
+        if args.request_rate
+        else [(concurrency, None) for concurrency in args.concurrency]
+    )
+    for concurrency, rate in loads:
         for spec in (False, True):
-            level = asyncio.run(run_level(args, concurrency, spec))
+            level = asyncio.run(run_level(args, concurrency, spec, rate))
             levels.append(level)
-            ttft = f"{level.ttft_p50_ms:.0f}/{level.ttft_p90_ms:.0f}/{level.ttft_p99_ms:.0f}"
-            tpot = f"{level.tpot_p50_ms:.1f}/{level.tpot_p90_ms:.1f}/{level.tpot_p99_ms:.1f}"
-            print(
-                f"{level.mode:>5} {concurrency:>4} {level.num_requests:>4} {level.num_failed:>4} "
-                f"{level.requests_per_s:>6.2f} {level.output_tokens_per_s:>7.1f} {ttft:>22} "
-                f"{tpot:>22} {level.mean_acceptance_length:>7.2f} {level.duration_s:>5.1f}",
-                flush=True,
-            )
+            print_level(level)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     models = httpx.get(f"{args.url}/v1/models", timeout=30.0, headers=headers).json()
     meta = {
@@ -352,6 +534,10 @@ def run(args: argparse.Namespace) -> tuple[dict, list[LevelResult]]:
         "serve_command": getattr(args, "serve_command", None),
         "speculative_config": args.speculative_config if args.serve else None,
         "concurrency": args.concurrency,
+        "request_rate": args.request_rate,
+        "max_concurrency": args.max_concurrency,
+        "seed": args.seed,
+        "prompts": args.prompts_file or "the built-in chats",
         "max_tokens": args.max_tokens,
         "requests_per_level": args.requests_per_level,
         "temperature": args.temperature,
@@ -387,12 +573,33 @@ def main() -> None:
     target.add_argument("--api-key", default=None)
     load = parser.add_argument_group("load")
     load.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    load.add_argument(
+        "--request-rate",
+        type=float,
+        nargs="+",
+        default=None,
+        help="levels of Poisson arrivals at these requests/s instead of --concurrency",
+    )
+    load.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=0,
+        help="with --request-rate: most in flight (0: no limit)",
+    )
+    load.add_argument("--seed", type=int, default=0, help="of the arrival times")
+    load.add_argument("--prompts-file", default=None, help='a .jsonl of {"prompt": ...}')
     load.add_argument("--requests-per-level", type=int, default=8)
     load.add_argument("--max-tokens", type=int, default=128)
     load.add_argument("--temperature", type=float, default=0.0)
     load.add_argument(
         "--warmup-requests", type=int, default=4, help="per mode, before the levels (0: none)"
     )
+    load.add_argument(
+        "--generate",
+        action="store_true",
+        help="also LLM.chat on each concurrency level's requests in this process (needs --serve)",
+    )
+    load.add_argument("--generate-max-model-len", type=int, default=None)
     output = parser.add_mutually_exclusive_group()
     output.add_argument(
         "--out-dir", default="bench-results/serve", help="writes serve.json and serve.md here"
@@ -403,6 +610,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.serve is not None and args.api_key is not None:
         parser.error("--api-key is for --url servers; a started server has none")
+    if args.generate and args.serve is None:
+        parser.error("--generate needs --serve (the model it loads in this process)")
+    if args.request_rate and any(rate <= 0 for rate in args.request_rate):
+        parser.error("--request-rate must be > 0")
+    if args.prompts_file:
+        PROMPTS[:] = read_prompts(args.prompts_file)
 
     out_json = Path(args.out) if args.out else Path(args.out_dir) / "serve.json"
     out_json.parent.mkdir(parents=True, exist_ok=True)
@@ -412,10 +625,13 @@ def main() -> None:
     finally:
         if server is not None:
             stop_server(server)
-    report = {"meta": meta, "levels": [asdict(x) for x in levels]}
+    if args.generate:
+        levels += generate_levels(args)
+    report = {"meta": meta, "levels": [asdict(x) | {"load": x.label} for x in levels]}
     out_json.write_text(json.dumps(report, indent=2))
     out_json.with_suffix(".md").write_text(markdown(meta, levels))
-    print(f"wrote {out_json} and {out_json.with_suffix('.md')}")
+    plot(levels, out_json.with_suffix(".png"))
+    print(f"wrote {out_json}, {out_json.with_suffix('.md')} and {out_json.with_suffix('.png')}")
     if any(x.num_failed for x in levels):
         sys.exit(1)
 

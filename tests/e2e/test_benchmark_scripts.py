@@ -9,6 +9,7 @@ The scripts run as subprocesses (tests never import benchmarks/). No timing is a
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import shutil
 import subprocess
@@ -117,18 +118,76 @@ def test_serve_benchmark_starts_a_server_and_reports(tiny_dir, tmp_path):
         "4",
         "--warmup-requests",
         "1",
+        "--generate",
         "--out-dir",
         str(tmp_path),
     )
     report = json.loads((tmp_path / "serve.json").read_text())
     levels = [(x["mode"], x["concurrency"], x["num_requests"]) for x in report["levels"]]
-    assert levels == [("plain", 1, 2), ("spec", 1, 2), ("plain", 3, 3), ("spec", 3, 3)]
+    assert levels == [
+        ("plain", 1, 2), ("spec", 1, 2), ("plain", 3, 3), ("spec", 3, 3),
+        ("generate plain", 1, 2), ("generate plain", 3, 3),
+        ("generate spec", 1, 2), ("generate spec", 3, 3),
+    ]  # fmt: skip
     assert all(x["num_failed"] == 0 and x["output_tokens_per_s"] > 0 for x in report["levels"])
     spec = [x for x in report["levels"] if x["mode"] == "spec"]
     assert all(x["mean_acceptance_length"] >= 1.0 for x in spec)
+    assert all(x["itl_p50_ms"] >= 0 for x in report["levels"] if x["mode"] in ("spec", "plain"))
     table = (tmp_path / "serve.md").read_text()
-    assert "| spec | 3 | 3 | 0 |" in table and "spec / plain" in table
+    assert "| spec | c=3 | 3 | 0 |" in table and "spec / plain" in table
+    assert "server / `LLM.generate`" in table
+    assert (tmp_path / "serve.png").stat().st_size > 0
     assert "Application shutdown complete" in (tmp_path / "server.log").read_text()
+
+
+def test_serve_benchmark_poisson_arrivals(tiny_dir, tmp_path):
+    """--request-rate: a level of seeded Poisson arrivals (at most 2 in flight), the prompts
+    from a file."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Name a colour."}\n{"prompt": "Count to three."}\n')
+    run_script(
+        "bench_serve.py",
+        "--serve",
+        str(tiny_dir),
+        "--device",
+        "cpu",
+        "--serve-arg=--max-model-len=256",
+        "--request-rate",
+        "20",
+        "--max-concurrency",
+        "2",
+        "--requests-per-level",
+        "4",
+        "--max-tokens",
+        "3",
+        "--warmup-requests",
+        "0",
+        "--prompts-file",
+        str(prompts),
+        "--out-dir",
+        str(tmp_path),
+    )
+    report = json.loads((tmp_path / "serve.json").read_text())
+    assert [(x["mode"], x["load"]) for x in report["levels"]] == [
+        ("plain", "r=20/s"), ("spec", "r=20/s")
+    ]  # fmt: skip
+    assert report["meta"]["prompts"] == str(prompts)
+    assert all(x["num_failed"] == 0 and x["num_requests"] == 4 for x in report["levels"])
+
+
+def test_arrival_times_are_a_seeded_poisson_process(monkeypatch):
+    """Increasing, seeded (the same load for every mode), and at about the asked rate."""
+    spec = importlib.util.spec_from_file_location("bench_serve", BENCHMARKS / "bench_serve.py")
+    bench_serve = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_serve", bench_serve)  # its dataclasses look it up
+    spec.loader.exec_module(bench_serve)
+    arrival_times = bench_serve.arrival_times
+
+    times = arrival_times(50.0, 5000, seed=3)
+    assert times == arrival_times(50.0, 5000, seed=3) and times != arrival_times(50.0, 5000, 4)
+    assert all(b > a for a, b in itertools.pairwise(times))
+    # 5,000 draws: the rate is 50 +- 0.7 (one sd); 5 is 7 sd (and the draws are seeded)
+    assert abs(len(times) / times[-1] - 50.0) < 5.0
 
 
 def test_long_context_benchmark_runs_on_the_tiny_shape(tmp_path):
