@@ -116,9 +116,11 @@ def test_llm_defaults_to_the_eagle_head_and_greedy_output_is_unchanged(llm):
     assert on.spec_decode_stats["num_accepted_tokens"] > 0
 
 
-def test_one_token_prompts_speculate_from_their_second_round(llm):
+def test_one_token_prompts_speculate_from_their_second_round():
     """A one-token prompt's first round has no target feature for the head yet: it drafts
-    nothing then (it used to raise), and the output is plain greedy's."""
+    nothing then (it used to raise), and the output is plain greedy's. K pinned: the adaptive
+    policy may choose K = 0 for a whole short request."""
+    llm = LLM(max_model_len=512, speculative_config={"adaptive": False})
     prompts = [[1], [1, 2], "Hello"]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     on = llm.generate(prompts, params, use_tqdm=False)
@@ -135,6 +137,21 @@ def test_eagle_without_a_model_takes_the_shipped_head_on_the_built_in_model():
     assert spec.model == str(DEFAULT_EAGLE_DIR) and spec.num_speculative_tokens == 3
     out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
     assert out.spec_decode_stats["num_drafts"] > 0
+
+
+def test_naming_the_built_in_model_s_file_keeps_its_default_speculation(tmp_path):
+    """`LLM(model=<the installed GGUF>)` is the built-in model: the shipped head at this
+    device's K, as with no model named; a file of the same name elsewhere is another model
+    (no shipped drafter: prompt lookup), so the rule is the path, not the name."""
+    from specdec.models import default_model_path
+
+    path = default_model_path()
+    assert default_speculative_config(str(path), "cpu") == default_speculative_config(None, "cpu")
+    llm = LLM(str(path), max_model_len=256)
+    assert llm.engine.speculative_config.model == str(DEFAULT_EAGLE_DIR)
+    copy = tmp_path / path.name
+    copy.write_bytes(b"")
+    assert default_speculative_config(str(copy), "cpu") is None
 
 
 def test_the_model_s_declared_context_is_the_default_max_model_len():

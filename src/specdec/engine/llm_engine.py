@@ -50,7 +50,13 @@ from specdec.engine.setup import (
 from specdec.engine.spec_policy import SYNC_EXPLORE_BUDGET, SpeculationPolicy
 from specdec.engine.speculative_loops import SpeculativeLoops
 from specdec.metrics import LoopStats, SpecDecodeStats
-from specdec.models import LlamaForCausalLM, Tokenizer, default_model_path, load_model
+from specdec.models import (
+    LlamaForCausalLM,
+    Tokenizer,
+    default_model_path,
+    is_builtin_model,
+    load_model,
+)
 from specdec.models.loader import load_vocabulary_layers
 from specdec.rng import derive_seed, engine_request_seed, fresh_seed, to_signed64
 from specdec.runner import BlockAllocator, PagedModelRunner, StepInput
@@ -81,7 +87,7 @@ class LLMEngine(SpeculativeLoops):
             model, tokenizer: an already loaded model (tests); `config.model` is then ignored.
         """
         self.config = config
-        builtin_target = model is None and config.model is None
+        builtin_target = model is None and is_builtin_model(config.model)
         speculative_config = with_shipped_head(speculative_config, builtin_target)
         self.device = resolve_device(config.device)
         check_kv_cache_dtype(config.kv_cache_dtype, self.device)  # before a model loads

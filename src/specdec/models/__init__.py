@@ -22,7 +22,7 @@ from specdec.models.loader import (
 )
 from specdec.models.quant import QuantizedWeight
 from specdec.models.quant_formats import QUANTIZATIONS
-from specdec.models.registry import default_model_path
+from specdec.models.registry import default_model_path, is_builtin_model
 from specdec.models.rope import RopeScaling
 from specdec.models.tokenizer import Tokenizer
 from specdec.models.weights import CheckpointError
@@ -42,6 +42,7 @@ __all__ = [
     "Tokenizer",
     "default_model_path",
     "default_quantization",
+    "is_builtin_model",
     "load_model",
     "paged_attention",
     "prompt_logits",

@@ -29,3 +29,14 @@ def default_model_path() -> Path:
         f"the default model ({DEFAULT_MODEL_FILE}) is not installed; "
         f"install it with `{DEFAULT_MODEL_INSTALL}`"
     )
+
+
+def is_builtin_model(model: str | Path | None) -> bool:
+    """Whether `model` is the built-in default: None, or a path to its installed GGUF file (so a
+    user who names the file gets what the default gets: its shipped drafter)."""
+    if model is None:
+        return True
+    try:
+        return Path(model).resolve() == default_model_path().resolve()
+    except (FileNotFoundError, OSError):
+        return False

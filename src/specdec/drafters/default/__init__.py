@@ -9,6 +9,7 @@ import dataclasses
 from pathlib import Path
 
 from specdec.drafters.config import SHIPPED_HEAD_METHODS, SpeculativeConfig
+from specdec.models.registry import is_builtin_model
 
 DEFAULT_EAGLE_DIR = Path(__file__).parent / "smollm2-135m-instruct-eagle"
 # The shipped head's K by device type. The CPU: 1, because the kept-quantized target's int4
@@ -23,10 +24,10 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = {"cpu": 1, "cuda": 4}
 
 def default_speculative_config(model: str | None, device_type: str) -> dict | None:
     """The speculation used when none is asked for (the one rule, for `LLM` and the commands):
-    the shipped EAGLE head for the built-in model (`model` None), at the K of
+    the shipped EAGLE head for the built-in model (`model` None or its file), at the K of
     `DEFAULT_NUM_SPECULATIVE_TOKENS` for `device_type` ("cpu" or "cuda": the engine's resolved
     device), if its files are in this installation; None otherwise."""
-    if model is not None or not (DEFAULT_EAGLE_DIR / "model.safetensors").is_file():
+    if not is_builtin_model(model) or not (DEFAULT_EAGLE_DIR / "model.safetensors").is_file():
         return None
     if device_type not in DEFAULT_NUM_SPECULATIVE_TOKENS:
         raise ValueError(f"no default speculation for device type {device_type!r}")
