@@ -272,7 +272,7 @@ def generate_levels(args: argparse.Namespace) -> list[LevelResult]:
                 device=args.device,
                 dtype=args.dtype,
                 max_num_seqs=concurrency,
-                speculative_config=args.speculative_config if spec else None,
+                speculative_config=(args.speculative_config or "auto") if spec else None,
                 **(
                     {"max_model_len": args.generate_max_model_len}
                     if args.generate_max_model_len
@@ -359,8 +359,11 @@ def serve_command(args: argparse.Namespace, port: int) -> list[str]:
         args.device,
         "--dtype",
         args.dtype,
-        "--speculative-config",
-        json.dumps(args.speculative_config),
+        *(
+            ["--speculative-config", json.dumps(args.speculative_config)]
+            if args.speculative_config is not None
+            else []  # the server's own default
+        ),
         *args.serve_arg,
     ]
 
@@ -532,7 +535,9 @@ def run(args: argparse.Namespace) -> tuple[dict, list[LevelResult]]:
         "model": args.serve or models["data"][0]["id"],
         "max_model_len": models["data"][0].get("max_model_len"),
         "serve_command": getattr(args, "serve_command", None),
-        "speculative_config": args.speculative_config if args.serve else None,
+        "speculative_config": (args.speculative_config or "the server's default")
+        if args.serve
+        else None,
         "concurrency": args.concurrency,
         "request_rate": args.request_rate,
         "max_concurrency": args.max_concurrency,
@@ -559,8 +564,10 @@ def main() -> None:
     target.add_argument(
         "--speculative-config",
         type=json.loads,
-        default=DEFAULT_SPECULATIVE_CONFIG,
-        help=f"of the started server (default: {json.dumps(DEFAULT_SPECULATIVE_CONFIG)})",
+        default=None,
+        help="of the started server (default: the server's own, as `specdec serve` picks it "
+        "for the model: the shipped head for the built-in one, "
+        f"{json.dumps(DEFAULT_SPECULATIVE_CONFIG)} for others)",
     )
     target.add_argument(
         "--serve-arg",
