@@ -165,6 +165,7 @@ def test_greedy_eagle_equals_greedy_plain(target_dir, head_dir, method):
         "model": str(head_dir),
         "num_speculative_tokens": 3,
         "rejection_sample_method": method,
+        "adaptive": False,  # every step drafts (the policy may choose K = 0 on the CPU)
     }
     llm = LLM(str(target_dir), speculative_config=spec, **common)
     drafted = llm.generate(prompts, params, use_tqdm=False)

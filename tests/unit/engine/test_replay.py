@@ -139,7 +139,8 @@ def test_speculation_replays_plain_decoding(model_paths, dirs, requests, alone, 
     at random steps with prompts chunked (16 tokens a step), emit plain decoding's tokens: fails
     if the verifier's output depends on the drafts, or a row on its batch."""
     make = engine_factory(model_paths[model])
-    spec = drafter_spec(drafter, dirs)
+    # K pinned, so that every run drafts (the policy's K per step: the test below)
+    spec = drafter_spec(drafter, dirs, adaptive=False)
     engine = make(spec, max_num_batched_tokens=16)
     assert engine.speculative_config.rejection_sample_method == "coupled"  # the default
     spec_alone = run_alone(engine, requests)
@@ -189,7 +190,8 @@ def test_per_request_k_above_the_engines_replays(
     """Half the requests ask for K = 3 on an engine of K = 1 (their rounds are wider than the
     engine's decode path takes): fails if their tokens, or the others', leave plain decoding's."""
     make = engine_factory(model_paths[model])
-    spec = drafter_spec("draft_model", {}, num_speculative_tokens=1)
+    # K pinned: the policy may choose K = 0 (then no round is wider than the engine's)
+    spec = drafter_spec("draft_model", {}, num_speculative_tokens=1, adaptive=False)
     overrides = {index: {"num_speculative_tokens": 3} for index in range(0, len(requests), 2)}
     engine, _, diff = replay(
         make, requests, alone(model), "bursts", spec, overrides, async_scheduling=async_scheduling
