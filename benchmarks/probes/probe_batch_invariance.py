@@ -17,7 +17,8 @@ Parts (`--parts`, comma-separated):
   With `--toggle-linear`, also with `ROW_INVARIANT_ON_CUDA = False` (cuBLAS).
 - `bisect`: the replay fixtures' requests alone against a closed batch and arrivals (tokens,
   and logprobs bit for bit) under engine settings that each turn one part off (graphs, the
-  overlapped loop, graphed prefill, cuBLAS): on random weights and on `--model`.
+  overlapped loop, graphed prefill, cuBLAS): on random weights and on `--model`; and alone on
+  one reused engine against alone on fresh ones (a read of cache slots outside the context).
 - `capture`: cuBLAS rows of an M-row product replayed from a CUDA graph against the rows alone.
 - `tpot`: plain TPOT at batch 1 and 64 (SmolLM2 shape), with the row-invariant GEMM and with
   cuBLAS, in this process.
@@ -583,7 +584,13 @@ def part_bisect(model_path: str | None) -> None:
             t0 = time.perf_counter()
             for values in (False, True):
                 batch = with_logprobs(requests) if values else requests
-                alone = run_alone(make(), batch)
+                alone = run_alone(make(), batch)  # one engine, idle between requests
+                # Each request alone on a fresh engine (a fresh, zeroed cache): differs from
+                # the reused engine only if a step reads cache slots outside its context.
+                fresh = [drive(make(), [request], [(0, 0)])[0] for request in batch]
+                row["fresh" + (" values" if values else " tokens")] = mismatches(
+                    alone, fresh, batch
+                )
                 for pattern in ("closed", "uniform"):
                     got = drive(make(), batch, arrivals(pattern, len(batch)).schedule)
                     key = pattern + (" values" if values else " tokens")
