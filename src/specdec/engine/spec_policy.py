@@ -1,4 +1,5 @@
-"""How many drafts each device round proposes: a cost model that never lets speculation lose.
+"""How many drafts each device round (CUDA) or synchronous step (the CPU) proposes: a cost model
+that never lets speculation lose.
 
 For each arm — K = 0..max_k drafts a round, and P (`PLAIN`, recorded as K = -1: a step of the
 plain overlapped decode loop, no drafter work) with `plain_arm` — the policy keeps the measured
@@ -25,7 +26,11 @@ and an estimate is the median of the last `window` measurements. Each arm is tri
 and re-explored now and then: an arm on the same side of the rounds every `explore_every` steps,
 for `explore_run` steps in a row; an arm that needs entering or leaving the rounds only once the
 time spent since its last exploration, times `explore_budget`, pays for the switch, so that
-exploring costs at most about that share of the time.
+exploring costs at most about that share of the time. On an engine of synchronous steps (the
+CPU, `side_budget`), where a drafted step costs up to twice a plain one, re-exploring any arm is
+budgeted the same way (by its expected loss against the best arm), the first bucket tries the
+largest K first, and a new bucket measures its cheapest arm and estimates the others from the
+nearest fully measured bucket's cost ratios.
 
 Non-anticipating: a step's arm is chosen at its launch from steps already read and from the
 remaining budgets (known before any of the step's tokens is drawn), so it depends only on tokens
