@@ -101,7 +101,9 @@ def test_tokenizer_json_alone_rebuilds_the_same_checkpoint(tiny_dir, tmp_path):
     assert len(out[0].outputs[0].token_ids) == 3
 
 
-def test_serve_benchmark_starts_a_server_and_reports(tiny_dir, tmp_path):
+def run_bench_serve(tiny_dir, out_dir, *args: str) -> dict:
+    """benchmarks/bench_serve.py starting `specdec serve` on the tiny model (CPU) with `args`;
+    returns its JSON report."""
     run_script(
         "bench_serve.py",
         "--serve",
@@ -109,6 +111,17 @@ def test_serve_benchmark_starts_a_server_and_reports(tiny_dir, tmp_path):
         "--device",
         "cpu",
         "--serve-arg=--max-model-len=256",
+        *args,
+        "--out-dir",
+        str(out_dir),
+    )
+    return json.loads((out_dir / "serve.json").read_text())
+
+
+def test_serve_benchmark_starts_a_server_and_reports(tiny_dir, tmp_path):
+    report = run_bench_serve(
+        tiny_dir,
+        tmp_path,
         "--concurrency",
         "1",
         "3",
@@ -119,10 +132,7 @@ def test_serve_benchmark_starts_a_server_and_reports(tiny_dir, tmp_path):
         "--warmup-requests",
         "1",
         "--generate",
-        "--out-dir",
-        str(tmp_path),
     )
-    report = json.loads((tmp_path / "serve.json").read_text())
     levels = [(x["mode"], x["concurrency"], x["num_requests"]) for x in report["levels"]]
     assert levels == [
         ("plain", 1, 2), ("spec", 1, 2), ("plain", 3, 3), ("spec", 3, 3),
@@ -145,13 +155,9 @@ def test_serve_benchmark_poisson_arrivals(tiny_dir, tmp_path):
     from a file."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "Name a colour."}\n{"prompt": "Count to three."}\n')
-    run_script(
-        "bench_serve.py",
-        "--serve",
-        str(tiny_dir),
-        "--device",
-        "cpu",
-        "--serve-arg=--max-model-len=256",
+    report = run_bench_serve(
+        tiny_dir,
+        tmp_path,
         "--request-rate",
         "20",
         "--max-concurrency",
@@ -164,10 +170,7 @@ def test_serve_benchmark_poisson_arrivals(tiny_dir, tmp_path):
         "0",
         "--prompts-file",
         str(prompts),
-        "--out-dir",
-        str(tmp_path),
     )
-    report = json.loads((tmp_path / "serve.json").read_text())
     assert [(x["mode"], x["load"]) for x in report["levels"]] == [
         ("plain", "r=20/s"), ("spec", "r=20/s")
     ]  # fmt: skip
