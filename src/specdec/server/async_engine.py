@@ -100,7 +100,7 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._draining = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
-        self.snapshot = self._take_snapshot()
+        self.snapshot = snapshot_of(self.engine)
 
     # ------------------------------------------------------------ event loop side
     def start(self) -> None:
@@ -165,10 +165,10 @@ class AsyncEngine:
             self._drain()
             if self.engine.has_unfinished and not self._stopping.is_set():
                 self._step()
-            self.snapshot = self._take_snapshot()
+            self.snapshot = snapshot_of(self.engine)
         self._abort_all(EngineDeadError("the server is shutting down"))
         self._drain()
-        self.snapshot = self._take_snapshot()
+        self.snapshot = snapshot_of(self.engine)
 
     def _drain(self) -> None:
         while True:
@@ -238,31 +238,6 @@ class AsyncEngine:
             except Exception:  # after a failed step the engine may be inconsistent
                 logger.exception("aborting request %s failed", request_id)
 
-    def _take_snapshot(self) -> EngineSnapshot:
-        engine = self.engine
-        stats = engine.stats
-        allocator = engine.allocator
-        loop = engine.loop_stats
-        return EngineSnapshot(
-            num_waiting=len(engine.scheduler.waiting),
-            num_running=len(engine.scheduler.running),
-            num_blocks=allocator.num_blocks,
-            num_free_blocks=allocator.num_free_blocks,
-            kv_cache_usage=float(allocator.usage),
-            num_drafts=stats.num_drafts,
-            num_draft_tokens=stats.num_draft_tokens,
-            num_accepted_tokens=stats.num_accepted_tokens,
-            accepted_per_position=tuple(stats.accepted_per_position),
-            num_preemptions=engine.num_preemptions,
-            num_overlapped_steps=loop.num_overlapped_steps,
-            num_plain_arm_steps=loop.num_plain_arm_steps,
-            num_device_rounds=loop.num_device_rounds,
-            num_graph_rounds=loop.num_graph_rounds,
-            num_sync_steps=loop.num_sync_steps,
-            num_graphed_prefill_steps=loop.num_graphed_prefill_steps,
-            k_chosen=tuple(sorted(loop.k_chosen.items())),
-        )
-
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:
     if future.done():
@@ -271,3 +246,29 @@ def _settle(future: asyncio.Future, error: BaseException | None) -> None:
         future.set_result(None)
     else:
         future.set_exception(error)
+
+
+def snapshot_of(engine: LLMEngine) -> EngineSnapshot:
+    """The `/metrics` figures of `engine` now."""
+    stats = engine.stats
+    allocator = engine.allocator
+    loop = engine.loop_stats
+    return EngineSnapshot(
+        num_waiting=len(engine.scheduler.waiting),
+        num_running=len(engine.scheduler.running),
+        num_blocks=allocator.num_blocks,
+        num_free_blocks=allocator.num_free_blocks,
+        kv_cache_usage=float(allocator.usage),
+        num_drafts=stats.num_drafts,
+        num_draft_tokens=stats.num_draft_tokens,
+        num_accepted_tokens=stats.num_accepted_tokens,
+        accepted_per_position=tuple(stats.accepted_per_position),
+        num_preemptions=engine.num_preemptions,
+        num_overlapped_steps=loop.num_overlapped_steps,
+        num_plain_arm_steps=loop.num_plain_arm_steps,
+        num_device_rounds=loop.num_device_rounds,
+        num_graph_rounds=loop.num_graph_rounds,
+        num_sync_steps=loop.num_sync_steps,
+        num_graphed_prefill_steps=loop.num_graphed_prefill_steps,
+        k_chosen=tuple(sorted(loop.k_chosen.items())),
+    )
