@@ -68,7 +68,8 @@ def test_killed_worker_gives_503_and_the_server_exits(tmp_path):
         else:
             pytest.fail("the server did not come up: " + process.stderr.read())
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
-        (worker,) = _spawned_workers(process.pid)
+        (engine,) = _spawned_workers(process.pid)  # the engine process, which spawned the worker
+        (worker,) = _spawned_workers(engine)
         os.kill(worker, signal.SIGKILL)
         time.sleep(0.5)
         killed = time.monotonic()

@@ -43,6 +43,12 @@ def add_serve(commands) -> None:
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 route"
     )
     serve.add_argument("--no-spec", action="store_true", help="serve without speculation")
+    serve.add_argument(
+        "--engine-thread",
+        action="store_true",
+        help="run the engine in a thread of the HTTP process instead of its own process (the "
+        "server before 2026-12-05: for debugging, and to measure what the process saves)",
+    )
     add_config_flags(serve, ServerConfig, SERVER_FLAGS)
     add_engine_arguments(serve, seed=True)
     add_threads_flag(serve)
@@ -50,6 +56,7 @@ def add_serve(commands) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import functools
     from pathlib import Path
 
     import uvicorn
@@ -63,7 +70,7 @@ def _serve(args: argparse.Namespace) -> int:
     from specdec.engine.config import EngineConfig
     from specdec.engine.llm_engine import LLMEngine
     from specdec.runner.tensor_parallel import external_launch
-    from specdec.server import AsyncEngine, ServerConfig, build_app
+    from specdec.server import AsyncEngine, EngineClient, ServerConfig, build_app
     from specdec.server.lifecycle import DrainingServer, bind_socket
 
     name = args.served_model_name or (Path(args.model).stem if args.model else "default")
@@ -83,23 +90,28 @@ def _serve(args: argparse.Namespace) -> int:
     engine = None
     try:
         sys.stderr.write(f"loading {args.model or 'the built-in SmolLM2-135M-Instruct'} ...\n")
-        engine = LLMEngine(engine_config, spec)
-        print(startup_line(engine, name, config), file=sys.stderr, flush=True)
-        async_engine = AsyncEngine(engine)
+        if launched is None and not args.engine_thread:  # its own process (spawns TP workers)
+            describe = functools.partial(startup_line, name=name, config=config)
+            engine = EngineClient.launch(engine_config, spec, args.threads, describe)
+            print(engine.info.startup, file=sys.stderr, flush=True)
+        else:  # in this process: asked for, or rank 0 of a torchrun launch (with its group)
+            local = LLMEngine(engine_config, spec)
+            print(startup_line(local, name, config), file=sys.stderr, flush=True)
+            engine = AsyncEngine(local)
         server = DrainingServer(
             uvicorn.Config(
-                build_app(async_engine, config),
+                build_app(engine, config),
                 host=config.host,
                 port=config.port,
                 timeout_graceful_shutdown=config.shutdown_timeout_s,
             ),
-            on_exit=async_engine.drain,
+            on_exit=engine.drain,
         )
         server.run(sockets=[sock])
     finally:
         sock.close()
         if engine is not None:
-            engine.close()  # tensor-parallel workers stop with the server
+            engine.close()  # the engine process (or tensor-parallel workers) stops with the server
     return 0
 
 

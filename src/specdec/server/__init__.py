@@ -1,12 +1,14 @@
 """The OpenAI-compatible HTTP server: `build_app(engine, config)` and `ServerConfig`.
 
-HTTP, JSON and Prometheus only; every token comes from `specdec.engine.LLMEngine`, which one
-background thread owns (`AsyncEngine`). The web framework is imported on first use of
-`build_app`, so the CLI's other commands run where it is not installed.
+HTTP, JSON and Prometheus only; every token comes from `specdec.engine.LLMEngine`, which runs
+in its own process (`EngineClient`, what `specdec serve` starts) or in a background thread of
+this one (`AsyncEngine`: tests, and rank 0 of a `torchrun` launch). The web framework is
+imported on first use of `build_app`, so the CLI's other commands run where it is not installed.
 """
 
 from specdec.server.async_engine import AsyncEngine
 from specdec.server.config import ServerConfig
+from specdec.server.engine_client import EngineClient
 
 
 def __getattr__(name: str):
@@ -17,4 +19,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'specdec.server' has no attribute {name!r}")
 
 
-__all__ = ["AsyncEngine", "ServerConfig", "build_app"]
+__all__ = ["AsyncEngine", "EngineClient", "ServerConfig", "build_app"]

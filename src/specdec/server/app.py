@@ -2,8 +2,9 @@
 `/v1/chat/completions` (plain JSON and SSE); vLLM's `/tokenize` and `/detokenize`; `/health`,
 `/ping`, `/version` and `/metrics`.
 
-Turns HTTP into `AsyncEngine.add` calls and engine outputs into OpenAI's response shapes. Every
-error leaves as an OpenAI error body; no traceback ever reaches a client.
+Turns HTTP into `add` calls of the engine (`EngineClient`: the engine's own process; or
+`AsyncEngine`: its thread in this process) and engine outputs into OpenAI's response shapes.
+Every error leaves as an OpenAI error body; no traceback ever reaches a client.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -49,6 +50,9 @@ from specdec.server.responses import (
 )
 from specdec.server.streaming import _streaming, _Timing
 
+if TYPE_CHECKING:
+    from specdec.server.engine_client import EngineClient
+
 logger = logging.getLogger(__name__)
 
 # OpenAI's default `max_tokens` of /v1/completions.
@@ -60,12 +64,12 @@ DISCONNECT_POLL_S = 0.25
 class OpenAIServer:
     """Request handling of one served model; `build_app` wires it into FastAPI routes."""
 
-    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+    def __init__(self, engine: AsyncEngine | EngineClient, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
-        self.vocab_size = engine.engine.model_config.vocab_size
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
         self.metrics = ServerMetrics(lambda: engine.snapshot, config.served_model_name)
         self.created = int(time.time())
 
@@ -415,11 +419,12 @@ def _message_text(content: str | list[dict] | None) -> str:
     return "".join(parts)
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
+def build_app(engine: AsyncEngine | EngineClient, config: ServerConfig) -> FastAPI:
     """The FastAPI app serving `engine`; the engine thread starts and stops with the app.
 
     Args:
-        engine: an `AsyncEngine` whose thread is not yet started.
+        engine: an `EngineClient` (the engine's own process) or an `AsyncEngine` (its thread),
+            not yet started: the app starts and stops it.
         config: the server's settings.
     """
     server = OpenAIServer(engine, config)
@@ -546,7 +551,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
         prompts = server.completion_prompts(body)
         if params.seed is None:  # one seed for every prompt, so the response replays whole
-            params = dataclasses.replace(params, seed=server.engine.engine.new_request_seed())
+            params = dataclasses.replace(params, seed=server.engine.new_request_seed())
         echoes = [server.echo_text(p) for p in body.prompt] if body.echo else None
         timings = [_Timing() for _ in prompts]
         request_id = server.new_id("cmpl")

@@ -115,6 +115,10 @@ class AsyncEngine:
         if not self._thread.is_alive():
             self.engine.close()
 
+    def close(self) -> None:
+        """Closes the engine (its tensor-parallel workers stop); idempotent."""
+        self.engine.close()
+
     def drain(self) -> None:
         """Begins a graceful shutdown (from any thread, e.g. a signal handler): nothing more is
         admitted, and every request in flight is aborted with a final output (finish_reason
@@ -125,6 +129,23 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive()
+
+    # The model facts the routes need (as `EngineClient` has them).
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    def new_request_seed(self) -> int:
+        """The seed of a request that brings none (the engine's derivation)."""
+        return self.engine.new_request_seed()
 
     async def add(
         self,

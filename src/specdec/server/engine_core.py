@@ -1,0 +1,250 @@
+"""The engine process of `specdec serve`: it loads the model, then only takes commands, runs
+steps and sends their outputs; the HTTP process (`engine_client.EngineClient`) does everything
+else. The process ends when told to (`shutdown`), when its parent goes away, or after an error
+that leaves the engine unusable (a tensor-parallel worker lost), which it reports first.
+
+Detokenization and stop strings stay here, in the step: a stop string ends the request (and
+frees its KV blocks) in the step that produced it, as in `LLM.generate`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import traceback
+from dataclasses import dataclass
+
+from specdec.server.async_engine import EngineDeadError, snapshot_of
+from specdec.server.engine_wire import (
+    ADMITTED,
+    DEAD,
+    FAILED,
+    OUTPUTS,
+    SNAPSHOT,
+    DeltaEncoder,
+    encode_frame,
+)
+
+logger = logging.getLogger(__name__)
+
+# How long the idle engine process waits for a command before checking on its parent (ms).
+IDLE_POLL_MS = 100
+# How long a frame waits for the HTTP process to connect before the parent is checked (ms).
+SEND_TIMEOUT_MS = 1000
+
+
+class ParentGone(Exception):
+    """The HTTP process went away: the engine process ends."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the HTTP process needs from the loaded engine (sent once, when it is ready)."""
+
+    tokenizer: object
+    max_model_len: int
+    vocab_size: int
+    seed: int | None
+    startup: str  # what the engine runs, for `serve`'s start-up line
+
+
+def run_engine_process(
+    engine_config,
+    speculative: dict | None,
+    threads: int | None,
+    inbox_address: str,
+    outbox_address: str,
+    ready,
+    describe,
+) -> None:
+    """The engine process's main (multiprocessing spawn target).
+
+    Args:
+        engine_config, speculative: what `LLMEngine` is built from.
+        threads: torch CPU threads for the engine (None: torch's default).
+        inbox_address, outbox_address: the ZMQ endpoints to bind (commands in, frames out).
+        ready: a multiprocessing Connection: receives ("ready", EngineInfo) or ("error", line,
+            whether it is the user's error: a bad path, checkpoint or setting).
+        describe: engine -> the start-up description (picklable: a module-level function).
+    """
+    # Ctrl-C, or a service manager's SIGTERM, reaches the whole group: the HTTP process drains
+    # the requests and then ends this one (or this one ends when it finds its parent gone).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    import torch
+    import zmq
+
+    from specdec.engine.llm_engine import LLMEngine
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    parent = os.getppid()
+    try:
+        engine = LLMEngine(engine_config, speculative)
+    except BaseException as err:  # the parent reports it (a user's error in one line)
+        user = isinstance(err, (ValueError, OSError))  # a bad path, checkpoint or setting
+        if not user:
+            traceback.print_exc()
+        ready.send(("error", str(err) or type(err).__name__, user))
+        return
+    # This side binds, before it reports ready: the HTTP process connects, and its commands
+    # queue from its connect on (a connecting PUSH has its pipe at once), so none is lost.
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.setsockopt(zmq.RCVHWM, 0)
+    inbox.bind(inbox_address)
+    outbox = context.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.SNDHWM, 0)
+    outbox.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+    outbox.bind(outbox_address)
+    info = EngineInfo(
+        engine.tokenizer,
+        engine.max_model_len,
+        engine.model_config.vocab_size,
+        engine.config.seed,
+        describe(engine),
+    )
+    ready.send(("ready", info))
+    ready.close()
+    try:
+        EngineCore(engine, inbox, outbox, parent).run()
+    except ParentGone:
+        pass
+    finally:
+        engine.close()
+        outbox.close(linger=1000)
+        inbox.close(linger=0)
+        context.term()
+
+
+class EngineCore:
+    """The engine process's loop: commands first, then a step while work exists."""
+
+    def __init__(self, engine, inbox, outbox, parent_pid: int) -> None:
+        self.engine = engine
+        self.inbox = inbox
+        self.outbox = outbox
+        self.parent_pid = parent_pid
+        self.deltas = DeltaEncoder()
+        self.live: set[str] = set()  # requests admitted and not finished or aborted
+        self.draining = False
+        self.stopping = False
+
+    def run(self) -> None:
+        import zmq
+
+        from specdec.runner.tensor_parallel import TensorParallelError
+
+        while not self.stopping:
+            if not self.engine.has_unfinished:
+                self._send(SNAPSHOT, None)
+                while not self.inbox.poll(IDLE_POLL_MS, zmq.POLLIN):
+                    if os.getppid() != self.parent_pid:  # the HTTP process is gone
+                        return
+            elif os.getppid() != self.parent_pid:
+                return
+            self._read_commands()
+            if self.stopping or not self.engine.has_unfinished:
+                continue
+            try:
+                outputs = self.engine.step()
+            except TensorParallelError as err:  # the engine cannot go on: report and end
+                logger.error("engine failed: %s", err)
+                self._fail_all(f"the engine failed: {err}")
+                self._send(DEAD, f"the engine failed: {err}")
+                return
+            except Exception as err:  # a failed step fails the requests, not the process
+                logger.exception("engine step failed; aborting the requests in flight")
+                self._fail_all(f"engine step failed: {type(err).__name__}")
+                continue
+            deltas = []
+            for output in outputs:
+                if output.request_id not in self.live:
+                    continue
+                if output.finished:
+                    self.live.discard(output.request_id)
+                deltas.append(self.deltas.encode(output))
+            self._send(OUTPUTS, deltas)
+        self._fail_all("the server is shutting down")
+
+    def _send(self, kind: str, payload) -> None:
+        """Sends a frame; it is never dropped while the HTTP process lives (none has connected
+        yet at the start: the send waits for it)."""
+        import zmq
+
+        frame = encode_frame(kind, payload, snapshot_of(self.engine))
+        while True:
+            try:
+                self.outbox.send(frame)
+                return
+            except zmq.Again:
+                if os.getppid() != self.parent_pid:
+                    raise ParentGone from None
+
+    def _read_commands(self) -> None:
+        import zmq
+
+        admitted = []
+        while True:
+            try:
+                data = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            command = pickle.loads(data)
+            kind = command[0]
+            if kind == "add":
+                admitted.append(self._add(*command[1:]))
+            elif kind == "abort":
+                request_id = command[1]
+                if request_id in self.live:
+                    self.live.discard(request_id)
+                    self.deltas.forget(request_id)
+                    self.engine.abort(request_id)
+            elif kind == "drain":
+                self.draining = True
+                self._abort_with_outputs()
+            elif kind == "shutdown":
+                self.stopping = True
+        if admitted:
+            self._send(ADMITTED, admitted)
+
+    def _add(self, request_id, prompt, params, speculative) -> list:
+        if self.draining or self.stopping:
+            return [request_id, EngineDeadError.__name__, "the server is shutting down"]
+        try:
+            self.engine.add_request(prompt, params, request_id=request_id, speculative=speculative)
+        except ValueError as err:
+            return [request_id, ValueError.__name__, str(err)]
+        self.live.add(request_id)
+        return [request_id, None, None]
+
+    def _abort_with_outputs(self) -> None:
+        """Every live request aborted with a final output (finish_reason "abort")."""
+        deltas, failed = [], []
+        for request_id in sorted(self.live):
+            output = self.engine.abort(request_id)
+            if output is None:
+                failed.append([request_id, "the server is shutting down"])
+                self.deltas.forget(request_id)
+            else:
+                deltas.append(self.deltas.encode(output))
+        self.live.clear()
+        if deltas:
+            self._send(OUTPUTS, deltas)
+        if failed:
+            self._send(FAILED, failed)
+
+    def _fail_all(self, message: str) -> None:
+        failed = [[request_id, message] for request_id in sorted(self.live)]
+        for request_id in list(self.engine.groups):
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # after a failed step the engine may be inconsistent
+                logger.exception("aborting request %s failed", request_id)
+        for request_id in self.live:
+            self.deltas.forget(request_id)
+        self.live.clear()
+        if failed:
+            self._send(FAILED, failed)

@@ -1,0 +1,189 @@
+"""`specdec serve` runs its engine in a process of its own (`EngineClient`): seeded streams sent
+together replay their solo runs through it, and with speculation off; a request without a seed
+gets a fresh one; a killed engine process ends the open streams with an error and the server
+exits; a checkpoint the engine cannot load is one line before anything is served."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from e2e.server_fixtures import free_port, make_tiny_model_dir
+
+pytestmark = pytest.mark.e2e
+
+
+def _serve(model_dir: Path, port: int, *extra: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "specdec.cli", "serve", str(model_dir), "--port", str(port)]
+    command += ["--num-kv-blocks", "256", "--threads", "1", *extra]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_ready(process: subprocess.Popen, url: str) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+        if process.poll() is not None:
+            break
+    pytest.fail("the server did not come up: " + process.stderr.read())
+
+
+def _engine_pid(server_pid: int) -> int:
+    """The engine process: the one child of the server that multiprocessing spawned."""
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    spawned = [
+        int(child)
+        for child in children
+        if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()
+    ]
+    (engine,) = spawned
+    return engine
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-engine-process"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    """The server with its default speculation (n-gram, the default verifier)."""
+    port = free_port()
+    process = _serve(model_dir, port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(process, url)
+        yield process, url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def _body(seed: int | None, speculative: dict | None = None, stream: bool = False) -> dict:
+    body = {
+        "model": "default",
+        "prompt": f"abcabc {seed} abcabc",
+        "max_tokens": 24,
+        "temperature": 0.8,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    if seed is not None:
+        body["seed"] = seed
+    if speculative is not None:
+        body["speculative"] = speculative
+    return body
+
+
+async def _stream_text(http: httpx.AsyncClient, body: dict) -> str:
+    text = []
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[len("data: ") :])
+                text += [choice["text"] for choice in chunk["choices"]]
+    return "".join(text)
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def test_the_engine_runs_in_its_own_process(server):
+    """The steps run in the engine process: its CPU time grows with the tokens generated."""
+    process, url = server
+    engine = _engine_pid(process.pid)
+    before = _cpu_ticks(engine)
+    body = {**_body(1), "max_tokens": 200}
+    for _ in range(3):
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+    assert _cpu_ticks(engine) > before
+
+
+def test_seeded_streams_sent_together_replay_their_solo_runs(server):
+    _, url = server
+    seeds = list(range(12))
+    alone = [
+        httpx.post(f"{url}/v1/completions", json=_body(s), timeout=60).json()["choices"][0]["text"]
+        for s in seeds
+    ]
+
+    async def together(speculative: dict | None) -> list[str]:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            return await asyncio.gather(
+                *[_stream_text(http, _body(s, speculative, stream=True)) for s in seeds]
+            )
+
+    assert asyncio.run(together(None)) == alone
+    assert asyncio.run(together({"enabled": False})) == alone  # the default verifier's law
+    assert len(set(alone)) == len(alone)  # the seeds matter (else the check above is empty)
+
+
+def test_requests_without_a_seed_get_distinct_seeds(server):
+    _, url = server
+    seeds = [
+        httpx.post(f"{url}/v1/completions", json=_body(None), timeout=60).json()["seed"]
+        for _ in range(3)
+    ]
+    assert len(set(seeds)) == 3
+
+
+def test_a_killed_engine_process_ends_open_streams_and_the_server_exits(model_dir):
+    port = free_port()
+    process = _serve(model_dir, port, "--no-spec", "--max-tokens-limit", "20000")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(process, url)
+        body = {"model": "default", "prompt": "go", "max_tokens": 200, "ignore_eos": True}
+        lines = []
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60
+        ) as response:
+            stream = response.iter_lines()
+            lines.append(next(line for line in stream if line.startswith("data: ")))
+            os.kill(_engine_pid(process.pid), signal.SIGKILL)
+            killed = time.monotonic()
+            lines += [line for line in stream if line.startswith("data: ")]
+        process.wait(timeout=20)
+        exited = time.monotonic() - killed
+    finally:
+        if process.poll() is None:
+            process.kill()
+    last = json.loads(lines[-1][len("data: ") :])
+    assert last["error"]["message"] == "the request was aborted: the engine stopped"
+    assert exited < 10.0
+    assert "the engine process exited" in process.stderr.read()
+
+
+def test_a_checkpoint_the_engine_cannot_load_is_one_line(tmp_path):
+    model_dir = make_tiny_model_dir(tmp_path)
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    done = subprocess.run(
+        [sys.executable, "-m", "specdec.cli", "serve", str(model_dir), "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("specdec serve: error")]
+    assert len(errors) == 1, done.stderr
+    assert "Traceback" not in done.stderr
