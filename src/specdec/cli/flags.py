@@ -348,6 +348,17 @@ def sampling_params(args: argparse.Namespace, **overrides: Any) -> SamplingParam
 DEFAULT_SPECULATIVE_CONFIG = {"method": "ngram", "num_speculative_tokens": 4}
 
 
+def default_spec_help() -> str:
+    """The default speculation in words, from its definitions (for the commands' help)."""
+    from specdec.drafters.default import DEFAULT_NUM_SPECULATIVE_TOKENS
+
+    ks = ", ".join(f"K={k} on {device}" for device, k in DEFAULT_NUM_SPECULATIVE_TOKENS.items())
+    return (
+        f"the shipped EAGLE head ({ks}) for the built-in model, {DEFAULT_SPECULATIVE_CONFIG} "
+        "for other models"
+    )
+
+
 def default_spec(model: str | None, device: str) -> dict:
     """The default speculation of the commands for `model` (None: the built-in one) on `device`
     (the --device value): the library's default (`default_speculative_config`), else prompt

@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from specdec.cli.flags import DEFAULT_SPECULATIVE_CONFIG, default_spec
+from specdec.cli.flags import default_spec, default_spec_help
 
 GENERATE_MAX_TOKENS = 256
 
@@ -24,8 +24,7 @@ def add_generate(commands) -> None:
         help="generate text for a prompt, streaming tokens, then print acceptance figures",
         description="Generate for one prompt with speculative decoding on the given model "
         "(default: the built-in SmolLM2-135M-Instruct), streaming the text as it is produced. "
-        "Default speculation: the shipped EAGLE head at K=2 for the built-in model, "
-        f"{DEFAULT_SPECULATIVE_CONFIG} for other models. With --n > 1 the samples are printed "
+        f"Default speculation: {default_spec_help()}. With --n > 1 the samples are printed "
         "one after the other once all are done; --logprobs prints each token's log-probability "
         "(and the top alternatives) on stderr.",
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specdec.cli.flags import DEFAULT_SPECULATIVE_CONFIG, add_config_flags, config_values
+from specdec.cli.flags import add_config_flags, config_values, default_spec_help
 from specdec.server.config import ServerConfig
 
 # ServerConfig fields that are flags of `serve` (served_model_name and api_key have their own).
@@ -31,11 +31,12 @@ def add_serve(commands) -> None:
         "/v1/completions and /v1/chat/completions (and vLLM's /tokenize, /detokenize). "
         "Requests must name the model as the served name (--served-model-name; default: the "
         "model path's last component without its suffix, or 'default' for the built-in model) "
-        "or as 'default'. Default speculation, as `generate`'s: the shipped EAGLE head at K=2 "
-        f"for the built-in model, {DEFAULT_SPECULATIVE_CONFIG} for other models (--no-spec: "
-        'none). Each request may set "speculative": {"enabled", "num_speculative_tokens", '
-        '"rejection_sample_method"}. The port is taken before the model loads; SIGTERM or '
-        "Ctrl-C ends every open stream with a last chunk (finish_reason abort) and [DONE].",
+        f"or as 'default'. Default speculation, as `generate`'s: {default_spec_help()} "
+        '(--no-spec: none). Each request may set "speculative": {"enabled", '
+        '"num_speculative_tokens", "rejection_sample_method"}. The engine runs in a process of '
+        "its own, loaded before the port answers. The port is taken before the model loads; "
+        "SIGTERM or Ctrl-C ends every open stream with a last chunk (finish_reason abort) and "
+        "[DONE].",
     )
     serve.add_argument("model", nargs="?", default=None, help="HF directory or GGUF file")
     serve.add_argument("--served-model-name", default=None, help="the model name requests use")
