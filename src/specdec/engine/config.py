@@ -41,7 +41,9 @@ class EngineConfig:
         block_size: tokens per KV-cache block.
         num_kv_blocks: KV-cache blocks; None = sized from gpu_memory_utilization (CUDA) or
             from max_num_seqs x max_model_len (CPU).
-        gpu_memory_utilization: fraction of GPU memory the engine may use.
+        gpu_memory_utilization: fraction of the GPU's memory this engine may use, weights
+            included (vLLM's meaning); other processes' memory is not shared out: start-up
+            fails, saying what is free, when less than that is.
         enforce_eager: never capture CUDA graphs.
         quantization: what the linear layers run as: "auto" (the default: "gguf" for a GGUF
             file on the CPU, "fp8" for an FP8 checkpoint, float otherwise: a GGUF file on CUDA

@@ -131,6 +131,46 @@ def kv_bytes_per_token(
     return 2 * per_head * (cfg.num_hidden_layers * kv_itemsize + draft_layers * itemsize)
 
 
+GIB = 1 << 30
+
+
+def cuda_kv_budget(utilization: float, free: int, total: int, held: int) -> float:
+    """Bytes the KV cache may take on a GPU (vLLM's meaning of gpu_memory_utilization): that
+    fraction of the device's memory, less what this process already holds (weights, buffers).
+    Memory other processes hold is not shared out: when less is free than the budget, this
+    says so instead of sizing a cache that would not fit.
+
+    Args:
+        utilization: gpu_memory_utilization.
+        free, total: `torch.cuda.mem_get_info` (bytes).
+        held: what this process's allocator holds (`torch.cuda.memory_reserved`).
+
+    Raises:
+        ValueError: the budget is not free (naming what is, and the utilization that fits), or
+            this process already holds the whole budget.
+    """
+    wanted = utilization * total
+    budget = wanted - held
+    if budget <= 0:
+        raise ValueError(
+            f"this process already holds {held / GIB:.1f} GiB of the GPU (the model and its "
+            f"buffers), all that gpu_memory_utilization={utilization} allows of its "
+            f"{total / GIB:.1f} GiB, and the KV cache needs more: raise gpu_memory_utilization "
+            "or load a smaller or quantized model"
+        )
+    if budget > free:
+        others = total - free - held
+        fits = int((free + held) / total * 100) / 100
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} asks for {wanted / GIB:.1f} GiB of the "
+            f"GPU's {total / GIB:.1f} GiB, but only {free / GIB:.1f} GiB are free (other "
+            f"processes and the CUDA context hold {others / GIB:.1f} GiB, this process "
+            f"{held / GIB:.1f} GiB): lower gpu_memory_utilization to {fits:.2f} or less, or "
+            "free GPU memory"
+        )
+    return budget
+
+
 def _default_num_blocks(
     config: EngineConfig,
     model: LlamaForCausalLM,
@@ -146,7 +186,8 @@ def _default_num_blocks(
         gc.collect()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
-        budget = free - (1.0 - config.gpu_memory_utilization) * total
+        held = torch.cuda.memory_reserved(device)
+        budget = cuda_kv_budget(config.gpu_memory_utilization, free, total, held)
     else:
         needed = config.max_num_seqs * max_model_len * per_token
         budget = min(CPU_KV_CACHE_BYTES, needed)
