@@ -262,8 +262,11 @@ def generate_levels(args: argparse.Namespace) -> list[LevelResult]:
     """`LLM.chat` on each concurrency level's requests in this process (a closed batch of
     max_num_seqs = the concurrency), plain and spec: what the engine delivers without the
     server. Only throughput is measured (NaN latencies)."""
+    import torch
+
     from specdec import LLM, SamplingParams
 
+    torch.set_num_threads(args.threads)
     levels = []
     for spec in (False, True):
         for concurrency in args.concurrency:
@@ -359,6 +362,8 @@ def serve_command(args: argparse.Namespace, port: int) -> list[str]:
         args.device,
         "--dtype",
         args.dtype,
+        "--threads",
+        str(args.threads),
         *(
             ["--speculative-config", json.dumps(args.speculative_config)]
             if args.speculative_config is not None
@@ -562,6 +567,13 @@ def main() -> None:
     target.add_argument("--device", default="auto", help="--device of the started server")
     target.add_argument("--dtype", default="auto", help="--dtype of the started server")
     target.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads of the started server and of --generate (default: serve's own "
+        "default), so that the ceiling runs on as many threads as the server's engine",
+    )
+    target.add_argument(
         "--speculative-config",
         type=json.loads,
         default=None,
@@ -623,6 +635,10 @@ def main() -> None:
         parser.error("--request-rate must be > 0")
     if args.prompts_file:
         PROMPTS[:] = read_prompts(args.prompts_file)
+    if args.threads is None:
+        from specdec.cli.flags import default_threads
+
+        args.threads = default_threads()
 
     out_json = Path(args.out) if args.out else Path(args.out_dir) / "serve.json"
     out_json.parent.mkdir(parents=True, exist_ok=True)
