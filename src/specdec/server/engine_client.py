@@ -91,6 +91,7 @@ class EngineClient:
         speculative: dict | None,
         threads: int | None,
         describe: Callable,
+        log_stats: bool = True,
     ) -> EngineClient:
         """Starts the engine process and waits until its model is loaded.
 
@@ -98,6 +99,8 @@ class EngineClient:
             engine_config, speculative: what the engine is built from.
             threads: torch CPU threads of the engine process.
             describe: engine -> its start-up description (a module-level function).
+            log_stats: the engine process writes a line of figures every few seconds while
+                busy (`stats_log.StatsLog`).
 
         Raises:
             EngineLoadError: the engine refused the model or a setting (its one-line message).
@@ -116,6 +119,7 @@ class EngineClient:
                 f"ipc://{directory}/frames",
                 send,
                 describe,
+                log_stats,
             ),
             name="specdec-engine",
         )

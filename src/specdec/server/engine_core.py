@@ -26,6 +26,7 @@ from specdec.server.engine_wire import (
     DeltaEncoder,
     encode_frame,
 )
+from specdec.server.stats_log import StatsLog
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ def run_engine_process(
     outbox_address: str,
     ready,
     describe,
+    log_stats: bool = True,
 ) -> None:
     """The engine process's main (multiprocessing spawn target).
 
@@ -68,6 +70,7 @@ def run_engine_process(
         ready: a multiprocessing Connection: receives ("ready", EngineInfo) or ("error", line,
             whether it is the user's error: a bad path, checkpoint or setting).
         describe: engine -> the start-up description (picklable: a module-level function).
+        log_stats: write a line of figures every few seconds while busy (`StatsLog`).
     """
     # Ctrl-C, or a service manager's SIGTERM, reaches the whole group: the HTTP process drains
     # the requests and then ends this one (or this one ends when it finds its parent gone).
@@ -109,7 +112,8 @@ def run_engine_process(
     ready.send(("ready", info))
     ready.close()
     try:
-        EngineCore(engine, inbox, outbox, parent).run()
+        stats = StatsLog(engine) if log_stats else None
+        EngineCore(engine, inbox, outbox, parent, stats).run()
     except ParentGone:
         pass
     finally:
@@ -122,8 +126,11 @@ def run_engine_process(
 class EngineCore:
     """The engine process's loop: commands first, then a step while work exists."""
 
-    def __init__(self, engine, inbox, outbox, parent_pid: int) -> None:
+    def __init__(
+        self, engine, inbox, outbox, parent_pid: int, stats: StatsLog | None = None
+    ) -> None:
         self.engine = engine
+        self.stats = stats
         self.inbox = inbox
         self.outbox = outbox
         self.parent_pid = parent_pid
@@ -143,6 +150,8 @@ class EngineCore:
                 while not self.inbox.poll(IDLE_POLL_MS, zmq.POLLIN):
                     if os.getppid() != self.parent_pid:  # the HTTP process is gone
                         return
+                    if self.stats is not None:
+                        self.stats.tick()
             elif os.getppid() != self.parent_pid:
                 return
             self._read_commands()
@@ -167,6 +176,9 @@ class EngineCore:
                     self.live.discard(output.request_id)
                 deltas.append(self.deltas.encode(output))
             self._send(OUTPUTS, deltas)
+            if self.stats is not None:
+                self.stats.emitted(sum(len(sample[3]) for delta in deltas for sample in delta[6]))
+                self.stats.tick()
         self._fail_all("the server is shutting down")
 
     def _send(self, kind: str, payload) -> None:
@@ -218,6 +230,8 @@ class EngineCore:
         except ValueError as err:
             return [request_id, ValueError.__name__, str(err)]
         self.live.add(request_id)
+        if self.stats is not None:
+            self.stats.admitted(len(prompt))
         return [request_id, None, None]
 
     def _abort_with_outputs(self) -> None:
