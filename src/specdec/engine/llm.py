@@ -87,7 +87,8 @@ class LLM:
             sampling_params: one for all prompts, or one per prompt.
             speculative: per-request speculation override(s) ({"enabled", "num_speculative_tokens",
                 "method"}), one for all or one per prompt.
-            use_tqdm: show a progress bar over finished requests (on a terminal).
+            use_tqdm: show a progress bar on stderr (finished requests, prompt and output
+                tokens/s), as vLLM does.
             on_tokens: called with a RequestOutput each time a request emits tokens (streaming).
 
         Raises:
@@ -153,7 +154,7 @@ class LLM:
 
     def _run(self, ids, use_tqdm, on_tokens) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
-        bar = _progress_bar(len(ids)) if use_tqdm and sys.stderr.isatty() else None
+        bar = _ProgressBar(len(ids)) if use_tqdm else None
         try:
             while self.engine.has_unfinished:
                 for output in self.engine.step(only_finished=on_tokens is None):
@@ -162,7 +163,7 @@ class LLM:
                     if output.finished:
                         results[output.request_id] = output
                         if bar is not None:
-                            bar.update(1)
+                            bar.finished(output)
         finally:
             if bar is not None:
                 bar.close()
@@ -199,27 +200,25 @@ def _per_prompt(value, count: int, name: str) -> list:
 
 
 class _ProgressBar:
-    """A minimal progress bar on stderr (finished requests / total)."""
+    """vLLM's bar on stderr: finished requests of the total, with the prompt and output
+    tokens/s so far."""
 
     def __init__(self, total: int) -> None:
-        self.total, self.done = total, 0
-        self._draw()
+        from tqdm import tqdm
 
-    def update(self, count: int) -> None:
-        self.done += count
-        self._draw()
+        self._bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True, file=sys.stderr)
+        self._prompt_tokens = self._output_tokens = 0
 
-    def _draw(self) -> None:
-        width = 30
-        filled = width * self.done // max(self.total, 1)
-        sys.stderr.write(
-            f"\rgenerating [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total}"
+    def finished(self, output: RequestOutput) -> None:
+        self._prompt_tokens += len(output.prompt_token_ids)
+        self._output_tokens += sum(len(sample.token_ids) for sample in output.outputs)
+        elapsed = self._bar.format_dict["elapsed"] or 1e-9
+        self._bar.set_postfix_str(
+            f"est. speed input: {self._prompt_tokens / elapsed:.2f} toks/s, "
+            f"output: {self._output_tokens / elapsed:.2f} toks/s",
+            refresh=False,
         )
-        sys.stderr.flush()
+        self._bar.update(1)
 
     def close(self) -> None:
-        sys.stderr.write("\n")
-
-
-def _progress_bar(total: int) -> _ProgressBar:
-    return _ProgressBar(total)
+        self._bar.close()

@@ -108,3 +108,13 @@ def test_eagle_without_a_model_needs_the_built_in_target(model_dir):
         LLM(str(model_dir), speculative_config={"method": "eagle"}, max_model_len=64)
     with pytest.raises(ValueError, match='"dflash" needs "model"'):
         LLM(str(model_dir), speculative_config={"method": "dflash"}, max_model_len=64)
+
+
+def test_generate_shows_vllms_progress_bar_with_token_rates(model_dir, capsys):
+    llm = make(model_dir)
+    llm.generate(["one", "two", "three"], PARAMS)
+    err = capsys.readouterr().err
+    assert "Processed prompts: 100%" in err and "3/3" in err
+    assert "est. speed input:" in err and "output:" in err
+    llm.generate(["one"], PARAMS, use_tqdm=False)
+    assert capsys.readouterr().err == ""
