@@ -16,11 +16,11 @@ import pytest
 
 from bad_logits_fixtures import unusable_logits
 from e2e.server_fixtures import ServerThread, make_tiny_model_dir
+from specdec.core.snapshot import EngineDeadError, snapshot_of
 from specdec.engine.config import EngineConfig, SpeculativeConfig
 from specdec.engine.llm_engine import LLMEngine
 from specdec.sampling import SamplingParams
 from specdec.server import AsyncEngine, ServerConfig, build_app
-from specdec.server.async_engine import EngineDeadError, snapshot_of
 
 pytestmark = pytest.mark.e2e
 

@@ -16,8 +16,9 @@ import signal
 import traceback
 from dataclasses import dataclass
 
-from specdec.server.async_engine import EngineDeadError, snapshot_of
-from specdec.server.engine_wire import (
+from specdec.core.snapshot import EngineDeadError, snapshot_of
+from specdec.core.stats_log import StatsLog
+from specdec.core.wire import (
     ADMITTED,
     DEAD,
     FAILED,
@@ -26,7 +27,6 @@ from specdec.server.engine_wire import (
     DeltaEncoder,
     encode_frame,
 )
-from specdec.server.stats_log import StatsLog
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import msgspec
 
+from specdec.core.snapshot import EngineSnapshot
 from specdec.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from specdec.server.async_engine import EngineSnapshot
 
 # Frame kinds (engine -> HTTP process). Each frame is [kind, payload, snapshot | None].
 ADMITTED = "admitted"  # payload: [[request_id, error message | None], ...]

@@ -14,8 +14,9 @@ import queue
 import signal
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from specdec.core.snapshot import EngineDeadError, snapshot_of
 from specdec.engine.llm_engine import LLMEngine
 from specdec.engine.outputs import RequestOutput
 from specdec.runner.tensor_parallel import TensorParallelError
@@ -25,33 +26,6 @@ logger = logging.getLogger(__name__)
 
 # How long the idle engine thread waits for a command before re-checking for shutdown.
 IDLE_POLL_S = 0.1
-
-
-class EngineDeadError(RuntimeError):
-    """The engine failed in `step()`; the requests in flight were aborted."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSnapshot:
-    """Engine figures read by `/metrics`, taken by the engine thread after each iteration."""
-
-    num_waiting: int = 0
-    num_running: int = 0
-    num_blocks: int = 0
-    num_free_blocks: int = 0
-    kv_cache_usage: float = 0.0
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: tuple[int, ...] = field(default_factory=tuple)
-    num_preemptions: int = 0
-    num_overlapped_steps: int = 0
-    num_plain_arm_steps: int = 0
-    num_device_rounds: int = 0
-    num_graph_rounds: int = 0
-    num_sync_steps: int = 0
-    num_graphed_prefill_steps: int = 0
-    k_chosen: tuple[tuple[int, int], ...] = field(default_factory=tuple)  # (K, rounds)
 
 
 @dataclass(slots=True)
@@ -267,29 +241,3 @@ def _settle(future: asyncio.Future, error: BaseException | None) -> None:
         future.set_result(None)
     else:
         future.set_exception(error)
-
-
-def snapshot_of(engine: LLMEngine) -> EngineSnapshot:
-    """The `/metrics` figures of `engine` now."""
-    stats = engine.stats
-    allocator = engine.allocator
-    loop = engine.loop_stats
-    return EngineSnapshot(
-        num_waiting=len(engine.scheduler.waiting),
-        num_running=len(engine.scheduler.running),
-        num_blocks=allocator.num_blocks,
-        num_free_blocks=allocator.num_free_blocks,
-        kv_cache_usage=float(allocator.usage),
-        num_drafts=stats.num_drafts,
-        num_draft_tokens=stats.num_draft_tokens,
-        num_accepted_tokens=stats.num_accepted_tokens,
-        accepted_per_position=tuple(stats.accepted_per_position),
-        num_preemptions=engine.num_preemptions,
-        num_overlapped_steps=loop.num_overlapped_steps,
-        num_plain_arm_steps=loop.num_plain_arm_steps,
-        num_device_rounds=loop.num_device_rounds,
-        num_graph_rounds=loop.num_graph_rounds,
-        num_sync_steps=loop.num_sync_steps,
-        num_graphed_prefill_steps=loop.num_graphed_prefill_steps,
-        k_chosen=tuple(sorted(loop.k_chosen.items())),
-    )

@@ -1,7 +1,7 @@
 """EngineClient: the HTTP process's handle on an engine that runs in its own process.
 
-`specdec serve` starts the engine process (`engine_core.run_engine_process`) before it takes
-requests and talks to it over two ZMQ sockets (commands out, frames in; `engine_wire.py`). The
+`specdec serve` starts the engine process (`specdec.core.engine_process`) before it takes
+requests and talks to it over two ZMQ sockets (commands out, frames in; `specdec.core.wire`). The
 engine process never waits on HTTP work (JSON, SSE framing, sockets), and the HTTP process's
 Python never holds the engine's interpreter lock. Same interface as `AsyncEngine` (the in-process
 engine thread, which the tests and a `torchrun` launch keep using): `start`, `add`, `abort`,
@@ -28,11 +28,9 @@ import signal
 import tempfile
 from collections.abc import Callable
 
-from specdec.rng import engine_request_seed, fresh_seed
-from specdec.sampling import SamplingParams
-from specdec.server.async_engine import EngineDeadError, EngineSnapshot, RequestStream
-from specdec.server.engine_core import EngineInfo, run_engine_process
-from specdec.server.engine_wire import (
+from specdec.core.engine_process import EngineInfo, run_engine_process
+from specdec.core.snapshot import EngineDeadError, EngineSnapshot
+from specdec.core.wire import (
     ADMITTED,
     DEAD,
     FAILED,
@@ -40,6 +38,9 @@ from specdec.server.engine_wire import (
     OutputAssembler,
     decode_frame,
 )
+from specdec.rng import engine_request_seed, fresh_seed
+from specdec.sampling import SamplingParams
+from specdec.server.async_engine import RequestStream
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import io
 from types import SimpleNamespace
 
-from specdec.server.stats_log import StatsLog
+from specdec.core.stats_log import StatsLog
 
 
 def _engine(running=0, waiting=0, drafts=0, accepted=0, chosen=None, usage=0.0, preemptions=0):

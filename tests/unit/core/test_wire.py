@@ -8,15 +8,15 @@ import random
 
 import pytest
 
-from specdec.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from specdec.server.async_engine import EngineSnapshot
-from specdec.server.engine_wire import (
+from specdec.core.snapshot import EngineSnapshot
+from specdec.core.wire import (
     OUTPUTS,
     DeltaEncoder,
     OutputAssembler,
     decode_frame,
     encode_frame,
 )
+from specdec.engine.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 def _entry(rng: random.Random, token: int) -> dict[int, Logprob]:

@@ -1,0 +1,59 @@
+"""What the server reports of an engine (`EngineSnapshot`, taken by `snapshot_of` after each
+iteration of the engine's loop) and `EngineDeadError`. Plain data; never touches requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class EngineDeadError(RuntimeError):
+    """The engine failed in `step()`; the requests in flight were aborted."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """Engine figures read by `/metrics`, taken by the engine thread after each iteration."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    kv_cache_usage: float = 0.0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = field(default_factory=tuple)
+    num_preemptions: int = 0
+    num_overlapped_steps: int = 0
+    num_plain_arm_steps: int = 0
+    num_device_rounds: int = 0
+    num_graph_rounds: int = 0
+    num_sync_steps: int = 0
+    num_graphed_prefill_steps: int = 0
+    k_chosen: tuple[tuple[int, int], ...] = field(default_factory=tuple)  # (K, rounds)
+
+
+def snapshot_of(engine) -> EngineSnapshot:
+    """The `/metrics` figures of `engine` now."""
+    stats = engine.stats
+    allocator = engine.allocator
+    loop = engine.loop_stats
+    return EngineSnapshot(
+        num_waiting=len(engine.scheduler.waiting),
+        num_running=len(engine.scheduler.running),
+        num_blocks=allocator.num_blocks,
+        num_free_blocks=allocator.num_free_blocks,
+        kv_cache_usage=float(allocator.usage),
+        num_drafts=stats.num_drafts,
+        num_draft_tokens=stats.num_draft_tokens,
+        num_accepted_tokens=stats.num_accepted_tokens,
+        accepted_per_position=tuple(stats.accepted_per_position),
+        num_preemptions=engine.num_preemptions,
+        num_overlapped_steps=loop.num_overlapped_steps,
+        num_plain_arm_steps=loop.num_plain_arm_steps,
+        num_device_rounds=loop.num_device_rounds,
+        num_graph_rounds=loop.num_graph_rounds,
+        num_sync_steps=loop.num_sync_steps,
+        num_graphed_prefill_steps=loop.num_graphed_prefill_steps,
+        k_chosen=tuple(sorted(loop.k_chosen.items())),
+    )
