@@ -7,9 +7,10 @@ as `transformers` sets it up. It never touches model weights.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,9 @@ _SPLIT_BY_PRE = {
 }
 # GPT-2's regex after splitting every digit apart (StarCoder / SmolLM vocabularies).
 _DIGIT_SPLIT_PRES = ("smollm", "starcoder", "refact")
+# A SentencePiece byte-fallback token (`<0xE6>`) and SentencePiece's word-start mark.
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_SENTENCEPIECE_SPACE = "\u2581"
 
 
 class Tokenizer:
@@ -88,6 +92,44 @@ class Tokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes `token_id` stands for, which may be part of a UTF-8 character (decoding it
+        alone would give U+FFFD); the bytes of a text's tokens, joined, are the text's UTF-8.
+
+        Byte-level BPE: the token's characters mapped back through GPT-2's byte table.
+        SentencePiece: a byte-fallback token (`<0xE6>`) is its byte, U+2581 a space. Special and
+        added tokens: their text's UTF-8. Any other token: the UTF-8 of its text decoded alone.
+        An id the tokenizer does not know (a vocabulary padded past it): no bytes.
+        """
+        added = self._added_tokens.get(token_id)
+        if added is not None:
+            return added.encode()
+        token = self.backend.id_to_token(token_id)
+        if token is None:
+            return b""
+        decoder_types = self._decoder_types
+        byte_of_char = _unicode_to_bytes()
+        if "ByteLevel" in decoder_types and all(c in byte_of_char for c in token):
+            return bytes(byte_of_char[c] for c in token)
+        if "ByteFallback" in decoder_types and (match := _BYTE_TOKEN.fullmatch(token)):
+            return bytes([int(match.group(1), 16)])
+        if decoder_types & {"ByteFallback", "Metaspace"}:
+            return token.replace(_SENTENCEPIECE_SPACE, " ").encode()
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
+    @cached_property
+    def _added_tokens(self) -> dict[int, str]:
+        """Special and added tokens by id: their text, which no decoder rewrites."""
+        return {i: t.content for i, t in self.backend.get_added_tokens_decoder().items()}
+
+    @cached_property
+    def _decoder_types(self) -> frozenset[str]:
+        """The types of the backend's decoder, or of each decoder in its sequence."""
+        if self.backend.decoder is None:
+            return frozenset()
+        state = json.loads(self.backend.decoder.__getstate__())
+        return frozenset(part["type"] for part in state.get("decoders", [state]))
 
     def apply_chat_template(
         self,
@@ -308,6 +350,12 @@ def _bytes_to_unicode() -> dict[int, str]:
             chars.append(256 + extra)
             extra += 1
     return {byte: chr(char) for byte, char in zip(printable, chars, strict=True)}
+
+
+@cache
+def _unicode_to_bytes() -> dict[str, int]:
+    """The inverse of `_bytes_to_unicode`: a byte-level BPE character -> the byte it stands for."""
+    return {char: byte for byte, char in _bytes_to_unicode().items()}
 
 
 def _cut_after_final_message(text: str, messages: Sequence[Mapping[str, Any]]) -> str:

@@ -322,6 +322,13 @@ class OpenAIServer:
             return ""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def token_bytes(self, token_id: int) -> list[int]:
+        """OpenAI's logprob `bytes`: the token's own bytes, so that a client can join a character
+        split over tokens (its text alone reads U+FFFD)."""
+        if self.tokenizer is None:
+            return []
+        return list(self.tokenizer.token_bytes(token_id))
+
     def completion_logprobs(
         self,
         completion: CompletionOutput,
@@ -357,17 +364,16 @@ class OpenAIServer:
         content = []
         entries = (completion.logprobs or [])[start:]
         for token, entry in zip(completion.token_ids[start:], entries, strict=False):
-            text = self.token_text(token)
             content.append(
                 {
-                    "token": text,
+                    "token": self.token_text(token),
                     "logprob": entry[token].logprob,
-                    "bytes": list(text.encode("utf-8")),
+                    "bytes": self.token_bytes(token),
                     "top_logprobs": [
                         {
                             "token": self.token_text(t),
                             "logprob": value.logprob,
-                            "bytes": list(self.token_text(t).encode("utf-8")),
+                            "bytes": self.token_bytes(t),
                         }
                         for t, value in _top(entry, num_top)
                     ],
