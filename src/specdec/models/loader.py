@@ -10,6 +10,7 @@ fused) and the LM head are packed for their kernels (`quant.py`) and never held 
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -52,6 +53,27 @@ def is_gguf(path: str | Path) -> bool:
         return False
     with path.open("rb") as file:
         return file.read(4) == GGUF_MAGIC
+
+
+def missing_model_message(path: str | Path) -> str:
+    """The error for a model path that does not exist; a Hub id (`owner/name`) is told that
+    nothing is downloaded here."""
+    message = f"no such model path: {path}"
+    if _looks_like_hub_id(str(path)):
+        message += " (models are not downloaded here: pass a local HF directory or a GGUF file)"
+    return message
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    """Whether `path` reads as a Hugging Face Hub repository id: `owner/name`, relative, one
+    slash, and nothing of that name here."""
+    owner, _, name = path.partition("/")
+    return (
+        re.fullmatch(r"[\w.-]+/[\w.-]+", path) is not None
+        and owner not in (".", "..")
+        and name not in (".", "..")
+        and not Path(path).exists()
+    )
 
 
 def resolve_quantization(
@@ -131,7 +153,7 @@ def load_model(
             path, dtype, device, resolve_quantization(path, quantization, device), shard
         )
     elif not path.exists():
-        raise FileNotFoundError(f"no such model path: {path}")
+        raise FileNotFoundError(missing_model_message(path))
     elif not is_gguf(path):
         raise CheckpointError(
             f"{path} is neither a directory nor a GGUF file (expected a HF model directory with "
@@ -513,7 +535,7 @@ def read_model_config(path: str | Path) -> ModelConfig:
     if path.is_dir():
         return ModelConfig.from_hf_config(_read_json(path / "config.json", "config.json"))
     if not path.exists():
-        raise FileNotFoundError(f"no such model path: {path}")
+        raise FileNotFoundError(missing_model_message(path))
     if not is_gguf(path):
         raise CheckpointError(f"{path} is neither a directory nor a GGUF file")
     return GGUFFile(path).model_config()
