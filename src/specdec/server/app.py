@@ -28,7 +28,7 @@ from specdec.engine.outputs import CompletionOutput, RequestOutput
 from specdec.rng.seeds import fresh_request_id
 from specdec.sampling import SamplingParams
 from specdec.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from specdec.server.config import ServerConfig
+from specdec.server.config import DEFAULT_MODEL_ALIAS, ServerConfig
 from specdec.server.errors import APIError, _validation_error, error_response
 from specdec.server.guard import _GuardMiddleware
 from specdec.server.prometheus import ServerMetrics
@@ -95,10 +95,11 @@ class OpenAIServer:
 
     def check_model(self, name: str | None) -> None:
         if not self.config.accepts_model(name):
+            served = self.config.served_model_name
+            also = "" if served == DEFAULT_MODEL_ALIAS else f" (or {DEFAULT_MODEL_ALIAS!r})"
             raise APIError(
                 404,
-                f"the model {name!r} does not exist; this server serves "
-                f"{self.config.served_model_name!r} (also reachable as 'default')",
+                f"model {name!r} is not served here; use {served!r}{also}",
                 param="model",
                 code="model_not_found",
             )
@@ -216,11 +217,12 @@ class OpenAIServer:
         self, body: ChatCompletionRequest | TokenizeRequest, check: bool = True
     ) -> list[int]:
         """The rendered conversation's token ids (APIError 400 when it cannot be rendered)."""
+        messages = chat_messages(body.messages)
         if self.tokenizer is None or not (self.tokenizer.chat_template or body.chat_template):
             raise APIError(400, "this model has no chat template", param="messages")
         try:
             token_ids = self.tokenizer.encode_chat(
-                chat_messages(body.messages),
+                messages,
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
                 chat_template=body.chat_template,
@@ -383,10 +385,14 @@ class OpenAIServer:
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
-    """The messages as the chat template sees them (text content; `name` when given)."""
+    """The messages as the chat template sees them (text content; `name` when given).
+
+    Raises:
+        APIError: 400 for a content part other than text (this server's models read text only).
+    """
     out = []
-    for m in messages:
-        message = {"role": m.role, "content": _message_text(m.content)}
+    for index, m in enumerate(messages):
+        message = {"role": m.role, "content": _message_text(m.content, index)}
         if m.name is not None:
             message["name"] = m.name
         out.append(message)
@@ -414,13 +420,26 @@ SAMPLING_FIELDS = (
 )
 
 
-def _message_text(content: str | list[dict] | None) -> str:
+def _message_text(content: str | list[dict] | None, index: int) -> str:
+    """The text of message `index`'s content: a string, or its text parts joined."""
     if content is None or isinstance(content, str):
         return content or ""
     parts = []
     for part in content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise APIError(400, "only text content parts are supported", param="messages")
+        kind = part.get("type")
+        if kind != "text":
+            raise APIError(
+                400,
+                f"this model takes text only: messages[{index}] has a content part of type "
+                f"{kind!r} (send {{'type': 'text', 'text': ...}} parts or a string)",
+                param="messages",
+            )
+        if not isinstance(part.get("text"), str):
+            raise APIError(
+                400,
+                f"messages[{index}] has a text content part without a string 'text'",
+                param="messages",
+            )
         parts.append(part["text"])
     return "".join(parts)
 
