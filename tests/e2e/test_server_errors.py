@@ -1,14 +1,19 @@
 """Errors that name the fix, through the server on the tiny character model: a non-text content
-part, an unknown model name."""
+part, an unknown model name; and a checkpoint without a tokenizer, which warns at load (server and
+`LLM`) and takes the token-id prompt form the warning names.
+"""
 
 from __future__ import annotations
 
+import warnings
 from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from e2e.server_fixtures import ServerThread, make_tiny_model_dir
+from models_fixtures import make_hf_model, save_hf_model
+from specdec import LLM, SamplingParams
 from specdec.engine.config import EngineConfig
 from specdec.engine.llm_engine import LLMEngine
 from specdec.server import AsyncEngine, ServerConfig, build_app
@@ -84,3 +89,41 @@ def test_a_server_named_default_names_it_once():
     with pytest.raises(APIError) as caught:
         server.check_model("gpt-4")
     assert caught.value.message == "model 'gpt-4' is not served here; use 'default'"
+
+
+@pytest.fixture(scope="module")
+def untokenized_dir(tmp_path_factory):
+    """A tiny checkpoint with weights and config.json but no tokenizer files."""
+    return save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("no-tokenizer"))
+
+
+def test_a_server_without_tokenizer_warns_and_takes_token_ids(untokenized_dir):
+    with pytest.warns(UserWarning, match=r'no tokenizer: send /v1/completions .*"prompt": \['):
+        server = start_server(untokenized_dir)
+    try:
+        body = {"prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True}
+        assert post(server, "/v1/completions", body).status_code == 200
+        error = error_of(post(server, "/v1/completions", {"prompt": "text"}), 400)
+        assert "no tokenizer" in error["message"]
+    finally:
+        server.stop()
+
+
+def test_llm_without_tokenizer_warns_and_generates_from_token_ids(untokenized_dir):
+    with pytest.warns(UserWarning, match=r'no tokenizer: .*\{"prompt_token_ids": \['):
+        llm = LLM(str(untokenized_dir), speculative_config=None, max_model_len=256)
+    params = SamplingParams(max_tokens=3, ignore_eos=True, seed=0)
+    (out,) = llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 3 and out.outputs[0].text == ""
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("text", params, use_tqdm=False)
+
+
+def test_a_model_with_a_tokenizer_loads_without_that_warning(tmp_path):
+    model_dir = make_tiny_model_dir(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        LLM(str(model_dir), speculative_config=None, max_model_len=256)
+        engine = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=256), None)
+        build_app(AsyncEngine(engine), ServerConfig())
+    assert not [w for w in caught if "no tokenizer" in str(w.message)]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -57,6 +58,12 @@ class LLM:
             device_type = resolve_device(config.device).type
             speculative_config = complete_speculative_config(speculative_config, model, device_type)
         self.engine = LLMEngine(config, SpeculativeConfig.from_dict(speculative_config))
+        if self.engine.tokenizer is None:
+            warnings.warn(
+                f"{model} has no tokenizer: pass prompts as token ids, "
+                'llm.generate({"prompt_token_ids": [1, 2, 3]})',
+                stacklevel=2,
+            )
 
     @property
     def tokenizer(self):

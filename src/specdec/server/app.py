@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+import warnings
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -72,6 +73,12 @@ class OpenAIServer:
         self.vocab_size = engine.vocab_size
         self.metrics = ServerMetrics(lambda: engine.snapshot, config.served_model_name)
         self.created = int(time.time())
+        if self.tokenizer is None:
+            warnings.warn(
+                "this model has no tokenizer: send /v1/completions prompts as token ids "
+                '({"prompt": [1, 2, 3]}); text prompts and chat are refused',
+                stacklevel=2,
+            )
 
     # ------------------------------------------------------------- request parsing
     async def read_body(self, request: Request, model: type[BaseModel]) -> Any:
