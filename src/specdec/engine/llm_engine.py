@@ -356,7 +356,10 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompts as token ids")
+                raise ValueError(
+                    "this model has no tokenizer: pass prompts as token ids "
+                    '(LLM.generate({"prompt_token_ids": [...]}), or a list of ids)'
+                )
             return prompt, self.tokenizer.encode(prompt)
         if not isinstance(prompt, list | tuple) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
