@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from specdec import __version__
 from specdec.cli.audit import add_audit
 from specdec.cli.bench import add_bench
-from specdec.cli.flags import DEFAULT_SPECULATIVE_CONFIG, default_spec
+from specdec.cli.flags import DEFAULT_SPECULATIVE_CONFIG, choose_model, default_spec
 from specdec.cli.generate import add_generate
 from specdec.cli.serve import add_serve
 from specdec.cli.train import add_train_drafter
@@ -31,7 +31,35 @@ USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionErro
 
 
 class Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line: `prog: error: message`, exit status 2."""
+    """An argument parser whose errors are one line: `prog: error: message`, exit status 2.
+
+    `intermixed=True`: positionals may come between options (`generate MODEL --max-tokens 8
+    PROMPT`), which argparse's own parse splits wrongly when an optional positional precedes
+    a required one. After parsing, the model named by a positional or `--model` becomes
+    `args.model` (`choose_model`).
+    """
+
+    def __init__(self, *args, intermixed: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.intermixed = intermixed
+        self._parsing = False
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        if self._parsing:  # a pass of parse_known_intermixed_args
+            return super().parse_known_args(args, namespace)
+        self._parsing = True
+        try:
+            if self.intermixed:
+                namespace, extras = self.parse_known_intermixed_args(args, namespace)
+            else:
+                namespace, extras = super().parse_known_args(args, namespace)
+        finally:
+            self._parsing = False
+        try:
+            choose_model(namespace)
+        except ValueError as err:
+            self.error(str(err))
+        return namespace, extras
 
     def error(self, message: str) -> None:  # type: ignore[override]
         report(self.prog, message)

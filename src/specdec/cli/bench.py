@@ -9,15 +9,16 @@ from specdec.cli.flags import DEFAULT_SPECULATIVE_CONFIG, default_spec
 
 
 def add_bench(commands) -> None:
-    from specdec.cli.flags import add_engine_arguments, add_threads_flag
+    from specdec.cli.flags import add_engine_arguments, add_model_arguments, add_threads_flag
 
     bench = commands.add_parser(
         "bench",
         help="speculative vs plain decoding: tokens/s, TPOT, acceptance (JSON and PNG)",
-        description="Run one workload with and without speculation on the same model, prompts "
-        "and seeds; print a table and write JSON and a PNG plot.",
+        description="Run one workload with and without speculation on the same model (MODEL "
+        "or --model; default: the built-in SmolLM2-135M-Instruct), prompts and seeds; print a "
+        "table and write JSON and a PNG plot.",
     )
-    bench.add_argument("--model", default=None, help="HF directory or GGUF file")
+    add_model_arguments(bench)
     bench.add_argument("--num-prompts", type=int, default=8, help="requests in the workload")
     bench.add_argument("--output-len", type=int, default=64, help="tokens generated per request")
     bench.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -68,8 +69,8 @@ def _bench(args: argparse.Namespace) -> int:
 
     if args.sweep:
         return _bench_sweep(args)
-    check_before_loading(EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args)))
     spec = speculative_config(args, default_spec(args.model, args.device))
+    check_before_loading(EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args)), spec)
     plain = LLM(args.model, speculative_config=None, **engine_kwargs(args))
     prompts = [
         plain.tokenizer.encode_chat([{"role": "user", "content": text}])
@@ -133,10 +134,12 @@ def _bench_sweep(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from specdec import bench
-    from specdec.cli.flags import engine_kwargs
+    from specdec.cli.flags import check_before_loading, engine_kwargs
+    from specdec.engine.config import EngineConfig
     from specdec.models import Tokenizer, default_model_path, load_model
 
     trees = bench.parse_trees(args.trees)  # bad settings are refused before a model loads
+    check_before_loading(EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args)))
     drafters = {}
     for item in args.drafter:
         name, sep, text = item.partition("=")

@@ -88,6 +88,46 @@ def _positive_int(text: str) -> int:
     return value
 
 
+# The model's words in the commands' help.
+MODEL_HELP = "HF directory or GGUF file (default: the built-in SmolLM2-135M-Instruct)"
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, positional: bool = True) -> None:
+    """Adds the model as vLLM names it: an optional positional MODEL and `--model` (give one;
+    the parser refuses both with different values: `choose_model`). `positional=False`: the
+    flag only (for a command whose positionals are something else)."""
+    if positional:
+        parser.add_argument("model", nargs="?", default=None, help=f"{MODEL_HELP}; or --model")
+    parser.add_argument(
+        "--model",
+        dest="model_flag",
+        metavar="MODEL",
+        default=None,
+        help="the model, as the positional MODEL names it (vLLM's spelling)"
+        if positional
+        else MODEL_HELP,
+    )
+
+
+def choose_model(args: argparse.Namespace) -> None:
+    """Sets `args.model` from the positional model or --model (the parsers call it after
+    parsing; a no-op for a command without them).
+
+    Raises:
+        ValueError: both given, naming different models.
+    """
+    if not hasattr(args, "model_flag"):
+        return
+    flag = args.model_flag
+    del args.model_flag
+    given = getattr(args, "model", None)
+    if given is not None and flag is not None and given != flag:
+        raise ValueError(
+            f"the model is given twice, as {given!r} and as --model {flag!r}: give it once"
+        )
+    args.model = given if given is not None else flag
+
+
 def json_object(text: str) -> dict:
     """argparse type of a JSON object flag: a message that says JSON when it is not."""
     try:
@@ -264,30 +304,75 @@ def add_structured_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def structured_outputs(args: argparse.Namespace) -> StructuredOutputsParams | None:
-    """The constraint of --json-schema / --regex / --grammar (None: none).
+    """The constraint of --json-schema / --regex / --grammar (None: none), checked as far as
+    it can be without a model: the file is readable, non-empty text, the schema is a JSON
+    object, and llguidance compiles the constraint (`constraint_error`).
 
     Raises:
         FileNotFoundError: no such schema or grammar file.
-        ValueError: a schema file that is not JSON.
+        ValueError: anything else wrong with the flag, in one line that names it.
+    """
+    from specdec.sampling.grammar import constraint_error
+
+    if args.regex is not None:
+        flag, shown = "--regex", repr(args.regex)
+        if not args.regex:
+            raise ValueError("--regex '' is empty: it allows no output")
+        fields: dict[str, Any] = {"regex": args.regex}
+    elif args.json_schema is not None:
+        flag, shown = "--json-schema", args.json_schema
+        text = _read_constraint_file(flag, args.json_schema)
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"--json-schema {shown} is not valid JSON ({err.msg} at line {err.lineno}, "
+                f"column {err.colno})"
+            ) from None
+        if not isinstance(schema, dict):
+            raise ValueError(
+                f"--json-schema {shown} holds a JSON {type(schema).__name__}, not a JSON schema "
+                "(an object {...})"
+            )
+        fields = {"json": schema}
+    elif args.grammar is not None:
+        flag, shown = "--grammar", args.grammar
+        fields = {"grammar": _read_constraint_file(flag, args.grammar)}
+    else:
+        return None
+    try:
+        params = StructuredOutputsParams(**fields)
+    except ValueError as err:
+        raise ValueError(f"invalid {flag} {shown}: {err}") from None
+    reason = constraint_error(params)
+    if reason is not None:
+        raise ValueError(f"invalid {flag} {shown}: {reason}")
+    return params
+
+
+def _read_constraint_file(flag: str, path: str) -> str:
+    """The text of a --json-schema / --grammar file.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not a file, unreadable, not UTF-8, or empty.
     """
     from pathlib import Path
 
-    if args.regex is not None:
-        return StructuredOutputsParams(regex=args.regex)
-    for flag, path, field in (
-        ("--json-schema", args.json_schema, "json"),
-        ("--grammar", args.grammar, "grammar"),
-    ):
-        if path is None:
-            continue
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"{flag}: no such file: {path}")
-        text = Path(path).read_text(encoding="utf-8")
-        try:
-            return StructuredOutputsParams(**{field: text})
-        except ValueError as err:
-            raise ValueError(f"{flag} {path}: {err}") from None
-    return None
+    file = Path(path)
+    if not file.exists():
+        raise FileNotFoundError(f"{flag}: no such file: {path}")
+    if not file.is_file():
+        raise ValueError(f"{flag} {path} is not a file")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{flag} {path} is not UTF-8 text") from None
+    except OSError as err:
+        raise ValueError(f"{flag} {path}: cannot read it ({err.strerror or err})") from None
+    if not text.strip():
+        raise ValueError(f"{flag} {path} is empty")
+    return text
 
 
 def engine_kwargs(args: argparse.Namespace, *, seed: bool = False) -> dict[str, Any]:
@@ -309,24 +394,30 @@ def speculative_config(args: argparse.Namespace, default: dict | None) -> Specul
     return SpeculativeConfig.from_dict(values)
 
 
-def check_before_loading(config: EngineConfig) -> None:
+def check_before_loading(config: EngineConfig, spec: SpeculativeConfig | None = None) -> None:
     """The checks of an engine's settings that need no model (run before loading one, which
-    takes seconds): the device exists, an FP8 KV cache has CUDA, the model path exists, and a
-    tensor-parallel size splits the model's heads (read from its config alone) on as many GPUs.
+    takes seconds): the device exists, an FP8 KV cache has CUDA, the model path exists, the
+    quantization suits the model file, a tensor-parallel size splits the model's heads (read
+    from its config alone) on as many GPUs, and the speculation's drafter can be found.
 
     Raises:
         ValueError: no CUDA device for device="cuda"; kv_cache_dtype fp8 off CUDA; a
-            tensor_parallel_size the model or the GPUs cannot take.
-        FileNotFoundError: no such model path.
+            quantization the model file cannot take; a tensor_parallel_size the model or the
+            GPUs cannot take; an EAGLE head asked for on a model with none shipped; a
+            malformed "truncated:N".
+        FileNotFoundError: no such model path (or draft model path).
     """
     from pathlib import Path
 
     from specdec.engine.setup import check_gpu_count, check_kv_cache_dtype, resolve_device
+    from specdec.models.loader import resolve_quantization
 
     device = resolve_device(config.device)
     check_kv_cache_dtype(config.kv_cache_dtype, device)
-    if config.model is not None and not Path(config.model).exists():
-        raise FileNotFoundError(f"no such model path: {config.model}")
+    if config.model is not None:
+        if not Path(config.model).exists():
+            raise FileNotFoundError(f"no such model path: {config.model}")
+        resolve_quantization(config.model, config.quantization, device)
     if config.tensor_parallel_size > 1:
         from specdec.models import default_model_path
         from specdec.models.loader import read_model_config
@@ -335,6 +426,29 @@ def check_before_loading(config: EngineConfig) -> None:
         model_config = read_model_config(config.model or default_model_path())
         check_tensor_parallel_size(model_config, config.tensor_parallel_size)
         check_gpu_count(config.tensor_parallel_size, device)
+    if spec is not None:
+        _check_drafter(spec, config.model)
+
+
+def _check_drafter(spec: SpeculativeConfig, model: str | None) -> None:
+    """Refuses a drafter that cannot load before the target does: an EAGLE head asked for on a
+    model with none shipped, a malformed "truncated:N", a draft model path that is not there."""
+    from pathlib import Path
+
+    from specdec.drafters.default import with_shipped_head
+    from specdec.drafters.draft_model import TRUNCATED_PREFIX
+    from specdec.models.registry import is_builtin_model
+
+    spec = with_shipped_head(spec, is_builtin_model(model))
+    if not spec.model:
+        return
+    if spec.method == "draft_model" and spec.model.startswith(TRUNCATED_PREFIX):
+        if not spec.model[len(TRUNCATED_PREFIX) :].isdigit():
+            raise ValueError(
+                f'speculative_config.model "{spec.model}": expected "truncated:<number of layers>"'
+            )
+    elif not Path(spec.model).exists():
+        raise FileNotFoundError(f"speculative_config.model: no such path: {spec.model}")
 
 
 def sampling_params(args: argparse.Namespace, **overrides: Any) -> SamplingParams:

@@ -14,6 +14,7 @@ GENERATE_MAX_TOKENS = 256
 def add_generate(commands) -> None:
     from specdec.cli.flags import (
         add_engine_arguments,
+        add_model_arguments,
         add_sampling_arguments,
         add_structured_arguments,
         add_threads_flag,
@@ -21,15 +22,21 @@ def add_generate(commands) -> None:
 
     generate = commands.add_parser(
         "generate",
+        intermixed=True,
         help="generate text for a prompt, streaming tokens, then print acceptance figures",
         description="Generate for one prompt with speculative decoding on the given model "
-        "(default: the built-in SmolLM2-135M-Instruct), streaming the text as it is produced. "
+        "(`specdec generate [MODEL] PROMPT`, or --model; default: the built-in "
+        "SmolLM2-135M-Instruct), streaming the text as it is produced. "
         f"Default speculation: {default_spec_help()}. With --n > 1 the samples are printed "
         "one after the other once all are done; --logprobs prints each token's log-probability "
-        "(and the top alternatives) on stderr.",
+        "(and the top alternatives) on stderr. Every flag is checked before the model loads.",
     )
-    generate.add_argument("prompt", help="the prompt (a user message for chat models)")
-    generate.add_argument("--model", default=None, help="HF directory or GGUF file")
+    add_model_arguments(generate)
+    generate.add_argument(
+        "prompt",
+        help="the prompt (a user message for chat models); given alone it is the prompt, "
+        "after MODEL too",
+    )
     generate.add_argument(
         "--no-chat", action="store_true", help="do not wrap the prompt in the chat template"
     )
@@ -54,8 +61,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     # Every argument is checked before the model loads (which takes seconds).
     params = sampling_params(args, structured_outputs=structured_outputs(args))
-    check_before_loading(EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args)))
     spec = None if args.no_spec else speculative_config(args, default_spec(args.model, args.device))
+    check_before_loading(EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args)), spec)
     llm = _load(args.model, spec, engine_kwargs(args))
     printed = [0]
 

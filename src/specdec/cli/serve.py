@@ -22,12 +22,13 @@ SERVER_FLAGS = (
 
 
 def add_serve(commands) -> None:
-    from specdec.cli.flags import add_engine_arguments, add_threads_flag
+    from specdec.cli.flags import add_engine_arguments, add_model_arguments, add_threads_flag
 
     serve = commands.add_parser(
         "serve",
         help="an OpenAI-compatible HTTP server (completions, chat, SSE streaming, /metrics)",
-        description="Serve MODEL (default: the built-in SmolLM2-135M-Instruct) over OpenAI's "
+        description="Serve MODEL (given as the positional or as --model, as vLLM takes it; "
+        "default: the built-in SmolLM2-135M-Instruct) over OpenAI's "
         "/v1/completions and /v1/chat/completions (and vLLM's /tokenize, /detokenize). "
         "Requests must name the model as the served name (--served-model-name; default: the "
         "model path's last component without its suffix, or 'default' for the built-in model) "
@@ -38,7 +39,7 @@ def add_serve(commands) -> None:
         "SIGTERM or Ctrl-C ends every open stream with a last chunk (finish_reason abort) and "
         "[DONE].",
     )
-    serve.add_argument("model", nargs="?", default=None, help="HF directory or GGUF file")
+    add_model_arguments(serve)
     serve.add_argument("--served-model-name", default=None, help="the model name requests use")
     serve.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 route"
@@ -81,8 +82,8 @@ def _serve(args: argparse.Namespace) -> int:
         **config_values(args, ServerConfig, SERVER_FLAGS),
     )
     engine_config = EngineConfig(model=args.model, **engine_kwargs(args, seed=True))
-    check_before_loading(engine_config)
     spec = None if args.no_spec else speculative_config(args, default_spec(args.model, args.device))
+    check_before_loading(engine_config, spec)
     launched = external_launch()
     if launched is not None and launched[0] != 0:  # a launcher's worker rank: no server
         LLMEngine(engine_config, spec)  # serves rank 0's steps, then exits the process

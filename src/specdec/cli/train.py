@@ -36,7 +36,7 @@ RUN_FLAGS = (
 
 
 def add_train_drafter(commands) -> None:
-    from specdec.cli.flags import add_threads_flag
+    from specdec.cli.flags import MODEL_HELP, add_threads_flag
     from specdec.train.kind import TrainOptions
     from specdec.train.trainer import TrainConfig
 
@@ -51,7 +51,20 @@ def add_train_drafter(commands) -> None:
         'DIR then holds config.json + model.safetensors: speculative_config={"method": KIND, '
         '"model": DIR}.',
     )
-    train.add_argument("--target", default=None, help="HF directory or GGUF (default: built-in)")
+    train.add_argument(
+        "--target",
+        dest="model",
+        metavar="MODEL",
+        default=None,
+        help=f"the target model to distil from: {MODEL_HELP}",
+    )
+    train.add_argument(
+        "--model",
+        dest="model_flag",
+        metavar="MODEL",
+        default=None,
+        help="the same as --target (the name the other commands give the model)",
+    )
     train.add_argument("--kind", required=True, help="draft_model, eagle, mtp, ...")
     train.add_argument(
         "--data",
@@ -81,9 +94,13 @@ def add_train_drafter(commands) -> None:
 
 
 def _train_drafter(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from specdec.train.kind import TrainOptions
     from specdec.train.trainer import TrainConfig, train_drafter
 
+    if args.model is not None and not Path(args.model).exists():
+        raise FileNotFoundError(f"no such model path: {args.model}")
     extra = {}
     for item in args.option:
         key, sep, value = item.partition("=")
@@ -95,7 +112,7 @@ def _train_drafter(args: argparse.Namespace) -> int:
         kind=args.kind,
         data=tuple(args.data),
         out=args.out,
-        target=args.target,
+        target=args.model,
         options=options,
         resume=args.resume,
         **config_values(args, TrainConfig, RUN_FLAGS),

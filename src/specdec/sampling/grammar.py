@@ -170,22 +170,10 @@ class GrammarCompiler:
         return compiled
 
     def _grammar_text(self, params: StructuredOutputsParams) -> str:
-        llg = _llguidance()
-        kind, _ = params.key
-        overrides = {"whitespace_flexible": False} if params.disable_any_whitespace else None
         try:
-            if kind == "json":
-                return llg.LLMatcher.grammar_from_json_schema(params.json, overrides=overrides)
-            if kind == "json_object":
-                return llg.LLMatcher.grammar_from_json_schema(
-                    {"type": "object"}, overrides=overrides
-                )
-            if kind == "regex":
-                return llg.LLMatcher.grammar_from_regex(params.regex)
-            if kind == "choice":
-                return llg.grammar_from("choice", params.choice)
-            return llg.grammar_from("grammar", params.grammar)
+            return grammar_text(params)
         except ValueError as err:
+            kind = params.key[0]
             raise ValueError(f"invalid structured_outputs.{kind}: {_first_line(str(err))}") from err
 
     def matcher(self, grammar: CompiledGrammar, *, prefetch: bool = True) -> GrammarMatcher:
@@ -219,6 +207,60 @@ class GrammarCompiler:
         return GrammarMatcher(
             prototype.deep_copy(), self.vocab_size, self.eos_token_id, prefetch=prefetch
         )
+
+
+def grammar_text(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar definition of a constraint (no tokenizer involved).
+
+    Raises:
+        ValueError: llguidance's (multi-line) message, e.g. a GBNF grammar it cannot convert.
+    """
+    llg = _llguidance()
+    kind, _ = params.key
+    overrides = {"whitespace_flexible": False} if params.disable_any_whitespace else None
+    if kind == "json":
+        return llg.LLMatcher.grammar_from_json_schema(params.json, overrides=overrides)
+    if kind == "json_object":
+        return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=overrides)
+    if kind == "regex":
+        return llg.LLMatcher.grammar_from_regex(params.regex)
+    if kind == "choice":
+        return llg.grammar_from("choice", params.choice)
+    return llg.grammar_from("grammar", params.grammar)
+
+
+def constraint_error(params: StructuredOutputsParams) -> str | None:
+    """Why llguidance refuses a constraint whatever the tokenizer, in one line a person reads
+    once (None: it does not): the check `GrammarCompiler.compile` makes, run before a model is
+    loaded. A constraint it passes may still allow no output with a given vocabulary
+    (`GrammarCompiler.matcher` says so then)."""
+    kind = params.key[0]
+    try:
+        text = grammar_text(params)
+    except ValueError as err:
+        return readable_error(str(err), kind)
+    error = _llguidance().LLMatcher.validate_grammar(text, None)
+    return readable_error(error, kind) if error else None
+
+
+def readable_error(message: str, kind: str) -> str:
+    """llguidance's message as one line: a regex's own reason ("unclosed character class")
+    without the regex echoed back or the position in the grammar wrapped around it; a grammar's
+    first line with its position as "(line L, column C)"."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return "rejected by the grammar compiler"
+    reasons = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
+    at = re.match(r"^at (\d+)\((\d+)\): (.*)$", lines[0])
+    if kind == "regex":
+        if reasons:
+            return reasons[0]
+        return at.group(3) if at else _first_line(message)
+    reason = at.group(3) if at else lines[0]
+    if reasons and reason.endswith("regex parse error:"):  # a regex inside the grammar
+        reason = re.sub(r" \(in \w+\)$", "", reason.removesuffix(" regex parse error:").rstrip(":"))
+        reason = f"{reason}: {reasons[0]}"
+    return reason + (f" (line {at.group(1)}, column {at.group(2)})" if at else "")
 
 
 class GrammarMatcher:
