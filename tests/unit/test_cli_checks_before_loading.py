@@ -138,6 +138,7 @@ def test_a_bad_json_schema_is_refused(capsys, loads, model_dir, tmp_path, text, 
         (["--top-k", "-5"], "top_k must be"),
         (["--n", "0"], "n must be"),
         (["--max-tokens", "0"], "max_tokens must be"),
+        (["--compare", "--no-spec"], "--compare runs speculation against plain decoding"),
         (['--speculative-config={"num_speculative_tokens": 0}'], "num_speculative_tokens"),
         (['--speculative-config={"method": "eagle"}'], 'method "eagle" needs "model"'),
         (

@@ -1,12 +1,19 @@
-"""`specdec generate`: one prompt, streamed, then the acceptance figures."""
+"""`specdec generate`: one prompt, streamed, then its speed and what speculation bought
+(acceptance, tokens per target forward; with --compare, the speed of plain decoding too)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from specdec.cli.flags import default_spec, default_spec_help
+
+if TYPE_CHECKING:
+    from specdec.engine.outputs import RequestOutput
 
 GENERATE_MAX_TOKENS = 256
 
@@ -26,7 +33,9 @@ def add_generate(commands) -> None:
         help="generate text for a prompt, streaming tokens, then print acceptance figures",
         description="Generate for one prompt with speculative decoding on the given model "
         "(`specdec generate [MODEL] PROMPT`, or --model; default: the built-in "
-        "SmolLM2-135M-Instruct), streaming the text as it is produced. "
+        "SmolLM2-135M-Instruct), streaming the text as it is produced, then print the run's "
+        "speed and what speculation bought: acceptance figures and tokens per target forward "
+        "(--compare: the speed of plain decoding too). "
         f"Default speculation: {default_spec_help()}. With --n > 1 the samples are printed "
         "one after the other once all are done; --logprobs prints each token's log-probability "
         "(and the top alternatives) on stderr. Every flag is checked before the model loads.",
@@ -41,12 +50,35 @@ def add_generate(commands) -> None:
         "--no-chat", action="store_true", help="do not wrap the prompt in the chat template"
     )
     generate.add_argument("--no-spec", action="store_true", help="decode without speculation")
+    generate.add_argument(
+        "--compare",
+        action="store_true",
+        help="then run the same prompt with speculation off (same seed, same loaded model) and "
+        "print both speeds and their ratio (the plain run comes second, with the model warm)",
+    )
     # A whole answer rather than SamplingParams' 16-token default (it still stops at EOS).
     add_sampling_arguments(generate, max_tokens=GENERATE_MAX_TOKENS)
     add_structured_arguments(generate)
     add_engine_arguments(generate)
     add_threads_flag(generate)
     generate.set_defaults(handler=_generate)
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One generation: the request's output, its wall time and the target forwards it took."""
+
+    output: RequestOutput
+    elapsed_s: float
+    num_forwards: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.output.outputs)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.elapsed_s
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -61,6 +93,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     # Every argument is checked before the model loads (which takes seconds).
     params = sampling_params(args, structured_outputs=structured_outputs(args))
+    if args.compare and args.no_spec:
+        raise ValueError("--compare runs speculation against plain decoding: drop --no-spec")
     spec = None if args.no_spec else speculative_config(args, default_spec(args.model, args.device))
     check_before_loading(EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args)), spec)
     llm = _load(args.model, spec, engine_kwargs(args))
@@ -72,16 +106,8 @@ def _generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         printed[0] = len(text)
 
-    started = time.perf_counter()
-    use_chat = not args.no_chat and llm.tokenizer is not None and llm.tokenizer.chat_template
-    on_tokens = stream if params.n == 1 else None
-    if use_chat:
-        messages = [{"role": "user", "content": args.prompt}]
-        outputs = llm.chat(messages, params, on_tokens=on_tokens, use_tqdm=False)
-    else:
-        outputs = llm.generate(args.prompt, params, on_tokens=on_tokens, use_tqdm=False)
-    elapsed = time.perf_counter() - started
-    out = outputs[0]
+    run = _run(llm, args, params, stream if params.n == 1 else None)
+    out = run.output
     if params.n > 1:
         for completion in out.outputs:
             print(f"--- sample {completion.index} ({completion.finish_reason}) ---")
@@ -91,11 +117,8 @@ def _generate(args: argparse.Namespace) -> int:
     if params.logprobs is not None:
         for completion in out.outputs:
             _print_logprobs(completion, params.logprobs)
-    completion = out.outputs[0]
-    num_tokens = sum(len(c.token_ids) for c in out.outputs)
-    stats = out.spec_decode_stats
     print(
-        f"\n[{num_tokens} tokens in {elapsed:.2f} s ({num_tokens / elapsed:.1f} tokens/s), "
+        f"\n[{run.num_tokens} tokens in {run.elapsed_s:.2f} s ({run.tokens_per_s:.1f} tokens/s), "
         f"finish: {', '.join(str(c.finish_reason) for c in out.outputs)}, seed: {out.seed}]",
         file=sys.stderr,
     )
@@ -103,19 +126,71 @@ def _generate(args: argparse.Namespace) -> int:
         if c.error is not None:
             print(f"[sample {c.index}: {c.error}]", file=sys.stderr)
     if spec is not None:
-        per_position = ", ".join(f"{rate:.2f}" for rate in stats["acceptance_per_position"])
-        print(
-            f"[speculation {spec.method} K={spec.num_speculative_tokens} "
-            f"{spec.rejection_sample_method}: mean acceptance length "
-            f"{stats['mean_acceptance_length']:.2f}, acceptance rate "
-            f"{stats['acceptance_rate']:.2f}, per position {per_position}]",
-            file=sys.stderr,
+        print(f"[{_speculation_figures(run, spec)}]", file=sys.stderr)
+    if args.compare:
+        plain = _run(
+            llm, args, dataclasses.replace(params, seed=out.seed), None, {"enabled": False}
         )
+        print(f"[{_comparison(run, plain)}]", file=sys.stderr)
     return 0
 
 
+def _run(llm, args, params, on_tokens, speculative: dict | None = None) -> Run:
+    """Generates for the prompt (in the chat template unless --no-chat or the model has none),
+    counting the engine's steps: each runs the target once."""
+    stats = llm.engine.loop_stats
+    before = stats.num_sync_steps + stats.num_overlapped_steps + stats.num_device_rounds
+    use_chat = not args.no_chat and llm.tokenizer is not None and llm.tokenizer.chat_template
+    options = {"on_tokens": on_tokens, "use_tqdm": False, "speculative": speculative}
+    started = time.perf_counter()
+    if use_chat:
+        outputs = llm.chat([{"role": "user", "content": args.prompt}], params, **options)
+    else:
+        outputs = llm.generate(args.prompt, params, **options)
+    elapsed = time.perf_counter() - started
+    after = stats.num_sync_steps + stats.num_overlapped_steps + stats.num_device_rounds
+    return Run(outputs[0], elapsed, after - before)
+
+
+def _speculation_figures(run: Run, spec) -> str:
+    """The acceptance figures and the tokens each target forward emitted (1 without
+    speculation; rounds where the adaptive policy drafted nothing count too)."""
+    from specdec.cli.describe import speculation_note
+
+    stats = run.output.spec_decode_stats
+    per_position = ", ".join(f"{rate:.2f}" for rate in stats["acceptance_per_position"])
+    samples = len(run.output.outputs)
+    per_forward = run.num_tokens / max(run.num_forwards, 1)
+    rounds = stats["num_drafts"]
+    return (
+        f"speculation {speculation_note(spec)}: {per_forward:.2f} tokens per target forward "
+        f"(plain decoding: {samples}; {run.num_tokens} tokens in {run.num_forwards} forwards"
+        + (f" of {samples} samples" if samples > 1 else "")
+        + f"), mean acceptance length {stats['mean_acceptance_length']:.2f} over {rounds} "
+        f"drafting round{'' if rounds == 1 else 's'}, acceptance rate "
+        f"{stats['acceptance_rate']:.2f}, per position {per_position or '-'}"
+    )
+
+
+def _comparison(spec_run: Run, plain_run: Run) -> str:
+    """Both speeds and their ratio, and whether the tokens are the same (they must be for
+    coupled or greedy verification)."""
+    same = all(
+        a.token_ids == b.token_ids
+        for a, b in zip(spec_run.output.outputs, plain_run.output.outputs, strict=True)
+    )
+    return (
+        f"speculation: {spec_run.tokens_per_s:.1f} tok/s, plain: {plain_run.tokens_per_s:.1f} "
+        f"tok/s ({spec_run.tokens_per_s / plain_run.tokens_per_s:.2f}x); plain ran "
+        f"{plain_run.num_tokens} tokens in {plain_run.elapsed_s:.2f} s, "
+        + ("the same tokens" if same else "other tokens (same law: standard/block verification)")
+    )
+
+
 def _load(model: str | None, spec, engine_args: dict):
-    """The LLM, with a line on stderr while it loads (it takes seconds)."""
+    """The LLM, with a line on stderr while it loads (it takes seconds) that ends with what
+    runs: device, weight format, max_model_len and speculation."""
+    from specdec.cli.describe import speculation_note, weights_note
     from specdec.engine.llm import LLM
 
     name = model or "the built-in SmolLM2-135M-Instruct"
@@ -131,7 +206,8 @@ def _load(model: str | None, spec, engine_args: dict):
     engine = llm.engine
     sys.stderr.write(
         f" done in {time.perf_counter() - started:.1f} s ({engine.device.type}, "
-        f"max_model_len {engine.max_model_len})\n"
+        f"{weights_note(engine.model, model)}, max_model_len {engine.max_model_len}, "
+        f"speculation {speculation_note(engine.speculative_config)})\n"
     )
     return llm
 

@@ -118,25 +118,21 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def startup_line(engine, name: str, config: ServerConfig) -> str:
-    """What the server runs, in one line: model, dtype, device, max_model_len, KV cache and
-    speculation."""
+    """What the server runs, in one line: model, dtype, weight format (GGUF formats kept
+    quantized, or float), device, max_model_len, KV cache and speculation (K pinned or chosen
+    per step)."""
+    from specdec.cli.describe import speculation_note, weights_note
     from specdec.engine.setup import max_model_len_note
 
-    spec = engine.speculative_config
-    speculation = "off"
-    if spec is not None:
-        speculation = (
-            f"{spec.method} K={spec.num_speculative_tokens} {spec.rejection_sample_method}"
-            + (f" ({spec.model})" if spec.model else "")
-        )
     model = engine.config.model or "the built-in SmolLM2-135M-Instruct"
     dtype = str(engine.model.dtype).removeprefix("torch.")
     blocks = engine.allocator.num_blocks
     return (
         f"serving {name!r} on http://{config.host}:{config.port}: model {model}, dtype {dtype}, "
-        f"device {engine.device}"
+        f"{weights_note(engine.model, engine.config.model)}, device {engine.device}"
         + (f" x {tp} (tensor parallel)" if (tp := engine.config.tensor_parallel_size) > 1 else "")
         + ", max_model_len "
         f"{max_model_len_note(engine.config, engine.model, engine.max_model_len)}, "
-        f"{blocks} KV blocks of {engine.config.block_size} tokens, speculation {speculation}"
+        f"{blocks} KV blocks of {engine.config.block_size} tokens, "
+        f"speculation {speculation_note(engine.speculative_config)}"
     )
