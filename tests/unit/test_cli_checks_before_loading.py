@@ -143,7 +143,7 @@ def test_a_bad_json_schema_is_refused(capsys, loads, model_dir, tmp_path, text, 
         (['--speculative-config={"method": "eagle"}'], 'method "eagle" needs "model"'),
         (
             ['--speculative-config={"method": "draft_model", "model": "/no/such"}'],
-            "speculative_config.model: no such path: /no/such",
+            "speculative_config.model: no such model path: /no/such",
         ),
         (
             ['--speculative-config={"method": "draft_model", "model": "truncated:x"}'],
@@ -156,6 +156,16 @@ def test_sampling_speculation_and_quantization_are_checked_first(
     capsys, loads, model_dir, flags, expected
 ):
     assert expected in generate(capsys, loads, str(model_dir), "hi", *flags)
+
+
+def test_a_hub_id_is_told_that_nothing_is_downloaded(capsys, loads):
+    message = generate(capsys, loads, "HuggingFaceTB/SmolLM2-135M-Instruct", "hi")
+    assert message.startswith("no such model path: HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert "models are not downloaded here" in message
+    spec = '{"method": "draft_model", "model": "owner/draft"}'
+    message = generate(capsys, loads, "hi", "--speculative-config", spec)
+    assert "speculative_config.model: no such model path: owner/draft" in message
+    assert "models are not downloaded here" in message
 
 
 def test_constraint_error_needs_no_tokenizer():

@@ -405,18 +405,19 @@ def check_before_loading(config: EngineConfig, spec: SpeculativeConfig | None = 
             quantization the model file cannot take; a tensor_parallel_size the model or the
             GPUs cannot take; an EAGLE head asked for on a model with none shipped; a
             malformed "truncated:N".
-        FileNotFoundError: no such model path (or draft model path).
+        FileNotFoundError: no such model path (or draft model path; a Hub id is told that
+            nothing is downloaded here).
     """
     from pathlib import Path
 
     from specdec.engine.setup import check_gpu_count, check_kv_cache_dtype, resolve_device
-    from specdec.models.loader import resolve_quantization
+    from specdec.models.loader import missing_model_message, resolve_quantization
 
     device = resolve_device(config.device)
     check_kv_cache_dtype(config.kv_cache_dtype, device)
     if config.model is not None:
         if not Path(config.model).exists():
-            raise FileNotFoundError(f"no such model path: {config.model}")
+            raise FileNotFoundError(missing_model_message(config.model))
         resolve_quantization(config.model, config.quantization, device)
     if config.tensor_parallel_size > 1:
         from specdec.models import default_model_path
@@ -437,6 +438,7 @@ def _check_drafter(spec: SpeculativeConfig, model: str | None) -> None:
 
     from specdec.drafters.default import with_shipped_head
     from specdec.drafters.draft_model import TRUNCATED_PREFIX
+    from specdec.models.loader import missing_model_message
     from specdec.models.registry import is_builtin_model
 
     spec = with_shipped_head(spec, is_builtin_model(model))
@@ -448,7 +450,7 @@ def _check_drafter(spec: SpeculativeConfig, model: str | None) -> None:
                 f'speculative_config.model "{spec.model}": expected "truncated:<number of layers>"'
             )
     elif not Path(spec.model).exists():
-        raise FileNotFoundError(f"speculative_config.model: no such path: {spec.model}")
+        raise FileNotFoundError(f"speculative_config.model: {missing_model_message(spec.model)}")
 
 
 def sampling_params(args: argparse.Namespace, **overrides: Any) -> SamplingParams:

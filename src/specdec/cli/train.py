@@ -96,11 +96,12 @@ def add_train_drafter(commands) -> None:
 def _train_drafter(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from specdec.models.loader import missing_model_message
     from specdec.train.kind import TrainOptions
     from specdec.train.trainer import TrainConfig, train_drafter
 
     if args.model is not None and not Path(args.model).exists():
-        raise FileNotFoundError(f"no such model path: {args.model}")
+        raise FileNotFoundError(missing_model_message(args.model))
     extra = {}
     for item in args.option:
         key, sep, value = item.partition("=")
