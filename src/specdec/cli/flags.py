@@ -103,7 +103,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, positional: bool = T
         dest="model_flag",
         metavar="MODEL",
         default=None,
-        help="the model, as the positional MODEL names it (vLLM's spelling)"
+        help="the same as the positional model (vLLM's `serve` takes both; give one)"
         if positional
         else MODEL_HELP,
     )
