@@ -28,9 +28,9 @@ from specdec.drafters.eagle.head import (
     EagleHead,
     head_logits,
     head_logits_weight,
-    load_eagle_head,
     quantize_head_int8,
 )
+from specdec.drafters.eagle.public import load_head
 from specdec.drafters.eagle.state import EagleState
 from specdec.drafters.eagle.step_inputs import HeadStepInputs
 from specdec.drafters.eagle.tree_drafting import propose_tree
@@ -87,7 +87,8 @@ class EagleDrafter(Drafter):
         head.layer.self_attn.fuse()  # one q/k/v and one gate/up matrix for the decode path
         head.layer.mlp.fuse()
         self.feature_layers = tuple(head.config.feature_layers)
-        self.embed = target.model.embed_tokens
+        own = head.embed_tokens  # a public checkpoint's own table (`HeadLayout.own_embedding`)
+        self.embed = own if own is not None else target.model.embed_tokens
         self.lm_weight = head_logits_weight(target, draft_to_target, head.dtype)
         self.kv_cache = head.allocate_kv_cache(num_blocks, block_size)
         self.allocator = BlockAllocator(num_blocks, block_size)
@@ -112,11 +113,12 @@ class EagleDrafter(Drafter):
     def from_config(
         cls, spec: SpeculativeConfig, target: LlamaForCausalLM, setup: DrafterSetup
     ) -> EagleDrafter:
-        """Builds the drafter of a SpeculativeConfig whose `model` is a head directory, with
-        graphs (CUDA graphs on the GPU, the same static buffers op by op elsewhere) for its draft
-        steps."""
-        head, draft_to_target = load_eagle_head(
-            spec.model, target.config, dtype=target.dtype, device=target.device
+        """Builds the drafter of a SpeculativeConfig whose `model` is a head directory (one
+        trained here, or an EAGLE-1/2 checkpoint: `eagle.public.load_head` tells them apart),
+        with graphs (CUDA graphs on the GPU, the same static buffers op by op elsewhere) for its
+        draft steps."""
+        head, draft_to_target = load_head(
+            spec.model, target, dtype=target.dtype, device=target.device
         )
         if target.quantization is not None:
             # The head follows a target kept quantized on the CPU: int8 weight-only linears.

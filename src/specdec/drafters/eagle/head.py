@@ -3,8 +3,10 @@
 Head entry t combines the feature of the token at position t with the embedding of the token at
 t + 1 and predicts the token at t + 2 (EAGLE, Li et al. 2024, section 3; EAGLE-3's multi-layer
 features, 2025, section 3.2). The head reuses the target's embedding and LM head (rows of a
-reduced draft vocabulary), so its directory stores only the head. Never samples or draws
-randomness; parameters are created empty and filled by a loader or by `specdec.train`.
+reduced draft vocabulary), so its directory stores only the head. Public checkpoints whose head
+is wired differently (EAGLE-1/2: `eagle.public`) load into the same class through `HeadLayout`.
+Never samples or draws randomness; parameters are created empty and filled by a loader or by
+`specdec.train`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from torch import nn
 from specdec.models.attention import AttentionMetadata, AttentionPlan, DecodeMetadata, KVCache
 from specdec.models.config import ModelConfig
 from specdec.models.fused import add_rms_norm
-from specdec.models.layers import Linear, RMSNorm
+from specdec.models.layers import Embedding, Linear, RMSNorm
 from specdec.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from specdec.models.loader import quantize_layer
 from specdec.models.quant import QuantizedWeight, quant_linear
@@ -32,6 +34,38 @@ from specdec.models.weights import CheckpointError, assign_weights
 
 EAGLE_ARCHITECTURE = "SpecdecEagleHead"
 WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True, slots=True)
+class HeadLayout:
+    """Where a head is wired differently from the heads trained here (the defaults). Loaders of
+    public formats set it; a head directory of ours never stores it.
+
+    Attributes:
+        feature_fc: the normed feature passes through `fc` [D, F] (ours); False: it is the
+            hidden input as it is (EAGLE-1/2, whose feature is the target's last hidden state
+            after its final norm: `feature_norm` then holds that norm's weight, F = D).
+        input_norms: `embed_norm` and `hidden_norm` before `in_proj` (ours, and HASS heads'
+            `add_para_norm`); False: the two are joined as they are (EAGLE-1/2).
+        in_proj_bias: `in_proj` has a bias (EAGLE-1/2's `fc.bias`, when stored).
+        layer_input_norm: the decoder layer normalises its input (ours); EAGLE-1/2 skip layer
+            0's `input_layernorm` (EAGLE's cnets1.py, vLLM's llama_eagle.py).
+        output_norm: `norm` before the LM head (ours); EAGLE-1/2 give the layer's output to the
+            target's LM head as it is (and feed it back as the next entry's hidden input).
+        own_embedding: tokens are looked up in the head's `embed_tokens` [V, D] (a public
+            checkpoint whose table is not the target's); False: the target's table.
+    """
+
+    feature_fc: bool = True
+    input_norms: bool = True
+    in_proj_bias: bool = False
+    layer_input_norm: bool = True
+    output_norm: bool = True
+    own_embedding: bool = False
+
+
+# EagleConfig fields that only loaders of public formats set (never in a head directory of ours).
+_PUBLIC_ONLY_FIELDS = ("layout", "layer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +84,9 @@ class EagleConfig:
         target_num_hidden_layers: layers of the target (a check at load time).
         draft_vocab_size: V_draft when the head drafts over a reduced vocabulary (the
             `draft_to_target` tensor stored beside the weights maps it), or None for the full one.
+        layout: how the head is wired (`HeadLayout`; the default for ours).
+        layer: the decoder layer's own ModelConfig when a public checkpoint states more than
+            the fields above (RoPE scaling, q/k/v biases); None: `layer_config` derives it.
     """
 
     hidden_size: int
@@ -64,6 +101,8 @@ class EagleConfig:
     target_vocab_size: int
     target_num_hidden_layers: int
     draft_vocab_size: int | None = None
+    layout: HeadLayout = HeadLayout()
+    layer: ModelConfig | None = None
 
     @property
     def feature_size(self) -> int:
@@ -71,6 +110,8 @@ class EagleConfig:
 
     def layer_config(self) -> ModelConfig:
         """The ModelConfig of the head's one decoder layer (Llama numerics)."""
+        if self.layer is not None:
+            return self.layer
         return ModelConfig(
             architecture="LlamaForCausalLM",
             vocab_size=self.target_vocab_size,
@@ -86,7 +127,18 @@ class EagleConfig:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        values = dataclasses.asdict(self)
+        """The config.json of a head directory of ours.
+
+        Raises:
+            ValueError: a head loaded from another format (writing it as ours would lose its
+                wiring; exporting it is not implemented)."""
+        if self.layout != HeadLayout() or self.layer is not None:
+            raise ValueError("a head loaded from a public format cannot be written as ours")
+        values = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in _PUBLIC_ONLY_FIELDS
+        }
         values["feature_layers"] = list(self.feature_layers)
         return {"architectures": [EAGLE_ARCHITECTURE], **values}
 
@@ -97,7 +149,7 @@ class EagleConfig:
                 f"not an EAGLE head config (architectures {values.get('architectures')!r}, "
                 f"expected [{EAGLE_ARCHITECTURE!r}])"
             )
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = {f.name for f in dataclasses.fields(cls)} - set(_PUBLIC_ONLY_FIELDS)
         kwargs = {k: v for k, v in values.items() if k in names}
         kwargs["feature_layers"] = tuple(kwargs["feature_layers"])
         return cls(**kwargs)
@@ -166,35 +218,44 @@ class EagleHead(nn.Module):
     """fc(norm(target feature)) or the head's previous output -> one decoder layer -> [.., D].
 
     Parameters: `feature_norm` [F], `fc` [D, F] (target features -> D), `embed_norm`,
-    `hidden_norm` [D],
-    `in_proj` [D, 2D] (over [norm(embedding), norm(hidden)]), `layer` (a Llama decoder layer),
-    `norm` [D] (before the shared LM head). Buffer `draft_to_target` [V_draft] int64 when the
-    vocabulary is reduced.
+    `hidden_norm` [D], `in_proj` [D, 2D] (over [norm(embedding), norm(hidden)]; bias [D] with
+    `layout.in_proj_bias`), `layer` (a Llama decoder layer), `norm` [D] (before the shared LM
+    head), `embed_tokens` [V, D] (with `layout.own_embedding`). A `config.layout` without
+    `feature_fc`, `input_norms` or `output_norm` has None for those modules; without
+    `layer_input_norm`, `layer.input_layernorm` is the identity.
     """
 
     def __init__(self, config: EagleConfig) -> None:
         super().__init__()
         self.config = config
-        dim = config.hidden_size
+        layout = config.layout
+        dim, eps = config.hidden_size, config.rms_norm_eps
         layer_config = config.layer_config()
-        self.feature_norm = FeatureNorm(len(config.feature_layers), dim, config.rms_norm_eps)
-        self.fc = Linear(config.feature_size, dim, bias=False)
-        self.embed_norm = RMSNorm(dim, config.rms_norm_eps)
-        self.hidden_norm = RMSNorm(dim, config.rms_norm_eps)
-        self.in_proj = Linear(2 * dim, dim, bias=False)
+        self.feature_norm = FeatureNorm(len(config.feature_layers), dim, eps)
+        self.fc = Linear(config.feature_size, dim, bias=False) if layout.feature_fc else None
+        self.embed_norm = RMSNorm(dim, eps) if layout.input_norms else None
+        self.hidden_norm = RMSNorm(dim, eps) if layout.input_norms else None
+        self.in_proj = Linear(2 * dim, dim, bias=layout.in_proj_bias)
         self.layer = LlamaDecoderLayer(layer_config)
-        self.norm = RMSNorm(dim, config.rms_norm_eps)
+        if not layout.layer_input_norm:
+            self.layer.input_layernorm = nn.Identity()
+        self.norm = RMSNorm(dim, eps) if layout.output_norm else None
+        self.embed_tokens = (
+            Embedding(config.target_vocab_size, dim) if layout.own_embedding else None
+        )
         self.rotary_emb = RotaryEmbedding(layer_config)
 
     def project_features(self, features: torch.Tensor) -> torch.Tensor:
         """[.., F] target features -> [.., D] hidden input of a head entry."""
-        return self.fc(self.feature_norm(features))
+        normed = self.feature_norm(features)
+        return normed if self.fc is None else self.fc(normed)
 
     def layer_input(self, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """[.., D] hidden (fc(feature) or a previous head output), [.., D] token embeddings ->
-        [.., D] input of the decoder layer."""
-        joined = torch.cat((self.embed_norm(embeds), self.hidden_norm(hidden)), dim=-1)
-        return self.in_proj(joined)
+        [.., D] input of the decoder layer (EAGLE's order: the embedding first)."""
+        if self.embed_norm is not None:
+            embeds, hidden = self.embed_norm(embeds), self.hidden_norm(hidden)
+        return self.in_proj(torch.cat((embeds, hidden), dim=-1))
 
     def forward_paged(
         self,
@@ -240,12 +301,15 @@ class EagleHead(nn.Module):
         Mutates: the `kv_cache` slots in `meta.slot_mapping`.
         """
         layer = self.layer
-        embeds, _ = add_rms_norm(embeds, None, self.embed_norm.weight, self.embed_norm.eps)
-        hidden, _ = add_rms_norm(hidden, None, self.hidden_norm.weight, self.hidden_norm.eps)
+        if self.embed_norm is not None:
+            embeds, _ = add_rms_norm(embeds, None, self.embed_norm.weight, self.embed_norm.eps)
+            hidden, _ = add_rms_norm(hidden, None, self.hidden_norm.weight, self.hidden_norm.eps)
         x = self.in_proj(torch.cat((embeds, hidden), dim=-1))
-        normed, residual = add_rms_norm(
-            x, None, layer.input_layernorm.weight, layer.input_layernorm.eps
-        )
+        if self.config.layout.layer_input_norm:
+            norm = layer.input_layernorm
+            normed, residual = add_rms_norm(x, None, norm.weight, norm.eps)
+        else:
+            normed, residual = x, x
         out = layer.self_attn.forward_decode(
             normed,
             positions,
@@ -262,14 +326,14 @@ class EagleHead(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         """The head's activation dtype (its norms stay float when its linears are quantized)."""
-        return self.norm.weight.dtype
+        return self.feature_norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.norm.weight.device
+        return self.feature_norm.weight.device
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
-        weight = self.norm.weight
+        weight = self.feature_norm.weight
         return KVCache.allocate(
             1,
             num_blocks,
@@ -302,7 +366,9 @@ def head_logits(
 ) -> torch.Tensor:
     """[.., D] head outputs -> [.., V_draft] float32 draft logits."""
     inference = hidden.dim() == 2 and not torch.is_grad_enabled()
-    if inference:  # one fused kernel on CUDA, the numerics of `head.norm` (it has no backward)
+    if head.norm is None:  # (`HeadLayout.output_norm`)
+        normed = hidden
+    elif inference:  # one fused kernel on CUDA, the numerics of `head.norm` (it has no backward)
         normed, _ = add_rms_norm(hidden, None, head.norm.weight, head.norm.eps)
     else:
         normed = head.norm(hidden)
@@ -337,12 +403,12 @@ def quantize_head_int8(head: EagleHead) -> bool:
     device = head.device
     if device.type != "cpu":
         return False
-    probe = QuantizedWeight(quantize(head.fc.weight.detach(), "int8"), device)
+    probe = QuantizedWeight(quantize(head.in_proj.weight.detach(), "int8"), device)
     if probe.layout != "cpu_int8":
         return False
-    head.fc.set_quantized(probe)
-    in_proj = quantize(head.in_proj.weight.detach(), "int8")
-    head.in_proj.set_quantized(QuantizedWeight(in_proj, device))
+    if head.fc is not None:
+        head.fc.set_quantized(QuantizedWeight(quantize(head.fc.weight.detach(), "int8"), device))
+    head.in_proj.set_quantized(probe)
     quantize_layer(head.layer, "int8", device, head.dtype)
     return True
 

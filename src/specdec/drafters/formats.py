@@ -1,0 +1,165 @@
+"""Drafter checkpoints in public formats: a Hugging Face-style directory (config.json and
+safetensors files, sharded through `model.safetensors.index.json` or not), its tensors read one at
+a time by name, and which format it holds, recognised from its config and tensor names (never
+from a flag the user must guess). Reads files only: builds no model and draws no randomness.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdec.models.weights import CheckpointError
+
+INDEX_FILE = "model.safetensors.index.json"
+
+# Formats `recognise_eagle` tells apart.
+SPECDEC_EAGLE = "specdec-eagle"  # a head trained here (`specdec train-drafter --kind eagle`)
+EAGLE1 = "eagle-1"  # EAGLE-1/2 (SafeAILab's cnets1.py; vLLM's "eagle" with a Llama head)
+EAGLE3 = "eagle-3"
+
+
+class DrafterCheckpoint:
+    """The config and tensors of a drafter directory; tensors are read lazily, by name.
+
+    Attributes:
+        path: the directory.
+        config: its config.json.
+        names: every stored tensor name.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = path = Path(path)
+        self._handles: dict[Path, Any] = {}
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"{path} is not a drafter directory (config.json and safetensors files)"
+            )
+        self.config = _read_json(path / "config.json")
+        index = path / INDEX_FILE
+        if index.is_file():
+            weight_map = _read_json(index).get("weight_map") or {}
+            files = {name: path / file for name, file in weight_map.items()}
+            for file in sorted(set(files.values())):
+                if not file.is_file():
+                    raise FileNotFoundError(f"{index} lists {file.name}, which is missing")
+        else:
+            files = {}
+            stored = sorted(path.glob("*.safetensors"))
+            if not stored:
+                raise FileNotFoundError(
+                    f"no *.safetensors file in {path} (drafter checkpoints are read from "
+                    "safetensors only; convert a pytorch_model.bin first)"
+                )
+            for file in stored:
+                for name in self._open(file).keys():  # noqa: SIM118 (safe_open is not a dict)
+                    files[name] = file
+        self._file_of = files
+        self.names = frozenset(files)
+
+    def _open(self, file: Path) -> Any:
+        from safetensors import safe_open
+
+        if file not in self._handles:
+            try:
+                self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
+            except Exception as err:
+                raise CheckpointError(f"cannot read {file}: {err}") from err
+        return self._handles[file]
+
+    def read(self, name: str) -> torch.Tensor | None:
+        """The tensor stored as `name`, or None when absent."""
+        file = self._file_of.get(name)
+        if file is None:
+            return None
+        try:
+            return self._open(file).get_tensor(name)
+        except CheckpointError:
+            raise
+        except Exception as err:
+            raise CheckpointError(f"cannot read tensor {name!r} from {file}: {err}") from err
+
+    def require(self, name: str, shape: Sequence[int]) -> torch.Tensor:
+        """The tensor stored as `name`, checked to have `shape`.
+
+        Raises:
+            CheckpointError: naming the tensor when it is missing or has another shape."""
+        tensor = self.read(name)
+        if tensor is None:
+            raise CheckpointError(
+                f"{self.path}: missing tensor {name!r} (expected shape {list(shape)})"
+            )
+        if tuple(tensor.shape) != tuple(shape):
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} has shape {list(tensor.shape)}, "
+                f"expected {list(shape)}"
+            )
+        return tensor
+
+    def refuse_unused(self, used: set[str], what: str) -> None:
+        """Raises CheckpointError naming the stored tensors outside `used`: a tensor the format
+        does not define changes the math in a way this loader would silently drop."""
+        unused = sorted(self.names - used)
+        if unused:
+            shown = ", ".join(repr(n) for n in unused[:8])
+            more = f" and {len(unused) - 8} more" if len(unused) > 8 else ""
+            raise CheckpointError(
+                f"{self.path}: tensors that {what} does not define: {shown}{more}"
+            )
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    if not file.is_file():
+        raise FileNotFoundError(f"no {file.name} in {file.parent} (a drafter directory)")
+    try:
+        values = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise CheckpointError(f"cannot read {file}: {err}") from err
+    if not isinstance(values, dict):
+        raise CheckpointError(f"{file} does not hold a JSON object")
+    return values
+
+
+def strip_prefix(names: frozenset[str], prefix: str) -> str:
+    """`prefix` when every name starts with it (a checkpoint saved from a wrapping module),
+    else ""."""
+    return prefix if names and all(n.startswith(prefix) for n in names) else ""
+
+
+_EAGLE3_NAMES = re.compile(r"(^|\.)(midlayer\.|d2t$|t2d$)")
+
+
+def recognise_eagle(checkpoint: DrafterCheckpoint) -> str:
+    """Which EAGLE head format a directory holds, from its config and tensor names.
+
+    Returns:
+        SPECDEC_EAGLE (config architectures ["SpecdecEagleHead"]) or EAGLE1 (`fc.weight` and
+        `layers.0.*` tensors, optionally under `model.`).
+
+    Raises:
+        CheckpointError: an EAGLE-3 head (`midlayer.*`, `d2t`, `t2d`: not loaded yet), or a
+            directory of neither kind, naming what was looked for.
+    """
+    from specdec.drafters.eagle.head import EAGLE_ARCHITECTURE
+
+    if checkpoint.config.get("architectures") == [EAGLE_ARCHITECTURE]:
+        return SPECDEC_EAGLE
+    names = checkpoint.names
+    if any(_EAGLE3_NAMES.search(name) for name in names):
+        raise CheckpointError(
+            f"{checkpoint.path} holds an EAGLE-3 head (midlayer.* / d2t / t2d tensors), "
+            "which is not loaded yet; EAGLE-1/2 heads and heads trained here are"
+        )
+    prefix = strip_prefix(names, "model.")
+    if f"{prefix}fc.weight" in names and any(n.startswith(f"{prefix}layers.0.") for n in names):
+        return EAGLE1
+    raise CheckpointError(
+        f"{checkpoint.path} is not an EAGLE head this engine loads: expected a config.json "
+        f'with architectures ["{EAGLE_ARCHITECTURE}"] (a head trained here), or EAGLE-1/2 '
+        "tensors fc.weight and layers.0.* (SafeAILab's format)"
+    )

@@ -1,0 +1,133 @@
+"""Tiny random drafter checkpoints in public formats (EAGLE-1/2, Medusa), written with the names
+their authors' code saves, for the tiny test target (`models_fixtures`: vocab 97, hidden 64).
+
+Random weights come from seeded generators here (tests only); nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+HIDDEN, VOCAB = 64, 97
+
+
+def random_tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
+    """Seeded float32 tensors: norm weights near 1, the rest small (so that a mixed-up norm or
+    a missing bias changes the logits)."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in shapes.items():
+        noise = torch.randn(shape, generator=generator)
+        tensors[name] = 1.0 + 0.2 * noise if name.endswith("norm.weight") else 0.15 * noise
+    return tensors
+
+
+def write_checkpoint(
+    path: Path, config: dict, tensors: dict[str, torch.Tensor], shards: int = 1
+) -> Path:
+    """config.json and the tensors as one `model.safetensors`, or as `shards` files listed in
+    `model.safetensors.index.json` (as `save_pretrained` shards them)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    tensors = {name: t.contiguous() for name, t in tensors.items()}
+    if shards == 1:
+        save_file(tensors, str(path / "model.safetensors"))
+        return path
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = names[i::shards]
+        save_file({n: tensors[n] for n in part}, str(path / file))
+        weight_map.update(dict.fromkeys(part, file))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return path
+
+
+# EAGLE-1/2: a one-layer Llama config (what SafeAILab's heads ship) and cnets1.py's names.
+EAGLE1_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_act": "silu",
+    "hidden_size": HIDDEN,
+    "intermediate_size": 80,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,  # not the target's 1e-5: the feature norm must keep the target's
+    "rope_theta": 10000.0,
+    "vocab_size": VOCAB,
+    "bias": True,
+}
+
+
+def eagle1_tensors(
+    seed: int = 5, bias: bool = True, embedding: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """The tensors of an EAGLE-1/2 head (`fc`, `layers.0.*` without input_layernorm, optional
+    `fc.bias` and `embed_tokens.weight`)."""
+    heads, kv_heads, head_dim, inter = 4, 2, 16, EAGLE1_CONFIG["intermediate_size"]
+    shapes = {
+        "fc.weight": (HIDDEN, 2 * HIDDEN),
+        "layers.0.self_attn.q_proj.weight": (heads * head_dim, HIDDEN),
+        "layers.0.self_attn.k_proj.weight": (kv_heads * head_dim, HIDDEN),
+        "layers.0.self_attn.v_proj.weight": (kv_heads * head_dim, HIDDEN),
+        "layers.0.self_attn.o_proj.weight": (HIDDEN, heads * head_dim),
+        "layers.0.mlp.gate_proj.weight": (inter, HIDDEN),
+        "layers.0.mlp.up_proj.weight": (inter, HIDDEN),
+        "layers.0.mlp.down_proj.weight": (HIDDEN, inter),
+        "layers.0.post_attention_layernorm.weight": (HIDDEN,),
+    }
+    if bias:
+        shapes["fc.bias"] = (HIDDEN,)
+    tensors = random_tensors(shapes, seed)
+    if embedding is not None:
+        tensors["embed_tokens.weight"] = embedding.detach().clone()
+    return tensors
+
+
+def medusa_tensors(
+    num_heads: int, num_layers: int, names: str, seed: int = 9, bias: bool = True
+) -> dict[str, torch.Tensor]:
+    """The tensors of Medusa heads, named as FasterDecoding's `medusa_head` state dict
+    ("fasterdecoding": medusa_head.{i}.{j}.linear.*, medusa_head.{i}.{layers}.weight; "legacy":
+    the same without the prefix, as medusa_lm_head.* stores it) or as vLLM's (`vllm`:
+    blocks.{i}.layers.{j}.*, lm_heads.{i}.weight)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i in range(num_heads):
+        for j in range(num_layers):
+            stem = f"blocks.{i}.layers.{j}" if names == "vllm" else f"{i}.{j}.linear"
+            shapes[f"{stem}.weight"] = (HIDDEN, HIDDEN)
+            if bias:
+                shapes[f"{stem}.bias"] = (HIDDEN,)
+        lm = f"lm_heads.{i}" if names == "vllm" else f"{i}.{num_layers}"
+        shapes[f"{lm}.weight"] = (VOCAB, HIDDEN)
+    tensors = random_tensors(shapes, seed)
+    prefix = "medusa_head." if names == "fasterdecoding" else ""
+    return {prefix + name: t for name, t in tensors.items()}
+
+
+def medusa_config(num_heads: int, num_layers: int, names: str) -> dict:
+    """FasterDecoding's config.json keys, or vLLM's MedusaConfig's."""
+    if names == "vllm":
+        return {
+            "architectures": ["MedusaModel"],
+            "model_type": "medusa",
+            "num_heads": num_heads,
+            "num_hidden_layers": num_layers,
+            "hidden_size": HIDDEN,
+            "vocab_size": VOCAB,
+            "truncated_vocab_size": VOCAB,
+            "medusa_fc_bias": True,
+        }
+    return {
+        "medusa_num_heads": num_heads,
+        "medusa_num_layers": num_layers,
+        "base_model_name_or_path": "tiny-llama",
+    }
