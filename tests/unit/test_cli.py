@@ -196,6 +196,7 @@ def test_serve_and_generate_default_to_the_same_drafter(monkeypatch, capsys):
     import specdec.server.lifecycle as lifecycle
     from specdec.cli.flags import default_spec
     from specdec.engine.config import SpeculativeConfig
+    from specdec.server.engine_client import EngineClient
 
     seen = []
 
@@ -210,12 +211,17 @@ def test_serve_and_generate_default_to_the_same_drafter(monkeypatch, capsys):
         seen.append(speculative_config)
         raise Stop("stop here")
 
+    def fake_launch(config, spec=None, *_, **__):  # serve's engine process
+        seen.append(spec)
+        raise Stop("stop here")
+
     class Socket:
         def close(self):
             pass
 
     monkeypatch.setattr(engine_module, "LLMEngine", fake_engine)
     monkeypatch.setattr(llm_module, "LLM", fake_llm)
+    monkeypatch.setattr(EngineClient, "launch", staticmethod(fake_launch))
     monkeypatch.setattr(lifecycle, "bind_socket", lambda host, port: Socket())
     for model in ([], ["/"]):  # the built-in model; "another model" (any existing path)
         flag = ["--model", *model] if model else []
