@@ -187,3 +187,28 @@ def test_a_checkpoint_the_engine_cannot_load_is_one_line(tmp_path):
     errors = [line for line in done.stderr.splitlines() if line.startswith("specdec serve: error")]
     assert len(errors) == 1, done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("disabled", [False, True])
+def test_a_busy_engine_writes_its_line_of_figures(model_dir, disabled):
+    port = free_port()
+    extra = ["--no-spec", "--max-tokens-limit", "4000"] + (["--disable-log-stats"] * disabled)
+    command = [sys.executable, "-m", "specdec.cli", "serve", str(model_dir), "--port", str(port)]
+    command += ["--num-kv-blocks", "256", "--threads", "1", *extra]
+    env = {**os.environ, "SPECDEC_LOG_STATS_INTERVAL": "0.2"}
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(process, url)
+        body = {"model": "default", "prompt": "go", "max_tokens": 200, "ignore_eos": True}
+        for _ in range(3):
+            assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+    finally:
+        process.send_signal(signal.SIGTERM)
+        stderr = process.communicate(timeout=30)[1]
+    lines = [line for line in stderr.splitlines() if line.startswith("engine: running")]
+    if disabled:
+        assert lines == []
+    else:
+        assert lines, stderr[-2000:]
+        assert "generation" in lines[0] and "KV cache" in lines[0]

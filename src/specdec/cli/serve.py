@@ -51,6 +51,12 @@ def add_serve(commands) -> None:
         help="run the engine in a thread of the HTTP process instead of its own process (the "
         "server before 2026-12-05: for debugging, and to measure what the process saves)",
     )
+    serve.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="do not write the engine's line of figures every 5 s while busy (running and "
+        "waiting requests, tokens/s, KV use, acceptance length, K per step)",
+    )
     add_config_flags(serve, ServerConfig, SERVER_FLAGS)
     add_engine_arguments(serve, seed=True)
     add_threads_flag(serve)
@@ -94,7 +100,9 @@ def _serve(args: argparse.Namespace) -> int:
         sys.stderr.write(f"loading {args.model or 'the built-in SmolLM2-135M-Instruct'} ...\n")
         if launched is None and not args.engine_thread:  # its own process (spawns TP workers)
             describe = functools.partial(startup_line, name=name, config=config)
-            engine = EngineClient.launch(engine_config, spec, args.threads, describe)
+            engine = EngineClient.launch(
+                engine_config, spec, args.threads, describe, log_stats=not args.disable_log_stats
+            )
             print(engine.info.startup, file=sys.stderr, flush=True)
         else:  # in this process: asked for, or rank 0 of a torchrun launch (with its group)
             local = LLMEngine(engine_config, spec)

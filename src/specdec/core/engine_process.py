@@ -17,7 +17,7 @@ import traceback
 from dataclasses import dataclass
 
 from specdec.core.snapshot import EngineDeadError, snapshot_of
-from specdec.core.stats_log import StatsLog
+from specdec.core.stats_log import STATS_INTERVAL_S, StatsLog
 from specdec.core.wire import (
     ADMITTED,
     DEAD,
@@ -112,7 +112,8 @@ def run_engine_process(
     ready.send(("ready", info))
     ready.close()
     try:
-        stats = StatsLog(engine) if log_stats else None
+        interval = float(os.environ.get("SPECDEC_LOG_STATS_INTERVAL", STATS_INTERVAL_S))
+        stats = StatsLog(engine, interval) if log_stats else None
         EngineCore(engine, inbox, outbox, parent, stats).run()
     except ParentGone:
         pass

@@ -11,7 +11,8 @@ import sys
 import time
 from typing import TextIO
 
-# Seconds between two lines (vLLM logs every 5 s too).
+# Seconds between two lines (vLLM logs every 5 s too; the environment variable
+# SPECDEC_LOG_STATS_INTERVAL sets another, as VLLM_LOG_STATS_INTERVAL does vLLM's).
 STATS_INTERVAL_S = 5.0
 
 
