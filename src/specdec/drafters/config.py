@@ -12,9 +12,9 @@ from specdec.verify import VERIFY_METHODS
 
 # Most drafts a round may verify (a request may ask for more than the configured K, up to this).
 MAX_NUM_SPECULATIVE_TOKENS = 32
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "mtp", "dflash", "dspark")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "mtp", "dflash", "dspark", "medusa")
 # Methods whose drafter is loaded from `model` (a directory or file).
-MODEL_METHODS = ("draft_model", "eagle", "mtp", "dflash", "dspark")
+MODEL_METHODS = ("draft_model", "eagle", "mtp", "dflash", "dspark", "medusa")
 # Methods whose `model` may be left out for the built-in target: the shipped head is used.
 SHIPPED_HEAD_METHODS = ("eagle", "mtp")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
@@ -96,12 +96,15 @@ class SpeculativeConfig:
     Attributes:
         method: "ngram" (prompt lookup), "draft_model", "eagle" (alias "mtp": a head over
             the target's hidden features), "dflash" (a parallel block drafter over the target's
-            features) or "dspark" (dflash + Markov head + confidence-scheduled verify length).
+            features), "dspark" (dflash + Markov head + confidence-scheduled verify length) or
+            "medusa" (heads over the target's last hidden state, one draft each).
         model: the draft model (a Hugging Face directory or a GGUF file) for "draft_model";
             "truncated:N" uses the target's first N layers (with its embeddings and head). For
             "eagle"/"mtp": a head directory (config.json + model.safetensors, as written by
-            `specdec train-drafter --kind eagle`). For "dflash"/"dspark": a block drafter
-            directory (written by `specdec train-drafter --kind dflash|dspark`). "eagle"/"mtp"
+            `specdec train-drafter --kind eagle`, or an EAGLE-1/2 checkpoint in SafeAILab's
+            format: recognised from its tensors). For "dflash"/"dspark": a block drafter
+            directory (written by `specdec train-drafter --kind dflash|dspark`). For "medusa":
+            a directory of Medusa heads in FasterDecoding's or vLLM's format. "eagle"/"mtp"
             without a model on the built-in target take the head shipped in the package.
         num_speculative_tokens: drafts per round, K.
         draft_sample_method: "probabilistic" (drafts sampled from the draft distribution, which

@@ -85,11 +85,14 @@ class DrafterCheckpoint:
             raise CheckpointError(f"cannot read tensor {name!r} from {file}: {err}") from err
 
     def require(self, name: str, shape: Sequence[int]) -> torch.Tensor:
-        """The tensor stored as `name`, checked to have `shape`.
+        """The tensor stored as `name`, checked to have `shape` (as `check`)."""
+        return self.check(name, self.read(name), shape)
+
+    def check(self, name: str, tensor: torch.Tensor | None, shape: Sequence[int]) -> torch.Tensor:
+        """`tensor` (read as `name`, or None when absent), checked to have `shape`.
 
         Raises:
             CheckpointError: naming the tensor when it is missing or has another shape."""
-        tensor = self.read(name)
         if tensor is None:
             raise CheckpointError(
                 f"{self.path}: missing tensor {name!r} (expected shape {list(shape)})"
@@ -162,4 +165,38 @@ def recognise_eagle(checkpoint: DrafterCheckpoint) -> str:
         f"{checkpoint.path} is not an EAGLE head this engine loads: expected a config.json "
         f'with architectures ["{EAGLE_ARCHITECTURE}"] (a head trained here), or EAGLE-1/2 '
         "tensors fc.weight and layers.0.* (SafeAILab's format)"
+    )
+
+
+# Tensor namings `recognise_medusa` tells apart.
+MEDUSA_FASTERDECODING = "medusa-fasterdecoding"  # {i}.{j}.linear.*, {i}.{layers}.weight
+MEDUSA_VLLM = "medusa-vllm"  # blocks.{i}.layers.{j}.*, lm_heads.{i}.weight
+
+_FASTERDECODING_NAME = re.compile(r"^(medusa_head\.)?\d+\.\d+\.(linear\.)?(weight|bias)$")
+_VLLM_NAME = re.compile(r"^(medusa_heads\.)?(blocks|lm_heads)\.")
+
+
+def recognise_medusa(checkpoint: DrafterCheckpoint) -> tuple[str, str]:
+    """Which Medusa naming a directory's tensors follow, and their common prefix.
+
+    Returns:
+        (MEDUSA_FASTERDECODING, "medusa_head." or "") for FasterDecoding's names (the prefix
+        when the heads were saved inside a whole model, as Medusa-2 does; none in
+        medusa_lm_head.*), or (MEDUSA_VLLM, "medusa_heads." or "") for vLLM's.
+
+    Raises:
+        CheckpointError: no tensor named either way (the names looked for are given).
+    """
+    names = checkpoint.names
+    if any(_VLLM_NAME.match(name) for name in names):
+        prefix = "medusa_heads." if any(n.startswith("medusa_heads.") for n in names) else ""
+        return MEDUSA_VLLM, prefix
+    matched = [name for name in names if _FASTERDECODING_NAME.match(name)]
+    if matched:
+        prefix = "medusa_head." if matched[0].startswith("medusa_head.") else ""
+        return MEDUSA_FASTERDECODING, prefix
+    raise CheckpointError(
+        f"{checkpoint.path} holds no Medusa heads: expected FasterDecoding's tensors "
+        "([medusa_head.]{i}.{j}.linear.weight, [medusa_head.]{i}.{layers}.weight) or vLLM's "
+        "(blocks.{i}.layers.{j}.weight, lm_heads.{i}.weight)"
     )

@@ -10,6 +10,7 @@ from specdec.drafters.block.dspark import DSparkDrafter
 from specdec.drafters.config import SpeculativeConfig
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.eagle.drafter import EagleDrafter
+from specdec.drafters.medusa import MedusaDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.models import LlamaForCausalLM
 
@@ -20,6 +21,7 @@ DRAFTERS: dict[str, type[Drafter]] = {
     "mtp": EagleDrafter,  # vLLM's name for a head over the target's features
     "dflash": DFlashDrafter,
     "dspark": DSparkDrafter,
+    "medusa": MedusaDrafter,
 }
 
 
