@@ -328,3 +328,42 @@ def test_other_heads_are_refused_naming_the_format(target_dir, eagle1_weights, t
     write_checkpoint(tmp_path / "wide", wide, eagle1_weights)
     with pytest.raises(ValueError, match="hidden_size 32"):
         _load(target_dir, tmp_path / "wide")
+    deep = {**EAGLE1_CONFIG, "num_hidden_layers": 2}
+    write_checkpoint(tmp_path / "deep", deep, eagle1_weights)
+    with pytest.raises(ValueError, match="2 layers"):
+        _load(target_dir, tmp_path / "deep")
+    dynamic = {**EAGLE1_CONFIG, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
+    write_checkpoint(tmp_path / "dynamic", dynamic, eagle1_weights)
+    with pytest.raises(ValueError, match="dynamic NTK"):
+        _load(target_dir, tmp_path / "dynamic")
+
+
+@pytest.mark.parametrize(("method", "temperature"), [("standard", 1.0), ("coupled", 0.0)])
+def test_device_rounds_emit_what_the_synchronous_step_emits(
+    target_dir, eagle1_dir, method, temperature
+):
+    """The EAGLE-1 head through device rounds (`async_scheduling`; op by op on the CPU, over
+    the buffers CUDA graphs replay) emits what the synchronous step emits, K pinned."""
+    from specdec.engine.config import EngineConfig
+    from specdec.engine.llm_engine import LLMEngine
+
+    spec = SpeculativeConfig.from_dict(_spec(eagle1_dir, rejection_sample_method=method))
+    prompts = prompt_tokens(VOCAB, [5, 9, 14], seed=8)
+    finals = []
+    for async_scheduling in (False, True):
+        config = EngineConfig(
+            model=str(target_dir), max_model_len=64, block_size=4, async_scheduling=async_scheduling
+        )
+        engine = LLMEngine(config, spec)
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(
+                temperature=temperature, max_tokens=20, ignore_eos=True, seed=30 + i
+            )
+            engine.add_request(prompt, params)
+        done = {}
+        while engine.has_unfinished:
+            for out in engine.step(only_finished=True):
+                done[out.request_id] = out.outputs[0].token_ids
+        finals.append(done)
+    assert finals[0] == finals[1]
+    assert engine.loop_stats.num_device_rounds > 0

@@ -368,3 +368,30 @@ def test_configs_and_directories_without_heads_are_refused(target_dir, tmp_path)
         _load(target_dir, tmp_path / "wide")
     with pytest.raises(ValueError, match="tree"):
         SpeculativeConfig(method="medusa", model="x", tree={"nodes": 4, "depth": 2, "topk": 2})
+
+
+def test_async_scheduling_runs_medusa_on_the_synchronous_step(target_dir, tmp_path):
+    """Medusa has no device path: with `async_scheduling` its rounds run in the synchronous
+    step and emit what it emits."""
+    from specdec.engine.config import EngineConfig
+    from specdec.engine.llm_engine import LLMEngine
+
+    head_dir, _ = medusa_dir(tmp_path / "medusa", "legacy", 1)
+    spec = SpeculativeConfig.from_dict(_spec(head_dir, rejection_sample_method="standard"))
+    prompts = prompt_tokens(VOCAB, [5, 9, 14], seed=8)
+    finals = []
+    for async_scheduling in (False, True):
+        config = EngineConfig(
+            model=str(target_dir), max_model_len=64, block_size=4, async_scheduling=async_scheduling
+        )
+        engine = LLMEngine(config, spec)
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=30 + i)
+            engine.add_request(prompt, params)
+        done = {}
+        while engine.has_unfinished:
+            for out in engine.step(only_finished=True):
+                done[out.request_id] = out.outputs[0].token_ids
+        finals.append(done)
+    assert finals[0] == finals[1]
+    assert engine.loop_stats.num_device_rounds == 0 and engine.stats.num_drafts > 0

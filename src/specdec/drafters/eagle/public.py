@@ -75,7 +75,8 @@ def eagle1_config(
 
     Raises:
         ValueError: a head of more than one layer, or of another width or vocabulary than
-            the target's; what `ModelConfig.from_hf_config` refuses (e.g. not SiLU)."""
+            the target's; dynamic NTK RoPE; what `ModelConfig.from_hf_config` refuses (e.g.
+            not SiLU)."""
     values = dict(checkpoint.config)
     source = str(checkpoint.path)
     num_layers = values.get("num_hidden_layers", 1)
@@ -92,6 +93,8 @@ def eagle1_config(
         mlp_bias=False,
         tie_word_embeddings=False,
     )
+    if layer.eager_only_reason is not None:  # the head's decode path has one frequency table
+        raise ValueError(f"{source}: an EAGLE-1/2 head with {layer.eager_only_reason}")
     mismatches = [
         f"{name} {mine} vs the target's {theirs}"
         for name, mine, theirs in (
