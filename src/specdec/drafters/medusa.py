@@ -189,13 +189,9 @@ def load_medusa(
         ):
             tensor = tensor.index_select(0, draft_to_target)  # vLLM keeps the token_map rows
         tensors[name] = checkpoint.check(stored, tensor, param.shape)
-    # FasterDecoding's Medusa-2 saves whole models: tensors outside medusa_head.* are the
-    # target's own, not the heads'.
-    scope = {n for n in checkpoint.names if n.startswith(prefix)} if prefix else checkpoint.names
-    unused = sorted(scope - used)
-    if unused:
-        shown = ", ".join(repr(n) for n in unused[:8])
-        raise CheckpointError(f"{source}: tensors that Medusa ({naming}) does not define: {shown}")
+    if prefix:  # Medusa-2 saves whole models: tensors outside the heads' prefix are the target's
+        used |= {n for n in checkpoint.names if not n.startswith(prefix)}
+    checkpoint.refuse_unused(used, f"Medusa ({naming})")
     assign_weights(heads, tensors.get, str(source), dtype, device)
     return heads, draft_to_target
 
