@@ -158,3 +158,12 @@ def test_a_grammar_wins_over_bans_that_would_empty_the_row(compiler):
     rules = LogitsRules(allowed_token_ids=(0,))  # bans "b", the only token the grammar allows
     out = LogitsContext([rules], [[0]], [[]], [matcher]).apply(torch.zeros(1, V))
     assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [1]
+
+
+def test_an_invalid_regex_is_one_readable_line(compiler):
+    """The engine's (and so the server's) message: llguidance's reason, not its echo of the
+    regex with carets over several lines."""
+    with pytest.raises(ValueError) as error:
+        compiler.compile(StructuredOutputsParams(regex="[0-9"))
+    message = str(error.value)
+    assert message == "invalid structured_outputs.regex: unclosed character class", message

@@ -161,7 +161,7 @@ class GrammarCompiler:
         error = _llguidance().LLMatcher.validate_grammar(text, self._tokenizer)
         if error:
             kind = key[0] if key[0] != "json_object" else "json"
-            raise ValueError(f"invalid structured_outputs.{kind}: {_first_line(error)}")
+            raise ValueError(f"invalid structured_outputs.{kind}: {readable_error(error, kind)}")
         compiled = CompiledGrammar(key, text, self)
         with self._lock:
             self._cache[key] = compiled
@@ -174,7 +174,8 @@ class GrammarCompiler:
             return grammar_text(params)
         except ValueError as err:
             kind = params.key[0]
-            raise ValueError(f"invalid structured_outputs.{kind}: {_first_line(str(err))}") from err
+            reason = readable_error(str(err), kind)
+            raise ValueError(f"invalid structured_outputs.{kind}: {reason}") from err
 
     def matcher(self, grammar: CompiledGrammar, *, prefetch: bool = True) -> GrammarMatcher:
         """A fresh matcher at the start of the output (a copy of one checked prototype);
@@ -188,10 +189,9 @@ class GrammarCompiler:
         if prototype is None:
             prototype = _llguidance().LLMatcher(self._tokenizer, grammar.text, log_level=0)
             if prototype.is_error():
-                raise ValueError(
-                    f"invalid structured_outputs.{grammar.key[0]}: "
-                    f"{_first_line(prototype.get_error())}"
-                )
+                kind = grammar.key[0]
+                reason = readable_error(prototype.get_error(), kind)
+                raise ValueError(f"invalid structured_outputs.{kind}: {reason}")
             first = GrammarMatcher(prototype.deep_copy(), self.vocab_size, self.eos_token_id)
             allowed = unpack_bitmask(first.mask(())[None], self.vocab_size)[0]
             allowed[self.eos_token_id] = False
