@@ -110,6 +110,78 @@ ROPE_SCALING_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+# Tiny configs of the families beyond Llama, kept apart from TINY_CONFIGS (every entry of which
+# the tensor-parallel and GPU decode tests run): Phi-3 (fused qkv_proj / gate_up_proj; LongRoPE
+# with a short original context and partial rotary; a sliding window) and OLMo 2 (norms after
+# each sublayer, q/k norms over the whole projection).
+_PHI3: dict[str, Any] = {
+    "architectures": ["Phi3ForCausalLM"],
+    "rope_theta": 10000.0,
+    **_COMMON,
+    "pad_token_id": 0,  # Phi3Config's default (32000) lies outside the tiny vocabulary
+}
+FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
+    "phi3": _PHI3,
+    "phi3_longrope": {
+        **_PHI3,
+        # Positions from 32 on take the long factors; 12 of the 16 head dimensions rotate.
+        "original_max_position_embeddings": 32,
+        "partial_rotary_factor": 0.75,
+        "rope_scaling": {
+            "type": "longrope",
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+            "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+        },
+    },
+    "phi3_window": {**_PHI3, "sliding_window": 7},
+    "olmo2": {"architectures": ["Olmo2ForCausalLM"], "rope_theta": 10000.0, **_COMMON},
+}
+
+
+def make_family_hf_model(name: str, seed: int = 0) -> Any:
+    """`make_hf_model` for a FAMILY_CONFIGS entry: a `transformers` model with seeded random
+    weights (norm weights near 1, others ~N(0, 0.15^2)), fp32, eval."""
+    import transformers
+
+    hf_config = dict(FAMILY_CONFIGS[name])
+    architecture = hf_config.pop("architectures")[0]
+    config_class = {
+        "Phi3ForCausalLM": transformers.Phi3Config,
+        "Olmo2ForCausalLM": transformers.Olmo2Config,
+    }[architecture]
+    config = config_class(**hf_config, architectures=[architecture], attn_implementation="sdpa")
+    model = getattr(transformers, architecture)(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=generator))
+            else:
+                param.copy_(0.15 * torch.randn(param.shape, generator=generator))
+    return model.eval()
+
+
+def hf_decode_logits(model: Any, token_ids: Sequence[int]) -> torch.Tensor:
+    """[T, V] float32 logits of `transformers` fed one token per call with its cache: what its
+    decoding computes token by token (for LongRoPE it differs from one call over the sequence,
+    which takes the long factors for every token once the sequence passes the original
+    context)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    rows = []
+    with torch.no_grad():
+        for position, token in enumerate(token_ids):
+            out = model(
+                torch.tensor([[token]]),
+                position_ids=torch.tensor([[position]]),
+                cache=cache,
+                use_cache=True,
+            )
+            rows.append(out.logits[0, -1].float())
+    return torch.stack(rows)
+
+
 def make_hf_model(name: str, seed: int = 0) -> Any:
     """A `transformers` model of the tiny config `name`, with seeded random weights (fp32, eval).
 

@@ -1,6 +1,8 @@
 """ModelConfig: the shape and numerics of a Llama-family model, parsed from a HF `config.json`.
 
 Validates what the forward pass in `llama.py` can run and rejects the rest with a clear error.
+Families beyond Llama are a few named options (`norm_placement`, `qk_norm_scope`,
+`partial_rotary_factor`, ...), read here from their config.json and nowhere else.
 It never reads files or touches tensors (the loaders hand it dictionaries).
 """
 
@@ -9,14 +11,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from specdec.models.rope import RopeScaling, parse_rope_scaling
+from specdec.models.rope import LONGROPE, RopeScaling, parse_rope_scaling
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
+    "Olmo2ForCausalLM",
 )
+NORM_PLACEMENTS = ("pre", "post")
+QK_NORM_SCOPES = ("head", "full")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,11 +46,22 @@ class ModelConfig:
         max_position_embeddings: the config's `max_position_embeddings` (for linear, dynamic
             and yarn scaling the declared context is longer: `context_length`).
         tie_word_embeddings: the LM head reuses the embedding matrix.
-        attention_bias: q/k/v projections have a bias (Qwen2; Llama's `attention_bias`).
-        attention_out_bias: the output projection has a bias (Llama's `attention_bias` only).
+        attention_bias: q/k/v projections have a bias (Qwen2; Llama's and OLMo 2's
+            `attention_bias`).
+        attention_out_bias: the output projection has a bias (Llama's and OLMo 2's
+            `attention_bias` only).
         mlp_bias: the MLP projections have biases (Llama's `mlp_bias`).
-        qk_norm: RMSNorm over each head of q and k before RoPE (Qwen3).
-        sliding_window: attend only to the last `sliding_window` positions (Mistral), or None.
+        qk_norm: RMSNorm over q and k before RoPE (Qwen3, OLMo 2).
+        qk_norm_scope: what that RMSNorm spans: "head" (each head's head_dim values, Qwen3) or
+            "full" (the whole projection, heads x head_dim values, OLMo 2).
+        norm_placement: "pre" (x + f(norm(x)), Llama) or "post" (x + norm(f(x)) for attention
+            and MLP alike, no norm before either: OLMo 2).
+        norm_weight_in_float32: RMSNorm multiplies by its weight in float32 before casting
+            back (OLMo 2), not after (Llama).
+        partial_rotary_factor: the fraction of each head's dimensions RoPE rotates (Phi-3's
+            `partial_rotary_factor`; 1.0: all), see `rotary_dim`.
+        sliding_window: attend only to the last `sliding_window` positions (Mistral, Phi-3), or
+            None.
         bos_token_id: beginning-of-sequence id, or None.
         eos_token_ids: the ids that end generation (a config may list several).
         torch_dtype: the dtype the checkpoint was saved in ("bfloat16", ...), or None.
@@ -68,6 +85,10 @@ class ModelConfig:
     attention_out_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    qk_norm_scope: str = "head"
+    norm_placement: str = "pre"
+    norm_weight_in_float32: bool = False
+    partial_rotary_factor: float = 1.0
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -106,6 +127,30 @@ class ModelConfig:
             )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+        if self.norm_placement not in NORM_PLACEMENTS:
+            raise ValueError(f"norm_placement must be one of {NORM_PLACEMENTS}")
+        if self.qk_norm_scope not in QK_NORM_SCOPES:
+            raise ValueError(f"qk_norm_scope must be one of {QK_NORM_SCOPES}")
+        rotary_dim = self.rotary_dim
+        if not 0 < self.partial_rotary_factor <= 1 or rotary_dim < 2 or rotary_dim % 2:
+            raise ValueError(
+                f"partial_rotary_factor={self.partial_rotary_factor} rotates {rotary_dim} of "
+                f"{self.head_dim} dimensions (must be an even number >= 2)"
+            )
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.rope_type == LONGROPE:
+            for name in ("short_factor", "long_factor"):
+                if len(getattr(scaling, name)) != rotary_dim // 2:
+                    raise ValueError(
+                        f"longrope {name} has {len(getattr(scaling, name))} values, expected "
+                        f"rotary_dim // 2 = {rotary_dim // 2}"
+                    )
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of a head that RoPE rotates: int(head_dim x partial_rotary_factor),
+        as `transformers` rounds it."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def context_length(self) -> int:
@@ -162,18 +207,34 @@ class ModelConfig:
         num_kv_heads = hf_config.get("num_key_value_heads")
         head_dim = hf_config.get("head_dim")
         max_position_embeddings = int(hf_config.get("max_position_embeddings", 2048))
-        rope_theta, rope_scaling = _parse_rope(hf_config, max_position_embeddings)
+        rope_theta, rope_scaling, partial_rotary_factor = _parse_rope(
+            hf_config, max_position_embeddings, architecture
+        )
+        is_phi3 = architecture == "Phi3ForCausalLM"
+        is_olmo2 = architecture == "Olmo2ForCausalLM"
 
         is_qwen = architecture.startswith("Qwen")
         if is_qwen and hf_config.get("use_sliding_window"):
             raise ValueError(f"{architecture} with use_sliding_window=true is not supported")
         sliding_window = (
-            hf_config.get("sliding_window") if architecture == "MistralForCausalLM" else None
+            hf_config.get("sliding_window")
+            if architecture in ("MistralForCausalLM", "Phi3ForCausalLM")
+            else None
         )
+        context = (
+            max_position_embeddings
+            if rope_scaling is None
+            else rope_scaling.context_length(max_position_embeddings)
+        )
+        if is_phi3 and sliding_window is not None and sliding_window >= context:
+            sliding_window = None  # a window as long as the context never binds (Phi-3.5's)
         if architecture == "Qwen2ForCausalLM":
             attention_bias, attention_out_bias = True, False
+        elif is_phi3:  # transformers' Phi-3 has no biases, whatever config.json says
+            attention_bias = attention_out_bias = False
         else:
             attention_bias = attention_out_bias = bool(hf_config.get("attention_bias", False))
+        mlp_bias = bool(hf_config.get("mlp_bias", False)) and not (is_phi3 or is_olmo2)
 
         eos = hf_config.get("eos_token_id")
         eos_token_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
@@ -193,8 +254,12 @@ class ModelConfig:
             tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
             attention_out_bias=attention_out_bias,
-            mlp_bias=bool(hf_config.get("mlp_bias", False)),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            mlp_bias=mlp_bias,
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Olmo2ForCausalLM"),
+            qk_norm_scope="full" if is_olmo2 else "head",
+            norm_placement="post" if is_olmo2 else "pre",
+            norm_weight_in_float32=is_olmo2,
+            partial_rotary_factor=partial_rotary_factor,
             sliding_window=int(sliding_window) if sliding_window is not None else None,
             bos_token_id=hf_config.get("bos_token_id"),
             eos_token_ids=eos_token_ids,
@@ -203,9 +268,10 @@ class ModelConfig:
 
 
 def _parse_rope(
-    hf_config: dict[str, Any], max_position_embeddings: int
-) -> tuple[float, RopeScaling | None]:
-    """Returns (rope_theta, rope_scaling) from either spelling of the RoPE settings."""
+    hf_config: dict[str, Any], max_position_embeddings: int, architecture: str
+) -> tuple[float, RopeScaling | None, float]:
+    """Returns (rope_theta, rope_scaling, partial_rotary_factor) from either spelling of the
+    RoPE settings."""
     params = hf_config.get("rope_parameters")
     if isinstance(params, dict) and params:
         scaling: dict[str, Any] | None = params
@@ -213,11 +279,23 @@ def _parse_rope(
     else:
         scaling = hf_config.get("rope_scaling")
         theta = hf_config.get("rope_theta", 10000.0)
+    partial_rotary_factor = 1.0
+    is_phi3 = architecture == "Phi3ForCausalLM"
+    if is_phi3:
+        # As transformers' Phi3Config reads them: partial rotary inside the RoPE settings or
+        # beside them; "su" and "yarn" are older names of its longrope.
+        scaling = dict(scaling or {})
+        partial = scaling.pop("partial_rotary_factor", hf_config.get("partial_rotary_factor"))
+        partial_rotary_factor = 1.0 if partial is None else float(partial)
+        if scaling.get("rope_type", scaling.get("type")) in ("su", "yarn"):
+            scaling["rope_type"] = LONGROPE
     if not scaling:
-        return float(theta), None
+        return float(theta), None, partial_rotary_factor
     rope_type = scaling.get("rope_type", scaling.get("type"))
-    if rope_type in ("llama3", "yarn") and "original_max_position_embeddings" in hf_config:
+    original_at_top = "original_max_position_embeddings" in hf_config
+    if rope_type in ("llama3", "yarn", LONGROPE) and original_at_top:
         # A top-level value wins, as `transformers` reads it (Phi-3's spelling).
         original = hf_config["original_max_position_embeddings"]
         scaling = {**scaling, "original_max_position_embeddings": original}
-    return float(theta), parse_rope_scaling(scaling, max_position_embeddings)
+    rope_scaling = parse_rope_scaling(scaling, max_position_embeddings, longrope=is_phi3)
+    return float(theta), rope_scaling, partial_rotary_factor

@@ -149,15 +149,19 @@ def fused_quantized(
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back before the weight, as `transformers` does."""
+    """RMSNorm computed in float32 as `transformers` does: cast back before the weight (Llama),
+    or with `weight_in_float32` after it (OLMo 2)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, weight_in_float32: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))  # [dim]
         self.eps = eps
+        self.weight_in_float32 = weight_in_float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_in_float32:
+            return (self.weight * x).to(input_dtype)
         return self.weight * x.to(input_dtype)

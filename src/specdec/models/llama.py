@@ -1,4 +1,6 @@
-"""The Llama-family forward pass (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2), written once.
+"""The Llama-family forward pass (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2, Phi-3, OLMo 2),
+written once; the families differ by the options of their `ModelConfig` (OLMo 2's norms after
+each sublayer: `PostNormDecoderLayer`).
 
 Token-flattened ([T, ...]) and paged-KV throughout; numerics follow `transformers`, the reference.
 Parameters are created empty and only ever filled from checkpoint files (never initialised
@@ -38,11 +40,24 @@ from specdec.models.rope import RotaryEmbedding, apply_rotary, attention_scale
 from specdec.models.tensor_parallel import Collectives, ShardLayout
 
 
+def rms_norm(config: ModelConfig, dim: int | None = None) -> RMSNorm:
+    """An RMSNorm over `dim` values (None: hidden_size) with the family's numerics."""
+    dim = config.hidden_size if dim is None else dim
+    return RMSNorm(dim, config.rms_norm_eps, config.norm_weight_in_float32)
+
+
 class LlamaAttention(nn.Module):
-    """GQA self-attention with RoPE (and Qwen3's per-head q/k RMSNorm) over the paged cache."""
+    """GQA self-attention with RoPE (and q/k RMSNorm: Qwen3's per head, OLMo 2's over the whole
+    projection) over the paged cache."""
 
     def __init__(self, config: ModelConfig, shard: ShardLayout | None = None) -> None:
         super().__init__()
+        spans_heads = config.qk_norm and config.qk_norm_scope == "full"
+        if spans_heads and shard is not None and shard.world_size > 1:
+            raise ValueError(
+                f"{config.architecture}: tensor parallelism is not supported (its q/k RMSNorm "
+                "spans every head, which the ranks split)"
+            )
         self.num_heads = config.num_attention_heads if shard is None else shard.num_q_heads
         self.num_kv_heads = config.num_key_value_heads if shard is None else shard.num_kv_heads
         self.tp: Collectives | None = None  # the o_proj all-reduce under tensor parallelism
@@ -53,9 +68,11 @@ class LlamaAttention(nn.Module):
         self.k_proj = Linear(config.hidden_size, kv_size, config.attention_bias)
         self.v_proj = Linear(config.hidden_size, kv_size, config.attention_bias)
         self.o_proj = Linear(q_size, config.hidden_size, config.attention_out_bias)
+        self.qk_norm_per_head = config.qk_norm_scope == "head"
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            per_head = self.qk_norm_per_head
+            self.q_norm = rms_norm(config, self.head_dim if per_head else q_size)
+            self.k_norm = rms_norm(config, self.head_dim if per_head else kv_size)
         else:
             self.q_norm = self.k_norm = None
         # One [(H_q + 2 H_kv) D, hidden] projection: float weights shared with q/k/v_proj
@@ -68,6 +85,17 @@ class LlamaAttention(nn.Module):
         parts = [self.q_proj, self.k_proj, self.v_proj]
         if self.qkv_proj is None and all(part.quantized is None for part in parts):
             set_fused(self, "qkv_proj", fuse_linears(parts))
+
+    def norm_qk(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, H_q D] queries and [T, H_kv D] keys through the q/k RMSNorms (over each head, or
+        over the whole projection), or as they are without them."""
+        if self.q_norm is None or self.k_norm is None:
+            return query, key
+        if self.qk_norm_per_head:
+            heads = (-1, self.head_dim)
+            query = self.q_norm(query.unflatten(-1, heads)).flatten(-2)
+            return query, self.k_norm(key.unflatten(-1, heads)).flatten(-2)
+        return self.q_norm(query), self.k_norm(key)
 
     def project_qkv(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> [T, (H_q + 2 H_kv) D]: q, k and v side by side (decode products)."""
@@ -97,13 +125,12 @@ class LlamaAttention(nn.Module):
         """
         num_tokens = hidden.shape[0]
         qkv = self.project_qkv(hidden)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.q_norm is not None:
             q_size = self.num_heads * self.head_dim
             kv_size = self.num_kv_heads * self.head_dim
             query, key, value = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            query = self.q_norm(query.view(num_tokens, self.num_heads, self.head_dim))
-            key = self.k_norm(key.view(num_tokens, self.num_kv_heads, self.head_dim))
-            qkv = torch.cat([query.flatten(1), key.flatten(1), value], dim=-1)
+            query, key = self.norm_qk(query, key)
+            qkv = torch.cat([query, key, value], dim=-1)
         if plan is not None:  # the CPU step of a quantized model
             query = rope_write_kv_cpu(
                 qkv, plan, k_cache, v_cache, self.num_heads, self.num_kv_heads
@@ -150,11 +177,10 @@ class LlamaAttention(nn.Module):
             query, key, value = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
         else:  # float weights: the separate products, as `transformers` computes them
             query, key, value = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        query, key = self.norm_qk(query, key)
         query = query.reshape(num_tokens, self.num_heads, self.head_dim)
         key = key.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            query, key = self.q_norm(query), self.k_norm(key)
         query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
         write_kv_planned(key, value, k_cache, v_cache, plan)
         out = paged_attention(query, k_cache, v_cache, plan, scale=self.scale)
@@ -200,15 +226,27 @@ class LlamaMLP(nn.Module):
         return self._reduce(self.down_proj.decode(silu_mul(gate_up)))
 
 
+def add_norm(
+    out: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(out + residual), out + residual), [T, D] each (residual None: out alone), through
+    the fused kernel when its numerics are the norm's (the weight applied after the cast)."""
+    if norm.weight_in_float32:
+        summed = out if residual is None else out + residual
+        return norm(summed), summed
+    return add_rms_norm(out, residual, norm.weight, norm.eps)
+
+
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)) (`post_attention_layernorm`
+    is the norm before the MLP)."""
 
     def __init__(self, config: ModelConfig, shard: ShardLayout | None = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, shard)
         self.mlp = LlamaMLP(config, shard)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = rms_norm(config)
+        self.post_attention_layernorm = rms_norm(config)
 
     def forward(
         self,
@@ -224,6 +262,78 @@ class LlamaDecoderLayer(nn.Module):
         )
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
+    def forward_decode(
+        self,
+        out: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        inv_freq: torch.Tensor,
+        meta: DecodeMetadata | None,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: DecodePlanCPU | None,
+        flash: AttentionPlan | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` through the fused kernels (see `LlamaAttention.forward_decode`) on the
+        residual stream carried as (out, residual), [T, D] each, whose sum it is (residual
+        None: out alone); each add is fused into the norm after it. Returns the next pair.
+
+        Mutates: writes the live query tokens' K/V into `k_cache`/`v_cache`."""
+        normed, residual = add_norm(out, residual, self.input_layernorm)
+        out = self.self_attn.forward_decode(
+            normed, positions, inv_freq, meta, k_cache, v_cache, plan, flash
+        )
+        normed, residual = add_norm(out, residual, self.post_attention_layernorm)
+        return self.mlp.forward_decode(normed), residual
+
+
+class PostNormDecoderLayer(nn.Module):
+    """OLMo 2's block: x + norm(attn(x)), then x + norm(mlp(x)); no norm before either
+    (`post_attention_layernorm` after attention, `post_feedforward_layernorm` after the MLP)."""
+
+    def __init__(self, config: ModelConfig, shard: ShardLayout | None = None) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, shard)
+        self.mlp = LlamaMLP(config, shard)
+        self.post_attention_layernorm = rms_norm(config)
+        self.post_feedforward_layernorm = rms_norm(config)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        plan: AttentionPlan,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        attended = self.self_attn(hidden, cos, sin, plan, k_cache, v_cache)
+        hidden = hidden + self.post_attention_layernorm(attended)
+        return hidden + self.post_feedforward_layernorm(self.mlp(hidden))
+
+    def forward_decode(
+        self,
+        out: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        inv_freq: torch.Tensor,
+        meta: DecodeMetadata | None,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: DecodePlanCPU | None,
+        flash: AttentionPlan | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`LlamaDecoderLayer.forward_decode` for this block: the same (out, residual) pair in
+        and out (the MLP's normed output and the stream before it).
+
+        Mutates: writes the live query tokens' K/V into `k_cache`/`v_cache`."""
+        hidden = out if residual is None else out + residual
+        attended = self.self_attn.forward_decode(
+            hidden, positions, inv_freq, meta, k_cache, v_cache, plan, flash
+        )
+        hidden = hidden + self.post_attention_layernorm(attended)
+        return self.post_feedforward_layernorm(self.mlp.forward_decode(hidden)), hidden
+
 
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (parameter names match HF's `model.*`)."""
@@ -234,10 +344,9 @@ class LlamaModel(nn.Module):
             self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         else:
             self.embed_tokens = Embedding(shard.vocab_size, config.hidden_size, shard.vocab[0])
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, shard) for _ in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        layer = PostNormDecoderLayer if config.norm_placement == "post" else LlamaDecoderLayer
+        self.layers = nn.ModuleList(layer(config, shard) for _ in range(config.num_hidden_layers))
+        self.norm = rms_norm(config)
         self.rotary_emb = RotaryEmbedding(config)
         self.sliding_window = config.sliding_window
         self.eager_only_reason = config.eager_only_reason
@@ -266,10 +375,15 @@ class LlamaModel(nn.Module):
             # Every row as a decode row of the same token (the CPU's one numerics: see
             # `DecodePlanCPU.from_attention`).
             plan = DecodePlanCPU.from_attention(
-                attn, positions, self.rotary_emb.inv_freq, kv_cache.block_size
+                attn, positions, self.rotary_emb.inv_freq_at(positions), kv_cache.block_size
             )
             return self._forward_decode(input_ids, positions, None, kv_cache, return_layers, plan)
-        if input_ids.is_cuda and self.eager_only_reason is None and attn.tree_mask is None:
+        if (
+            input_ids.is_cuda
+            and self.eager_only_reason is None
+            and self.rotary_emb.one_table
+            and attn.tree_mask is None
+        ):
             # The decode step's kernels for every row (prefill chunks beside decode rows), with
             # the prefill kernel's attention, whose rows are the decode kernel's bits: a
             # token's row never depends on the path its step takes.
@@ -291,10 +405,10 @@ class LlamaModel(nn.Module):
 
     def _plans_rows(self, input_ids: torch.Tensor) -> bool:
         """Whether a step runs through a `DecodePlanCPU`: every model on the CPU that the plan
-        can run (one frequency table for every position, no window: not dynamic NTK, whose
-        frequencies depend on the position), so that every row takes the same operations
-        whatever else the step holds (and a quantized model's step, bound by per-operation
-        overhead, does its index work once)."""
+        can run (no window, and not dynamic NTK, whose frequencies depend on the sequence
+        length; longrope's per-row tables it takes as one table: position x frequency), so
+        that every row takes the same operations whatever else the step holds (and a quantized
+        model's step, bound by per-operation overhead, does its index work once)."""
         return not input_ids.is_cuda and self.eager_only_reason is None
 
     def _forward_decode(
@@ -313,19 +427,24 @@ class LlamaModel(nn.Module):
         (no `meta`), attending through the prefill kernel."""
         wanted = set(return_layers)
         captured: dict[int, torch.Tensor] = {}
-        inv_freq = self.rotary_emb.inv_freq
+        # [D / 2], or [T, D / 2] (longrope), which the CPU plan and the RoPE twin take alike
+        # (position x frequency, broadcast); the CUDA kernel takes one table for every row.
+        inv_freq = self.rotary_emb.inv_freq_at(positions)
+        if inv_freq.dim() == 2 and input_ids.is_cuda:
+            raise ValueError(
+                "longrope on CUDA's fused decode path is not supported yet (its RoPE kernel "
+                "takes one frequency table for every row); run on the CPU"
+            )
         planned = meta is not None and meta.tree_mask is None  # tree steps: the twins instead
         if plan is None and planned and self._plans_rows(input_ids):
             # index work once for every layer
             plan = DecodePlanCPU.build(meta, positions, inv_freq, kv_cache.block_size)
         out = self.embed_tokens(input_ids)  # [T, D]
-        residual: torch.Tensor | None = None
+        residual: torch.Tensor | None = None  # the residual stream is out + residual
         for index, layer in enumerate(self.layers):
-            normed, residual = add_rms_norm(
-                out, residual, layer.input_layernorm.weight, layer.input_layernorm.eps
-            )
-            out = layer.self_attn.forward_decode(
-                normed,
+            out, residual = layer.forward_decode(
+                out,
+                residual,
                 positions,
                 inv_freq,
                 meta,
@@ -334,16 +453,9 @@ class LlamaModel(nn.Module):
                 plan,
                 flash,
             )
-            normed, residual = add_rms_norm(
-                out,
-                residual,
-                layer.post_attention_layernorm.weight,
-                layer.post_attention_layernorm.eps,
-            )
-            out = layer.mlp.forward_decode(normed)
             if index in wanted:
                 captured[index] = out + residual
-        normed, _ = add_rms_norm(out, residual, self.norm.weight, self.norm.eps)
+        normed, _ = add_norm(out, residual, self.norm)
         return normed, [captured[index] for index in return_layers]
 
 

@@ -2,9 +2,11 @@
 
 HF directories hold config.json, `*.safetensors` (one file or shards listed in
 model.safetensors.index.json; FP8 checkpoints with `weight_scale` tensors too) and tokenizer
-files. The model is built on the meta device and its parameters are assigned from the files, so
-nothing is ever initialised randomly. With a `quantization`, the linear layers (q/k/v and gate/up
-fused) and the LM head are packed for their kernels (`quant.py`) and never held as floats.
+files; a family's own tensors are read under our names (`_hf_tensors`: Phi-3's fused q/k/v and
+gate/up, partial rotary's q/k layout). The model is built on the meta device and its parameters
+are assigned from the files, so nothing is ever initialised randomly. With a `quantization`, the
+linear layers (q/k/v and gate/up fused) and the LM head are packed for their kernels (`quant.py`)
+and never held as floats.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from specdec.models.quant_formats import (
     concat_quantized,
     quantize,
 )
+from specdec.models.rope import partial_rotary_layout
 from specdec.models.tensor_parallel import ShardLayout, TensorSlice, tensor_slice
 from specdec.models.tokenizer import Tokenizer
 from specdec.models.weights import CheckpointError, assign_weights
@@ -252,9 +255,10 @@ def _load_hf_dir(
     model = _empty_model(config, shard, without_layers)
     piece_of = _piece_of(config, shard)
     with _SafetensorsCheckpoint(path) as checkpoint:
+        read = _hf_tensors(config, checkpoint.read)
 
         def read_float(name: str) -> torch.Tensor | None:
-            return checkpoint.read(name, piece_of(name))
+            return read(name, piece_of(name))
 
         def read_quantized(name: str) -> Quantized | None:
             stored = checkpoint.read_fp8(name, piece_of(name))
@@ -275,6 +279,87 @@ def _load_hf_dir(
         if tokenizer.bos_token is None and config.bos_token_id is not None:
             tokenizer.bos_token = tokenizer.backend.id_to_token(config.bos_token_id)
     return LoadedModel(model, config, tokenizer)
+
+
+ReadTensor = Callable[[str, TensorSlice | None], torch.Tensor | None]
+# Phi-3's checkpoint stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`: our
+# projection -> (the stored one, the part's index in it).
+_PHI3_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_LAYER_LINEAR = re.compile(r"(?P<block>model\.layers\.\d+\.\w+)\.(?P<part>\w+)\.weight")
+
+
+def _hf_tensors(config: ModelConfig, read: ReadTensor) -> ReadTensor:
+    """`read` (a HF checkpoint's tensor by name, whole or a rank's piece) under our parameter
+    names: Phi-3's fused projections split into ours, and under partial rotary the q/k rows of
+    every head reordered (`rope.partial_rotary_layout`)."""
+    if config.architecture == "Phi3ForCausalLM":
+        read = _split_fused(config, read)
+    if config.rotary_dim < config.head_dim:
+        read = _partial_rotary_rows(config, read)
+    return read
+
+
+def _split_fused(config: ModelConfig, read: ReadTensor) -> ReadTensor:
+    """Phi-3's q/k/v and gate/up as parts of its fused tensors (gate first, as its MLP chunks
+    them); the last fused tensor read is kept for its other parts."""
+    q_size = config.num_attention_heads * config.head_dim
+    kv_size = config.num_key_value_heads * config.head_dim
+    sizes = {"qkv_proj": [q_size, kv_size, kv_size], "gate_up_proj": [config.intermediate_size] * 2}
+    last: dict[str, torch.Tensor | None] = {}
+
+    def read_part(name: str, piece: TensorSlice | None) -> torch.Tensor | None:
+        match = _LAYER_LINEAR.fullmatch(name)
+        if match is None or match["part"] not in _PHI3_FUSED:
+            return read(name, piece)
+        fused, index = _PHI3_FUSED[match["part"]]
+        fused_name = f"{match['block']}.{fused}.weight"
+        if fused_name not in last:
+            last.clear()
+            last[fused_name] = read(fused_name, None)
+        whole = last[fused_name]
+        if whole is None or whole.shape[0] != sum(sizes[fused]):
+            found = "missing" if whole is None else f"of {whole.shape[0]} rows"
+            raise CheckpointError(
+                f"Phi-3 tensor {fused_name!r} {found} (expected {sum(sizes[fused])} rows: "
+                f"{' + '.join(map(str, sizes[fused]))})"
+            )
+        part = whole.split(sizes[fused])[index]
+        return part.contiguous() if piece is None else piece.take(part)
+
+    return read_part
+
+
+def _partial_rotary_rows(config: ModelConfig, read: ReadTensor) -> ReadTensor:
+    """q/k rows of each head in `partial_rotary_layout`'s order (rank pieces hold whole heads,
+    so the order applies to them as to the whole); the unrotated q rows divided by the square of
+    the RoPE attention factor m, which `transformers` applies to the rotated dimensions alone
+    and `attention_scale` to all (in float32: the weight is rounded once, to the model's dtype,
+    so in bfloat16 those scores carry one more rounding than `transformers`')."""
+    head_dim = config.head_dim
+    layout = partial_rotary_layout(head_dim, config.rotary_dim)
+    scaling = config.rope_scaling
+    factor = 1.0 if scaling is None else scaling.attention_factor
+    unrotated = torch.ones(head_dim)  # [D] in the new order
+    unrotated[config.rotary_dim // 2 : head_dim // 2] = factor**-2
+    unrotated[(head_dim + config.rotary_dim) // 2 :] = factor**-2
+
+    def read_rows(name: str, piece: TensorSlice | None) -> torch.Tensor | None:
+        tensor = read(name, piece)
+        match = _LAYER_LINEAR.fullmatch(name)
+        if tensor is None or match is None or match["part"] not in ("q_proj", "k_proj"):
+            return tensor
+        heads = tensor.unflatten(0, (-1, head_dim))[:, layout]  # [H, D, hidden]
+        if match["part"] == "q_proj" and factor != 1.0:
+            heads = heads.float() * unrotated[:, None]
+        return heads.flatten(0, 1)
+
+    return read_rows
 
 
 # Linears that read the same input, fused into one product when their formats agree.
