@@ -22,6 +22,7 @@ from torch import nn
 
 from specdec.drafters.config import MAX_NUM_SPECULATIVE_TOKENS
 from specdec.models import LlamaForCausalLM, ModelConfig
+from specdec.models.families import check_llama_layout
 from specdec.models.layers import Embedding, Linear, RMSNorm
 from specdec.models.llama import LlamaAttention, LlamaMLP
 from specdec.models.rope import RotaryEmbedding, apply_rotary
@@ -222,6 +223,7 @@ class BlockDrafterModel(nn.Module):
 
     def __init__(self, config: BlockDrafterConfig, target_config: ModelConfig) -> None:
         super().__init__()
+        check_llama_layout(target_config, f"the {config.kind} drafter")
         if target_config.hidden_size != config.target_hidden_size:
             raise ValueError(
                 f"the drafter was built for a target of hidden size {config.target_hidden_size}, "

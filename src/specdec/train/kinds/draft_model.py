@@ -16,6 +16,7 @@ from torch import nn
 
 from specdec.models import LlamaForCausalLM, load_model
 from specdec.models.config import ModelConfig
+from specdec.models.families import check_llama_layout
 from specdec.train.dense import causal_layer
 from specdec.train.kind import DrafterKind, TrainBatch, TrainOptions, target_logits
 
@@ -62,6 +63,7 @@ class DraftModelKind(DrafterKind):
     option_names = frozenset({"draft_layers", "save_dtype"})
 
     def build(self, target: LlamaForCausalLM, options: TrainOptions) -> nn.Module:
+        check_llama_layout(target.config, "training a draft model")
         total = target.config.num_hidden_layers
         layers = options.get("draft_layers", max(1, total // 6), int)
         if not 1 <= layers < total:
