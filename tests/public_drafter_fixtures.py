@@ -1,5 +1,6 @@
-"""Tiny random drafter checkpoints in public formats (EAGLE-1/2, Medusa), written with the names
-their authors' code saves, for the tiny test target (`models_fixtures`: vocab 97, hidden 64).
+"""Tiny random drafter checkpoints in public formats (EAGLE-1/2, EAGLE-3, Medusa), written with
+the names their authors' code saves, for the tiny test target (`models_fixtures`: vocab 97,
+hidden 64; EAGLE-3 over a deeper one of the same shape).
 
 Random weights come from seeded generators here (tests only); nothing is downloaded.
 """
@@ -131,3 +132,140 @@ def medusa_config(num_heads: int, num_layers: int, names: str) -> dict:
         "medusa_num_layers": num_layers,
         "base_model_name_or_path": "tiny-llama",
     }
+
+
+# EAGLE-3: a tiny target deep enough for the default capture points (the inputs of layers
+# 2, N // 2, N - 3 need N >= 7), and heads written in the two config styles in use.
+EAGLE3_TARGET_LAYERS = 8
+EAGLE3_DRAFT_VOCAB = 40
+_EAGLE3_LAYER = {
+    "model_type": "llama",
+    "hidden_act": "silu",
+    "hidden_size": HIDDEN,
+    "intermediate_size": 80,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "vocab_size": VOCAB,
+}
+
+
+def deep_target(seed: int = 0):
+    """`models_fixtures.make_hf_model("llama")` with EAGLE3_TARGET_LAYERS layers: a
+    `transformers` Llama with seeded random weights (fp32, eval)."""
+    import transformers
+
+    from models_fixtures import TINY_CONFIGS
+
+    values = {**TINY_CONFIGS["llama"], "num_hidden_layers": EAGLE3_TARGET_LAYERS}
+    config = transformers.LlamaConfig(**values, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1.0 + 0.2 * noise if name.endswith("norm.weight") else 0.15 * noise)
+    return model.eval()
+
+
+def draft_vocabulary(seed: int = 2, size: int = EAGLE3_DRAFT_VOCAB) -> torch.Tensor:
+    """[size] int64 target ids of a reduced draft vocabulary (a seeded subset, ascending, as
+    EAGLE-3's training keeps the most frequent tokens in id order)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randperm(VOCAB, generator=generator)[:size].sort().values
+
+
+def eagle3_tensors(
+    prefix: str = "midlayer.",
+    seed: int = 11,
+    draft_ids: torch.Tensor | None = None,
+    fc_bias: bool = False,
+    embedding: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The tensors of an EAGLE-3 head: `fc` [D, 3D], the midlayer (q/k/v over 2D) under
+    `prefix` ("midlayer." as EAGLE / SpecForge save it, "layers.0." as speculators does),
+    `norm`, `lm_head` over the draft vocabulary, `d2t` (target id - draft id) and `t2d` (the
+    mask of those target ids); `embed_tokens.weight` when `embedding` is given."""
+    draft_ids = draft_vocabulary() if draft_ids is None else draft_ids
+    heads, kv_heads, head_dim, inter = 4, 2, 16, _EAGLE3_LAYER["intermediate_size"]
+    layer = {
+        "self_attn.q_proj.weight": (heads * head_dim, 2 * HIDDEN),
+        "self_attn.k_proj.weight": (kv_heads * head_dim, 2 * HIDDEN),
+        "self_attn.v_proj.weight": (kv_heads * head_dim, 2 * HIDDEN),
+        "self_attn.o_proj.weight": (HIDDEN, heads * head_dim),
+        "mlp.gate_proj.weight": (inter, HIDDEN),
+        "mlp.up_proj.weight": (inter, HIDDEN),
+        "mlp.down_proj.weight": (HIDDEN, inter),
+        "input_layernorm.weight": (HIDDEN,),
+        "hidden_norm.weight": (HIDDEN,),
+        "post_attention_layernorm.weight": (HIDDEN,),
+    }
+    shapes = {
+        "fc.weight": (HIDDEN, 3 * HIDDEN),
+        **{prefix + name: shape for name, shape in layer.items()},
+        "norm.weight": (HIDDEN,),
+        "lm_head.weight": (len(draft_ids), HIDDEN),
+    }
+    if fc_bias:
+        shapes["fc.bias"] = (HIDDEN,)
+    tensors = random_tensors(shapes, seed)
+    tensors["d2t"] = draft_ids - torch.arange(len(draft_ids))
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[draft_ids] = True
+    tensors["t2d"] = t2d
+    if embedding is not None:
+        tensors["embed_tokens.weight"] = embedding.detach().clone()
+    return tensors
+
+
+def eagle3_config(
+    style: str,
+    layer_ids: list[int] | None = None,
+    draft_vocab_size: int = EAGLE3_DRAFT_VOCAB,
+    **extra,
+) -> dict:
+    """config.json of an EAGLE-3 head.
+
+    "specforge": SpecForge's (SGLang's `LlamaForCausalLMEagle3`): a one-layer Llama config with
+    `draft_vocab_size`, the capture ids (if any) in `eagle_config` (SGLang's key: layer k's
+    output). "vllm": the same config named as vLLM names the class, the ids at the top level
+    (vLLM's key: layer k's input). "speculators": `speculators_model_type: "eagle3"`, the layer
+    config under `transformer_layer_config`, the ids at the top level (read as vLLM does).
+    `extra` keys are added at the top level."""
+    if style == "speculators":
+        config = {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "speculators_version": "0.2.0",
+            "draft_vocab_size": draft_vocab_size,
+            "norm_before_residual": False,
+            "target_hidden_size": None,
+            "transformer_layer_config": dict(_EAGLE3_LAYER),
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                "verifier": {"name_or_path": "tiny-llama", "architectures": ["LlamaForCausalLM"]},
+            },
+        }
+        if layer_ids is not None:
+            config["eagle_aux_hidden_state_layer_ids"] = layer_ids
+        return {**config, **extra}
+    architecture = {"specforge": "LlamaForCausalLMEagle3", "vllm": "Eagle3LlamaForCausalLM"}
+    config = {
+        "architectures": [architecture[style]],
+        **_EAGLE3_LAYER,
+        "draft_vocab_size": draft_vocab_size,
+        "tie_word_embeddings": False,
+    }
+    if layer_ids is not None and style == "specforge":
+        config["eagle_config"] = {
+            "eagle_aux_hidden_state_layer_ids": layer_ids,
+            "use_aux_hidden_state": True,
+        }
+    elif layer_ids is not None:
+        config["eagle_aux_hidden_state_layer_ids"] = layer_ids
+    return {**config, **extra}

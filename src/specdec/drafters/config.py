@@ -12,9 +12,18 @@ from specdec.verify import VERIFY_METHODS
 
 # Most drafts a round may verify (a request may ask for more than the configured K, up to this).
 MAX_NUM_SPECULATIVE_TOKENS = 32
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "mtp", "dflash", "dspark", "medusa")
+SPECULATIVE_METHODS = (
+    "ngram",
+    "draft_model",
+    "eagle",
+    "eagle3",
+    "mtp",
+    "dflash",
+    "dspark",
+    "medusa",
+)
 # Methods whose drafter is loaded from `model` (a directory or file).
-MODEL_METHODS = ("draft_model", "eagle", "mtp", "dflash", "dspark", "medusa")
+MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "dflash", "dspark", "medusa")
 # Methods whose `model` may be left out for the built-in target: the shipped head is used.
 SHIPPED_HEAD_METHODS = ("eagle", "mtp")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
@@ -24,7 +33,7 @@ DEFAULT_REJECTION_SAMPLE_METHOD = "coupled"
 
 
 # Methods that draft trees (`speculative_config["tree"]`).
-TREE_METHODS = ("eagle", "mtp", "draft_model")
+TREE_METHODS = ("eagle", "eagle3", "mtp", "draft_model")
 TREE_KEYS = ("nodes", "depth", "topk")
 
 
@@ -95,14 +104,17 @@ class SpeculativeConfig:
 
     Attributes:
         method: "ngram" (prompt lookup), "draft_model", "eagle" (alias "mtp": a head over
-            the target's hidden features), "dflash" (a parallel block drafter over the target's
+            the target's hidden features), "eagle3" (vLLM's name for EAGLE-3 heads: "eagle"
+            restricted to them), "dflash" (a parallel block drafter over the target's
             features), "dspark" (dflash + Markov head + confidence-scheduled verify length) or
             "medusa" (heads over the target's last hidden state, one draft each).
         model: the draft model (a Hugging Face directory or a GGUF file) for "draft_model";
             "truncated:N" uses the target's first N layers (with its embeddings and head). For
             "eagle"/"mtp": a head directory (config.json + model.safetensors, as written by
-            `specdec train-drafter --kind eagle`, or an EAGLE-1/2 checkpoint in SafeAILab's
-            format: recognised from its tensors). For "dflash"/"dspark": a block drafter
+            `specdec train-drafter --kind eagle`, an EAGLE-1/2 checkpoint in SafeAILab's
+            format, or an EAGLE-3 checkpoint in SpecForge's / SGLang's / vLLM's or speculators'
+            format: recognised from its config and tensors). For "eagle3": an EAGLE-3
+            checkpoint. For "dflash"/"dspark": a block drafter
             directory (written by `specdec train-drafter --kind dflash|dspark`). For "medusa":
             a directory of Medusa heads in FasterDecoding's or vLLM's format. "eagle"/"mtp"
             without a model on the built-in target take the head shipped in the package.
@@ -124,9 +136,9 @@ class SpeculativeConfig:
             token for token only with K pinned (the chosen K depends on the batch and on
             measured timings); coupled and greedy outputs equal plain decoding's whatever K is.
         tree: draft trees instead of chains ({"nodes": N, "depth": D, "topk": k}, a
-            `TreeConfig`), verified exactly with `specdec.verify.tree`; eagle/mtp/draft_model, not
-            with block verification, and on the synchronous engine path only (rounds then
-            verify N nodes; num_speculative_tokens is not used).
+            `TreeConfig`), verified exactly with `specdec.verify.tree`; eagle/eagle3/mtp/
+            draft_model, not with block verification, and on the synchronous engine path only
+            (rounds then verify N nodes; num_speculative_tokens is not used).
         plain_arm: with `adaptive`, also offer the policy arm P: run the batch through the plain
             overlapped decode loop (outside device rounds, or without entering them) while that
             is predicted to be faster (its cost: the plain step at the batch bucket; its tokens

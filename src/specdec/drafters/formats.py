@@ -21,7 +21,7 @@ INDEX_FILE = "model.safetensors.index.json"
 # Formats `recognise_eagle` tells apart.
 SPECDEC_EAGLE = "specdec-eagle"  # a head trained here (`specdec train-drafter --kind eagle`)
 EAGLE1 = "eagle-1"  # EAGLE-1/2 (SafeAILab's cnets1.py; vLLM's "eagle" with a Llama head)
-EAGLE3 = "eagle-3"
+EAGLE3 = "eagle-3"  # EAGLE-3 (vLLM's "eagle3", SGLang, SpecForge, speculators)
 
 
 class DrafterCheckpoint:
@@ -104,6 +104,18 @@ class DrafterCheckpoint:
             )
         return tensor
 
+    def stores_other(self, name: str, shared: torch.Tensor | None) -> bool:
+        """Whether tensor `name` is stored with other values than `shared` (a table the
+        drafter would otherwise share with the target; compared in `shared`'s dtype, a shape
+        that differs or a `shared` of None, e.g. quantized, counting as other); False when
+        absent."""
+        stored = self.read(name)
+        if stored is None:
+            return False
+        if shared is None or tuple(stored.shape) != tuple(shared.shape):
+            return True  # (a wrong shape is then named when the drafter's own table is loaded)
+        return not torch.equal(stored.to(device=shared.device, dtype=shared.dtype), shared)
+
     def refuse_unused(self, used: set[str], what: str) -> None:
         """Raises CheckpointError naming the stored tensors outside `used`: a tensor the format
         does not define changes the math in a way this loader would silently drop."""
@@ -134,37 +146,50 @@ def strip_prefix(names: frozenset[str], prefix: str) -> str:
     return prefix if names and all(n.startswith(prefix) for n in names) else ""
 
 
-_EAGLE3_NAMES = re.compile(r"(^|\.)(midlayer\.|d2t$|t2d$)")
+# EAGLE-3: the midlayer's name (EAGLE's, SpecForge's, SGLang's), its hidden_norm (under
+# `layers.0.` too, as speculators names it: EAGLE-1/2 layers have none), the vocabulary maps.
+_EAGLE3_NAMES = re.compile(r"(^|\.)(midlayer\.|layers\.0\.hidden_norm\.|d2t$|t2d$)")
+_EAGLE3_ARCHITECTURES = (
+    "LlamaForCausalLMEagle3",  # SpecForge, SGLang
+    "Eagle3LlamaForCausalLM",  # vLLM
+    "Eagle3Speculator",  # speculators
+    "Eagle3DraftModel",  # speculators
+)
 
 
 def recognise_eagle(checkpoint: DrafterCheckpoint) -> str:
     """Which EAGLE head format a directory holds, from its config and tensor names.
 
     Returns:
-        SPECDEC_EAGLE (config architectures ["SpecdecEagleHead"]) or EAGLE1 (`fc.weight` and
-        `layers.0.*` tensors, optionally under `model.`).
+        SPECDEC_EAGLE (config architectures ["SpecdecEagleHead"]); EAGLE3 (config
+        `speculators_model_type: "eagle3"` or an EAGLE-3 architecture, or tensors `midlayer.*`,
+        `layers.0.hidden_norm.*`, `d2t`, `t2d`); or EAGLE1 (`fc.weight` and `layers.0.*`
+        tensors, optionally under `model.`).
 
     Raises:
-        CheckpointError: an EAGLE-3 head (`midlayer.*`, `d2t`, `t2d`: not loaded yet), or a
-            directory of neither kind, naming what was looked for.
+        CheckpointError: a directory of none of these kinds, naming what was looked for.
     """
     from specdec.drafters.eagle.head import EAGLE_ARCHITECTURE
 
-    if checkpoint.config.get("architectures") == [EAGLE_ARCHITECTURE]:
+    config = checkpoint.config
+    architectures = config.get("architectures") or []
+    if architectures == [EAGLE_ARCHITECTURE]:
         return SPECDEC_EAGLE
     names = checkpoint.names
-    if any(_EAGLE3_NAMES.search(name) for name in names):
-        raise CheckpointError(
-            f"{checkpoint.path} holds an EAGLE-3 head (midlayer.* / d2t / t2d tensors), "
-            "which is not loaded yet; EAGLE-1/2 heads and heads trained here are"
-        )
+    if (
+        config.get("speculators_model_type") == "eagle3"
+        or any(a in _EAGLE3_ARCHITECTURES for a in architectures)
+        or any(_EAGLE3_NAMES.search(name) for name in names)
+    ):
+        return EAGLE3
     prefix = strip_prefix(names, "model.")
     if f"{prefix}fc.weight" in names and any(n.startswith(f"{prefix}layers.0.") for n in names):
         return EAGLE1
     raise CheckpointError(
         f"{checkpoint.path} is not an EAGLE head this engine loads: expected a config.json "
-        f'with architectures ["{EAGLE_ARCHITECTURE}"] (a head trained here), or EAGLE-1/2 '
-        "tensors fc.weight and layers.0.* (SafeAILab's format)"
+        f'with architectures ["{EAGLE_ARCHITECTURE}"] (a head trained here), EAGLE-3 tensors '
+        "(midlayer.* or layers.0.hidden_norm.*, d2t) or EAGLE-1/2 tensors fc.weight and "
+        "layers.0.* (SafeAILab's format)"
     )
 
 

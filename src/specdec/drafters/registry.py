@@ -18,6 +18,7 @@ DRAFTERS: dict[str, type[Drafter]] = {
     "ngram": NgramDrafter,
     "draft_model": DraftModelDrafter,
     "eagle": EagleDrafter,
+    "eagle3": EagleDrafter,  # vLLM's name for EAGLE-3 heads (which "eagle" loads too)
     "mtp": EagleDrafter,  # vLLM's name for a head over the target's features
     "dflash": DFlashDrafter,
     "dspark": DSparkDrafter,

@@ -1,5 +1,6 @@
 """EAGLE / MTP drafting: a one-layer head over [target feature, next token embedding] proposes K
-tokens autoregressively on its own paged cache.
+tokens autoregressively on its own paged cache (an `EagleHead`, or an EAGLE-3 checkpoint's
+`Eagle3Head`: the same interface).
 
 Position convention (head entry t = feature of the token at t + embedding of the token at t + 1,
 predicting the token at t + 2): at a round with anchor A the engine has delivered the features of
@@ -24,6 +25,7 @@ from specdec.drafters.base import (
 )
 from specdec.drafters.config import MAX_NUM_SPECULATIVE_TOKENS, SpeculativeConfig, TreeConfig
 from specdec.drafters.device import DeviceDrafting
+from specdec.drafters.eagle.eagle3 import Eagle3Head
 from specdec.drafters.eagle.head import (
     EagleHead,
     head_logits,
@@ -45,7 +47,7 @@ from specdec.transfer import to_device
 
 
 class EagleDrafter(Drafter):
-    """vLLM's `eagle` / `mtp` methods (one head, chain drafting)."""
+    """vLLM's `eagle` / `eagle3` / `mtp` methods (one head; chains, trees, device rounds)."""
 
     # Rounds in which every request brings at most this many new entries run the fused decode
     # path; a request's first round (its whole prompt) runs the general one.
@@ -53,7 +55,7 @@ class EagleDrafter(Drafter):
 
     def __init__(
         self,
-        head: EagleHead,
+        head: EagleHead | Eagle3Head,
         target: LlamaForCausalLM,
         draft_to_target: torch.Tensor | None,
         num_blocks: int,
@@ -69,7 +71,7 @@ class EagleDrafter(Drafter):
         """Args:
         head: the loaded head.
         target: the target (its embedding and LM head are shared, not copied, when the
-            vocabulary is full).
+            vocabulary is full; an EAGLE-3 head scores with its own LM head).
         draft_to_target: [V_draft] int64 target id of each draft id, or None.
         num_blocks, block_size: the head's own KV cache.
         greedy: propose the head's argmax (one-hot drafts) instead of sampling.
@@ -89,7 +91,7 @@ class EagleDrafter(Drafter):
         self.feature_layers = tuple(head.config.feature_layers)
         own = head.embed_tokens  # a public checkpoint's own table (`HeadLayout.own_embedding`)
         self.embed = own if own is not None else target.model.embed_tokens
-        self.lm_weight = head_logits_weight(target, draft_to_target, head.dtype)
+        self.lm_weight = head_logits_weight(target, draft_to_target, head.dtype, head)
         self.kv_cache = head.allocate_kv_cache(num_blocks, block_size)
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.block_size = block_size
@@ -114,11 +116,21 @@ class EagleDrafter(Drafter):
         cls, spec: SpeculativeConfig, target: LlamaForCausalLM, setup: DrafterSetup
     ) -> EagleDrafter:
         """Builds the drafter of a SpeculativeConfig whose `model` is a head directory (one
-        trained here, or an EAGLE-1/2 checkpoint: `eagle.public.load_head` tells them apart),
-        with graphs (CUDA graphs on the GPU, the same static buffers op by op elsewhere) for its
-        draft steps."""
+        trained here, an EAGLE-1/2 or an EAGLE-3 checkpoint: `eagle.public.load_head` tells
+        them apart; method "eagle3" takes EAGLE-3 heads only), with graphs (CUDA graphs on the
+        GPU, the same static buffers op by op elsewhere) for its draft steps.
+
+        Raises:
+            ValueError: method "eagle3" beside a tensor-parallel target's shard (the engine
+                lends the whole-vocabulary layers to "eagle" / "mtp" only: use "eagle"), and
+                what `load_head` raises."""
+        if spec.method == "eagle3" and target.shard is not None:
+            raise ValueError(
+                'speculative_config method "eagle3" under tensor parallelism is not wired yet; '
+                'use "eagle" (it loads the same EAGLE-3 head)'
+            )
         head, draft_to_target = load_head(
-            spec.model, target, dtype=target.dtype, device=target.device
+            spec.model, target, dtype=target.dtype, device=target.device, method=spec.method
         )
         if target.quantization is not None:
             # The head follows a target kept quantized on the CPU: int8 weight-only linears.

@@ -243,6 +243,7 @@ class EagleHead(nn.Module):
         self.embed_tokens = (
             Embedding(config.target_vocab_size, dim) if layout.own_embedding else None
         )
+        self.lm_head = None  # the target's LM head scores (`head_logits_weight`)
         self.rotary_emb = RotaryEmbedding(layer_config)
 
     def project_features(self, features: torch.Tensor) -> torch.Tensor:
@@ -346,10 +347,17 @@ class EagleHead(nn.Module):
 
 
 def head_logits_weight(
-    target: LlamaForCausalLM, draft_to_target: torch.Tensor | None, dtype: torch.dtype
+    target: LlamaForCausalLM,
+    draft_to_target: torch.Tensor | None,
+    dtype: torch.dtype,
+    head: nn.Module | None = None,
 ) -> torch.Tensor | QuantizedWeight:
-    """[V_draft, D] rows of the target's LM head the head scores (all rows when not reduced),
-    in `dtype`, or in the target's quantized format when its head is quantized."""
+    """[V_draft, D] the LM head `head` scores: its own `lm_head` (an EAGLE-3 head's) when it
+    has one, else the rows of the target's LM head (all rows when not reduced), in `dtype`, or
+    in the target's quantized format when its head is quantized."""
+    own = None if head is None else head.lm_head
+    if own is not None:
+        return own.weight
     quantized = target.lm_head_quantized
     if quantized is not None:
         if draft_to_target is None:
@@ -392,23 +400,27 @@ def check_target(config: EagleConfig, target: ModelConfig, source: str) -> None:
         raise ValueError(f"{source}: this EAGLE head does not fit the target: {mismatches}")
 
 
-def quantize_head_int8(head: EagleHead) -> bool:
-    """On the CPU, makes the head's linears (fc, in_proj, its decoder layer's) int8 weight-only,
-    per output channel, through PyTorch's int8 kernel; the norms stay float. True when done;
-    False, changing nothing, where that kernel is missing (a dequantizing fallback would be
-    slower than the float head). Its drafts are then drawn from the quantized head's own
+def quantize_head_int8(head: nn.Module) -> bool:
+    """On the CPU, makes the head's linears (`fc`, `in_proj` where it has one, its decoder
+    layer's; an `EagleHead` or an EAGLE-3 head) int8 weight-only, per output channel, through
+    PyTorch's int8 kernel; the norms (and an EAGLE-3 head's own LM head) stay float. True when
+    done; False, changing nothing, where that kernel is missing (a dequantizing fallback would
+    be slower than the float head). Its drafts are then drawn from the quantized head's own
     distribution, which is what the verifier is given, so exactness does not depend on it.
     Half a round's host time on a 2-core AMD EPYC (the head's `propose` 8.1 -> 4.0 ms median,
     the held-out acceptance unchanged; BENCHMARKS.md area 4)."""
     device = head.device
     if device.type != "cpu":
         return False
-    probe = QuantizedWeight(quantize(head.in_proj.weight.detach(), "int8"), device)
-    if probe.layout != "cpu_int8":
+    linears = [getattr(head, name, None) for name in ("fc", "in_proj")]
+    linears = [linear for linear in linears if linear is not None]
+    weights = [
+        QuantizedWeight(quantize(linear.weight.detach(), "int8"), device) for linear in linears
+    ]
+    if any(weight.layout != "cpu_int8" for weight in weights):
         return False
-    if head.fc is not None:
-        head.fc.set_quantized(QuantizedWeight(quantize(head.fc.weight.detach(), "int8"), device))
-    head.in_proj.set_quantized(probe)
+    for linear, weight in zip(linears, weights, strict=True):
+        linear.set_quantized(weight)
     quantize_layer(head.layer, "int8", device, head.dtype)
     return True
 

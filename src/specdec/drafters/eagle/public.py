@@ -1,4 +1,5 @@
-"""EAGLE heads from public checkpoints, loaded into `EagleHead` (`load_head` picks the format).
+"""EAGLE heads from public checkpoints (`load_head` picks the format): EAGLE-1/2 into `EagleHead`,
+as below; EAGLE-3 into `eagle3.Eagle3Head` (its module says how).
 
 EAGLE-1/2 (SafeAILab's format, e.g. yuhuili/EAGLE-LLaMA3-Instruct-8B; vLLM's "eagle" method with
 a Llama head), as EAGLE's eagle/model/cnets1.py and ea_model.py define it (vLLM's
@@ -25,8 +26,10 @@ from pathlib import Path
 
 import torch
 
+from specdec.drafters.eagle.eagle3 import Eagle3Head, load_eagle3_head
 from specdec.drafters.eagle.head import EagleConfig, EagleHead, HeadLayout, load_eagle_head
 from specdec.drafters.formats import (
+    EAGLE3,
     SPECDEC_EAGLE,
     DrafterCheckpoint,
     recognise_eagle,
@@ -51,20 +54,34 @@ _EAGLE1_IGNORED = ("layers.0.input_layernorm.weight",)
 
 
 def load_head(
-    path: str | Path, target: LlamaForCausalLM, dtype: torch.dtype, device: torch.device | str
-) -> tuple[EagleHead, torch.Tensor | None]:
-    """Loads the EAGLE head in `path`, whichever format `recognise_eagle` finds there.
+    path: str | Path,
+    target: LlamaForCausalLM,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    method: str = "eagle",
+) -> tuple[EagleHead | Eagle3Head, torch.Tensor | None]:
+    """Loads the EAGLE head in `path`, whichever format `recognise_eagle` finds there
+    (`method` "eagle3", vLLM's name for EAGLE-3 heads, takes those only).
 
     Returns:
         (head in eval mode without grads, draft_to_target [V_draft] int64 or None).
 
     Raises:
         FileNotFoundError, CheckpointError, ValueError: a missing file; a format not loaded
-        (named); a missing or mis-shaped tensor (named); a head made for another target.
+        (named); a missing or mis-shaped tensor (named); a head made for another target; a
+        head that is not EAGLE-3 under "eagle3".
     """
     checkpoint = DrafterCheckpoint(path)
-    if recognise_eagle(checkpoint) == SPECDEC_EAGLE:
+    kind = recognise_eagle(checkpoint)
+    if method == "eagle3" and kind != EAGLE3:
+        raise ValueError(
+            f'{path} holds a {kind} head, not an EAGLE-3 one: speculative_config method "eagle3" '
+            'takes EAGLE-3 heads; use "eagle" for this one'
+        )
+    if kind == SPECDEC_EAGLE:
         return load_eagle_head(path, target.config, dtype, device)
+    if kind == EAGLE3:
+        return load_eagle3_head(checkpoint, target, dtype, device)
     return load_eagle1_head(checkpoint, target, dtype, device), None
 
 
@@ -145,7 +162,9 @@ def load_eagle1_head(
         ValueError: as `eagle1_config`.
     """
     prefix = strip_prefix(checkpoint.names, "model.")
-    own_embedding = _has_own_embedding(checkpoint, prefix, target)
+    own_embedding = checkpoint.stores_other(
+        prefix + "embed_tokens.weight", target.model.embed_tokens.weight
+    )
     config = eagle1_config(checkpoint, target.config, own_embedding)
     with torch.device("meta"):
         head = EagleHead(config)
@@ -169,17 +188,3 @@ def load_eagle1_head(
     assign_weights(head, tensors.get, str(checkpoint.path), dtype, device)
     head.feature_norm.eps = final_norm.eps
     return head
-
-
-def _has_own_embedding(
-    checkpoint: DrafterCheckpoint, prefix: str, target: LlamaForCausalLM
-) -> bool:
-    """Whether the checkpoint stores an embedding table that is not the target's (compared in
-    the target's dtype; a quantized target table counts as different)."""
-    stored = checkpoint.read(prefix + "embed_tokens.weight")
-    if stored is None:
-        return False
-    shared = target.model.embed_tokens.weight
-    if shared is None or tuple(stored.shape) != tuple(shared.shape):
-        return True  # (a wrong shape is then named when the head's own table is loaded)
-    return not torch.equal(stored.to(device=shared.device, dtype=shared.dtype), shared)
