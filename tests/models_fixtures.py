@@ -161,6 +161,45 @@ def make_family_hf_model(name: str, seed: int = 0) -> Any:
     return model.eval()
 
 
+# Tiny Gemma 3 text configs (`Gemma3TextConfig` keywords): sliding and full layers alternate
+# (sliding_window_pattern 2: layers 0 and 2 slide, 1 and 3 see everything), a window of 8
+# shorter than the prompts, the sliding layers' own RoPE base, a query_pre_attn_scalar that
+# is not head_dim (the scale matters); "gemma3_linear" adds linear RoPE scaling on the full
+# layers (Gemma 3 4B and larger).
+_GEMMA3: dict[str, Any] = {
+    **{key: value for key, value in _COMMON.items() if key != "num_hidden_layers"},
+    "num_hidden_layers": 4,
+    "head_dim": 16,
+    "sliding_window": 8,
+    "sliding_window_pattern": 2,
+    "query_pre_attn_scalar": 24,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "pad_token_id": 0,
+}
+GEMMA3_CONFIGS: dict[str, dict[str, Any]] = {
+    "gemma3": _GEMMA3,
+    "gemma3_linear": {**_GEMMA3, "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+}
+
+
+def make_gemma3_hf_model(name: str, seed: int = 0) -> Any:
+    """A `transformers` Gemma3ForCausalLM of a GEMMA3_CONFIGS entry with seeded random weights
+    (norm weights ~N(0, 0.2^2): Gemma scales by 1 + w; others ~N(0, 0.15^2)), fp32, eval."""
+    import transformers
+
+    config = transformers.Gemma3TextConfig(
+        **GEMMA3_CONFIGS[name], architectures=["Gemma3ForCausalLM"], attn_implementation="sdpa"
+    )
+    model = transformers.Gemma3ForCausalLM(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            scale = 0.2 if param_name.endswith("norm.weight") else 0.15
+            param.copy_(scale * torch.randn(param.shape, generator=generator))
+    return model.eval()
+
+
 def hf_decode_logits(model: Any, token_ids: Sequence[int]) -> torch.Tensor:
     """[T, V] float32 logits of `transformers` fed one token per call with its cache: what its
     decoding computes token by token (for LongRoPE it differs from one call over the sequence,
@@ -270,6 +309,59 @@ class PagedRunner:
             )
             logits = self.model.compute_logits(hidden)
         return dict(zip(seq_ids, logits.split(query_lens), strict=True))
+
+
+def decode_path_step(
+    runner: PagedRunner, new_tokens: dict[int, list[int]], query_per_seq: int
+) -> dict[int, torch.Tensor]:
+    """`runner.step` through the model's decode path: one `DecodeMetadata` step (what the
+    runner's decode graphs replay; on the CPU a `DecodePlanCPU`) of `query_per_seq` rows per
+    listed sequence, shorter ones padded (rows that write and return nothing). Blocks and
+    lengths are the runner's, so prefill steps (`runner.step`) and decode steps interleave.
+
+    Returns: per sequence its [len(new_tokens[seq]), V] logits."""
+    from specdec.models.attention import DecodeMetadata
+
+    seq_ids = list(new_tokens)
+    input_ids = [0] * (len(seq_ids) * query_per_seq)
+    positions = [0] * len(input_ids)
+    slots = [-1] * len(input_ids)
+    context_lens, query_lens, tables = [], [], []
+    for b, seq in enumerate(seq_ids):
+        tokens = new_tokens[seq]
+        assert 0 < len(tokens) <= query_per_seq
+        start = runner.lengths.get(seq, 0)
+        end = start + len(tokens)
+        table = runner.tables.setdefault(seq, [])
+        while len(table) * runner.block_size < end:
+            table.append(runner.free_blocks.pop(0))
+        runner.lengths[seq] = end
+        for j, token in enumerate(tokens):
+            row, position = b * query_per_seq + j, start + j
+            input_ids[row], positions[row] = token, position
+            block = table[position // runner.block_size]
+            slots[row] = block * runner.block_size + position % runner.block_size
+        context_lens.append(end)
+        query_lens.append(len(tokens))
+        tables.append(table)
+    width = max(len(table) for table in tables)
+    device = runner.kv_cache.k_cache.device
+
+    def tensor(values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    meta = DecodeMetadata(
+        block_tables=tensor([table + [-1] * (width - len(table)) for table in tables]),
+        context_lens=tensor(context_lens),
+        query_lens=tensor(query_lens),
+        slot_mapping=tensor(slots),
+        query_per_seq=query_per_seq,
+    )
+    with torch.inference_mode():
+        hidden, _ = runner.model.model(tensor(input_ids), tensor(positions), meta, runner.kv_cache)
+        logits = runner.model.compute_logits(hidden, decode=True)  # [B * Q, V]
+    rows = logits.view(len(seq_ids), query_per_seq, -1)
+    return {seq: rows[b, : query_lens[b]] for b, seq in enumerate(seq_ids)}
 
 
 def greedy_generate(

@@ -2,7 +2,7 @@
 
 Validates what the forward pass in `llama.py` can run and rejects the rest with a clear error.
 Families beyond Llama are a few named options (`norm_placement`, `qk_norm_scope`,
-`partial_rotary_factor`, ...), read here from their config.json and nowhere else.
+`partial_rotary_factor`, `layer_types`, ...), read here from their config.json and nowhere else.
 It never reads files or touches tensors (the loaders hand it dictionaries).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from specdec.models.rope import LONGROPE, RopeScaling, parse_rope_scaling
+from specdec.models.rope import LONGROPE, PlainRope, RopeScaling, parse_rope_scaling
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -20,9 +20,15 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",
     "Olmo2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
-NORM_PLACEMENTS = ("pre", "post")
+NORM_PLACEMENTS = ("pre", "post", "sandwich")
 QK_NORM_SCOPES = ("head", "full")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+SLIDING, FULL = "sliding_attention", "full_attention"  # the kinds of `layer_types`
+# Gemma 3's RoPE types on its full-attention layers: those without an attention factor (a
+# YaRN-like m would apply to those layers alone, and the attention scale is one per model).
+_GEMMA3_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,14 +60,29 @@ class ModelConfig:
         qk_norm: RMSNorm over q and k before RoPE (Qwen3, OLMo 2).
         qk_norm_scope: what that RMSNorm spans: "head" (each head's head_dim values, Qwen3) or
             "full" (the whole projection, heads x head_dim values, OLMo 2).
-        norm_placement: "pre" (x + f(norm(x)), Llama) or "post" (x + norm(f(x)) for attention
-            and MLP alike, no norm before either: OLMo 2).
+        norm_placement: "pre" (x + f(norm(x)), Llama), "post" (x + norm(f(x)) for attention
+            and MLP alike, no norm before either: OLMo 2) or "sandwich" (x + norm(f(norm(x))),
+            four norms per layer: Gemma 3).
         norm_weight_in_float32: RMSNorm multiplies by its weight in float32 before casting
             back (OLMo 2), not after (Llama).
+        norm_unit_offset: RMSNorm scales by (1 + weight), in float32 before casting back
+            (Gemma's zero-centred norm weights), q/k norms included.
+        hidden_act: the MLP's gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh"
+            (GeGLU with GELU's tanh approximation: Gemma).
+        scale_embeddings: the embeddings are multiplied by sqrt(hidden_size), rounded to the
+            activation dtype as `transformers` rounds it (Gemma).
+        query_pre_attn_scalar: the softmax scale is query_pre_attn_scalar^-1/2 instead of
+            head_dim^-1/2 (Gemma 3), or None.
         partial_rotary_factor: the fraction of each head's dimensions RoPE rotates (Phi-3's
             `partial_rotary_factor`; 1.0: all), see `rotary_dim`.
-        sliding_window: attend only to the last `sliding_window` positions (Mistral, Phi-3), or
-            None.
+        sliding_window: attend only to the last `sliding_window` positions (Mistral, Phi-3; with
+            `layer_types`, its sliding layers alone), or None.
+        layer_types: per layer, "sliding_attention" (attends within `sliding_window`) or
+            "full_attention" (Gemma 3's interleaving); empty: every layer alike (windowed when
+            `sliding_window` is set).
+        local_rope_theta: the RoPE base of the sliding layers, which rotate without
+            `rope_scaling` (Gemma 3's `rope_local_base_freq`); None: every layer rotates with
+            `rope_theta` and `rope_scaling`.
         bos_token_id: beginning-of-sequence id, or None.
         eos_token_ids: the ids that end generation (a config may list several).
         torch_dtype: the dtype the checkpoint was saved in ("bfloat16", ...), or None.
@@ -88,8 +109,14 @@ class ModelConfig:
     qk_norm_scope: str = "head"
     norm_placement: str = "pre"
     norm_weight_in_float32: bool = False
+    norm_unit_offset: bool = False
+    hidden_act: str = "silu"
+    scale_embeddings: bool = False
+    query_pre_attn_scalar: float | None = None
     partial_rotary_factor: float = 1.0
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    local_rope_theta: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
@@ -131,6 +158,9 @@ class ModelConfig:
             raise ValueError(f"norm_placement must be one of {NORM_PLACEMENTS}")
         if self.qk_norm_scope not in QK_NORM_SCOPES:
             raise ValueError(f"qk_norm_scope must be one of {QK_NORM_SCOPES}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r} (one of {HIDDEN_ACTS})")
+        self._check_layer_types()
         rotary_dim = self.rotary_dim
         if not 0 < self.partial_rotary_factor <= 1 or rotary_dim < 2 or rotary_dim % 2:
             raise ValueError(
@@ -146,6 +176,46 @@ class ModelConfig:
                         f"rotary_dim // 2 = {rotary_dim // 2}"
                     )
 
+    def _check_layer_types(self) -> None:
+        if not self.layer_types:
+            if self.local_rope_theta is not None:
+                raise ValueError("local_rope_theta needs layer_types (which layers are local)")
+            return
+        if len(self.layer_types) != self.num_hidden_layers:
+            # (a model cut to its first layers, such as a `truncated:N` draft, lands here too)
+            raise ValueError(
+                f"{self.architecture}: layer_types names {len(self.layer_types)} layers, the "
+                f"model has {self.num_hidden_layers} (per-layer attention kinds cannot be cut "
+                "to fewer layers)"
+            )
+        unknown = sorted(set(self.layer_types) - {SLIDING, FULL})
+        if unknown:
+            raise ValueError(f"unsupported layer_types {unknown} (only {SLIDING}, {FULL})")
+        if SLIDING in self.layer_types and self.sliding_window is None:
+            raise ValueError("layer_types has sliding_attention layers but no sliding_window")
+
+    def layer_window(self, index: int) -> int | None:
+        """The attention window of layer `index` (None: it sees its whole context)."""
+        if self.layer_types and self.layer_types[index] != SLIDING:
+            return None
+        return self.sliding_window
+
+    def layer_rotates_locally(self, index: int) -> bool:
+        """Whether layer `index` rotates with `local_rope` (a sliding layer of Gemma 3)."""
+        return self.local_rope_theta is not None and self.layer_types[index] == SLIDING
+
+    @property
+    def local_rope(self) -> PlainRope | None:
+        """The RoPE of the sliding layers when it is their own (`local_rope_theta`), else None."""
+        if self.local_rope_theta is None:
+            return None
+        return PlainRope(self.head_dim, self.local_rope_theta, self.rotary_dim)
+
+    @property
+    def has_sliding_window(self) -> bool:
+        """Whether any layer attends within a window."""
+        return any(self.layer_window(i) is not None for i in range(self.num_hidden_layers))
+
     @property
     def rotary_dim(self) -> int:
         """The dimensions of a head that RoPE rotates: int(head_dim x partial_rotary_factor),
@@ -160,15 +230,25 @@ class ModelConfig:
             return self.max_position_embeddings
         return self.rope_scaling.context_length(self.max_position_embeddings)
 
-    @property
-    def eager_only_reason(self) -> str | None:
-        """Why the fused decode path cannot run this model (it takes one frequency table for
-        every token and has no window), or None when it can."""
-        if self.sliding_window is not None:
-            return "sliding-window attention"
+    def decode_path_reason(self, device_type: str) -> str | None:
+        """Why the fused decode path cannot run this model on `device_type` ("cpu", "cuda"),
+        or None when it can. Both take one frequency table per layer for every token (no
+        dynamic NTK); CUDA's kernels have no window and no GeGLU, the CPU's plan
+        (`DecodePlanCPU`) has windows and the CPU runs every twin."""
         if self.rope_scaling is not None and self.rope_scaling.is_dynamic:
             return "dynamic NTK rope scaling (frequencies that depend on the position)"
+        if device_type != "cpu" and self.has_sliding_window:
+            return "sliding-window attention"
+        if device_type != "cpu" and self.hidden_act != "silu":
+            return f"{self.hidden_act} MLP (the fused kernel is SiLU's)"
         return None
+
+    @property
+    def eager_only_reason(self) -> str | None:
+        """Why the fused decode path cannot run this model on every device (CUDA's reason,
+        the stricter), or None when it can: what a caller that does not name the device
+        checks (`decode_path_reason` names it)."""
+        return self.decode_path_reason("cuda")
 
     @classmethod
     def from_hf_config(cls, hf_config: dict[str, Any]) -> ModelConfig:
@@ -193,9 +273,19 @@ class ModelConfig:
                 f"unsupported architecture {architecture!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        hidden_act = hf_config.get("hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {hidden_act!r} (only 'silu')")
+        is_gemma3 = architecture == "Gemma3ForCausalLM"
+        if is_gemma3:
+            _check_gemma3(hf_config)
+            hidden_act = hf_config.get("hidden_activation") or "gelu_pytorch_tanh"
+            if hidden_act != "gelu_pytorch_tanh":
+                raise ValueError(
+                    f"{architecture}: unsupported hidden_activation {hidden_act!r} "
+                    "(only 'gelu_pytorch_tanh')"
+                )
+        else:
+            hidden_act = hf_config.get("hidden_act", "silu")
+            if hidden_act != "silu":
+                raise ValueError(f"unsupported hidden_act {hidden_act!r} (only 'silu')")
 
         def required(name: str) -> Any:
             if hf_config.get(name) is None:
@@ -207,9 +297,16 @@ class ModelConfig:
         num_kv_heads = hf_config.get("num_key_value_heads")
         head_dim = hf_config.get("head_dim")
         max_position_embeddings = int(hf_config.get("max_position_embeddings", 2048))
-        rope_theta, rope_scaling, partial_rotary_factor = _parse_rope(
-            hf_config, max_position_embeddings, architecture
-        )
+        local_rope_theta = None
+        if is_gemma3:
+            rope_theta, rope_scaling, local_rope_theta = _parse_gemma3_rope(
+                hf_config, max_position_embeddings
+            )
+            partial_rotary_factor = 1.0
+        else:
+            rope_theta, rope_scaling, partial_rotary_factor = _parse_rope(
+                hf_config, max_position_embeddings, architecture
+            )
         is_phi3 = architecture == "Phi3ForCausalLM"
         is_olmo2 = architecture == "Olmo2ForCausalLM"
 
@@ -218,9 +315,10 @@ class ModelConfig:
             raise ValueError(f"{architecture} with use_sliding_window=true is not supported")
         sliding_window = (
             hf_config.get("sliding_window")
-            if architecture in ("MistralForCausalLM", "Phi3ForCausalLM")
+            if architecture in ("MistralForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM")
             else None
         )
+        layer_types = _gemma3_layer_types(hf_config, architecture) if is_gemma3 else ()
         context = (
             max_position_embeddings
             if rope_scaling is None
@@ -234,7 +332,10 @@ class ModelConfig:
             attention_bias = attention_out_bias = False
         else:
             attention_bias = attention_out_bias = bool(hf_config.get("attention_bias", False))
-        mlp_bias = bool(hf_config.get("mlp_bias", False)) and not (is_phi3 or is_olmo2)
+        mlp_bias = bool(hf_config.get("mlp_bias", False)) and not (is_phi3 or is_olmo2 or is_gemma3)
+        query_pre_attn_scalar = hf_config.get("query_pre_attn_scalar") if is_gemma3 else None
+        # Gemma3TextConfig ties them unless config.json says otherwise; the others do not.
+        tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", is_gemma3))
 
         eos = hf_config.get("eos_token_id")
         eos_token_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
@@ -251,16 +352,24 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_position_embeddings,
-            tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=tie_word_embeddings,
             attention_bias=attention_bias,
             attention_out_bias=attention_out_bias,
             mlp_bias=mlp_bias,
-            qk_norm=architecture in ("Qwen3ForCausalLM", "Olmo2ForCausalLM"),
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Olmo2ForCausalLM", "Gemma3ForCausalLM"),
             qk_norm_scope="full" if is_olmo2 else "head",
-            norm_placement="post" if is_olmo2 else "pre",
+            norm_placement="post" if is_olmo2 else "sandwich" if is_gemma3 else "pre",
             norm_weight_in_float32=is_olmo2,
+            norm_unit_offset=is_gemma3,
+            hidden_act=hidden_act,
+            scale_embeddings=is_gemma3,
+            query_pre_attn_scalar=(
+                float(query_pre_attn_scalar) if query_pre_attn_scalar is not None else None
+            ),
             partial_rotary_factor=partial_rotary_factor,
             sliding_window=int(sliding_window) if sliding_window is not None else None,
+            layer_types=layer_types,
+            local_rope_theta=local_rope_theta,
             bos_token_id=hf_config.get("bos_token_id"),
             eos_token_ids=eos_token_ids,
             torch_dtype=hf_config.get("torch_dtype") or hf_config.get("dtype"),
@@ -299,3 +408,58 @@ def _parse_rope(
         scaling = {**scaling, "original_max_position_embeddings": original}
     rope_scaling = parse_rope_scaling(scaling, max_position_embeddings, longrope=is_phi3)
     return float(theta), rope_scaling, partial_rotary_factor
+
+
+def _check_gemma3(hf_config: dict[str, Any]) -> None:
+    """Refuses, by name, what Gemma 3's config.json may ask for that the forward pass lacks
+    (Gemma 2's soft-capping; the bidirectional attention of its embedding models)."""
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf_config.get(name) is not None:
+            raise ValueError(
+                f"Gemma3ForCausalLM with {name}={hf_config[name]} is not supported "
+                "(no logit soft-capping)"
+            )
+    if hf_config.get("use_bidirectional_attention"):
+        raise ValueError("Gemma3ForCausalLM with use_bidirectional_attention is not supported")
+
+
+def _gemma3_layer_types(hf_config: dict[str, Any], architecture: str) -> tuple[str, ...]:
+    """Each layer's attention kind: config.json's `layer_types`, else every
+    `sliding_window_pattern`-th layer full and the others sliding (transformers' rule;
+    pattern 6 when unset)."""
+    num_layers = int(hf_config.get("num_hidden_layers") or 0)
+    layer_types = hf_config.get("layer_types")
+    if layer_types is not None:
+        return tuple(str(kind) for kind in layer_types)
+    pattern = hf_config.get("sliding_window_pattern") or hf_config.get("_sliding_window_pattern")
+    pattern = int(pattern or 6)
+    return tuple(FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers))
+
+
+def _parse_gemma3_rope(
+    hf_config: dict[str, Any], max_position_embeddings: int
+) -> tuple[float, RopeScaling | None, float]:
+    """Gemma 3's RoPE as (rope_theta, rope_scaling, local_rope_theta): the full-attention
+    layers' base and scaling, and the sliding layers' base (they rotate unscaled), from either
+    spelling: `rope_parameters` per layer kind (transformers 5), or `rope_theta`,
+    `rope_scaling` and `rope_local_base_freq` (transformers 4; the scaling is the full
+    layers')."""
+    params = hf_config.get("rope_parameters")
+    if isinstance(params, dict) and (FULL in params or SLIDING in params):
+        full = dict(params.get(FULL) or {})
+        local = dict(params.get(SLIDING) or {})
+    else:
+        full = dict(hf_config.get("rope_scaling") or {})
+        full.setdefault("rope_theta", hf_config.get("rope_theta", 1_000_000.0))
+        local = {"rope_theta": hf_config.get("rope_local_base_freq", 10_000.0)}
+    for kind, values in ((FULL, full), (SLIDING, local)):
+        rope_type = values.get("rope_type", values.get("type", "default"))
+        allowed = _GEMMA3_ROPE_TYPES if kind == FULL else ("default",)
+        if rope_type not in allowed:
+            raise ValueError(
+                f"Gemma3ForCausalLM: rope type {rope_type!r} on {kind} layers is not "
+                f"supported (only {', '.join(allowed)})"
+            )
+    theta = float(full.get("rope_theta", 1_000_000.0))
+    local_theta = float(local.get("rope_theta", 10_000.0))
+    return theta, parse_rope_scaling(full, max_position_embeddings), local_theta

@@ -4,7 +4,9 @@ Once the weights are quantized, a CPU decode step is bound by per-operation over
 arithmetic. `DecodePlanCPU` does a step's index work once (RoPE angles, K/V slots, each
 sequence's keys as a view of the cache or a slot list, from a `DecodeMetadata`) and every layer
 reuses it: RoPE for q and k in one pass, K/V written with `index_copy_`, attention one SDPA call
-per query row over exactly its keys (so rows do not depend on the step's shape). The CPU
+per query row over exactly its keys (its window's, in a sliding-window layer: so rows do not
+depend on the step's shape). Layers of another RoPE table or window (Gemma 3's sliding and
+full layers) share the step's index work through `for_layers`. The CPU
 counterpart of `fused_triton.py`'s RoPE and attention kernels, with the same twins
 (`fused.rope_write_kv_ref`, `fused.paged_decode_attention_ref`; tests compare them). Never
 allocates cache blocks or draws randomness.
@@ -12,6 +14,7 @@ allocates cache blocks or draws randomness.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +29,8 @@ class DecodePlanCPU:
     """A decode/verify step's index work, shared by every layer.
 
     Attention is planned row by row: each live query row attends over exactly its own keys
-    (positions 0 .. its position) with no mask, the very call a plain decode step makes for
+    (positions 0 .. its position p, or p - sliding_window + 1 .. p in a layer with a window)
+    with no mask, the very call a plain decode step makes for
     the same token, so a verify row equals the decode row and a request's rows do not depend
     on the rest of the batch (greedy speculative decoding emits what greedy plain decoding
     emits, within a quantized format whose kernels round to bfloat16).
@@ -42,6 +46,8 @@ class DecodePlanCPU:
             the first cache slot of its consecutive context (an int: keys are a view) or the
             [context] int64 slots to gather).
         all_live: every row is a live query row (no padding rows to zero).
+        sliding_window: a query at position p sees the keys at positions > p - sliding_window
+            (None: all up to p).
     """
 
     cos: torch.Tensor
@@ -51,6 +57,7 @@ class DecodePlanCPU:
     write_rows: torch.Tensor | None
     sequences: list[tuple[int, list[int], int | torch.Tensor]]
     all_live: bool
+    sliding_window: int | None = None
 
     @classmethod
     def build(
@@ -151,19 +158,48 @@ class DecodePlanCPU:
                 keys = torch.from_numpy(cache_slots(blocks, np.arange(length), block_size))
             counts = list(range(length - count + 1, length + 1))  # row j sees its prefix
             sequences.append((first_row, counts, keys))
-        freqs = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)  # [T, D / 2]
-        cos, sin = freqs.cos(), freqs.sin()
-        half = freqs.shape[1]
+        cos, sin = _rope_tables(positions, inv_freq)
+        half = cos.shape[-1] // 2
         half_swap = torch.cat((torch.arange(half, 2 * half), torch.arange(half)))
         return cls(
-            cos=torch.cat((cos, cos), dim=-1)[:, None],  # [T, 1, D]
-            sin=torch.cat((-sin, sin), dim=-1)[:, None],
+            cos=cos,
+            sin=sin,
             half_swap=half_swap,
             slots=slots,
             write_rows=write_rows,
             sequences=sequences,
             all_live=all_live,
         )
+
+    def for_layers(
+        self,
+        positions: torch.Tensor,
+        inv_freq: torch.Tensor | None,
+        sliding_window: int | None,
+    ) -> DecodePlanCPU:
+        """The plan of the same step for layers that rotate with `inv_freq` (None: this
+        plan's table) and attend within `sliding_window` (None: no window): the index work
+        is shared, only the RoPE tables are made anew.
+
+        Args:
+            positions: [T] int64 position of each query row (as given to `build`).
+            inv_freq: [D / 2] or [T, D / 2] float32 inverse frequencies, or None.
+            sliding_window: the layers' window, or None.
+        """
+        if inv_freq is None:
+            return dataclasses.replace(self, sliding_window=sliding_window)
+        cos, sin = _rope_tables(positions, inv_freq)
+        return dataclasses.replace(self, cos=cos, sin=sin, sliding_window=sliding_window)
+
+
+def _rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([T, 1, D] cosines, [T, 1, D] sines with the first half negated) of the rows at
+    `positions` ([T] int64) for `inv_freq` ([D / 2] or [T, D / 2]), in float32."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)  # [T, D / 2]
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat((cos, cos), dim=-1)[:, None], torch.cat((-sin, sin), dim=-1)[:, None]
 
 
 def rope_write_kv_cpu(
@@ -213,7 +249,8 @@ def decode_attention_cpu(
     plan: DecodePlanCPU,
     scale: float,
 ) -> torch.Tensor:
-    """`fused.paged_decode_attention_ref`, one SDPA call per live query row over its own keys.
+    """`fused.paged_decode_attention_ref`, one SDPA call per live query row over its own keys
+    (those inside `plan.sliding_window` of it when the plan has a window).
 
     Args:
         query: [B * Q, H_q, D] rotated queries in the plan's uniform layout.
@@ -229,22 +266,28 @@ def decode_attention_cpu(
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
     rows = query.transpose(0, 1)[None]  # [1, H_q, B * Q, D]
+    window = plan.sliding_window
     outputs: list[tuple[int, torch.Tensor]] = []
     for first_row, counts, keys_at in plan.sequences:
+        # Row j (at position counts[j] - 1) sees the keys at max(counts[j] - window, 0) ..
+        # counts[j] - 1; only keys some row sees are read (from `first` on).
+        first = 0 if window is None else max(counts[0] - window, 0)
         if isinstance(keys_at, int):  # consecutive slots: views of the cache
-            keys = flat_k[keys_at : keys_at + counts[-1]]
-            values = flat_v[keys_at : keys_at + counts[-1]]
+            keys = flat_k[keys_at + first : keys_at + counts[-1]]
+            values = flat_v[keys_at + first : keys_at + counts[-1]]
         else:
-            keys, values = flat_k.index_select(0, keys_at), flat_v.index_select(0, keys_at)
+            seen = keys_at[first:]
+            keys, values = flat_k.index_select(0, seen), flat_v.index_select(0, seen)
         if keys.dtype != query.dtype:
             keys, values = keys.to(query.dtype), values.to(query.dtype)
         keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, H_kv, S, D]
         for j, count in enumerate(counts):
             row = first_row + j
+            start = 0 if window is None else max(count - window, 0)
             out = F.scaled_dot_product_attention(
                 rows[:, :, row : row + 1],
-                keys[:, :, :count],
-                values[:, :, :count],
+                keys[:, :, start - first : count - first],
+                values[:, :, start - first : count - first],
                 scale=scale,
                 enable_gqa=num_heads != num_kv_heads,
             )  # [1, H_q, 1, D]

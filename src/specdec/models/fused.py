@@ -98,6 +98,13 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2F] (gate | up) -> [T, F] gelu_tanh(gate) * up (GeGLU, Gemma's MLP), each rounded to
+    the input dtype as eager PyTorch does. No Triton kernel yet: this runs on every device."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def paged_decode_attention_ref(
     query: torch.Tensor,
     k_cache: torch.Tensor,

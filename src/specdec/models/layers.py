@@ -150,18 +150,29 @@ def fused_quantized(
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 as `transformers` does: cast back before the weight (Llama),
-    or with `weight_in_float32` after it (OLMo 2)."""
+    or with `weight_in_float32` after it (OLMo 2); with `unit_offset` the scale is (1 + weight),
+    in float32 before the cast (Gemma's zero-centred weights)."""
 
-    def __init__(self, dim: int, eps: float, weight_in_float32: bool = False) -> None:
+    def __init__(
+        self, dim: int, eps: float, weight_in_float32: bool = False, unit_offset: bool = False
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))  # [dim]
         self.eps = eps
         self.weight_in_float32 = weight_in_float32
+        self.unit_offset = unit_offset
+
+    @property
+    def is_llama(self) -> bool:
+        """Whether these are Llama's numerics (those of the fused add + norm kernel)."""
+        return not (self.weight_in_float32 or self.unit_offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x * (1.0 + self.weight.float())).to(input_dtype)
         if self.weight_in_float32:
             return (self.weight * x).to(input_dtype)
         return self.weight * x.to(input_dtype)

@@ -1,6 +1,8 @@
-"""The Llama-family forward pass (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2, Phi-3, OLMo 2),
-written once; the families differ by the options of their `ModelConfig` (OLMo 2's norms after
-each sublayer: `PostNormDecoderLayer`).
+"""The Llama-family forward pass (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2, Phi-3, OLMo 2,
+Gemma 3 text), written once; the families differ by the options of their `ModelConfig` (OLMo 2's
+norms after each sublayer: `PostNormDecoderLayer`; Gemma 3's before and after:
+`SandwichNormDecoderLayer`). Layers may differ in their attention window and RoPE table (Gemma
+3's sliding and full layers): the model hands each layer its kind's plan and table.
 
 Token-flattened ([T, ...]) and paged-KV throughout; numerics follow `transformers`, the reference.
 Parameters are created empty and only ever filled from checkpoint files (never initialised
@@ -29,6 +31,7 @@ from specdec.models.config import ModelConfig
 from specdec.models.decode_cpu import DecodePlanCPU, decode_attention_cpu, rope_write_kv_cpu
 from specdec.models.fused import (
     add_rms_norm,
+    gelu_tanh_mul_ref,
     paged_decode_attention,
     rope_write_kv,
     silu_mul,
@@ -43,7 +46,7 @@ from specdec.models.tensor_parallel import Collectives, ShardLayout
 def rms_norm(config: ModelConfig, dim: int | None = None) -> RMSNorm:
     """An RMSNorm over `dim` values (None: hidden_size) with the family's numerics."""
     dim = config.hidden_size if dim is None else dim
-    return RMSNorm(dim, config.rms_norm_eps, config.norm_weight_in_float32)
+    return RMSNorm(dim, config.rms_norm_eps, config.norm_weight_in_float32, config.norm_unit_offset)
 
 
 class LlamaAttention(nn.Module):
@@ -62,7 +65,8 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads if shard is None else shard.num_kv_heads
         self.tp: Collectives | None = None  # the o_proj all-reduce under tensor parallelism
         self.head_dim = config.head_dim
-        self.scale = attention_scale(config)  # 1 / sqrt(head_dim), times YaRN's m^2
+        # 1 / sqrt(head_dim) (Gemma 3: 1 / sqrt(query_pre_attn_scalar)), times YaRN's m^2
+        self.scale = attention_scale(config, config.query_pre_attn_scalar)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = Linear(config.hidden_size, q_size, config.attention_bias)
         self.k_proj = Linear(config.hidden_size, kv_size, config.attention_bias)
@@ -189,7 +193,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); GeGLU (Gemma): down(gelu_tanh(gate(x)) * up(x))."""
 
     def __init__(self, config: ModelConfig, shard: ShardLayout | None = None) -> None:
         super().__init__()
@@ -198,6 +202,7 @@ class LlamaMLP(nn.Module):
         self.up_proj = Linear(config.hidden_size, size, config.mlp_bias)
         self.down_proj = Linear(size, config.hidden_size, config.mlp_bias)
         self.tp: Collectives | None = None  # the down_proj all-reduce under tensor parallelism
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
         # One [2 F, hidden] gate/up projection (as `LlamaAttention.qkv_proj`).
         self.gate_up_proj: Linear | None = None
 
@@ -210,20 +215,24 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None and self.gate_up_proj.quantized is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self._reduce(self.down_proj(F.silu(gate) * up))
-        return self._reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        gated = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
+        return self._reduce(self.down_proj(gated))
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The row-parallel down_proj's partial products summed over the ranks."""
         return partial if self.tp is None else self.tp.all_reduce(partial)
 
     def forward_decode(self, x: torch.Tensor) -> torch.Tensor:
-        """`forward` through one gate/up GEMM and the fused silu * up kernel."""
+        """`forward` through one gate/up GEMM and the fused silu * up kernel (GeGLU: its
+        PyTorch twin, on every device)."""
         if self.gate_up_proj is not None:
             gate_up = self.gate_up_proj.decode(x)
         else:
             gate_up = torch.cat([self.gate_proj.decode(x), self.up_proj.decode(x)], dim=-1)
-        return self._reduce(self.down_proj.decode(silu_mul(gate_up)))
+        gated = gelu_tanh_mul_ref(gate_up) if self.gelu else silu_mul(gate_up)
+        return self._reduce(self.down_proj.decode(gated))
 
 
 def add_norm(
@@ -231,7 +240,7 @@ def add_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(out + residual), out + residual), [T, D] each (residual None: out alone), through
     the fused kernel when its numerics are the norm's (the weight applied after the cast)."""
-    if norm.weight_in_float32:
+    if not norm.is_llama:
         summed = out if residual is None else out + residual
         return norm(summed), summed
     return add_rms_norm(out, residual, norm.weight, norm.eps)
@@ -335,8 +344,73 @@ class PostNormDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp.forward_decode(hidden)), hidden
 
 
+class SandwichNormDecoderLayer(nn.Module):
+    """Gemma 3's block: x + norm(attn(norm(x))), then x + norm(mlp(norm(x))) (four norms:
+    `input_layernorm` and `post_attention_layernorm` around attention,
+    `pre_feedforward_layernorm` and `post_feedforward_layernorm` around the MLP)."""
+
+    def __init__(self, config: ModelConfig, shard: ShardLayout | None = None) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, shard)
+        self.mlp = LlamaMLP(config, shard)
+        self.input_layernorm = rms_norm(config)
+        self.post_attention_layernorm = rms_norm(config)
+        self.pre_feedforward_layernorm = rms_norm(config)
+        self.post_feedforward_layernorm = rms_norm(config)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        plan: AttentionPlan,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        attended = self.self_attn(self.input_layernorm(hidden), cos, sin, plan, k_cache, v_cache)
+        hidden = hidden + self.post_attention_layernorm(attended)
+        fed = self.mlp(self.pre_feedforward_layernorm(hidden))
+        return hidden + self.post_feedforward_layernorm(fed)
+
+    def forward_decode(
+        self,
+        out: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        inv_freq: torch.Tensor,
+        meta: DecodeMetadata | None,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: DecodePlanCPU | None,
+        flash: AttentionPlan | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`LlamaDecoderLayer.forward_decode` for this block: the same (out, residual) pair in
+        and out (the MLP's normed output and the stream before it).
+
+        Mutates: writes the live query tokens' K/V into `k_cache`/`v_cache`."""
+        hidden = out if residual is None else out + residual
+        attended = self.self_attn.forward_decode(
+            self.input_layernorm(hidden), positions, inv_freq, meta, k_cache, v_cache, plan, flash
+        )
+        hidden = hidden + self.post_attention_layernorm(attended)
+        out = self.mlp.forward_decode(self.pre_feedforward_layernorm(hidden))
+        return self.post_feedforward_layernorm(out), hidden
+
+
+_DECODER_LAYERS = {
+    "pre": LlamaDecoderLayer,
+    "post": PostNormDecoderLayer,
+    "sandwich": SandwichNormDecoderLayer,
+}
+
+
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm (parameter names match HF's `model.*`)."""
+    """Embedding, decoder layers and final norm (parameter names match HF's `model.*`).
+
+    Each layer has a kind, (window, rotates locally): its attention window (None: its whole
+    context) and whether it rotates with `local_rotary_emb` rather than `rotary_emb` (Gemma 3's
+    sliding layers); a step makes one attention plan per window and one RoPE table per kind.
+    """
 
     def __init__(self, config: ModelConfig, shard: ShardLayout | None = None) -> None:
         super().__init__()
@@ -344,12 +418,25 @@ class LlamaModel(nn.Module):
             self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         else:
             self.embed_tokens = Embedding(shard.vocab_size, config.hidden_size, shard.vocab[0])
-        layer = PostNormDecoderLayer if config.norm_placement == "post" else LlamaDecoderLayer
+        if shard is not None and shard.world_size > 1 and config.norm_placement == "sandwich":
+            raise ValueError(
+                f"{config.architecture}: tensor parallelism is not supported yet (its layers "
+                "are not checked against one rank's)"
+            )
+        layer = _DECODER_LAYERS[config.norm_placement]
         self.layers = nn.ModuleList(layer(config, shard) for _ in range(config.num_hidden_layers))
         self.norm = rms_norm(config)
         self.rotary_emb = RotaryEmbedding(config)
-        self.sliding_window = config.sliding_window
-        self.eager_only_reason = config.eager_only_reason
+        local = config.local_rope
+        self.local_rotary_emb = RotaryEmbedding(local) if local is not None else None
+        self.layer_kinds = tuple(
+            (config.layer_window(index), config.layer_rotates_locally(index))
+            for index in range(config.num_hidden_layers)
+        )
+        self.has_window = config.has_sliding_window
+        self.embed_scale = config.hidden_size**0.5 if config.scale_embeddings else None
+        self.eager_only_reason = config.eager_only_reason  # CUDA's
+        self.cpu_decode_reason = config.decode_path_reason("cpu")
 
     @property
     def is_quantized(self) -> bool:
@@ -394,22 +481,53 @@ class LlamaModel(nn.Module):
                 )
         wanted = set(return_layers)
         captured: dict[int, torch.Tensor] = {}
-        cos, sin = self.rotary_emb(positions)  # [T, D_head] each
-        hidden = self.embed_tokens(input_ids)  # [T, D]
-        plan = AttentionPlan.build(attn, kv_cache.block_size, hidden.device, self.sliding_window)
+        tables = {False: self.rotary_emb(positions)}  # (cos, sin), [T, D_head] each
+        if self.local_rotary_emb is not None:
+            tables[True] = self.local_rotary_emb(positions)
+        hidden = self.embed(input_ids)  # [T, D]
+        plans = {
+            window: AttentionPlan.build(attn, kv_cache.block_size, hidden.device, window)
+            for window, _ in set(self.layer_kinds)
+        }
         for index, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, plan, kv_cache.k_cache[index], kv_cache.v_cache[index])
+            window, local = self.layer_kinds[index]
+            cos, sin = tables[local]
+            k_cache, v_cache = kv_cache.k_cache[index], kv_cache.v_cache[index]
+            hidden = layer(hidden, cos, sin, plans[window], k_cache, v_cache)
             if index in wanted:
                 captured[index] = hidden
         return self.norm(hidden), [captured[index] for index in return_layers]
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] token ids -> [T, D] embeddings; with `scale_embeddings` times sqrt(D) rounded to
+        their dtype first, as `transformers` scales Gemma's (55.5, not 55.43, in bfloat16)."""
+        hidden = self.embed_tokens(input_ids)
+        if self.embed_scale is None:
+            return hidden
+        return hidden * torch.tensor(self.embed_scale).to(hidden.dtype).item()
+
     def _plans_rows(self, input_ids: torch.Tensor) -> bool:
         """Whether a step runs through a `DecodePlanCPU`: every model on the CPU that the plan
-        can run (no window, and not dynamic NTK, whose frequencies depend on the sequence
-        length; longrope's per-row tables it takes as one table: position x frequency), so
-        that every row takes the same operations whatever else the step holds (and a quantized
-        model's step, bound by per-operation overhead, does its index work once)."""
-        return not input_ids.is_cuda and self.eager_only_reason is None
+        can run (not dynamic NTK, whose frequencies depend on the sequence length; longrope's
+        per-row tables it takes as one table: position x frequency; windows it applies per
+        layer), so that every row takes the same operations whatever else the step holds (and
+        a quantized model's step, bound by per-operation overhead, does its index work once)."""
+        return not input_ids.is_cuda and self.cpu_decode_reason is None
+
+    def _layer_plans(
+        self,
+        plan: DecodePlanCPU,
+        positions: torch.Tensor,
+        local_inv_freq: torch.Tensor | None,
+    ) -> dict[tuple[int | None, bool], DecodePlanCPU]:
+        """The step's CPU plan (made with `rotary_emb`'s table, no window) for each kind of
+        layer: its window, and `local_inv_freq`'s table for the layers that rotate locally."""
+        return {
+            kind: plan
+            if kind == (None, False)
+            else plan.for_layers(positions, local_inv_freq if kind[1] else None, kind[0])
+            for kind in set(self.layer_kinds)
+        }
 
     def _forward_decode(
         self,
@@ -427,6 +545,10 @@ class LlamaModel(nn.Module):
         (no `meta`), attending through the prefill kernel."""
         wanted = set(return_layers)
         captured: dict[int, torch.Tensor] = {}
+        reason = self.eager_only_reason if input_ids.is_cuda else self.cpu_decode_reason
+        if reason is not None:
+            device = "CUDA" if input_ids.is_cuda else "the CPU"
+            raise ValueError(f"the decode path on {device} has no {reason}; run eagerly")
         # [D / 2], or [T, D / 2] (longrope), which the CPU plan and the RoPE twin take alike
         # (position x frequency, broadcast); the CUDA kernel takes one table for every row.
         inv_freq = self.rotary_emb.inv_freq_at(positions)
@@ -435,22 +557,30 @@ class LlamaModel(nn.Module):
                 "longrope on CUDA's fused decode path is not supported yet (its RoPE kernel "
                 "takes one frequency table for every row); run on the CPU"
             )
+        local = self.local_rotary_emb
+        inv_freqs = {False: inv_freq, True: None if local is None else local.inv_freq_at(positions)}
         planned = meta is not None and meta.tree_mask is None  # tree steps: the twins instead
+        if meta is not None and meta.tree_mask is not None and self.has_window:
+            raise ValueError(
+                "a tree step on the decode path has no sliding-window attention; run it eagerly"
+            )
         if plan is None and planned and self._plans_rows(input_ids):
             # index work once for every layer
             plan = DecodePlanCPU.build(meta, positions, inv_freq, kv_cache.block_size)
-        out = self.embed_tokens(input_ids)  # [T, D]
+        plans = None if plan is None else self._layer_plans(plan, positions, inv_freqs[True])
+        out = self.embed(input_ids)  # [T, D]
         residual: torch.Tensor | None = None  # the residual stream is out + residual
         for index, layer in enumerate(self.layers):
+            kind = self.layer_kinds[index]
             out, residual = layer.forward_decode(
                 out,
                 residual,
                 positions,
-                inv_freq,
+                inv_freqs[kind[1]],
                 meta,
                 kv_cache.k_cache[index],
                 kv_cache.v_cache[index],
-                plan,
+                None if plans is None else plans[kind],
                 flash,
             )
             if index in wanted:

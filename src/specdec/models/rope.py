@@ -365,6 +365,18 @@ def dynamic_inv_freq(
     return 1.0 / (base[:, None] ** exponents)  # [T, D / 2]
 
 
+@dataclass(frozen=True, slots=True)
+class PlainRope:
+    """Unscaled RoPE of its own base, beside a model's main one (Gemma 3's sliding layers
+    rotate with `rope_local_base_freq`); a `RopeConfig`."""
+
+    head_dim: int
+    rope_theta: float
+    rotary_dim: int
+    rope_scaling: RopeScaling | None = None
+    rope_freq_factors: Sequence[float] | None = None
+
+
 class RopeConfig(Protocol):
     """What RoPE reads of a model's config (`ModelConfig`, or a drafter's layer config)."""
 
@@ -434,12 +446,14 @@ def partial_rotary_layout(head_dim: int, rotary_dim: int) -> torch.Tensor:
     )
 
 
-def attention_scale(config: RopeConfig) -> float:
-    """The softmax scale of every attention over RoPE'd queries and keys: 1 / sqrt(head_dim),
-    times m^2 for YaRN and longrope (their attention factor m applied to both queries and
-    keys; under partial rotary the loader divides the unrotated q dimensions by m^2)."""
+def attention_scale(config: RopeConfig, query_pre_attn_scalar: float | None = None) -> float:
+    """The softmax scale of every attention over RoPE'd queries and keys: 1 / sqrt(head_dim)
+    (1 / sqrt(query_pre_attn_scalar) when given: Gemma's), times m^2 for YaRN and longrope
+    (their attention factor m applied to both queries and keys; under partial rotary the
+    loader divides the unrotated q dimensions by m^2)."""
     factor = config.rope_scaling.attention_factor if config.rope_scaling is not None else 1.0
-    return config.head_dim**-0.5 * factor * factor
+    base = config.head_dim if query_pre_attn_scalar is None else query_pre_attn_scalar
+    return base**-0.5 * factor * factor
 
 
 class RotaryEmbedding(nn.Module):
