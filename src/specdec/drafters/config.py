@@ -26,6 +26,9 @@ SPECULATIVE_METHODS = (
 MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "dflash", "dspark", "medusa")
 # Methods whose `model` may be left out for the built-in target: the shipped head is used.
 SHIPPED_HEAD_METHODS = ("eagle", "mtp")
+# Methods whose drafter is an EAGLE head (one cache layer beside the target's; under tensor
+# parallelism it runs on the driver with the whole-vocabulary layers).
+EAGLE_HEAD_METHODS = ("eagle", "eagle3", "mtp")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 # The default verifier: its tokens are plain sampling's whatever the drafter proposes, so a
 # seeded request replays whatever K the adaptive policy picks (DESIGN.md, batch invariance).

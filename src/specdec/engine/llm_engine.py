@@ -19,7 +19,11 @@ import time
 import torch
 
 from specdec.drafters import Drafter, DrafterSetup
-from specdec.drafters.config import check_num_speculative_tokens, round_drafts
+from specdec.drafters.config import (
+    EAGLE_HEAD_METHODS,
+    check_num_speculative_tokens,
+    round_drafts,
+)
 from specdec.drafters.default import with_shipped_head
 from specdec.drafters.registry import build_drafter
 from specdec.engine.config import (
@@ -224,7 +228,7 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
             device_rounds=self.device_rounds,
         )
         target = self.model
-        if self.tensor_parallel is not None and spec.method in ("eagle", "mtp", "draft_model"):
+        if self.tensor_parallel is not None and spec.method in (*EAGLE_HEAD_METHODS, "draft_model"):
             # The drafter runs on the driver only: it shares the whole-vocabulary embedding
             # and LM head, loaded there once more (the driver's shard holds a slice).
             target = load_vocabulary_layers(

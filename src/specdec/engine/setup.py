@@ -10,6 +10,7 @@ import warnings
 import torch
 
 from specdec.drafters.block.network import BLOCK_DRAFTER_KINDS, read_block_drafter_config
+from specdec.drafters.config import EAGLE_HEAD_METHODS
 from specdec.engine.config import EngineConfig
 from specdec.models import LlamaForCausalLM
 from specdec.models.linear import check_cublas_rows
@@ -219,7 +220,7 @@ def draft_cache_layers(spec, model: LlamaForCausalLM) -> int:
     rounds' context pools); none for the other methods."""
     if spec is None:
         return 0
-    if spec.method in ("eagle", "mtp"):
+    if spec.method in EAGLE_HEAD_METHODS:
         return 1
     if spec.method in BLOCK_DRAFTER_KINDS and spec.model:
         return read_block_drafter_config(spec.model).num_hidden_layers

@@ -121,14 +121,7 @@ class EagleDrafter(Drafter):
         GPU, the same static buffers op by op elsewhere) for its draft steps.
 
         Raises:
-            ValueError: method "eagle3" beside a tensor-parallel target's shard (the engine
-                lends the whole-vocabulary layers to "eagle" / "mtp" only: use "eagle"), and
-                what `load_head` raises."""
-        if spec.method == "eagle3" and target.shard is not None:
-            raise ValueError(
-                'speculative_config method "eagle3" under tensor parallelism is not wired yet; '
-                'use "eagle" (it loads the same EAGLE-3 head)'
-            )
+            ValueError: what `load_head` raises."""
         head, draft_to_target = load_head(
             spec.model, target, dtype=target.dtype, device=target.device, method=spec.method
         )
