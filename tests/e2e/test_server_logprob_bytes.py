@@ -89,7 +89,7 @@ def test_a_split_character_comes_back_as_its_bytes():
     try:
         tokenizer = server.server.config.app.state.server.tokenizer
         first = tokenizer.encode(EMOJI, add_special_tokens=False)[0]
-        piece = list(tokenizer.token_bytes(first))
+        piece = list(tokenizer.bytes_of(first))
         assert piece == list(EMOJI.encode()[: len(piece)]) and 0 < len(piece) < 4
         body = {
             "messages": [{"role": "user", "content": EMOJI * 8}],

@@ -93,7 +93,7 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def token_bytes(self, token_id: int) -> bytes:
+    def bytes_of(self, token_id: int) -> bytes:
         """The bytes `token_id` stands for, which may be part of a UTF-8 character (decoding it
         alone would give U+FFFD); the bytes of a text's tokens, joined, are the text's UTF-8.
 

@@ -331,12 +331,12 @@ class OpenAIServer:
             return ""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def token_bytes(self, token_id: int) -> list[int]:
+    def logprob_bytes(self, token_id: int) -> list[int]:
         """OpenAI's logprob `bytes`: the token's own bytes, so that a client can join a character
         split over tokens (its text alone reads U+FFFD)."""
         if self.tokenizer is None:
             return []
-        return list(self.tokenizer.token_bytes(token_id))
+        return list(self.tokenizer.bytes_of(token_id))
 
     def completion_logprobs(
         self,
@@ -377,12 +377,12 @@ class OpenAIServer:
                 {
                     "token": self.token_text(token),
                     "logprob": entry[token].logprob,
-                    "bytes": self.token_bytes(token),
+                    "bytes": self.logprob_bytes(token),
                     "top_logprobs": [
                         {
                             "token": self.token_text(t),
                             "logprob": value.logprob,
-                            "bytes": self.token_bytes(t),
+                            "bytes": self.logprob_bytes(t),
                         }
                         for t, value in _top(entry, num_top)
                     ],

@@ -1,4 +1,4 @@
-"""`Tokenizer.token_bytes`: the bytes a token stands for (OpenAI's logprob `bytes`), on the
+"""`Tokenizer.bytes_of`: the bytes a token stands for (OpenAI's logprob `bytes`), on the
 built-in byte-level BPE vocabulary, a SentencePiece byte-fallback vocabulary and a character one.
 
 The negative control is the old answer, the UTF-8 of each token decoded alone: it loses a
@@ -44,9 +44,9 @@ def test_byte_level_tokens_join_into_the_texts_utf8(builtin_tokenizer):
     ids = tok.encode(TEXT, add_special_tokens=False)
     split = [t for t in ids if tok.decode([t]) == "\ufffd"]
     assert split, "the text must split a character over tokens, or this test checks nothing"
-    assert b"".join(tok.token_bytes(t) for t in ids) == TEXT.encode()
+    assert b"".join(tok.bytes_of(t) for t in ids) == TEXT.encode()
     for token_id in split:
-        piece = tok.token_bytes(token_id)
+        piece = tok.bytes_of(token_id)
         assert piece and piece != REPLACEMENT
         with pytest.raises(UnicodeDecodeError):
             piece.decode()  # part of a character, not a whole one
@@ -64,10 +64,10 @@ def test_decoding_each_token_alone_loses_split_characters(builtin_tokenizer):
 @needs_default_model
 def test_special_tokens_are_their_texts_utf8(builtin_tokenizer):
     tok = builtin_tokenizer
-    assert tok.token_bytes(tok.eos_token_id) == tok.eos_token.encode()
+    assert tok.bytes_of(tok.eos_token_id) == tok.eos_token.encode()
     (im_start,) = tok.encode("<|im_start|>", add_special_tokens=False)
-    assert tok.token_bytes(im_start) == b"<|im_start|>"
-    assert tok.token_bytes(tok.vocab_size + 5) == b""  # a padded vocabulary's id
+    assert tok.bytes_of(im_start) == b"<|im_start|>"
+    assert tok.bytes_of(tok.vocab_size + 5) == b""  # a padded vocabulary's id
 
 
 def sentencepiece_tokenizer() -> Tokenizer:
@@ -101,7 +101,7 @@ def test_sentencepiece_byte_tokens_are_their_byte_and_the_word_mark_a_space():
     tok = sentencepiece_tokenizer()
     ids = tok.encode("hello 世", add_special_tokens=False)
     assert tok.decode(ids) == "hello 世"  # the vocabulary does split 世 into byte tokens
-    assert [tok.token_bytes(t) for t in ids] == [b" hello", b" ", b"\xe4", b"\xb8", b"\x96"]
+    assert [tok.bytes_of(t) for t in ids] == [b" hello", b" ", b"\xe4", b"\xb8", b"\x96"]
     # The old answer: the word mark stripped, each byte token a U+FFFD.
     assert decoded_bytes(tok, ids[0]) == b"hello"
     assert decoded_bytes(tok, ids[2]) == REPLACEMENT
@@ -112,4 +112,4 @@ def test_other_vocabularies_give_the_decoded_text():
     backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     backend.decoder = decoders.Fuse()
     tok = Tokenizer(backend)
-    assert [tok.token_bytes(t) for t in (1, 2)] == [b"a", "é".encode()]
+    assert [tok.bytes_of(t) for t in (1, 2)] == [b"a", "é".encode()]
