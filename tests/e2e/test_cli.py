@@ -129,4 +129,4 @@ def test_generate_with_a_json_schema_and_a_regex(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().isdigit() and len(done.stdout.strip()) == 3
     bad = run_cli("generate", "hi", "--regex", "[a-", "--no-spec")
-    assert bad.returncode == 2 and "invalid structured_outputs.regex" in bad.stderr
+    assert bad.returncode == 2 and "invalid --regex '[a-'" in bad.stderr

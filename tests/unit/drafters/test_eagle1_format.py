@@ -1,6 +1,6 @@
 """EAGLE-1/2 checkpoints (SafeAILab's format, vLLM's "eagle") load into the EAGLE head, wired as
 EAGLE's cnets1.py / ea_model.py define it: the draft logits equal those of a reference forward
-written here from the published equations (to 1e-5 of their scale in float32), and references
+written here from the published equations (to 5e-5 of their scale in float32), and references
 with the wiring changed (concat order, pre-norm feature, layer 0's input norm, no fc bias, the
 wrong table) do not; speculation through `LLM` emits plain decoding's tokens; bad checkpoints
 are refused by name.
@@ -179,6 +179,11 @@ def propose(target_dir, head_dir, k=3, plain_path=False):
     return drafter, drafter.propose(batch)
 
 
+# float32 against float32 through other operation orders: 1.0e-5 was seen on a clean CI machine
+# for the third chained draft (logits ~30); the controls below differ by more than 1e-3.
+REFERENCE_RTOL = 5e-5
+
+
 def relative_error(got, want):
     """[K] max |got - want| of each draft's logits over their largest |want| (the random head's
     unnormed outputs grow along a chain, to logits of ~30: float32 rounding is relative)."""
@@ -189,7 +194,7 @@ def assert_matches_reference(proposal, weights, target_hf, **variant):
     for b, (tokens, anchor) in enumerate(zip(TOKENS, ANCHORS, strict=True)):
         drafts = proposal.draft_token_ids[b].tolist()
         want = reference_draft_logits(weights, target_hf, tokens, anchor, drafts, **variant)
-        assert relative_error(proposal.draft_logits[b], want).max() < 1e-5
+        assert relative_error(proposal.draft_logits[b], want).max() < REFERENCE_RTOL
 
 
 @pytest.mark.parametrize("plain_path", [False, True])
