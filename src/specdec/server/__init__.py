@@ -8,7 +8,6 @@ imported on first use of `build_app`, so the CLI's other commands run where it i
 
 from specdec.server.async_engine import AsyncEngine
 from specdec.server.config import ServerConfig
-from specdec.server.engine_client import EngineClient
 
 
 def __getattr__(name: str):
@@ -16,6 +15,10 @@ def __getattr__(name: str):
         from specdec.server.app import build_app
 
         return build_app
+    if name == "EngineClient":  # pyzmq and msgspec are imported with it, when serving
+        from specdec.server.engine_client import EngineClient
+
+        return EngineClient
     raise AttributeError(f"module 'specdec.server' has no attribute {name!r}")
 
 
