@@ -311,7 +311,15 @@ class AttentionPlan:
         block_size: int,
         device: torch.device,
         sliding_window: int | None = None,
+        positions: torch.Tensor | None = None,
     ) -> AttentionPlan:
+        """The plan of one step. `sliding_window`: a query at position p sees the keys at
+        positions > p - sliding_window; under a tree mask p is the token's own position
+        (`positions`, [T] int64: a node sits at its depth, not at its index in the step), and
+        every window must hold the tree's region (no ancestor falls out of it).
+
+        Raises: ValueError: a tree step under a window without `positions`, or whose region
+            is wider than the window."""
         num_tokens = attn.slot_mapping.shape[0]
         num_seqs = attn.num_seqs
         max_q, max_ctx = attn.max_seqlen_q, attn.max_context_len
@@ -355,6 +363,16 @@ class AttentionPlan:
             tree_mask = attn.tree_mask.to(device)
             mask = _tree_visible(mask, tree_mask, context_lens - tree_mask.shape[2])
         if sliding_window is not None:
+            if attn.tree_mask is not None:
+                region = attn.tree_mask.shape[2]
+                if positions is None or region > sliding_window:
+                    raise ValueError(
+                        f"a tree step under a sliding window of {sliding_window} needs its "
+                        f"tokens' positions and a region of at most that many keys (got "
+                        f"{region})"
+                    )
+                query_pos = query_pos.clone()
+                query_pos[seq_of_token, index_in_seq] = positions.to(device, torch.int64)
             mask &= key_pos > query_pos[:, :, None] - sliding_window
         # Rows that see no key (padding of an empty sequence) would give NaN; let them see key 0.
         mask[:, :, 0] |= ~mask.any(dim=-1)

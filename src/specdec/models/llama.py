@@ -486,7 +486,9 @@ class LlamaModel(nn.Module):
             tables[True] = self.local_rotary_emb(positions)
         hidden = self.embed(input_ids)  # [T, D]
         plans = {
-            window: AttentionPlan.build(attn, kv_cache.block_size, hidden.device, window)
+            window: AttentionPlan.build(
+                attn, kv_cache.block_size, hidden.device, window, positions=positions
+            )
             for window, _ in set(self.layer_kinds)
         }
         for index, layer in enumerate(self.layers):

@@ -5,8 +5,8 @@ Each checkpoint is a `Gemma3ForCausalLM` written by `save_pretrained` and read b
 base; "gemma3_linear" adds linear RoPE scaling on the full layers). float32 logits agree
 within 1e-4 with `transformers`: whole prompts longer than the window (the CPU's row plan and
 the eager masked path), paged steps, and decode/verify steps on the decode path far past the
-window; greedy generation through `LLM` equals `generate`, and n-gram speculation equals plain
-greedy. Negative controls drop one Gemma rule at a time (the embedding scale, the 1 + w of the
+window; greedy generation through `LLM` equals `generate`, and n-gram speculation and draft trees
+(verified under the window) equal plain greedy. Negative controls drop one Gemma rule at a time (the embedding scale, the 1 + w of the
 norms, the sliding layers' RoPE base, query_pre_attn_scalar) and must move the logits by far
 more than the tolerance. Refusals are one-line errors that name what is refused.
 """
@@ -216,6 +216,33 @@ def test_ngram_speculation_equals_plain_greedy(plain: Any) -> None:
     for a, b in zip(plain_out, speculative, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert sum(out.spec_decode_stats["num_draft_tokens"] for out in speculative) > 0
+
+
+@pytest.mark.parametrize("draft", ["other", "itself"])
+def test_greedy_draft_tree_equals_greedy_plain(
+    plain: Any, draft: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Draft trees (a draft model: another random Gemma 3, or the target itself) verified under
+    the window, every sequence past it: greedy tree speculation emits plain greedy's tokens
+    (tree nodes take their window from their depth: `AttentionPlan.build`)."""
+    _, _, path = plain
+    draft_path = path
+    if draft == "other":
+        other = make_gemma3_hf_model("gemma3", seed=5)
+        draft_path = save_hf_model(other, tmp_path_factory.mktemp("other"))
+    common = {"max_model_len": 96, "block_size": 4, "max_num_batched_tokens": 64}
+    prompts = prompt_tokens(97, [5, 9, 14], seed=3)
+    spec = {
+        "method": "draft_model",
+        "model": str(draft_path),
+        "draft_sample_method": "greedy",
+        "tree": {"nodes": 4, "depth": 2, "topk": 2},  # a region of 5 keys, inside the window
+    }
+    plain_out = llm_greedy(LLM(str(path), **common), prompts)
+    llm = LLM(str(path), speculative_config=spec, **common)
+    for a, b in zip(plain_out, llm_greedy(llm, prompts), strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert llm.get_metrics()["num_accepted_tokens"] > 0
 
 
 # --------------------------------------------------------------------------- negative controls

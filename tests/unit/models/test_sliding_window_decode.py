@@ -4,13 +4,16 @@ the keys at positions > p - window, per layer.
 The plan's attention against the eager path's masked attention (`paged_attention` with
 `sliding_window`) over scattered and consecutive blocks; a tiny Mistral with a window of 7
 against `transformers` through prefill and decode/verify steps far past the window, on the
-decode path (`DecodeMetadata`) and the eager path alike. Negative control: the same parity test
-with the window dropped from the plan fails past the window. CUDA's decode kernels have no window:
-there the model is still refused by name.
+decode path (`DecodeMetadata`) and the eager path alike; a tree verify step under the window
+(nodes at their depth, not their index) against the chain steps of each node's path. Negative
+controls: the same parity tests with the window dropped from the plan, or taken at the tree
+nodes' indices, fail. CUDA's decode kernels have no window: there the model is still refused by
+name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -26,7 +29,14 @@ from models_fixtures import (
     save_hf_model,
     seeded_model,
 )
-from specdec.models import AttentionMetadata, ModelConfig, load_model, paged_attention
+from specdec.models import (
+    AttentionMetadata,
+    AttentionPlan,
+    LlamaForCausalLM,
+    ModelConfig,
+    load_model,
+    paged_attention,
+)
 from specdec.models.attention import DecodeMetadata
 from specdec.models.decode_cpu import DecodePlanCPU, decode_attention_cpu
 from specdec.runner.model_runner import PagedModelRunner
@@ -171,3 +181,69 @@ def test_cuda_decode_path_still_refuses_a_window() -> None:
     cache = model.allocate_kv_cache(2, 4)
     with pytest.raises(ValueError, match="tree step on the decode path has no sliding-window"):
         model.model(torch.tensor([3, 4]), torch.tensor([4, 5]), meta, cache)
+
+
+PREFIX = prompt_tokens(97, [20], seed=1)[0]  # far past the window of 7
+# A verify step's region: the input token (depth 0), two children of it (depth 1), a child of
+# the second one (depth 2); rows are the nodes' visible region keys (ancestors and itself).
+TREE_TOKENS, TREE_DEPTHS = [5, 9, 11, 30], [0, 1, 1, 2]
+TREE_MASK = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]]).bool()
+TREE_PATHS = [[0], [0, 1], [0, 2], [0, 2, 3]]  # each node's path from the root
+
+
+def after_prefix(model: LlamaForCausalLM, tokens: list[int], positions: list[int], tree: Any):
+    """[len(tokens), V] logits of one step after PREFIX (prefilled in its own step)."""
+    cache = model.allocate_kv_cache(16, 4)
+    n, table = len(PREFIX), [list(range(16))]
+    with torch.inference_mode():
+        model(
+            torch.tensor(PREFIX),
+            torch.arange(n),
+            AttentionMetadata.build([n], [n], table, 4),
+            cache,
+        )
+        attn = AttentionMetadata.build([len(tokens)], [n + len(tokens)], table, 4)
+        if tree is not None:
+            attn = dataclasses.replace(attn, tree_mask=tree)
+        return model.compute_logits(
+            model(torch.tensor(tokens), torch.tensor(positions), attn, cache)
+        )
+
+
+def tree_errors(model: LlamaForCausalLM) -> list[float]:
+    """Per node, |tree step's logits - the chain step's of its path| (max over the vocabulary)."""
+    positions = [len(PREFIX) + depth for depth in TREE_DEPTHS]
+    tree = after_prefix(model, TREE_TOKENS, positions, TREE_MASK)
+    errors = []
+    for node, path in enumerate(TREE_PATHS):
+        tokens = [TREE_TOKENS[i] for i in path]
+        chain = after_prefix(model, tokens, list(range(len(PREFIX), len(PREFIX) + len(path))), None)
+        errors.append((tree[node] - chain[-1]).abs().max().item())
+    return errors
+
+
+def test_tree_verify_under_the_window_equals_each_path(monkeypatch: Any) -> None:
+    """A tree verify step (the eager path's masked SDPA) gives each node the logits of the
+    chain step of its own path: its window is counted from its depth. Negative control: the
+    window taken at the nodes' indices in the step (what a causal step would assume) moves the
+    nodes whose index exceeds their depth. A region wider than the window is refused."""
+    model = seeded_model("mistral_window", "cpu")
+    assert max(tree_errors(model)) <= 1e-5
+    build = AttentionPlan.build.__func__  # type: ignore[attr-defined]
+
+    def at_indices(
+        cls: Any, attn: Any, block_size: int, device: Any, window: Any = None, positions: Any = None
+    ) -> Any:
+        indices = torch.arange(len(PREFIX), len(PREFIX) + len(TREE_TOKENS))
+        return build(cls, attn, block_size, device, window, positions=indices)
+
+    monkeypatch.setattr(AttentionPlan, "build", classmethod(at_indices))
+    errors = tree_errors(model)
+    assert max(errors[:2]) <= 1e-5 and min(errors[2:]) > 100 * ATOL  # index == depth only for 0, 1
+    monkeypatch.undo()
+    wide = torch.ones(1, 4, 8, dtype=torch.bool)
+    attn = dataclasses.replace(
+        AttentionMetadata.build([4], [24], [list(range(8))], 4), tree_mask=wide
+    )
+    with pytest.raises(ValueError, match="region of at most that many keys"):
+        AttentionPlan.build(attn, 4, torch.device("cpu"), 7, positions=torch.arange(20, 24))
