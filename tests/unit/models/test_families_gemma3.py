@@ -5,10 +5,10 @@ Each checkpoint is a `Gemma3ForCausalLM` written by `save_pretrained` and read b
 base; "gemma3_linear" adds linear RoPE scaling on the full layers). float32 logits agree
 within 1e-4 with `transformers`: whole prompts longer than the window (the CPU's row plan and
 the eager masked path), paged steps, and decode/verify steps on the decode path far past the
-window; greedy generation through `LLM` equals `generate`, and n-gram speculation and draft trees
-(verified under the window) equal plain greedy. Negative controls drop one Gemma rule at a time (the embedding scale, the 1 + w of the
-norms, the sliding layers' RoPE base, query_pre_attn_scalar) and must move the logits by far
-more than the tolerance. Refusals are one-line errors that name what is refused.
+window; greedy generation through `LLM` equals `generate`, and n-gram speculation and draft
+trees (verified under the window) equal plain greedy. Negative controls drop one Gemma rule at a
+time (the embedding scale, the 1 + w of the norms, the sliding layers' RoPE base,
+query_pre_attn_scalar) and must move the logits by far more than the tolerance. Refusals are one-line errors that name what is refused.
 """
 
 from __future__ import annotations
