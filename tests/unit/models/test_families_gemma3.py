@@ -8,7 +8,8 @@ the eager masked path), paged steps, and decode/verify steps on the decode path 
 window; greedy generation through `LLM` equals `generate`, and n-gram speculation and draft
 trees (verified under the window) equal plain greedy. Negative controls drop one Gemma rule at a
 time (the embedding scale, the 1 + w of the norms, the sliding layers' RoPE base,
-query_pre_attn_scalar) and must move the logits by far more than the tolerance. Refusals are one-line errors that name what is refused.
+query_pre_attn_scalar) and must move the logits by far more than the tolerance. Refusals are
+one-line errors that name what is refused.
 """
 
 from __future__ import annotations
