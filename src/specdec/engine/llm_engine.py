@@ -134,7 +134,7 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
         self.device_rounds = bool(
             self.async_scheduling
             and speculative_config is not None
-            and model.config.eager_only_reason is None
+            and model.config.decode_path_reason(self.device.type) is None
         )
         runner_args = dict(
             num_blocks=num_blocks,

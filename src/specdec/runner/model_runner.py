@@ -93,14 +93,13 @@ class PagedModelRunner:
             # On the CPU only for quantized models: there per-operation overhead bounds the
             # step and the decode path plans it once; float models keep the eager path (whose
             # forward plans every row the same way: `LlamaModel._plans_rows`).
-            decode_path = model.config.eager_only_reason is None and (
+            decode_path = model.config.decode_path_reason(self.device.type) is None and (
                 self.device.type == "cuda" or model.quantization is not None
             )
         if decode_path:
-            if model.config.eager_only_reason is not None:
-                raise ValueError(
-                    f"the decode path has no {model.config.eager_only_reason}; run eagerly"
-                )
+            reason = model.config.decode_path_reason(self.device.type)
+            if reason is not None:
+                raise ValueError(f"the decode path has no {reason}; run eagerly")
             # Before the cache: fused weights allocated after it would take the free tail of
             # the cache's CUDA segment, and, living as long as the model, keep the whole
             # segment reserved after this runner is gone (the next engine's cache could not
