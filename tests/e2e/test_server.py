@@ -822,3 +822,33 @@ def test_a_request_without_usable_logits_ends_in_error_alone(model_dir):
             assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
         finally:
             server.stop()
+
+
+def test_the_openai_client_reads_logprob_bytes_and_the_named_errors(client):
+    """Through the official client: each chat logprob's `bytes` is its token's own bytes (the
+    tiny tokenizer's tokens are ASCII characters); an image part and an unknown model are errors
+    that say what to send."""
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "abc"}],
+        max_tokens=6,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    entries = reply.choices[0].logprobs.content
+    assert entries
+    for entry in entries:
+        assert entry.bytes == list(entry.token.encode())
+        assert all(top.bytes == list(top.token.encode()) for top in entry.top_logprobs)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(openai.BadRequestError, match="this model takes text only"):
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}],
+            max_tokens=2,
+        )
+    with pytest.raises(openai.NotFoundError, match="'gpt-4' is not served here; use 'tiny'"):
+        client.chat.completions.create(
+            model="gpt-4", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
