@@ -1,0 +1,181 @@
+"""Exporting an EAGLE head in the EAGLE-1/2 layout (`drafters/eagle/export.py`): what is written
+has the names vLLM's llama_eagle.py loads, loads back through our own import path with the same
+draft logits (float32, bit for bit), and drafts greedy tokens equal to plain greedy; heads of
+another layout (ours) are refused, naming each difference."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle_fixtures import trained_head
+from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
+from public_drafter_fixtures import EAGLE1_CONFIG, eagle1_tensors, write_checkpoint
+from specdec.drafters import DraftBatch, DrafterSetup, TargetFeatures
+from specdec.drafters.config import SpeculativeConfig
+from specdec.drafters.eagle.export import export_head
+from specdec.drafters.registry import build_drafter
+from specdec.engine.llm import LLM
+from specdec.models import AttentionMetadata, load_model
+from specdec.sampling import SamplingParams, SamplingTensors
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*has no tokenizer")
+
+VOCAB = 97
+TOKENS = prompt_tokens(VOCAB, [30, 30], seed=12)
+ANCHORS = [6, 25]
+
+# What vLLM's llama_eagle.py (EagleLlamaForCausalLM) reads, written out as data: its model's
+# parameters are `fc.weight` (nn.Linear without bias), `layers.{i}.*` of a Llama decoder layer
+# whose layer 0 has no input_layernorm, and `embedding_layernorm` / `hidden_states_layernorm`
+# under `add_para_norm`; `embed_tokens` is shared with the target. Its hf_config is a Llama
+# config, whose `architectures: ["LlamaForCausalLM"]` vLLM's EAGLE config handling maps to
+# EagleLlamaForCausalLM for method "eagle".
+VLLM_EAGLE1_TENSORS = {
+    "fc.weight",
+    "layers.0.self_attn.q_proj.weight",
+    "layers.0.self_attn.k_proj.weight",
+    "layers.0.self_attn.v_proj.weight",
+    "layers.0.self_attn.o_proj.weight",
+    "layers.0.post_attention_layernorm.weight",
+    "layers.0.mlp.gate_proj.weight",
+    "layers.0.mlp.up_proj.weight",
+    "layers.0.mlp.down_proj.weight",
+}
+VLLM_LLAMA_CONFIG_KEYS = {
+    "architectures",
+    "model_type",
+    "hidden_act",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_theta",
+    "vocab_size",
+    "attention_bias",
+    "mlp_bias",
+    "bias",
+}
+
+
+@pytest.fixture(scope="module")
+def target_hf():
+    return make_hf_model("llama")
+
+
+@pytest.fixture(scope="module")
+def target_dir(target_hf, tmp_path_factory):
+    return save_hf_model(target_hf, tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def eagle1_dir(tmp_path_factory):
+    """An EAGLE-1 head without fc.bias (the layout vLLM loads exactly)."""
+    weights = eagle1_tensors(bias=False)
+    return write_checkpoint(tmp_path_factory.mktemp("eagle1"), EAGLE1_CONFIG, weights)
+
+
+@pytest.fixture(scope="module")
+def exported_dir(target_dir, eagle1_dir, tmp_path_factory):
+    target = load_model(target_dir).model
+    return export_head(eagle1_dir, tmp_path_factory.mktemp("exported"), "eagle", target)
+
+
+def _spec(head_dir, **extra):
+    return {
+        "method": "eagle",
+        "model": str(head_dir),
+        "num_speculative_tokens": 3,
+        "adaptive": False,
+        **extra,
+    }
+
+
+def _draft_logits(target_dir, head_dir, k=3):
+    """[B, K, V] the drafter of `head_dir`'s logits for TOKENS at ANCHORS (temperature 1)."""
+    target = load_model(target_dir).model
+    spec = SpeculativeConfig(method="eagle", model=str(head_dir), num_speculative_tokens=k)
+    setup = DrafterSetup(num_blocks=64, block_size=4, max_num_seqs=4, max_model_len=64)
+    drafter = build_drafter(spec, target, setup)
+    rows = []
+    for tokens, anchor in zip(TOKENS, ANCHORS, strict=True):
+        fed = tokens[: anchor - 1]
+        kv = target.allocate_kv_cache(-(-len(fed) // 4), 4)
+        attn = AttentionMetadata.build([len(fed)], [len(fed)], [list(range(kv.num_blocks))], 4)
+        with torch.inference_mode():
+            _, layers = target.forward_with_layers(
+                torch.tensor(fed), torch.arange(len(fed)), attn, kv, drafter.feature_layers
+            )
+        rows.append(torch.cat(layers, dim=-1))
+    ids = [f"r{i}" for i in range(len(TOKENS))]
+    drafter.observe(TargetFeatures(ids, [0] * len(ids), rows))
+    batch = DraftBatch(
+        token_ids=[t[:a] for t, a in zip(TOKENS, ANCHORS, strict=True)],
+        seeds=torch.tensor([3, 4]),
+        anchors=torch.tensor(ANCHORS),
+        num_draft=torch.full((2,), k),
+        methods=["standard", "coupled"],
+        params=SamplingTensors.build(2, torch.device("cpu"), 1.0),
+        request_ids=ids,
+    )
+    proposal = drafter.propose(batch)
+    return proposal.draft_token_ids, proposal.draft_logits
+
+
+def test_the_export_has_the_names_vllm_loads(exported_dir):
+    config = json.loads((exported_dir / "config.json").read_text())
+    assert set(config) - {"torch_dtype", "tie_word_embeddings"} == VLLM_LLAMA_CONFIG_KEYS
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["num_hidden_layers"] == 1 and config["bias"] is False
+    tensors = load_file(str(exported_dir / "model.safetensors"))
+    assert set(tensors) == VLLM_EAGLE1_TENSORS
+    assert all(t.dtype == torch.float32 for t in tensors.values())
+
+
+def test_the_export_drafts_what_the_head_drafts(target_dir, eagle1_dir, exported_dir):
+    want_ids, want = _draft_logits(target_dir, eagle1_dir)
+    got_ids, got = _draft_logits(target_dir, exported_dir)
+    assert torch.equal(got_ids, want_ids)
+    assert torch.equal(got, want)
+
+
+def test_greedy_speculation_with_the_export_equals_greedy_plain(target_dir, exported_dir):
+    common = {"max_model_len": 64, "block_size": 4, "max_num_batched_tokens": 16}
+    prompts = prompt_tokens(VOCAB, [5, 9, 14], seed=3)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(str(target_dir), **common).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(target_dir), speculative_config=_spec(exported_dir), **common)
+    drafted = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in plain]
+    assert llm.get_metrics()["num_drafts"] > 0
+
+
+def test_a_head_of_our_layout_is_refused_naming_each_difference(target_dir, tmp_path):
+    head_dir = trained_head(target_dir, tmp_path / "ours", steps=1)
+    target = load_model(target_dir).model
+    with pytest.raises(ValueError) as error:
+        export_head(head_dir, tmp_path / "out", "eagle", target)
+    for name in ("feature_fc", "layer_input_norm", "output_norm"):
+        assert name in str(error.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_fc_bias_is_refused(target_dir, tmp_path):
+    """vLLM's fc has no bias and skips a stored one: exporting it would change vLLM's drafts."""
+    head_dir = write_checkpoint(tmp_path / "b", EAGLE1_CONFIG, eagle1_tensors(bias=True))
+    target = load_model(target_dir).model
+    with pytest.raises(ValueError, match=r"fc\.bias"):
+        export_head(head_dir, tmp_path / "out", "eagle", target)
+
+
+def test_other_formats_are_refused_by_name(target_dir, eagle1_dir, tmp_path):
+    target = load_model(target_dir).model
+    with pytest.raises(ValueError, match="eagle3"):
+        export_head(eagle1_dir, tmp_path / "out", "eagle3", target)
