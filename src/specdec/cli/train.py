@@ -1,4 +1,5 @@
-"""`specdec train-drafter`: distil a drafter from the target."""
+"""`specdec train-drafter`: distil a drafter from the target, or (`--export`) write an EAGLE
+head in a public format."""
 
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ RUN_FLAGS = (
 )
 
 
+HEAD_FORMATS = ("specdec", "eagle")  # `specdec.train.kinds.eagle.HEAD_FORMATS`
+
+
 def add_train_drafter(commands) -> None:
     from specdec.cli.flags import MODEL_HELP, add_threads_flag
     from specdec.train.kind import TrainOptions
@@ -49,7 +53,9 @@ def add_train_drafter(commands) -> None:
         "files), train with a progress bar, checkpoint every --checkpoint-every steps (resume "
         "with --resume), then measure held-out acceptance at K=--eval-k through the engine. "
         'DIR then holds config.json + model.safetensors: speculative_config={"method": KIND, '
-        '"model": DIR}.',
+        '"model": DIR}. With --export SRC, nothing is trained: the EAGLE head in SRC is written '
+        "to DIR in --format (eagle: the EAGLE-1/2 layout vLLM's method eagle loads), or refused "
+        "naming what that format cannot hold exactly.",
     )
     train.add_argument(
         "--target",
@@ -65,14 +71,35 @@ def add_train_drafter(commands) -> None:
         default=None,
         help="the same as --target (the name the other commands give the model)",
     )
-    train.add_argument("--kind", required=True, help="draft_model, eagle, mtp, ...")
+    train.add_argument(
+        "--kind", default=None, help="draft_model, eagle, mtp, ... (required unless --export)"
+    )
     train.add_argument(
         "--data",
         action="append",
-        required=True,
-        help=".jsonl prompts, text file or folder, or an earlier run's train-tokens.pt (pooled)",
+        default=None,
+        help=".jsonl prompts, text file or folder, or an earlier run's train-tokens.pt (pooled; "
+        "required unless --export)",
     )
     train.add_argument("--out", required=True, help="output directory DIR")
+    train.add_argument(
+        "--format",
+        dest="head_format",
+        choices=HEAD_FORMATS,
+        default="specdec",
+        help="the directory an eagle/mtp head is written as: specdec (ours: fc over normed "
+        "features, input/layer/output norms) or eagle (trains the EAGLE-1/2 layout over the "
+        "target's last layer, full vocabulary, and writes it as vLLM's method eagle and "
+        "SafeAILab's EAGLE load it) (default: specdec)",
+    )
+    train.add_argument(
+        "--export",
+        metavar="SRC",
+        default=None,
+        help="train nothing: write the EAGLE head in SRC (any format speculative_config loads) "
+        "to DIR in --format eagle, for --target; refused, naming each difference, when the head "
+        "is not exactly that layout (heads trained with --format specdec never are)",
+    )
     train.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt")
     train.add_argument(
         "--option",
@@ -102,12 +129,19 @@ def _train_drafter(args: argparse.Namespace) -> int:
 
     if args.model is not None and not Path(args.model).exists():
         raise FileNotFoundError(missing_model_message(args.model))
+    if args.export is not None:
+        return _export(args)
+    missing = [flag for flag, value in (("--kind", args.kind), ("--data", args.data)) if not value]
+    if missing:
+        raise ValueError(f"train-drafter needs {' and '.join(missing)} (or --export SRC)")
     extra = {}
     for item in args.option:
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"--option expects KEY=VALUE, got {item!r}")
         extra[key] = value
+    if args.head_format != "specdec":
+        extra["format"] = args.head_format
     options = TrainOptions(**config_values(args, TrainOptions, OPTION_FLAGS), extra=extra)
     config = TrainConfig(
         kind=args.kind,
@@ -120,4 +154,19 @@ def _train_drafter(args: argparse.Namespace) -> int:
         gen_temperatures=tuple(float(x) for x in args.gen_temperatures.split(",")),
     )
     train_drafter(config, log=lambda message: print(message, file=sys.stderr, flush=True))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    """`--export SRC`: the head in SRC written to --out in --format."""
+    from specdec.drafters.eagle.export import export_head
+    from specdec.models import load_model
+
+    if args.head_format == "specdec":
+        raise ValueError("--export writes a public format: give --format eagle")
+    if args.model is None:
+        raise ValueError("--export needs --target (the model the head drafts for)")
+    target = load_model(args.model).model
+    out = export_head(args.export, args.out, args.head_format, target)
+    print(f"wrote {out} ({args.head_format})", file=sys.stderr, flush=True)
     return 0

@@ -179,3 +179,88 @@ def test_other_formats_are_refused_by_name(target_dir, eagle1_dir, tmp_path):
     target = load_model(target_dir).model
     with pytest.raises(ValueError, match="eagle3"):
         export_head(eagle1_dir, tmp_path / "out", "eagle3", target)
+
+
+def _train(target_dir, out, head_format, steps=6):
+    """The eagle kind trained briefly in `head_format` on random token sequences and saved in
+    float32; returns the trained draft module."""
+    from specdec.train.data import TrainingSet, annotate_token_lists
+    from specdec.train.kind import TrainOptions
+    from specdec.train.kinds.eagle import EagleKind
+
+    target = load_model(target_dir).model
+    kind = EagleKind()
+    extra = {"ttt_steps": "2", "format": head_format, "save_dtype": "float32"}
+    options = TrainOptions(seed=3, lr=3e-3, extra=extra)
+    layers = kind.feature_layers(target, options)
+    data = TrainingSet(
+        layers, annotate_token_lists(target, prompt_tokens(VOCAB, [24] * 16), layers)
+    )
+    kind.prepare(target, data.token_counts(VOCAB), options)
+    draft = kind.build(target, options)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=options.lr)
+    windows = data.chunks(24)
+    for step in range(steps):
+        batch = data.batch([windows[(step * 4 + i) % len(windows)] for i in range(4)], 24, layers)
+        loss, _ = kind.loss(draft, target, batch, options)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    kind.save(draft, target, out, options)
+    return draft
+
+
+def test_a_head_trained_in_the_eagle_format_is_written_as_eagle1(target_dir, tmp_path):
+    """`format=eagle` trains the EAGLE-1/2 layout (the target's final norm frozen as the feature
+    norm) and writes it with vLLM's names; it loads back through our import path with the same
+    parameters, bit for bit, and greedy speculation with it equals greedy plain."""
+    from specdec.drafters.eagle.public import load_head
+
+    out = tmp_path / "eagle1"
+    draft = _train(target_dir, out, "eagle")
+    assert set(load_file(str(out / "model.safetensors"))) == VLLM_EAGLE1_TENSORS
+    target = load_model(target_dir).model
+    loaded, rows = load_head(out, target, torch.float32, "cpu")
+    assert rows is None
+    trained = dict(draft.head.named_parameters())
+    assert trained.keys() == dict(loaded.named_parameters()).keys()
+    for name, param in loaded.named_parameters():
+        assert torch.equal(param, trained[name].detach()), name
+    assert torch.equal(trained["feature_norm.weight"], target.model.norm.weight)
+    test_greedy_speculation_with_the_export_equals_greedy_plain(target_dir, out)
+
+
+def test_the_eagle_format_refuses_what_eagle1_cannot_hold(target_dir, tmp_path):
+    from specdec.train.kind import TrainOptions
+    from specdec.train.kinds.eagle import EagleKind
+
+    target = load_model(target_dir).model
+    kind = EagleKind()
+    options = TrainOptions(extra={"format": "eagle", "feature_layers": "0,1"})
+    kind.prepare(target, torch.ones(VOCAB), options)
+    with pytest.raises(ValueError, match="feature_layers"):
+        kind.build(target, options)
+    options = TrainOptions(extra={"format": "eagle", "draft_vocab_size": "32"})
+    kind.prepare(target, torch.ones(VOCAB), options)
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        kind.build(target, options)
+
+
+def test_the_cli_exports_and_refuses_in_one_line(target_dir, eagle1_dir, tmp_path, capsys):
+    from specdec.cli import main
+
+    out = tmp_path / "cli"
+    argv = ["train-drafter", "--target", str(target_dir), "--export", str(eagle1_dir)]
+    assert main([*argv, "--format", "eagle", "--out", str(out)]) == 0
+    assert set(load_file(str(out / "model.safetensors"))) == VLLM_EAGLE1_TENSORS
+    capsys.readouterr()
+    ours = trained_head(target_dir, tmp_path / "ours", steps=1)
+    argv = ["train-drafter", "--target", str(target_dir), "--export", str(ours)]
+    assert main([*argv, "--format", "eagle", "--out", str(tmp_path / "no")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "layer_input_norm" in err[0]
+    assert main([*argv, "--out", str(tmp_path / "no")]) == 2
+    assert "--format eagle" in capsys.readouterr().err
+    assert main(["train-drafter", "--out", str(tmp_path / "no")]) == 2
+    assert "--kind and --data" in capsys.readouterr().err

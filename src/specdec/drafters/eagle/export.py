@@ -169,8 +169,8 @@ def write_eagle1(
     reasons = eagle1_refusals(head, draft_to_target, target)
     if reasons:
         raise ValueError(
-            "this head cannot be written as an EAGLE-1/2 head without changing its drafts:\n  "
-            + "\n  ".join(reasons)
+            "this head cannot be written as an EAGLE-1/2 head without changing its drafts: "
+            + "; ".join(reasons)
         )
     from safetensors.torch import save_file
 

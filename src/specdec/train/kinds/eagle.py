@@ -6,17 +6,25 @@ Options (`--option key=value`): feature_layers (comma-separated target layers; d
 draft_vocab_size (0 = the full vocabulary; else the most frequent training tokens), ttt_steps
 (default 3), intermediate_size (default the target's), save_dtype (float16 | float32), init_from
 (a head directory to start from, see `widen_head_`: its draft vocabulary and feature layers are
-kept, its MLP may be widened).
+kept, its MLP may be widened), format (specdec | eagle; `train-drafter --format`).
+
+Formats: "specdec" trains our head (`HeadLayout()`: fc over the normed features, input, layer
+and output norms) and saves it as ours; "eagle" trains the EAGLE-1/2 layout (`EAGLE1_LAYOUT`:
+the target's last hidden state after its final norm, frozen, joined with the embedding by
+`in_proj` into a layer without input norm, no output norm; full vocabulary) and saves it as
+an EAGLE-1/2 directory other engines load (`drafters/eagle/export.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from specdec.drafters.eagle.export import EAGLE1_LAYOUT, write_eagle1
 from specdec.drafters.eagle.head import WEIGHTS_FILE, EagleConfig, EagleHead, load_eagle_head
 from specdec.models import LlamaForCausalLM
 from specdec.train.dense import causal_layer, chain_layer
@@ -24,6 +32,7 @@ from specdec.train.init import init_parameters_
 from specdec.train.kind import DrafterKind, TrainBatch, TrainOptions, target_logits
 
 STEP_WEIGHT_DECAY = 0.8  # weight of draft step j is 0.8 ** (j - 1), as in EAGLE-3
+HEAD_FORMATS = ("specdec", "eagle")  # `--format`: the layout trained and the directory written
 
 
 class EagleTrainable(nn.Module):
@@ -89,6 +98,7 @@ class EagleKind(DrafterKind):
             "intermediate_size",
             "save_dtype",
             "init_from",
+            "format",
         }
     )
 
@@ -127,11 +137,14 @@ class EagleKind(DrafterKind):
         with torch.no_grad():  # each feature part starts normalised as the target's LM head reads
             final_norm = target.model.norm.weight.detach().float()
             head.feature_norm.weight.copy_(final_norm.repeat(len(config.feature_layers)))
+        if _format(options) == "eagle":  # EAGLE-1/2 read the target's final norm as it is
+            head.feature_norm.weight.requires_grad_(False)
+            head.feature_norm.eps = target.model.norm.eps
         if self._source is not None:
             widen_head_(head, self._source)
             self._source = None
         rows = self._draft_to_target
-        return EagleTrainable(head, None if rows is None else rows.to(head.fc.weight.device))
+        return EagleTrainable(head, None if rows is None else rows.to(head.in_proj.weight.device))
 
     def _start_from(self, init_from: str, target: LlamaForCausalLM, options: TrainOptions):
         """The head in `init_from` (float32, on the target's device) and its draft vocabulary,
@@ -160,12 +173,35 @@ class EagleKind(DrafterKind):
         intermediate = options.get("intermediate_size", 0, int)
         if not intermediate and start is not None:
             intermediate = start.intermediate_size
-        return EagleConfig.for_target(
+        config = EagleConfig.for_target(
             target.config,
             feature_layers=self.feature_layers(target, options),
             draft_vocab_size=None if draft_to_target is None else int(draft_to_target.shape[0]),
             intermediate_size=intermediate or None,
         )
+        if _format(options) == "specdec":
+            return config
+        last = target.config.num_hidden_layers - 1
+        refusals = [
+            f"{name} ({why})"
+            for name, wrong, why in (
+                ("init_from", start is not None, "it starts from a head of ours"),
+                (
+                    "draft_vocab_size",
+                    config.draft_vocab_size is not None,
+                    "EAGLE-1/2 draft over the whole vocabulary",
+                ),
+                (
+                    "feature_layers",
+                    config.feature_layers != (last,),
+                    f"EAGLE-1/2 read the target's last layer, {last}, only",
+                ),
+            )
+            if wrong
+        ]
+        if refusals:
+            raise ValueError(f"format=eagle does not take: {'; '.join(refusals)}")
+        return dataclasses.replace(config, layout=EAGLE1_LAYOUT)
 
     def loss(
         self, draft: nn.Module, target: LlamaForCausalLM, batch: TrainBatch, options: TrainOptions
@@ -173,7 +209,7 @@ class EagleKind(DrafterKind):
         head: EagleHead = draft.head
         rows = draft.draft_to_target
         steps = options.get("ttt_steps", 3, int)
-        device = head.fc.weight.device
+        device = head.in_proj.weight.device
         tokens = batch.token_ids.to(device)
         length = tokens.shape[1]
         entries = length - 1
@@ -200,7 +236,8 @@ class EagleKind(DrafterKind):
             else:
                 out, kv = chain_layer(head.layer, x, cos, sin, prefix, chain)
                 chain.append(kv)
-            logits = torch.nn.functional.linear(head.norm(out), lm_weight).float()
+            normed = out if head.norm is None else head.norm(out)
+            logits = torch.nn.functional.linear(normed, lm_weight).float()
             step_labels = _shift(labels, step, entries)
             step_mask = _shift(mask, step, entries)
             ce = -(step_labels * logits.log_softmax(-1)).sum(-1)  # [B, N]
@@ -221,6 +258,9 @@ class EagleKind(DrafterKind):
         rows = draft.draft_to_target
         config = self._config(target, options, rows)
         dtype = getattr(torch, options.get("save_dtype", "float16"))
+        if _format(options) == "eagle":
+            write_eagle1(draft.head, rows, target, out_dir, dtype)
+            return
         tensors = {
             name: t.detach().to("cpu", dtype).contiguous()
             for name, t in draft.head.state_dict().items()
@@ -231,12 +271,24 @@ class EagleKind(DrafterKind):
         (out_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
 
     def load(self, out_dir: Path, target: LlamaForCausalLM, options: TrainOptions) -> nn.Module:
+        from specdec.drafters.eagle.public import load_head
+
         device = target.model.embed_tokens.weight.device
-        head, rows = load_eagle_head(out_dir, target.config, torch.float32, device)
+        head, rows = load_head(out_dir, target, torch.float32, device)
         head.requires_grad_(True)
+        if _format(options) == "eagle":
+            head.feature_norm.weight.requires_grad_(False)
         head.train()
         self._draft_to_target = rows
         return EagleTrainable(head, rows)
+
+
+def _format(options: TrainOptions) -> str:
+    """The `format` option (default "specdec"), checked."""
+    value = options.get("format", "specdec")
+    if value not in HEAD_FORMATS:
+        raise ValueError(f"format={value!r}: one of {list(HEAD_FORMATS)}")
+    return value
 
 
 def _init_config(options: TrainOptions) -> EagleConfig | None:
