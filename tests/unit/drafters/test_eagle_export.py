@@ -264,3 +264,27 @@ def test_the_cli_exports_and_refuses_in_one_line(target_dir, eagle1_dir, tmp_pat
     assert "--format eagle" in capsys.readouterr().err
     assert main(["train-drafter", "--out", str(tmp_path / "no")]) == 2
     assert "--kind and --data" in capsys.readouterr().err
+
+
+def test_train_drafter_format_eagle_end_to_end(target_dir, tmp_path):
+    """`train-drafter --format eagle` trains, checkpoints, resumes and evaluates through the
+    engine, leaving an EAGLE-1/2 directory with vLLM's names."""
+    from specdec.cli import main
+
+    data = tmp_path / "prompts.jsonl"
+    prompts = prompt_tokens(VOCAB, [6] * 12, seed=5)
+    data.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts))
+    out = tmp_path / "out"
+    argv = ["train-drafter", "--target", str(target_dir), "--kind", "eagle", "--data", str(data)]
+    argv += ["--out", str(out), "--format", "eagle", "--batch-size", "4", "--seq-len", "32"]
+    argv += ["--warmup-steps", "2", "--checkpoint-every", "2", "--gen-max-tokens", "12"]
+    argv += ["--holdout-fraction", "0.25", "--eval-prompts", "2", "--eval-max-tokens", "8"]
+    argv += ["--threads", "1", "--option", "ttt_steps=2"]
+    assert main([*argv, "--max-steps", "3"]) == 0
+    assert main([*argv, "--max-steps", "4", "--resume"]) == 0
+    figures = json.loads((out / "acceptance.json").read_text())
+    assert figures["steps"] == 4
+    assert 1.0 <= figures["acceptance"]["0.0"]["mean_acceptance_length"] <= 5.0
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert set(load_file(str(out / "model.safetensors"))) == VLLM_EAGLE1_TENSORS
