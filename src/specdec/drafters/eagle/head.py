@@ -131,7 +131,7 @@ class EagleConfig:
 
         Raises:
             ValueError: a head loaded from another format (writing it as ours would lose its
-                wiring; exporting it is not implemented)."""
+                wiring; `eagle.export` writes an EAGLE-1/2 layout back in that format)."""
         if self.layout != HeadLayout() or self.layer is not None:
             raise ValueError("a head loaded from a public format cannot be written as ours")
         values = {
