@@ -200,6 +200,53 @@ def make_gemma3_hf_model(name: str, seed: int = 0) -> Any:
     return model.eval()
 
 
+# Tiny mixture-of-experts configs: Mixtral (6 experts, top-2, renormalised) and Qwen3-MoE (8
+# experts, top-2, q/k norms per head; layer 1 dense through `mlp_only_layers`; `norm_topk_prob`
+# both ways).
+_MOE_COMMON: dict[str, Any] = {**_COMMON, "rope_theta": 10000.0, "num_experts_per_tok": 2}
+_QWEN3_MOE: dict[str, Any] = {
+    **_MOE_COMMON,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "head_dim": 16,
+    "num_experts": 8,
+    "moe_intermediate_size": 48,
+    "mlp_only_layers": [1],
+    "decoder_sparse_step": 1,
+    "norm_topk_prob": True,
+}
+MOE_CONFIGS: dict[str, dict[str, Any]] = {
+    "mixtral": {**_MOE_COMMON, "architectures": ["MixtralForCausalLM"], "num_local_experts": 6},
+    "qwen3_moe": _QWEN3_MOE,
+    "qwen3_moe_unnormed": {**_QWEN3_MOE, "norm_topk_prob": False},
+}
+
+
+def make_moe_hf_model(name: str, seed: int = 0) -> Any:
+    """A `transformers` model of a MOE_CONFIGS entry with seeded random weights (norm weights
+    near 1, others ~N(0, 0.15^2); router weights ~N(0, 1) so that routes are far from ties),
+    fp32, eval."""
+    import transformers
+
+    hf_config = dict(MOE_CONFIGS[name])
+    architecture = hf_config.pop("architectures")[0]
+    config_class = {
+        "MixtralForCausalLM": transformers.MixtralConfig,
+        "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
+    }[architecture]
+    config = config_class(**hf_config, architectures=[architecture], attn_implementation="sdpa")
+    model = getattr(transformers, architecture)(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=generator))
+            elif param_name.endswith("gate.weight"):
+                param.copy_(torch.randn(param.shape, generator=generator))
+            else:
+                param.copy_(0.15 * torch.randn(param.shape, generator=generator))
+    return model.eval()
+
+
 def hf_decode_logits(model: Any, token_ids: Sequence[int]) -> torch.Tensor:
     """[T, V] float32 logits of `transformers` fed one token per call with its cache: what its
     decoding computes token by token (for LongRoPE it differs from one call over the sequence,

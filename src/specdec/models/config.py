@@ -21,10 +21,31 @@ SUPPORTED_ARCHITECTURES = (
     "Phi3ForCausalLM",
     "Olmo2ForCausalLM",
     "Gemma3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+# Router settings of other MoE families (DeepSeek's grouped / sigmoid routers and shared
+# experts, Qwen2-MoE's shared expert) that the softmax-top-k router here does not implement.
+_UNSUPPORTED_MOE_KEYS = (
+    "shared_expert_intermediate_size",
+    "n_shared_experts",
+    "scoring_func",
+    "topk_method",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
 )
 NORM_PLACEMENTS = ("pre", "post", "sandwich")
 QK_NORM_SCOPES = ("head", "full")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+# The families whose config.json `sliding_window` binds every layer (or Gemma 3's sliding ones).
+_WINDOWED_ARCHITECTURES = (
+    "MistralForCausalLM",
+    "MixtralForCausalLM",
+    "Phi3ForCausalLM",
+    "Gemma3ForCausalLM",
+)
 SLIDING, FULL = "sliding_attention", "full_attention"  # the kinds of `layer_types`
 # Gemma 3's RoPE types on its full-attention layers: those without an attention factor (a
 # YaRN-like m would apply to those layers alone, and the attention scale is one per model).
@@ -86,6 +107,15 @@ class ModelConfig:
         bos_token_id: beginning-of-sequence id, or None.
         eos_token_ids: the ids that end generation (a config may list several).
         torch_dtype: the dtype the checkpoint was saved in ("bfloat16", ...), or None.
+        num_experts: experts of each sparse MLP (Mixtral's `num_local_experts`, Qwen3-MoE's
+            `num_experts`); 0: a dense model.
+        num_experts_per_tok: experts each token is routed to (top-k).
+        moe_intermediate_size: each expert's inner width (Mixtral: `intermediate_size`).
+        norm_topk_prob: the top-k router probabilities are divided by their sum (Mixtral
+            always; Qwen3-MoE's `norm_topk_prob`).
+        moe_layers: the indices of the layers whose MLP is sparse (Qwen3-MoE's
+            `decoder_sparse_step` and `mlp_only_layers`; the others are dense, of
+            `intermediate_size`).
     """
 
     architecture: str
@@ -120,6 +150,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -161,6 +196,7 @@ class ModelConfig:
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r} (one of {HIDDEN_ACTS})")
         self._check_layer_types()
+        self._check_moe()
         rotary_dim = self.rotary_dim
         if not 0 < self.partial_rotary_factor <= 1 or rotary_dim < 2 or rotary_dim % 2:
             raise ValueError(
@@ -193,6 +229,28 @@ class ModelConfig:
             raise ValueError(f"unsupported layer_types {unknown} (only {SLIDING}, {FULL})")
         if SLIDING in self.layer_types and self.sliding_window is None:
             raise ValueError("layer_types has sliding_attention layers but no sliding_window")
+
+    def _check_moe(self) -> None:
+        if not self.moe_layers:
+            return
+        if not 0 < self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size < 1:
+            raise ValueError(
+                f"{self.architecture}: {self.num_experts_per_tok} experts per token of "
+                f"{self.num_experts}, expert width {self.moe_intermediate_size}"
+            )
+        if any(not 0 <= index < self.num_hidden_layers for index in self.moe_layers):
+            raise ValueError(
+                f"{self.architecture}: sparse layers {list(self.moe_layers)} outside the "
+                f"model's {self.num_hidden_layers} layers (a mixture-of-experts model cannot "
+                "be cut to fewer layers)"
+            )
+        if self.norm_placement != "pre":
+            raise ValueError("mixture-of-experts layers are pre-norm only")
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer's MLP is a sparse mixture of experts."""
+        return bool(self.moe_layers)
 
     def layer_window(self, index: int) -> int | None:
         """The attention window of layer `index` (None: it sees its whole context)."""
@@ -241,6 +299,8 @@ class ModelConfig:
             return "sliding-window attention"
         if device_type != "cpu" and self.hidden_act != "silu":
             return f"{self.hidden_act} MLP (the fused kernel is SiLU's)"
+        if device_type != "cpu" and self.is_moe:
+            return "mixture-of-experts MLP (no grouped expert kernel)"
         return None
 
     @property
@@ -314,9 +374,7 @@ class ModelConfig:
         if is_qwen and hf_config.get("use_sliding_window"):
             raise ValueError(f"{architecture} with use_sliding_window=true is not supported")
         sliding_window = (
-            hf_config.get("sliding_window")
-            if architecture in ("MistralForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM")
-            else None
+            hf_config.get("sliding_window") if architecture in _WINDOWED_ARCHITECTURES else None
         )
         layer_types = _gemma3_layer_types(hf_config, architecture) if is_gemma3 else ()
         context = (
@@ -356,7 +414,8 @@ class ModelConfig:
             attention_bias=attention_bias,
             attention_out_bias=attention_out_bias,
             mlp_bias=mlp_bias,
-            qk_norm=architecture in ("Qwen3ForCausalLM", "Olmo2ForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=architecture
+            in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Olmo2ForCausalLM", "Gemma3ForCausalLM"),
             qk_norm_scope="full" if is_olmo2 else "head",
             norm_placement="post" if is_olmo2 else "sandwich" if is_gemma3 else "pre",
             norm_weight_in_float32=is_olmo2,
@@ -373,7 +432,46 @@ class ModelConfig:
             bos_token_id=hf_config.get("bos_token_id"),
             eos_token_ids=eos_token_ids,
             torch_dtype=hf_config.get("torch_dtype") or hf_config.get("dtype"),
+            **_parse_moe(hf_config, architecture),
         )
+
+
+def _parse_moe(hf_config: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """The MoE fields of a Mixtral / Qwen3-MoE config.json (empty for a dense family);
+    router variants and shared experts are refused by name."""
+    if architecture not in MOE_ARCHITECTURES:
+        return {}
+    for key in _UNSUPPORTED_MOE_KEYS:
+        if hf_config.get(key):
+            raise ValueError(
+                f"{architecture} with {key}={hf_config[key]!r} is not supported (only the "
+                "softmax top-k router without shared experts)"
+            )
+    num_layers = int(hf_config.get("num_hidden_layers") or 0)
+    # transformers 5 saves Qwen3-MoE's `num_experts` as `num_local_experts`.
+    num_experts = int(hf_config.get("num_local_experts") or hf_config.get("num_experts") or 0)
+    if architecture == "MixtralForCausalLM":
+        return {
+            "num_experts": num_experts,
+            "num_experts_per_tok": int(hf_config.get("num_experts_per_tok", 2)),
+            "moe_intermediate_size": int(hf_config.get("intermediate_size") or 0),
+            "norm_topk_prob": True,
+            "moe_layers": tuple(range(num_layers)),
+        }
+    dense = set(hf_config.get("mlp_only_layers") or ())
+    step = int(hf_config.get("decoder_sparse_step") or 1)
+    sparse = tuple(
+        index
+        for index in range(num_layers)
+        if index not in dense and num_experts > 0 and (index + 1) % step == 0
+    )
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": int(hf_config.get("num_experts_per_tok", 8)),
+        "moe_intermediate_size": int(hf_config.get("moe_intermediate_size") or 0),
+        "norm_topk_prob": bool(hf_config.get("norm_topk_prob", False)),
+        "moe_layers": sparse,
+    }
 
 
 def _parse_rope(

@@ -1,8 +1,9 @@
 """The Llama-family forward pass (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2, Phi-3, OLMo 2,
-Gemma 3 text), written once; the families differ by the options of their `ModelConfig` (OLMo 2's
-norms after each sublayer: `PostNormDecoderLayer`; Gemma 3's before and after:
-`SandwichNormDecoderLayer`). Layers may differ in their attention window and RoPE table (Gemma
-3's sliding and full layers): the model hands each layer its kind's plan and table.
+Gemma 3 text, Mixtral, Qwen3-MoE), written once; the families differ by the options of their
+`ModelConfig` (OLMo 2's norms after each sublayer: `PostNormDecoderLayer`; Gemma 3's before and
+after: `SandwichNormDecoderLayer`; Mixtral's and Qwen3-MoE's sparse MLPs: `moe.SparseMoeBlock`).
+Layers may differ in their attention window and RoPE table (Gemma 3's sliding and full layers):
+the model hands each layer its kind's plan and table.
 
 Token-flattened ([T, ...]) and paged-KV throughout; numerics follow `transformers`, the reference.
 Parameters are created empty and only ever filled from checkpoint files (never initialised
@@ -38,6 +39,7 @@ from specdec.models.fused import (
 )
 from specdec.models.layers import Embedding, Linear, RMSNorm, fuse_linears, set_fused
 from specdec.models.linear import batch_invariant_linear
+from specdec.models.moe import SparseMoeBlock
 from specdec.models.quant import QuantizedWeight, quant_linear
 from specdec.models.rope import RotaryEmbedding, apply_rotary, attention_scale
 from specdec.models.tensor_parallel import Collectives, ShardLayout
@@ -248,12 +250,25 @@ def add_norm(
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)) (`post_attention_layernorm`
-    is the norm before the MLP)."""
+    is the norm before the MLP); with `sparse` the MLP is a mixture of experts (Mixtral,
+    Qwen3-MoE: `SparseMoeBlock`)."""
 
-    def __init__(self, config: ModelConfig, shard: ShardLayout | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, shard: ShardLayout | None = None, sparse: bool = False
+    ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, shard)
-        self.mlp = LlamaMLP(config, shard)
+        self.mlp: LlamaMLP | SparseMoeBlock = (
+            SparseMoeBlock(
+                config.hidden_size,
+                config.moe_intermediate_size,
+                config.num_experts,
+                config.num_experts_per_tok,
+                config.norm_topk_prob,
+            )
+            if sparse
+            else LlamaMLP(config, shard)
+        )
         self.input_layernorm = rms_norm(config)
         self.post_attention_layernorm = rms_norm(config)
 
@@ -423,8 +438,21 @@ class LlamaModel(nn.Module):
                 f"{config.architecture}: tensor parallelism is not supported yet (its layers "
                 "are not checked against one rank's)"
             )
+        if shard is not None and shard.world_size > 1 and config.is_moe:
+            raise ValueError(
+                f"{config.architecture}: tensor parallelism for mixture-of-experts layers is "
+                "not supported yet (experts are not sharded)"
+            )
         layer = _DECODER_LAYERS[config.norm_placement]
-        self.layers = nn.ModuleList(layer(config, shard) for _ in range(config.num_hidden_layers))
+        if config.is_moe:  # pre-norm (ModelConfig checks it)
+            self.layers = nn.ModuleList(
+                LlamaDecoderLayer(config, shard, sparse=index in config.moe_layers)
+                for index in range(config.num_hidden_layers)
+            )
+        else:
+            self.layers = nn.ModuleList(
+                layer(config, shard) for _ in range(config.num_hidden_layers)
+            )
         self.norm = rms_norm(config)
         self.rotary_emb = RotaryEmbedding(config)
         local = config.local_rope
@@ -440,9 +468,10 @@ class LlamaModel(nn.Module):
 
     @property
     def is_quantized(self) -> bool:
-        """Whether the layers' products are quantized (the loader quantizes all or none)."""
+        """Whether the layers' products are quantized (the loader quantizes all or none;
+        never a mixture of experts)."""
         mlp = self.layers[0].mlp if len(self.layers) else None
-        return mlp is not None and (
+        return isinstance(mlp, LlamaMLP) and (
             mlp.down_proj.quantized is not None
             or (mlp.gate_up_proj is not None and mlp.gate_up_proj.quantized is not None)
         )
@@ -697,7 +726,7 @@ class LlamaForCausalLM(nn.Module):
         `batch_invariant_linear` (the layers' projections, fused or not, and a float LM head)."""
         linears = [module for module in self.modules() if isinstance(module, Linear)]
         for layer in self.model.layers:  # fused projections are not registered submodules
-            linears += [layer.self_attn.qkv_proj, layer.mlp.gate_up_proj]
+            linears += [layer.self_attn.qkv_proj, getattr(layer.mlp, "gate_up_proj", None)]
         weights = [
             linear.weight
             for linear in linears

@@ -210,6 +210,11 @@ def _load_gguf(
     without_layers: bool = False,
 ) -> LoadedModel:
     gguf_file = GGUFFile(path)
+    if gguf_file.metadata.get(f"{gguf_file.architecture}.expert_count"):
+        raise ValueError(
+            f"{path}: mixture-of-experts GGUF files are not supported yet (load the HF "
+            "directory, in float)"
+        )
     config = gguf_file.model_config()
     model = _empty_model(config, shard, without_layers)
     piece_of = _piece_of(config, shard)
@@ -302,7 +307,71 @@ def _hf_tensors(config: ModelConfig, read: ReadTensor) -> ReadTensor:
         read = _split_fused(config, read)
     if config.rotary_dim < config.head_dim:
         read = _partial_rotary_rows(config, read)
+    if config.is_moe:
+        read = _moe_tensors(config, read)
     return read
+
+
+# Mixtral's expert names on the Hub: ours -> its.
+_MIXTRAL_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+_EXPERT_LINEAR = re.compile(
+    r"(?P<layer>model\.layers\.\d+)\.mlp\.(?P<rest>gate\.weight|experts\.(?P<expert>\d+)\."
+    r"(?P<part>gate_proj|up_proj|down_proj)\.weight)"
+)
+
+
+def _moe_tensors(config: ModelConfig, read: ReadTensor) -> ReadTensor:
+    """Our router and per-expert names (`mlp.gate`, `mlp.experts.E.gate_proj`, ...) read from
+    a checkpoint's: per-expert tensors as the Hub stores them (Mixtral's
+    `block_sparse_moe.experts.E.w1/w3/w2`, Qwen3-MoE's `mlp.experts.E.gate_proj/...`), else
+    the 3D tensors of transformers 5's modules (`mlp.experts.gate_up_proj` [E, 2F, D], gate
+    rows first, and `mlp.experts.down_proj` [E, D, F]); one layer's 3D tensors are kept while
+    its experts are read."""
+    mixtral = config.architecture == "MixtralForCausalLM"
+    blocks = ("block_sparse_moe", "mlp") if mixtral else ("mlp",)
+    width = config.moe_intermediate_size
+    stacked: dict[str, torch.Tensor | None] = {}
+
+    def read_stacked(name: str) -> torch.Tensor | None:
+        layer = name.split(".experts.")[0]
+        if not all(key.startswith(f"{layer}.") for key in stacked):
+            stacked.clear()
+        if name not in stacked:
+            stacked[name] = read(name, None)
+            whole = stacked[name]
+            if whole is not None and whole.shape[0] != config.num_experts:
+                raise CheckpointError(
+                    f"{name} holds {whole.shape[0]} experts, the config {config.num_experts}"
+                )
+        return stacked[name]
+
+    def read_expert(name: str, piece: TensorSlice | None) -> torch.Tensor | None:
+        match = _EXPERT_LINEAR.fullmatch(name)
+        if match is None:
+            return read(name, piece)
+        layer = match["layer"]
+        if match["expert"] is None:
+            for block in blocks:
+                tensor = read(f"{layer}.{block}.gate.weight", piece)
+                if tensor is not None:
+                    return tensor
+            return None
+        expert, part = int(match["expert"]), match["part"]
+        for block in blocks:
+            stored = _MIXTRAL_EXPERT[part] if block == "block_sparse_moe" else part
+            tensor = read(f"{layer}.{block}.experts.{expert}.{stored}.weight", piece)
+            if tensor is not None:
+                return tensor
+        fused = "down_proj" if part == "down_proj" else "gate_up_proj"
+        whole = read_stacked(f"{layer}.mlp.experts.{fused}")
+        if whole is None:
+            return None
+        tensor = whole[expert]
+        if part != "down_proj":
+            tensor = tensor[:width] if part == "gate_proj" else tensor[width:]
+        return tensor.contiguous()
+
+    return read_expert
 
 
 def _split_fused(config: ModelConfig, read: ReadTensor) -> ReadTensor:
@@ -386,6 +455,11 @@ def _load_weights(
 
     Mutates: `model` (parameters assigned, quantized weights set, `model.quantization`)."""
     model.quantization = quantization
+    if quantization is not None and model.config.is_moe:
+        raise ValueError(
+            f"{model.config.architecture}: quantization={quantization!r} is not supported for "
+            "mixture-of-experts models yet (load them in float)"
+        )
     if quantization is None:
         assign_weights(model, read_float, source, dtype, device)
         return
@@ -443,6 +517,11 @@ def quantize_model(model: LlamaForCausalLM, quantization: str) -> LlamaForCausal
     check_quantization(quantization)
     if quantization == "gguf":
         raise ValueError("quantization='gguf' is a GGUF file's own formats: load the file")
+    if model.config.is_moe:
+        raise ValueError(
+            f"{model.config.architecture}: quantization={quantization!r} is not supported for "
+            "mixture-of-experts models yet"
+        )
     if model.quantization is not None:
         raise ValueError(f"the model is already quantized ({model.quantization})")
     device, dtype = model.device, model.dtype

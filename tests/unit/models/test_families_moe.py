@@ -1,0 +1,324 @@
+"""Mixture-of-experts targets (Mixtral, Qwen3-MoE) against `transformers` on tiny checkpoints.
+
+Each checkpoint is written by `save_pretrained` (per-expert tensors, as the Hub stores them)
+and read by `load_model`: Mixtral (6 experts, top-2, renormalised) and Qwen3-MoE (8 experts,
+top-2, layer 1 dense through `mlp_only_layers`, `norm_topk_prob` on and off). float32 logits
+agree within 1e-4 with `transformers` (batched prefill, decode-path steps); greedy `LLM` equals
+`generate` and n-gram speculation equals plain greedy. A prompt's logits alone equal its logits
+in a batch bit for bit on the CPU's row plan (the engine's path), with a negative control (the
+experts' products unpadded). Negative controls per routing rule (top-k before the softmax,
+renormalisation flipped) move the logits far past the tolerance. Refusals name what they
+refuse: tensor parallelism, quantization, CUDA's decode path, shared experts, other routers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models_fixtures import (
+    MOE_CONFIGS,
+    PagedRunner,
+    decode_path_step,
+    hf_logits,
+    make_moe_hf_model,
+    prompt_tokens,
+    save_hf_model,
+)
+from specdec.engine.llm import LLM
+from specdec.models import LlamaForCausalLM, ModelConfig, load_model, moe, prompt_logits
+from specdec.models.fused import silu_mul
+from specdec.models.loader import quantize_model
+from specdec.models.moe import Expert, SparseMoeBlock, route
+from specdec.models.tensor_parallel import shard_layout
+from specdec.models.weights import CheckpointError
+from specdec.sampling import SamplingParams
+
+transformers = pytest.importorskip("transformers", reason="the forward reference")
+
+ATOL = 1e-4
+PROMPTS = prompt_tokens(97, [1, 6, 29, 17], seed=2)
+
+
+@pytest.fixture(scope="module", params=list(MOE_CONFIGS))
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """(name, HF model, checkpoint directory) per tiny MoE config."""
+    name = request.param
+    hf_model = make_moe_hf_model(name)
+    return name, hf_model, save_hf_model(hf_model, tmp_path_factory.mktemp(name))
+
+
+def max_error(ours: list[torch.Tensor], references: list[torch.Tensor]) -> float:
+    return max((a - b).abs().max().item() for a, b in zip(ours, references, strict=True))
+
+
+def prompt_error(model: LlamaForCausalLM, hf_model: Any) -> float:
+    references = [hf_logits(hf_model, prompt) for prompt in PROMPTS]
+    return max_error(prompt_logits(model, PROMPTS, block_size=4), references)
+
+
+# --------------------------------------------------------------------------- config
+def test_config_reads_moe_options(family: Any) -> None:
+    """Experts, top-k, expert width, renormalisation and the sparse layers as config.json says
+    (transformers 5 saves Qwen3-MoE's `num_experts` as `num_local_experts`)."""
+    name, _, path = family
+    config = load_model(path).config
+    assert (config.num_experts, config.num_experts_per_tok) == (
+        6 if name == "mixtral" else 8,
+        2,
+    )
+    if name == "mixtral":
+        assert config.moe_layers == (0, 1, 2) and config.moe_intermediate_size == 96
+        assert config.norm_topk_prob and not config.qk_norm
+    else:
+        assert config.moe_layers == (0, 2) and config.moe_intermediate_size == 48
+        assert config.norm_topk_prob == (name == "qwen3_moe") and config.qk_norm
+    sparse_step = ModelConfig.from_hf_config(
+        {**MOE_CONFIGS["qwen3_moe"], "mlp_only_layers": [], "decoder_sparse_step": 2}
+    )
+    assert sparse_step.moe_layers == (1,)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"shared_expert_intermediate_size": 32}, "shared_expert_intermediate_size=32"),
+        ({"scoring_func": "sigmoid"}, "scoring_func='sigmoid' is not supported"),
+        ({"topk_method": "group_limited_greedy"}, "only the softmax top-k router"),
+        ({"num_experts_per_tok": 9}, "9 experts per token of 8"),
+    ],
+)
+def test_config_refusals_are_named(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message) as info:
+        ModelConfig.from_hf_config({**MOE_CONFIGS["qwen3_moe"], **change})
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_stacked_expert_tensors_load(name: str, tmp_path: Path) -> None:
+    """A checkpoint of transformers 5's in-memory names (`mlp.experts.gate_up_proj` [E, 2F, D],
+    `mlp.experts.down_proj` [E, D, F], Mixtral's router under `mlp`) loads to the same
+    logits as the per-expert one; a stack of the wrong expert count is refused by name."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    hf_model = make_moe_hf_model(name)
+    per_expert = save_hf_model(hf_model, tmp_path / "per_expert")
+    state = {key: value.contiguous() for key, value in hf_model.state_dict().items()}
+    assert any(key.endswith("mlp.experts.gate_up_proj") for key in state)
+    stacked = tmp_path / "stacked"
+    stacked.mkdir()
+    shutil.copy(per_expert / "config.json", stacked / "config.json")
+    save_file(state, str(stacked / "model.safetensors"), metadata={"format": "pt"})
+    expected = prompt_logits(load_model(per_expert).model, PROMPTS)
+    for a, b in zip(prompt_logits(load_model(stacked).model, PROMPTS), expected, strict=True):
+        assert torch.equal(a, b)
+    key = next(key for key in state if key.endswith("mlp.experts.down_proj"))
+    state[key] = state[key][:-1].contiguous()
+    save_file(state, str(stacked / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="down_proj holds"):
+        load_model(stacked)
+
+
+# --------------------------------------------------------------------------- routing
+def test_route_is_softmax_then_top_k_with_ties_to_the_lower_id() -> None:
+    """The probabilities kept are the softmax over every expert's logit (renormalised or not);
+    equal logits go to the lower expert id; top-k then softmax equals softmax, top-k and
+    renormalisation (why Mixtral's order cannot be told from renormalisation)."""
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0], [0.0, -1.0, 2.0, 2.0, 1.0]])
+    weights, experts = route(logits, 2, renormalize=False)
+    assert experts.tolist() == [[1, 2], [2, 3]]
+    assert torch.equal(weights, torch.softmax(logits, -1).gather(1, experts))
+    renormed, _ = route(logits, 2, renormalize=True)
+    assert torch.allclose(renormed, torch.full((2, 2), 0.5))
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, 8, generator=generator)
+    renormed, experts = route(logits, 2, renormalize=True)
+    after = torch.softmax(logits.gather(1, experts), -1)
+    assert torch.allclose(renormed, after, atol=1e-6)
+
+
+def top_k_then_softmax(
+    logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    values, experts = torch.topk(logits.float(), top_k, dim=-1)
+    return torch.softmax(values, -1), experts
+
+
+def flipped_renormalisation(
+    logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return route(logits, top_k, not renormalize)
+
+
+@pytest.mark.parametrize(
+    "name,breaks",
+    [
+        ("mixtral", flipped_renormalisation),
+        ("qwen3_moe", flipped_renormalisation),
+        ("qwen3_moe_unnormed", flipped_renormalisation),
+        ("qwen3_moe_unnormed", top_k_then_softmax),
+    ],
+)
+def test_routing_negative_controls_move_the_logits(
+    name: str, breaks: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each routing rule broken alone moves the logits far past the tolerance (top-k before
+    the softmax is tested where it differs: without renormalisation)."""
+    hf_model = make_moe_hf_model(name)
+    model = load_model(save_hf_model(hf_model, tmp_path)).model
+    assert prompt_error(model, hf_model) <= ATOL
+    monkeypatch.setattr(moe, "route", breaks)
+    assert prompt_error(model, hf_model) > 100 * ATOL
+
+
+# --------------------------------------------------------------------------- parity
+def test_prompt_logits_match(family: Any) -> None:
+    """One batched prefill of four prompts, on the CPU's row plan and on the eager path."""
+    _, hf_model, path = family
+    assert prompt_error(load_model(path).model, hf_model) <= ATOL
+    eager = load_model(path).model
+    eager.model._plans_rows = lambda input_ids: False
+    assert prompt_error(eager, hf_model) <= ATOL
+
+
+def test_decode_path_steps_match(family: Any) -> None:
+    """Prefill of 3 tokens, then the decode path (`DecodeMetadata`, the CPU decode plan) in
+    steps of 1 to 4 rows per sequence padded to 4."""
+    _, hf_model, path = family
+    sequences = prompt_tokens(97, [30, 19, 25], seed=6)
+    references = [hf_logits(hf_model, seq) for seq in sequences]
+    runner = PagedRunner(load_model(path).model, num_blocks=40, block_size=4)
+    runner.step({b: seq[:3] for b, seq in enumerate(sequences)})
+    done, step, worst = [3, 3, 3], 0, 0.0
+    while any(d < len(seq) for d, seq in zip(done, sequences, strict=True)):
+        new = {}
+        for b, seq in enumerate(sequences):
+            count = min(1 + (step + b) % 4, len(seq) - done[b])
+            if count > 0:
+                new[b] = seq[done[b] : done[b] + count]
+        for b, logits in decode_path_step(runner, new, query_per_seq=4).items():
+            expected = references[b][done[b] : done[b] + len(new[b])]
+            worst = max(worst, (logits - expected).abs().max().item())
+            done[b] += len(new[b])
+        step += 1
+    assert worst <= ATOL
+
+
+def llm_greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = 24, **kwargs: Any) -> list:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return llm.generate(prompts, params, use_tqdm=False, **kwargs)
+
+
+def test_greedy_generation_matches_transformers_generate(family: Any) -> None:
+    """24 greedy tokens through `LLM` equal `generate`'s."""
+    _, hf_model, path = family
+    prompts = prompt_tokens(97, [6, 8, 3], seed=7)
+    outputs = llm_greedy(LLM(str(path), speculative_config=None), prompts)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        with torch.no_grad():
+            expected = hf_model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=24,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(prompt) :]
+        assert list(output.outputs[0].token_ids) == expected.tolist()
+
+
+def test_ngram_speculation_equals_plain_greedy(family: Any) -> None:
+    """Greedy with n-gram drafts (K pinned at 3) emits plain greedy's tokens; prompts repeat
+    themselves so that n-grams match."""
+    _, _, path = family
+    loop = [5, 17, 33, 8]
+    prompts = [loop * 3, prompt_tokens(97, [7], seed=9)[0] + loop * 2, loop * 5]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(str(path), speculative_config=spec)
+    plain_out = llm_greedy(llm, prompts, speculative={"enabled": False})
+    speculative = llm_greedy(llm, prompts)
+    for a, b in zip(plain_out, speculative, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert sum(out.spec_decode_stats["num_draft_tokens"] for out in speculative) > 0
+
+
+# --------------------------------------------------------------------------- batch invariance
+def test_prompt_alone_equals_prompt_in_a_batch(family: Any) -> None:
+    """On the CPU's row plan (the engine's path), each prompt's logits alone are the bits of
+    its logits in a batch of the others, in either order (its experts see other token counts)."""
+    _, _, path = family
+    model = load_model(path).model
+    alone = [prompt_logits(model, [prompt], block_size=4)[0] for prompt in PROMPTS]
+    batched = prompt_logits(model, PROMPTS, block_size=4)
+    reversed_batch = prompt_logits(model, PROMPTS[::-1], block_size=4)[::-1]
+    for one, two, three in zip(alone, batched, reversed_batch, strict=True):
+        assert torch.equal(one, two) and torch.equal(one, three)
+
+
+def unpadded_expert(self: Expert, x: torch.Tensor) -> torch.Tensor:
+    """`Expert.forward` with plain F.linear products (the activation unchanged)."""
+    gate_up = torch.cat([F.linear(x, self.gate_proj.weight), F.linear(x, self.up_proj.weight)], -1)
+    return F.linear(silu_mul(gate_up), self.down_proj.weight)
+
+
+def contiguous_silu_expert(self: Expert, x: torch.Tensor) -> torch.Tensor:
+    """`Expert.forward` with SiLU over a contiguous [N, F] (the products unchanged)."""
+    gated = F.silu(self.gate_proj.decode(x)) * self.up_proj.decode(x)
+    return self.down_proj.decode(gated)
+
+
+@pytest.mark.parametrize("breaks", [unpadded_expert, contiguous_silu_expert])
+def test_expert_rules_negative_controls_are_not_batch_invariant(
+    breaks: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Negative controls: with each expert's products a plain F.linear over its gathered tokens
+    (no padding to `CPU_ROW_MULTIPLE` rows), or its SiLU over a contiguous [N, F] of F = 44
+    (this CPU's vectorised SiLU rounds the elements of a last partial vector otherwise), some
+    token's output depends on how many tokens its experts gather; with both rules (the block
+    as loaded) none does."""
+    generator = torch.Generator().manual_seed(0)
+    block = SparseMoeBlock(256, 44, num_experts=4, top_k=2, renormalize=True)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+    x = 3.0 * torch.randn(24, 256, generator=generator)
+
+    def rows_differ() -> bool:
+        with torch.no_grad():
+            alone = torch.cat([block(x[i : i + 1]) for i in range(x.shape[0])])
+            return any(not torch.equal(block(x[:count]), alone[:count]) for count in range(2, 25))
+
+    assert not rows_differ()
+    monkeypatch.setattr(Expert, "forward", breaks)
+    assert rows_differ()
+
+
+# --------------------------------------------------------------------------- refusals
+def test_refusals_are_one_line_and_named(tmp_path: Path) -> None:
+    """Tensor parallelism, quantization at load and after, CUDA's decode path, a model cut to
+    fewer layers."""
+    path = save_hf_model(make_moe_hf_model("qwen3_moe"), tmp_path)
+    loaded = load_model(path)
+    config = loaded.config
+    messages = []
+    with pytest.raises(ValueError, match="tensor parallelism for mixture-of-experts") as info:
+        load_model(path, shard=shard_layout(config, 0, 2))
+    messages.append(str(info.value))
+    with pytest.raises(ValueError, match="quantization='int8' is not supported for mix") as info:
+        load_model(path, quantization="int8")
+    messages.append(str(info.value))
+    with pytest.raises(ValueError, match="not supported for mixture-of-experts") as info:
+        quantize_model(loaded.model, "int8")
+    messages.append(str(info.value))
+    with pytest.raises(ValueError, match="cannot be cut to fewer layers") as info:
+        dataclasses.replace(config, num_hidden_layers=2)
+    messages.append(str(info.value))
+    assert all("\n" not in message for message in messages)
+    assert config.decode_path_reason("cuda") == "mixture-of-experts MLP (no grouped expert kernel)"
+    assert config.decode_path_reason("cpu") is None
