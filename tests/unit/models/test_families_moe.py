@@ -302,7 +302,7 @@ def test_expert_rules_negative_controls_are_not_batch_invariant(
 # --------------------------------------------------------------------------- refusals
 def test_refusals_are_one_line_and_named(tmp_path: Path) -> None:
     """Tensor parallelism, quantization at load and after, CUDA's decode path, a model cut to
-    fewer layers."""
+    fewer layers, a GGUF file with experts."""
     path = save_hf_model(make_moe_hf_model("qwen3_moe"), tmp_path)
     loaded = load_model(path)
     config = loaded.config
@@ -318,6 +318,18 @@ def test_refusals_are_one_line_and_named(tmp_path: Path) -> None:
     messages.append(str(info.value))
     with pytest.raises(ValueError, match="cannot be cut to fewer layers") as info:
         dataclasses.replace(config, num_hidden_layers=2)
+    messages.append(str(info.value))
+    import gguf
+
+    file = tmp_path / "mixtral.gguf"
+    writer = gguf.GGUFWriter(str(file), "llama")
+    writer.add_uint32("llama.expert_count", 8)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="mixture-of-experts GGUF files are not supported") as info:
+        load_model(file)
     messages.append(str(info.value))
     assert all("\n" not in message for message in messages)
     assert config.decode_path_reason("cuda") == "mixture-of-experts MLP (no grouped expert kernel)"
