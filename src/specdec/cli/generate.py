@@ -98,41 +98,45 @@ def _generate(args: argparse.Namespace) -> int:
     spec = None if args.no_spec else speculative_config(args, default_spec(args.model, args.device))
     check_before_loading(EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args)), spec)
     llm = _load(args.model, spec, engine_kwargs(args))
-    printed = [0]
+    try:
+        printed = [0]
 
-    def stream(output) -> None:
-        text = output.outputs[0].text
-        sys.stdout.write(text[printed[0] :])
-        sys.stdout.flush()
-        printed[0] = len(text)
+        def stream(output) -> None:
+            text = output.outputs[0].text
+            sys.stdout.write(text[printed[0] :])
+            sys.stdout.flush()
+            printed[0] = len(text)
 
-    run = _run(llm, args, params, stream if params.n == 1 else None)
-    out = run.output
-    if params.n > 1:
-        for completion in out.outputs:
-            print(f"--- sample {completion.index} ({completion.finish_reason}) ---")
-            print(completion.text)
-    else:
-        print()
-    if params.logprobs is not None:
-        for completion in out.outputs:
-            _print_logprobs(completion, params.logprobs)
-    print(
-        f"\n[{run.num_tokens} tokens in {run.elapsed_s:.2f} s ({run.tokens_per_s:.1f} tokens/s), "
-        f"finish: {', '.join(str(c.finish_reason) for c in out.outputs)}, seed: {out.seed}]",
-        file=sys.stderr,
-    )
-    for c in out.outputs:
-        if c.error is not None:
-            print(f"[sample {c.index}: {c.error}]", file=sys.stderr)
-    if spec is not None:
-        print(f"[{_speculation_figures(run, spec)}]", file=sys.stderr)
-    if args.compare:
-        plain = _run(
-            llm, args, dataclasses.replace(params, seed=out.seed), None, {"enabled": False}
+        run = _run(llm, args, params, stream if params.n == 1 else None)
+        out = run.output
+        if params.n > 1:
+            for completion in out.outputs:
+                print(f"--- sample {completion.index} ({completion.finish_reason}) ---")
+                print(completion.text)
+        else:
+            print()
+        if params.logprobs is not None:
+            for completion in out.outputs:
+                _print_logprobs(completion, params.logprobs)
+        print(
+            f"\n[{run.num_tokens} tokens in {run.elapsed_s:.2f} s "
+            f"({run.tokens_per_s:.1f} tokens/s), "
+            f"finish: {', '.join(str(c.finish_reason) for c in out.outputs)}, seed: {out.seed}]",
+            file=sys.stderr,
         )
-        print(f"[{_comparison(run, plain)}]", file=sys.stderr)
-    return 0
+        for c in out.outputs:
+            if c.error is not None:
+                print(f"[sample {c.index}: {c.error}]", file=sys.stderr)
+        if spec is not None:
+            print(f"[{_speculation_figures(run, spec)}]", file=sys.stderr)
+        if args.compare:
+            plain = _run(
+                llm, args, dataclasses.replace(params, seed=out.seed), None, {"enabled": False}
+            )
+            print(f"[{_comparison(run, plain)}]", file=sys.stderr)
+        return 0
+    finally:
+        llm.close()  # tensor-parallel workers stop and the group is left before exit
 
 
 def _run(llm, args, params, on_tokens, speculative: dict | None = None) -> Run:
