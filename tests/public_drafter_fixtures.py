@@ -269,3 +269,79 @@ def eagle3_config(
     elif layer_ids is not None:
         config["eagle_aux_hidden_state_layer_ids"] = layer_ids
     return {**config, **extra}
+
+
+# DFlash (z-lab's `DFlashDraftModel`): a Qwen3 target deep enough for two feature layers that
+# are not its last, and a two-layer drafter with z-lab's config keys and tensor names.
+DFLASH_TARGET_LAYERS = 5
+DFLASH_LAYER_IDS = [1, 3]
+DFLASH_BLOCK_SIZE = 4  # z-lab's: the anchor and three mask rows (three drafts)
+DFLASH_MASK_TOKEN_ID = VOCAB - 1
+DFLASH_CONFIG = {
+    "architectures": ["DFlashDraftModel"],
+    "model_type": "qwen3",
+    "hidden_act": "silu",
+    "hidden_size": HIDDEN,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 24,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 1e6,
+    "attention_bias": False,
+    "vocab_size": VOCAB,
+    "num_target_layers": DFLASH_TARGET_LAYERS,
+    "block_size": DFLASH_BLOCK_SIZE,
+    "dflash_config": {
+        "mask_token_id": DFLASH_MASK_TOKEN_ID,
+        "target_layer_ids": DFLASH_LAYER_IDS,
+    },
+}
+
+
+def dflash_target(seed: int = 0):
+    """`models_fixtures.make_hf_model("qwen3_qk_norm")` with DFLASH_TARGET_LAYERS layers: a
+    `transformers` Qwen3 with seeded random weights (fp32, eval)."""
+    import transformers
+
+    from models_fixtures import TINY_CONFIGS
+
+    values = {**TINY_CONFIGS["qwen3_qk_norm"], "num_hidden_layers": DFLASH_TARGET_LAYERS}
+    config = transformers.Qwen3Config(**values, attn_implementation="sdpa")
+    model = transformers.Qwen3ForCausalLM(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1.0 + 0.2 * noise if name.endswith("norm.weight") else 0.15 * noise)
+    return model.eval()
+
+
+def dflash_tensors(seed: int = 7) -> dict[str, torch.Tensor]:
+    """z-lab's names: fc, hidden_norm, layers.{i}.* (Qwen3 layers with q_norm / k_norm), norm."""
+    cfg = DFLASH_CONFIG
+    heads, kv_heads, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    inner = cfg["intermediate_size"]
+    shapes = {
+        "fc.weight": (HIDDEN, len(DFLASH_LAYER_IDS) * HIDDEN),
+        "hidden_norm.weight": (HIDDEN,),
+        "norm.weight": (HIDDEN,),
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (heads * d, HIDDEN),
+            p + "self_attn.k_proj.weight": (kv_heads * d, HIDDEN),
+            p + "self_attn.v_proj.weight": (kv_heads * d, HIDDEN),
+            p + "self_attn.o_proj.weight": (HIDDEN, heads * d),
+            p + "self_attn.q_norm.weight": (d,),
+            p + "self_attn.k_norm.weight": (d,),
+            p + "mlp.gate_proj.weight": (inner, HIDDEN),
+            p + "mlp.up_proj.weight": (inner, HIDDEN),
+            p + "mlp.down_proj.weight": (HIDDEN, inner),
+            p + "input_layernorm.weight": (HIDDEN,),
+            p + "post_attention_layernorm.weight": (HIDDEN,),
+        }
+    return random_tensors(shapes, seed)

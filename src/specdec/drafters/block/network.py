@@ -379,7 +379,8 @@ def save_block_drafter(
 
 
 def read_block_drafter_config(path: str | Path) -> BlockDrafterConfig:
-    """The BlockDrafterConfig of a checkpoint directory."""
+    """The BlockDrafterConfig of a checkpoint directory (ours, or z-lab's DFlash format read
+    without its target: `dflash_format.zlab_config_alone`)."""
     file = Path(path) / CONFIG_FILE
     if not file.is_file():
         raise FileNotFoundError(f"no {CONFIG_FILE} in {path}")
@@ -387,6 +388,10 @@ def read_block_drafter_config(path: str | Path) -> BlockDrafterConfig:
         values = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as err:
         raise CheckpointError(f"cannot read {file}: {err}") from err
+    from specdec.drafters.block.dflash_format import is_zlab_dflash, zlab_config_alone
+
+    if isinstance(values, dict) and is_zlab_dflash(values):
+        return zlab_config_alone(values, file)
     if values.get("specdec_drafter") not in BLOCK_DRAFTER_KINDS:
         raise CheckpointError(
             f'{file} is not a dflash/dspark drafter config (its "specdec_drafter" is '
@@ -396,7 +401,8 @@ def read_block_drafter_config(path: str | Path) -> BlockDrafterConfig:
 
 
 def load_block_drafter(path: str | Path, target: LlamaForCausalLM) -> BlockDrafterModel:
-    """Loads a checkpoint written by `save_block_drafter`, in the target's dtype and device.
+    """Loads a checkpoint written by `save_block_drafter`, or z-lab's public DFlash format
+    (`dflash_format.load_zlab_dflash`), in the target's dtype and device.
 
     Raises:
         FileNotFoundError: no config.json or weights file.
@@ -405,7 +411,11 @@ def load_block_drafter(path: str | Path, target: LlamaForCausalLM) -> BlockDraft
     """
     from safetensors import safe_open
 
+    from specdec.drafters.block.dflash_format import is_zlab_dflash, load_zlab_dflash
+
     config = read_block_drafter_config(path)
+    if is_zlab_dflash(json.loads((Path(path) / CONFIG_FILE).read_text(encoding="utf-8"))):
+        return load_zlab_dflash(path, target)
     weights = Path(path) / WEIGHTS_FILE
     if not weights.is_file():
         raise FileNotFoundError(f"no {WEIGHTS_FILE} in {path}")
