@@ -354,11 +354,11 @@ def block_drafter_dirs(model, given: str | None, root: Path) -> dict[str, str]:
     """kind -> checkpoint directory: the given ones, else drafters started from the target's
     weights (`init_from_target`; DSpark's confidence head at c = 1/2, so that with a minimum
     survival of 0.1 its scheduler runs and admits 3 drafts)."""
+    from specdec.drafters.block.checkpoint import save_block_drafter
     from specdec.drafters.block.network import (
         BlockDrafterConfig,
         default_feature_layers,
         init_from_target,
-        save_block_drafter,
     )
 
     if given:

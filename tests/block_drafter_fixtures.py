@@ -11,12 +11,12 @@ from pathlib import Path
 import torch
 
 from specdec.drafters import TargetFeatures
+from specdec.drafters.block.checkpoint import save_block_drafter
 from specdec.drafters.block.network import (
     BlockDrafterConfig,
     BlockDrafterModel,
     default_feature_layers,
     init_from_target,
-    save_block_drafter,
 )
 from specdec.models import LlamaForCausalLM
 from specdec.runner.model_runner import PagedModelRunner, StepInput

@@ -10,7 +10,7 @@ import pytest
 
 from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
 from specdec.cli import main
-from specdec.drafters.block.network import read_block_drafter_config
+from specdec.drafters.block.checkpoint import read_block_drafter_config
 from specdec.engine.llm import LLM
 from specdec.sampling import SamplingParams
 

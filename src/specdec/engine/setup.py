@@ -9,7 +9,8 @@ import warnings
 
 import torch
 
-from specdec.drafters.block.network import BLOCK_DRAFTER_KINDS, read_block_drafter_config
+from specdec.drafters.block.checkpoint import read_block_drafter_config
+from specdec.drafters.block.network import BLOCK_DRAFTER_KINDS
 from specdec.drafters.config import EAGLE_HEAD_METHODS
 from specdec.engine.config import EngineConfig
 from specdec.models import LlamaForCausalLM

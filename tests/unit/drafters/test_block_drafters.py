@@ -19,9 +19,9 @@ from block_drafter_fixtures import (
 )
 from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
 from specdec.drafters import DraftBatch, Drafter, TargetFeatures
+from specdec.drafters.block.checkpoint import load_block_drafter, save_block_drafter
 from specdec.drafters.block.dflash import DFlashDrafter
 from specdec.drafters.block.dspark import ConfidenceScheduler, DSparkDrafter
-from specdec.drafters.block.network import load_block_drafter, save_block_drafter
 from specdec.engine.llm import LLM
 from specdec.models import load_model
 from specdec.rng import Stream

@@ -21,8 +21,9 @@ from specdec.drafters.base import (
     ProposalBuffer,
     TargetFeatures,
 )
+from specdec.drafters.block.checkpoint import load_block_drafter
 from specdec.drafters.block.context import RequestContext, store_context
-from specdec.drafters.block.network import BlockDrafterModel, block_mask, load_block_drafter
+from specdec.drafters.block.network import BlockDrafterModel, block_mask
 from specdec.drafters.block.paged_context import FALLBACK_BLOCK_SIZE, PagedBlockContext
 from specdec.drafters.config import SpeculativeConfig
 from specdec.models import LlamaForCausalLM

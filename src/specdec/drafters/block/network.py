@@ -1,4 +1,4 @@
-"""The block drafter network of DFlash and DSpark, its config, and its checkpoint format.
+"""The block drafter network of DFlash and DSpark and its config (files: `checkpoint.py`).
 
 A few decoder layers run over one block of query rows ([anchor token, mask, mask, ...]); the rows
 attend to each other without a causal mask and to the context's target features, projected once
@@ -11,9 +11,7 @@ draws randomness: weights come from a checkpoint or from deterministic copies of
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,11 +24,8 @@ from specdec.models.families import check_llama_layout
 from specdec.models.layers import Embedding, Linear, RMSNorm
 from specdec.models.llama import LlamaAttention, LlamaMLP
 from specdec.models.rope import RotaryEmbedding, apply_rotary
-from specdec.models.weights import CheckpointError, assign_weights
 
 BLOCK_DRAFTER_KINDS = ("dflash", "dspark")
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 # Row offset of the first predicting row in a block, and its lag: DFlash mask rows predict their
 # own position (rows 1..K, anchor not predicting); DSpark rows predict the next position (rows
 # 0..K-1, anchor included). See the vLLM notes, section 2.2.
@@ -357,77 +352,4 @@ def init_from_target(config: BlockDrafterConfig, target: LlamaForCausalLM) -> Bl
         model.markov_out.weight.zero_()
         model.confidence.weight.zero_()
         model.confidence.bias.zero_()
-    return model
-
-
-def save_block_drafter(
-    model: BlockDrafterModel, path: str | Path, dtype: torch.dtype | None = None
-) -> Path:
-    """Writes config.json and model.safetensors (the drafter's own weights, not the target's),
-    in `dtype` (None: as they are)."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
-    state = {
-        name: t.detach().to("cpu", dtype or t.dtype).contiguous()
-        for name, t in model.state_dict().items()
-    }
-    save_file(state, str(path / WEIGHTS_FILE))
-    return path
-
-
-def read_block_drafter_config(path: str | Path) -> BlockDrafterConfig:
-    """The BlockDrafterConfig of a checkpoint directory (ours, or z-lab's DFlash format read
-    without its target: `dflash_format.zlab_config_alone`)."""
-    file = Path(path) / CONFIG_FILE
-    if not file.is_file():
-        raise FileNotFoundError(f"no {CONFIG_FILE} in {path}")
-    try:
-        values = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise CheckpointError(f"cannot read {file}: {err}") from err
-    from specdec.drafters.block.dflash_format import is_zlab_dflash, zlab_config_alone
-
-    if isinstance(values, dict) and is_zlab_dflash(values):
-        return zlab_config_alone(values, file)
-    if values.get("specdec_drafter") not in BLOCK_DRAFTER_KINDS:
-        raise CheckpointError(
-            f'{file} is not a dflash/dspark drafter config (its "specdec_drafter" is '
-            f"{values.get('specdec_drafter')!r})"
-        )
-    return BlockDrafterConfig.from_dict(values)
-
-
-def load_block_drafter(path: str | Path, target: LlamaForCausalLM) -> BlockDrafterModel:
-    """Loads a checkpoint written by `save_block_drafter`, or z-lab's public DFlash format
-    (`dflash_format.load_zlab_dflash`), in the target's dtype and device.
-
-    Raises:
-        FileNotFoundError: no config.json or weights file.
-        CheckpointError: an unreadable file, a missing tensor or a shape mismatch.
-        ValueError: a checkpoint built for another target.
-    """
-    from safetensors import safe_open
-
-    from specdec.drafters.block.dflash_format import is_zlab_dflash, load_zlab_dflash
-
-    config = read_block_drafter_config(path)
-    if is_zlab_dflash(json.loads((Path(path) / CONFIG_FILE).read_text(encoding="utf-8"))):
-        return load_zlab_dflash(path, target)
-    weights = Path(path) / WEIGHTS_FILE
-    if not weights.is_file():
-        raise FileNotFoundError(f"no {WEIGHTS_FILE} in {path}")
-    with torch.device("meta"):
-        model = BlockDrafterModel(config, target.config)
-    with safe_open(str(weights), framework="pt", device="cpu") as file:
-        names = set(file.keys())
-        assign_weights(
-            model,
-            lambda name: file.get_tensor(name) if name in names else None,
-            str(weights),
-            target.dtype,
-            target.device,
-        )
     return model

@@ -22,13 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.drafters.block.checkpoint import load_block_drafter, save_block_drafter
 from specdec.drafters.block.network import (
     BlockDrafterConfig,
     BlockDrafterModel,
     default_feature_layers,
     init_from_target,
-    load_block_drafter,
-    save_block_drafter,
 )
 from specdec.models import LlamaForCausalLM
 from specdec.train.kind import DrafterKind, TrainBatch, TrainOptions, target_logits
