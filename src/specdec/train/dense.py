@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specdec.models.llama import LlamaDecoderLayer
+from specdec.models.decoder_layers import LlamaDecoderLayer
 from specdec.models.rope import apply_rotary
 
 

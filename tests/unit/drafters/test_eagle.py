@@ -287,16 +287,16 @@ def test_eager_catch_up_pads_to_the_query_bucket(target_dir, head_dir, monkeypat
     (Q_PER_SEQ is a constexpr) compiles one variant per bucket, not per width; the drafts are
     those of the unpadded layout."""
     from specdec.drafters.eagle import drafter as drafter_module
-    from specdec.models import llama
+    from specdec.models import decoder_layers
 
     widths = []
-    attend = llama.paged_decode_attention
+    attend = decoder_layers.paged_decode_attention
 
     def recording(query, k_cache, v_cache, meta, scale):
         widths.append(meta.query_per_seq)
         return attend(query, k_cache, v_cache, meta, scale)
 
-    monkeypatch.setattr(llama, "paged_decode_attention", recording)
+    monkeypatch.setattr(decoder_layers, "paged_decode_attention", recording)
     proposals = []
     for bucketed in (True, False):
         if not bucketed:

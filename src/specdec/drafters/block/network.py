@@ -20,9 +20,9 @@ from torch import nn
 
 from specdec.drafters.config import MAX_NUM_SPECULATIVE_TOKENS
 from specdec.models import LlamaForCausalLM, ModelConfig
+from specdec.models.decoder_layers import LlamaAttention, LlamaMLP
 from specdec.models.families import check_llama_layout
 from specdec.models.layers import Embedding, Linear, RMSNorm
-from specdec.models.llama import LlamaAttention, LlamaMLP
 from specdec.models.rope import RotaryEmbedding, apply_rotary
 
 BLOCK_DRAFTER_KINDS = ("dflash", "dspark")

@@ -41,9 +41,9 @@ from specdec.drafters.formats import DrafterCheckpoint
 from specdec.models import LlamaForCausalLM
 from specdec.models.attention import AttentionMetadata, AttentionPlan, DecodeMetadata, KVCache
 from specdec.models.config import ModelConfig
+from specdec.models.decoder_layers import LlamaAttention, LlamaMLP, rms_norm
 from specdec.models.fused import add_rms_norm
 from specdec.models.layers import Embedding, Linear, RMSNorm
-from specdec.models.llama import LlamaAttention, LlamaMLP, rms_norm
 from specdec.models.rope import RotaryEmbedding
 from specdec.models.weights import CheckpointError, assign_weights
 

@@ -23,9 +23,10 @@ from torch import nn
 
 from specdec.models.attention import AttentionMetadata, AttentionPlan, DecodeMetadata, KVCache
 from specdec.models.config import ModelConfig
+from specdec.models.decoder_layers import LlamaDecoderLayer
 from specdec.models.fused import add_rms_norm
 from specdec.models.layers import Embedding, Linear, RMSNorm
-from specdec.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from specdec.models.llama import LlamaForCausalLM
 from specdec.models.loader import quantize_layer
 from specdec.models.quant import QuantizedWeight, quant_linear
 from specdec.models.quant_formats import quantize
