@@ -546,7 +546,7 @@ def force_triton(on: bool) -> None:
     setup_module.check_cublas_rows = (lambda w, m: {}) if on else setup_module._probe_check
 
 
-def part_bisect(model_path: str | None) -> None:
+def part_bisect(model_path: str | None, which: str = "random,builtin") -> None:
     """The replay fixtures' six requests (tests/replay_fixtures.py) alone against a closed batch
     and uniform arrivals, tokens (the overlapped path) and with logprobs (values bit for bit),
     under each of BISECT_CONFIGS: which part of the CUDA path makes a row depend on its batch."""
@@ -562,8 +562,8 @@ def part_bisect(model_path: str | None) -> None:
     from specdec.engine.config import EngineConfig, SpeculativeConfig
     from specdec.engine.llm_engine import LLMEngine
 
-    models = {"random": build_ours(SHAPE, DEVICE)}
-    if model_path:
+    models = {"random": build_ours(SHAPE, DEVICE)} if "random" in which else {}
+    if model_path and "builtin" in which:
         models["builtin"] = model_path
     requests = replay_requests()
     result = {}
@@ -682,6 +682,7 @@ def main() -> None:
     parser.add_argument("--toggle-linear", action="store_true")
     parser.add_argument("--model", default=None, help="engine part: a GGUF or HF path")
     parser.add_argument("--smoke", action="store_true", help="a tiny shape on the CPU")
+    parser.add_argument("--bisect-models", default="random,builtin", help="bisect: which models")
     args = parser.parse_args()
     if args.smoke:
         global DEVICE, SHAPE
@@ -716,7 +717,7 @@ def main() -> None:
             elif part == "tune":
                 part_tune()
             elif part == "bisect":
-                part_bisect(args.model)
+                part_bisect(args.model, args.bisect_models)
             elif part == "capture":
                 part_capture()
         except Exception as error:  # keep the other parts' results
