@@ -328,6 +328,8 @@ class ModelConfig:
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         architecture = architectures[0]
+        # MiMo is Qwen2's layout plus MTP layers (`model.mtp_layers.*`, read by drafters.mtp).
+        architecture = {"MiMoForCausalLM": "Qwen2ForCausalLM"}.get(architecture, architecture)
         if architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {architecture!r}; "
