@@ -183,6 +183,28 @@ GEMMA3_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+# Tiny Gemma 2 configs (`Gemma2Config` keywords): sliding and full layers alternate (its
+# default), a window of 8, a query_pre_attn_scalar that is not head_dim, and caps that bind at
+# this scale (attention scores reach ~+-6 and logits ~+-6 here; Gemma 2's own 50 and 30 would
+# hardly touch them, so a lost cap would pass unseen); "gemma2_uncapped" has neither cap
+# (config.json's nulls).
+_GEMMA2: dict[str, Any] = {
+    **{key: value for key, value in _GEMMA3.items() if not key.startswith("rope_local")},
+    "rope_theta": 10_000.0,
+    "attn_logit_softcapping": 2.0,
+    "final_logit_softcapping": 3.0,
+}
+del _GEMMA2["sliding_window_pattern"]
+GEMMA2_CONFIGS: dict[str, dict[str, Any]] = {
+    "gemma2": _GEMMA2,
+    "gemma2_uncapped": {
+        **_GEMMA2,
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+    },
+}
+
+
 def make_gemma3_hf_model(name: str, seed: int = 0) -> Any:
     """A `transformers` Gemma3ForCausalLM of a GEMMA3_CONFIGS entry with seeded random weights
     (norm weights ~N(0, 0.2^2): Gemma scales by 1 + w; others ~N(0, 0.15^2)), fp32, eval."""
@@ -191,7 +213,22 @@ def make_gemma3_hf_model(name: str, seed: int = 0) -> Any:
     config = transformers.Gemma3TextConfig(
         **GEMMA3_CONFIGS[name], architectures=["Gemma3ForCausalLM"], attn_implementation="sdpa"
     )
-    model = transformers.Gemma3ForCausalLM(config)
+    return _seeded_gemma(transformers.Gemma3ForCausalLM(config), seed)
+
+
+def make_gemma2_hf_model(name: str, seed: int = 0) -> Any:
+    """`make_gemma3_hf_model` for a GEMMA2_CONFIGS entry: a Gemma2ForCausalLM with eager
+    attention (`transformers`' SDPA path has no soft-capping)."""
+    import transformers
+
+    config = transformers.Gemma2Config(
+        **GEMMA2_CONFIGS[name], architectures=["Gemma2ForCausalLM"], attn_implementation="eager"
+    )
+    return _seeded_gemma(transformers.Gemma2ForCausalLM(config), seed)
+
+
+def _seeded_gemma(model: Any, seed: int) -> Any:
+    """`model` with seeded weights: norm weights ~N(0, 0.2^2), others ~N(0, 0.15^2); eval."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param_name, param in model.named_parameters():
@@ -409,6 +446,82 @@ def decode_path_step(
         logits = runner.model.compute_logits(hidden, decode=True)  # [B * Q, V]
     rows = logits.view(len(seq_ids), query_per_seq, -1)
     return {seq: rows[b, : query_lens[b]] for b, seq in enumerate(seq_ids)}
+
+
+def max_error(ours: Sequence[torch.Tensor], references: Sequence[torch.Tensor]) -> float:
+    """The largest absolute difference between paired tensors."""
+    return max((a - b).abs().max().item() for a, b in zip(ours, references, strict=True))
+
+
+def paged_steps_error(
+    model: LlamaForCausalLM,
+    references: Sequence[torch.Tensor],
+    sequences: Sequence[list[int]],
+    schedule: Sequence[Sequence[int]],
+) -> float:
+    """Runs `sequences` through a `PagedRunner` (blocks of 4, scattered) in the eager steps of
+    `schedule` (per step, each sequence's new token count; 0: absent) and returns the largest
+    logit error against `references` ([len(seq), V] each). Every sequence must be consumed."""
+    runner = PagedRunner(model, num_blocks=64, block_size=4)
+    done = [0] * len(sequences)
+    worst = 0.0
+    for step in schedule:
+        new = {b: sequences[b][done[b] : done[b] + n] for b, n in enumerate(step) if n > 0}
+        for b, logits in runner.step(new).items():
+            worst = max(worst, max_error([logits], [references[b][done[b] : done[b] + step[b]]]))
+        done = [d + n for d, n in zip(done, step, strict=True)]
+    assert done == [len(seq) for seq in sequences], "the schedule must consume every sequence"
+    return worst
+
+
+def decode_path_error(
+    model: LlamaForCausalLM,
+    references: Sequence[torch.Tensor],
+    sequences: Sequence[list[int]],
+    prefill: int = 3,
+    query_per_seq: int = 4,
+) -> float:
+    """Prefills each sequence's first `prefill` tokens, then runs the rest through the decode
+    path (`decode_path_step`) in steps of 1 to `query_per_seq` rows (varying by step and
+    sequence, padded to `query_per_seq`); returns the largest logit error against
+    `references` ([len(seq), V] each)."""
+    runner = PagedRunner(model, num_blocks=64, block_size=4)
+    runner.step({b: seq[:prefill] for b, seq in enumerate(sequences)})
+    done, step, worst = [prefill] * len(sequences), 0, 0.0
+    while any(d < len(seq) for d, seq in zip(done, sequences, strict=True)):
+        new = {}
+        for b, seq in enumerate(sequences):
+            count = min(1 + (step + b) % query_per_seq, len(seq) - done[b])
+            if count > 0:
+                new[b] = seq[done[b] : done[b] + count]
+        for b, logits in decode_path_step(runner, new, query_per_seq).items():
+            expected = references[b][done[b] : done[b] + len(new[b])]
+            worst = max(worst, max_error([logits], [expected]))
+            done[b] += len(new[b])
+        step += 1
+    return worst
+
+
+def llm_greedy(llm: Any, prompts: list[list[int]], max_tokens: int = 24, **kwargs: Any) -> list:
+    """`llm.generate` greedily for `max_tokens` tokens each (EOS ignored); `kwargs` pass on
+    (e.g. speculative={"enabled": False})."""
+    from specdec.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return llm.generate(prompts, params, use_tqdm=False, **kwargs)
+
+
+def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """`transformers`' greedy `generate` of `max_new_tokens` tokens (no EOS stop)."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def greedy_generate(

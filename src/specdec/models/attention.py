@@ -455,6 +455,40 @@ def _eager_backends(device: torch.device):
     return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
+def softcap_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    scale: float,
+    softcap: float,
+    attn_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`F.scaled_dot_product_attention` with soft-capped scores, as Gemma 2 attends: scores =
+    softcap * tanh(q.k * scale / softcap), then the mask, a float32 softmax and the values.
+    SDPA has no soft-capping, so this writes the score matrix out (the CPU's paths only).
+
+    Args:
+        query: [B, H_q, Q, D].
+        key, value: [B, H_kv, S, D] (H_kv divides H_q: query head h reads KV head
+            h // (H_q / H_kv), as SDPA's `enable_gqa`).
+        scale: softmax scale.
+        softcap: the cap (> 0).
+        attn_mask: [B, 1, Q, S] bool, True where a query sees a key, or None.
+
+    Returns: [B, H_q, Q, D] in query's dtype.
+    """
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale  # [B, H_q, Q, S]
+    scores = torch.tanh(scores / softcap) * softcap
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, value)
+
+
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -463,6 +497,7 @@ def paged_attention(
     *,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens over their sequences' cached context.
 
@@ -479,9 +514,13 @@ def paged_attention(
         scale: softmax scale (1 / sqrt(D) for the Llama family).
         sliding_window: if set, a query at position p sees keys at positions > p - sliding_window
             (ignored when `attn` is a plan: the plan carries its mask).
+        softcap: soft-cap the scores (`softcap_attention`), or None. The flash plan's kernel
+            has none: refused there.
 
     Returns:
         [T, H_q, D] attention output, in `query`'s dtype.
+
+    Raises: ValueError: `softcap` with a flash plan.
     """
     num_tokens, num_heads, head_dim = query.shape
     if num_tokens == 0:
@@ -490,6 +529,11 @@ def paged_attention(
         attn = AttentionPlan.build(attn, k_cache.shape[1], query.device, sliding_window)
     plan = attn
     if plan.flash and plan.attn is not None:
+        if softcap is not None:
+            raise ValueError(
+                "attention logit soft-capping is not supported by the flash prefill kernel "
+                "(CUDA); run on the CPU"
+            )
         meta = plan.attn
         return paged_prefill_attention(
             query,
@@ -510,15 +554,25 @@ def paged_attention(
     else:
         padded_query = query.new_zeros(plan.num_seqs, plan.max_seqlen_q, num_heads, head_dim)
         padded_query[plan.seq_of_token, plan.index_in_seq] = query
-    with _eager_backends(query.device):
-        out = F.scaled_dot_product_attention(
-            padded_query.transpose(1, 2),  # [B, H_q, Q, D]
-            keys.transpose(1, 2).to(query.dtype),  # [B, H_kv, S, D]
+    if softcap is not None:
+        out = softcap_attention(
+            padded_query.transpose(1, 2),
+            keys.transpose(1, 2).to(query.dtype),
             values.transpose(1, 2).to(query.dtype),
-            attn_mask=plan.mask,  # [B, 1, Q, S]
             scale=scale,
-            enable_gqa=num_heads != keys.shape[2],
+            softcap=softcap,
+            attn_mask=plan.mask,
         )  # [B, H_q, Q, D]
+    else:
+        with _eager_backends(query.device):
+            out = F.scaled_dot_product_attention(
+                padded_query.transpose(1, 2),  # [B, H_q, Q, D]
+                keys.transpose(1, 2).to(query.dtype),  # [B, H_kv, S, D]
+                values.transpose(1, 2).to(query.dtype),
+                attn_mask=plan.mask,  # [B, 1, Q, S]
+                scale=scale,
+                enable_gqa=num_heads != keys.shape[2],
+            )  # [B, H_q, Q, D]
     if plan.max_seqlen_q == 1 and plan.num_seqs == num_tokens:
         return out[:, :, 0]  # [T, H_q, D]
     return out.transpose(1, 2)[plan.seq_of_token, plan.index_in_seq]  # [T, H_q, D]

@@ -20,10 +20,12 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",
     "Olmo2ForCausalLM",
+    "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
 )
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 # Router settings of other MoE families (DeepSeek's grouped / sigmoid routers and shared
 # experts, Qwen2-MoE's shared expert) that the softmax-top-k router here does not implement.
@@ -39,14 +41,17 @@ _UNSUPPORTED_MOE_KEYS = (
 NORM_PLACEMENTS = ("pre", "post", "sandwich")
 QK_NORM_SCOPES = ("head", "full")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
-# The families whose config.json `sliding_window` binds every layer (or Gemma 3's sliding ones).
+# The families whose config.json `sliding_window` binds every layer (or Gemma's sliding ones).
 _WINDOWED_ARCHITECTURES = (
     "MistralForCausalLM",
     "MixtralForCausalLM",
     "Phi3ForCausalLM",
+    "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
 )
 SLIDING, FULL = "sliding_attention", "full_attention"  # the kinds of `layer_types`
+# Gemma 2's soft-capping when its config.json does not name it (Gemma2Config's defaults).
+_GEMMA2_SOFTCAPPING = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
 # Gemma 3's RoPE types on its full-attention layers: those without an attention factor (a
 # YaRN-like m would apply to those layers alone, and the attention scale is one per model).
 _GEMMA3_ROPE_TYPES = ("default", "linear", "llama3")
@@ -83,7 +88,7 @@ class ModelConfig:
             "full" (the whole projection, heads x head_dim values, OLMo 2).
         norm_placement: "pre" (x + f(norm(x)), Llama), "post" (x + norm(f(x)) for attention
             and MLP alike, no norm before either: OLMo 2) or "sandwich" (x + norm(f(norm(x))),
-            four norms per layer: Gemma 3).
+            four norms per layer: Gemma 2 and 3).
         norm_weight_in_float32: RMSNorm multiplies by its weight in float32 before casting
             back (OLMo 2), not after (Llama).
         norm_unit_offset: RMSNorm scales by (1 + weight), in float32 before casting back
@@ -93,7 +98,10 @@ class ModelConfig:
         scale_embeddings: the embeddings are multiplied by sqrt(hidden_size), rounded to the
             activation dtype as `transformers` rounds it (Gemma).
         query_pre_attn_scalar: the softmax scale is query_pre_attn_scalar^-1/2 instead of
-            head_dim^-1/2 (Gemma 3), or None.
+            head_dim^-1/2 (Gemma), or None.
+        attn_logit_softcapping: attention scores (after the softmax scale, before the mask)
+            become cap * tanh(scores / cap) (Gemma 2), or None.
+        final_logit_softcapping: logits become cap * tanh(logits / cap) (Gemma 2), or None.
         partial_rotary_factor: the fraction of each head's dimensions RoPE rotates (Phi-3's
             `partial_rotary_factor`; 1.0: all), see `rotary_dim`.
         sliding_window: attend only to the last `sliding_window` positions (Mistral, Phi-3; with
@@ -143,6 +151,8 @@ class ModelConfig:
     hidden_act: str = "silu"
     scale_embeddings: bool = False
     query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     partial_rotary_factor: float = 1.0
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
@@ -195,6 +205,10 @@ class ModelConfig:
             raise ValueError(f"qk_norm_scope must be one of {QK_NORM_SCOPES}")
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r} (one of {HIDDEN_ACTS})")
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            cap = getattr(self, name)
+            if cap is not None and not cap > 0:
+                raise ValueError(f"{name} must be > 0 or None, got {cap!r}")
         self._check_layer_types()
         self._check_moe()
         rotary_dim = self.rotary_dim
@@ -288,13 +302,25 @@ class ModelConfig:
             return self.max_position_embeddings
         return self.rope_scaling.context_length(self.max_position_embeddings)
 
+    def device_reason(self, device_type: str) -> str | None:
+        """Why no path (eager or decode) can run this model on `device_type` ("cpu",
+        "cuda"), or None when one can: CUDA's attention kernels (flash prefill, decode,
+        split-KV) have no attention logit soft-capping; the CPU's have it."""
+        if device_type != "cpu" and self.attn_logit_softcapping is not None:
+            return "attention logit soft-capping"
+        return None
+
     def decode_path_reason(self, device_type: str) -> str | None:
         """Why the fused decode path cannot run this model on `device_type` ("cpu", "cuda"),
         or None when it can. Both take one frequency table per layer for every token (no
-        dynamic NTK); CUDA's kernels have no window and no GeGLU, the CPU's plan
-        (`DecodePlanCPU`) has windows and the CPU runs every twin."""
+        dynamic NTK); CUDA's kernels have no window, no GeGLU and no soft-capping
+        (`device_reason`), the CPU's plan (`DecodePlanCPU`) has windows and soft-capping and
+        the CPU runs every twin."""
         if self.rope_scaling is not None and self.rope_scaling.is_dynamic:
             return "dynamic NTK rope scaling (frequencies that depend on the position)"
+        device_reason = self.device_reason(device_type)
+        if device_reason is not None:
+            return device_reason
         if device_type != "cpu" and self.has_sliding_window:
             return "sliding-window attention"
         if device_type != "cpu" and self.hidden_act != "silu":
@@ -336,8 +362,9 @@ class ModelConfig:
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         is_gemma3 = architecture == "Gemma3ForCausalLM"
-        if is_gemma3:
-            _check_gemma3(hf_config)
+        is_gemma = architecture in GEMMA_ARCHITECTURES
+        if is_gemma:
+            _check_gemma(hf_config, architecture)
             hidden_act = hf_config.get("hidden_activation") or "gelu_pytorch_tanh"
             if hidden_act != "gelu_pytorch_tanh":
                 raise ValueError(
@@ -378,7 +405,7 @@ class ModelConfig:
         sliding_window = (
             hf_config.get("sliding_window") if architecture in _WINDOWED_ARCHITECTURES else None
         )
-        layer_types = _gemma3_layer_types(hf_config, architecture) if is_gemma3 else ()
+        layer_types = _gemma_layer_types(hf_config, architecture) if is_gemma else ()
         context = (
             max_position_embeddings
             if rope_scaling is None
@@ -392,10 +419,17 @@ class ModelConfig:
             attention_bias = attention_out_bias = False
         else:
             attention_bias = attention_out_bias = bool(hf_config.get("attention_bias", False))
-        mlp_bias = bool(hf_config.get("mlp_bias", False)) and not (is_phi3 or is_olmo2 or is_gemma3)
-        query_pre_attn_scalar = hf_config.get("query_pre_attn_scalar") if is_gemma3 else None
-        # Gemma3TextConfig ties them unless config.json says otherwise; the others do not.
-        tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", is_gemma3))
+        mlp_bias = bool(hf_config.get("mlp_bias", False)) and not (is_phi3 or is_olmo2 or is_gemma)
+        # Gemma's configs default to 256 (and tie the embeddings); the others do not.
+        query_pre_attn_scalar = hf_config.get("query_pre_attn_scalar", 256) if is_gemma else None
+        tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", is_gemma))
+        softcapping = {
+            name: None if value is None else float(value)
+            for name, default in _GEMMA2_SOFTCAPPING.items()
+            for value in [hf_config.get(name, default)]
+        }
+        if architecture != "Gemma2ForCausalLM":
+            softcapping = {}
 
         eos = hf_config.get("eos_token_id")
         eos_token_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
@@ -419,11 +453,11 @@ class ModelConfig:
             qk_norm=architecture
             in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Olmo2ForCausalLM", "Gemma3ForCausalLM"),
             qk_norm_scope="full" if is_olmo2 else "head",
-            norm_placement="post" if is_olmo2 else "sandwich" if is_gemma3 else "pre",
+            norm_placement="post" if is_olmo2 else "sandwich" if is_gemma else "pre",
             norm_weight_in_float32=is_olmo2,
-            norm_unit_offset=is_gemma3,
+            norm_unit_offset=is_gemma,
             hidden_act=hidden_act,
-            scale_embeddings=is_gemma3,
+            scale_embeddings=is_gemma,
             query_pre_attn_scalar=(
                 float(query_pre_attn_scalar) if query_pre_attn_scalar is not None else None
             ),
@@ -434,6 +468,7 @@ class ModelConfig:
             bos_token_id=hf_config.get("bos_token_id"),
             eos_token_ids=eos_token_ids,
             torch_dtype=hf_config.get("torch_dtype") or hf_config.get("dtype"),
+            **softcapping,
             **_parse_moe(hf_config, architecture),
         )
 
@@ -510,29 +545,31 @@ def _parse_rope(
     return float(theta), rope_scaling, partial_rotary_factor
 
 
-def _check_gemma3(hf_config: dict[str, Any]) -> None:
-    """Refuses, by name, what Gemma 3's config.json may ask for that the forward pass lacks
-    (Gemma 2's soft-capping; the bidirectional attention of its embedding models)."""
-    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if hf_config.get(name) is not None:
-            raise ValueError(
-                f"Gemma3ForCausalLM with {name}={hf_config[name]} is not supported "
-                "(no logit soft-capping)"
-            )
+def _check_gemma(hf_config: dict[str, Any], architecture: str) -> None:
+    """Refuses, by name, what a Gemma config.json may ask for that the forward pass lacks
+    (soft-capping on Gemma 3: no checkpoint sets it and no test compares it; the
+    bidirectional attention of the embedding models)."""
+    if architecture == "Gemma3ForCausalLM":
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if hf_config.get(name) is not None:
+                raise ValueError(
+                    f"Gemma3ForCausalLM with {name}={hf_config[name]} is not supported "
+                    "(no logit soft-capping)"
+                )
     if hf_config.get("use_bidirectional_attention"):
-        raise ValueError("Gemma3ForCausalLM with use_bidirectional_attention is not supported")
+        raise ValueError(f"{architecture} with use_bidirectional_attention is not supported")
 
 
-def _gemma3_layer_types(hf_config: dict[str, Any], architecture: str) -> tuple[str, ...]:
+def _gemma_layer_types(hf_config: dict[str, Any], architecture: str) -> tuple[str, ...]:
     """Each layer's attention kind: config.json's `layer_types`, else every
     `sliding_window_pattern`-th layer full and the others sliding (transformers' rule;
-    pattern 6 when unset)."""
+    pattern 6 when unset on Gemma 3, 2 on Gemma 2: sliding and full alternate)."""
     num_layers = int(hf_config.get("num_hidden_layers") or 0)
     layer_types = hf_config.get("layer_types")
     if layer_types is not None:
         return tuple(str(kind) for kind in layer_types)
     pattern = hf_config.get("sliding_window_pattern") or hf_config.get("_sliding_window_pattern")
-    pattern = int(pattern or 6)
+    pattern = int(pattern or (6 if architecture == "Gemma3ForCausalLM" else 2))
     return tuple(FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers))
 
 

@@ -5,7 +5,7 @@ arithmetic. `DecodePlanCPU` does a step's index work once (RoPE angles, K/V slot
 sequence's keys as a view of the cache or a slot list, from a `DecodeMetadata`) and every layer
 reuses it: RoPE for q and k in one pass, K/V written with `index_copy_`, attention one SDPA call
 per query row over exactly its keys (its window's, in a sliding-window layer: so rows do not
-depend on the step's shape). Layers of another RoPE table or window (Gemma 3's sliding and
+depend on the step's shape; its soft-capped twin for Gemma 2's capped scores). Layers of another RoPE table or window (Gemma 3's sliding and
 full layers) share the step's index work through `for_layers`. The CPU
 counterpart of `fused_triton.py`'s RoPE and attention kernels, with the same twins
 (`fused.rope_write_kv_ref`, `fused.paged_decode_attention_ref`; tests compare them). Never
@@ -21,7 +21,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specdec.models.attention import AttentionMetadata, DecodeMetadata, cache_slots
+from specdec.models.attention import (
+    AttentionMetadata,
+    DecodeMetadata,
+    cache_slots,
+    softcap_attention,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,9 +253,11 @@ def decode_attention_cpu(
     v_cache: torch.Tensor,
     plan: DecodePlanCPU,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """`fused.paged_decode_attention_ref`, one SDPA call per live query row over its own keys
-    (those inside `plan.sliding_window` of it when the plan has a window).
+    (those inside `plan.sliding_window` of it when the plan has a window); with `softcap`,
+    `attention.softcap_attention` instead (Gemma 2's soft-capped scores).
 
     Args:
         query: [B * Q, H_q, D] rotated queries in the plan's uniform layout.
@@ -258,6 +265,7 @@ def decode_attention_cpu(
             step's keys and values).
         plan: the step's plan.
         scale: softmax scale.
+        softcap: the score cap, or None.
 
     Returns: [B * Q, H_q, D] in query's dtype; padding rows (and inert sequences) are 0.
     """
@@ -284,13 +292,23 @@ def decode_attention_cpu(
         for j, count in enumerate(counts):
             row = first_row + j
             start = 0 if window is None else max(count - window, 0)
-            out = F.scaled_dot_product_attention(
-                rows[:, :, row : row + 1],
-                keys[:, :, start - first : count - first],
-                values[:, :, start - first : count - first],
-                scale=scale,
-                enable_gqa=num_heads != num_kv_heads,
-            )  # [1, H_q, 1, D]
+            seen = slice(start - first, count - first)
+            if softcap is None:
+                out = F.scaled_dot_product_attention(
+                    rows[:, :, row : row + 1],
+                    keys[:, :, seen],
+                    values[:, :, seen],
+                    scale=scale,
+                    enable_gqa=num_heads != num_kv_heads,
+                )  # [1, H_q, 1, D]
+            else:
+                out = softcap_attention(
+                    rows[:, :, row : row + 1],
+                    keys[:, :, seen],
+                    values[:, :, seen],
+                    scale=scale,
+                    softcap=softcap,
+                )
             outputs.append((row, out[0, :, 0]))
     if len(outputs) == num_rows and plan.all_live:
         return torch.stack([out for _, out in outputs])  # rows in order: [B * Q, H_q, D]

@@ -1,6 +1,6 @@
 """The Llama family's decoder layers: GQA attention with RoPE (`LlamaAttention`), the gated MLP
 (`LlamaMLP`), and the three norm placements around them (`LlamaDecoderLayer`: before each
-sublayer; `PostNormDecoderLayer`: after, OLMo 2; `SandwichNormDecoderLayer`: both, Gemma 3),
+sublayer; `PostNormDecoderLayer`: after, OLMo 2; `SandwichNormDecoderLayer`: both, Gemma),
 each with the eager `forward` and the fused `forward_decode` of every CUDA step and the CPU plan.
 `llama.LlamaModel` stacks them (`DECODER_LAYERS` by `ModelConfig.norm_placement`).
 """
@@ -40,7 +40,7 @@ def rms_norm(config: ModelConfig, dim: int | None = None) -> RMSNorm:
 
 class LlamaAttention(nn.Module):
     """GQA self-attention with RoPE (and q/k RMSNorm: Qwen3's per head, OLMo 2's over the whole
-    projection) over the paged cache."""
+    projection; Gemma 2's soft-capped scores) over the paged cache."""
 
     def __init__(self, config: ModelConfig, shard: ShardLayout | None = None) -> None:
         super().__init__()
@@ -56,6 +56,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         # 1 / sqrt(head_dim) (Gemma 3: 1 / sqrt(query_pre_attn_scalar)), times YaRN's m^2
         self.scale = attention_scale(config, config.query_pre_attn_scalar)
+        self.softcap = config.attn_logit_softcapping  # scores -> cap * tanh(scores / cap)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = Linear(config.hidden_size, q_size, config.attention_bias)
         self.k_proj = Linear(config.hidden_size, kv_size, config.attention_bias)
@@ -128,9 +129,14 @@ class LlamaAttention(nn.Module):
             query = rope_write_kv_cpu(
                 qkv, plan, k_cache, v_cache, self.num_heads, self.num_kv_heads
             )
-            out = decode_attention_cpu(query, k_cache, v_cache, plan, self.scale)
+            out = decode_attention_cpu(query, k_cache, v_cache, plan, self.scale, self.softcap)
             return self._reduce(
                 self.o_proj.decode(out.reshape(num_tokens, self.num_heads * self.head_dim))
+            )
+        if self.softcap is not None:
+            raise ValueError(
+                "attention logit soft-capping is not supported by the fused decode kernels "
+                "(only the CPU's plan has it); run eagerly"
             )
         query = rope_write_kv(
             qkv,
@@ -176,7 +182,7 @@ class LlamaAttention(nn.Module):
         value = value.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
         write_kv_planned(key, value, k_cache, v_cache, plan)
-        out = paged_attention(query, k_cache, v_cache, plan, scale=self.scale)
+        out = paged_attention(query, k_cache, v_cache, plan, scale=self.scale, softcap=self.softcap)
         # [T, H_q, D_head]
         return self._reduce(self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim)))
 
@@ -347,7 +353,7 @@ class PostNormDecoderLayer(nn.Module):
 
 
 class SandwichNormDecoderLayer(nn.Module):
-    """Gemma 3's block: x + norm(attn(norm(x))), then x + norm(mlp(norm(x))) (four norms:
+    """Gemma 2's and 3's block: x + norm(attn(norm(x))), then x + norm(mlp(norm(x))) (four norms:
     `input_layernorm` and `post_attention_layernorm` around attention,
     `pre_feedforward_layernorm` and `post_feedforward_layernorm` around the MLP)."""
 

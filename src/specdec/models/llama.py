@@ -1,7 +1,8 @@
 """The Llama-family forward pass (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2, Phi-3, OLMo 2,
-Gemma 3 text, Mixtral, Qwen3-MoE), written once; the families differ by the options of their
-`ModelConfig` (OLMo 2's norms after each sublayer: `PostNormDecoderLayer`; Gemma 3's before and
-after: `SandwichNormDecoderLayer`; Mixtral's and Qwen3-MoE's sparse MLPs: `moe.SparseMoeBlock`).
+Gemma 2, Gemma 3 text, Mixtral, Qwen3-MoE), written once; the families differ by the options of
+their `ModelConfig` (OLMo 2's norms after each sublayer: `PostNormDecoderLayer`; Gemma's before
+and after: `SandwichNormDecoderLayer`; Mixtral's and Qwen3-MoE's sparse MLPs:
+`moe.SparseMoeBlock`; Gemma 2's soft-capped attention scores and logits).
 Layers may differ in their attention window and RoPE table (Gemma 3's sliding and full layers):
 the model hands each layer its kind's plan and table.
 
@@ -84,6 +85,7 @@ class LlamaModel(nn.Module):
             for index in range(config.num_hidden_layers)
         )
         self.has_window = config.has_sliding_window
+        self.has_softcap = config.attn_logit_softcapping is not None
         self.embed_scale = config.hidden_size**0.5 if config.scale_embeddings else None
         self.eager_only_reason = config.eager_only_reason  # CUDA's
         self.cpu_decode_reason = config.decode_path_reason("cpu")
@@ -213,10 +215,10 @@ class LlamaModel(nn.Module):
         local = self.local_rotary_emb
         inv_freqs = {False: inv_freq, True: None if local is None else local.inv_freq_at(positions)}
         planned = meta is not None and meta.tree_mask is None  # tree steps: the twins instead
-        if meta is not None and meta.tree_mask is not None and self.has_window:
-            raise ValueError(
-                "a tree step on the decode path has no sliding-window attention; run it eagerly"
-            )
+        tree_step = meta is not None and meta.tree_mask is not None
+        if tree_step and (self.has_window or self.has_softcap):
+            missing = "sliding-window attention" if self.has_window else "soft-capping"
+            raise ValueError(f"a tree step on the decode path has no {missing}; run it eagerly")
         if plan is None and planned and self._plans_rows(input_ids):
             # index work once for every layer
             plan = DecodePlanCPU.build(meta, positions, inv_freq, kv_cache.block_size)
@@ -263,6 +265,7 @@ class LlamaForCausalLM(nn.Module):
         # A tied LM head whose table is quantized for the product (the loader sets it).
         self.tied_head: QuantizedWeight | None = None
         self.quantization: str | None = None  # what the linears run as (set by the loader)
+        self.final_softcap = config.final_logit_softcapping  # logits -> cap * tanh(logits / cap)
 
     @property
     def device(self) -> torch.device:
@@ -381,7 +384,8 @@ class LlamaForCausalLM(nn.Module):
         float32 [N, V] buffer to write them into (a graphed step's), cast in the copy.
 
         Returns: [N, V] float32 logits (`out` if given; under tensor parallelism every rank's
-        vocabulary rows, gathered)."""
+        vocabulary rows, gathered), soft-capped in float32 when the model caps them (Gemma 2's
+        `final_logit_softcapping`)."""
         head = self.lm_head_quantized
         if head is not None:
             logits = quant_linear(hidden, head, kernel_only=decode)
@@ -389,9 +393,10 @@ class LlamaForCausalLM(nn.Module):
             logits = batch_invariant_linear(hidden, self.lm_head_weight)
         if self.tp is not None:
             logits = self.tp.gather_vocab(logits.float())
-        if out is not None:
-            return out.copy_(logits)
-        return logits.float()
+        logits = logits.float() if out is None else out.copy_(logits)  # a tensor of its own
+        if self.final_softcap is not None:
+            logits.div_(self.final_softcap).tanh_().mul_(self.final_softcap)
+        return logits
 
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None

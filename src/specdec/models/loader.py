@@ -182,9 +182,21 @@ def _release_freed_memory() -> None:
 
 
 def _empty_model(
-    config: ModelConfig, shard: ShardLayout | None, without_layers: bool
+    config: ModelConfig,
+    shard: ShardLayout | None,
+    without_layers: bool,
+    device: torch.device | str,
 ) -> LlamaForCausalLM:
-    """The model to fill, on the meta device (with no decoder layers when `without_layers`)."""
+    """The model to fill, on the meta device (with no decoder layers when `without_layers`).
+
+    Raises: ValueError: no path runs the model on `device` (`ModelConfig.device_reason`)."""
+    device_type = torch.device(device).type
+    reason = config.device_reason(device_type)
+    if reason is not None:
+        raise ValueError(
+            f"{config.architecture} on {device_type}: {reason} is not supported by its "
+            "attention kernels; load it on the CPU"
+        )
     with torch.device("meta"):
         model = LlamaForCausalLM(config, shard)
     if without_layers:
@@ -216,7 +228,7 @@ def _load_gguf(
             "directory, in float)"
         )
     config = gguf_file.model_config()
-    model = _empty_model(config, shard, without_layers)
+    model = _empty_model(config, shard, without_layers, device)
     piece_of = _piece_of(config, shard)
 
     def read_float(name: str) -> torch.Tensor | None:
@@ -257,7 +269,7 @@ def _load_hf_dir(
     without_layers: bool = False,
 ) -> LoadedModel:
     config = ModelConfig.from_hf_config(_read_json(path / "config.json", "config.json"))
-    model = _empty_model(config, shard, without_layers)
+    model = _empty_model(config, shard, without_layers, device)
     piece_of = _piece_of(config, shard)
     with _SafetensorsCheckpoint(path) as checkpoint:
         read = _hf_tensors(config, checkpoint.read)
