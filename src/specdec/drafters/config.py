@@ -106,8 +106,9 @@ class SpeculativeConfig:
     """vLLM's `speculative_config` keys.
 
     Attributes:
-        method: "ngram" (prompt lookup), "draft_model", "eagle" (alias "mtp": a head over
-            the target's hidden features), "eagle3" (vLLM's name for EAGLE-3 heads: "eagle"
+        method: "ngram" (prompt lookup), "draft_model", "eagle" (a head over the target's
+            hidden features), "mtp" (the MTP layers of the target's own checkpoint, or any
+            "eagle" head), "eagle3" (vLLM's name for EAGLE-3 heads: "eagle"
             restricted to them), "dflash" (a parallel block drafter over the target's
             features), "dspark" (dflash + Markov head + confidence-scheduled verify length) or
             "medusa" (heads over the target's last hidden state, one draft each).
@@ -117,7 +118,10 @@ class SpeculativeConfig:
             `specdec train-drafter --kind eagle`, an EAGLE-1/2 checkpoint in SafeAILab's
             format, or an EAGLE-3 checkpoint in SpecForge's / SGLang's / vLLM's or speculators'
             format: recognised from its config and tensors). For "eagle3": an EAGLE-3
-            checkpoint. For "dflash"/"dspark": a block drafter
+            checkpoint. For "mtp": also a target checkpoint whose files hold MTP layers (MiMo's
+            `model.mtp_layers.{k}`, DeepSeek-V3's `model.layers.{N + k}`: `drafters.mtp`);
+            left out on a target other than the built-in one, the target's own directory.
+            For "dflash"/"dspark": a block drafter
             directory (written by `specdec train-drafter --kind dflash|dspark`). For "medusa":
             a directory of Medusa heads in FasterDecoding's or vLLM's format. "eagle"/"mtp"
             without a model on the built-in target take the head shipped in the package.

@@ -92,7 +92,7 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
         """
         self.config = config
         builtin_target = model is None and is_builtin_model(config.model)
-        speculative_config = with_shipped_head(speculative_config, builtin_target)
+        speculative_config = with_shipped_head(speculative_config, builtin_target, config.model)
         self.device = resolve_device(config.device)
         check_kv_cache_dtype(config.kv_cache_dtype, self.device)  # before a model loads
         self.async_scheduling = config.async_scheduling

@@ -64,10 +64,12 @@ def complete_speculative_config(
 
 
 def with_shipped_head(
-    spec: SpeculativeConfig | None, builtin_target: bool
+    spec: SpeculativeConfig | None, builtin_target: bool, target_path: str | None = None
 ) -> SpeculativeConfig | None:
     """`spec`, with the shipped EAGLE head as its `model` when it asks for "eagle" / "mtp"
-    without one on the built-in target.
+    without one on the built-in target. "mtp" without one on another target reads the MTP
+    layers of the target's own checkpoint, `target_path` (left unset when None: a check made
+    before the target is known).
 
     Raises:
         ValueError: such a spec for another target (it has no shipped head), or an
@@ -76,6 +78,8 @@ def with_shipped_head(
     if spec is None or spec.model or spec.method not in SHIPPED_HEAD_METHODS:
         return spec
     if not builtin_target:
+        if spec.method == "mtp":
+            return spec if target_path is None else dataclasses.replace(spec, model=target_path)
         raise ValueError(
             f'speculative_config.method "{spec.method}" needs "model" (a head directory '
             "written by `specdec train-drafter --kind eagle`); only the built-in model has a "

@@ -121,7 +121,13 @@ class EagleDrafter(Drafter):
         GPU, the same static buffers op by op elsewhere) for its draft steps.
 
         Raises:
-            ValueError: what `load_head` raises."""
+            ValueError: what `load_head` raises; "mtp" without a `model` (the engine sets the
+                target's directory; a target handed in loaded has none)."""
+        if spec.model is None:
+            raise ValueError(
+                f'speculative_config method "{spec.method}" needs "model": the directory of a '
+                "head or of a target checkpoint with MTP layers"
+            )
         head, draft_to_target = load_head(
             spec.model, target, dtype=target.dtype, device=target.device, method=spec.method
         )

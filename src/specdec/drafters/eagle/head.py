@@ -4,7 +4,8 @@ Head entry t combines the feature of the token at position t with the embedding 
 t + 1 and predicts the token at t + 2 (EAGLE, Li et al. 2024, section 3; EAGLE-3's multi-layer
 features, 2025, section 3.2). The head reuses the target's embedding and LM head (rows of a
 reduced draft vocabulary), so its directory stores only the head. Public checkpoints whose head
-is wired differently (EAGLE-1/2: `eagle.public`) load into the same class through `HeadLayout`.
+is wired differently (EAGLE-1/2: `eagle.public`; MTP layers inside a target: `drafters.mtp`) load
+into the same class through `HeadLayout`.
 Never samples or draws randomness; parameters are created empty and filled by a loader or by
 `specdec.train`.
 """
@@ -55,6 +56,14 @@ class HeadLayout:
             target's LM head as it is (and feed it back as the next entry's hidden input).
         own_embedding: tokens are looked up in the head's `embed_tokens` [V, D] (a public
             checkpoint whose table is not the target's); False: the target's table.
+        feature_norm: the feature passes through `feature_norm` (ours; EAGLE-1/2's and
+            DeepSeek-V3 MTP's, then the target's final norm); False: it enters as it is (MiMo's
+            MTP reads the target's last hidden state before its final norm).
+        hidden_first: `in_proj` reads [hidden, embedding] (MiMo's `input_proj`); False:
+            [embedding, hidden] (EAGLE's and DeepSeek-V3's `eh_proj` order).
+        norm_fed_back: the output norm ends the layer (`final_norm`, MiMo's final_layernorm):
+            the LM head and the next chained entry both read the normed output; False: the next
+            entry reads the output before `norm`.
     """
 
     feature_fc: bool = True
@@ -63,6 +72,9 @@ class HeadLayout:
     layer_input_norm: bool = True
     output_norm: bool = True
     own_embedding: bool = False
+    feature_norm: bool = True
+    hidden_first: bool = False
+    norm_fed_back: bool = False
 
 
 # EagleConfig fields that only loaders of public formats set (never in a head directory of ours).
@@ -222,8 +234,9 @@ class EagleHead(nn.Module):
     `hidden_norm` [D], `in_proj` [D, 2D] (over [norm(embedding), norm(hidden)]; bias [D] with
     `layout.in_proj_bias`), `layer` (a Llama decoder layer), `norm` [D] (before the shared LM
     head), `embed_tokens` [V, D] (with `layout.own_embedding`). A `config.layout` without
-    `feature_fc`, `input_norms` or `output_norm` has None for those modules; without
-    `layer_input_norm`, `layer.input_layernorm` is the identity.
+    `feature_norm`, `feature_fc`, `input_norms` or `output_norm` has None for those modules;
+    without `layer_input_norm`, `layer.input_layernorm` is the identity; with `norm_fed_back`
+    the output norm is `final_norm` (applied by the forward passes) and `norm` is None.
     """
 
     def __init__(self, config: EagleConfig) -> None:
@@ -232,7 +245,9 @@ class EagleHead(nn.Module):
         layout = config.layout
         dim, eps = config.hidden_size, config.rms_norm_eps
         layer_config = config.layer_config()
-        self.feature_norm = FeatureNorm(len(config.feature_layers), dim, eps)
+        self.feature_norm = (
+            FeatureNorm(len(config.feature_layers), dim, eps) if layout.feature_norm else None
+        )
         self.fc = Linear(config.feature_size, dim, bias=False) if layout.feature_fc else None
         self.embed_norm = RMSNorm(dim, eps) if layout.input_norms else None
         self.hidden_norm = RMSNorm(dim, eps) if layout.input_norms else None
@@ -240,7 +255,9 @@ class EagleHead(nn.Module):
         self.layer = LlamaDecoderLayer(layer_config)
         if not layout.layer_input_norm:
             self.layer.input_layernorm = nn.Identity()
-        self.norm = RMSNorm(dim, eps) if layout.output_norm else None
+        output_norm = RMSNorm(dim, eps) if layout.output_norm else None
+        self.norm = None if layout.norm_fed_back else output_norm
+        self.final_norm = output_norm if layout.norm_fed_back else None
         self.embed_tokens = (
             Embedding(config.target_vocab_size, dim) if layout.own_embedding else None
         )
@@ -249,15 +266,21 @@ class EagleHead(nn.Module):
 
     def project_features(self, features: torch.Tensor) -> torch.Tensor:
         """[.., F] target features -> [.., D] hidden input of a head entry."""
-        normed = self.feature_norm(features)
+        normed = features if self.feature_norm is None else self.feature_norm(features)
         return normed if self.fc is None else self.fc(normed)
 
     def layer_input(self, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """[.., D] hidden (fc(feature) or a previous head output), [.., D] token embeddings ->
-        [.., D] input of the decoder layer (EAGLE's order: the embedding first)."""
+        [.., D] input of the decoder layer (EAGLE's order: the embedding first, unless
+        `layout.hidden_first`)."""
         if self.embed_norm is not None:
             embeds, hidden = self.embed_norm(embeds), self.hidden_norm(hidden)
-        return self.in_proj(torch.cat((embeds, hidden), dim=-1))
+        return self.in_proj(self._joined(embeds, hidden))
+
+    def _joined(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """[.., 2D] the two inputs of `in_proj` in the layout's order."""
+        pair = (hidden, embeds) if self.config.layout.hidden_first else (embeds, hidden)
+        return torch.cat(pair, dim=-1)
 
     def forward_paged(
         self,
@@ -278,14 +301,15 @@ class EagleHead(nn.Module):
             kv_cache: the head's one-layer cache.
 
         Returns:
-            [T, D] head outputs (before `norm`).
+            [T, D] head outputs (before `norm`; after `final_norm` where the layout has it).
 
         Mutates: the `kv_cache` slots in `attn.slot_mapping`.
         """
         cos, sin = self.rotary_emb(positions)
         plan = AttentionPlan.build(attn, kv_cache.block_size, hidden.device)
         x = self.layer_input(hidden, embeds)
-        return self.layer(x, cos, sin, plan, kv_cache.k_cache[0], kv_cache.v_cache[0])
+        out = self.layer(x, cos, sin, plan, kv_cache.k_cache[0], kv_cache.v_cache[0])
+        return out if self.final_norm is None else self.final_norm(out)
 
     def forward_decode(
         self,
@@ -306,7 +330,7 @@ class EagleHead(nn.Module):
         if self.embed_norm is not None:
             embeds, _ = add_rms_norm(embeds, None, self.embed_norm.weight, self.embed_norm.eps)
             hidden, _ = add_rms_norm(hidden, None, self.hidden_norm.weight, self.hidden_norm.eps)
-        x = self.in_proj(torch.cat((embeds, hidden), dim=-1))
+        x = self.in_proj(self._joined(embeds, hidden))
         if self.config.layout.layer_input_norm:
             norm = layer.input_layernorm
             normed, residual = add_rms_norm(x, None, norm.weight, norm.eps)
@@ -323,19 +347,22 @@ class EagleHead(nn.Module):
         normed, residual = add_rms_norm(
             out, residual, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps
         )
-        return layer.mlp.forward_decode(normed) + residual
+        out = layer.mlp.forward_decode(normed) + residual
+        if self.final_norm is not None:
+            out, _ = add_rms_norm(out, None, self.final_norm.weight, self.final_norm.eps)
+        return out
 
     @property
     def dtype(self) -> torch.dtype:
         """The head's activation dtype (its norms stay float when its linears are quantized)."""
-        return self.feature_norm.weight.dtype
+        return self.layer.post_attention_layernorm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.feature_norm.weight.device
+        return self.layer.post_attention_layernorm.weight.device
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
-        weight = self.feature_norm.weight
+        weight = self.layer.post_attention_layernorm.weight
         return KVCache.allocate(
             1,
             num_blocks,

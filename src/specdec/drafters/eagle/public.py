@@ -35,9 +35,10 @@ from specdec.drafters.formats import (
     recognise_eagle,
     strip_prefix,
 )
+from specdec.drafters.mtp import load_mtp_head, no_mtp_message, recognise_mtp
 from specdec.models import LlamaForCausalLM
 from specdec.models.config import ModelConfig
-from specdec.models.weights import assign_weights
+from specdec.models.weights import CheckpointError, assign_weights
 
 # EagleHead parameter -> EAGLE-1/2 tensor name (before any `model.` prefix); `layer.*` are
 # `layers.0.*`, and `feature_norm.weight` comes from the target.
@@ -61,7 +62,8 @@ def load_head(
     method: str = "eagle",
 ) -> tuple[EagleHead | Eagle3Head, torch.Tensor | None]:
     """Loads the EAGLE head in `path`, whichever format `recognise_eagle` finds there
-    (`method` "eagle3", vLLM's name for EAGLE-3 heads, takes those only).
+    (`method` "eagle3", vLLM's name for EAGLE-3 heads, takes those only; "mtp" first looks for
+    MTP layers in a target checkpoint there: `drafters.mtp`).
 
     Returns:
         (head in eval mode without grads, draft_to_target [V_draft] int64 or None).
@@ -69,9 +71,16 @@ def load_head(
     Raises:
         FileNotFoundError, CheckpointError, ValueError: a missing file; a format not loaded
         (named); a missing or mis-shaped tensor (named); a head made for another target; a
-        head that is not EAGLE-3 under "eagle3".
+        head that is not EAGLE-3 under "eagle3"; neither MTP layers nor a head under "mtp".
     """
     checkpoint = DrafterCheckpoint(path)
+    if method == "mtp":
+        if recognise_mtp(checkpoint) is not None:
+            return load_mtp_head(checkpoint, target, dtype, device), None
+        try:
+            recognise_eagle(checkpoint)
+        except CheckpointError:
+            raise ValueError(no_mtp_message(path)) from None
     kind = recognise_eagle(checkpoint)
     if method == "eagle3" and kind != EAGLE3:
         raise ValueError(

@@ -1,0 +1,407 @@
+"""MTP layers inside a target checkpoint (`method: "mtp"`, `drafters.mtp`): MiMo's naming
+(`model.mtp_layers.{k}`) on a Qwen2 target and DeepSeek-V3's (`model.layers.{N + k}`) on a
+Llama target. The draft logits equal those of a reference forward written here from the
+published equations (MiMo's modeling_mimo.py, vLLM's mimo_mtp.py / deepseek_mtp.py) to 5e-5 of
+their scale in float32, and references wired otherwise (concat order swapped, the other hidden
+state, the other chained input) do not; speculation through `LLM` with no `model` (the target's
+own files) emits plain decoding's tokens; bad checkpoints are refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from models_fixtures import TINY_CONFIGS, make_hf_model, prompt_tokens, save_hf_model
+from public_drafter_fixtures import random_tensors, write_checkpoint
+from specdec.drafters import DraftBatch, DrafterSetup, TargetFeatures
+from specdec.drafters.config import SpeculativeConfig
+from specdec.drafters.registry import build_drafter
+from specdec.engine.llm import LLM
+from specdec.models import AttentionMetadata, load_model
+from specdec.models.weights import CheckpointError
+from specdec.sampling import SamplingParams, SamplingTensors
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*has no tokenizer")
+
+VOCAB, HIDDEN = 97, 64
+TOKENS = prompt_tokens(VOCAB, [30, 30, 30], seed=12)
+ANCHORS = [6, 11, 25]  # 4, 9 and 23 entries: the fused decode path and the general one
+# naming -> (tiny target config, layer 0's prefix, its own tensor names beside the decoder layer)
+NAMINGS = {
+    "mimo": ("qwen2_bias", "model.mtp_layers.0."),
+    "deepseek": ("llama", f"model.layers.{TINY_CONFIGS['llama']['num_hidden_layers']}."),
+}
+
+
+def mtp_tensors(naming, target_hf, seed=21, num_layers=1):
+    """Random tensors of `num_layers` dense MTP layers named as `naming` stores them (q/k/v
+    biases where the target's layers have them; DeepSeek-V3's copies of the shared embedding
+    and LM head)."""
+    cfg = target_hf.config
+    heads, kv_heads, inner = cfg.num_attention_heads, cfg.num_key_value_heads, 96
+    d = HIDDEN // heads
+    layer = {
+        "self_attn.q_proj.weight": (heads * d, HIDDEN),
+        "self_attn.k_proj.weight": (kv_heads * d, HIDDEN),
+        "self_attn.v_proj.weight": (kv_heads * d, HIDDEN),
+        "self_attn.o_proj.weight": (HIDDEN, heads * d),
+        "mlp.gate_proj.weight": (inner, HIDDEN),
+        "mlp.up_proj.weight": (inner, HIDDEN),
+        "mlp.down_proj.weight": (HIDDEN, inner),
+        "input_layernorm.weight": (HIDDEN,),
+        "post_attention_layernorm.weight": (HIDDEN,),
+    }
+    if naming == "mimo":
+        layer |= {
+            f"self_attn.{p}_proj.bias": (n * d,)
+            for p, n in zip("qkv", (heads, *[kv_heads] * 2), strict=True)
+        }
+        layer |= {
+            "token_layernorm.weight": (HIDDEN,),
+            "hidden_layernorm.weight": (HIDDEN,),
+            "input_proj.weight": (HIDDEN, 2 * HIDDEN),
+            "final_layernorm.weight": (HIDDEN,),
+        }
+    else:
+        layer |= {
+            "enorm.weight": (HIDDEN,),
+            "hnorm.weight": (HIDDEN,),
+            "eh_proj.weight": (HIDDEN, 2 * HIDDEN),
+            "shared_head.norm.weight": (HIDDEN,),
+        }
+    tensors = {}
+    for k in range(num_layers):
+        prefix = _prefix(naming, k)
+        own = random_tensors(layer, seed + k)
+        tensors |= {prefix + name: t for name, t in own.items()}
+        if naming == "deepseek":
+            tensors[prefix + "embed_tokens.weight"] = target_hf.model.embed_tokens.weight.detach()
+            tensors[prefix + "shared_head.head.weight"] = target_hf.lm_head.weight.detach()
+    return {name: t.detach().clone() for name, t in tensors.items()}
+
+
+def _prefix(naming, k=0):
+    if naming == "mimo":
+        return f"model.mtp_layers.{k}."
+    return f"model.layers.{TINY_CONFIGS['llama']['num_hidden_layers'] + k}."
+
+
+def write_mtp_target(target_hf, path, naming, tensors, num_layers=1, shards=2):
+    """The target's directory with the MTP tensors beside its own (in `shards` files), its
+    config.json naming them as MiMo / DeepSeek-V3 do."""
+    save_hf_model(target_hf, path)
+    config = json.loads((path / "config.json").read_text())
+    merged = load_file(str(path / "model.safetensors")) | tensors
+    (path / "model.safetensors").unlink()
+    if naming == "mimo":
+        config |= {"architectures": ["MiMoForCausalLM"], "model_type": "mimo"}
+    config["num_nextn_predict_layers"] = num_layers
+    return write_checkpoint(path, config, merged, shards=shards)
+
+
+@pytest.fixture(scope="module", params=sorted(NAMINGS))
+def case(request, tmp_path_factory):
+    """(naming, target_hf, its directory with MTP layers, the MTP tensors)."""
+    naming = request.param
+    target_hf = make_hf_model(NAMINGS[naming][0])
+    tensors = mtp_tensors(naming, target_hf)
+    path = write_mtp_target(target_hf, tmp_path_factory.mktemp(naming), naming, tensors)
+    return naming, target_hf, path, tensors
+
+
+# --- The reference, from the published equations (nothing from specdec) ---------------------
+
+
+def _rms(x, weight, eps=1e-5):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _rope(x, positions, theta):
+    """[T, H, d] rotated by RoPE at `positions` (HF's rotate-half layout)."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    angles = torch.cat([positions[:, None].float() * inv_freq[None]] * 2, -1)[:, None]
+    rotated = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)
+    return x * angles.cos() + rotated * angles.sin()
+
+
+def theta_of(cfg):
+    """The RoPE base of a transformers config (transformers 5 keeps it in rope_parameters)."""
+    parameters = getattr(cfg, "rope_parameters", None) or {}
+    return parameters.get("rope_theta") or cfg.rope_theta
+
+
+def _decoder_layer(w, p, x, cfg):
+    """One pre-norm decoder layer (Llama / Qwen2, biases where stored) over the causal x [T, D]."""
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = HIDDEN // heads
+
+    def linear(name, h):
+        out = h @ w[f"{p}{name}.weight"].T
+        bias = w.get(f"{p}{name}.bias")
+        return out if bias is None else out + bias
+
+    h = _rms(x, w[p + "input_layernorm.weight"])
+    positions, theta = torch.arange(x.shape[0]), theta_of(cfg)
+    q = _rope(linear("self_attn.q_proj", h).view(-1, heads, d), positions, theta)
+    k = _rope(linear("self_attn.k_proj", h).view(-1, kv_heads, d), positions, theta)
+    v = linear("self_attn.v_proj", h).view(-1, kv_heads, d)
+    k = k.repeat_interleave(heads // kv_heads, dim=1)
+    v = v.repeat_interleave(heads // kv_heads, dim=1)
+    n = x.shape[0]
+    scores = torch.einsum("thd,shd->hts", q, k) / d**0.5
+    scores = scores.masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf"))
+    attn = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(n, heads * d)
+    x = x + linear("self_attn.o_proj", attn)
+    h = _rms(x, w[p + "post_attention_layernorm.weight"])
+    mlp = torch.nn.functional.silu(linear("mlp.gate_proj", h)) * linear("mlp.up_proj", h)
+    return x + linear("mlp.down_proj", mlp)
+
+
+def target_hidden(target_hf, tokens, post_norm):
+    """[T, D] the target's last hidden state after its final norm (DeepSeek-V3's MTP input) or
+    before it (MiMo's: vLLM's MiMoModel returns the residual stream)."""
+    captured = []
+    hook = target_hf.model.layers[-1].register_forward_hook(
+        lambda module, args, out: captured.append(out[0] if isinstance(out, tuple) else out)
+    )
+    with torch.no_grad():
+        out = target_hf.model(torch.tensor([tokens]))
+    hook.remove()
+    return out.last_hidden_state[0] if post_norm else captured[0][0]
+
+
+def reference_draft_logits(
+    naming,
+    w,
+    target_hf,
+    tokens,
+    anchor,
+    drafts,
+    *,
+    swap=False,
+    other_hidden=False,
+    other_chain=False,
+):
+    """[len(drafts), V] draft logits of a round anchored at `anchor` that proposed `drafts`:
+    entry t joins the target's hidden state at t with the token at t + 1; draft i > 0 comes
+    from an entry of the layer's previous output and draft i - 1.
+
+    MiMo:     o = final_layernorm(layer(input_proj(cat(hidden_layernorm(h), token_layernorm(e)))))
+              logits = lm_head(o); the chain reads o.
+    DeepSeek: o = layer(eh_proj(cat(enorm(e), hnorm(h)))); logits = shared_head.head(
+              shared_head.norm(o)); the chain reads o.
+    Controls: `swap` the concatenation order, `other_hidden` the target's hidden state on the
+    other side of its final norm, `other_chain` the other output (normed / unnormed) fed back.
+    """
+    p, cfg, mimo = _prefix(naming), target_hf.config, naming == "mimo"
+    table = target_hf.model.embed_tokens.weight
+    post_norm = (not mimo) != other_hidden
+    hidden = list(target_hidden(target_hf, tokens[: anchor - 1], post_norm))
+    inputs = list(tokens[1:anchor])
+    names = (
+        ("token_layernorm", "hidden_layernorm", "input_proj")
+        if mimo
+        else ("enorm", "hnorm", "eh_proj")
+    )
+    out_norm = w[p + ("final_layernorm.weight" if mimo else "shared_head.norm.weight")]
+    lm_head = target_hf.lm_head.weight if mimo else w[p + "shared_head.head.weight"]
+    logits = []
+    with torch.no_grad():
+        for draft in drafts:
+            e = _rms(table[torch.tensor(inputs)], w[f"{p}{names[0]}.weight"])
+            h = _rms(torch.stack(hidden), w[f"{p}{names[1]}.weight"])
+            pair = (h, e) if mimo != swap else (e, h)
+            out = _decoder_layer(w, p, torch.cat(pair, -1) @ w[f"{p}{names[2]}.weight"].T, cfg)
+            normed = _rms(out[-1], out_norm)
+            logits.append(normed @ lm_head.T)
+            hidden.append(normed if mimo != other_chain else out[-1])
+            inputs.append(int(draft))
+    return torch.stack(logits)
+
+
+# --- Our drafter ------------------------------------------------------------------------------
+
+
+def propose(target_dir, model=None, k=3, plain_path=False):
+    """The "mtp" drafter (built through the registry, `model` the target's own directory by
+    default), fed the target's features, proposes k sampled drafts (temperature 1) for TOKENS
+    at ANCHORS."""
+    target = load_model(target_dir).model
+    spec = SpeculativeConfig(method="mtp", model=str(model or target_dir), num_speculative_tokens=k)
+    setup = DrafterSetup(num_blocks=64, block_size=4, max_num_seqs=4, max_model_len=64)
+    drafter = build_drafter(spec, target, setup)
+    if plain_path:
+        drafter._graphs = None  # the general paged path, not the graphs' static buffers
+    rows = []
+    for tokens, anchor in zip(TOKENS, ANCHORS, strict=True):
+        fed = tokens[: anchor - 1]
+        kv = target.allocate_kv_cache(-(-len(fed) // 4), 4)
+        attn = AttentionMetadata.build([len(fed)], [len(fed)], [list(range(kv.num_blocks))], 4)
+        with torch.inference_mode():
+            _, layers = target.forward_with_layers(
+                torch.tensor(fed), torch.arange(len(fed)), attn, kv, drafter.feature_layers
+            )
+        rows.append(torch.cat(layers, dim=-1))
+    ids = [f"r{i}" for i in range(len(TOKENS))]
+    drafter.observe(TargetFeatures(ids, [0] * len(ids), rows))
+    batch = DraftBatch(
+        token_ids=[t[:a] for t, a in zip(TOKENS, ANCHORS, strict=True)],
+        seeds=torch.tensor([3, 4, 5]),
+        anchors=torch.tensor(ANCHORS),
+        num_draft=torch.full((3,), k),
+        methods=["standard", "coupled", "block"],
+        params=SamplingTensors.build(3, torch.device("cpu"), 1.0),
+        request_ids=ids,
+    )
+    return drafter, drafter.propose(batch)
+
+
+# float32 against float32 through other operation orders (as the EAGLE-1/2 test); the
+# controls below differ by more than 1e-3.
+REFERENCE_RTOL = 5e-5
+
+
+def relative_error(got, want):
+    """[K] max |got - want| of each draft's logits over their largest |want|."""
+    return (got - want).abs().amax(-1) / want.abs().amax(-1)
+
+
+@pytest.mark.parametrize("plain_path", [False, True])
+def test_draft_logits_match_the_reference(case, plain_path):
+    naming, target_hf, path, tensors = case
+    drafter, proposal = propose(path, plain_path=plain_path)
+    layout = drafter.head.config.layout
+    assert layout.hidden_first == (naming == "mimo") and drafter.head.lm_head is None
+    for b, (tokens, anchor) in enumerate(zip(TOKENS, ANCHORS, strict=True)):
+        drafts = proposal.draft_token_ids[b].tolist()
+        want = reference_draft_logits(naming, tensors, target_hf, tokens, anchor, drafts)
+        assert relative_error(proposal.draft_logits[b], want).max() < REFERENCE_RTOL
+
+
+@pytest.mark.parametrize("variant", ["swap", "other_hidden", "other_chain"])
+def test_a_reference_wired_otherwise_does_not_match(case, variant):
+    """Negative controls: the comparison has the power to see each wiring choice (the
+    concatenation order, which hidden state, which output the chain reads)."""
+    naming, target_hf, path, tensors = case
+    _, proposal = propose(path)
+    drafts = proposal.draft_token_ids[2].tolist()
+    want = reference_draft_logits(
+        naming, tensors, target_hf, TOKENS[2], ANCHORS[2], drafts, **{variant: True}
+    )
+    assert relative_error(proposal.draft_logits[2], want).max() > 1e-3
+
+
+def test_a_lm_head_of_its_own_and_further_layers(tmp_path):
+    """DeepSeek-V3 naming with a shared_head.head that is not the target's LM head (the layer's
+    own, used) and two MTP layers (layer 0 drafts every position; layer 1 is not read)."""
+    target_hf = make_hf_model("llama")
+    tensors = mtp_tensors("deepseek", target_hf, num_layers=2)
+    own = 0.15 * torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(8))
+    tensors[_prefix("deepseek") + "shared_head.head.weight"] = own
+    path = write_mtp_target(target_hf, tmp_path / "t", "deepseek", tensors, num_layers=2)
+    drafter, proposal = propose(path)
+    assert drafter.head.lm_head is not None
+    drafts = proposal.draft_token_ids[1].tolist()
+    want = reference_draft_logits("deepseek", tensors, target_hf, TOKENS[1], ANCHORS[1], drafts)
+    assert relative_error(proposal.draft_logits[1], want).max() < REFERENCE_RTOL
+
+
+COMMON = {"max_model_len": 64, "block_size": 4, "max_num_batched_tokens": 16}
+
+
+def _spec(**extra):
+    """ "mtp" with no `model`: the engine reads the MTP layers of the target's own files."""
+    return {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False, **extra}
+
+
+@pytest.mark.parametrize("tree", [None, {"nodes": 4, "depth": 2, "topk": 2}])
+def test_greedy_speculation_equals_greedy_plain(case, tree):
+    _, _, path, _ = case
+    prompts = prompt_tokens(VOCAB, [5, 9, 14], seed=3)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(str(path), **COMMON).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(path), speculative_config=_spec(tree=tree), **COMMON)
+    drafted = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in plain]
+    assert llm.get_metrics()["num_drafts"] > 0
+
+
+def test_sampled_speculation_equals_plain_sampling(case):
+    """The default verifier (coupled) emits plain sampling's tokens for the same seeds."""
+    _, _, path, _ = case
+    prompts = prompt_tokens(VOCAB, [5, 9, 14], seed=5)
+    params = [
+        SamplingParams(temperature=0.9, max_tokens=24, ignore_eos=True, seed=s) for s in (1, 2, 3)
+    ]
+    plain = LLM(str(path), **COMMON).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(path), speculative_config=_spec(), **COMMON)
+    drafted = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in plain]
+    assert llm.get_metrics()["num_draft_tokens"] > 0
+
+
+def test_device_rounds_emit_what_the_synchronous_step_emits(case):
+    """Through device rounds (`async_scheduling`; op by op on the CPU) the MTP drafter emits
+    what the synchronous step emits, K pinned (standard verification, sampled)."""
+    from specdec.engine.config import EngineConfig
+    from specdec.engine.llm_engine import LLMEngine
+
+    _, _, path, _ = case
+    spec = SpeculativeConfig.from_dict(_spec(rejection_sample_method="standard"))
+    prompts = prompt_tokens(VOCAB, [5, 9, 14], seed=8)
+    finals = []
+    for async_scheduling in (False, True):
+        config = EngineConfig(
+            model=str(path), max_model_len=64, block_size=4, async_scheduling=async_scheduling
+        )
+        engine = LLMEngine(config, spec)
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=30 + i)
+            engine.add_request(prompt, params)
+        done = {}
+        while engine.has_unfinished:
+            for out in engine.step(only_finished=True):
+                done[out.request_id] = out.outputs[0].token_ids
+        finals.append(done)
+    assert finals[0] == finals[1]
+    assert engine.loop_stats.num_device_rounds > 0
+
+
+@pytest.mark.parametrize(
+    ("naming", "change", "named"),
+    [
+        ("mimo", "drop input_proj.weight", "missing tensor 'model.mtp_layers.0.input_proj.weight'"),
+        ("mimo", "reshape self_attn.q_proj.bias", "'model.mtp_layers.0.self_attn.q_proj.bias' has"),
+        ("mimo", "add mlp.experts.0.w1.weight", "does not define: 'model.mtp_layers.0.mlp.exp"),
+        ("deepseek", "drop hnorm.weight", "missing tensor 'model.layers.3.hnorm.weight'"),
+        ("deepseek", "reshape eh_proj.weight", "'model.layers.3.eh_proj.weight' has shape"),
+        ("deepseek", "drop shared_head.head.weight", "'model.layers.3.shared_head.head.weight'"),
+    ],
+)
+def test_bad_tensors_are_refused_by_name(tmp_path, naming, change, named):
+    action, name = change.split()
+    target_hf = make_hf_model(NAMINGS[naming][0])
+    tensors = mtp_tensors(naming, target_hf)
+    name = _prefix(naming) + name
+    if action == "drop":
+        del tensors[name]
+    elif action == "reshape":
+        tensors[name] = tensors[name][..., :-1].clone()
+    else:
+        tensors[name] = torch.ones(4, HIDDEN)
+    path = write_mtp_target(target_hf, tmp_path / "bad", naming, tensors, shards=1)
+    with pytest.raises(CheckpointError, match=re.escape(named)):
+        propose(path)
+
+
+def test_a_target_without_mtp_layers_is_refused_in_one_line(tmp_path):
+    path = save_hf_model(make_hf_model("llama"), tmp_path / "plain")
+    with pytest.raises(ValueError, match="has no MTP layers") as err:
+        LLM(str(path), speculative_config=_spec(), **COMMON)
+    assert "\n" not in str(err.value)
