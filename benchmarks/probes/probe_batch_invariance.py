@@ -585,12 +585,14 @@ def part_bisect(model_path: str | None, which: str = "random,builtin") -> None:
             for values in (False, True):
                 batch = with_logprobs(requests) if values else requests
                 alone = run_alone(make(), batch)  # one engine, idle between requests
-                # Each request alone on a fresh engine (a fresh, zeroed cache): differs from
-                # the reused engine only if a step reads cache slots outside its context.
-                fresh = [drive(make(), [request], [(0, 0)])[0] for request in batch]
-                row["fresh" + (" values" if values else " tokens")] = mismatches(
-                    alone, fresh, batch
-                )
+                # Each request alone on a fresh engine (a fresh, zeroed cache; default settings
+                # only): differs from the reused engine only if a step reads cache slots outside
+                # its context.
+                if config_name == "default":
+                    fresh = [drive(make(), [request], [(0, 0)])[0] for request in batch]
+                    row["fresh" + (" values" if values else " tokens")] = mismatches(
+                        alone, fresh, batch
+                    )
                 for pattern in ("closed", "uniform"):
                     got = drive(make(), batch, arrivals(pattern, len(batch)).schedule)
                     key = pattern + (" values" if values else " tokens")

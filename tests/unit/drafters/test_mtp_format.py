@@ -16,15 +16,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from law_fixtures import exact_continuation_law, first_token_counts, save_vocab8_target
 from models_fixtures import TINY_CONFIGS, make_hf_model, prompt_tokens, save_hf_model
 from public_drafter_fixtures import random_tensors, write_checkpoint
+from specdec.audit import chi_square
 from specdec.drafters import DraftBatch, DrafterSetup, TargetFeatures
 from specdec.drafters.config import SpeculativeConfig
 from specdec.drafters.registry import build_drafter
 from specdec.engine.llm import LLM
 from specdec.models import AttentionMetadata, load_model
 from specdec.models.weights import CheckpointError
-from specdec.sampling import SamplingParams, SamplingTensors
+from specdec.sampling import SampleOutput, SamplingParams, SamplingTensors
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*has no tokenizer")
 
@@ -43,18 +45,18 @@ def mtp_tensors(naming, target_hf, seed=21, num_layers=1):
     biases where the target's layers have them; DeepSeek-V3's copies of the shared embedding
     and LM head)."""
     cfg = target_hf.config
-    heads, kv_heads, inner = cfg.num_attention_heads, cfg.num_key_value_heads, 96
-    d = HIDDEN // heads
+    dim, heads, kv_heads = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    d, inner = dim // heads, cfg.intermediate_size
     layer = {
-        "self_attn.q_proj.weight": (heads * d, HIDDEN),
-        "self_attn.k_proj.weight": (kv_heads * d, HIDDEN),
-        "self_attn.v_proj.weight": (kv_heads * d, HIDDEN),
-        "self_attn.o_proj.weight": (HIDDEN, heads * d),
-        "mlp.gate_proj.weight": (inner, HIDDEN),
-        "mlp.up_proj.weight": (inner, HIDDEN),
-        "mlp.down_proj.weight": (HIDDEN, inner),
-        "input_layernorm.weight": (HIDDEN,),
-        "post_attention_layernorm.weight": (HIDDEN,),
+        "self_attn.q_proj.weight": (heads * d, dim),
+        "self_attn.k_proj.weight": (kv_heads * d, dim),
+        "self_attn.v_proj.weight": (kv_heads * d, dim),
+        "self_attn.o_proj.weight": (dim, heads * d),
+        "mlp.gate_proj.weight": (inner, dim),
+        "mlp.up_proj.weight": (inner, dim),
+        "mlp.down_proj.weight": (dim, inner),
+        "input_layernorm.weight": (dim,),
+        "post_attention_layernorm.weight": (dim,),
     }
     if naming == "mimo":
         layer |= {
@@ -62,17 +64,17 @@ def mtp_tensors(naming, target_hf, seed=21, num_layers=1):
             for p, n in zip("qkv", (heads, *[kv_heads] * 2), strict=True)
         }
         layer |= {
-            "token_layernorm.weight": (HIDDEN,),
-            "hidden_layernorm.weight": (HIDDEN,),
-            "input_proj.weight": (HIDDEN, 2 * HIDDEN),
-            "final_layernorm.weight": (HIDDEN,),
+            "token_layernorm.weight": (dim,),
+            "hidden_layernorm.weight": (dim,),
+            "input_proj.weight": (dim, 2 * dim),
+            "final_layernorm.weight": (dim,),
         }
     else:
         layer |= {
-            "enorm.weight": (HIDDEN,),
-            "hnorm.weight": (HIDDEN,),
-            "eh_proj.weight": (HIDDEN, 2 * HIDDEN),
-            "shared_head.norm.weight": (HIDDEN,),
+            "enorm.weight": (dim,),
+            "hnorm.weight": (dim,),
+            "eh_proj.weight": (dim, 2 * dim),
+            "shared_head.norm.weight": (dim,),
         }
     tensors = {}
     for k in range(num_layers):
@@ -139,7 +141,7 @@ def theta_of(cfg):
 def _decoder_layer(w, p, x, cfg):
     """One pre-norm decoder layer (Llama / Qwen2, biases where stored) over the causal x [T, D]."""
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-    d = HIDDEN // heads
+    d = x.shape[-1] // heads
 
     def linear(name, h):
         out = h @ w[f"{p}{name}.weight"].T
@@ -405,3 +407,61 @@ def test_a_target_without_mtp_layers_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="has no MTP layers") as err:
         LLM(str(path), speculative_config=_spec(), **COMMON)
     assert "\n" not in str(err.value)
+
+
+# --- The engine's law through the MTP drafter (the vocabulary-8 target of the law tests) -------
+
+LAW_TOKENS, LAW_TRIALS, LOG10_ALPHA = 3, 12_000, -6
+
+
+@pytest.fixture(scope="module")
+def law_target(tmp_path_factory):
+    """The law tests' 3-layer vocabulary-8 Llama with a random DeepSeek-V3-named MTP layer
+    (its drafts differ from the target's, so rounds both accept and reject)."""
+    import transformers
+
+    path = save_vocab8_target(tmp_path_factory.mktemp("vocab8-mtp"))
+    target_hf = transformers.LlamaForCausalLM.from_pretrained(path)
+    tensors = mtp_tensors("deepseek", target_hf, seed=5)
+    return write_mtp_target(target_hf, path, "deepseek", tensors, shards=1)
+
+
+def law_counts(path, method, temperature):
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": method}
+    counts, metrics = first_token_counts(
+        path, spec, temperature, LAW_TOKENS, LAW_TOKENS, LAW_TRIALS
+    )
+    assert metrics["num_accepted_tokens"] > 0
+    return counts
+
+
+@pytest.mark.stats
+@pytest.mark.parametrize("method", ["standard", "block", "coupled"])
+def test_first_tokens_follow_the_target(law_target, method):
+    """H0: with the MTP drafter (sampled drafts), the engine's first 3 emitted tokens have the
+    target's exact joint law. Statistic: Pearson chi-square over the 512 cells (cells expecting
+    < 5 pooled), N = 12,000 seeded requests at temperature 0.7, K = 2; reject at p < 1e-6, so
+    the false-failure rate is <= 1e-6 per case (3 cases)."""
+    law = exact_continuation_law(law_target, 0.7, LAW_TOKENS)
+    result = chi_square(law_counts(law_target, method, 0.7), law)
+    assert result.log10_p > LOG10_ALPHA, result.describe()
+
+
+@pytest.mark.stats
+def test_negative_control_verifier_given_the_raw_draft_distribution(law_target, monkeypatch):
+    """The same test has power: it rejects (p < 1e-6) an engine whose verifier gets the MTP
+    layer's raw logits instead of the temperature-processed ones its drafts were sampled from
+    (temperature 1.6, where the two differ most)."""
+    from specdec.drafters.base import Drafter
+
+    real = Drafter.sample_draft
+
+    def wrong_distribution(self, logits, rows, positions, batch):
+        out = real(self, logits, rows, positions, batch)
+        raw = self.to_target_vocab(logits)
+        return SampleOutput(out.token_ids, raw, raw.logsumexp(dim=-1))
+
+    monkeypatch.setattr(Drafter, "sample_draft", wrong_distribution)
+    law = exact_continuation_law(law_target, 1.6, LAW_TOKENS)
+    result = chi_square(law_counts(law_target, "standard", 1.6), law)
+    assert result.log10_p < LOG10_ALPHA, result.describe()
