@@ -5,11 +5,11 @@ arithmetic. `DecodePlanCPU` does a step's index work once (RoPE angles, K/V slot
 sequence's keys as a view of the cache or a slot list, from a `DecodeMetadata`) and every layer
 reuses it: RoPE for q and k in one pass, K/V written with `index_copy_`, attention one SDPA call
 per query row over exactly its keys (its window's, in a sliding-window layer: so rows do not
-depend on the step's shape; its soft-capped twin for Gemma 2's capped scores). Layers of another RoPE table or window (Gemma 3's sliding and
-full layers) share the step's index work through `for_layers`. The CPU
-counterpart of `fused_triton.py`'s RoPE and attention kernels, with the same twins
-(`fused.rope_write_kv_ref`, `fused.paged_decode_attention_ref`; tests compare them). Never
-allocates cache blocks or draws randomness.
+depend on the step's shape; `attention.softcap_attention` for Gemma 2's capped scores). Layers
+of another RoPE table or window (Gemma 3's sliding and full layers) share the step's index work
+through `for_layers`. The CPU counterpart of `fused_triton.py`'s RoPE and attention kernels,
+with the same twins (`fused.rope_write_kv_ref`, `fused.paged_decode_attention_ref`; tests
+compare them). Never allocates cache blocks or draws randomness.
 """
 
 from __future__ import annotations
