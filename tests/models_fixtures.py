@@ -16,6 +16,8 @@ from specdec.models import AttentionMetadata, LlamaForCausalLM, ModelConfig
 from specdec.models.weights import assign_weights
 from specdec.runner.model_runner import PagedModelRunner, StepInput
 
+FULL_ATTENTION = "full_attention"  # a `rope_parameters` key of per-layer-kind RoPE (Gemma 3)
+
 # Tiny configs of each supported architecture (head_dim 16, GQA 4:2, a few layers).
 _COMMON: dict[str, Any] = {
     "vocab_size": 97,
@@ -205,24 +207,29 @@ GEMMA2_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def make_gemma3_hf_model(name: str, seed: int = 0) -> Any:
-    """A `transformers` Gemma3ForCausalLM of a GEMMA3_CONFIGS entry with seeded random weights
-    (norm weights ~N(0, 0.2^2): Gemma scales by 1 + w; others ~N(0, 0.15^2)), fp32, eval."""
+def make_gemma3_hf_model(name: str, seed: int = 0, **overrides: Any) -> Any:
+    """A `transformers` Gemma3ForCausalLM of a GEMMA3_CONFIGS entry (`overrides` replace its
+    keys) with seeded random weights (norm weights ~N(0, 0.2^2): Gemma scales by 1 + w; others
+    ~N(0, 0.15^2)), fp32, eval."""
     import transformers
 
     config = transformers.Gemma3TextConfig(
-        **GEMMA3_CONFIGS[name], architectures=["Gemma3ForCausalLM"], attn_implementation="sdpa"
+        **{**GEMMA3_CONFIGS[name], **overrides},
+        architectures=["Gemma3ForCausalLM"],
+        attn_implementation="sdpa",
     )
     return _seeded_gemma(transformers.Gemma3ForCausalLM(config), seed)
 
 
-def make_gemma2_hf_model(name: str, seed: int = 0) -> Any:
+def make_gemma2_hf_model(name: str, seed: int = 0, **overrides: Any) -> Any:
     """`make_gemma3_hf_model` for a GEMMA2_CONFIGS entry: a Gemma2ForCausalLM with eager
     attention (`transformers`' SDPA path has no soft-capping)."""
     import transformers
 
     config = transformers.Gemma2Config(
-        **GEMMA2_CONFIGS[name], architectures=["Gemma2ForCausalLM"], attn_implementation="eager"
+        **{**GEMMA2_CONFIGS[name], **overrides},
+        architectures=["Gemma2ForCausalLM"],
+        attn_implementation="eager",
     )
     return _seeded_gemma(transformers.Gemma2ForCausalLM(config), seed)
 
@@ -566,8 +573,18 @@ _GGUF_LAYER_PARTS = {
 }
 
 
-def gguf_tensor_name(hf_name: str) -> str:
-    """The llama.cpp name of a HF parameter name (the converter's mapping)."""
+# Gemma's four norms a layer, as llama.cpp's converter names them.
+_GGUF_GEMMA_LAYER_PARTS = {
+    **_GGUF_LAYER_PARTS,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+_GGUF_GEMMA_ARCHS = ("gemma2", "gemma3")
+
+
+def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
+    """The llama.cpp name of a HF parameter name (the converter's mapping for `arch`)."""
     top = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
@@ -577,7 +594,8 @@ def gguf_tensor_name(hf_name: str) -> str:
         return top[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     part, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_GGUF_LAYER_PARTS[part]}.{kind}"
+    parts = _GGUF_GEMMA_LAYER_PARTS if arch in _GGUF_GEMMA_ARCHS else _GGUF_LAYER_PARTS
+    return f"blk.{layer}.{parts[part]}.{kind}"
 
 
 def write_gguf(
@@ -590,12 +608,14 @@ def write_gguf(
     tokenizer: dict[str, Any] | None = None,
     rope_scaling: dict[str, Any] | None = None,
 ) -> Path:
-    """Writes a `transformers` model as llama.cpp's converter would (Q/K permuted for "llama").
+    """Writes a `transformers` model as llama.cpp's converter would (Q/K permuted for "llama";
+    for Gemma 1 added to every norm weight, its window, soft-capping and linear RoPE scaling
+    in the metadata, no RoPE base for Gemma 2).
 
     Args:
         path: output file.
         hf_model: the model whose weights and config are written.
-        arch: GGUF architecture ("llama", "qwen2", "qwen3").
+        arch: GGUF architecture ("llama", "qwen2", "qwen3", "gemma2", "gemma3").
         qtype_of: GGUF tensor name -> GGMLQuantizationType (default F32).
         rope_freqs: [head_dim // 2] Llama 3.1 frequency factors, written as `rope_freqs.weight`.
         tokenizer: optional tokenizer metadata (tokens, token_types, merges, bos/eos, template).
@@ -614,9 +634,20 @@ def write_gguf(
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    if arch != "gemma2":
+        rope = config.rope_parameters
+        writer.add_rope_freq_base(rope.get(FULL_ATTENTION, rope)["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    if arch in _GGUF_GEMMA_ARCHS:
+        writer.add_sliding_window(config.sliding_window)
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(config, key, None) is not None:
+                writer.add_float32(f"{arch}.{key}", getattr(config, key))
+        full = config.rope_parameters.get(FULL_ATTENTION, {})
+        if full.get("rope_type", "default") == "linear":
+            writer.add_string(f"{arch}.rope.scaling.type", "linear")
+            writer.add_float32(f"{arch}.rope.scaling.factor", full["factor"])
     for key, value in (rope_scaling or {}).items():
         name = f"{arch}.rope.scaling.{key}"
         if isinstance(value, str):
@@ -642,7 +673,9 @@ def write_gguf(
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         data = tensor.detach().float().numpy().copy()
-        name = gguf_tensor_name(hf_name)
+        name = gguf_tensor_name(hf_name, arch)
+        if arch in _GGUF_GEMMA_ARCHS and hf_name.endswith("norm.weight"):
+            data = data + 1.0
         if arch == "llama" and ".attn_q." in name:
             data = llama_cpp_permute(data, config.num_attention_heads)
         elif arch == "llama" and ".attn_k." in name:

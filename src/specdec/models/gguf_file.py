@@ -1,8 +1,11 @@
 """GGUF files (llama.cpp's format): model config, weights (dequantized, or as group-quantized
 integers) and tokenizer from one file.
 
-Maps llama.cpp tensor and metadata names to HF ones and undoes the Q/K row permutation llama.cpp
-applies to Llama-architecture checkpoints. Metadata parsing and float dequantization use the
+Maps llama.cpp tensor and metadata names to HF ones and undoes what llama.cpp's converter does
+to the tensors: the Q/K row permutation of Llama-architecture checkpoints, the 1 it adds to
+Gemma's norm weights. Where llama.cpp fixes a Gemma setting in code rather than in the file
+(sliding-window pattern, the sliding layers' RoPE base, the attention scale), the config is
+llama.cpp's. Metadata parsing and float dequantization use the
 `gguf` package; tensor bytes are read one tensor at a time (not through the memory map, so a
 loaded model does not keep the file's pages resident). Never builds the model itself.
 """
@@ -18,7 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from specdec.models.config import ModelConfig
+from specdec.models.config import FULL, SLIDING, ModelConfig
 from specdec.models.gguf_blocks import GGUF_QUANT_TYPES, decode_blocks
 from specdec.models.gguf_header import GGUFHeaderError, read_header
 from specdec.models.quant_formats import GroupQuantized
@@ -32,9 +35,13 @@ GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # llama.cpp stores Q/K of these architectures with rows permuted for its interleaved RoPE.
 _PERMUTED_QK_ARCHITECTURES = ("llama",)
+# llama.cpp stores these architectures' norm weights as 1 + w (Gemma's RMSNorm scales by it).
+_SHIFTED_NORM_ARCHITECTURES = ("gemma2", "gemma3")
 
 _TOP_LEVEL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -54,6 +61,22 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's four norms a layer: llama.cpp's `ffn_norm` is the norm before the MLP there.
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# What llama.cpp fixes in code for Gemma files (llama-model.cpp's hyper-parameters): every
+# `pattern`-th layer attends to its whole context and the others within the window (the
+# window Gemma 2 takes when the file names none); Gemma 3's sliding layers rotate with base
+# 10000, unscaled; the 27B models (by layer count) scale attention by (hidden / heads)^-1/2,
+# the others by head_dim^-1/2.
+_GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA2_DEFAULT_WINDOW = 4096
+_GEMMA3_SWA_ROPE_BASE = 10000.0
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _LAYER_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
 # GGUF yarn keys (`{arch}.rope.scaling.<key>`) -> the HF rope_scaling key they set (None: checked
@@ -66,15 +89,17 @@ GGUF_YARN_KEYS = {
 }
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The HF parameter name of a llama.cpp tensor name, or None if it has no HF counterpart."""
+def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
+    """The HF parameter name of a llama.cpp tensor name in a file of `architecture`
+    (`general.architecture`), or None if it has no HF counterpart."""
     if gguf_name in _TOP_LEVEL_NAMES:
         return _TOP_LEVEL_NAMES[gguf_name]
+    names = _GEMMA_LAYER_NAMES if architecture in _SHIFTED_NORM_ARCHITECTURES else _LAYER_NAMES
     match = _LAYER_PATTERN.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    if match is None or match.group(2) not in names:
         return None
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{names[part]}.{kind}"
 
 
 def reverse_permute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -154,12 +179,12 @@ class GGUFFile:
                 f"{self.path} is truncated or corrupt: the file is {size:,} bytes; its header "
                 f"declares {declared:,}"
             )
+        self.architecture = str(self.metadata.get("general.architecture", ""))
         self._hf_names = {
             hf_name: gguf_name
             for gguf_name in self._tensors
-            if (hf_name := hf_tensor_name(gguf_name)) is not None
+            if (hf_name := hf_tensor_name(gguf_name, self.architecture)) is not None
         }
-        self.architecture = str(self.metadata.get("general.architecture", ""))
 
     def tensor_names(self) -> list[str]:
         return list(self._tensors)
@@ -242,6 +267,7 @@ class GGUFFile:
             rope_freq_factors = tuple(float(x) for x in factors.tolist())
         eos = self.metadata.get("tokenizer.ggml.eos_token_id")
         architecture = GGUF_ARCHITECTURES[self.architecture]
+        gemma = self._gemma_options(hidden_size // num_heads)
         return ModelConfig(
             architecture=architecture,
             vocab_size=int(vocab_size),
@@ -260,10 +286,60 @@ class GGUFFile:
             attention_bias="blk.0.attn_q.bias" in self._tensors,
             attention_out_bias="blk.0.attn_output.bias" in self._tensors,
             mlp_bias="blk.0.ffn_up.bias" in self._tensors,
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             bos_token_id=self.metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
+            **gemma,
         )
+
+    def _gemma_options(self, hidden_per_head: int) -> dict[str, Any]:
+        """The ModelConfig options of a Gemma file as llama.cpp runs it (empty for other
+        architectures): the sandwich norms, GeGLU and scaled embeddings of the family; the
+        window and soft-capping from the metadata; the layer pattern, the sliding layers'
+        RoPE base and the attention scale as llama.cpp fixes them (`_GEMMA_SWA_PATTERN`, ...).
+
+        Raises: ValueError: a Gemma 3 file with final logit soft-capping (named)."""
+        arch = self.architecture
+        if arch not in _SHIFTED_NORM_ARCHITECTURES:
+            return {}
+        num_layers = int(self._arch_key("block_count", 0))
+        head_dim = int(self._arch_key("attention.key_length", hidden_per_head))
+        window = self._arch_key(
+            "attention.sliding_window", _GEMMA2_DEFAULT_WINDOW if arch == "gemma2" else None
+        )
+        window = int(window) if window else None  # 0: none (llama.cpp's Gemma 3 reading)
+        pattern = _GEMMA_SWA_PATTERN[arch]
+        layer_types = ()
+        if window is not None:
+            layer_types = tuple(
+                FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)
+            )
+        options: dict[str, Any] = {
+            "norm_placement": "sandwich",
+            "norm_unit_offset": True,
+            "hidden_act": "gelu_pytorch_tanh",
+            "scale_embeddings": True,
+            "sliding_window": window,
+            "layer_types": layer_types,
+            "query_pre_attn_scalar": float(
+                hidden_per_head if num_layers == _GEMMA_27B_LAYERS[arch] else head_dim
+            ),
+        }
+        if arch == "gemma2":
+            options["attn_logit_softcapping"] = float(self._arch_key("attn_logit_softcapping", 50))
+            options["final_logit_softcapping"] = float(
+                self._arch_key("final_logit_softcapping", 30)
+            )
+            return options
+        if self._arch_key("final_logit_softcapping"):
+            raise ValueError(
+                f"{self.path}: gemma3 with final_logit_softcapping="
+                f"{self._arch_key('final_logit_softcapping')} is not supported (no logit "
+                "soft-capping on Gemma 3)"
+            )
+        if window is not None:
+            options["local_rope_theta"] = _GEMMA3_SWA_ROPE_BASE
+        return options
 
     def _raw(self, gguf_name: str) -> np.ndarray:
         """The stored bytes of one tensor, read from the file (a fresh buffer, not the map).
@@ -383,6 +459,9 @@ class GGUFFile:
         gguf_name = self._hf_names.get(hf_name)
         if gguf_name is None:
             return None
+        if self.architecture in _SHIFTED_NORM_ARCHITECTURES and gguf_name.endswith("norm.weight"):
+            tensor = self.read_tensor(gguf_name) - 1.0  # stored as 1 + w
+            return tensor if piece is None else piece.take(tensor)
         if piece is None or piece.zeros:
             tensor = self.read_tensor(gguf_name)
             restore = self._restore_rows(gguf_name, config)

@@ -335,12 +335,10 @@ def test_int8_at_load_runs(plain: Any) -> None:
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
-def test_refusals_are_one_line_and_named(plain: Any, tmp_path: Path) -> None:
+def test_refusals_are_one_line_and_named(plain: Any) -> None:
     """Tensor parallelism; CUDA's decode path (its kernels have no window and no GeGLU: also
-    for a Gemma 3 with full layers alone); a model cut to fewer layers (a `truncated:N` draft);
-    a GGUF file of the family."""
-    import gguf
-
+    for a Gemma 3 with full layers alone); a model cut to fewer layers (a `truncated:N` draft).
+    (GGUF files of the family load: tests/unit/models/test_gguf_families.py.)"""
     _, _, path = plain
     config = load_model(path).config
     with pytest.raises(ValueError, match="Gemma3ForCausalLM: tensor parallelism") as info:
@@ -352,11 +350,3 @@ def test_refusals_are_one_line_and_named(plain: Any, tmp_path: Path) -> None:
     assert "gelu_pytorch_tanh MLP" in (all_full.decode_path_reason("cuda") or "")
     with pytest.raises(ValueError, match="cannot be cut to fewer layers"):
         dataclasses.replace(config, num_hidden_layers=2)
-    file = tmp_path / "gemma3.gguf"
-    writer = gguf.GGUFWriter(str(file), "gemma3")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gemma3'"):
-        load_model(file)
