@@ -36,7 +36,7 @@ RUN_FLAGS = (
 )
 
 
-HEAD_FORMATS = ("specdec", "eagle")  # `specdec.train.kinds.eagle.HEAD_FORMATS`
+HEAD_FORMATS = ("specdec", "eagle", "eagle3")  # `specdec.train.kinds.eagle.HEAD_FORMATS`
 
 
 def add_train_drafter(commands) -> None:
@@ -54,8 +54,9 @@ def add_train_drafter(commands) -> None:
         "with --resume), then measure held-out acceptance at K=--eval-k through the engine. "
         'DIR then holds config.json + model.safetensors: speculative_config={"method": KIND, '
         '"model": DIR}. With --export SRC, nothing is trained: the EAGLE head in SRC is written '
-        "to DIR in --format (eagle: the EAGLE-1/2 layout vLLM's method eagle loads), or refused "
-        "naming what that format cannot hold exactly.",
+        "to DIR in --format (eagle: the EAGLE-1/2 layout vLLM's method eagle loads; eagle3: an "
+        "EAGLE-3 head as vLLM's and SGLang's EAGLE-3 loaders both read it), or refused naming "
+        "what that format cannot hold exactly.",
     )
     train.add_argument(
         "--target",
@@ -90,15 +91,18 @@ def add_train_drafter(commands) -> None:
         help="the directory an eagle/mtp head is written as: specdec (ours: fc over normed "
         "features, input/layer/output norms) or eagle (trains the EAGLE-1/2 layout over the "
         "target's last layer, full vocabulary, and writes it as vLLM's method eagle and "
-        "SafeAILab's EAGLE load it) (default: specdec)",
+        "SafeAILab's EAGLE load it); eagle3 only with --export (an EAGLE-3 head rewritten as "
+        "vLLM and SGLang load it; the heads trained here are another network, refused) "
+        "(default: specdec)",
     )
     train.add_argument(
         "--export",
         metavar="SRC",
         default=None,
         help="train nothing: write the EAGLE head in SRC (any format speculative_config loads) "
-        "to DIR in --format eagle, for --target; refused, naming each difference, when the head "
-        "is not exactly that layout (heads trained with --format specdec never are)",
+        "to DIR in --format eagle or eagle3, for --target; refused, naming each difference, when "
+        "the head is not exactly that layout (heads trained with --format specdec never are; "
+        "eagle3 takes EAGLE-3 heads only)",
     )
     train.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt")
     train.add_argument(
@@ -131,6 +135,13 @@ def _train_drafter(args: argparse.Namespace) -> int:
         raise FileNotFoundError(missing_model_message(args.model))
     if args.export is not None:
         return _export(args)
+    if args.head_format == "eagle3":
+        from specdec.drafters.eagle.export_eagle3 import EAGLE_HEAD_REASON
+
+        raise ValueError(
+            f"--format eagle3 is not trained here: {EAGLE_HEAD_REASON} (--export SRC --format "
+            "eagle3 rewrites an EAGLE-3 checkpoint)"
+        )
     missing = [flag for flag, value in (("--kind", args.kind), ("--data", args.data)) if not value]
     if missing:
         raise ValueError(f"train-drafter needs {' and '.join(missing)} (or --export SRC)")
@@ -163,7 +174,7 @@ def _export(args: argparse.Namespace) -> int:
     from specdec.models import load_model
 
     if args.head_format == "specdec":
-        raise ValueError("--export writes a public format: give --format eagle")
+        raise ValueError("--export writes a public format: give --format eagle or eagle3")
     if args.model is None:
         raise ValueError("--export needs --target (the model the head drafts for)")
     target = load_model(args.model).model

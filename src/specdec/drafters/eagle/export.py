@@ -4,7 +4,8 @@ model.safetensors with `fc.weight` and `layers.0.*` (no `input_layernorm`), and 
 `embedding_layernorm` / `hidden_states_layernorm` under `add_para_norm`.
 
 Only a head whose math is exactly that layout is written; any other is refused, naming each
-difference (no norm is folded or dropped: that would change the drafts). Never samples.
+difference (no norm is folded or dropped: that would change the drafts). `export_head` also
+writes EAGLE-3 heads (`export_eagle3`). Never samples.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import torch
 from specdec.drafters.eagle.head import EagleHead, HeadLayout
 from specdec.models.config import ModelConfig
 
-EXPORT_FORMATS = ("eagle",)  # `export_head`'s formats (EAGLE-3 needs another network: refused)
+# `export_head`'s formats: EAGLE-1/2 (here) and EAGLE-3 (`export_eagle3`: EAGLE-3 heads only).
+EXPORT_FORMATS = ("eagle", "eagle3")
 
 # EagleHead parameter -> its EAGLE-1/2 name (`layer.*` are `layers.0.*`); `feature_norm` is the
 # target's final norm, which the format does not store.
@@ -185,21 +187,23 @@ def write_eagle1(
 
 def export_head(src: str | Path, dst: str | Path, fmt: str, target) -> Path:
     """Loads the EAGLE head in `src` (any format `public.load_head` reads) for `target` and
-    writes it in `dst` in format `fmt` ("eagle": EAGLE-1/2), in float32.
+    writes it in `dst` in format `fmt` ("eagle": EAGLE-1/2; "eagle3": EAGLE-3 as vLLM and
+    SGLang both load it, `export_eagle3.write_eagle3`), in float32.
 
     Raises:
         ValueError: an unknown format, or a head that is not exactly that format's layout
             (e.g. every head `train-drafter --kind eagle` trains in specdec's layout, whose
-            input, layer and output norms EAGLE-1/2 do not have).
+            input, layer and output norms EAGLE-1/2 do not have; under "eagle3", every
+            `EagleHead`: another network than EAGLE-3's).
     """
+    from specdec.drafters.eagle.export_eagle3 import write_eagle3
     from specdec.drafters.eagle.public import load_head
 
     if fmt not in EXPORT_FORMATS:
-        raise ValueError(
-            f"export format {fmt!r}: one of {list(EXPORT_FORMATS)} (an EAGLE-3 head is "
-            "another network; a head of ours cannot be written as one exactly)"
-        )
+        raise ValueError(f"export format {fmt!r}: one of {list(EXPORT_FORMATS)}")
     head, draft_to_target = load_head(src, target, torch.float32, "cpu")
+    if fmt == "eagle3":
+        return write_eagle3(head, draft_to_target, target, dst)
     if not isinstance(head, EagleHead):
         raise ValueError(f"{src} holds an EAGLE-3 head: it is not written as EAGLE-1/2")
     return write_eagle1(head, draft_to_target, target, dst)

@@ -6,7 +6,8 @@ Options (`--option key=value`): feature_layers (comma-separated target layers; d
 draft_vocab_size (0 = the full vocabulary; else the most frequent training tokens), ttt_steps
 (default 3), intermediate_size (default the target's), save_dtype (float16 | float32), init_from
 (a head directory to start from, see `widen_head_`: its draft vocabulary and feature layers are
-kept, its MLP may be widened), format (specdec | eagle; `train-drafter --format`).
+kept, its MLP may be widened), format (specdec | eagle; `train-drafter --format`; eagle3 is
+refused: EAGLE-3's midlayer is another network than the head trained here).
 
 Formats: "specdec" trains our head (`HeadLayout()`: fc over the normed features, input, layer
 and output norms) and saves it as ours; "eagle" trains the EAGLE-1/2 layout (`EAGLE1_LAYOUT`:
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from specdec.drafters.eagle.export import EAGLE1_LAYOUT, write_eagle1
+from specdec.drafters.eagle.export_eagle3 import EAGLE_HEAD_REASON
 from specdec.drafters.eagle.head import WEIGHTS_FILE, EagleConfig, EagleHead, load_eagle_head
 from specdec.models import LlamaForCausalLM
 from specdec.train.dense import causal_layer, chain_layer
@@ -32,7 +34,8 @@ from specdec.train.init import init_parameters_
 from specdec.train.kind import DrafterKind, TrainBatch, TrainOptions, target_logits
 
 STEP_WEIGHT_DECAY = 0.8  # weight of draft step j is 0.8 ** (j - 1), as in EAGLE-3
-HEAD_FORMATS = ("specdec", "eagle")  # `--format`: the layout trained and the directory written
+# `--format`: the layout trained and the directory written ("eagle3": `--export` only).
+HEAD_FORMATS = ("specdec", "eagle", "eagle3")
 
 
 class EagleTrainable(nn.Module):
@@ -288,6 +291,11 @@ def _format(options: TrainOptions) -> str:
     value = options.get("format", "specdec")
     if value not in HEAD_FORMATS:
         raise ValueError(f"format={value!r}: one of {list(HEAD_FORMATS)}")
+    if value == "eagle3":
+        raise ValueError(
+            f"format=eagle3 is not trained here: {EAGLE_HEAD_REASON} "
+            "(`--export SRC --format eagle3` rewrites an EAGLE-3 checkpoint)"
+        )
     return value
 
 
