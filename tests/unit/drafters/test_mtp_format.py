@@ -407,6 +407,8 @@ def test_a_target_without_mtp_layers_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="has no MTP layers") as err:
         LLM(str(path), speculative_config=_spec(), **COMMON)
     assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="not a file"):
+        propose(path, model=path / "model.safetensors")
 
 
 # --- The engine's law through the MTP drafter (the vocabulary-8 target of the law tests) -------

@@ -73,6 +73,11 @@ def load_head(
         (named); a missing or mis-shaped tensor (named); a head made for another target; a
         head that is not EAGLE-3 under "eagle3"; neither MTP layers nor a head under "mtp".
     """
+    if method == "mtp" and not Path(path).is_dir():
+        raise ValueError(
+            f'{path}: speculative_config method "mtp" reads MTP layers (or a head) from a '
+            "Hugging Face directory (config.json and safetensors files), not a file"
+        )
     checkpoint = DrafterCheckpoint(path)
     if method == "mtp":
         if recognise_mtp(checkpoint) is not None:
