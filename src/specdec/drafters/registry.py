@@ -19,7 +19,7 @@ DRAFTERS: dict[str, type[Drafter]] = {
     "draft_model": DraftModelDrafter,
     "eagle": EagleDrafter,
     "eagle3": EagleDrafter,  # vLLM's name for EAGLE-3 heads (which "eagle" loads too)
-    "mtp": EagleDrafter,  # vLLM's name for a head over the target's features
+    "mtp": EagleDrafter,  # the target's own MTP layers (`drafters.mtp`), or any "eagle" head
     "dflash": DFlashDrafter,
     "dspark": DSparkDrafter,
     "medusa": MedusaDrafter,
