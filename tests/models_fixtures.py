@@ -519,10 +519,13 @@ def llm_greedy(llm: Any, prompts: list[list[int]], max_tokens: int = 24, **kwarg
 
 
 def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """`transformers`' greedy `generate` of `max_new_tokens` tokens (no EOS stop)."""
+    """`transformers`' greedy `generate` of `max_new_tokens` tokens (no EOS stop; every
+    prompt token attended, a pad id among them too: `generate` would mask it otherwise)."""
+    input_ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt]),
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
             max_new_tokens=max_new_tokens,
             do_sample=False,
             eos_token_id=None,

@@ -237,3 +237,28 @@ def test_negative_control_on_the_decode_path(capped: Any) -> None:
     references = [hf_logits(hf_model, seq) for seq in sequences]
     model = drop_attention_cap(load_model(path).model)
     assert decode_path_error(model, references, sequences) > 100 * ATOL
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"quantization": "int8"}, {"async_scheduling": "on"}],
+    ids=["int8_decode_path", "device_rounds"],
+)
+def test_engine_decode_path_speculation_equals_plain_greedy(capped: Any, options: dict) -> None:
+    """The engine's CPU decode path with capped scores: an int8 model's steps (the runner
+    takes the decode path for quantized models) and speculation's device rounds (async
+    scheduling): greedy n-gram speculation emits plain greedy's tokens; the float device
+    rounds emit `generate`'s."""
+    hf_model, path = capped
+    loop = [5, 17, 33, 8]
+    prompts = [loop * 3, prompt_tokens(97, [7], seed=9)[0] + loop * 2]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(str(path), speculative_config=spec, **options)
+    assert llm.engine.runner.graphs is not None  # the decode path, not the eager one
+    plain = llm_greedy(llm, prompts, speculative={"enabled": False})
+    speculative = llm_greedy(llm, prompts)
+    for prompt, a, b in zip(prompts, plain, speculative, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        if "quantization" not in options:
+            assert list(b.outputs[0].token_ids) == hf_greedy(hf_model, prompt, 24)
+    assert sum(out.spec_decode_stats["num_draft_tokens"] for out in speculative) > 0
