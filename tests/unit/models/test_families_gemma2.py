@@ -7,9 +7,10 @@ without). float32 logits agree within 1e-4 with `transformers` (eager attention,
 soft-capping): whole prompts longer than the window (the CPU's row plan and the eager masked
 path), paged steps, and decode/verify steps on the decode path against `transformers`' token
 by token decoding, far past the window; greedy generation through `LLM` equals `generate`, and
-n-gram speculation and draft trees equal plain greedy. Negative controls drop one cap at a time
-(on the row plan, the eager path and the decode path) and must move the logits by far more than
-the tolerance. CUDA, whose attention kernels have no soft-capping, is refused by name.
+n-gram speculation (also on the engine's CPU decode path: an int8 model's steps, device rounds)
+and draft trees equal plain greedy. Negative controls drop one cap at a time (on the row plan,
+the eager path and the decode path) and must move the logits by far more than the tolerance.
+CUDA, whose attention kernels have no soft-capping, is refused by name.
 """
 
 from __future__ import annotations
