@@ -515,12 +515,16 @@ class GGUFFile:
     def tokenizer(self) -> Tokenizer | None:
         """The tokenizer described by `tokenizer.ggml.*`, or None if the file has no vocabulary.
 
+        Flags the file leaves out take llama.cpp's defaults (`Tokenizer.from_gguf_vocab`).
+
         Raises:
-            ValueError: a tokenizer model other than byte-level BPE ("gpt2").
+            ValueError: a tokenizer model other than byte-level BPE ("gpt2") and SentencePiece
+                ("llama"), or a SentencePiece vocabulary without its scores.
         """
         meta = self.metadata
         if "tokenizer.ggml.tokens" not in meta:
             return None
+        add_bos_token = meta.get("tokenizer.ggml.add_bos_token")
         return Tokenizer.from_gguf_vocab(
             model=str(meta.get("tokenizer.ggml.model", "")),
             pre=meta.get("tokenizer.ggml.pre"),
@@ -529,6 +533,10 @@ class GGUFFile:
             merges=meta.get("tokenizer.ggml.merges", []),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            scores=meta.get("tokenizer.ggml.scores"),
+            unknown_token_id=meta.get("tokenizer.ggml.unknown_token_id"),
+            add_bos_token=None if add_bos_token is None else bool(add_bos_token),
+            add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+            add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
             chat_template=meta.get("tokenizer.chat_template"),
         )

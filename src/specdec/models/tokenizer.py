@@ -15,9 +15,18 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 
 # llama.cpp token types (`tokenizer.ggml.token_type`).
+GGUF_TOKEN_UNKNOWN = 2
 GGUF_TOKEN_CONTROL = 3
 GGUF_TOKEN_USER_DEFINED = 4
 
@@ -255,79 +264,187 @@ class Tokenizer:
         merges: Sequence[str],
         bos_token_id: int | None,
         eos_token_id: int | None,
-        add_bos_token: bool = False,
+        scores: Sequence[float] | None = None,
+        unknown_token_id: int | None = None,
+        add_bos_token: bool | None = None,
+        add_eos_token: bool = False,
+        add_space_prefix: bool = True,
         chat_template: str | None = None,
     ) -> Tokenizer:
-        """Rebuilds a byte-level BPE tokenizer from GGUF `tokenizer.ggml.*` metadata.
+        """Rebuilds the tokenizer of GGUF `tokenizer.ggml.*` metadata, as llama.cpp runs it.
+
+        "gpt2": byte-level BPE from the merges, split by the `pre` pattern. "llama": SentencePiece
+        BPE (`_sentencepiece_backend`). In both, control tokens (and in SentencePiece the unknown
+        token) are special tokens matched whole in the text, user-defined ones added tokens.
 
         Args:
-            model: `tokenizer.ggml.model`; only "gpt2" (byte-level BPE) is supported.
-            pre: `tokenizer.ggml.pre`, which picks the pre-tokenizer split pattern.
+            model: `tokenizer.ggml.model`: "gpt2" or "llama".
+            pre: `tokenizer.ggml.pre`, which picks the byte-level pre-tokenizer split pattern.
             tokens: the vocabulary, id order.
-            token_types: llama.cpp token types (control tokens become special tokens).
-            merges: "left right" merge rules, best first.
+            token_types: llama.cpp token types.
+            merges: "left right" merge rules, best first (byte-level BPE).
             bos_token_id: BOS id, or None.
             eos_token_id: EOS id, or None.
-            add_bos_token: prepend BOS when encoding with `add_special_tokens=True`.
+            scores: `tokenizer.ggml.scores`, one a token (SentencePiece: the merge priorities).
+            unknown_token_id: `tokenizer.ggml.unknown_token_id`, or None (SentencePiece: the
+                token typed unknown).
+            add_bos_token: prepend BOS when encoding with `add_special_tokens=True`; None:
+                llama.cpp's default (SentencePiece yes, byte-level BPE no).
+            add_eos_token: append EOS when encoding with `add_special_tokens=True`.
+            add_space_prefix: SentencePiece's dummy prefix: a space before the text and after
+                each special token (`tokenizer.ggml.add_space_prefix`; Gemma's files say no).
             chat_template: `tokenizer.chat_template`, or None.
 
         Raises:
-            ValueError: a tokenizer model other than "gpt2".
+            ValueError: a tokenizer model other than "gpt2" and "llama", or a SentencePiece
+                vocabulary without one score a token.
         """
-        if model != "gpt2":
-            raise ValueError(
-                f"GGUF tokenizer model {model!r} is not supported (only 'gpt2' byte-level BPE)"
-            )
-        byte_to_char = _bytes_to_unicode()
-        alphabet = set(byte_to_char.values())
-        vocab = {
-            token
-            if set(token) <= alphabet
-            else "".join(byte_to_char[b] for b in token.encode()): index
-            for index, token in enumerate(tokens)
-        }
-        merge_pairs = [tuple(merge.split(" ", 1)) for merge in merges]
-        backend = tokenizers.Tokenizer(
-            models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False, byte_fallback=False)
-        )
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        if pre in _SPLIT_BY_PRE:
-            split = pre_tokenizers.Split(Regex(_SPLIT_BY_PRE[pre]), behavior="isolated")
-            backend.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
-        elif pre in _DIGIT_SPLIT_PRES:
-            backend.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Digits(individual_digits=True),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-                ]
-            )
-        else:  # "gpt2", "default" and the rest: GPT-2's own regex
-            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        backend.decoder = decoders.ByteLevel()
-
         types = list(token_types or [])
-        special = [
-            AddedToken(tokens[i], normalized=False, special=True)
-            for i, kind in enumerate(types)
-            if kind == GGUF_TOKEN_CONTROL and set(tokens[i]) <= alphabet
-        ]
-        user_defined = [
-            AddedToken(tokens[i], normalized=False, special=False)
-            for i, kind in enumerate(types)
-            if kind == GGUF_TOKEN_USER_DEFINED and set(tokens[i]) <= alphabet
-        ]
-        backend.add_special_tokens(special)
-        backend.add_tokens(user_defined)
+        if model == "gpt2":
+            backend = _byte_level_backend(pre, tokens, merges)
+            alphabet = set(_bytes_to_unicode().values())
+            # A token outside the byte alphabet is no token of this vocabulary.
+            keep = [set(token) <= alphabet for token in tokens]
+            special_types = {GGUF_TOKEN_CONTROL}
+        elif model == "llama":
+            if scores is None or len(scores) != len(tokens):
+                raise ValueError(
+                    f"GGUF SentencePiece tokenizer: tokenizer.ggml.scores has "
+                    f"{0 if scores is None else len(scores)} scores for {len(tokens)} tokens"
+                )
+            if unknown_token_id is None and GGUF_TOKEN_UNKNOWN in types:
+                unknown_token_id = types.index(GGUF_TOKEN_UNKNOWN)
+            unk_token = tokens[unknown_token_id] if unknown_token_id is not None else None
+            backend = _sentencepiece_backend(tokens, scores, unk_token, add_space_prefix)
+            keep = [True] * len(tokens)
+            special_types = {GGUF_TOKEN_CONTROL, GGUF_TOKEN_UNKNOWN}
+        else:
+            raise ValueError(
+                f"GGUF tokenizer model {model!r} is not supported; supported: "
+                "'gpt2' (byte-level BPE), 'llama' (SentencePiece BPE)"
+            )
+        backend.add_special_tokens(
+            [
+                AddedToken(tokens[i], normalized=False, special=True)
+                for i, kind in enumerate(types)
+                if kind in special_types and keep[i]
+            ]
+        )
+        backend.add_tokens(
+            [
+                AddedToken(tokens[i], normalized=False, special=False)
+                for i, kind in enumerate(types)
+                if kind == GGUF_TOKEN_USER_DEFINED and keep[i]
+            ]
+        )
 
         bos_token = tokens[bos_token_id] if bos_token_id is not None else None
         eos_token = tokens[eos_token_id] if eos_token_id is not None else None
-        if add_bos_token and bos_token is not None:
+        if add_bos_token is None:
+            add_bos_token = model == "llama"
+        bos = [bos_token] if add_bos_token and bos_token is not None else []
+        eos = [eos_token] if add_eos_token and eos_token is not None else []
+        if bos or eos:
+            single = [*bos, "$A", *eos]
             backend.post_processor = processors.TemplateProcessing(
-                single=f"{bos_token} $A",
-                pair=f"{bos_token} $A {bos_token} $B",
-                special_tokens=[(bos_token, bos_token_id)],
+                single=single,
+                pair=[*single, *bos, "$B", *eos],
+                special_tokens=[(bos_token, bos_token_id)] * len(bos)
+                + [(eos_token, eos_token_id)] * len(eos),
             )
         return cls(backend, chat_template=chat_template, bos_token=bos_token, eos_token=eos_token)
+
+
+def _byte_level_backend(
+    pre: str | None, tokens: Sequence[str], merges: Sequence[str]
+) -> tokenizers.Tokenizer:
+    """Byte-level BPE (llama.cpp's "gpt2"): tokens spelled in GPT-2's byte alphabet, the given
+    merges, the text split first by the pattern `pre` names."""
+    byte_to_char = _bytes_to_unicode()
+    alphabet = set(byte_to_char.values())
+    vocab = {
+        token if set(token) <= alphabet else "".join(byte_to_char[b] for b in token.encode()): index
+        for index, token in enumerate(tokens)
+    }
+    merge_pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+    backend = tokenizers.Tokenizer(
+        models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False, byte_fallback=False)
+    )
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if pre in _SPLIT_BY_PRE:
+        split = pre_tokenizers.Split(Regex(_SPLIT_BY_PRE[pre]), behavior="isolated")
+        backend.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+    elif pre in _DIGIT_SPLIT_PRES:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    else:  # "gpt2", "default" and the rest: GPT-2's own regex
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_backend(
+    tokens: Sequence[str], scores: Sequence[float], unk_token: str | None, add_space_prefix: bool
+) -> tokenizers.Tokenizer:
+    """SentencePiece BPE (llama.cpp's "llama"), as sentencepiece and llama.cpp encode and decode.
+
+    Encode: spaces become U+2581 and, with `add_space_prefix`, one is put before the text and
+    after each special or user-defined token (the added tokens split the text first; llama.cpp's
+    rule, and sentencepiece's on each piece); then, from the characters up, the adjacent pair
+    whose joined text is the token of highest score merges first, as a BPE merge list ranked by
+    score (`_merges_by_score`); a character no token covers becomes its UTF-8 byte tokens
+    (`<0xNN>`), or the unknown token. Decode: U+2581 back to spaces, byte tokens back to UTF-8,
+    and with `add_space_prefix` the text's first space dropped.
+
+    The normalizer rather than `transformers`' Metaspace pre-tokenizer puts the prefix: Metaspace
+    adds none before a text that starts with a space, so "  hi" would lose a space that
+    sentencepiece and llama.cpp keep ("▁▁▁hi").
+    """
+    vocab = {token: index for index, token in enumerate(tokens)}  # a repeated text: its last id
+    backend = tokenizers.Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=_merges_by_score(tokens, scores),
+            unk_token=unk_token,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    spaces = normalizers.Replace(" ", _SENTENCEPIECE_SPACE)
+    steps = [decoders.Replace(_SENTENCEPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        backend.normalizer = normalizers.Sequence(
+            [normalizers.Prepend(_SENTENCEPIECE_SPACE), spaces]
+        )
+        steps.append(decoders.Strip(" ", 1, 0))
+    else:
+        backend.normalizer = spaces
+    backend.decoder = decoders.Sequence(steps)
+    return backend
+
+
+def _merges_by_score(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
+    """SentencePiece BPE's merge rule as a BPE merge list: every cut of a token into two tokens,
+    ranked by the token's score, highest first.
+
+    SentencePiece merges the adjacent pair whose joined text is the token of highest score, so
+    ranking each cut by its joined token's score gives the same merges. Equal scores (which
+    sentencepiece's trainer never writes) go in vocabulary order, where llama.cpp takes the
+    leftmost pair in the text.
+    """
+    score_of = {token: float(score) for token, score in zip(tokens, scores, strict=True)}
+    ranked = [
+        (-score, token[:cut], token[cut:])
+        for token, score in score_of.items()
+        for cut in range(1, len(token))
+        if token[:cut] in score_of and token[cut:] in score_of
+    ]
+    ranked.sort(key=lambda merge: merge[0])
+    return [(left, right) for _, left, right in ranked]
 
 
 def _token_text(entry: str | Mapping[str, Any]) -> str:
