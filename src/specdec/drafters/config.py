@@ -36,7 +36,7 @@ DEFAULT_REJECTION_SAMPLE_METHOD = "coupled"
 
 
 # Methods that draft trees (`speculative_config["tree"]`).
-TREE_METHODS = ("eagle", "eagle3", "mtp", "draft_model")
+TREE_METHODS = ("eagle", "eagle3", "mtp", "draft_model", "medusa")
 TREE_KEYS = ("nodes", "depth", "topk")
 
 
@@ -81,6 +81,11 @@ class TreeConfig:
     def from_dict(values: object) -> TreeConfig | None:
         if values is None or isinstance(values, TreeConfig):
             return values
+        if isinstance(values, list | tuple):
+            raise ValueError(
+                "speculative_config.tree takes a dict of nodes, depth, topk; static choice "
+                "lists (Medusa's medusa_choices, e.g. mc_sim_7b_63) are not supported"
+            )
         if not isinstance(values, dict):
             raise ValueError("speculative_config.tree must be a dict of nodes, depth, topk")
         unknown = sorted(set(values) - set(TREE_KEYS))
@@ -111,7 +116,8 @@ class SpeculativeConfig:
             "eagle" head), "eagle3" (vLLM's name for EAGLE-3 heads: "eagle"
             restricted to them), "dflash" (a parallel block drafter over the target's
             features), "dspark" (dflash + Markov head + confidence-scheduled verify length) or
-            "medusa" (heads over the target's last hidden state, one draft each).
+            "medusa" (heads over the target's last hidden state, one draft each; a tree's
+            depth-i nodes from head i).
         model: the draft model (a Hugging Face directory or a GGUF file) for "draft_model";
             "truncated:N" uses the target's first N layers (with its embeddings and head). For
             "eagle"/"mtp": a head directory (config.json + model.safetensors, as written by
@@ -144,8 +150,9 @@ class SpeculativeConfig:
             measured timings); coupled and greedy outputs equal plain decoding's whatever K is.
         tree: draft trees instead of chains ({"nodes": N, "depth": D, "topk": k}, a
             `TreeConfig`), verified exactly with `specdec.verify.tree`; eagle/eagle3/mtp/
-            draft_model, not with block verification, and on the synchronous engine path only
-            (rounds then verify N nodes; num_speculative_tokens is not used).
+            draft_model/medusa (no deeper than its heads), not with block verification, and on
+            the synchronous engine path only (rounds then verify N nodes;
+            num_speculative_tokens is not used).
         plain_arm: with `adaptive`, also offer the policy arm P: run the batch through the plain
             overlapped decode loop (outside device rounds, or without entering them) while that
             is predicted to be faster (its cost: the plain step at the batch bucket; its tokens

@@ -9,8 +9,10 @@ Head i (FasterDecoding's medusa_model.py; vLLM's medusa.py computes the same):
 A round anchored at A (its input token at A - 1 is the target's sample from h at A - 2) reads h
 at A - 2: head i proposes the token at Q = A + i. The heads see neither the input token nor each
 other's drafts; a round's drafts are the chain of head 0 .. K - 1's proposals, each its top token
-(greedy drafting) or drawn from its distribution through `sample_draft` at Q. Never draws noise
-itself; reads only the target's final norm.
+(greedy drafting) or drawn from its distribution through `sample_draft` at Q, or with
+`speculative_config["tree"]` a tree whose depth-i nodes are head i's top tokens or its draws
+without replacement (`medusa_tree.py`).
+Never draws noise itself; reads only the target's final norm.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from specdec.drafters.base import (
     ProposalBuffer,
     TargetFeatures,
 )
-from specdec.drafters.config import SpeculativeConfig
+from specdec.drafters.config import SpeculativeConfig, TreeConfig
 from specdec.drafters.formats import MEDUSA_VLLM, DrafterCheckpoint, recognise_medusa
+from specdec.drafters.medusa_tree import propose_medusa_tree
 from specdec.models import LlamaForCausalLM
 from specdec.models.config import ModelConfig
 from specdec.models.layers import Linear
@@ -197,7 +200,8 @@ def load_medusa(
 
 
 class MedusaDrafter(Drafter):
-    """vLLM's `medusa` method: one draft per head, from the target's last hidden state."""
+    """vLLM's `medusa` method: one draft per head (chains), or trees from the heads' top-k, from
+    the target's last hidden state."""
 
     def __init__(
         self,
@@ -205,16 +209,20 @@ class MedusaDrafter(Drafter):
         target: LlamaForCausalLM,
         draft_to_target: torch.Tensor | None = None,
         greedy: bool = False,
+        tree: TreeConfig | None = None,
     ) -> None:
         """Args:
         heads: the loaded heads.
         target: the target (its final norm makes the heads' input from its last layer's
             output; nothing else of it is read).
         draft_to_target: [V_draft] int64 target id of each draft id (vLLM's token_map), or None.
-        greedy: propose each head's argmax (one-hot drafts) instead of sampling.
+        greedy: propose each head's argmax (one-hot drafts) instead of sampling; in a tree,
+            each head's top tokens.
+        tree: draft a tree per round (`medusa_tree.propose_medusa_tree`) instead of a chain.
         """
         super().__init__(target.config.vocab_size, draft_to_target, greedy)
         self.heads = heads
+        self.tree = tree
         self.final_norm = target.model.norm
         self.feature_layers = (target.config.num_hidden_layers - 1,)
         self.device = heads.device
@@ -225,10 +233,12 @@ class MedusaDrafter(Drafter):
     def from_config(
         cls, spec: SpeculativeConfig, target: LlamaForCausalLM, setup: DrafterSetup | None = None
     ) -> MedusaDrafter:
-        """Loads the heads of a SpeculativeConfig (`model`: their directory). A round drafts
-        at most one token per head: a K above the number of heads drafts that many."""
+        """Loads the heads of a SpeculativeConfig (`model`: their directory). A chain drafts at
+        most one token per head (a K above the number of heads drafts that many); a tree is at
+        most as deep as the heads."""
         heads, draft_to_target = load_medusa(spec.model, target.config, target.dtype, target.device)
-        return cls(heads, target, draft_to_target, greedy=spec.draft_sample_method == "greedy")
+        greedy = spec.draft_sample_method == "greedy"
+        return cls(heads, target, draft_to_target, greedy=greedy, tree=spec.tree)
 
     def release(self, request_id: str) -> None:
         self._last.pop(request_id, None)
@@ -253,7 +263,9 @@ class MedusaDrafter(Drafter):
             raise ValueError("the Medusa drafter needs request_ids in its DraftBatch")
         size, device = batch.batch_size, self.device
         out = ProposalBuffer(size, batch.max_draft, self.target_vocab_size, device, self.greedy)
-        num_draft = self.num_draft_with_features(batch).clamp(max=self.heads.config.num_heads)
+        num_draft = self.num_draft_with_features(batch)
+        if self.tree is None:
+            num_draft = num_draft.clamp(max=self.heads.config.num_heads)
         counts, anchors = num_draft.tolist(), batch.anchors.tolist()
         live = [b for b in range(size) if counts[b] > 0]
         if not live:
@@ -270,6 +282,13 @@ class MedusaDrafter(Drafter):
                 )
             last.append(feature)
         hidden = self.final_norm(torch.stack(last))  # [len(live), D] h at A - 2
+        if self.tree is not None:
+            if batch.context is not None:
+                raise ValueError(
+                    "tree drafts do not support penalties, biases, bans or grammars yet"
+                )
+            parents, num_nodes = propose_medusa_tree(self, batch, self.tree, live, hidden, out)
+            return out.proposal(num_nodes, parents)
         for i in range(max(counts[b] for b in live)):
             keep = [j for j, b in enumerate(live) if counts[b] > i]  # rows wanting draft i
             if len(keep) < len(live):
