@@ -534,6 +534,12 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+# Prompts of the families' greedy checks (`llm_greedy` against `hf_greedy`): three random ones
+# and one holding token id 0 twice, on which every family's `generate` without an attention
+# mask (token 0 masked as padding) gives other tokens, so that a masking reference is caught.
+GREEDY_PROMPTS = [*prompt_tokens(97, [6, 8, 3], seed=7), [52, 0, 19, 0, 71, 33]]
+
+
 def greedy_generate(
     model: LlamaForCausalLM, prompt: list[int], max_new_tokens: int, stop_ids: Sequence[int] = ()
 ) -> list[int]:

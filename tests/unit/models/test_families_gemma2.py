@@ -22,6 +22,7 @@ import torch
 
 from models_fixtures import (
     GEMMA2_CONFIGS,
+    GREEDY_PROMPTS,
     decode_path_error,
     hf_decode_logits,
     hf_greedy,
@@ -167,11 +168,11 @@ def test_decode_path_steps_match_transformers_decoding(gemma2: Any) -> None:
 
 
 def test_greedy_generation_matches_transformers_generate(gemma2: Any) -> None:
-    """24 greedy tokens through `LLM` (each sequence ends past the window) equal `generate`'s."""
+    """24 greedy tokens through `LLM` (each sequence ends past the window) equal `generate`'s,
+    a prompt holding token id 0 among them."""
     hf_model, path = gemma2
-    prompts = prompt_tokens(97, [6, 8, 3], seed=7)
-    outputs = llm_greedy(LLM(str(path), speculative_config=None), prompts)
-    for prompt, output in zip(prompts, outputs, strict=True):
+    outputs = llm_greedy(LLM(str(path), speculative_config=None), GREEDY_PROMPTS)
+    for prompt, output in zip(GREEDY_PROMPTS, outputs, strict=True):
         assert list(output.outputs[0].token_ids) == hf_greedy(hf_model, prompt, 24)
 
 

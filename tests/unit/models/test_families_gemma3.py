@@ -23,10 +23,14 @@ import torch
 
 from models_fixtures import (
     GEMMA3_CONFIGS,
-    PagedRunner,
-    decode_path_step,
+    GREEDY_PROMPTS,
+    decode_path_error,
+    hf_greedy,
     hf_logits,
+    llm_greedy,
     make_gemma3_hf_model,
+    max_error,
+    paged_steps_error,
     prompt_tokens,
     save_hf_model,
 )
@@ -34,7 +38,6 @@ from specdec.engine.llm import LLM
 from specdec.models import LlamaForCausalLM, ModelConfig, load_model, prompt_logits
 from specdec.models.layers import RMSNorm
 from specdec.models.tensor_parallel import shard_layout
-from specdec.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers", reason="the forward reference")
 
@@ -56,10 +59,6 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The "gemma3" checkpoint alone, as `gemma3` gives it (for the tests one config serves)."""
     hf_model = make_gemma3_hf_model("gemma3")
     return "gemma3", hf_model, save_hf_model(hf_model, tmp_path_factory.mktemp("plain"))
-
-
-def max_error(ours: list[torch.Tensor], references: list[torch.Tensor]) -> float:
-    return max((a - b).abs().max().item() for a, b in zip(ours, references, strict=True))
 
 
 PROMPTS = prompt_tokens(97, [1, 6, 29, 17], seed=2)  # three of them longer than the window
@@ -144,18 +143,8 @@ def test_paged_steps_match(gemma3: Any) -> None:
     _, hf_model, path = gemma3
     sequences = prompt_tokens(97, [45, 9, 50], seed=3)
     references = [hf_logits(hf_model, seq) for seq in sequences]
-    runner = PagedRunner(load_model(path).model, num_blocks=40, block_size=4)
     schedule = [[11, 4, 13], [18, 5, 20], [1, 0, 1], [4, 0, 3], [1, 0, 1], [10, 0, 12]]
-    done = [0, 0, 0]
-    worst = 0.0
-    for step in schedule:
-        new = {b: sequences[b][done[b] : done[b] + n] for b, n in enumerate(step) if n > 0}
-        for b, logits in runner.step(new).items():
-            expected = references[b][done[b] : done[b] + step[b]]
-            worst = max(worst, (logits - expected).abs().max().item())
-        done = [d + n for d, n in zip(done, step, strict=True)]
-    assert done == [45, 9, 50]
-    assert worst <= ATOL
+    assert paged_steps_error(load_model(path).model, references, sequences, schedule) <= ATOL
 
 
 def test_decode_path_steps_match(gemma3: Any) -> None:
@@ -165,43 +154,16 @@ def test_decode_path_steps_match(gemma3: Any) -> None:
     _, hf_model, path = gemma3
     sequences = prompt_tokens(97, [40, 26, 33], seed=6)
     references = [hf_logits(hf_model, seq) for seq in sequences]
-    runner = PagedRunner(load_model(path).model, num_blocks=40, block_size=4)
-    runner.step({b: seq[:3] for b, seq in enumerate(sequences)})
-    done, step, worst = [3, 3, 3], 0, 0.0
-    while any(d < len(seq) for d, seq in zip(done, sequences, strict=True)):
-        new = {}
-        for b, seq in enumerate(sequences):
-            count = min(1 + (step + b) % 4, len(seq) - done[b])
-            if count > 0:
-                new[b] = seq[done[b] : done[b] + count]
-        for b, logits in decode_path_step(runner, new, query_per_seq=4).items():
-            expected = references[b][done[b] : done[b] + len(new[b])]
-            worst = max(worst, (logits - expected).abs().max().item())
-            done[b] += len(new[b])
-        step += 1
-    assert worst <= ATOL
-
-
-def llm_greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = 24, **kwargs: Any) -> list:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return llm.generate(prompts, params, use_tqdm=False, **kwargs)
+    assert decode_path_error(load_model(path).model, references, sequences) <= ATOL
 
 
 def test_greedy_generation_matches_transformers_generate(gemma3: Any) -> None:
-    """24 greedy tokens through `LLM` (each sequence ends past the window) equal `generate`'s."""
+    """24 greedy tokens through `LLM` (each sequence ends past the window) equal `generate`'s,
+    a prompt holding token id 0 among them."""
     _, hf_model, path = gemma3
-    prompts = prompt_tokens(97, [6, 8, 3], seed=7)
-    outputs = llm_greedy(LLM(str(path), speculative_config=None), prompts)
-    for prompt, output in zip(prompts, outputs, strict=True):
-        with torch.no_grad():
-            expected = hf_model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=24,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )[0, len(prompt) :]
-        assert list(output.outputs[0].token_ids) == expected.tolist()
+    outputs = llm_greedy(LLM(str(path), speculative_config=None), GREEDY_PROMPTS)
+    for prompt, output in zip(GREEDY_PROMPTS, outputs, strict=True):
+        assert list(output.outputs[0].token_ids) == hf_greedy(hf_model, prompt, 24)
 
 
 def test_ngram_speculation_equals_plain_greedy(plain: Any) -> None:

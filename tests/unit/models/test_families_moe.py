@@ -22,11 +22,14 @@ import torch
 import torch.nn.functional as F
 
 from models_fixtures import (
+    GREEDY_PROMPTS,
     MOE_CONFIGS,
-    PagedRunner,
-    decode_path_step,
+    decode_path_error,
+    hf_greedy,
     hf_logits,
+    llm_greedy,
     make_moe_hf_model,
+    max_error,
     prompt_tokens,
     save_hf_model,
 )
@@ -37,7 +40,6 @@ from specdec.models.loader import quantize_model
 from specdec.models.moe import Expert, SparseMoeBlock, route
 from specdec.models.tensor_parallel import shard_layout
 from specdec.models.weights import CheckpointError
-from specdec.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers", reason="the forward reference")
 
@@ -51,10 +53,6 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     name = request.param
     hf_model = make_moe_hf_model(name)
     return name, hf_model, save_hf_model(hf_model, tmp_path_factory.mktemp(name))
-
-
-def max_error(ours: list[torch.Tensor], references: list[torch.Tensor]) -> float:
-    return max((a - b).abs().max().item() for a, b in zip(ours, references, strict=True))
 
 
 def prompt_error(model: LlamaForCausalLM, hf_model: Any) -> float:
@@ -194,43 +192,16 @@ def test_decode_path_steps_match(family: Any) -> None:
     _, hf_model, path = family
     sequences = prompt_tokens(97, [30, 19, 25], seed=6)
     references = [hf_logits(hf_model, seq) for seq in sequences]
-    runner = PagedRunner(load_model(path).model, num_blocks=40, block_size=4)
-    runner.step({b: seq[:3] for b, seq in enumerate(sequences)})
-    done, step, worst = [3, 3, 3], 0, 0.0
-    while any(d < len(seq) for d, seq in zip(done, sequences, strict=True)):
-        new = {}
-        for b, seq in enumerate(sequences):
-            count = min(1 + (step + b) % 4, len(seq) - done[b])
-            if count > 0:
-                new[b] = seq[done[b] : done[b] + count]
-        for b, logits in decode_path_step(runner, new, query_per_seq=4).items():
-            expected = references[b][done[b] : done[b] + len(new[b])]
-            worst = max(worst, (logits - expected).abs().max().item())
-            done[b] += len(new[b])
-        step += 1
-    assert worst <= ATOL
-
-
-def llm_greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = 24, **kwargs: Any) -> list:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return llm.generate(prompts, params, use_tqdm=False, **kwargs)
+    assert decode_path_error(load_model(path).model, references, sequences) <= ATOL
 
 
 def test_greedy_generation_matches_transformers_generate(family: Any) -> None:
-    """24 greedy tokens through `LLM` equal `generate`'s."""
+    """24 greedy tokens through `LLM` equal `generate`'s, a prompt holding token id 0 among
+    them."""
     _, hf_model, path = family
-    prompts = prompt_tokens(97, [6, 8, 3], seed=7)
-    outputs = llm_greedy(LLM(str(path), speculative_config=None), prompts)
-    for prompt, output in zip(prompts, outputs, strict=True):
-        with torch.no_grad():
-            expected = hf_model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=24,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )[0, len(prompt) :]
-        assert list(output.outputs[0].token_ids) == expected.tolist()
+    outputs = llm_greedy(LLM(str(path), speculative_config=None), GREEDY_PROMPTS)
+    for prompt, output in zip(GREEDY_PROMPTS, outputs, strict=True):
+        assert list(output.outputs[0].token_ids) == hf_greedy(hf_model, prompt, 24)
 
 
 def test_ngram_speculation_equals_plain_greedy(family: Any) -> None:

@@ -21,11 +21,16 @@ import torch
 
 from models_fixtures import (
     FAMILY_CONFIGS,
+    GREEDY_PROMPTS,
     TINY_CONFIGS,
     PagedRunner,
     hf_decode_logits,
+    hf_greedy,
     hf_logits,
+    llm_greedy,
     make_family_hf_model,
+    max_error,
+    paged_steps_error,
     prompt_tokens,
     save_hf_model,
 )
@@ -35,7 +40,6 @@ from specdec.models.decode_cpu import DecodePlanCPU
 from specdec.models.tensor_parallel import shard_layout
 from specdec.models.weights import assign_weights
 from specdec.runner.model_runner import PagedModelRunner, StepInput
-from specdec.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers", reason="the forward reference")
 
@@ -60,10 +64,6 @@ def reference_logits(hf_model: Any, tokens: list[int]) -> torch.Tensor:
     if len(tokens) > getattr(hf_model.config, "original_max_position_embeddings", len(tokens)):
         return hf_decode_logits(hf_model, tokens)
     return hf_logits(hf_model, tokens)
-
-
-def max_error(ours: list[torch.Tensor], references: list[torch.Tensor]) -> float:
-    return max((a - b).abs().max().item() for a, b in zip(ours, references, strict=True))
 
 
 def test_config_reads_each_family_option() -> None:
@@ -120,18 +120,8 @@ def test_paged_steps_match(family: Any) -> None:
     _, hf_model, _, model = family
     sequences = prompt_tokens(97, [45, 9, 50], seed=3)
     references = [reference_logits(hf_model, seq) for seq in sequences]
-    runner = PagedRunner(model, num_blocks=40, block_size=4)
     schedule = [[11, 4, 13], [18, 5, 20], [1, 0, 1], [4, 0, 3], [1, 0, 1], [10, 0, 12]]
-    done = [0, 0, 0]
-    worst = 0.0
-    for step in schedule:
-        new = {b: sequences[b][done[b] : done[b] + n] for b, n in enumerate(step) if n > 0}
-        for b, logits in runner.step(new).items():
-            expected = references[b][done[b] : done[b] + step[b]]
-            worst = max(worst, (logits - expected).abs().max().item())
-        done = [d + n for d, n in zip(done, step, strict=True)]
-    assert done == [45, 9, 50]
-    assert worst <= ATOL
+    assert paged_steps_error(model, references, sequences, schedule) <= ATOL
 
 
 def run_decode_path(path: Path, sequences: list[list[int]], monkeypatch: Any) -> list[Any]:
@@ -191,31 +181,18 @@ def test_decode_path_steps_match(name: str, tmp_path: Path, monkeypatch: Any) ->
     for step in run_decode_path(path, sequences, monkeypatch):
         for b, (start, logits) in enumerate(step):
             expected = references[b][start : start + logits.shape[0]]
-            worst = max(worst, (logits - expected).abs().max().item())
+            worst = max(worst, max_error([logits], [expected]))
     assert worst <= ATOL
 
 
-def llm_greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = 24, **kwargs: Any) -> list:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return llm.generate(prompts, params, use_tqdm=False, **kwargs)
-
-
 def test_greedy_generation_matches_transformers_generate(family: Any) -> None:
-    """24 greedy tokens through `LLM` equal `generate`'s (Phi-3's LongRoPE sequences stay within
-    its original context, where `generate` never recomputes its cache)."""
+    """24 greedy tokens through `LLM` equal `generate`'s, a prompt holding token id 0 among
+    them (Phi-3's LongRoPE sequences stay within its original context, where `generate` never
+    recomputes its cache)."""
     _, hf_model, path, _ = family
-    prompts = prompt_tokens(97, [6, 8, 3], seed=7)
-    outputs = llm_greedy(LLM(str(path), speculative_config=None), prompts)
-    for prompt, output in zip(prompts, outputs, strict=True):
-        with torch.no_grad():
-            expected = hf_model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=24,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )[0, len(prompt) :]
-        assert list(output.outputs[0].token_ids) == expected.tolist()
+    outputs = llm_greedy(LLM(str(path), speculative_config=None), GREEDY_PROMPTS)
+    for prompt, output in zip(GREEDY_PROMPTS, outputs, strict=True):
+        assert list(output.outputs[0].token_ids) == hf_greedy(hf_model, prompt, 24)
 
 
 def test_greedy_past_the_longrope_switch_matches_transformers_decoding(tmp_path: Path) -> None:
