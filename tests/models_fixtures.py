@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specdec.models import AttentionMetadata, LlamaForCausalLM, ModelConfig
+from specdec.models import AttentionMetadata, LlamaForCausalLM, ModelConfig, prompt_logits
 from specdec.models.weights import assign_weights
 from specdec.runner.model_runner import PagedModelRunner, StepInput
 
@@ -458,6 +458,32 @@ def decode_path_step(
 def max_error(ours: Sequence[torch.Tensor], references: Sequence[torch.Tensor]) -> float:
     """The largest absolute difference between paired tensors."""
     return max((a - b).abs().max().item() for a, b in zip(ours, references, strict=True))
+
+
+def prompt_error(model: LlamaForCausalLM, hf_model: Any, prompts: Sequence[list[int]]) -> float:
+    """The largest logit error of one batched prefill of `prompts` (blocks of 4) against
+    `transformers` over each whole prompt."""
+    references = [hf_logits(hf_model, prompt) for prompt in prompts]
+    return max_error(prompt_logits(model, list(prompts), block_size=4), references)
+
+
+def eager(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """`model` attending through the eager masked path instead of the CPU's row plan."""
+    model.model._plans_rows = lambda input_ids: False
+    return model
+
+
+def drop_attention_cap(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """`model` without its attention logit soft-capping (a negative control)."""
+    for layer in model.model.layers:
+        layer.self_attn.softcap = None
+    return model
+
+
+def drop_final_cap(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """`model` without its final logit soft-capping (a negative control)."""
+    model.final_softcap = None
+    return model
 
 
 def paged_steps_error(

@@ -24,18 +24,21 @@ from models_fixtures import (
     GEMMA2_CONFIGS,
     GREEDY_PROMPTS,
     decode_path_error,
+    drop_attention_cap,
+    drop_final_cap,
+    eager,
     hf_decode_logits,
     hf_greedy,
     hf_logits,
     llm_greedy,
     make_gemma2_hf_model,
-    max_error,
     paged_steps_error,
+    prompt_error,
     prompt_tokens,
     save_hf_model,
 )
 from specdec.engine.llm import LLM
-from specdec.models import LlamaForCausalLM, ModelConfig, load_model, prompt_logits
+from specdec.models import ModelConfig, load_model
 
 transformers = pytest.importorskip("transformers", reason="the forward reference")
 
@@ -57,17 +60,6 @@ def capped(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The "gemma2" checkpoint alone (for the tests one config serves)."""
     hf_model = make_gemma2_hf_model("gemma2")
     return hf_model, save_hf_model(hf_model, tmp_path_factory.mktemp("capped"))
-
-
-def prompt_error(model: LlamaForCausalLM, hf_model: Any) -> float:
-    references = [hf_logits(hf_model, prompt) for prompt in PROMPTS]
-    return max_error(prompt_logits(model, PROMPTS, block_size=4), references)
-
-
-def eager(model: LlamaForCausalLM) -> LlamaForCausalLM:
-    """`model` attending through the eager masked path instead of the CPU's row plan."""
-    model.model._plans_rows = lambda input_ids: False
-    return model
 
 
 # --------------------------------------------------------------------------- config
@@ -142,8 +134,8 @@ def test_prompt_logits_match(gemma2: Any) -> None:
     """One batched prefill of four prompts (three longer than the window), through the CPU's
     row plan and through the eager path's masked attention."""
     hf_model, path = gemma2
-    assert prompt_error(load_model(path).model, hf_model) <= ATOL
-    assert prompt_error(eager(load_model(path).model), hf_model) <= ATOL
+    assert prompt_error(load_model(path).model, hf_model, PROMPTS) <= ATOL
+    assert prompt_error(eager(load_model(path).model), hf_model, PROMPTS) <= ATOL
 
 
 def test_paged_steps_match(gemma2: Any) -> None:
@@ -212,24 +204,13 @@ def test_greedy_draft_tree_equals_greedy_plain(capped: Any) -> None:
 
 
 # --------------------------------------------------------------------------- negative controls
-def drop_attention_cap(model: LlamaForCausalLM) -> LlamaForCausalLM:
-    for layer in model.model.layers:
-        layer.self_attn.softcap = None
-    return model
-
-
-def drop_final_cap(model: LlamaForCausalLM) -> LlamaForCausalLM:
-    model.final_softcap = None
-    return model
-
-
 @pytest.mark.parametrize("breaks", [drop_attention_cap, drop_final_cap])
 @pytest.mark.parametrize("path_of", [lambda model: model, eager], ids=["row_plan", "eager"])
 def test_negative_controls_move_the_logits(capped: Any, breaks: Any, path_of: Any) -> None:
     """Each cap dropped alone, on either prompt path: far from `transformers`, so the parity
     tests above would catch its loss."""
     hf_model, path = capped
-    assert prompt_error(path_of(breaks(load_model(path).model)), hf_model) > 100 * ATOL
+    assert prompt_error(path_of(breaks(load_model(path).model)), hf_model, PROMPTS) > 100 * ATOL
 
 
 def test_negative_control_on_the_decode_path(capped: Any) -> None:

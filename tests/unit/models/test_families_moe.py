@@ -25,16 +25,17 @@ from models_fixtures import (
     GREEDY_PROMPTS,
     MOE_CONFIGS,
     decode_path_error,
+    eager,
     hf_greedy,
     hf_logits,
     llm_greedy,
     make_moe_hf_model,
-    max_error,
+    prompt_error,
     prompt_tokens,
     save_hf_model,
 )
 from specdec.engine.llm import LLM
-from specdec.models import LlamaForCausalLM, ModelConfig, load_model, moe, prompt_logits
+from specdec.models import ModelConfig, load_model, moe, prompt_logits
 from specdec.models.fused import silu_mul
 from specdec.models.loader import quantize_model
 from specdec.models.moe import Expert, SparseMoeBlock, route
@@ -53,11 +54,6 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     name = request.param
     hf_model = make_moe_hf_model(name)
     return name, hf_model, save_hf_model(hf_model, tmp_path_factory.mktemp(name))
-
-
-def prompt_error(model: LlamaForCausalLM, hf_model: Any) -> float:
-    references = [hf_logits(hf_model, prompt) for prompt in PROMPTS]
-    return max_error(prompt_logits(model, PROMPTS, block_size=4), references)
 
 
 # --------------------------------------------------------------------------- config
@@ -171,19 +167,17 @@ def test_routing_negative_controls_move_the_logits(
     the softmax is tested where it differs: without renormalisation)."""
     hf_model = make_moe_hf_model(name)
     model = load_model(save_hf_model(hf_model, tmp_path)).model
-    assert prompt_error(model, hf_model) <= ATOL
+    assert prompt_error(model, hf_model, PROMPTS) <= ATOL
     monkeypatch.setattr(moe, "route", breaks)
-    assert prompt_error(model, hf_model) > 100 * ATOL
+    assert prompt_error(model, hf_model, PROMPTS) > 100 * ATOL
 
 
 # --------------------------------------------------------------------------- parity
 def test_prompt_logits_match(family: Any) -> None:
     """One batched prefill of four prompts, on the CPU's row plan and on the eager path."""
     _, hf_model, path = family
-    assert prompt_error(load_model(path).model, hf_model) <= ATOL
-    eager = load_model(path).model
-    eager.model._plans_rows = lambda input_ids: False
-    assert prompt_error(eager, hf_model) <= ATOL
+    assert prompt_error(load_model(path).model, hf_model, PROMPTS) <= ATOL
+    assert prompt_error(eager(load_model(path).model), hf_model, PROMPTS) <= ATOL
 
 
 def test_decode_path_steps_match(family: Any) -> None:
