@@ -167,7 +167,9 @@ def make_family_hf_model(name: str, seed: int = 0) -> Any:
 # (sliding_window_pattern 2: layers 0 and 2 slide, 1 and 3 see everything), a window of 8
 # shorter than the prompts, the sliding layers' own RoPE base, a query_pre_attn_scalar that
 # is not head_dim (the scale matters); "gemma3_linear" adds linear RoPE scaling on the full
-# layers (Gemma 3 4B and larger).
+# layers (Gemma 3 4B and larger); "gemma3_capped" sets Gemma 2's two soft-caps, at values that
+# would bind at this scale (released Gemma 3 checkpoints set none; `transformers` caps Gemma 3's
+# final logits and never its attention scores).
 _GEMMA3: dict[str, Any] = {
     **{key: value for key, value in _COMMON.items() if key != "num_hidden_layers"},
     "num_hidden_layers": 4,
@@ -182,6 +184,7 @@ _GEMMA3: dict[str, Any] = {
 GEMMA3_CONFIGS: dict[str, dict[str, Any]] = {
     "gemma3": _GEMMA3,
     "gemma3_linear": {**_GEMMA3, "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+    "gemma3_capped": {**_GEMMA3, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0},
 }
 
 

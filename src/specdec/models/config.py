@@ -101,7 +101,8 @@ class ModelConfig:
             head_dim^-1/2 (Gemma), or None.
         attn_logit_softcapping: attention scores (after the softmax scale, before the mask)
             become cap * tanh(scores / cap) (Gemma 2), or None.
-        final_logit_softcapping: logits become cap * tanh(logits / cap) (Gemma 2), or None.
+        final_logit_softcapping: logits become cap * tanh(logits / cap) (Gemma 2; Gemma 3
+            where config.json sets it), or None.
         partial_rotary_factor: the fraction of each head's dimensions RoPE rotates (Phi-3's
             `partial_rotary_factor`; 1.0: all), see `rotary_dim`.
         sliding_window: attend only to the last `sliding_window` positions (Mistral, Phi-3; with
@@ -428,7 +429,13 @@ class ModelConfig:
             for name, default in _GEMMA2_SOFTCAPPING.items()
             for value in [hf_config.get(name, default)]
         }
-        if architecture != "Gemma2ForCausalLM":
+        if is_gemma3:
+            # Its final logits are capped where config.json says so (Gemma3TextConfig's
+            # default: not), its attention never: `transformers` and vLLM keep
+            # `attn_logit_softcapping` out of Gemma 3's attention whatever config.json says.
+            final = hf_config.get("final_logit_softcapping")
+            softcapping = {"final_logit_softcapping": None if final is None else float(final)}
+        elif architecture != "Gemma2ForCausalLM":
             softcapping = {}
 
         eos = hf_config.get("eos_token_id")
@@ -547,15 +554,7 @@ def _parse_rope(
 
 def _check_gemma(hf_config: dict[str, Any], architecture: str) -> None:
     """Refuses, by name, what a Gemma config.json may ask for that the forward pass lacks
-    (soft-capping on Gemma 3: no checkpoint sets it and no test compares it; the
-    bidirectional attention of the embedding models)."""
-    if architecture == "Gemma3ForCausalLM":
-        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if hf_config.get(name) is not None:
-                raise ValueError(
-                    f"Gemma3ForCausalLM with {name}={hf_config[name]} is not supported "
-                    "(no logit soft-capping)"
-                )
+    (the bidirectional attention of the embedding models)."""
     if hf_config.get("use_bidirectional_attention"):
         raise ValueError(f"{architecture} with use_bidirectional_attention is not supported")
 

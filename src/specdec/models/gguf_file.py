@@ -296,9 +296,8 @@ class GGUFFile:
         """The ModelConfig options of a Gemma file as llama.cpp runs it (empty for other
         architectures): the sandwich norms, GeGLU and scaled embeddings of the family; the
         window and soft-capping from the metadata; the layer pattern, the sliding layers'
-        RoPE base and the attention scale as llama.cpp fixes them (`_GEMMA_SWA_PATTERN`, ...).
-
-        Raises: ValueError: a Gemma 3 file with final logit soft-capping (named)."""
+        RoPE base and the attention scale as llama.cpp fixes them (`_GEMMA_SWA_PATTERN`, ...);
+        Gemma 3's final logit soft-capping where the metadata sets it."""
         arch = self.architecture
         if arch not in _SHIFTED_NORM_ARCHITECTURES:
             return {}
@@ -331,12 +330,9 @@ class GGUFFile:
                 self._arch_key("final_logit_softcapping", 30)
             )
             return options
-        if self._arch_key("final_logit_softcapping"):
-            raise ValueError(
-                f"{self.path}: gemma3 with final_logit_softcapping="
-                f"{self._arch_key('final_logit_softcapping')} is not supported (no logit "
-                "soft-capping on Gemma 3)"
-            )
+        final_cap = self._arch_key("final_logit_softcapping")
+        if final_cap:  # absent or 0: none
+            options["final_logit_softcapping"] = float(final_cap)
         if window is not None:
             options["local_rope_theta"] = _GEMMA3_SWA_ROPE_BASE
         return options

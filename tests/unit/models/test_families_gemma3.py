@@ -2,14 +2,16 @@
 
 Each checkpoint is a `Gemma3ForCausalLM` written by `save_pretrained` and read by `load_model`
 (4 layers, sliding and full attention alternating, a window of 8, the sliding layers' own RoPE
-base; "gemma3_linear" adds linear RoPE scaling on the full layers). float32 logits agree
+base; "gemma3_linear" adds linear RoPE scaling on the full layers, "gemma3_capped" sets both
+soft-caps: `transformers` caps Gemma 3's final logits, never its attention). float32 logits agree
 within 1e-4 with `transformers`: whole prompts longer than the window (the CPU's row plan and
 the eager masked path), paged steps, and decode/verify steps on the decode path far past the
 window; greedy generation through `LLM` equals `generate`, and n-gram speculation and draft
 trees (verified under the window) equal plain greedy. Negative controls drop one Gemma rule at a
 time (the embedding scale, the 1 + w of the norms, the sliding layers' RoPE base,
-query_pre_attn_scalar) and must move the logits by far more than the tolerance. Refusals are
-one-line errors that name what is refused.
+query_pre_attn_scalar; the final cap, also on the decode path; the attention cap applied after
+all) and must move the logits by far more than the tolerance. Refusals are one-line errors that
+name what is refused.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from models_fixtures import (
     GEMMA3_CONFIGS,
     GREEDY_PROMPTS,
     decode_path_error,
+    drop_final_cap,
     eager,
     hf_greedy,
     hf_logits,
@@ -61,6 +64,13 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The "gemma3" checkpoint alone, as `gemma3` gives it (for the tests one config serves)."""
     hf_model = make_gemma3_hf_model("gemma3")
     return "gemma3", hf_model, save_hf_model(hf_model, tmp_path_factory.mktemp("plain"))
+
+
+@pytest.fixture(scope="module")
+def capped(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The "gemma3_capped" checkpoint alone, as `gemma3` gives it."""
+    hf_model = make_gemma3_hf_model("gemma3_capped")
+    return "gemma3_capped", hf_model, save_hf_model(hf_model, tmp_path_factory.mktemp("capped"))
 
 
 PROMPTS = prompt_tokens(97, [1, 6, 29, 17], seed=2)  # three of them longer than the window
@@ -105,8 +115,6 @@ def test_config_reads_gemma3_options(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "change,message",
     [
-        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0 is not supported"),
-        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0 is not supported"),
         ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
         ({"hidden_activation": "gelu"}, "unsupported hidden_activation 'gelu'"),
         (
@@ -121,6 +129,23 @@ def test_config_refusals_are_named(change: dict[str, Any], message: str) -> None
     with pytest.raises(ValueError, match=message) as info:
         ModelConfig.from_hf_config(hf_config)
     assert "\n" not in str(info.value)
+
+
+def test_soft_capping_is_read_as_transformers_reads_it(capped: Any) -> None:
+    """config.json's final cap is read, its attention cap left out (`transformers` and vLLM
+    never pass it to Gemma 3's attention: the parity tests run "gemma3_capped" against
+    `transformers`, the negative controls show that it would bind); a config.json silent on
+    them caps nothing (Gemma 2's defaults are Gemma 2's alone). Nothing capped in attention:
+    CUDA runs it as an uncapped Gemma 3 (the final cap is in `compute_logits`)."""
+    _, _, path = capped
+    config = load_model(path).config
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (None, 3.0)
+    silent = ModelConfig.from_hf_config(
+        {**GEMMA3_CONFIGS["gemma3"], "architectures": ["Gemma3ForCausalLM"]}
+    )
+    assert (silent.attn_logit_softcapping, silent.final_logit_softcapping) == (None, None)
+    assert config.device_reason("cuda") is None
+    assert config.decode_path_reason("cuda") == silent.decode_path_reason("cuda")
 
 
 # --------------------------------------------------------------------------- parity
@@ -234,6 +259,37 @@ def test_negative_controls_move_the_logits(plain: Any, breaks: Any) -> None:
     model = load_model(path).model
     breaks(model)
     assert prompt_error(model, hf_model, PROMPTS) > 100 * ATOL
+
+
+def attention_cap_applied(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """`model` capping its attention scores at config.json's `attn_logit_softcapping` after
+    all, as Gemma 2 does."""
+    cap = GEMMA3_CONFIGS["gemma3_capped"]["attn_logit_softcapping"]
+    for layer in model.model.layers:
+        layer.self_attn.softcap = cap
+    return model
+
+
+@pytest.mark.parametrize("breaks", [drop_final_cap, attention_cap_applied])
+@pytest.mark.parametrize("path_of", [lambda model: model, eager], ids=["row_plan", "eager"])
+def test_soft_capping_negative_controls_move_the_logits(
+    capped: Any, breaks: Any, path_of: Any
+) -> None:
+    """The "gemma3_capped" checkpoint without its final cap, or with its attention capped
+    after all, on either prompt path: far from `transformers`, so the parity tests above
+    would catch either."""
+    _, hf_model, path = capped
+    model = path_of(breaks(load_model(path).model))
+    assert prompt_error(model, hf_model, PROMPTS) > 100 * ATOL
+
+
+def test_soft_capping_negative_control_on_the_decode_path(capped: Any) -> None:
+    """The final cap dropped: the decode-path comparison above fails."""
+    _, hf_model, path = capped
+    sequences = prompt_tokens(97, [30, 20], seed=6)
+    references = [hf_logits(hf_model, seq) for seq in sequences]
+    model = drop_final_cap(load_model(path).model)
+    assert decode_path_error(model, references, sequences) > 100 * ATOL
 
 
 def test_rms_norm_and_embedding_scale_are_transformers_in_bfloat16() -> None:
