@@ -569,6 +569,25 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
 GREEDY_PROMPTS = [*prompt_tokens(97, [6, 8, 3], seed=7), [52, 0, 19, 0, 71, 33]]
 
 
+# n-gram speculation with K pinned at 3 (so that drafting runs on a busy machine too), and
+# prompts that repeat themselves so that n-grams match.
+NGRAM_SPEC: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+_LOOP = [5, 17, 33, 8]
+NGRAM_PROMPTS = [_LOOP * 3, prompt_tokens(97, [7], seed=9)[0] + _LOOP * 2, _LOOP * 5]
+
+
+def speculative_equals_plain(llm: Any, prompts: list[list[int]]) -> list:
+    """Greedy through `llm` (its speculation configured) with speculation off, then on:
+    asserts the same tokens for every prompt and that drafts were proposed; returns the
+    speculative outputs."""
+    plain = llm_greedy(llm, prompts, speculative={"enabled": False})
+    speculative = llm_greedy(llm, prompts)
+    for a, b in zip(plain, speculative, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert sum(out.spec_decode_stats["num_draft_tokens"] for out in speculative) > 0
+    return speculative
+
+
 def greedy_generate(
     model: LlamaForCausalLM, prompt: list[int], max_new_tokens: int, stop_ids: Sequence[int] = ()
 ) -> list[int]:

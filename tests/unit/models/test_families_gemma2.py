@@ -23,6 +23,8 @@ import torch
 from models_fixtures import (
     GEMMA2_CONFIGS,
     GREEDY_PROMPTS,
+    NGRAM_PROMPTS,
+    NGRAM_SPEC,
     decode_path_error,
     drop_attention_cap,
     drop_final_cap,
@@ -36,6 +38,7 @@ from models_fixtures import (
     prompt_error,
     prompt_tokens,
     save_hf_model,
+    speculative_equals_plain,
 )
 from specdec.engine.llm import LLM
 from specdec.models import ModelConfig, load_model
@@ -172,15 +175,7 @@ def test_ngram_speculation_equals_plain_greedy(capped: Any) -> None:
     """Greedy with n-gram drafts (K pinned at 3) emits plain greedy's tokens; prompts repeat
     themselves so that n-grams match."""
     _, path = capped
-    loop = [5, 17, 33, 8]
-    prompts = [loop * 3, prompt_tokens(97, [7], seed=9)[0] + loop * 2, loop * 5]
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
-    llm = LLM(str(path), speculative_config=spec)
-    plain = llm_greedy(llm, prompts, speculative={"enabled": False})
-    speculative = llm_greedy(llm, prompts)
-    for a, b in zip(plain, speculative, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-    assert sum(out.spec_decode_stats["num_draft_tokens"] for out in speculative) > 0
+    speculative_equals_plain(LLM(str(path), speculative_config=NGRAM_SPEC), NGRAM_PROMPTS)
 
 
 def test_greedy_draft_tree_equals_greedy_plain(capped: Any) -> None:
@@ -233,15 +228,10 @@ def test_engine_decode_path_speculation_equals_plain_greedy(capped: Any, options
     scheduling): greedy n-gram speculation emits plain greedy's tokens; the float device
     rounds emit `generate`'s."""
     hf_model, path = capped
-    loop = [5, 17, 33, 8]
-    prompts = [loop * 3, prompt_tokens(97, [7], seed=9)[0] + loop * 2]
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
-    llm = LLM(str(path), speculative_config=spec, **options)
+    llm = LLM(str(path), speculative_config=NGRAM_SPEC, **options)
     assert llm.engine.runner.graphs is not None  # the decode path, not the eager one
-    plain = llm_greedy(llm, prompts, speculative={"enabled": False})
-    speculative = llm_greedy(llm, prompts)
-    for prompt, a, b in zip(prompts, plain, speculative, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        if "quantization" not in options:
-            assert list(b.outputs[0].token_ids) == hf_greedy(hf_model, prompt, 24)
-    assert sum(out.spec_decode_stats["num_draft_tokens"] for out in speculative) > 0
+    prompts = NGRAM_PROMPTS[:2]
+    speculative = speculative_equals_plain(llm, prompts)
+    if "quantization" not in options:
+        for prompt, output in zip(prompts, speculative, strict=True):
+            assert list(output.outputs[0].token_ids) == hf_greedy(hf_model, prompt, 24)

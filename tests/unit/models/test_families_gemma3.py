@@ -26,6 +26,8 @@ import torch
 from models_fixtures import (
     GEMMA3_CONFIGS,
     GREEDY_PROMPTS,
+    NGRAM_PROMPTS,
+    NGRAM_SPEC,
     decode_path_error,
     drop_final_cap,
     eager,
@@ -38,6 +40,7 @@ from models_fixtures import (
     prompt_error,
     prompt_tokens,
     save_hf_model,
+    speculative_equals_plain,
 )
 from specdec.engine.llm import LLM
 from specdec.models import LlamaForCausalLM, ModelConfig, load_model, prompt_logits
@@ -190,15 +193,7 @@ def test_ngram_speculation_equals_plain_greedy(plain: Any) -> None:
     """Greedy with n-gram drafts (K pinned at 3) emits plain greedy's tokens; prompts repeat
     themselves so that n-grams match."""
     _, _, path = plain
-    loop = [5, 17, 33, 8]
-    prompts = [loop * 3, prompt_tokens(97, [7], seed=9)[0] + loop * 2, loop * 5]
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
-    llm = LLM(str(path), speculative_config=spec)
-    plain_out = llm_greedy(llm, prompts, speculative={"enabled": False})
-    speculative = llm_greedy(llm, prompts)
-    for a, b in zip(plain_out, speculative, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-    assert sum(out.spec_decode_stats["num_draft_tokens"] for out in speculative) > 0
+    speculative_equals_plain(LLM(str(path), speculative_config=NGRAM_SPEC), NGRAM_PROMPTS)
 
 
 @pytest.mark.parametrize("draft", ["other", "itself"])
@@ -339,13 +334,8 @@ def test_int8_at_load_runs(plain: Any) -> None:
     # int8 weights and the CPU kernels' bfloat16 rounding: ~0.15 here, as for the tiny Llama
     # (logits up to ~5; a wrong layout or a lost rule is off by the logits' scale).
     assert max_error(prompt_logits(model, PROMPTS), floats) < 0.5
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
-    llm = LLM(str(path), speculative_config=spec, quantization="int8")
-    loop = [5, 17, 33, 8]
-    prompts = [loop * 3, loop * 5]
-    plain_out = llm_greedy(llm, prompts, speculative={"enabled": False})
-    for a, b in zip(plain_out, llm_greedy(llm, prompts), strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    llm = LLM(str(path), speculative_config=NGRAM_SPEC, quantization="int8")
+    speculative_equals_plain(llm, NGRAM_PROMPTS[::2])
 
 
 def test_refusals_are_one_line_and_named(plain: Any) -> None:

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from models_fixtures import (
     GREEDY_PROMPTS,
     MOE_CONFIGS,
+    NGRAM_PROMPTS,
+    NGRAM_SPEC,
     decode_path_error,
     eager,
     hf_greedy,
@@ -33,6 +35,7 @@ from models_fixtures import (
     prompt_error,
     prompt_tokens,
     save_hf_model,
+    speculative_equals_plain,
 )
 from specdec.engine.llm import LLM
 from specdec.models import ModelConfig, load_model, moe, prompt_logits
@@ -202,15 +205,7 @@ def test_ngram_speculation_equals_plain_greedy(family: Any) -> None:
     """Greedy with n-gram drafts (K pinned at 3) emits plain greedy's tokens; prompts repeat
     themselves so that n-grams match."""
     _, _, path = family
-    loop = [5, 17, 33, 8]
-    prompts = [loop * 3, prompt_tokens(97, [7], seed=9)[0] + loop * 2, loop * 5]
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
-    llm = LLM(str(path), speculative_config=spec)
-    plain_out = llm_greedy(llm, prompts, speculative={"enabled": False})
-    speculative = llm_greedy(llm, prompts)
-    for a, b in zip(plain_out, speculative, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-    assert sum(out.spec_decode_stats["num_draft_tokens"] for out in speculative) > 0
+    speculative_equals_plain(LLM(str(path), speculative_config=NGRAM_SPEC), NGRAM_PROMPTS)
 
 
 # --------------------------------------------------------------------------- batch invariance

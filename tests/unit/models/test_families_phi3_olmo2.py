@@ -22,6 +22,8 @@ import torch
 from models_fixtures import (
     FAMILY_CONFIGS,
     GREEDY_PROMPTS,
+    NGRAM_PROMPTS,
+    NGRAM_SPEC,
     TINY_CONFIGS,
     PagedRunner,
     hf_decode_logits,
@@ -33,6 +35,7 @@ from models_fixtures import (
     paged_steps_error,
     prompt_tokens,
     save_hf_model,
+    speculative_equals_plain,
 )
 from specdec.engine.llm import LLM
 from specdec.models import LlamaForCausalLM, ModelConfig, load_model, prompt_logits
@@ -221,15 +224,7 @@ def test_ngram_speculation_equals_plain_greedy(family: Any) -> None:
     emits plain greedy's tokens; prompts repeat themselves so that n-grams match, and one
     passes Phi-3's long-factor switch."""
     _, _, path, _ = family
-    loop = [5, 17, 33, 8]
-    prompts = [loop * 3, prompt_tokens(97, [7], seed=9)[0] + loop * 2, loop * 5]
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
-    llm = LLM(str(path), speculative_config=spec)
-    plain = llm_greedy(llm, prompts, speculative={"enabled": False})
-    speculative = llm_greedy(llm, prompts)
-    for a, b in zip(plain, speculative, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-    assert sum(out.spec_decode_stats["num_draft_tokens"] for out in speculative) > 0
+    speculative_equals_plain(LLM(str(path), speculative_config=NGRAM_SPEC), NGRAM_PROMPTS)
 
 
 # --------------------------------------------------------------------------- negative controls
@@ -378,13 +373,8 @@ def test_int8_at_load_runs_both_paths(name: str, tmp_path: Path) -> None:
     # int8 weights and the CPU kernels' bfloat16 rounding: 0.1-0.3 here as for the tiny Llama
     # (logits up to ~5; a wrong split or layout is off by the logits' scale).
     assert max_error(prompt_logits(model, prompts), floats) < 0.5
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
-    llm = LLM(str(path), speculative_config=spec, quantization="int8")
-    loop = [5, 17, 33, 8]
-    prompts = [loop * 3, loop * 5]
-    plain = llm_greedy(llm, prompts, speculative={"enabled": False})
-    for a, b in zip(plain, llm_greedy(llm, prompts), strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    llm = LLM(str(path), speculative_config=NGRAM_SPEC, quantization="int8")
+    speculative_equals_plain(llm, NGRAM_PROMPTS[::2])
 
 
 def test_phi3_tensor_parallel_matches_one_rank(tmp_path: Path) -> None:
