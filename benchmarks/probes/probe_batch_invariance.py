@@ -575,7 +575,12 @@ def part_bisect(model_path: str | None, which: str = "random,builtin") -> None:
 
             def make():
                 config = EngineConfig(
-                    model=path, device=DEVICE, dtype="bfloat16", max_model_len=128, **args
+                    model=path,
+                    device=DEVICE,
+                    dtype="bfloat16",
+                    max_model_len=128,
+                    num_kv_blocks=512,
+                    **args,
                 )
                 built = None if path else model
                 return LLMEngine(config, SpeculativeConfig.from_dict(None), model=built)

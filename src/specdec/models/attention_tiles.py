@@ -16,11 +16,25 @@ DECODE_BLOCK_N = 64
 SPLIT_KV_PARTITION = 2048
 
 
+# The most query rows a decode-kernel program takes. Wider tiles compile to another matrix
+# instruction on Hopper (wgmma from 64 rows, mma below), whose float32 sums of the same products
+# can round differently: on the H200 a decode row of the built-in SmolLM2 computed in a 16-token
+# graphed-prefill step (48 rows: one 64-row tile) differed from the same row alone (16 rows), and
+# seeded requests did not replay (s22). Rows past this many take further programs.
+DECODE_MAX_BLOCK_M = 32
+
+
 def decode_block_m(query_per_seq: int, group: int) -> int:
     """Query rows (query token x q head of a KV head's group) per program of the decode kernels
     (single-pass and split-KV alike): the next power of two of query_per_seq * group, at least
-    16 (`tl.dot`'s smallest tile)."""
-    return max(16, 1 << (query_per_seq * group - 1).bit_length())
+    16 (`tl.dot`'s smallest tile) and at most DECODE_MAX_BLOCK_M."""
+    return min(DECODE_MAX_BLOCK_M, max(16, 1 << (query_per_seq * group - 1).bit_length()))
+
+
+def decode_row_tiles(query_per_seq: int, group: int) -> int:
+    """Programs per (sequence, KV head) of the decode kernels: the query_per_seq * group rows in
+    tiles of `decode_block_m` rows."""
+    return -(-(query_per_seq * group) // decode_block_m(query_per_seq, group))
 
 
 def decode_query_bucket(query_per_seq: int, group: int, limit: int) -> int:
@@ -33,6 +47,8 @@ def decode_query_bucket(query_per_seq: int, group: int, limit: int) -> int:
     data (the EAGLE head's eager catch-up after plain-arm steps)."""
     if query_per_seq >= limit:
         return query_per_seq
+    if decode_block_m(query_per_seq, group) == DECODE_MAX_BLOCK_M:  # every wider width too
+        return limit
     return max(query_per_seq, min(limit, decode_block_m(query_per_seq, group) // group))
 
 

@@ -11,7 +11,12 @@ import triton
 import triton.language as tl
 
 from specdec.models.attention import DecodeMetadata
-from specdec.models.attention_tiles import DECODE_BLOCK_N, LOG2E, decode_block_m
+from specdec.models.attention_tiles import (
+    DECODE_BLOCK_N,
+    LOG2E,
+    decode_block_m,
+    decode_row_tiles,
+)
 from specdec.triton_specialization import unspecialized
 
 # The decode kernel's per-step metadata (see `specdec.triton_specialization`).
@@ -304,6 +309,7 @@ def _paged_decode_attention_kernel(
     HEAD_DIM: tl.constexpr,
     CACHE_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    ROW_TILES: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IEEE: tl.constexpr,
@@ -313,10 +319,11 @@ def _paged_decode_attention_kernel(
     TREE: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // ROW_TILES
     num_heads: tl.constexpr = GROUP * NUM_KV_HEADS
-    # Row m of the tile is query token m // GROUP, q head kv_head * GROUP + m % GROUP.
-    rows = tl.arange(0, BLOCK_M)
+    # Row m of the group's rows is query token m // GROUP, q head kv_head * GROUP + m % GROUP;
+    # this program takes rows tile * BLOCK_M .. + BLOCK_M - 1.
+    rows = (tl.program_id(1) % ROW_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
     token_in_seq = rows // GROUP
     head = kv_head * GROUP + rows % GROUP
     live_row = token_in_seq < Q_PER_SEQ
@@ -433,7 +440,8 @@ def paged_decode_attention_triton(
     out = torch.empty_like(query)
     tree = kernel_tree_mask(meta)
     if num_seqs:
-        _paged_decode_attention_kernel[(num_seqs, num_kv_heads)](
+        row_tiles = decode_row_tiles(meta.query_per_seq, group)
+        _paged_decode_attention_kernel[(num_seqs, num_kv_heads * row_tiles)](
             query.contiguous(),
             k_cache,
             v_cache,
@@ -453,6 +461,7 @@ def paged_decode_attention_triton(
             HEAD_DIM=head_dim,
             CACHE_BLOCK=cache_block,
             BLOCK_M=decode_block_m(meta.query_per_seq, group),
+            ROW_TILES=row_tiles,
             BLOCK_N=DECODE_BLOCK_N,
             BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
             IEEE=query.dtype == torch.float32,

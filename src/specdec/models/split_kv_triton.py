@@ -1,13 +1,13 @@
 """The Triton kernels behind `specdec.models.split_kv` (imported only for CUDA tensors, or under
 Triton's CPU interpreter).
 
-Pass 1: one program per (sequence, KV head, partition) runs the single-pass decode kernel's
-64-key steps (`fused_triton._attend_chunk_masked`, under the tree mask when there is one) over
-its partition and writes the partial (row max of the base-2 scores, row sum, unnormalised
-output) of its BLOCK_M rows (query token x q head of the group); a program whose partition
-starts past its sequence's context reads and writes nothing. Pass 2: one program per (sequence,
-KV head) combines the live partitions in order (and, with WRITE_LSE, writes each row's natural
-log-sum-exp). No host sync (CUDA-graph safe); addresses in int64.
+Pass 1: one program per (sequence, KV head and row tile, partition) runs the single-pass
+decode kernel's 64-key steps (`fused_triton._attend_chunk_masked`, under the tree mask when there
+is one) over its partition and writes the partial (row max of the base-2 scores, row sum,
+unnormalised output) of its BLOCK_M rows (query token x q head of the group); a program whose
+partition starts past its sequence's context reads and writes nothing. Pass 2: one program per
+(sequence, KV head and row tile) combines the live partitions in order (and, with WRITE_LSE,
+writes each row's natural log-sum-exp). No host sync (CUDA-graph safe); addresses in int64.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from specdec.models.attention_tiles import (
     LOG2E,
     SPLIT_KV_PARTITION,
     decode_block_m,
+    decode_row_tiles,
 )
 from specdec.models.fused_triton import _attend_chunk_masked, kernel_tree_mask
 from specdec.triton_specialization import unspecialized
@@ -43,9 +44,9 @@ def _split_kv_partition_kernel(
     block_tables_ptr,  # [B, max_blocks] int
     context_lens_ptr,  # [B] int
     query_lens_ptr,  # [B] int
-    part_max_ptr,  # [B, H_kv, P, BLOCK_M] float32
-    part_sum_ptr,  # [B, H_kv, P, BLOCK_M] float32
-    part_acc_ptr,  # [B, H_kv, P, BLOCK_M, BLOCK_D] float32
+    part_max_ptr,  # [B, H_kv * ROW_TILES, P, BLOCK_M] float32
+    part_sum_ptr,  # [B, H_kv * ROW_TILES, P, BLOCK_M] float32
+    part_acc_ptr,  # [B, H_kv * ROW_TILES, P, BLOCK_M, BLOCK_D] float32
     tree_mask_ptr,  # [B, Q, W] int8 tree region (read when TREE; nonzero: visible)
     block_table_stride,
     tree_seq_stride,
@@ -58,6 +59,7 @@ def _split_kv_partition_kernel(
     HEAD_DIM: tl.constexpr,
     CACHE_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    ROW_TILES: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PARTITION: tl.constexpr,
@@ -68,12 +70,14 @@ def _split_kv_partition_kernel(
     TREE: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // ROW_TILES
     part = tl.program_id(2).to(tl.int64)
     num_heads: tl.constexpr = GROUP * NUM_KV_HEADS
     chunks_per_part: tl.constexpr = PARTITION // BLOCK_N
-    # Row m of the tile is query token m // GROUP, q head kv_head * GROUP + m % GROUP.
-    rows = tl.arange(0, BLOCK_M)
+    # Row m of the group's rows is query token m // GROUP, q head kv_head * GROUP + m % GROUP;
+    # this program takes rows tile * BLOCK_M + local (the single-pass kernel's tiles).
+    local = tl.arange(0, BLOCK_M)
+    rows = (tl.program_id(1) % ROW_TILES) * BLOCK_M + local
     token_in_seq = rows // GROUP
     head = kv_head * GROUP + rows % GROUP
     live_row = token_in_seq < Q_PER_SEQ
@@ -114,13 +118,14 @@ def _split_kv_partition_kernel(
                 tree_rows_ptr, region_start, live_row,
                 NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D, IEEE, KV_FP8, TREE,
             )  # fmt: skip
-    partial = ((seq * NUM_KV_HEADS + kv_head) * NUM_PARTITIONS + part) * BLOCK_M + rows
-    tl.store(part_max_ptr + partial, row_max, mask=live_part & (rows < BLOCK_M))
-    tl.store(part_sum_ptr + partial, row_sum, mask=live_part & (rows < BLOCK_M))
+    program = seq * NUM_KV_HEADS * ROW_TILES + tl.program_id(1)
+    partial = (program * NUM_PARTITIONS + part) * BLOCK_M + local
+    tl.store(part_max_ptr + partial, row_max, mask=live_part & (local < BLOCK_M))
+    tl.store(part_sum_ptr + partial, row_sum, mask=live_part & (local < BLOCK_M))
     tl.store(
         part_acc_ptr + partial[:, None] * BLOCK_D + dims[None, :],
         acc,
-        mask=live_part & (rows[:, None] < BLOCK_M) & (dims[None, :] < BLOCK_D),
+        mask=live_part & (local[:, None] < BLOCK_M) & (dims[None, :] < BLOCK_D),
     )
 
 
@@ -158,9 +163,9 @@ def _combine_partition(
 
 @triton.jit
 def _split_kv_reduce_kernel(
-    part_max_ptr,  # [B, H_kv, P, BLOCK_M] float32
-    part_sum_ptr,  # [B, H_kv, P, BLOCK_M] float32
-    part_acc_ptr,  # [B, H_kv, P, BLOCK_M, BLOCK_D] float32
+    part_max_ptr,  # [B, H_kv * ROW_TILES, P, BLOCK_M] float32
+    part_sum_ptr,  # [B, H_kv * ROW_TILES, P, BLOCK_M] float32
+    part_acc_ptr,  # [B, H_kv * ROW_TILES, P, BLOCK_M, BLOCK_D] float32
     context_lens_ptr,  # [B] int
     out_ptr,  # [B * Q, H_q, D]
     lse_ptr,  # [B * Q, H_q] float32 (read only with WRITE_LSE)
@@ -169,6 +174,7 @@ def _split_kv_reduce_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    ROW_TILES: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PARTITION: tl.constexpr,
     NUM_PARTITIONS: tl.constexpr,
@@ -176,26 +182,27 @@ def _split_kv_reduce_kernel(
     WRITE_LSE: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // ROW_TILES
     num_heads: tl.constexpr = GROUP * NUM_KV_HEADS
-    rows = tl.arange(0, BLOCK_M)
+    local = tl.arange(0, BLOCK_M)
+    rows = (tl.program_id(1) % ROW_TILES) * BLOCK_M + local
     token_in_seq = rows // GROUP
     head = kv_head * GROUP + rows % GROUP
     live_row = token_in_seq < Q_PER_SEQ
     dims = tl.arange(0, BLOCK_D)
     context_len = tl.load(context_lens_ptr + seq).to(tl.int64)
     num_parts = tl.minimum(tl.cdiv(context_len, PARTITION), NUM_PARTITIONS)
-    base = (seq * NUM_KV_HEADS + kv_head) * NUM_PARTITIONS
+    base = (seq * NUM_KV_HEADS * ROW_TILES + tl.program_id(1)) * NUM_PARTITIONS
     global_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     if DEVICE_BOUND:
         for p in range(0, num_parts):
-            part_max = tl.load(part_max_ptr + (base + p) * BLOCK_M + rows)
+            part_max = tl.load(part_max_ptr + (base + p) * BLOCK_M + local)
             global_max = tl.maximum(global_max, part_max)
     else:
         for p in range(0, NUM_PARTITIONS):
-            inside = (rows < BLOCK_M) & (p < num_parts)
+            inside = (local < BLOCK_M) & (p < num_parts)
             part_max = tl.load(
-                part_max_ptr + (base + p) * BLOCK_M + rows, mask=inside, other=float("-inf")
+                part_max_ptr + (base + p) * BLOCK_M + local, mask=inside, other=float("-inf")
             )
             global_max = tl.maximum(global_max, part_max)
     safe_max = tl.where(global_max == float("-inf"), 0.0, global_max)
@@ -205,13 +212,13 @@ def _split_kv_reduce_kernel(
         for p in range(0, num_parts):
             total, acc = _combine_partition(
                 p, num_parts, global_max, safe_max, total, acc,
-                part_max_ptr, part_sum_ptr, part_acc_ptr, base, rows, dims, BLOCK_M, BLOCK_D,
+                part_max_ptr, part_sum_ptr, part_acc_ptr, base, local, dims, BLOCK_M, BLOCK_D,
             )  # fmt: skip
     else:
         for p in range(0, NUM_PARTITIONS):
             total, acc = _combine_partition(
                 p, num_parts, global_max, safe_max, total, acc,
-                part_max_ptr, part_sum_ptr, part_acc_ptr, base, rows, dims, BLOCK_M, BLOCK_D,
+                part_max_ptr, part_sum_ptr, part_acc_ptr, base, local, dims, BLOCK_M, BLOCK_D,
             )  # fmt: skip
     out = acc / tl.maximum(total, 1e-30)[:, None]
     query_rows = (seq * Q_PER_SEQ + token_in_seq) * num_heads + head  # [BLOCK_M] int64
@@ -292,24 +299,27 @@ def _launch(
     # The tile shapes of the single-pass kernel (`fused_triton`), so that a one-partition
     # context gives its bits.
     block_m = decode_block_m(query_per_seq, group)
+    row_tiles = decode_row_tiles(query_per_seq, group)
+    programs = num_kv_heads * row_tiles  # per sequence
     block_d = max(16, triton.next_power_of_2(head_dim))
     device = query.device
-    part_max = torch.empty(num_seqs, num_kv_heads, num_parts, block_m, device=device)
+    part_max = torch.empty(num_seqs, programs, num_parts, block_m, device=device)
     part_sum = torch.empty_like(part_max)
-    part_acc = torch.empty(num_seqs, num_kv_heads, num_parts, block_m, block_d, device=device)
+    part_acc = torch.empty(num_seqs, programs, num_parts, block_m, block_d, device=device)
     common = dict(
         Q_PER_SEQ=query_per_seq,
         GROUP=group,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
+        ROW_TILES=row_tiles,
         BLOCK_D=block_d,
         PARTITION=tiles.partition,
         NUM_PARTITIONS=num_parts,
         DEVICE_BOUND=query.is_cuda,
     )
     tree = kernel_tree_mask(meta)
-    _split_kv_partition_kernel[(num_seqs, num_kv_heads, num_parts)](
+    _split_kv_partition_kernel[(num_seqs, programs, num_parts)](
         query.contiguous(),
         k_cache,
         v_cache,
@@ -335,7 +345,7 @@ def _launch(
         **({} if tiles.num_stages is None else {"num_stages": tiles.num_stages}),
         **common,
     )
-    _split_kv_reduce_kernel[(num_seqs, num_kv_heads)](
+    _split_kv_reduce_kernel[(num_seqs, programs)](
         part_max,
         part_sum,
         part_acc,

@@ -25,7 +25,12 @@ from specdec.models.attention import (
     paged_attention,
     to_cache_dtype,
 )
-from specdec.models.attention_tiles import decode_block_m, decode_query_bucket
+from specdec.models.attention_tiles import (
+    DECODE_MAX_BLOCK_M,
+    decode_block_m,
+    decode_query_bucket,
+    decode_row_tiles,
+)
 from specdec.models.prefill_attention import PREFILL_BLOCK_N, paged_prefill_attention_ref
 
 # float32 twins against float32 naive attention: the same sums in another order.
@@ -278,19 +283,23 @@ def test_decode_query_bucket_keeps_the_tile() -> None:
     for group in range(1, 17):
         buckets = set()
         for width in range(1, 17):
-            block_m = max(16, 2 ** math.ceil(math.log2(width * group)))
+            block_m = min(DECODE_MAX_BLOCK_M, max(16, 2 ** math.ceil(math.log2(width * group))))
             assert decode_block_m(width, group) == block_m
             bucket = decode_query_bucket(width, group, 16)
             assert width <= bucket <= 16 and decode_block_m(bucket, group) == block_m
             buckets.add(bucket)
         assert len(buckets) <= 5, (group, sorted(buckets))
-    assert sorted({decode_query_bucket(w, 3, 16) for w in range(1, 17)}) == [5, 10, 16]
+    assert sorted({decode_query_bucket(w, 3, 16) for w in range(1, 17)}) == [5, 16]
     assert decode_query_bucket(20, 3, 16) == 20  # past the limit: as it is
     if importlib.util.find_spec("triton"):
         import triton
 
         for n in range(0, 300):
-            assert decode_block_m(n, 1) == max(16, triton.next_power_of_2(n))
+            assert decode_block_m(n, 1) == min(32, max(16, triton.next_power_of_2(n)))
+    # Past DECODE_MAX_BLOCK_M rows the kernels take more programs, never a wider tile (on
+    # Hopper a 64-row tile compiles to another matrix instruction: other bits).
+    assert DECODE_MAX_BLOCK_M == 32
+    assert [decode_row_tiles(q, g) for q, g in ((1, 3), (16, 3), (5, 8), (16, 8))] == [1, 2, 2, 4]
 
 
 def _in_layout(rows: torch.Tensor, num_seqs: int, width: int, padded: int) -> torch.Tensor:
@@ -302,17 +311,19 @@ def _in_layout(rows: torch.Tensor, num_seqs: int, width: int, padded: int) -> to
 
 
 @interpret
-@pytest.mark.parametrize("width", [2, 7, 12])
+@pytest.mark.parametrize("width", [2, 7, 12, 13])
 def test_padding_to_the_query_bucket_keeps_each_rows_bits_interpreted(
     small_partitions, width
 ) -> None:
     """The decode kernels (single-pass and split-KV) over a layout padded to its bucket give
-    every live row the bits of the unpadded layout (the EAGLE head's eager catch-up pads so)."""
+    every live row the bits of the unpadded layout (the EAGLE head's eager catch-up pads so),
+    and match their twins, past DECODE_MAX_BLOCK_M rows (several row tiles) too."""
     from dataclasses import replace
 
     from specdec.models import fused_triton, split_kv_triton
 
     group, contexts = 3, [1, 70, 129, 300, 0]
+    split_kv_twin = split_kv.split_kv_decode_attention_ref
     query_lens = [min(width, c) for c in contexts]
     query_lens[3] = 1
     query, k_cache, v_cache, meta = _decode_case(contexts, query_lens, width, 2, group, 17)
@@ -329,6 +340,9 @@ def test_padding_to_the_query_bucket_keeps_each_rows_bits_interpreted(
                 else split_kv_triton.split_kv_decode_attention_triton
             )
             want = launch(query, k_cache, v_cache, meta(parts), 0.3)
+            # Every row written right, those of the second row tile too (width 13: 39 rows).
+            twin = fused.paged_decode_attention_ref if parts == 0 else split_kv_twin
+            torch.testing.assert_close(want, twin(query, k_cache, v_cache, meta(parts), 0.3))
             slots = torch.full((len(contexts) * bucket,), -1)
             wide = replace(meta(parts), query_per_seq=bucket, slot_mapping=slots)
             got = launch(padded_query, k_cache, v_cache, wide, 0.3)
