@@ -143,24 +143,7 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
 def make_family_hf_model(name: str, seed: int = 0) -> Any:
     """`make_hf_model` for a FAMILY_CONFIGS entry: a `transformers` model with seeded random
     weights (norm weights near 1, others ~N(0, 0.15^2)), fp32, eval."""
-    import transformers
-
-    hf_config = dict(FAMILY_CONFIGS[name])
-    architecture = hf_config.pop("architectures")[0]
-    config_class = {
-        "Phi3ForCausalLM": transformers.Phi3Config,
-        "Olmo2ForCausalLM": transformers.Olmo2Config,
-    }[architecture]
-    config = config_class(**hf_config, architectures=[architecture], attn_implementation="sdpa")
-    model = getattr(transformers, architecture)(config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param_name, param in model.named_parameters():
-            if param_name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=generator))
-            else:
-                param.copy_(0.15 * torch.randn(param.shape, generator=generator))
-    return model.eval()
+    return _seeded_hf_model(FAMILY_CONFIGS[name], seed)
 
 
 # Tiny Gemma 3 text configs (`Gemma3TextConfig` keywords): sliding and full layers alternate
@@ -272,26 +255,7 @@ def make_moe_hf_model(name: str, seed: int = 0) -> Any:
     """A `transformers` model of a MOE_CONFIGS entry with seeded random weights (norm weights
     near 1, others ~N(0, 0.15^2); router weights ~N(0, 1) so that routes are far from ties),
     fp32, eval."""
-    import transformers
-
-    hf_config = dict(MOE_CONFIGS[name])
-    architecture = hf_config.pop("architectures")[0]
-    config_class = {
-        "MixtralForCausalLM": transformers.MixtralConfig,
-        "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
-    }[architecture]
-    config = config_class(**hf_config, architectures=[architecture], attn_implementation="sdpa")
-    model = getattr(transformers, architecture)(config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param_name, param in model.named_parameters():
-            if param_name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=generator))
-            elif param_name.endswith("gate.weight"):
-                param.copy_(torch.randn(param.shape, generator=generator))
-            else:
-                param.copy_(0.15 * torch.randn(param.shape, generator=generator))
-    return model.eval()
+    return _seeded_hf_model(MOE_CONFIGS[name], seed, router_scale=1.0)
 
 
 def hf_decode_logits(model: Any, token_ids: Sequence[int]) -> torch.Tensor:
@@ -320,16 +284,21 @@ def make_hf_model(name: str, seed: int = 0) -> Any:
 
     Norm weights and biases are randomised too so that a loader mixing them up fails.
     """
+    return _seeded_hf_model({**TINY_CONFIGS, **ROPE_SCALING_CONFIGS}[name], seed)
+
+
+def _seeded_hf_model(
+    hf_config: dict[str, Any], seed: int, router_scale: float | None = None
+) -> Any:
+    """The `transformers` model of a config.json dict (its `<Family>Config` and
+    `<Family>ForCausalLM`, SDPA attention) with seeded weights: norm weights 1 + N(0, 0.2^2),
+    router weights (`gate.weight`) N(0, router_scale^2) where given, others N(0, 0.15^2);
+    fp32, eval."""
     import transformers
 
-    hf_config = dict({**TINY_CONFIGS, **ROPE_SCALING_CONFIGS}[name])
+    hf_config = dict(hf_config)
     architecture = hf_config.pop("architectures")[0]
-    config_class = {
-        "LlamaForCausalLM": transformers.LlamaConfig,
-        "Qwen2ForCausalLM": transformers.Qwen2Config,
-        "Qwen3ForCausalLM": transformers.Qwen3Config,
-        "MistralForCausalLM": transformers.MistralConfig,
-    }[architecture]
+    config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
     config = config_class(**hf_config, architectures=[architecture], attn_implementation="sdpa")
     model = getattr(transformers, architecture)(config)
     generator = torch.Generator().manual_seed(seed)
@@ -337,6 +306,8 @@ def make_hf_model(name: str, seed: int = 0) -> Any:
         for param_name, param in model.named_parameters():
             if param_name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=generator))
+            elif router_scale is not None and param_name.endswith("gate.weight"):
+                param.copy_(router_scale * torch.randn(param.shape, generator=generator))
             else:
                 param.copy_(0.15 * torch.randn(param.shape, generator=generator))
     return model.eval()
@@ -586,6 +557,26 @@ def speculative_equals_plain(llm: Any, prompts: list[list[int]]) -> list:
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert sum(out.spec_decode_stats["num_draft_tokens"] for out in speculative) > 0
     return speculative
+
+
+def tree_speculation_equals_plain(target: Path, draft: Path, prompts: list[list[int]]) -> None:
+    """Greedy draft trees (the draft model `draft`; 4 nodes, depth 2, top-2: a region of 5
+    keys, inside a window of 8) emit plain greedy's tokens (blocks of 4), some of them
+    accepted."""
+    from specdec.engine.llm import LLM
+
+    common = {"max_model_len": 96, "block_size": 4, "max_num_batched_tokens": 64}
+    spec = {
+        "method": "draft_model",
+        "model": str(draft),
+        "draft_sample_method": "greedy",
+        "tree": {"nodes": 4, "depth": 2, "topk": 2},
+    }
+    plain = llm_greedy(LLM(str(target), **common), prompts)
+    llm = LLM(str(target), speculative_config=spec, **common)
+    for a, b in zip(plain, llm_greedy(llm, prompts), strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert llm.get_metrics()["num_accepted_tokens"] > 0
 
 
 def greedy_generate(

@@ -41,6 +41,7 @@ from models_fixtures import (
     prompt_tokens,
     save_hf_model,
     speculative_equals_plain,
+    tree_speculation_equals_plain,
 )
 from specdec.engine.llm import LLM
 from specdec.models import LlamaForCausalLM, ModelConfig, load_model, prompt_logits
@@ -208,19 +209,7 @@ def test_greedy_draft_tree_equals_greedy_plain(
     if draft == "other":
         other = make_gemma3_hf_model("gemma3", seed=5)
         draft_path = save_hf_model(other, tmp_path_factory.mktemp("other"))
-    common = {"max_model_len": 96, "block_size": 4, "max_num_batched_tokens": 64}
-    prompts = prompt_tokens(97, [5, 9, 14], seed=3)
-    spec = {
-        "method": "draft_model",
-        "model": str(draft_path),
-        "draft_sample_method": "greedy",
-        "tree": {"nodes": 4, "depth": 2, "topk": 2},  # a region of 5 keys, inside the window
-    }
-    plain_out = llm_greedy(LLM(str(path), **common), prompts)
-    llm = LLM(str(path), speculative_config=spec, **common)
-    for a, b in zip(plain_out, llm_greedy(llm, prompts), strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-    assert llm.get_metrics()["num_accepted_tokens"] > 0
+    tree_speculation_equals_plain(path, draft_path, prompt_tokens(97, [5, 9, 14], seed=3))
 
 
 # --------------------------------------------------------------------------- negative controls
