@@ -159,7 +159,9 @@ def _offsets(lengths: list[int]) -> list[int]:
 
 def _kind(name: str) -> str:
     """An op's name with the attention kernels as one (a decode row may take either)."""
-    return name.replace("paged_decode_attention", "attention").replace("paged_attention", "attention")
+    return name.replace("paged_decode_attention", "attention").replace(
+        "paged_attention", "attention"
+    )
 
 
 def first_difference(ref, ref_rows, got, got_rows) -> dict | None:
