@@ -29,6 +29,9 @@ MAX_MODEL_LEN = 128
 HALF_LENGTHS = (2, 6, 9, 14, 20, 35)
 MAX_TOKENS = (24, 40, 28, 32, 36, 26)
 TEMPERATURES = (0.8, 0.0, 0.8, 0.8, 0.0, 0.8)
+# A CUDA test engine's KV cache (blocks of 16): the default sizing gives one engine 90% of the
+# GPU, and a test keeps several alive (the alone reference, the batch, a drafter's).
+CUDA_KV_BLOCKS = 4096
 ARRIVAL_PATTERNS = ("closed", "permuted", "uniform", "bursts")
 DRAFTERS = ("ngram", "draft_model", "eagle", "dflash", "dspark")
 
@@ -298,6 +301,8 @@ def engine_factory(model: Path | str | None, device: str = "cpu", **defaults: An
 
     def make(spec: dict | None = None, **engine_args: Any) -> LLMEngine:
         args = {"max_model_len": MAX_MODEL_LEN, **defaults, **engine_args}
+        if device == "cuda":  # several engines live at once: none sized to the GPU's memory
+            args.setdefault("num_kv_blocks", CUDA_KV_BLOCKS)
         config = EngineConfig(model=None if model is None else str(model), device=device, **args)
         return LLMEngine(config, SpeculativeConfig.from_dict(spec))
 

@@ -30,6 +30,10 @@ from specdec.models.attention_tiles import (
 from specdec.models.fused_triton import _attend_chunk_masked, kernel_tree_mask
 from specdec.triton_specialization import unspecialized
 
+# A kernel reads a module global only as a constexpr (Triton 3.6 refuses a plain float on the
+# GPU; the CPU interpreter takes either, so only the H200 run of the LSE path showed it, s22).
+_LN2 = tl.constexpr(LN2)
+
 
 @triton.jit(
     **unspecialized(
@@ -228,7 +232,7 @@ def _split_kv_reduce_kernel(
         mask=live_row[:, None] & (dims[None, :] < HEAD_DIM),
     )
     if WRITE_LSE:  # natural log; log(0) = -inf for rows that saw no key
-        tl.store(lse_ptr + query_rows, safe_max * LN2 + tl.log(total), mask=live_row)
+        tl.store(lse_ptr + query_rows, safe_max * _LN2 + tl.log(total), mask=live_row)
 
 
 @dataclass(frozen=True, slots=True)
