@@ -18,9 +18,10 @@ SPLIT_KV_PARTITION = 2048
 
 # The most query rows a decode-kernel program takes. Wider tiles compile to another matrix
 # instruction on Hopper (Triton's rule: wgmma from 64 rows, mma below; not checked in the SASS),
-# whose float32 sums of the same products can round differently: on the H200 a decode row of the built-in SmolLM2 computed in a 16-token
-# graphed-prefill step (48 rows: one 64-row tile) differed from the same row alone (16 rows), and
-# seeded requests did not replay (s22). Rows past this many take further programs.
+# whose float32 sums of the same products can round differently: on the H200 a decode row of the
+# built-in SmolLM2 computed in a 16-token graphed-prefill step (48 rows: one 64-row tile)
+# differed from the same row alone (16 rows), and seeded requests did not replay (s22). Rows past
+# this many take further programs.
 DECODE_MAX_BLOCK_M = 32
 
 
