@@ -24,13 +24,12 @@ from specdec.drafters.tree import draw_level, expand_frontier, start_trees, tree
 from specdec.transfer import to_device
 
 if TYPE_CHECKING:
-    from specdec.drafters.base import DraftBatch, ProposalBuffer
+    from specdec.drafters.base import DraftBatch, Drafter, ProposalBuffer
     from specdec.drafters.config import TreeConfig
-    from specdec.drafters.medusa import MedusaDrafter
 
 
 def propose_medusa_tree(
-    drafter: MedusaDrafter,
+    drafter: Drafter,
     batch: DraftBatch,
     tree: TreeConfig,
     live: list[int],
@@ -40,7 +39,8 @@ def propose_medusa_tree(
     """Grows one tree per live request into `out` ([B, N] columns in node order).
 
     Args:
-        drafter: the Medusa drafter (its heads, and `sample_draft`).
+        drafter: the `medusa.MedusaDrafter` calling (its `heads`, and `sample_draft`; typed as
+            the base class so that this module does not import the one that imports it).
         batch: the round's batch; num_draft[b] is request b's node budget (<= tree.nodes).
         tree: the tree settings (its depth capped at the number of heads).
         live: requests with a hidden state to draft from, in `hidden`'s row order (host).
