@@ -10,6 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from drafter_format_fixtures import (
+    draft_batch,
+    finals_sync_then_async,
+    observe_prefixes,
+    plain_and_speculative_tokens,
+)
 from models_fixtures import prompt_tokens, save_hf_model
 from public_drafter_fixtures import (
     DFLASH_BLOCK_SIZE,
@@ -20,13 +26,12 @@ from public_drafter_fixtures import (
     dflash_tensors,
     write_checkpoint,
 )
-from specdec.drafters import DraftBatch, DrafterSetup, TargetFeatures
+from specdec.drafters import DrafterSetup
 from specdec.drafters.config import SpeculativeConfig
 from specdec.drafters.registry import build_drafter
-from specdec.engine.llm import LLM
-from specdec.models import AttentionMetadata, load_model
+from specdec.models import load_model
 from specdec.models.weights import CheckpointError
-from specdec.sampling import SamplingParams, SamplingTensors
+from specdec.sampling import SamplingParams
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*has no tokenizer")
 
@@ -121,27 +126,8 @@ def draft_logits(target_dir, head_dir):
     spec = SpeculativeConfig(method="dflash", model=str(head_dir), num_speculative_tokens=3)
     setup = DrafterSetup(num_blocks=64, block_size=4, max_num_seqs=4, max_model_len=64)
     drafter = build_drafter(spec, target, setup)
-    rows = []
-    for tokens, anchor in zip(TOKENS, ANCHORS, strict=True):
-        fed = tokens[: anchor - 1]
-        kv = target.allocate_kv_cache(-(-len(fed) // 4), 4)
-        attn = AttentionMetadata.build([len(fed)], [len(fed)], [list(range(kv.num_blocks))], 4)
-        with torch.inference_mode():
-            _, layers = target.forward_with_layers(
-                torch.tensor(fed), torch.arange(len(fed)), attn, kv, drafter.feature_layers
-            )
-        rows.append(torch.cat(layers, dim=-1))
-    ids = [f"r{i}" for i in range(len(TOKENS))]
-    drafter.observe(TargetFeatures(ids, [0] * len(ids), rows))
-    batch = DraftBatch(
-        token_ids=[t[:a] for t, a in zip(TOKENS, ANCHORS, strict=True)],
-        seeds=torch.tensor([3, 4, 5]),
-        anchors=torch.tensor(ANCHORS),
-        num_draft=torch.full((3,), 3),
-        methods=["standard"] * 3,
-        params=SamplingTensors.build(3, torch.device("cpu"), 1.0),
-        request_ids=ids,
-    )
+    ids = observe_prefixes(drafter, target, TOKENS, ANCHORS)
+    batch = draft_batch(TOKENS, ANCHORS, ids, 3, ["standard"] * 3)
     with torch.inference_mode():
         hidden = drafter.block_hidden(batch)  # [B, R, D]
         logits = target.compute_logits(hidden[:, 1:].flatten(0, 1))
@@ -200,10 +186,10 @@ def _spec(head_dir):
 def test_greedy_speculation_equals_greedy_plain(target_dir, dflash_dir):
     prompts = prompt_tokens(VOCAB, [5, 9, 14], seed=3)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    plain = LLM(str(target_dir), **COMMON).generate(prompts, params, use_tqdm=False)
-    llm = LLM(str(target_dir), speculative_config=_spec(dflash_dir), **COMMON)
-    drafted = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in plain]
+    plain, drafted, llm = plain_and_speculative_tokens(
+        target_dir, _spec(dflash_dir), prompts, params, **COMMON
+    )
+    assert drafted == plain
     assert llm.get_metrics()["num_drafts"] > 0
 
 
@@ -261,25 +247,13 @@ def test_the_dspark_method_refuses_a_dflash_checkpoint(target_dir, dflash_dir):
 def test_device_rounds_emit_what_the_synchronous_step_emits(target_dir, dflash_dir):
     """The z-lab drafter through device rounds (`async_scheduling`; op by op on the CPU, over
     its paged context pools) emits what the synchronous step emits, greedy, K pinned."""
-    from specdec.engine.config import EngineConfig
-    from specdec.engine.llm_engine import LLMEngine
-
     spec = SpeculativeConfig.from_dict(_spec(dflash_dir))
     prompts = prompt_tokens(VOCAB, [5, 9, 14], seed=8)
-    finals = []
-    for async_scheduling in (False, True):
-        config = EngineConfig(
-            model=str(target_dir), max_model_len=64, block_size=4, async_scheduling=async_scheduling
-        )
-        engine = LLMEngine(config, spec)
-        for prompt in prompts:
-            engine.add_request(
-                prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-            )
-        done = {}
-        while engine.has_unfinished:
-            for out in engine.step(only_finished=True):
-                done[out.request_id] = out.outputs[0].token_ids
-        finals.append(done)
+    finals, engine = finals_sync_then_async(
+        target_dir,
+        spec,
+        prompts,
+        lambda _: SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+    )
     assert finals[0] == finals[1]
     assert engine.loop_stats.num_device_rounds > 0

@@ -13,15 +13,22 @@ import re
 import pytest
 import torch
 
+from drafter_format_fixtures import (
+    draft_batch,
+    finals_sync_then_async,
+    observe_prefixes,
+    plain_and_speculative_tokens,
+    target_hidden,
+)
 from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
 from public_drafter_fixtures import EAGLE1_CONFIG, eagle1_tensors, write_checkpoint
-from specdec.drafters import DraftBatch, DrafterSetup, TargetFeatures
+from specdec.drafters import DrafterSetup
 from specdec.drafters.config import SpeculativeConfig
 from specdec.drafters.registry import build_drafter
 from specdec.engine.llm import LLM
-from specdec.models import AttentionMetadata, load_model
+from specdec.models import load_model
 from specdec.models.weights import CheckpointError
-from specdec.sampling import SamplingParams, SamplingTensors
+from specdec.sampling import SamplingParams
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*has no tokenizer")
 
@@ -92,19 +99,6 @@ def _decoder_layer(w, x, positions, input_norm=False):
     return x + (torch.nn.functional.silu(gate) * up) @ w["layers.0.mlp.down_proj.weight"].T
 
 
-def target_hidden(target_hf, tokens, post_norm=True):
-    """[T, D] the target's last hidden state (after its final norm, as EAGLE's ea_model.py
-    reads `base_model.model(...)[0]`), or before it (a wrong variant)."""
-    captured = []
-    hook = target_hf.model.layers[-1].register_forward_hook(
-        lambda module, args, out: captured.append(out[0] if isinstance(out, tuple) else out)
-    )
-    with torch.no_grad():
-        out = target_hf.model(torch.tensor([tokens]))
-    hook.remove()
-    return out.last_hidden_state[0] if post_norm else captured[0][0]
-
-
 def reference_draft_logits(
     weights,
     target_hf,
@@ -155,27 +149,8 @@ def propose(target_dir, head_dir, k=3, plain_path=False):
     drafter = build_drafter(spec, target, setup)
     if plain_path:
         drafter._graphs = None  # the general paged path, not the graphs' static buffers
-    rows = []
-    for tokens, anchor in zip(TOKENS, ANCHORS, strict=True):
-        fed = tokens[: anchor - 1]
-        kv = target.allocate_kv_cache(-(-len(fed) // 4), 4)
-        attn = AttentionMetadata.build([len(fed)], [len(fed)], [list(range(kv.num_blocks))], 4)
-        with torch.inference_mode():
-            _, layers = target.forward_with_layers(
-                torch.tensor(fed), torch.arange(len(fed)), attn, kv, drafter.feature_layers
-            )
-        rows.append(torch.cat(layers, dim=-1))
-    ids = [f"r{i}" for i in range(len(TOKENS))]
-    drafter.observe(TargetFeatures(ids, [0] * len(ids), rows))
-    batch = DraftBatch(
-        token_ids=[t[:a] for t, a in zip(TOKENS, ANCHORS, strict=True)],
-        seeds=torch.tensor([3, 4, 5]),
-        anchors=torch.tensor(ANCHORS),
-        num_draft=torch.full((3,), k),
-        methods=["standard", "coupled", "block"],
-        params=SamplingTensors.build(3, torch.device("cpu"), 1.0),
-        request_ids=ids,
-    )
+    ids = observe_prefixes(drafter, target, TOKENS, ANCHORS)
+    batch = draft_batch(TOKENS, ANCHORS, ids, k, ["standard", "coupled", "block"])
     return drafter, drafter.propose(batch)
 
 
@@ -269,10 +244,10 @@ COMMON = {"max_model_len": 64, "block_size": 4, "max_num_batched_tokens": 16}
 def test_greedy_speculation_equals_greedy_plain(target_dir, eagle1_dir, tree):
     prompts = prompt_tokens(VOCAB, [5, 9, 14], seed=3)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    plain = LLM(str(target_dir), **COMMON).generate(prompts, params, use_tqdm=False)
-    llm = LLM(str(target_dir), speculative_config=_spec(eagle1_dir, tree=tree), **COMMON)
-    drafted = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in plain]
+    plain, drafted, llm = plain_and_speculative_tokens(
+        target_dir, _spec(eagle1_dir, tree=tree), prompts, params, **COMMON
+    )
+    assert drafted == plain
     assert llm.get_metrics()["num_drafts"] > 0
 
 
@@ -349,26 +324,15 @@ def test_device_rounds_emit_what_the_synchronous_step_emits(
 ):
     """The EAGLE-1 head through device rounds (`async_scheduling`; op by op on the CPU, over
     the buffers CUDA graphs replay) emits what the synchronous step emits, K pinned."""
-    from specdec.engine.config import EngineConfig
-    from specdec.engine.llm_engine import LLMEngine
-
     spec = SpeculativeConfig.from_dict(_spec(eagle1_dir, rejection_sample_method=method))
     prompts = prompt_tokens(VOCAB, [5, 9, 14], seed=8)
-    finals = []
-    for async_scheduling in (False, True):
-        config = EngineConfig(
-            model=str(target_dir), max_model_len=64, block_size=4, async_scheduling=async_scheduling
-        )
-        engine = LLMEngine(config, spec)
-        for i, prompt in enumerate(prompts):
-            params = SamplingParams(
-                temperature=temperature, max_tokens=20, ignore_eos=True, seed=30 + i
-            )
-            engine.add_request(prompt, params)
-        done = {}
-        while engine.has_unfinished:
-            for out in engine.step(only_finished=True):
-                done[out.request_id] = out.outputs[0].token_ids
-        finals.append(done)
+    finals, engine = finals_sync_then_async(
+        target_dir,
+        spec,
+        prompts,
+        lambda i: SamplingParams(
+            temperature=temperature, max_tokens=20, ignore_eos=True, seed=30 + i
+        ),
+    )
     assert finals[0] == finals[1]
     assert engine.loop_stats.num_device_rounds > 0

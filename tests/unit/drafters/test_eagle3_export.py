@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from drafter_format_fixtures import draft_batch, observe_prefixes
 from eagle_fixtures import trained_head
 from models_fixtures import prompt_tokens, save_hf_model
 from public_drafter_fixtures import (
@@ -24,12 +25,11 @@ from public_drafter_fixtures import (
     eagle3_tensors,
     write_checkpoint,
 )
-from specdec.drafters import DraftBatch, DrafterSetup, TargetFeatures
+from specdec.drafters import DrafterSetup
 from specdec.drafters.config import SpeculativeConfig
 from specdec.drafters.eagle.export import export_head
 from specdec.drafters.registry import build_drafter
-from specdec.models import AttentionMetadata, load_model
-from specdec.sampling import SamplingTensors
+from specdec.models import load_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*has no tokenizer")
 
@@ -95,27 +95,8 @@ def _drafts(target, head_dir, k=3):
     spec = SpeculativeConfig(method="eagle3", model=str(head_dir), num_speculative_tokens=k)
     setup = DrafterSetup(num_blocks=64, block_size=4, max_num_seqs=4, max_model_len=64)
     drafter = build_drafter(spec, target, setup)
-    rows = []
-    for tokens, anchor in zip(TOKENS, ANCHORS, strict=True):
-        fed = tokens[: anchor - 1]
-        kv = target.allocate_kv_cache(-(-len(fed) // 4), 4)
-        attn = AttentionMetadata.build([len(fed)], [len(fed)], [list(range(kv.num_blocks))], 4)
-        with torch.inference_mode():
-            _, layers = target.forward_with_layers(
-                torch.tensor(fed), torch.arange(len(fed)), attn, kv, drafter.feature_layers
-            )
-        rows.append(torch.cat(layers, dim=-1))
-    ids = [f"r{i}" for i in range(len(TOKENS))]
-    drafter.observe(TargetFeatures(ids, [0] * len(ids), rows))
-    batch = DraftBatch(
-        token_ids=[t[:a] for t, a in zip(TOKENS, ANCHORS, strict=True)],
-        seeds=torch.tensor([3, 4]),
-        anchors=torch.tensor(ANCHORS),
-        num_draft=torch.full((2,), k),
-        methods=["standard", "coupled"],
-        params=SamplingTensors.build(2, torch.device("cpu"), 1.0),
-        request_ids=ids,
-    )
+    ids = observe_prefixes(drafter, target, TOKENS, ANCHORS)
+    batch = draft_batch(TOKENS, ANCHORS, ids, k, ["standard", "coupled"])
     proposal = drafter.propose(batch)
     return drafter, proposal.draft_token_ids, proposal.draft_logits
 

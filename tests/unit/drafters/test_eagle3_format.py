@@ -18,6 +18,12 @@ import re
 import pytest
 import torch
 
+from drafter_format_fixtures import (
+    draft_batch,
+    finals_sync_then_async,
+    observe_prefixes,
+    plain_and_speculative_tokens,
+)
 from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
 from public_drafter_fixtures import (
     EAGLE1_CONFIG,
@@ -29,14 +35,14 @@ from public_drafter_fixtures import (
     eagle3_tensors,
     write_checkpoint,
 )
-from specdec.drafters import DraftBatch, DrafterSetup, TargetFeatures
+from specdec.drafters import DrafterSetup
 from specdec.drafters.config import SpeculativeConfig
 from specdec.drafters.formats import EAGLE1, EAGLE3, DrafterCheckpoint, recognise_eagle
 from specdec.drafters.registry import build_drafter
 from specdec.engine.llm import LLM
-from specdec.models import AttentionMetadata, load_model
+from specdec.models import load_model
 from specdec.models.weights import CheckpointError
-from specdec.sampling import SamplingParams, SamplingTensors
+from specdec.sampling import SamplingParams
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*has no tokenizer")
 
@@ -203,27 +209,8 @@ def propose(target_dir, head_dir, k=3, plain_path=False, method="eagle3"):
     drafter = build_drafter(spec, target, _setup())
     if plain_path:
         drafter._graphs = None  # the general paged path, not the graphs' static buffers
-    rows = []
-    for tokens, anchor in zip(TOKENS, ANCHORS, strict=True):
-        fed = tokens[: anchor - 1]
-        kv = target.allocate_kv_cache(-(-len(fed) // 4), 4)
-        attn = AttentionMetadata.build([len(fed)], [len(fed)], [list(range(kv.num_blocks))], 4)
-        with torch.inference_mode():
-            _, layers = target.forward_with_layers(
-                torch.tensor(fed), torch.arange(len(fed)), attn, kv, drafter.feature_layers
-            )
-        rows.append(torch.cat(layers, dim=-1))
-    ids = [f"r{i}" for i in range(len(TOKENS))]
-    drafter.observe(TargetFeatures(ids, [0] * len(ids), rows))
-    batch = DraftBatch(
-        token_ids=[t[:a] for t, a in zip(TOKENS, ANCHORS, strict=True)],
-        seeds=torch.tensor([3, 4, 5]),
-        anchors=torch.tensor(ANCHORS),
-        num_draft=torch.full((3,), k),
-        methods=["standard", "coupled", "block"],
-        params=SamplingTensors.build(3, torch.device("cpu"), 1.0),
-        request_ids=ids,
-    )
+    ids = observe_prefixes(drafter, target, TOKENS, ANCHORS)
+    batch = draft_batch(TOKENS, ANCHORS, ids, k, ["standard", "coupled", "block"])
     return drafter, drafter.propose(batch)
 
 
@@ -338,11 +325,9 @@ COMMON = {"max_model_len": 64, "block_size": 4, "max_num_batched_tokens": 16}
 def test_greedy_speculation_equals_greedy_plain(target_dir, heads, name, method, tree):
     prompts = prompt_tokens(VOCAB, [5, 9, 14], seed=3)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    plain = LLM(str(target_dir), **COMMON).generate(prompts, params, use_tqdm=False)
     spec = _spec(heads[name][0], method, tree=tree)
-    llm = LLM(str(target_dir), speculative_config=spec, **COMMON)
-    drafted = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in plain]
+    plain, drafted, llm = plain_and_speculative_tokens(target_dir, spec, prompts, params, **COMMON)
+    assert drafted == plain
     assert llm.get_metrics()["num_drafts"] > 0
 
 
@@ -364,28 +349,17 @@ def test_sampled_speculation_equals_plain_sampling(target_dir, heads):
 def test_device_rounds_emit_what_the_synchronous_step_emits(target_dir, heads, method, temperature):
     """The EAGLE-3 head through device rounds (`async_scheduling`; op by op on the CPU, over
     the buffers CUDA graphs replay) emits what the synchronous step emits, K pinned."""
-    from specdec.engine.config import EngineConfig
-    from specdec.engine.llm_engine import LLMEngine
-
     head_dir = heads["specforge"][0]
     spec = SpeculativeConfig.from_dict(_spec(head_dir, rejection_sample_method=method))
     prompts = prompt_tokens(VOCAB, [5, 9, 14], seed=8)
-    finals = []
-    for async_scheduling in (False, True):
-        config = EngineConfig(
-            model=str(target_dir), max_model_len=64, block_size=4, async_scheduling=async_scheduling
-        )
-        engine = LLMEngine(config, spec)
-        for i, prompt in enumerate(prompts):
-            params = SamplingParams(
-                temperature=temperature, max_tokens=20, ignore_eos=True, seed=30 + i
-            )
-            engine.add_request(prompt, params)
-        done = {}
-        while engine.has_unfinished:
-            for out in engine.step(only_finished=True):
-                done[out.request_id] = out.outputs[0].token_ids
-        finals.append(done)
+    finals, engine = finals_sync_then_async(
+        target_dir,
+        spec,
+        prompts,
+        lambda i: SamplingParams(
+            temperature=temperature, max_tokens=20, ignore_eos=True, seed=30 + i
+        ),
+    )
     assert finals[0] == finals[1]
     assert engine.loop_stats.num_device_rounds > 0
 
@@ -396,10 +370,10 @@ def test_int8_target(target_dir, heads):
     prompts = prompt_tokens(VOCAB, [5, 9], seed=6)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     common = {**COMMON, "quantization": "int8"}
-    plain = LLM(str(target_dir), **common).generate(prompts, params, use_tqdm=False)
-    llm = LLM(str(target_dir), speculative_config=_spec(heads["specforge"][0]), **common)
-    drafted = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in plain]
+    plain, drafted, llm = plain_and_speculative_tokens(
+        target_dir, _spec(heads["specforge"][0]), prompts, params, **common
+    )
+    assert drafted == plain
     assert llm.get_metrics()["num_drafts"] > 0
 
 

@@ -11,16 +11,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from drafter_format_fixtures import draft_batch, observe_prefixes, plain_and_speculative_tokens
 from eagle_fixtures import trained_head
 from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
 from public_drafter_fixtures import EAGLE1_CONFIG, eagle1_tensors, write_checkpoint
-from specdec.drafters import DraftBatch, DrafterSetup, TargetFeatures
+from specdec.drafters import DrafterSetup
 from specdec.drafters.config import SpeculativeConfig
 from specdec.drafters.eagle.export import export_head
 from specdec.drafters.registry import build_drafter
-from specdec.engine.llm import LLM
-from specdec.models import AttentionMetadata, load_model
-from specdec.sampling import SamplingParams, SamplingTensors
+from specdec.models import load_model
+from specdec.sampling import SamplingParams
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*has no tokenizer")
 
@@ -104,27 +104,8 @@ def _draft_logits(target_dir, head_dir, k=3):
     spec = SpeculativeConfig(method="eagle", model=str(head_dir), num_speculative_tokens=k)
     setup = DrafterSetup(num_blocks=64, block_size=4, max_num_seqs=4, max_model_len=64)
     drafter = build_drafter(spec, target, setup)
-    rows = []
-    for tokens, anchor in zip(TOKENS, ANCHORS, strict=True):
-        fed = tokens[: anchor - 1]
-        kv = target.allocate_kv_cache(-(-len(fed) // 4), 4)
-        attn = AttentionMetadata.build([len(fed)], [len(fed)], [list(range(kv.num_blocks))], 4)
-        with torch.inference_mode():
-            _, layers = target.forward_with_layers(
-                torch.tensor(fed), torch.arange(len(fed)), attn, kv, drafter.feature_layers
-            )
-        rows.append(torch.cat(layers, dim=-1))
-    ids = [f"r{i}" for i in range(len(TOKENS))]
-    drafter.observe(TargetFeatures(ids, [0] * len(ids), rows))
-    batch = DraftBatch(
-        token_ids=[t[:a] for t, a in zip(TOKENS, ANCHORS, strict=True)],
-        seeds=torch.tensor([3, 4]),
-        anchors=torch.tensor(ANCHORS),
-        num_draft=torch.full((2,), k),
-        methods=["standard", "coupled"],
-        params=SamplingTensors.build(2, torch.device("cpu"), 1.0),
-        request_ids=ids,
-    )
+    ids = observe_prefixes(drafter, target, TOKENS, ANCHORS)
+    batch = draft_batch(TOKENS, ANCHORS, ids, k, ["standard", "coupled"])
     proposal = drafter.propose(batch)
     return proposal.draft_token_ids, proposal.draft_logits
 
@@ -150,10 +131,10 @@ def test_greedy_speculation_with_the_export_equals_greedy_plain(target_dir, expo
     common = {"max_model_len": 64, "block_size": 4, "max_num_batched_tokens": 16}
     prompts = prompt_tokens(VOCAB, [5, 9, 14], seed=3)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    plain = LLM(str(target_dir), **common).generate(prompts, params, use_tqdm=False)
-    llm = LLM(str(target_dir), speculative_config=_spec(exported_dir), **common)
-    drafted = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in plain]
+    plain, drafted, llm = plain_and_speculative_tokens(
+        target_dir, _spec(exported_dir), prompts, params, **common
+    )
+    assert drafted == plain
     assert llm.get_metrics()["num_drafts"] > 0
 
 

@@ -14,6 +14,11 @@ import re
 import pytest
 import torch
 
+from drafter_format_fixtures import (
+    finals_sync_then_async,
+    plain_and_speculative_tokens,
+    target_hidden,
+)
 from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
 from public_drafter_fixtures import medusa_config, medusa_tensors, write_checkpoint
 from specdec.drafters import DraftBatch, DrafterSetup, TargetFeatures
@@ -68,19 +73,6 @@ def stored(tensors, naming, head, layer, kind, num_layers):
         name = f"{head}.{num_layers}.weight" if layer is None else f"{head}.{layer}.linear.{kind}"
         name = ("medusa_head." if naming == "fasterdecoding" else "") + name
     return tensors[name]
-
-
-def target_hidden(target_hf, tokens, post_norm=True):
-    """[T, D] the target's last hidden state after its final norm (Medusa reads
-    `base_model.model(...)[0]`), or before it (a wrong variant)."""
-    captured = []
-    hook = target_hf.model.layers[-1].register_forward_hook(
-        lambda module, args, out: captured.append(out[0] if isinstance(out, tuple) else out)
-    )
-    with torch.no_grad():
-        out = target_hf.model(torch.tensor([tokens]))
-    hook.remove()
-    return out.last_hidden_state[0] if post_norm else captured[0][0]
 
 
 def reference_logits(
@@ -291,11 +283,9 @@ def test_greedy_speculation_equals_greedy_plain(target_dir, tmp_path, draft_samp
     head_dir, _ = medusa_dir(tmp_path / "medusa", "fasterdecoding", 1)
     prompts = prompt_tokens(VOCAB, [5, 9, 14], seed=3)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    plain = LLM(str(target_dir), **COMMON).generate(prompts, params, use_tqdm=False)
     spec = _spec(head_dir, draft_sample_method=draft_sample_method)
-    llm = LLM(str(target_dir), speculative_config=spec, **COMMON)
-    drafted = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in plain]
+    plain, drafted, llm = plain_and_speculative_tokens(target_dir, spec, prompts, params, **COMMON)
+    assert drafted == plain
     assert llm.get_metrics()["num_drafts"] > 0
 
 
@@ -371,25 +361,14 @@ def test_configs_and_directories_without_heads_are_refused(target_dir, tmp_path)
 def test_async_scheduling_runs_medusa_on_the_synchronous_step(target_dir, tmp_path):
     """Medusa has no device path: with `async_scheduling` its rounds run in the synchronous
     step and emit what it emits."""
-    from specdec.engine.config import EngineConfig
-    from specdec.engine.llm_engine import LLMEngine
-
     head_dir, _ = medusa_dir(tmp_path / "medusa", "legacy", 1)
     spec = SpeculativeConfig.from_dict(_spec(head_dir, rejection_sample_method="standard"))
     prompts = prompt_tokens(VOCAB, [5, 9, 14], seed=8)
-    finals = []
-    for async_scheduling in (False, True):
-        config = EngineConfig(
-            model=str(target_dir), max_model_len=64, block_size=4, async_scheduling=async_scheduling
-        )
-        engine = LLMEngine(config, spec)
-        for i, prompt in enumerate(prompts):
-            params = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=30 + i)
-            engine.add_request(prompt, params)
-        done = {}
-        while engine.has_unfinished:
-            for out in engine.step(only_finished=True):
-                done[out.request_id] = out.outputs[0].token_ids
-        finals.append(done)
+    finals, engine = finals_sync_then_async(
+        target_dir,
+        spec,
+        prompts,
+        lambda i: SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=30 + i),
+    )
     assert finals[0] == finals[1]
     assert engine.loop_stats.num_device_rounds == 0 and engine.stats.num_drafts > 0
