@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 # Keys per tile of the prefill kernel's online softmax (the twin's tile order).
 PREFILL_BLOCK_N = 64
 # Base-2 exponentials: exp(x) = 2 ** (x * LOG2E).
@@ -14,6 +16,27 @@ LN2 = math.log(2.0)  # base-2 row maxima back to natural logs (split-KV's log-su
 DECODE_BLOCK_N = 64
 # Keys per split-KV partition (a multiple of DECODE_BLOCK_N).
 SPLIT_KV_PARTITION = 2048
+
+
+def score_scales(scale: float, softcap: float | None) -> tuple[float, float]:
+    """(qk_scale, softcap_log2): the float arguments the attention kernels (and twins) turn
+    q.k products into base-2 scores with.
+
+    Without a cap the scores are products * qk_scale, qk_scale = scale * log2(e), and
+    softcap_log2 is 0.0 (unread). With one (Gemma 2: scores = cap * tanh(scale * q.k / cap)),
+    tanh(x) = 1 - 2 / (e^(2x) + 1) puts the scale and the cap into qk_scale
+    = 2 log2(e) scale / cap, and the base-2 scores are (1 - 2 / (2^(products * qk_scale) + 1))
+    * softcap_log2, softcap_log2 = cap * log2(e) (`soft_cap_ref`); the exponential saturates to
+    +-cap for large products, never NaN."""
+    if softcap is None:
+        return scale * LOG2E, 0.0
+    return 2.0 * LOG2E * scale / softcap, softcap * LOG2E
+
+
+def soft_cap_ref(scaled: torch.Tensor, softcap_log2: float) -> torch.Tensor:
+    """The kernels' soft cap on float32 products already times `score_scales`' qk_scale: the
+    twins' copy of their operations, in their order."""
+    return (1.0 - 2.0 / (torch.exp2(scaled) + 1.0)) * softcap_log2
 
 
 # The most query rows a decode-kernel program takes. Wider tiles compile to another matrix

@@ -111,8 +111,11 @@ def paged_decode_attention_ref(
     v_cache: torch.Tensor,
     meta: DecodeMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's query tokens over its cached context.
+    """Causal attention of each sequence's query tokens over its cached context, with a dense
+    mask (the reference of the decode kernels, in another summation order).
 
     Args:
         query: [B * Q, H_q, D] rotated queries in the uniform layout of `meta`.
@@ -120,10 +123,17 @@ def paged_decode_attention_ref(
             the new tokens' K/V.
         meta: the step's decode metadata.
         scale: softmax scale.
+        sliding_window: if set, a query at position p sees keys at positions > p -
+            sliding_window (no tree mask then: a tree step's rows do not sit at their index).
+        softcap: if set, scores = softcap * tanh(scores / softcap) after the scale and before
+            the mask (Gemma 2).
 
     Returns:
-        [B * Q, H_q, D] in query's dtype; rows of inert sequences (context 0) are 0.
+        [B * Q, H_q, D] in query's dtype; rows of inert sequences (context 0), and padding rows
+        that see no key (past the window), are 0.
     """
+    if sliding_window is not None and meta.tree_mask is not None:
+        raise ValueError("the decode kernels take no tree mask under a sliding window")
     num_seqs = meta.context_lens.shape[0]
     q_per_seq = meta.query_per_seq
     num_heads = query.shape[1]
@@ -145,6 +155,8 @@ def paged_decode_attention_ref(
         keys = keys.repeat_interleave(group, dim=1)  # [S, H_q, D]
         values = values.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,shd->hqs", rows, keys) * scale  # [H_q, Q, S]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         query_pos = ctx - query_lens[b] + torch.arange(q_per_seq, device=query.device)
         visible = torch.arange(ctx, device=query.device)[None] <= query_pos[:, None]  # [Q, S]
         if meta.tree_mask is not None:  # the last W keys are a tree region
@@ -154,8 +166,13 @@ def paged_decode_attention_ref(
                 region, prefix = region[:, -prefix:], 0
             visible = visible.clone()
             visible[:, prefix:] = region
+        if sliding_window is not None:
+            keys_pos = torch.arange(ctx, device=query.device)[None]
+            visible = visible & (keys_pos > query_pos[:, None] - sliding_window)
         scores = scores.masked_fill(~visible[None], float("-inf"))
         weights = scores.softmax(dim=-1)
+        if sliding_window is not None:  # padding rows past the window see no key: 0, not NaN
+            weights = weights.nan_to_num(0.0)
         out[b * q_per_seq : (b + 1) * q_per_seq] = torch.einsum("hqs,shd->qhd", weights, values).to(
             query.dtype
         )
@@ -211,14 +228,19 @@ def paged_decode_attention(
     v_cache: torch.Tensor,
     meta: DecodeMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """See `paged_decode_attention_ref`; one kernel per step and layer on CUDA (no host sync, so
     it can be captured in a CUDA graph). Metadata with `num_partitions` runs the split-KV
     kernels instead (`split_kv.py`: long contexts; a tree mask too)."""
+    options = dict(sliding_window=sliding_window, softcap=softcap)
     if meta.num_partitions:
-        return split_kv_decode_attention(query, k_cache, v_cache, meta, scale)
+        return split_kv_decode_attention(query, k_cache, v_cache, meta, scale, **options)
     if not query.is_cuda:
-        return paged_decode_attention_ref(query, k_cache, v_cache, meta, scale)
+        return paged_decode_attention_ref(query, k_cache, v_cache, meta, scale, **options)
     from specdec.models import fused_triton
 
-    return fused_triton.paged_decode_attention_triton(query, k_cache, v_cache, meta, scale)
+    return fused_triton.paged_decode_attention_triton(
+        query, k_cache, v_cache, meta, scale, **options
+    )

@@ -13,9 +13,9 @@ import triton.language as tl
 from specdec.models.attention import DecodeMetadata
 from specdec.models.attention_tiles import (
     DECODE_BLOCK_N,
-    LOG2E,
     decode_block_m,
     decode_row_tiles,
+    score_scales,
 )
 from specdec.triton_specialization import unspecialized
 
@@ -232,6 +232,8 @@ def _attend_chunk_masked(
     tree_rows_ptr,  # [BLOCK_M] pointers to each row's tree-mask row (read when TREE)
     region_start,  # context_len - W: the first key of the tree region (may be < 0)
     live_tree_row,  # [BLOCK_M] bool or 0: rows whose tree-mask row exists (read when TREE)
+    window,  # the sliding window in keys (read when SLIDING)
+    softcap_log2,  # the soft cap * log2(e) (read when SOFTCAP; see `score_scales`)
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     CACHE_BLOCK: tl.constexpr,
@@ -240,6 +242,8 @@ def _attend_chunk_masked(
     IEEE: tl.constexpr,
     KV_FP8: tl.constexpr,
     TREE: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One online-softmax step over keys chunk * BLOCK_N .. + BLOCK_N - 1 under the causal rule
     (shared with the split-KV kernel, whose partitions run exactly these steps), in base 2 with
@@ -247,7 +251,10 @@ def _attend_chunk_masked(
     so a token's row is the same bits whichever of the kernels computes it; with TREE,
     keys at or after `region_start` are seen by the tree mask (row m sees region key j iff
     tree_rows_ptr[m][j] != 0) instead of the causal rule, as `fused.paged_decode_attention_ref`
-    applies `DecodeMetadata.tree_mask`."""
+    applies `DecodeMetadata.tree_mask`; with SLIDING a row at position p sees no key at or
+    before p - window (the prefill kernel's rule); with SOFTCAP the scores are soft-capped
+    after the scale and before the masks (`attention_tiles.score_scales`: `qk_scale` is then
+    the capped form's)."""
     dims = tl.arange(0, BLOCK_D)
     key_pos = chunk * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     live_key = key_pos < context_len
@@ -263,6 +270,8 @@ def _attend_chunk_masked(
     else:
         scores = tl.dot(query, tl.trans(keys))  # [BLOCK_M, BLOCK_N] float32
     scores = scores * qk_scale
+    if SOFTCAP:  # cap * tanh(scale * q.k / cap), in base 2
+        scores = (1.0 - 2.0 / (tl.math.exp2(scores) + 1.0)) * softcap_log2
     causal = key_pos[None, :] <= query_pos[:, None]  # [BLOCK_M, BLOCK_N]
     if TREE:
         in_region = key_pos >= region_start  # [BLOCK_N]
@@ -271,6 +280,8 @@ def _attend_chunk_masked(
         bits = tl.load(tree_rows_ptr[:, None] + column[None, :], mask=read, other=0)
         causal = tl.where(in_region[None, :], bits != 0, causal)
     visible = live_key[None, :] & causal
+    if SLIDING:
+        visible = visible & (key_pos[None, :] > query_pos[:, None] - window)
     scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(scores, axis=1))
     # Rows that see no key yet keep -inf; shift them by 0 so exp2 gives 0, not NaN.
@@ -302,7 +313,9 @@ def _paged_decode_attention_kernel(
     tree_seq_stride,
     tree_row_stride,
     tree_width,  # W
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e) (with SOFTCAP: `score_scales`' capped form)
+    window,  # sliding window in keys (read when SLIDING)
+    softcap_log2,  # soft cap * log2(e) (read when SOFTCAP)
     Q_PER_SEQ: tl.constexpr,
     GROUP: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -317,6 +330,8 @@ def _paged_decode_attention_kernel(
     DEVICE_BOUND: tl.constexpr,
     HOST_NUM_CHUNKS: tl.constexpr,
     TREE: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1) // ROW_TILES
@@ -343,8 +358,13 @@ def _paged_decode_attention_kernel(
     # The tree region (TREE only): row m reads mask row [seq, m // GROUP] over the last W keys.
     tree_rows_ptr = tree_mask_ptr + seq * tree_seq_stride + token_in_seq * tree_row_stride
     region_start = context_len - tree_width
+    if SLIDING:  # noqa: SIM108 (a constexpr branch)
+        # Chunks wholly before the first row's window: every score -inf, an identity step.
+        first_chunk = tl.maximum(context_len - query_len - window + 1, 0) // BLOCK_N
+    else:
+        first_chunk = 0
     if DEVICE_BOUND:
-        for chunk in range(0, tl.cdiv(context_len, BLOCK_N)):
+        for chunk in range(first_chunk, tl.cdiv(context_len, BLOCK_N)):
             row_max, row_sum, acc = _attend_chunk_masked(
                 chunk,
                 query,
@@ -361,6 +381,8 @@ def _paged_decode_attention_kernel(
                 tree_rows_ptr,
                 region_start,
                 live_row,
+                window,
+                softcap_log2,
                 NUM_KV_HEADS,
                 HEAD_DIM,
                 CACHE_BLOCK,
@@ -369,6 +391,8 @@ def _paged_decode_attention_kernel(
                 IEEE,
                 KV_FP8,
                 TREE,
+                SLIDING,
+                SOFTCAP,
             )
     else:  # Triton's CPU interpreter cannot loop to a loaded bound; masks void extra chunks
         for chunk in range(0, HOST_NUM_CHUNKS):
@@ -388,6 +412,8 @@ def _paged_decode_attention_kernel(
                 tree_rows_ptr,
                 region_start,
                 live_row,
+                window,
+                softcap_log2,
                 NUM_KV_HEADS,
                 HEAD_DIM,
                 CACHE_BLOCK,
@@ -396,6 +422,8 @@ def _paged_decode_attention_kernel(
                 IEEE,
                 KV_FP8,
                 TREE,
+                SLIDING,
+                SOFTCAP,
             )
     out = acc / tl.maximum(row_sum, 1e-30)[:, None]
     tl.store(
@@ -426,12 +454,27 @@ def kernel_tree_mask(meta: DecodeMetadata) -> torch.Tensor | None:
     return tree.view(torch.int8)
 
 
+def kernel_window(meta: DecodeMetadata, sliding_window: int | None) -> int:
+    """The decode kernels' `window` argument (0: none). A window bounds a row by its index
+    in the step (position context_len - query_len + j), which a tree step's rows do not sit
+    at (a node sits at its depth): a tree mask under a window is refused."""
+    if sliding_window is None:
+        return 0
+    if sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if meta.tree_mask is not None:
+        raise ValueError("the decode kernels take no tree mask under a sliding window")
+    return sliding_window
+
+
 def paged_decode_attention_triton(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: DecodeMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     num_seqs = meta.context_lens.shape[0]
     _, num_heads, head_dim = query.shape
@@ -439,6 +482,8 @@ def paged_decode_attention_triton(
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
     tree = kernel_tree_mask(meta)
+    window = kernel_window(meta, sliding_window)
+    qk_scale, softcap_log2 = score_scales(scale, softcap)
     if num_seqs:
         row_tiles = decode_row_tiles(meta.query_per_seq, group)
         _paged_decode_attention_kernel[(num_seqs, num_kv_heads * row_tiles)](
@@ -454,7 +499,9 @@ def paged_decode_attention_triton(
             0 if tree is None else tree.stride(0),
             0 if tree is None else tree.stride(1),
             0 if tree is None else tree.shape[2],
-            scale * LOG2E,
+            qk_scale,
+            window,
+            softcap_log2,
             Q_PER_SEQ=meta.query_per_seq,
             GROUP=group,
             NUM_KV_HEADS=num_kv_heads,
@@ -471,6 +518,8 @@ def paged_decode_attention_triton(
             if query.is_cuda
             else triton.cdiv(int(meta.context_lens.max()), DECODE_BLOCK_N),
             TREE=tree is not None,
+            SLIDING=window > 0,
+            SOFTCAP=softcap is not None,
             enable_fp_fusion=False,  # see attention_tiles.NO_FP_FUSION
             num_warps=4,
         )

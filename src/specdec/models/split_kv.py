@@ -10,9 +10,10 @@ are exactly 1), and the partition a key falls in never depends on the batch. A l
 `meta.num_partitions` partitions per sequence, fixed per CUDA-graph bucket (derived from
 max_model_len); programs of partitions past a sequence's context do no work.
 A tree verify step's mask (`DecodeMetadata.tree_mask`) applies in the partitions as in the
-single-pass kernel. `split_kv_attention_lse` also returns each row's log-sum-exp in float32
-(for merging with another partial attention of the same rows: the block drafters' paged
-context). Never writes the cache or draws randomness.
+single-pass kernel; so do a sliding window (partitions wholly before a row's window contribute
+nothing: row max -inf, combine weight 0) and soft-capped scores. `split_kv_attention_lse` also
+returns each row's log-sum-exp in float32 (for merging with another partial attention of the
+same rows: the block drafters' paged context). Never writes the cache or draws randomness.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ from __future__ import annotations
 import torch
 
 from specdec.models.attention import DecodeMetadata
-from specdec.models.attention_tiles import DECODE_BLOCK_N, LN2, LOG2E, SPLIT_KV_PARTITION
+from specdec.models.attention_tiles import (
+    DECODE_BLOCK_N,
+    LN2,
+    SPLIT_KV_PARTITION,
+    score_scales,
+    soft_cap_ref,
+)
 
 
 def num_partitions(max_context_len: int) -> int:
@@ -65,6 +72,7 @@ def _partition_ref(
     visible: torch.Tensor,
     qk_scale: float,
     dtype: torch.dtype,
+    softcap_log2: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One partition's partial, 64-key step by 64-key step as `_attend_chunk_masked` runs them
     (in base 2: `qk_scale` = scale * log2(e); the row max is of the base-2 scores).
@@ -75,6 +83,7 @@ def _partition_ref(
         visible: [M, N] bool: which of the partition's keys each row sees (the causal rule, or
             the tree mask over the tree region).
         dtype: the queries' dtype (the weights are rounded to it before the value product).
+        softcap_log2: with a soft cap, `score_scales`' second value (`qk_scale` its first).
 
     Returns: (row max [H_kv, M], row sum [H_kv, M], acc [H_kv, M, D]), all float32.
     """
@@ -86,6 +95,8 @@ def _partition_ref(
     for chunk_start in range(0, keys.shape[1], DECODE_BLOCK_N):
         chunk = slice(chunk_start, chunk_start + DECODE_BLOCK_N)
         scores = (rows @ keys[:, chunk].transpose(-1, -2)) * qk_scale  # [H_kv, M, N], base 2
+        if softcap_log2 is not None:
+            scores = soft_cap_ref(scores, softcap_log2)
         scores = scores.masked_fill(~visible[None, :, chunk], -torch.inf)
         new_max = torch.maximum(row_max, scores.amax(dim=-1))
         safe_max = torch.where(new_max == float("-inf"), 0.0, new_max)
@@ -98,10 +109,17 @@ def _partition_ref(
     return row_max, row_sum, acc
 
 
-def _visible_ref(meta: DecodeMetadata, b: int, context_len: int, query_len: int) -> torch.Tensor:
+def _visible_ref(
+    meta: DecodeMetadata,
+    b: int,
+    context_len: int,
+    query_len: int,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
     """[Q, S] bool: the keys each query token of sequence b sees: the causal rule (token j at
     position S - query_len + j), the last W keys replaced by `meta.tree_mask[b]` when given (as
-    `fused.paged_decode_attention_ref`)."""
+    `fused.paged_decode_attention_ref`), and with a window none at or before position
+    j - sliding_window."""
     device = meta.context_lens.device
     q_per_seq = meta.query_per_seq
     query_pos = context_len - query_len + torch.arange(q_per_seq, device=device)
@@ -112,6 +130,9 @@ def _visible_ref(meta: DecodeMetadata, b: int, context_len: int, query_len: int)
         if prefix < 0:  # a context shorter than the region: its first keys do not exist
             region, prefix = region[:, -prefix:], 0
         visible[:, prefix:] = region
+    if sliding_window is not None:
+        key_pos = torch.arange(context_len, device=device)
+        visible &= key_pos[None, :] > query_pos[:, None] - sliding_window
     return visible
 
 
@@ -158,10 +179,12 @@ def split_kv_decode_attention_ref(
     v_cache: torch.Tensor,
     meta: DecodeMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query tokens over its cached context, partition by
     partition (see the module docstring); the same contract as
-    `fused.paged_decode_attention_ref`.
+    `fused.paged_decode_attention_ref` (`sliding_window` and `softcap` too).
 
     Args:
         query: [B * Q, H_q, D] rotated queries in the uniform layout of `meta`.
@@ -174,7 +197,9 @@ def split_kv_decode_attention_ref(
     Returns:
         [B * Q, H_q, D] in query's dtype; rows of inert sequences (context 0) are 0.
     """
-    out, _ = split_kv_attention_lse_ref(query, k_cache, v_cache, meta, scale)
+    out, _ = split_kv_attention_lse_ref(
+        query, k_cache, v_cache, meta, scale, sliding_window=sliding_window, softcap=softcap
+    )
     return out.to(query.dtype)
 
 
@@ -184,6 +209,8 @@ def split_kv_attention_lse_ref(
     v_cache: torch.Tensor,
     meta: DecodeMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The split-KV attention with its row log-sum-exps, in float32 (to be merged with another
     partial attention of the same rows, as the block drafters' paged context is).
@@ -198,6 +225,9 @@ def split_kv_attention_lse_ref(
         k_cache, v_cache: [num_blocks, block_size, H_kv, D] one layer's caches.
         meta: block tables, context and query lengths (its `num_partitions` is the kernels').
         scale: softmax scale.
+        sliding_window: if set, a row at position p sees no key at or before p - sliding_window
+            (no tree mask then).
+        softcap: if set, soft-capped scores (`attention_tiles.score_scales`).
 
     Returns: (out [B * Q, H_q, D] float32, lse [B * Q, H_q] float32 of the scaled scores);
     rows that see no key have out 0 and lse -inf.
@@ -206,6 +236,9 @@ def split_kv_attention_lse_ref(
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
+    if sliding_window is not None and meta.tree_mask is not None:
+        raise ValueError("the decode kernels take no tree mask under a sliding window")
+    qk_scale, softcap_log2 = score_scales(scale, softcap)
     out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
     lse = torch.full(query.shape[:2], -torch.inf, device=query.device)
     query_lens = meta.query_lens.tolist()
@@ -222,15 +255,16 @@ def split_kv_attention_lse_ref(
         rows = rows.view(q_per_seq, num_kv_heads, group, head_dim).transpose(0, 1)
         rows = rows.reshape(num_kv_heads, q_per_seq * group, head_dim)
         token = torch.arange(q_per_seq * group, device=query.device) // group
-        visible = _visible_ref(meta, b, context_len, query_lens[b])[token]  # [M, S]
+        visible = _visible_ref(meta, b, context_len, query_lens[b], sliding_window)[token]
         partials = [
             _partition_ref(
                 rows,
                 keys[:, start : start + SPLIT_KV_PARTITION],
                 values[:, start : start + SPLIT_KV_PARTITION],
                 visible[:, start : start + SPLIT_KV_PARTITION],
-                scale * LOG2E,
+                qk_scale,
                 query.dtype,
+                None if softcap is None else softcap_log2,
             )
             for start in range(0, context_len, SPLIT_KV_PARTITION)
         ]
@@ -249,14 +283,19 @@ def split_kv_decode_attention(
     v_cache: torch.Tensor,
     meta: DecodeMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """See `split_kv_decode_attention_ref`; two kernels per step and layer on CUDA (no host
     sync: CUDA-graph safe, the grid fixed by `meta.num_partitions`)."""
+    options = dict(sliding_window=sliding_window, softcap=softcap)
     if not query.is_cuda:
-        return split_kv_decode_attention_ref(query, k_cache, v_cache, meta, scale)
+        return split_kv_decode_attention_ref(query, k_cache, v_cache, meta, scale, **options)
     from specdec.models import split_kv_triton
 
-    return split_kv_triton.split_kv_decode_attention_triton(query, k_cache, v_cache, meta, scale)
+    return split_kv_triton.split_kv_decode_attention_triton(
+        query, k_cache, v_cache, meta, scale, **options
+    )
 
 
 def split_kv_attention_lse(

@@ -5,7 +5,9 @@ Pass 1: one program per (sequence, KV head and row tile, partition) runs the sin
 decode kernel's 64-key steps (`fused_triton._attend_chunk_masked`, under the tree mask when there
 is one) over its partition and writes the partial (row max of the base-2 scores, row sum,
 unnormalised output) of its BLOCK_M rows (query token x q head of the group); a program whose
-partition starts past its sequence's context reads and writes nothing. Pass 2: one program per
+partition starts past its sequence's context reads and writes nothing, and one wholly before its
+rows' sliding window (SLIDING) walks no key: its partial is the empty one (row max -inf, sum 0),
+which the combine weighs 0. Pass 2: one program per
 (sequence, KV head and row tile) combines the live partitions in order (and, with WRITE_LSE,
 writes each row's natural log-sum-exp). No host sync (CUDA-graph safe); addresses in int64.
 """
@@ -22,12 +24,12 @@ from specdec.models.attention import DecodeMetadata
 from specdec.models.attention_tiles import (
     DECODE_BLOCK_N,
     LN2,
-    LOG2E,
     SPLIT_KV_PARTITION,
     decode_block_m,
     decode_row_tiles,
+    score_scales,
 )
-from specdec.models.fused_triton import _attend_chunk_masked, kernel_tree_mask
+from specdec.models.fused_triton import _attend_chunk_masked, kernel_tree_mask, kernel_window
 from specdec.triton_specialization import unspecialized
 
 # A kernel reads a module global only as a constexpr (Triton 3.6 refuses a plain float on the
@@ -56,7 +58,9 @@ def _split_kv_partition_kernel(
     tree_seq_stride,
     tree_row_stride,
     tree_width,  # W
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e) (with SOFTCAP: `score_scales`' capped form)
+    window,  # sliding window in keys (read when SLIDING)
+    softcap_log2,  # soft cap * log2(e) (read when SOFTCAP)
     Q_PER_SEQ: tl.constexpr,
     GROUP: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -72,6 +76,8 @@ def _split_kv_partition_kernel(
     KV_FP8: tl.constexpr,
     DEVICE_BOUND: tl.constexpr,
     TREE: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1) // ROW_TILES
@@ -105,22 +111,30 @@ def _split_kv_partition_kernel(
     tree_rows_ptr = tree_mask_ptr + seq * tree_seq_stride + token_in_seq * tree_row_stride
     region_start = context_len - tree_width
     first_chunk = part * chunks_per_part
+    if SLIDING:
+        # Chunks wholly before the first row's window: every score -inf, an identity step.
+        window_chunk = tl.maximum(context_len - query_len - window + 1, 0) // BLOCK_N
+        start_chunk = tl.maximum(first_chunk, window_chunk)
+    else:
+        start_chunk = first_chunk
     if DEVICE_BOUND:
         last_chunk = tl.minimum(first_chunk + chunks_per_part, tl.cdiv(context_len, BLOCK_N))
-        for chunk in range(first_chunk, last_chunk):
+        for chunk in range(start_chunk, last_chunk):
             row_max, row_sum, acc = _attend_chunk_masked(
                 chunk, query, query_pos, context_len, row_max, row_sum, acc,
                 k_cache_ptr, v_cache_ptr, table_ptr, kv_head, qk_scale,
-                tree_rows_ptr, region_start, live_row,
+                tree_rows_ptr, region_start, live_row, window, softcap_log2,
                 NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D, IEEE, KV_FP8, TREE,
+                SLIDING, SOFTCAP,
             )  # fmt: skip
     else:  # Triton's CPU interpreter cannot loop to a loaded bound; masks void extra chunks
         for step in range(0, chunks_per_part):
             row_max, row_sum, acc = _attend_chunk_masked(
                 first_chunk + step, query, query_pos, context_len, row_max, row_sum, acc,
                 k_cache_ptr, v_cache_ptr, table_ptr, kv_head, qk_scale,
-                tree_rows_ptr, region_start, live_row,
+                tree_rows_ptr, region_start, live_row, window, softcap_log2,
                 NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D, IEEE, KV_FP8, TREE,
+                SLIDING, SOFTCAP,
             )  # fmt: skip
     program = seq * NUM_KV_HEADS * ROW_TILES + tl.program_id(1)
     partial = (program * NUM_PARTITIONS + part) * BLOCK_M + local
@@ -258,11 +272,13 @@ def split_kv_decode_attention_triton(
     meta: DecodeMetadata,
     scale: float,
     tiles: SplitKVTiles | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Split-KV attention of `query` (with `meta.num_partitions` partitions of
     `tiles.partition` keys); tiles other than the default are for the tuning probe."""
     out = torch.empty_like(query)
-    _launch(query, k_cache, v_cache, meta, scale, out, None, tiles)
+    _launch(query, k_cache, v_cache, meta, scale, out, None, tiles, sliding_window, softcap)
     return out
 
 
@@ -289,9 +305,12 @@ def _launch(
     out: torch.Tensor,
     lse: torch.Tensor | None,
     tiles: SplitKVTiles | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Both passes, writing `out` [B * Q, H_q, D] (and `lse` [B * Q, H_q] float32 if given);
-    `tiles` other than the default only for the tuning probe (the twin follows the default)."""
+    `tiles` other than the default only for the tuning probe (the twin follows the default);
+    `sliding_window` / `softcap` as `split_kv.split_kv_attention_lse_ref`'s."""
     tiles = tiles or default_tiles()
     num_seqs = meta.context_lens.shape[0]
     num_parts, query_per_seq = meta.num_partitions, meta.query_per_seq
@@ -323,6 +342,8 @@ def _launch(
         DEVICE_BOUND=query.is_cuda,
     )
     tree = kernel_tree_mask(meta)
+    window = kernel_window(meta, sliding_window)
+    qk_scale, softcap_log2 = score_scales(scale, softcap)
     _split_kv_partition_kernel[(num_seqs, programs, num_parts)](
         query.contiguous(),
         k_cache,
@@ -338,12 +359,16 @@ def _launch(
         0 if tree is None else tree.stride(0),
         0 if tree is None else tree.stride(1),
         0 if tree is None else tree.shape[2],
-        scale * LOG2E,
+        qk_scale,
+        window,
+        softcap_log2,
         CACHE_BLOCK=cache_block,
         BLOCK_N=tiles.block_n,
         IEEE=query.dtype == torch.float32,
         KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
         TREE=tree is not None,
+        SLIDING=window > 0,
+        SOFTCAP=softcap is not None,
         enable_fp_fusion=False,  # see attention_tiles.NO_FP_FUSION
         num_warps=tiles.num_warps,
         **({} if tiles.num_stages is None else {"num_stages": tiles.num_stages}),
