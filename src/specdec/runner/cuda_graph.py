@@ -81,12 +81,15 @@ class GraphCache:
     """CUDA graphs of a step, one per key, captured on first use; all share one memory pool.
 
     Without `use_graphs` (the CPU, `enforce_eager`) `run` calls the step itself. `graphs` maps each
-    key to (graph, the outputs the captured step returned).
+    key to (graph, the outputs the captured step returned). `keys` holds every key `run` was
+    called with, with graphs or without (a set insert per step): the keys a CUDA engine would
+    have captured, observable on the CPU (the engine's warm-up is checked against it).
     """
 
     def __init__(self, use_graphs: bool) -> None:
         self.use_graphs = use_graphs
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
+        self.keys: set[Hashable] = set()
         self._pool = None
 
     def run(
@@ -104,6 +107,7 @@ class GraphCache:
         own state) names them in `state`: they are saved before the warm-up and put back after
         it, so that the step still runs once. Steps that only write what they compute from their
         inputs (a decode step: the same K/V to the same slots) need none."""
+        self.keys.add(key)
         if not self.use_graphs:
             return step()
         if key not in self.graphs:
