@@ -336,6 +336,13 @@ class Drafter(abc.ABC):
         is non-empty). For a request, successive calls cover consecutive positions, except
         that after `release` (preemption) they restart from position 0."""
 
+    def warm_up(self) -> int:
+        """Runs each of this drafter's graphed steps once per padded batch size on inert inputs
+        (no cache slot written, no request state kept, no draw), so that their CUDA graphs are
+        captured at start-up rather than under traffic (`engine.warm_up`). Returns the graphs
+        captured (0: none of its own, or nothing captures them on this device)."""
+        return 0
+
     def device_drafting(
         self, num_slots: int, width: int, max_model_len: int, device: torch.device
     ) -> DeviceDrafting | None:

@@ -251,17 +251,8 @@ class DeviceRounds:
                 blocks = slot.request.block_ids
                 tables[b, : len(blocks)] = blocks
         inputs.send("tables", self.num_rows * self.max_blocks)
-        key = (self.num_rows, k, self.method, self._filters)
-        # Under tensor parallelism the workers run the round's target step beside it: twice
-        # when this launch captures the round's graph (its warm-up and the first replay both
-        # run the step's collectives; the capture itself runs none).
-        captures = self.graph_cache.use_graphs and key not in self.graph_cache.graphs
-        self.runner.announce_device_forward(
-            self.num_rows, k + 1, self.drafter.feature_layers, 2 if captures else 1
-        )
         started = mark(self.device)
-        with self.runner.device_step():
-            self.graph_cache.run(key, lambda: self._round(k), self._state)
+        self._run_round(k)
         ended = mark(self.device)
         ring = self.num_rounds % 2
         self._ring[ring].copy_(self.out, non_blocking=True)
@@ -272,6 +263,36 @@ class DeviceRounds:
         live_flags = [s.live for s in self.slots]
         self.inflight.append(_Launched(k, live_flags, ring, done, started, ended))
         self.num_rounds += 1
+
+    def _run_round(self, k: int) -> None:
+        """Runs (or replays) the round of k drafts over the static buffers as they are."""
+        key = (self.num_rows, k, self.method, self._filters)
+        # Under tensor parallelism the workers run the round's target step beside it: twice
+        # when this launch captures the round's graph (its warm-up and the first replay both
+        # run the step's collectives; the capture itself runs none).
+        captures = self.graph_cache.use_graphs and key not in self.graph_cache.graphs
+        self.runner.announce_device_forward(
+            self.num_rows, k + 1, self.drafter.feature_layers, 2 if captures else 1
+        )
+        with self.runner.device_step():
+            self.graph_cache.run(key, lambda: self._round(k), self._state)
+
+    def warm_up(self, num_rows: int, k: int, method: str) -> None:
+        """Runs one round of k drafts over `num_rows` inert slots (none live: no cache slot
+        written, no token emitted), so that its graph is captured now (the engine's warm-up),
+        keyed as a launch of requests of `method` without top-k / top-p / min-p would key it.
+        Only while no request holds the rounds (`begin` rewrites every slot it uses)."""
+        if self.slots or self.inflight:
+            raise RuntimeError("device rounds warm up only while they hold no request")
+        self.num_rows, self.method, self._filters = num_rows, method, (False, False, False)
+        self.drafting.begin([], num_rows)
+        inputs = self.inputs
+        inputs.begin()
+        inputs.host("live", num_rows).fill(0)
+        inputs.host("tables", num_rows * self.max_blocks).fill(0)
+        inputs.send("tables", num_rows * self.max_blocks)
+        self._run_round(k)
+        self.num_rows, self.method = 0, "standard"
 
     def read(self) -> tuple[list[tuple[Request, Emission]], int, float | None]:
         """Reads the oldest round in flight: (per live request still running, its emission;

@@ -158,6 +158,14 @@ class EagleDrafter(Drafter):
 
         return EagleDeviceDrafting(self, num_slots)
 
+    @torch.inference_mode()  # as `propose`, whose steps these are
+    def warm_up(self) -> int:
+        if self._graphs is None:
+            return 0
+        before = len(self._graphs.graphs)
+        self._graphs.warm_up()
+        return len(self._graphs.graphs) - before
+
     def release(self, request_id: str) -> None:
         state = self._states.pop(request_id, None)
         if state is not None:
@@ -566,6 +574,24 @@ class _HeadGraphs:
         table_rows[:num_seqs] = np.asarray(tables, dtype=np.int64).reshape(num_seqs, -1)
         inputs.send("tables", padded * self.max_blocks)  # the tables of the requests in use
         return padded
+
+    def warm_up(self) -> None:
+        """Runs both kinds of step at every padded batch size over inert rows (context 0, no
+        slot written), so that each graph is captured; `_fill` rewrites every input a later
+        step reads."""
+        inputs = self.inputs
+        for padded in self.buckets:
+            for kind in ("catch_up", "chain"):
+                rows = padded * (self.width if kind == "catch_up" else 1)
+                inputs.begin()
+                inputs.host("slots", rows).fill(-1)
+                for name in ("positions", "tokens"):
+                    inputs.host(name, rows).fill(0)
+                for name in ("context_lens", "query_lens", "ends"):
+                    inputs.host(name, padded).fill(0)
+                inputs.host("tables", padded * self.max_blocks).fill(0)
+                inputs.send("tables", padded * self.max_blocks)
+                self._run(kind, padded, 0)
 
     def _run(self, kind: str, padded: int, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
         out, logits = self.graph_cache.run((kind, padded), lambda: self.forward(kind, padded))
