@@ -200,8 +200,9 @@ def add_config_flags(
     """Adds `--field-name` for each field of dataclass `cls` (only `names` when given) to an
     argparse parser or group, with the field's type, default (or `defaults[name]`), description
     and choices: the one way the commands derive their flags from the config classes.
-    Booleans become switches; a `bool | str` field (on / off / "auto") becomes the switch pair
-    `--name` / `--no-name`; a list field takes one value per use of its flag."""
+    Booleans become switches (`--no-name` for one on by default); a `bool | str` field (on /
+    off / "auto") becomes the switch pair `--name` / `--no-name`; a list field takes one value
+    per use of its flag."""
     defaults = defaults or {}
     docs = field_docs(cls)
     for field in dataclasses.fields(cls):
@@ -212,7 +213,14 @@ def add_config_flags(
         default = defaults.get(field.name, field.default)
         choices = field.metadata.get("choices")
         help_text = _help(docs.get(field.name, ""), default, choices)
-        if kind is bool:
+        if kind is bool and default is True:  # on by default: the flag turns it off
+            group.add_argument(
+                "--no-" + field.name.replace("_", "-"),
+                dest=field.name,
+                action="store_false",
+                help=f"turn off: {help_text}",
+            )
+        elif kind is bool:
             group.add_argument(flag, action="store_true", help=help_text)
         elif kind == "switch":
             group.add_argument(

@@ -76,6 +76,11 @@ class EngineConfig:
             eagerly. "auto" (the default): 128 on CUDA (with enforce_eager too, where the
             decode path runs the same chunks op by op, so that eager and graphed engines
             compute the same numbers), 0 on the CPU; 0 turns it off.
+        warm_up: before the first request (`specdec serve`, whose /health answers 503 until
+            it is done, and `specdec generate`), run every step shape the engine takes under
+            traffic once on inert inputs (`LLMEngine.warm_up`), so that its CUDA graphs are
+            captured at start-up instead of in the middle of traffic. Nothing to capture, so
+            skipped, on the CPU and with enforce_eager. The engine never warms up by itself.
     """
 
     model: str | None = None
@@ -94,6 +99,7 @@ class EngineConfig:
     quantization: str | None = "auto"
     kv_cache_dtype: str = field(default="auto", metadata={"choices": KV_CACHE_DTYPES})
     prefill_graph_tokens: int | str = "auto"
+    warm_up: bool = True
 
     def __post_init__(self) -> None:
         graphed = self.prefill_graph_tokens

@@ -54,6 +54,7 @@ from specdec.engine.setup import (
 )
 from specdec.engine.spec_policy import SYNC_EXPLORE_BUDGET, SpeculationPolicy
 from specdec.engine.speculative_loops import SpeculativeLoops
+from specdec.engine.warm_up import WarmUpReport, warm_up
 from specdec.metrics import LoopStats, SpecDecodeStats
 from specdec.models import (
     LlamaForCausalLM,
@@ -243,6 +244,14 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
         """Stops the tensor-parallel workers (nothing to do on one device); idempotent."""
         if isinstance(self.runner, TensorParallelRunner):
             self.runner.close()
+
+    def warm_up(self, *, force: bool = False, progress: bool | None = None) -> WarmUpReport:
+        """Runs every step shape this engine takes under traffic once, on inert inputs, so that
+        its CUDA graphs are captured now rather than under traffic (`engine.warm_up`: what it
+        runs, and why it leaves no trace). Call it on an idle engine, before the first request;
+        skipped where nothing is captured (the CPU, enforce_eager) unless `force`. `progress`:
+        a progress bar on stderr (None: when stderr is a terminal)."""
+        return warm_up(self, force=force, progress=progress)
 
     def _check_round_fits(self, k: int) -> None:
         if k + 1 > self.config.max_num_batched_tokens:

@@ -1,0 +1,205 @@
+"""The engine's warm-up: every step shape it takes under traffic, run once at start-up on inert
+inputs, so that each CUDA graph is captured before the first request rather than in its middle.
+
+Design: the shapes are run through the calls traffic makes, so that each `GraphCache` builds the
+key traffic would build (a key is never spelled out here):
+- the target's decode path (`PagedModelRunner.run_with_features`, tensor-parallel workers
+  included) at every batch bucket: plain decode (Q = 1), verify (Q = K + 1, a tree's N + 1 under
+  its mask) and graphed-prefill last-row steps, each with the feature layers the drafter reads,
+  and again over a context past one split-KV partition where max_model_len allows one (the
+  split-KV variant a step picks at long context). Every row is live (the step's own padding
+  adds the rest) and writes K/V of token 0 into block 0, a free block: the engine must be idle,
+  and the allocator is never touched, so no block stays allocated and no request sees those
+  slots (a request reads only slots it wrote);
+- device rounds (`DeviceRounds.warm_up`) at every bucket and every K the speculation policy
+  may choose, for the default verify method without top-k / top-p / min-p (requests asking for
+  another method or those filters capture their round on first use), over slots none of which
+  is live;
+- the drafter's own graphs (`Drafter.warm_up`: the EAGLE head's steps).
+Dummy requests through the scheduler were the other way; they were not taken because the
+speculation policy would then measure capture times as step costs, and would pick the Ks it
+visits. No request, request state, seed or stream exists during the warm-up, so no request's
+randomness is drawn (the RNG is keyed by request seed and position), and the request counters
+and the policy see nothing. Never samples; where nothing is captured (the CPU, enforce_eager)
+it is skipped unless asked for (tests check the keys it visits through `GraphCache.keys`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from specdec.models.attention_tiles import SPLIT_KV_PARTITION
+from specdec.models.split_kv import split_when_seen
+from specdec.runner import StepInput
+from specdec.runner.cuda_graph import GraphCache, batch_buckets
+
+if TYPE_CHECKING:
+    from specdec.engine.llm_engine import LLMEngine
+
+# The block every warm-up row writes its K/V into (any block will do: all are free).
+WARM_UP_BLOCK = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WarmUpReport:
+    """What a warm-up did.
+
+    Attributes:
+        num_graphs: CUDA graphs captured.
+        num_steps: step shapes run (graphed or not).
+        seconds: wall time.
+        skipped: why nothing ran (None: it ran).
+    """
+
+    num_graphs: int
+    num_steps: int
+    seconds: float
+    skipped: str | None = None
+
+    def line(self) -> str:
+        """The one log line of a warm-up."""
+        if self.skipped is not None:
+            return f"warm-up: skipped ({self.skipped})"
+        if self.num_graphs:
+            return f"warm-up: captured {self.num_graphs} graphs in {self.seconds:.1f} s"
+        return (
+            f"warm-up: ran {self.num_steps} step shapes in {self.seconds:.1f} s (no CUDA graphs "
+            "captured)"
+        )
+
+
+def nothing_to_capture(engine: LLMEngine) -> str | None:
+    """Why the engine has no CUDA graph to capture (None: it has)."""
+    if engine.config.enforce_eager:
+        return "enforce_eager: no CUDA graphs to capture"
+    if engine.device.type != "cuda":
+        return f"no CUDA graphs to capture on the {engine.device.type.upper()}"
+    if engine.runner.graphs is None:
+        return "this model has no decode path: every step runs eagerly"
+    return None
+
+
+def warm_up(
+    engine: LLMEngine, *, force: bool = False, progress: bool | None = None
+) -> WarmUpReport:
+    """Runs every step shape `engine` takes under traffic once (see the module docstring).
+
+    Args:
+        engine: an idle engine (no request added or unfinished).
+        force: run the shapes where nothing is captured too (the CPU, enforce_eager: each
+            step then runs op by op, at its full cost).
+        progress: a progress bar on stderr (None: when stderr is a terminal).
+
+    Returns: what was done (`WarmUpReport.line()` says it in one line).
+
+    Mutates: K/V slots of a free block; the decode path's, the rounds' and the drafter's
+    static buffers (rewritten by every later step) and their graph caches.
+
+    Raises:
+        RuntimeError: the engine holds requests.
+    """
+    if engine.has_unfinished or engine.groups:
+        raise RuntimeError("the engine warms up only while it holds no request")
+    reason = nothing_to_capture(engine)
+    if reason is not None and not (force and engine.runner.graphs is not None):
+        return WarmUpReport(0, 0, 0.0, skipped=reason)
+    started = time.perf_counter()
+    steps = _decode_steps(engine) + _round_steps(engine)
+    caches = _caches(engine)
+    before = sum(len(cache.graphs) for cache in caches)
+    num_prefill = engine.runner.num_graphed_prefill_steps
+    if progress is None:
+        progress = sys.stderr.isatty()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(steps) + 1, desc="warm-up", unit="shape", file=sys.stderr)
+    drafter_graphs = 0
+    try:
+        for step in steps:
+            step()
+            if bar is not None:
+                bar.update()
+        if engine.drafter is not None:
+            drafter_graphs = engine.drafter.warm_up()
+        if bar is not None:
+            bar.update()
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+    finally:
+        if bar is not None:
+            bar.close()
+        # (warm-up steps are no traffic: the graphed-prefill counter reads as before)
+        engine.runner.num_graphed_prefill_steps = num_prefill
+    captured = sum(len(cache.graphs) for cache in _caches(engine)) - before + drafter_graphs
+    return WarmUpReport(captured, len(steps) + 1, time.perf_counter() - started)
+
+
+def _caches(engine: LLMEngine) -> list[GraphCache]:
+    """The engine's own graph caches (the drafter counts its own)."""
+    caches = [engine.runner.graphs.graph_cache]
+    if engine._rounds is not None:
+        caches.append(engine._rounds.graph_cache)
+    return caches
+
+
+def _decode_steps(engine: LLMEngine) -> list[Callable[[], None]]:
+    """One call per (bucket, shape, split-KV or not) of the target's decode path."""
+    graphs, runner = engine.runner.graphs, engine.runner
+    drafter = engine.drafter
+    layers = tuple(drafter.feature_layers) if drafter is not None else ()
+    tree = engine.speculative_config is not None and engine.speculative_config.tree is not None
+    # (query tokens a row, logit rows wanted, tree parents): plain decode, verify, last rows
+    shapes: list[tuple[int, int, list[int] | None]] = [(1, 1, None)]
+    width = graphs.max_query_len
+    if width > 1:
+        parents = list(range(-1, width - 2)) if tree else None  # a chain, as a tree
+        shapes.append((width, width, parents))
+    if graphs.prefill_width > 1 and engine.scheduler.config.prefill_graph_tokens:
+        shapes.append((graphs.prefill_width, 1, None))
+    # Contexts a step may hold: short, and past one split-KV partition where that fits.
+    longest = SPLIT_KV_PARTITION + 1
+    long_fits = longest <= engine.max_model_len
+    contexts = (
+        [None, longest] if long_fits and split_when_seen(longest, graphs.num_partitions) else [None]
+    )
+    block_size = engine.config.block_size
+    steps = []
+    for bucket in batch_buckets(engine.config.max_num_seqs):
+        for count, logit_rows, parents in shapes:
+            for context in contexts:
+                end = count if context is None else context
+                row = StepInput(
+                    [0] * count,
+                    end - count,
+                    [WARM_UP_BLOCK] * -(-end // block_size),
+                    logit_rows,
+                    parents,
+                )
+                inputs = [row] * bucket
+                steps.append(lambda inputs=inputs: runner.run_with_features(inputs, layers))
+    return steps
+
+
+def _round_steps(engine: LLMEngine) -> list[Callable[[], None]]:
+    """One call per (bucket, K) of device rounds (none without them)."""
+    if not engine.device_rounds:
+        return []
+    rounds = engine._device_round_runner()
+    if rounds is None:  # this drafter drafts on the host only
+        return []
+    policy = engine.policy
+    ks = range(policy.max_k + 1) if policy.adaptive else [policy.max_k]
+    method = engine.speculative_config.rejection_sample_method
+    return [
+        lambda bucket=bucket, k=k: rounds.warm_up(bucket, k, method)
+        for bucket in batch_buckets(engine.config.max_num_seqs)
+        for k in ks
+    ]

@@ -1,0 +1,182 @@
+"""The engine's warm-up (`LLMEngine.warm_up`): after it, a load that walks every batch bucket
+(requests arriving one per step so the batch grows to max_num_seqs, then finishing one by one;
+plain and speculative, graphed prefill on) makes no graph cache see a key it has not seen, on the
+CPU with the CUDA engine's padding (`GraphCache.keys` records the keys a CUDA engine captures).
+Negative controls: without the warm-up, and with a warm-up that skips the largest bucket, the
+same load brings new keys. The warm-up leaves every KV block free, no request, no drafter state
+and no counter moved, and seeded requests emit what they emit on an engine never warmed up.
+Skipped (one line) where nothing is captured, unless forced."""
+
+from __future__ import annotations
+
+import pytest
+
+from eagle_fixtures import trained_head
+from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
+from specdec.engine import warm_up as warm_up_module
+from specdec.engine.config import EngineConfig, SpeculativeConfig
+from specdec.engine.llm_engine import LLMEngine
+from specdec.runner.cuda_graph import batch_buckets
+from specdec.sampling import SamplingParams
+
+VOCAB = 97
+MAX_NUM_SEQS = 8  # buckets 1, 2, 4, 8
+K = 3
+JOIN_EVERY = 3  # steps between two arrivals
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("tiny-warm-up"))
+
+
+@pytest.fixture(scope="module")
+def head_dir(model_dir, tmp_path_factory):
+    return trained_head(model_dir, tmp_path_factory.mktemp("eagle-warm-up"))
+
+
+def make_engine(model_dir, head_dir, **kwargs) -> LLMEngine:
+    """The CUDA engine's settings on the CPU: device rounds (async scheduling with an EAGLE
+    head, K chosen per round by the adaptive policy), graphed prefill, and the decode path's
+    steps padded to the batch buckets as graphs pad them."""
+    config = EngineConfig(
+        model=str(model_dir),
+        max_model_len=96,
+        block_size=4,
+        max_num_seqs=MAX_NUM_SEQS,
+        async_scheduling=True,
+        prefill_graph_tokens=128,
+        **kwargs,
+    )
+    spec = SpeculativeConfig.from_dict(
+        {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": K}
+    )
+    engine = LLMEngine(config, spec)
+    engine.runner.graphs.pad_batches = True
+    return engine
+
+
+def graph_keys(engine: LLMEngine) -> set:
+    """Every key any of the engine's graph caches has run: (cache, key)."""
+    caches = {"decode": engine.runner.graphs.graph_cache}
+    if engine._rounds is not None:
+        caches["rounds"] = engine._rounds.graph_cache
+    if engine.drafter._graphs is not None:
+        caches["head"] = engine.drafter._graphs.graph_cache
+    return {(name, key) for name, cache in caches.items() for key in cache.keys}
+
+
+def run_load(engine: LLMEngine, speculative: bool, seed: int = 0) -> dict[str, list[int]]:
+    """Requests join one every JOIN_EVERY steps until MAX_NUM_SEQS run (between joins the batch
+    decodes: device rounds at each size), each asking for more tokens than the one before (so
+    they finish one by one: the batch shrinks); half of them at temperature 0. Returns each
+    request's tokens."""
+    prompts = prompt_tokens(VOCAB, [5 + 3 * i for i in range(MAX_NUM_SEQS)], seed=seed + 1)
+    override = None if speculative else {"enabled": False}
+    pending = [
+        (
+            prompt,
+            SamplingParams(
+                temperature=0.0 if i % 2 else 1.0,
+                max_tokens=8 + 4 * i,
+                ignore_eos=True,
+                seed=seed * 100 + i,
+            ),
+        )
+        for i, prompt in enumerate(prompts)
+    ]
+    tokens: dict[str, list[int]] = {}
+    index = steps = 0
+    while pending or engine.has_unfinished:
+        if pending and steps % JOIN_EVERY == 0:
+            prompt, params = pending.pop(0)
+            engine.add_request(prompt, params, request_id=f"s{seed}-{index}", speculative=override)
+            index += 1
+        steps += 1
+        for output in engine.step(only_finished=True):
+            if output.finished:
+                tokens[output.request_id] = list(output.outputs[0].token_ids)
+    return tokens
+
+
+def walk(engine: LLMEngine) -> None:
+    run_load(engine, speculative=True)
+    run_load(engine, speculative=False, seed=1)
+
+
+def test_after_warm_up_the_load_adds_no_graph_key(model_dir, head_dir):
+    engine = make_engine(model_dir, head_dir)
+    report = engine.warm_up(force=True, progress=False)
+    assert report.skipped is None and report.num_graphs == 0  # the CPU captures nothing
+    warmed = graph_keys(engine)
+    walk(engine)
+    assert engine.loop_stats.num_device_rounds > 0  # the load did take device rounds
+    assert engine.loop_stats.num_graphed_prefill_steps > 0  # and graphed prefill
+    new = graph_keys(engine) - warmed
+    assert not new, f"keys first run under traffic: {sorted(map(str, new))}"
+    # The load reached every bucket of each kind of graph (so the check above means something).
+    used = graph_keys(engine)
+    for name, key in (("decode", lambda k: k[0]), ("head", lambda k: k[1])):
+        assert {key(k) for n, k in used if n == name} == set(batch_buckets(MAX_NUM_SEQS))
+    # Negative control 1: on an engine never warmed up, the same load runs keys first (every
+    # one of them a key the warm-up runs).
+    cold = make_engine(model_dir, head_dir)
+    assert not graph_keys(cold)
+    walk(cold)
+    assert graph_keys(cold) and graph_keys(cold) <= warmed
+
+
+def test_a_warm_up_missing_a_bucket_is_caught(model_dir, head_dir, monkeypatch):
+    """Negative control 2: a warm-up that skips the largest bucket leaves keys for the load."""
+    monkeypatch.setattr(warm_up_module, "batch_buckets", lambda n: batch_buckets(n)[:-1])
+    engine = make_engine(model_dir, head_dir)
+    engine.warm_up(force=True, progress=False)
+    warmed = graph_keys(engine)
+    walk(engine)
+    new = graph_keys(engine) - warmed
+    assert new and all(MAX_NUM_SEQS in _flat(key) for key in new)
+
+
+def _flat(key) -> list:
+    out = []
+    for part in key if isinstance(key, tuple) else (key,):
+        out.extend(_flat(part) if isinstance(part, tuple) else [part])
+    return out
+
+
+def test_warm_up_leaves_no_trace(model_dir, head_dir):
+    engine = make_engine(model_dir, head_dir)
+    free = engine.allocator.num_free_blocks
+    order = list(engine.allocator._free)
+    engine.warm_up(force=True, progress=False)
+    assert engine.allocator.num_free_blocks == free == engine.allocator.num_blocks
+    assert list(engine.allocator._free) == order  # not even the free list's order moved
+    assert engine.drafter.allocator.num_free_blocks == engine.drafter.allocator.num_blocks
+    assert not engine.has_unfinished and not engine.groups and not engine.drafter._states
+    assert engine.stats.num_draft_tokens == 0 and engine.loop_stats.num_device_rounds == 0
+    assert engine.loop_stats.num_graphed_prefill_steps == 0
+    assert engine.runner.num_graphed_prefill_steps == 0
+    assert engine.num_preemptions == 0
+    # Seeded requests replay what an engine never warmed up emits (plain and speculative).
+    warmed = run_load(engine, True) | run_load(engine, False, seed=1)
+    cold = make_engine(model_dir, head_dir)
+    never = run_load(cold, True) | run_load(cold, False, seed=1)
+    assert warmed == never
+    # Negative control: other seeds give other tokens (the comparison can tell them apart).
+    other = run_load(make_engine(model_dir, head_dir), True, seed=5)
+    assert list(other.values()) != [never[f"s0-{i}"] for i in range(MAX_NUM_SEQS)]
+
+
+def test_warm_up_is_skipped_where_nothing_is_captured(model_dir, head_dir):
+    engine = make_engine(model_dir, head_dir)
+    report = engine.warm_up(progress=False)
+    assert report.skipped is not None and report.num_steps == 0
+    assert report.line() == f"warm-up: skipped ({report.skipped})"
+    assert not graph_keys(engine)  # nothing ran
+
+
+def test_warm_up_refuses_an_engine_with_requests(model_dir, head_dir):
+    engine = make_engine(model_dir, head_dir)
+    engine.add_request([3, 4, 5], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="holds no request"):
+        engine.warm_up(force=True, progress=False)
