@@ -2,9 +2,18 @@
 experts per token, each expert a SwiGLU MLP. A token's output never depends on the other tokens
 of its step (its experts' products are row-invariant, its weighted sum runs in rank order). It
 never reads files, samples, or shards experts (tensor parallelism is refused by the model).
+
+Two ways to run the experts: the CPU's (each expert in turn over its gathered tokens), and the
+grouped one (every (token, rank) pair sorted by expert into tiles of one expert, one grouped
+product for gate/up and one for down over all experts: `moe_triton.py` on CUDA, opted into with
+SPECDEC_MOE_GROUPED_KERNEL=1 while it is unchecked on a GPU; `grouped_linear_ref`, its twin).
 """
 
 from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -12,6 +21,22 @@ from torch import nn
 from specdec.models.fused import silu_mul
 from specdec.models.layers import Linear
 from specdec.models.linear import batch_invariant_linear
+
+# The grouped product's tile, fixed whatever the step's row count (a row's bits depend on the
+# K steps alone: see `moe_triton.py`): pairs per tile, and the depth of one K step (the twin
+# sums its K steps in the same order).
+GROUPED_BLOCK_M = 16
+GROUPED_BLOCK_K = 64
+# The environment switch of the grouped kernel on CUDA (and of the CUDA decode path for MoE
+# models: `ModelConfig.decode_path_reason` reads the same name). Off: CUDA runs the CPU's loop
+# eagerly, and the decode path refuses the model.
+GROUPED_KERNEL_ENV = "SPECDEC_MOE_GROUPED_KERNEL"
+
+
+def takes_grouped_path(x: torch.Tensor) -> bool:
+    """Whether a step on `x`'s device runs the grouped experts: CUDA with `GROUPED_KERNEL_ENV`
+    set to 1 (tests under Triton's interpreter switch the CPU on too)."""
+    return x.is_cuda and os.environ.get(GROUPED_KERNEL_ENV) == "1"
 
 
 class Expert(nn.Module):
@@ -57,13 +82,194 @@ def route(
     return weights, experts
 
 
+def weighted_sum(outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum over rank r of weights[:, r] x outputs[:, r], in rank order (best expert first),
+    in float32: a token's sum never depends on which expert ids it was routed to.
+
+    Args: outputs: [T, k, D] float32 expert outputs by rank. weights: [T, k] float32.
+    Returns: [T, D] float32."""
+    total = outputs[:, 0] * weights[:, :1]
+    for rank in range(1, outputs.shape[1]):
+        total = total + outputs[:, rank] * weights[:, rank : rank + 1]
+    return total
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertTiles:
+    """A step's (token, rank) pairs sorted by expert (stable: by pair index within one), cut
+    into tiles of at most GROUPED_BLOCK_M pairs of one expert. Every tensor's size follows the
+    step's token count alone (no host sync: a CUDA graph replays it); tiles past the last live
+    one are empty (start == end). Pair p is token p // k at rank p % k.
+
+    Attributes:
+        pair: [P] int64, P = T x k: the pair at each sorted position.
+        token: [P] int64: its token (pair // k).
+        position: [P] int64: 0..P-1 (the sorted positions, for products that read or write
+            them in order).
+        tile_expert: [S] int32: each tile's expert (E - 1 for an empty tile).
+        tile_start: [S] int32: its first sorted position.
+        tile_end: [S] int32: the end of its expert's positions (its rows: [start, min(start
+            + block_m, end))); start >= end for an empty tile.
+        block_m: the most pairs per tile (GROUPED_BLOCK_M).
+    """
+
+    pair: torch.Tensor
+    token: torch.Tensor
+    position: torch.Tensor
+    tile_expert: torch.Tensor
+    tile_start: torch.Tensor
+    tile_end: torch.Tensor
+    block_m: int
+
+
+def max_tiles(num_pairs: int, num_experts: int, block_m: int = GROUPED_BLOCK_M) -> int:
+    """The most tiles P pairs can need: each of at most min(E, P) experts adds at most one
+    partial tile (sum of ceil(c_e / M) <= (P + min(E, P) (M - 1)) / M)."""
+    return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
+
+
+def expert_tiles(
+    experts: torch.Tensor, num_experts: int, block_m: int = GROUPED_BLOCK_M
+) -> ExpertTiles:
+    """The grouped layout of a step's routes, in torch operations on their device (a stable
+    sort, a search and a cumulative sum; none reads a value back to the host).
+
+    Args: experts: [T, k] int64 expert ids (`route`). num_experts: E.
+    Returns: the `ExpertTiles` of max_tiles(T x k, E) tiles."""
+    device = experts.device
+    flat = experts.reshape(-1)  # [P]
+    num_pairs = flat.shape[0]
+    sorted_experts, pair = torch.sort(flat, stable=True)
+    ids = torch.arange(num_experts + 1, device=device, dtype=sorted_experts.dtype)
+    bounds = torch.searchsorted(sorted_experts, ids)  # [E + 1] first position of each expert
+    tiles = (bounds[1:] - bounds[:-1] + block_m - 1) // block_m  # [E]
+    tiles_end = torch.cumsum(tiles, 0)  # [E] inclusive
+    tile = torch.arange(max_tiles(num_pairs, num_experts, block_m), device=device)
+    tile_expert = torch.searchsorted(tiles_end, tile, right=True)  # [S]; E: past the last
+    live = tile_expert < num_experts
+    expert = tile_expert.clamp(max=num_experts - 1)
+    first_tile = tiles_end[expert] - tiles[expert]
+    tile_start = bounds[expert] + (tile - first_tile) * block_m
+    tile_end = torch.where(live, bounds[expert + 1], tile_start)
+    return ExpertTiles(
+        pair=pair,
+        token=pair // experts.shape[1],
+        position=torch.arange(num_pairs, device=device),
+        tile_expert=expert.to(torch.int32),
+        tile_start=tile_start.to(torch.int32),
+        tile_end=tile_end.to(torch.int32),
+        block_m=block_m,
+    )
+
+
+def grouped_linear_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    tiles: ExpertTiles,
+    source: torch.Tensor,
+    dest: torch.Tensor,
+    num_out_rows: int,
+    block_k: int,
+) -> torch.Tensor:
+    """out[dest[s]] = x[source[s]] W_e^T for each sorted position s of expert e: the twin of
+    `moe_triton.grouped_linear_triton`, tile by tile in its arithmetic order (rows padded with
+    zeros to the tile's `block_m`, K in steps of `block_k` from 0 upwards, each step's [M, N]
+    float32 product added to a float32 accumulator, rounded to x's dtype once). Under Triton's
+    interpreter the kernel gives these bits (its dot is numpy's; a float32 GEMM's element is one
+    ordered chain of fused multiply-adds per K step in both libraries).
+
+    Args:
+        x: [R, K] source rows. weight: [E, N, K] stacked expert weights in x's dtype.
+        tiles: the step's layout. source, dest: [P] int64 row of x read / row of out written
+            at each sorted position. num_out_rows: out's rows (each written once).
+        block_k: the K step (GROUPED_BLOCK_K; a negative control changes it).
+
+    Returns: [num_out_rows, N] in x's dtype.
+    """
+    num_cols, depth = weight.shape[1], weight.shape[2]
+    out = x.new_zeros(num_out_rows, num_cols)
+    starts, ends = tiles.tile_start.tolist(), tiles.tile_end.tolist()
+    for expert, start, end in zip(tiles.tile_expert.tolist(), starts, ends, strict=True):
+        if start >= end:
+            continue
+        rows = torch.arange(start, min(start + tiles.block_m, end), device=x.device)
+        tile = x.new_zeros(tiles.block_m, depth, dtype=torch.float32)
+        tile[: rows.numel()] = x[source[rows]].float()
+        w = weight[expert].float()  # [N, K]
+        acc = torch.zeros(tiles.block_m, num_cols, dtype=torch.float32, device=x.device)
+        for k in range(0, depth, block_k):
+            acc = acc + tile[:, k : k + block_k] @ w[:, k : k + block_k].t()
+        out[dest[rows]] = acc[: rows.numel()].to(x.dtype)
+    return out
+
+
+def grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    tiles: ExpertTiles,
+    source: torch.Tensor,
+    dest: torch.Tensor,
+    num_out_rows: int,
+    block_k: int,
+) -> torch.Tensor:
+    """See `grouped_linear_ref`; one kernel launch on CUDA (`moe_triton.py`)."""
+    if not x.is_cuda:
+        return grouped_linear_ref(x, weight, tiles, source, dest, num_out_rows, block_k)
+    from specdec.models import moe_triton
+
+    return moe_triton.grouped_linear_triton(x, weight, tiles, source, dest, num_out_rows, block_k)
+
+
+# (x, weight, tiles, source, dest, num_out_rows, block_k) -> out: `grouped_linear`'s signature.
+GroupedLinear = Callable[
+    [torch.Tensor, torch.Tensor, ExpertTiles, torch.Tensor, torch.Tensor, int, int], torch.Tensor
+]
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    gate_up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    product: GroupedLinear | None = None,
+) -> torch.Tensor:
+    """The experts of every token and their weighted sum, grouped: 1. the pairs sorted by
+    expert (`expert_tiles`); 2. gate/up of every pair in one grouped product ([P, 2F], sorted
+    order, rounded to x's dtype as the separate products are); 3. `silu_mul` (the dense MLP's
+    activation, row by row); 4. down in one grouped product, written to each pair's (token,
+    rank) row; 5. `weighted_sum` in rank order, cast once.
+
+    Args:
+        x: [T, D] normed hidden states.
+        gate_up_weight: [E, 2F, D] each expert's gate rows then up rows. down_weight: [E, D, F].
+        weights, experts: [T, k] the routes (`route`).
+        product: the grouped product (None: `grouped_linear`, the kernel on CUDA and its
+            twin elsewhere; tests pass the kernel or a broken variant).
+
+    Returns: [T, D] in x's dtype.
+    """
+    product = grouped_linear if product is None else product
+    num_tokens, top_k = experts.shape
+    num_pairs = num_tokens * top_k
+    tiles = expert_tiles(experts, gate_up_weight.shape[0])
+    block_k = GROUPED_BLOCK_K
+    gate_up = product(x, gate_up_weight, tiles, tiles.token, tiles.position, num_pairs, block_k)
+    gated = silu_mul(gate_up)  # [P, F] in sorted order
+    outputs = product(gated, down_weight, tiles, tiles.position, tiles.pair, num_pairs, block_k)
+    outputs = outputs.view(num_tokens, top_k, -1).float()  # [T, k, D] by rank
+    return weighted_sum(outputs, weights).to(x.dtype)
+
+
 class SparseMoeBlock(nn.Module):
     """Router (`gate`, [E, D]) and `experts`; out = sum over rank r of weight_r x expert_r(x).
 
     Steps: 1. router logits in float32 (a row-invariant product); 2. `route`; 3. per expert, in
     id order, its tokens gathered and computed (`Expert`: products whose rows do not depend on
     the row count); 4. each token's outputs summed in float32 by rank (best expert first), not by
-    expert id, and cast once. `forward` and `forward_decode` are the same computation.
+    expert id, and cast once. `forward` and `forward_decode` are the same computation. With
+    the grouped kernel switched on (`takes_grouped_path`), CUDA steps run 3. and 4. as
+    `grouped_experts` over the stacked weights (`fuse`).
     """
 
     def __init__(
@@ -81,9 +287,30 @@ class SparseMoeBlock(nn.Module):
         )
         self.top_k = top_k
         self.renormalize = renormalize
+        # The experts' weights stacked by `fuse` (plain attributes: each expert's parameters
+        # become views of them, so the state dict keeps the checkpoint's names).
+        self.gate_up_weight: torch.Tensor | None = None  # [E, 2F, D]
+        self.down_weight: torch.Tensor | None = None  # [E, D, F]
 
     def fuse(self) -> None:
-        """Nothing to fuse (each expert keeps its gate and up products)."""
+        """Stacks the experts' weights into [E, 2F, D] (gate rows, then up rows) and
+        [E, D, F] for the grouped products; each expert's weights become views of them (no
+        extra memory once the originals are freed). Mutates: the experts' `weight.data`."""
+        if self.gate_up_weight is not None:
+            return
+        linears = [linear for e in self.experts for linear in (e.gate_proj, e.up_proj, e.down_proj)]
+        if any(linear.quantized is not None for linear in linears):
+            return  # refused at load (a quantized MoE model); nothing to stack
+        width = self.experts[0].gate_proj.out_features
+        gate_up = torch.stack(
+            [torch.cat([e.gate_proj.weight.data, e.up_proj.weight.data]) for e in self.experts]
+        )
+        down = torch.stack([e.down_proj.weight.data for e in self.experts])
+        for index, expert in enumerate(self.experts):
+            expert.gate_proj.weight.data = gate_up[index, :width]
+            expert.up_proj.weight.data = gate_up[index, width:]
+            expert.down_proj.weight.data = down[index]
+        self.gate_up_weight, self.down_weight = gate_up, down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, D] -> [T, D]."""
@@ -91,16 +318,24 @@ class SparseMoeBlock(nn.Module):
             raise ValueError("a quantized mixture-of-experts router is not supported")
         logits = batch_invariant_linear(x.float(), self.gate.weight.float())  # [T, E]
         weights, experts = route(logits, self.top_k, self.renormalize)  # [T, k] each
+        if takes_grouped_path(x):
+            return self.forward_grouped(x, weights, experts)
         outputs = x.new_zeros(x.shape[0], self.top_k, x.shape[1], dtype=torch.float32)
         for expert_id, expert in enumerate(self.experts):
             tokens, ranks = torch.nonzero(experts == expert_id, as_tuple=True)
             if tokens.numel() == 0:
                 continue
             outputs[tokens, ranks] = expert(x[tokens]).float()
-        total = outputs[:, 0] * weights[:, :1]
-        for rank in range(1, self.top_k):
-            total = total + outputs[:, rank] * weights[:, rank : rank + 1]
-        return total.to(x.dtype)
+        return weighted_sum(outputs, weights).to(x.dtype)
+
+    def forward_grouped(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
+        """Steps 3. and 4. through `grouped_experts` (stacking the weights on first use when
+        `fuse` has not run). x: [T, D]; weights, experts: [T, k]. Returns [T, D]."""
+        self.fuse()
+        assert self.gate_up_weight is not None and self.down_weight is not None
+        return grouped_experts(x, self.gate_up_weight, self.down_weight, weights, experts)
 
     def forward_decode(self, x: torch.Tensor) -> torch.Tensor:
         """`forward` (the decode path's MLP: the same bits for a token on either path)."""
