@@ -1,6 +1,7 @@
 """The engine process of `specdec serve`: it loads the model, then only takes commands, runs
 steps and sends their outputs; the HTTP process (`engine_client.EngineClient`) does everything
-else. The process ends when told to (`shutdown`), when its parent goes away, or after an error
+else. Once loaded it reports ready and warms up (`LLMEngine.warm_up`) before its loop starts. The
+process ends when told to (`shutdown`), when its parent goes away, or after an error
 that leaves the engine unusable (a tensor-parallel worker lost), which it reports first.
 
 Detokenization and stop strings stay here, in the step: a stop string ends the request (and
@@ -13,6 +14,7 @@ import logging
 import os
 import pickle
 import signal
+import sys
 import traceback
 from dataclasses import dataclass
 
@@ -112,6 +114,10 @@ def run_engine_process(
     ready.send(("ready", info))
     ready.close()
     try:
+        # The HTTP process answers /health with 503 until this loop's first frame (the
+        # snapshot it sends before waiting for commands) comes: after the warm-up.
+        if engine.config.warm_up:
+            print(engine.warm_up().line(), file=sys.stderr, flush=True)
         interval = float(os.environ.get("SPECDEC_LOG_STATS_INTERVAL", STATS_INTERVAL_S))
         stats = StatsLog(engine, interval) if log_stats else None
         EngineCore(engine, inbox, outbox, parent, stats).run()

@@ -495,6 +495,10 @@ def build_app(engine: AsyncEngine | EngineClient, config: ServerConfig) -> FastA
     async def health() -> Response:
         if not engine.is_alive:
             return error_response(503, "the engine is not running", "server_error")
+        if not engine.is_ready:
+            return error_response(
+                503, "the engine is warming up (capturing its CUDA graphs)", "server_error"
+            )
         return JSONResponse({"status": "ok"})
 
     @app.get("/version")

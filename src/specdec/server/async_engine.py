@@ -12,6 +12,7 @@ import logging
 import os
 import queue
 import signal
+import sys
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -74,6 +75,7 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._draining = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
+        self._ready = threading.Event()  # the thread has warmed the engine up
         self.snapshot = snapshot_of(self.engine)
 
     # ------------------------------------------------------------ event loop side
@@ -103,6 +105,12 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def is_ready(self) -> bool:
+        """Whether the engine thread has warmed the engine up (`LLMEngine.warm_up`, its first
+        work; requests sent meanwhile wait for it)."""
+        return self._ready.is_set()
 
     # The model facts the routes need (as `EngineClient` has them).
     @property
@@ -149,6 +157,9 @@ class AsyncEngine:
 
     # ---------------------------------------------------------------- engine side
     def _run(self) -> None:
+        if self.engine.config.warm_up:
+            print(self.engine.warm_up().line(), file=sys.stderr, flush=True)
+        self._ready.set()
         while not self._stopping.is_set():
             idle = not self.engine.has_unfinished
             try:

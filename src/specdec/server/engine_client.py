@@ -5,7 +5,11 @@ requests and talks to it over two ZMQ sockets (commands out, frames in; `specdec
 engine process never waits on HTTP work (JSON, SSE framing, sockets), and the HTTP process's
 Python never holds the engine's interpreter lock. Same interface as `AsyncEngine` (the in-process
 engine thread, which the tests and a `torchrun` launch keep using): `start`, `add`, `abort`,
-`drain`, `shutdown`, `is_alive`, `snapshot` and the model facts the routes need.
+`drain`, `shutdown`, `is_alive`, `is_ready`, `snapshot` and the model facts the routes need.
+
+`launch` returns once the model is loaded; the engine process then warms up (captures its CUDA
+graphs: `LLMEngine.warm_up`) while the port already answers, and `is_ready` turns true with its
+first frame, which its loop sends only after the warm-up. Requests sent meanwhile wait for it.
 
 A request without a seed gets one here (`new_request_seed`, the engine's derivation from its
 `seed`): every request reaches the engine seeded, so seeds come from one sequence in arrival
@@ -84,6 +88,7 @@ class EngineClient:
         self._draining = False
         self._stopping = False
         self._dead: str | None = None
+        self._ready = False  # a frame came: the engine process has warmed up
 
     @classmethod
     def launch(
@@ -213,6 +218,11 @@ class EngineClient:
     def is_alive(self) -> bool:
         return self._dead is None and not self._stopping and self.process.is_alive()
 
+    @property
+    def is_ready(self) -> bool:
+        """Whether the engine process has warmed up (its loop has sent a frame)."""
+        return self._ready
+
     # ---------------------------------------------------------------- requests
     def new_request_seed(self) -> int:
         """The seed of a request that brings none (the engine's derivation)."""
@@ -275,6 +285,7 @@ class EngineClient:
                 logger.exception("could not read a frame from the engine process")
 
     def _take(self, data: bytes) -> None:
+        self._ready = True
         kind, payload, snapshot = decode_frame(data)
         if snapshot is not None:
             self.snapshot = snapshot
