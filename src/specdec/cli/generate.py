@@ -38,7 +38,9 @@ def add_generate(commands) -> None:
         "(--compare: the speed of plain decoding too). "
         f"Default speculation: {default_spec_help()}. With --n > 1 the samples are printed "
         "one after the other once all are done; --logprobs prints each token's log-probability "
-        "(and the top alternatives) on stderr. Every flag is checked before the model loads.",
+        "(and the top alternatives) on stderr. Every flag is checked before the model loads. "
+        "On CUDA the engine first captures the CUDA graph of every step shape it may take "
+        "(one line on stderr; --no-warm-up: capture each on first use instead).",
     )
     add_model_arguments(generate)
     generate.add_argument(
@@ -99,6 +101,11 @@ def _generate(args: argparse.Namespace) -> int:
     check_before_loading(EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args)), spec)
     llm = _load(args.model, spec, engine_kwargs(args))
     try:
+        if llm.engine.config.warm_up:
+            # Every CUDA graph captured before the first token (skipped, silently, where none is).
+            report = llm.engine.warm_up()
+            if report.skipped is None:
+                print(report.line(), file=sys.stderr, flush=True)
         printed = [0]
 
         def stream(output) -> None:

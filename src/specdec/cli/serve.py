@@ -35,7 +35,10 @@ def add_serve(commands) -> None:
         f"or as 'default'. Default speculation, as `generate`'s: {default_spec_help()} "
         '(--no-spec: none). Each request may set "speculative": {"enabled", '
         '"num_speculative_tokens", "rejection_sample_method"}. The engine runs in a process of '
-        "its own, loaded before the port answers. The port is taken before the model loads; "
+        "its own, loaded before the port answers; on CUDA it then captures the CUDA graph of "
+        "every step shape it may take (one log line), while /health and /ping answer 503 "
+        "(requests sent meanwhile wait; --no-warm-up: capture each on first use instead). "
+        "The port is taken before the model loads; "
         "SIGTERM or Ctrl-C ends every open stream with a last chunk (finish_reason abort) and "
         "[DONE].",
     )
