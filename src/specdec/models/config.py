@@ -8,6 +8,7 @@ It never reads files or touches tensors (the loaders hand it dictionaries).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -326,8 +327,11 @@ class ModelConfig:
             return "sliding-window attention"
         if device_type != "cpu" and self.hidden_act != "silu":
             return f"{self.hidden_act} MLP (the fused kernel is SiLU's)"
-        if device_type != "cpu" and self.is_moe:
-            return "mixture-of-experts MLP (no grouped expert kernel)"
+        if device_type != "cpu" and self.is_moe and os.getenv("SPECDEC_MOE_GROUPED_KERNEL") != "1":
+            return (  # `moe.GROUPED_KERNEL_ENV`: the grouped expert kernel, unchecked on a GPU
+                "mixture-of-experts MLP (the grouped expert kernel is off until checked on a "
+                "GPU: SPECDEC_MOE_GROUPED_KERNEL=1 turns it on)"
+            )
         return None
 
     @property
