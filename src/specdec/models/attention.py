@@ -514,13 +514,11 @@ def paged_attention(
         scale: softmax scale (1 / sqrt(D) for the Llama family).
         sliding_window: if set, a query at position p sees keys at positions > p - sliding_window
             (ignored when `attn` is a plan: the plan carries its mask).
-        softcap: soft-cap the scores (`softcap_attention`), or None. The flash plan's kernel
-            has none: refused there.
+        softcap: soft-cap the scores (`softcap_attention`; the flash plan's kernel caps them
+            as `attention_tiles.score_scales` states), or None.
 
     Returns:
         [T, H_q, D] attention output, in `query`'s dtype.
-
-    Raises: ValueError: `softcap` with a flash plan.
     """
     num_tokens, num_heads, head_dim = query.shape
     if num_tokens == 0:
@@ -529,11 +527,6 @@ def paged_attention(
         attn = AttentionPlan.build(attn, k_cache.shape[1], query.device, sliding_window)
     plan = attn
     if plan.flash and plan.attn is not None:
-        if softcap is not None:
-            raise ValueError(
-                "attention logit soft-capping is not supported by the flash prefill kernel "
-                "(CUDA); run on the CPU"
-            )
         meta = plan.attn
         return paged_prefill_attention(
             query,
@@ -545,6 +538,7 @@ def paged_attention(
             meta.max_seqlen_q,
             scale=scale,
             sliding_window=plan.sliding_window,
+            softcap=softcap,
         )
     max_ctx = plan.max_context_len
     keys = k_cache[plan.blocks].flatten(1, 2)[:, :max_ctx]  # [B, S, H_kv, D]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.models.attention_tiles import LOG2E, PREFILL_BLOCK_N
+from specdec.models.attention_tiles import PREFILL_BLOCK_N, score_scales, soft_cap_ref
 
 
 def paged_prefill_attention_ref(
@@ -27,6 +27,7 @@ def paged_prefill_attention_ref(
     *,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context, tile by tile.
 
@@ -41,6 +42,8 @@ def paged_prefill_attention_ref(
             context are never read).
         scale: softmax scale.
         sliding_window: if set, a query at position p sees keys at positions > p - sliding_window.
+        softcap: if set, scores = softcap * tanh(scores / softcap) after the scale, before the
+            masks (Gemma 2; in base 2 as `attention_tiles.score_scales` states).
 
     Returns:
         [T, H_q, D] in query's dtype: per tile, scores = (q k^T) * scale * log2(e) in float32,
@@ -50,7 +53,7 @@ def paged_prefill_attention_ref(
     _, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    qk_scale = scale * LOG2E
+    qk_scale, softcap_log2 = score_scales(scale, softcap)
     device = query.device
     out = torch.zeros_like(query)
     cu = cu_seqlens_q.tolist()
@@ -81,6 +84,8 @@ def paged_prefill_attention_ref(
             )  # [N]
             tile_keys = keys[key_pos].permute(1, 0, 2)[:, None]  # [H_kv, 1, N, D]
             scores = (rows @ tile_keys.transpose(-1, -2)) * qk_scale  # [H_kv, G, q_len, N]
+            if softcap is not None:
+                scores = soft_cap_ref(scores, softcap_log2)
             visible = key_pos[None, :] <= query_pos[:, None]  # [q_len, N]
             if sliding_window is not None:
                 visible &= key_pos[None, :] > query_pos[:, None] - sliding_window
@@ -112,6 +117,7 @@ def paged_prefill_attention(
     *,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """See `paged_prefill_attention_ref` (`max_seqlen_q`: the longest query, a host int that
     sizes the kernel's grid); one Triton kernel on CUDA, the twin elsewhere."""
@@ -125,6 +131,7 @@ def paged_prefill_attention(
             block_tables,
             scale=scale,
             sliding_window=sliding_window,
+            softcap=softcap,
         )
     from specdec.models import prefill_attention_triton
 
@@ -138,4 +145,5 @@ def paged_prefill_attention(
         max_seqlen_q,
         scale=scale,
         sliding_window=sliding_window,
+        softcap=softcap,
     )

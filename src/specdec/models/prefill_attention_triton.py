@@ -1,11 +1,12 @@
-"""The Triton kernel behind `specdec.models.prefill_attention` (imported only for CUDA tensors,
-or under Triton's CPU interpreter).
+"""The Triton kernel behind `specdec.models.prefill_attention` (imported only for CUDA tensors, or
+under Triton's CPU interpreter).
 
 One program per (query tile of BLOCK_M tokens, sequence, query head): it walks the key tiles its
 rows can see, gathering keys and values through the block table, every tile under the causal,
-context (and sliding-window) masks with the decode kernels' arithmetic, so that a token's row
-has the same bits whichever kernel computes it (tests/parity checks it). No host sync;
-addresses in int64 (a 128K context times heads times head_dim passes 2^31).
+context (and sliding-window) masks, scores soft-capped where the layer caps them (Gemma 2), with the
+decode kernels' arithmetic, so that a token's row has the same bits whichever kernel computes it
+(tests/parity checks it). No host sync; addresses in int64 (a 128K context times heads times
+head_dim passes 2^31).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.models.attention_tiles import LOG2E, PREFILL_BLOCK_N
+from specdec.models.attention_tiles import PREFILL_BLOCK_N, score_scales
 from specdec.triton_specialization import unspecialized
 
 
@@ -33,6 +34,7 @@ def _prefill_tile(
     table_ptr,  # this sequence's row of the block table
     kv_head,
     qk_scale,
+    softcap_log2,  # soft cap * log2(e) (read when SOFTCAP; `attention_tiles.score_scales`)
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     CACHE_BLOCK: tl.constexpr,
@@ -42,8 +44,10 @@ def _prefill_tile(
     SLIDING: tl.constexpr,
     KV_FP8: tl.constexpr,
     IEEE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
-    """One online-softmax step over keys key_start .. key_start + BLOCK_N - 1."""
+    """One online-softmax step over keys key_start .. key_start + BLOCK_N - 1 (soft-capped
+    scores with SOFTCAP, as the decode kernels' `_attend_chunk_masked` caps them)."""
     dims = tl.arange(0, BLOCK_D)
     key_pos = key_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     live_key = key_pos < context_len
@@ -59,6 +63,8 @@ def _prefill_tile(
     else:
         scores = tl.dot(query, tl.trans(keys))  # [BLOCK_M, BLOCK_N] float32
     scores = scores * qk_scale
+    if SOFTCAP:  # cap * tanh(scale * q.k / cap), in base 2
+        scores = (1.0 - 2.0 / (tl.math.exp2(scores) + 1.0)) * softcap_log2
     if MASKED:
         visible = live_key[None, :] & (key_pos[None, :] <= query_pos[:, None])
         if SLIDING:
@@ -97,6 +103,7 @@ def _paged_prefill_attention_kernel(
     block_table_stride,
     qk_scale,
     window,
+    softcap_log2,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -109,6 +116,7 @@ def _paged_prefill_attention_kernel(
     IEEE: tl.constexpr,
     DEVICE_BOUND: tl.constexpr,
     HOST_NUM_TILES: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
@@ -143,17 +151,17 @@ def _paged_prefill_attention_kernel(
         for key_start in range(lo, hi, BLOCK_N):
             row_max, row_sum, acc = _prefill_tile(
                 key_start, query, query_pos, context_len, window, row_max, row_sum, acc,
-                k_cache_ptr, v_cache_ptr, table_ptr, kv_head, qk_scale,
+                k_cache_ptr, v_cache_ptr, table_ptr, kv_head, qk_scale, softcap_log2,
                 NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D,
-                True, SLIDING, KV_FP8, IEEE,
+                True, SLIDING, KV_FP8, IEEE, SOFTCAP,
             )  # fmt: skip
     else:  # Triton's CPU interpreter cannot loop to a loaded bound: every tile, masked
         for tile in range(0, HOST_NUM_TILES):
             row_max, row_sum, acc = _prefill_tile(
                 tile * BLOCK_N, query, query_pos, hi, window, row_max, row_sum, acc,
-                k_cache_ptr, v_cache_ptr, table_ptr, kv_head, qk_scale,
+                k_cache_ptr, v_cache_ptr, table_ptr, kv_head, qk_scale, softcap_log2,
                 NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D,
-                True, SLIDING, KV_FP8, IEEE,
+                True, SLIDING, KV_FP8, IEEE, SOFTCAP,
             )  # fmt: skip
     out = acc / tl.maximum(row_sum, 1e-30)[:, None]
     tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -183,6 +191,7 @@ def paged_prefill_attention_triton(
     *,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     _, cache_block, num_kv_heads, _ = k_cache.shape
@@ -197,6 +206,7 @@ def paged_prefill_attention_triton(
         host_tiles = triton.cdiv(int(context_lens.max()), PREFILL_BLOCK_N)
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     grid = (triton.cdiv(max_seqlen_q, block_m), num_seqs, num_heads)
+    qk_scale, softcap_log2 = score_scales(scale, softcap)
     _paged_prefill_attention_kernel[grid](
         query.contiguous(),
         k_cache,
@@ -206,8 +216,9 @@ def paged_prefill_attention_triton(
         context_lens,
         out,
         block_tables.stride(0),
-        scale * LOG2E,
+        qk_scale,
         sliding_window or 0,
+        softcap_log2,
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
@@ -220,6 +231,7 @@ def paged_prefill_attention_triton(
         IEEE=query.dtype == torch.float32,
         DEVICE_BOUND=query.is_cuda,
         HOST_NUM_TILES=host_tiles,
+        SOFTCAP=softcap is not None,
         enable_fp_fusion=False,  # see attention_tiles.NO_FP_FUSION
         num_warps=num_warps,
         num_stages=num_stages,
