@@ -1,12 +1,13 @@
 """Fused GPU kernels of the decode/verify forward pass, each with a PyTorch twin.
 
-Four kernels cover everything between the GEMMs of a Llama layer: residual add + RMSNorm, RoPE +
-K/V cache write, SwiGLU's silu(gate) * up, and paged attention for sequences that each bring a few
-query tokens (decode: 1; verify: K + 1). Launch counts, not arithmetic, bound a small-batch decode
-step, so fusing these keeps a CUDA-graphed step close to its weight-read floor. Every public
-function dispatches to Triton for CUDA tensors and to its `*_ref` twin otherwise; they agree up to
-floating-point rounding order (checked by tests/parity). Nothing here allocates cache blocks or
-draws randomness.
+Four kernels cover everything between the GEMMs of a Llama layer: residual add + RMSNorm, RoPE + K/V
+cache write, SwiGLU's silu(gate) * up (GeGLU's gelu_tanh(gate) * up), and paged attention for
+sequences that each bring a few query tokens (decode: 1; verify: K + 1; within a sliding window,
+with soft-capped scores, where the layer has them). Launch counts, not arithmetic, bound a
+small-batch decode step, so fusing these keeps a CUDA-graphed step close to its weight-read floor.
+Every public function dispatches to Triton for CUDA tensors and to its `*_ref` twin otherwise; they
+agree up to floating-point rounding order (checked by tests/parity). Nothing here allocates cache
+blocks or draws randomness.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 
 def gelu_tanh_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2F] (gate | up) -> [T, F] gelu_tanh(gate) * up (GeGLU, Gemma's MLP), each rounded to
-    the input dtype as eager PyTorch does. No Triton kernel yet: this runs on every device."""
+    the input dtype as eager PyTorch does."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
 
@@ -220,6 +221,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     from specdec.models import fused_triton
 
     return fused_triton.silu_mul_triton(gate_up)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """See `gelu_tanh_mul_ref`; one fused kernel on CUDA (tanh through exp: the twin's
+    values up to float32 rounding)."""
+    if not gate_up.is_cuda:
+        return gelu_tanh_mul_ref(gate_up)
+    from specdec.models import fused_triton
+
+    return fused_triton.gelu_tanh_mul_triton(gate_up)
 
 
 def paged_decode_attention(

@@ -215,6 +215,44 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# GELU's tanh approximation: 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3).
+_GELU_BETA = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
+_GELU_KAPPA = tl.constexpr(0.044715)
+
+
+@triton.jit
+def _gelu_tanh_mul_kernel(
+    gate_up_ptr,  # [T, 2F]
+    out_ptr,  # [T, F]
+    width,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < width
+    gate = tl.load(gate_up_ptr + row * 2 * width + cols, mask=inside, other=0.0)
+    up = tl.load(gate_up_ptr + row * 2 * width + width + cols, mask=inside, other=0.0)
+    gate32 = gate.to(tl.float32)
+    inner = _GELU_BETA * (gate32 + _GELU_KAPPA * gate32 * gate32 * gate32)
+    # 0.5 x (1 + tanh(u)) = x / (1 + e^(-2u)): no cancellation for negative x (-> -0, never
+    # NaN). Rounded to the dtype before the product, as eager `F.gelu(gate) * up` does.
+    activated = (gate32 / (1.0 + tl.exp(-2.0 * inner))).to(gate.dtype)
+    out = (activated.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+    tl.store(out_ptr + row * width + cols, out, mask=inside)
+
+
+def gelu_tanh_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    num_tokens, double_width = gate_up.shape
+    width = double_width // 2
+    out = torch.empty(num_tokens, width, dtype=gate_up.dtype, device=gate_up.device)
+    if num_tokens:
+        block = 1024
+        _gelu_tanh_mul_kernel[(num_tokens, triton.cdiv(width, block))](
+            gate_up.contiguous(), out, width, BLOCK=block, num_warps=4
+        )
+    return out
+
+
 @triton.jit
 def _attend_chunk_masked(
     chunk,
