@@ -12,17 +12,16 @@ from __future__ import annotations
 import pytest
 
 from eagle_fixtures import trained_head
-from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
+from models_fixtures import make_hf_model, save_hf_model
 from specdec.engine import warm_up as warm_up_module
 from specdec.engine.config import EngineConfig, SpeculativeConfig
 from specdec.engine.llm_engine import LLMEngine
 from specdec.runner.cuda_graph import batch_buckets
 from specdec.sampling import SamplingParams
+from warm_up_fixtures import graph_keys, run_load
 
-VOCAB = 97
 MAX_NUM_SEQS = 8  # buckets 1, 2, 4, 8
 K = 3
-JOIN_EVERY = 3  # steps between two arrivals
 
 
 @pytest.fixture(scope="module")
@@ -54,49 +53,6 @@ def make_engine(model_dir, head_dir, **kwargs) -> LLMEngine:
     engine = LLMEngine(config, spec)
     engine.runner.graphs.pad_batches = True
     return engine
-
-
-def graph_keys(engine: LLMEngine) -> set:
-    """Every key any of the engine's graph caches has run: (cache, key)."""
-    caches = {"decode": engine.runner.graphs.graph_cache}
-    if engine._rounds is not None:
-        caches["rounds"] = engine._rounds.graph_cache
-    if engine.drafter._graphs is not None:
-        caches["head"] = engine.drafter._graphs.graph_cache
-    return {(name, key) for name, cache in caches.items() for key in cache.keys}
-
-
-def run_load(engine: LLMEngine, speculative: bool, seed: int = 0) -> dict[str, list[int]]:
-    """Requests join one every JOIN_EVERY steps until MAX_NUM_SEQS run (between joins the batch
-    decodes: device rounds at each size), each asking for more tokens than the one before (so
-    they finish one by one: the batch shrinks); half of them at temperature 0. Returns each
-    request's tokens."""
-    prompts = prompt_tokens(VOCAB, [5 + 3 * i for i in range(MAX_NUM_SEQS)], seed=seed + 1)
-    override = None if speculative else {"enabled": False}
-    pending = [
-        (
-            prompt,
-            SamplingParams(
-                temperature=0.0 if i % 2 else 1.0,
-                max_tokens=8 + 4 * i,
-                ignore_eos=True,
-                seed=seed * 100 + i,
-            ),
-        )
-        for i, prompt in enumerate(prompts)
-    ]
-    tokens: dict[str, list[int]] = {}
-    index = steps = 0
-    while pending or engine.has_unfinished:
-        if pending and steps % JOIN_EVERY == 0:
-            prompt, params = pending.pop(0)
-            engine.add_request(prompt, params, request_id=f"s{seed}-{index}", speculative=override)
-            index += 1
-        steps += 1
-        for output in engine.step(only_finished=True):
-            if output.finished:
-                tokens[output.request_id] = list(output.outputs[0].token_ids)
-    return tokens
 
 
 def walk(engine: LLMEngine) -> None:

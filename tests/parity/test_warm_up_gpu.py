@@ -1,0 +1,74 @@
+"""The warm-up on a CUDA engine: after `LLMEngine.warm_up`, a load that walks every batch bucket
+(plain and speculative, graphed prefill, device rounds with the adaptive policy, and one request
+past a split-KV partition) captures no CUDA graph; on the built-in model with its shipped EAGLE
+head and on a tiny model with a trained head. Negative control: the same load on an engine never
+warmed up captures graphs (every one of a key the warm-up captured)."""
+
+from __future__ import annotations
+
+import pytest
+
+from eagle_fixtures import trained_head
+from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
+from specdec.drafters.default import default_speculative_config
+from specdec.engine.config import EngineConfig, SpeculativeConfig
+from specdec.engine.llm_engine import LLMEngine
+from specdec.models.attention_tiles import SPLIT_KV_PARTITION
+from warm_up_fixtures import graph_caches, graph_keys, run_load
+
+pytestmark = pytest.mark.gpu
+
+MAX_NUM_SEQS = 16  # buckets 1, 2, 4, 8, 16
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    model_dir = save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("tiny-warm-gpu"))
+    head_dir = trained_head(model_dir, tmp_path_factory.mktemp("eagle-warm-gpu"))
+    spec = {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": 3}
+    return str(model_dir), spec, 97, 256
+
+
+def engine_for(target: str, tiny) -> tuple[LLMEngine, int, int]:
+    """(engine, vocabulary size, max_model_len) of `target`, built as `specdec serve` builds it
+    (default settings on CUDA, max_num_seqs = MAX_NUM_SEQS)."""
+    if target == "builtin":
+        spec = default_speculative_config(None, "cuda")
+        if spec is None:
+            pytest.skip("the built-in model or its shipped head is not installed")
+        model, max_model_len = None, 4096
+    else:
+        model, spec, _, max_model_len = tiny
+    config = EngineConfig(model=model, max_num_seqs=MAX_NUM_SEQS, max_model_len=max_model_len)
+    engine = LLMEngine(config, SpeculativeConfig.from_dict(spec))
+    return engine, engine.model_config.vocab_size, max_model_len
+
+
+def captured(engine: LLMEngine) -> dict[str, int]:
+    return {name: len(cache.graphs) for name, cache in graph_caches(engine).items()}
+
+
+def walk(engine: LLMEngine, vocab_size: int, max_model_len: int) -> None:
+    long = []  # a context past one split-KV partition, where max_model_len holds one
+    if max_model_len > SPLIT_KV_PARTITION + 200:
+        long = prompt_tokens(vocab_size, [SPLIT_KV_PARTITION + 50], seed=9)
+    run_load(engine, True, vocab_size=vocab_size, extra=long)
+    run_load(engine, False, seed=1, vocab_size=vocab_size)
+
+
+@pytest.mark.parametrize("target", ["builtin", "tiny"])
+def test_no_graph_is_captured_after_warm_up(target, tiny):
+    engine, vocab_size, max_model_len = engine_for(target, tiny)
+    report = engine.warm_up(progress=False)
+    assert report.skipped is None and report.num_graphs > 0, report.line()
+    assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
+    before, warmed = captured(engine), graph_keys(engine)
+    walk(engine, vocab_size, max_model_len)
+    assert engine.loop_stats.num_graph_rounds > 0  # rounds replayed from graphs
+    assert captured(engine) == before, sorted(map(str, graph_keys(engine) - warmed))
+    del engine
+    # Negative control: never warmed up, the same load captures graphs (of warmed-up keys).
+    cold, _, _ = engine_for(target, tiny)
+    walk(cold, vocab_size, max_model_len)
+    assert sum(captured(cold).values()) > 0
+    assert graph_keys(cold) <= warmed
