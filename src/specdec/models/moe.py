@@ -35,7 +35,8 @@ GROUPED_KERNEL_ENV = "SPECDEC_MOE_GROUPED_KERNEL"
 
 def takes_grouped_path(x: torch.Tensor) -> bool:
     """Whether a step on `x`'s device runs the grouped experts: CUDA with `GROUPED_KERNEL_ENV`
-    set to 1 (tests under Triton's interpreter switch the CPU on too)."""
+    set to 1 (tests replace this to run CPU steps through the kernel under Triton's
+    interpreter)."""
     return x.is_cuda and os.environ.get(GROUPED_KERNEL_ENV) == "1"
 
 
@@ -142,13 +143,13 @@ def expert_tiles(
     sorted_experts, pair = torch.sort(flat, stable=True)
     ids = torch.arange(num_experts + 1, device=device, dtype=sorted_experts.dtype)
     bounds = torch.searchsorted(sorted_experts, ids)  # [E + 1] first position of each expert
-    tiles = (bounds[1:] - bounds[:-1] + block_m - 1) // block_m  # [E]
-    tiles_end = torch.cumsum(tiles, 0)  # [E] inclusive
+    tile_counts = (bounds[1:] - bounds[:-1] + block_m - 1) // block_m  # [E]
+    tiles_end = torch.cumsum(tile_counts, 0)  # [E] inclusive
     tile = torch.arange(max_tiles(num_pairs, num_experts, block_m), device=device)
     tile_expert = torch.searchsorted(tiles_end, tile, right=True)  # [S]; E: past the last
     live = tile_expert < num_experts
     expert = tile_expert.clamp(max=num_experts - 1)
-    first_tile = tiles_end[expert] - tiles[expert]
+    first_tile = tiles_end[expert] - tile_counts[expert]
     tile_start = bounds[expert] + (tile - first_tile) * block_m
     tile_end = torch.where(live, bounds[expert + 1], tile_start)
     return ExpertTiles(
@@ -175,8 +176,9 @@ def grouped_linear_ref(
     `moe_triton.grouped_linear_triton`, tile by tile in its arithmetic order (rows padded with
     zeros to the tile's `block_m`, K in steps of `block_k` from 0 upwards, each step's [M, N]
     float32 product added to a float32 accumulator, rounded to x's dtype once). Under Triton's
-    interpreter the kernel gives these bits (its dot is numpy's; a float32 GEMM's element is one
-    ordered chain of fused multiply-adds per K step in both libraries).
+    interpreter the kernel gives these bits: its dot is numpy's GEMM, which over contiguous
+    tiles gave PyTorch's CPU GEMM's bits in every case tested (a transposed view did not:
+    the kernel loads W^T tiles instead of transposing). On a GPU the dot sums in its own order.
 
     Args:
         x: [R, K] source rows. weight: [E, N, K] stacked expert weights in x's dtype.
@@ -334,7 +336,8 @@ class SparseMoeBlock(nn.Module):
         """Steps 3. and 4. through `grouped_experts` (stacking the weights on first use when
         `fuse` has not run). x: [T, D]; weights, experts: [T, k]. Returns [T, D]."""
         self.fuse()
-        assert self.gate_up_weight is not None and self.down_weight is not None
+        if self.gate_up_weight is None or self.down_weight is None:
+            raise ValueError("quantized experts have no grouped path")
         return grouped_experts(x, self.gate_up_weight, self.down_weight, weights, experts)
 
     def forward_decode(self, x: torch.Tensor) -> torch.Tensor:
