@@ -2,7 +2,8 @@
 twin (`grouped_linear_ref`) against the CPU's per-expert loop, and its Triton kernel
 (`moe_triton.grouped_linear_triton`) against the twin bit for bit under Triton's CPU
 interpreter (tests marked `interpret`: skipped unless TRITON_INTERPRET=1 and Triton is
-importable; tests/parity/test_moe_gpu.py runs the kernel on a GPU). A token's output alone
+importable; tests/parity/test_moe_gpu.py runs the kernel on a GPU), and compiled for sm_90
+without a GPU (Triton's bundled ptxas: what the GPU compiler refuses). A token's output alone
 equals its output in batches of 1..N tokens routed to the same and to other experts, in either
 order, bit for bit (kernel and twin). Negative controls, each of which the same check must
 reject: a K step of 32 instead of 64 (other bits), a K step that follows the row count (a
@@ -183,6 +184,48 @@ def test_kernel_with_another_k_step_differs() -> None:
     want = grouped_linear_ref(*args, GROUPED_BLOCK_K)
     assert torch.equal(_kernel()(*args, GROUPED_BLOCK_K), want)
     assert not torch.equal(_kernel()(*args, 32), want)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("depth", [4096, 96])
+def test_kernel_compiles_for_hopper(dtype: str, depth: int) -> None:
+    """The GPU compiler takes the kernel (the interpreter accepts code it refuses): PTX and a
+    cubin for sm_90 through Triton's bundled ptxas, no GPU needed; bfloat16 on tensor cores
+    (mma), float32 as FMA chains (input_precision="ieee")."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from specdec.models.moe_triton import GROUPED_BLOCK_N, _grouped_linear_kernel
+
+    pointers = {name: f"*{dtype}" for name in ("x_ptr", "weight_ptr", "out_ptr")}
+    indices = {"source_ptr": "*i64", "dest_ptr": "*i64"}
+    tiles = {name: "*i32" for name in ("tile_expert_ptr", "tile_start_ptr", "tile_end_ptr")}
+    constexprs = {
+        "NUM_COLS": 2 * 1536,
+        "DEPTH": depth,
+        "BLOCK_M": GROUPED_BLOCK_M,
+        "BLOCK_N": GROUPED_BLOCK_N,
+        "BLOCK_K": GROUPED_BLOCK_K,
+        "IEEE": dtype == "fp32",
+        "EVEN_K": depth % GROUPED_BLOCK_K == 0,
+        "WIDEN": False,
+    }
+    signature = {**pointers, **indices, **tiles, "x_stride": "i32", "out_stride": "i32"}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    kernel = _grouped_linear_kernel
+    if not isinstance(kernel, JITFunction):  # under TRITON_INTERPRET=1: the plain function
+        kernel = JITFunction(kernel.fn)
+    source = ASTSource(kernel, signature, constexprs=constexprs)
+    try:
+        compiled = triton.compile(
+            source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}
+        )
+    except FileNotFoundError as error:  # no bundled ptxas in this Triton build
+        pytest.skip(f"no CUDA toolchain: {error}")
+    assert compiled.asm["cubin"]
+    assert ("mma" in compiled.asm["ptx"]) == (dtype == "bf16")
 
 
 # --------------------------------------------------------------------------- batch invariance
