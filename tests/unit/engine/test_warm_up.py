@@ -47,9 +47,11 @@ def make_engine(model_dir, head_dir, **kwargs) -> LLMEngine:
         prefill_graph_tokens=128,
         **kwargs,
     )
-    spec = SpeculativeConfig.from_dict(
-        {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": K}
-    )
+    spec = None
+    if head_dir is not None:
+        spec = SpeculativeConfig.from_dict(
+            {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": K}
+        )
     engine = LLMEngine(config, spec)
     engine.runner.graphs.pad_batches = True
     return engine
@@ -79,6 +81,20 @@ def test_after_warm_up_the_load_adds_no_graph_key(model_dir, head_dir):
     cold = make_engine(model_dir, head_dir)
     assert not graph_keys(cold)
     walk(cold)
+    assert graph_keys(cold) and graph_keys(cold) <= warmed
+
+
+def test_plain_engine_after_warm_up_adds_no_graph_key(model_dir):
+    """An engine without speculation: the overlapped plain loop's decode steps (no feature
+    layers) and graphed prefill; int8 weights give the CPU a decode path."""
+    engine = make_engine(model_dir, None, quantization="int8")
+    engine.warm_up(force=True, progress=False)
+    warmed = graph_keys(engine)
+    run_load(engine, speculative=False)
+    assert engine.loop_stats.num_overlapped_steps > 0
+    assert not graph_keys(engine) - warmed
+    cold = make_engine(model_dir, None, quantization="int8")  # negative control
+    run_load(cold, speculative=False)
     assert graph_keys(cold) and graph_keys(cold) <= warmed
 
 
