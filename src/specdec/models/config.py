@@ -306,27 +306,23 @@ class ModelConfig:
 
     def device_reason(self, device_type: str) -> str | None:
         """Why no path (eager or decode) can run this model on `device_type` ("cpu",
-        "cuda"), or None when one can: CUDA's attention kernels (flash prefill, decode,
-        split-KV) have no attention logit soft-capping; the CPU's have it."""
-        if device_type != "cpu" and self.attn_logit_softcapping is not None:
-            return "attention logit soft-capping"
+        "cuda"), or None when one can: every supported model runs on both (CUDA's attention
+        kernels, flash prefill, decode and split-KV, have sliding windows and attention logit
+        soft-capping, as the CPU's paths do)."""
+        del device_type
         return None
 
     def decode_path_reason(self, device_type: str) -> str | None:
         """Why the fused decode path cannot run this model on `device_type` ("cpu", "cuda"),
         or None when it can. Both take one frequency table per layer for every token (no
-        dynamic NTK); CUDA's kernels have no window, no GeGLU and no soft-capping
-        (`device_reason`), the CPU's plan (`DecodePlanCPU`) has windows and soft-capping and
-        the CPU runs every twin."""
+        dynamic NTK); CUDA's kernels have windows, soft-capping and GeGLU but no grouped
+        expert kernel (mixture-of-experts), the CPU's plan (`DecodePlanCPU`) has windows and
+        soft-capping and the CPU runs every twin."""
         if self.rope_scaling is not None and self.rope_scaling.is_dynamic:
             return "dynamic NTK rope scaling (frequencies that depend on the position)"
         device_reason = self.device_reason(device_type)
         if device_reason is not None:
             return device_reason
-        if device_type != "cpu" and self.has_sliding_window:
-            return "sliding-window attention"
-        if device_type != "cpu" and self.hidden_act != "silu":
-            return f"{self.hidden_act} MLP (the fused kernel is SiLU's)"
         if device_type != "cpu" and self.is_moe and os.getenv("SPECDEC_MOE_GROUPED_KERNEL") != "1":
             return (  # `moe.GROUPED_KERNEL_ENV`: the grouped expert kernel, unchecked on a GPU
                 "mixture-of-experts MLP (the grouped expert kernel is off until checked on a "

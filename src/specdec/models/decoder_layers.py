@@ -7,6 +7,8 @@ each with the eager `forward` and the fused `forward_decode` of every CUDA step 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,7 +23,7 @@ from specdec.models.config import ModelConfig
 from specdec.models.decode_cpu import DecodePlanCPU, decode_attention_cpu, rope_write_kv_cpu
 from specdec.models.fused import (
     add_rms_norm,
-    gelu_tanh_mul_ref,
+    gelu_tanh_mul,
     paged_decode_attention,
     rope_write_kv,
     silu_mul,
@@ -57,6 +59,9 @@ class LlamaAttention(nn.Module):
         # 1 / sqrt(head_dim) (Gemma 3: 1 / sqrt(query_pre_attn_scalar)), times YaRN's m^2
         self.scale = attention_scale(config, config.query_pre_attn_scalar)
         self.softcap = config.attn_logit_softcapping  # scores -> cap * tanh(scores / cap)
+        # This layer's window (`ModelConfig.layer_window`), set by the model that stacks it:
+        # the fused path's kernels take it per layer (the eager path's plans carry it).
+        self.sliding_window: int | None = None
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = Linear(config.hidden_size, q_size, config.attention_bias)
         self.k_proj = Linear(config.hidden_size, kv_size, config.attention_bias)
@@ -113,7 +118,8 @@ class LlamaAttention(nn.Module):
         With a `plan` (the CPU step of a quantized model, shared by its layers) RoPE and
         attention run as it plans; with `flash` (a CUDA step of prefill chunks and any other
         rows) RoPE and the K/V write through `fused.py` and attention through the prefill
-        kernel; otherwise through `fused.py` (Triton on CUDA, the twins on the CPU).
+        kernel; otherwise through `fused.py` (Triton on CUDA, the twins on the CPU). The
+        kernels apply this layer's `sliding_window` and `softcap`.
 
         Mutates: writes the live query tokens' K/V into `k_cache`/`v_cache`.
         """
@@ -133,11 +139,6 @@ class LlamaAttention(nn.Module):
             return self._reduce(
                 self.o_proj.decode(out.reshape(num_tokens, self.num_heads * self.head_dim))
             )
-        if self.softcap is not None:
-            raise ValueError(
-                "attention logit soft-capping is not supported by the fused decode kernels "
-                "(only the CPU's plan has it); run eagerly"
-            )
         query = rope_write_kv(
             qkv,
             positions,
@@ -149,9 +150,21 @@ class LlamaAttention(nn.Module):
             self.num_kv_heads,
         )  # [T, H_q, D_head]
         if flash is not None:
-            out = paged_attention(query, k_cache, v_cache, flash, scale=self.scale)
+            if flash.sliding_window != self.sliding_window:  # the step's plan, this layer's window
+                flash = dataclasses.replace(flash, sliding_window=self.sliding_window)
+            out = paged_attention(
+                query, k_cache, v_cache, flash, scale=self.scale, softcap=self.softcap
+            )
         else:
-            out = paged_decode_attention(query, k_cache, v_cache, meta, self.scale)
+            out = paged_decode_attention(
+                query,
+                k_cache,
+                v_cache,
+                meta,
+                self.scale,
+                sliding_window=self.sliding_window,
+                softcap=self.softcap,
+            )
         return self._reduce(
             self.o_proj.decode(out.reshape(num_tokens, self.num_heads * self.head_dim))
         )
@@ -220,13 +233,13 @@ class LlamaMLP(nn.Module):
         return partial if self.tp is None else self.tp.all_reduce(partial)
 
     def forward_decode(self, x: torch.Tensor) -> torch.Tensor:
-        """`forward` through one gate/up GEMM and the fused silu * up kernel (GeGLU: its
-        PyTorch twin, on every device)."""
+        """`forward` through one gate/up GEMM and the fused silu * up kernel (GeGLU: the
+        gelu_tanh * up kernel; the twins on the CPU)."""
         if self.gate_up_proj is not None:
             gate_up = self.gate_up_proj.decode(x)
         else:
             gate_up = torch.cat([self.gate_proj.decode(x), self.up_proj.decode(x)], dim=-1)
-        gated = gelu_tanh_mul_ref(gate_up) if self.gelu else silu_mul(gate_up)
+        gated = gelu_tanh_mul(gate_up) if self.gelu else silu_mul(gate_up)
         return self._reduce(self.down_proj.decode(gated))
 
 

@@ -84,8 +84,9 @@ class LlamaModel(nn.Module):
             (config.layer_window(index), config.layer_rotates_locally(index))
             for index in range(config.num_hidden_layers)
         )
+        for layer, (window, _) in zip(self.layers, self.layer_kinds, strict=True):
+            layer.self_attn.sliding_window = window  # the fused path's kernels take it
         self.has_window = config.has_sliding_window
-        self.has_softcap = config.attn_logit_softcapping is not None
         self.embed_scale = config.hidden_size**0.5 if config.scale_embeddings else None
         self.eager_only_reason = config.eager_only_reason  # CUDA's
         self.cpu_decode_reason = config.decode_path_reason("cpu")
@@ -216,9 +217,10 @@ class LlamaModel(nn.Module):
         inv_freqs = {False: inv_freq, True: None if local is None else local.inv_freq_at(positions)}
         planned = meta is not None and meta.tree_mask is None  # tree steps: the twins instead
         tree_step = meta is not None and meta.tree_mask is not None
-        if tree_step and (self.has_window or self.has_softcap):
-            missing = "sliding-window attention" if self.has_window else "soft-capping"
-            raise ValueError(f"a tree step on the decode path has no {missing}; run it eagerly")
+        if tree_step and self.has_window:  # its rows sit at their depths, not their indices
+            raise ValueError(
+                "a tree step on the decode path has no sliding-window attention; run it eagerly"
+            )
         if plan is None and planned and self._plans_rows(input_ids):
             # index work once for every layer
             plan = DecodePlanCPU.build(meta, positions, inv_freq, kv_cache.block_size)

@@ -7,8 +7,8 @@ against `transformers` through prefill and decode/verify steps far past the wind
 decode path (`DecodeMetadata`) and the eager path alike; a tree verify step under the window
 (nodes at their depth, not their index) against the chain steps of each node's path. Negative
 controls: the same parity tests with the window dropped from the plan, or taken at the tree
-nodes' indices, fail. CUDA's decode kernels have no window: there the model is still refused by
-name.
+nodes' indices, fail. CUDA's decode kernels take the window too (test_window_softcap_kernels.py);
+a tree step under a window is refused on the decode path by name.
 """
 
 from __future__ import annotations
@@ -159,14 +159,14 @@ def test_negative_control_window_ignored_on_the_decode_path(mistral: Any, monkey
     assert errors[WINDOW:].min() > 100 * ATOL
 
 
-def test_cuda_decode_path_still_refuses_a_window() -> None:
-    """The CPU plan has windows, CUDA's kernels do not: the decode path's reason names the
-    window on CUDA (and for callers that name no device), none on the CPU, whose runner builds
-    the decode path; a tree step, whose decode-path attention is the twins', refuses the window
-    by name."""
+def test_decode_path_takes_a_window_but_no_tree_under_it() -> None:
+    """The CPU plan and CUDA's kernels have windows: the decode path names no reason on either
+    device (nor for callers that name none), and the CPU runner builds it; a tree step, whose
+    rows sit at their depths (the kernels' window counts from a row's index), refuses the
+    window by name."""
     config = ModelConfig.from_hf_config(TINY_CONFIGS["mistral_window"])
-    assert config.decode_path_reason("cuda") == "sliding-window attention"
-    assert config.eager_only_reason == "sliding-window attention"
+    assert config.decode_path_reason("cuda") is None
+    assert config.eager_only_reason is None
     assert config.decode_path_reason("cpu") is None
     model = seeded_model("mistral_window", "cpu")
     PagedModelRunner(model, 8, 4, max_num_seqs=2, decode_path=True)
