@@ -257,6 +257,7 @@ def _load_gguf(
         embed = "model.embed_tokens.weight"
         table = gguf_file.read_hf_quantized(embed, config, piece_of(embed))
     _load_weights(model, read_float, read_quantized, str(path), dtype, device, quantization, table)
+    _release_freed_memory()  # before the tokenizer's own transient tables
     return LoadedModel(model, config, gguf_file.tokenizer())
 
 
@@ -477,6 +478,8 @@ def _load_weights(
         return
     device = torch.device(device)
     for index, layer in enumerate(model.model.layers):
+        if index:  # the previous layer's file bytes and unpacked integers
+            _release_freed_memory()
         prefix = f"model.layers.{index}"
         for block_name, fused_name, names in _FUSED_GROUPS:
             block = getattr(layer, block_name)
