@@ -106,6 +106,19 @@ def check_num_speculative_tokens(k: object, name: str = "num_speculative_tokens"
         )
 
 
+def check_mtp_layers(value: object, method: str) -> None:
+    """Raises ValueError naming `mtp_layers` unless it is "all" or an int >= 1 (and, when not
+    "all", the method is "mtp")."""
+    if value == "all":
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f'speculative_config.mtp_layers must be "all" or an integer >= 1, got {value!r}'
+        )
+    if method != "mtp":
+        raise ValueError(f'speculative_config.mtp_layers applies to method "mtp", not {method!r}')
+
+
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """vLLM's `speculative_config` keys.
@@ -160,6 +173,11 @@ class SpeculativeConfig:
             when chosen from the start, but batch 64 ran at 0.72-0.85x with it against 0.85-1.05x
             without (BENCHMARKS.md area 2b); off, K = 0 rounds are the policy's only way not to
             draft.
+        mtp_layers: "mtp" on a checkpoint of several MTP layers: "all" (the default: layer k
+            drafts position k, as the layers were trained, the last one past them;
+            `drafters.mtp_chain`) or how many of the first layers to chain (1: layer 0 drafts
+            every position, as vLLM's proposer does, with CUDA graphs, device rounds and
+            trees, which chains of several layers do not have yet).
     """
 
     method: str = "ngram"
@@ -172,9 +190,11 @@ class SpeculativeConfig:
     adaptive: bool = True
     plain_arm: bool = False
     tree: TreeConfig | None = None
+    mtp_layers: str | int = "all"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tree", TreeConfig.from_dict(self.tree))
+        check_mtp_layers(self.mtp_layers, self.method)
         if self.tree is not None:
             if self.method not in TREE_METHODS:
                 raise ValueError(

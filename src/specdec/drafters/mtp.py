@@ -18,9 +18,11 @@ Head entry t joins the target's hidden state h_t with the embedding e of the tok
       draft logits = shared_head.head(shared_head.norm(o)); a chained entry reads o (unnormed)
   with h_t the target's last hidden state AFTER its final norm (DeepseekV2Model's output).
 
-Chains: layer 0 drafts every position of a round, fed its own previous output (as vLLM's
-proposer calls the MTP model at spec step 0 for any K); a checkpoint's further layers (layer k
-drafting t + k + 1 from layer k - 1's output) are not read yet.
+Chains over a checkpoint's n MTP layers (`load_mtp_heads`, one `EagleHead` each; drafted by
+`mtp_chain.MtpChainDrafter`): layer k drafts position k of a round from layer k - 1's output
+(DeepSeek-V3, arXiv:2412.19437, section 2.2: h^k = M_k[RMSNorm(h^{k-1}); RMSNorm(Emb(t_{i+k}))],
+then TRM_k and the shared head; MiMo's layers chain the same way), positions k >= n the last
+layer fed its own output. One layer (n = 1, or `mtp_layers: 1`) drafts through `EagleDrafter`.
 """
 
 from __future__ import annotations
@@ -87,6 +89,35 @@ def recognise_mtp(checkpoint: DrafterCheckpoint) -> tuple[str, str] | None:
     return None
 
 
+def mtp_prefix(naming: str, checkpoint: DrafterCheckpoint, index: int) -> str:
+    """The tensor prefix of MTP layer `index` (0-based) in `naming`."""
+    if naming == MIMO:
+        return f"model.mtp_layers.{index}."
+    return f"model.layers.{checkpoint.config['num_hidden_layers'] + index}."
+
+
+def count_mtp_layers(checkpoint: DrafterCheckpoint, naming: str) -> int:
+    """How many MTP layers the checkpoint has: config.json's `num_nextn_predict_layers` when it
+    states one (its layers' tensors are then required), else the layers whose tensors are
+    stored (MiMo: the highest `model.mtp_layers.{k}` + 1; DeepSeek-V3: consecutive layers
+    N, N + 1, .. with enorm / hnorm / eh_proj / shared_head tensors; at least 1)."""
+    stated = checkpoint.config.get("num_nextn_predict_layers")
+    if isinstance(stated, int) and not isinstance(stated, bool) and stated > 0:
+        return stated
+    names = checkpoint.names
+    if naming == MIMO:
+        indices = [int(m.group(1)) for m in map(_MIMO_LAYER.match, names) if m is not None]
+        return max(indices, default=0) + 1
+    count = 1
+    while any(
+        name.startswith(mtp_prefix(naming, checkpoint, count) + part)
+        for name in names
+        for part in _DEEPSEEK_PARTS
+    ):
+        count += 1
+    return count
+
+
 def no_mtp_message(path: object) -> str:
     """The one-line refusal of `method: "mtp"` on a checkpoint without MTP layers."""
     return (
@@ -97,14 +128,45 @@ def no_mtp_message(path: object) -> str:
     )
 
 
+def load_mtp_heads(
+    checkpoint: DrafterCheckpoint,
+    target: LlamaForCausalLM,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    num_layers: int | None = None,
+) -> list[EagleHead]:
+    """Loads the first `num_layers` MTP layers of `checkpoint` (None: all it has,
+    `count_mtp_layers`), one `EagleHead` each, in order.
+
+    Raises:
+        ValueError: `num_layers` above the layers the checkpoint has (named, as the
+            `speculative_config` key `mtp_layers`); what `load_mtp_head` raises.
+        CheckpointError: a layer's missing or mis-shaped tensor, named (as `load_mtp_head`).
+    """
+    found = recognise_mtp(checkpoint)
+    if found is None:
+        raise ValueError(no_mtp_message(checkpoint.path))
+    have = count_mtp_layers(checkpoint, found[0])
+    if num_layers is not None and num_layers > have:
+        raise ValueError(
+            f"speculative_config mtp_layers {num_layers}: {checkpoint.path} has {have} MTP "
+            f"layer{'s' if have > 1 else ''}"
+        )
+    wanted = have if num_layers is None else num_layers
+    return [load_mtp_head(checkpoint, target, dtype, device, k) for k in range(wanted)]
+
+
 def load_mtp_head(
     checkpoint: DrafterCheckpoint,
     target: LlamaForCausalLM,
     dtype: torch.dtype,
     device: torch.device | str,
+    index: int = 0,
 ) -> EagleHead:
-    """Loads layer 0 of the MTP layers in `checkpoint` (the target's own directory, or one of
-    the same shape) into an `EagleHead` wired as the module docstring says.
+    """Loads MTP layer `index` (0-based) of `checkpoint` (the target's own directory, or one of
+    the same shape) into an `EagleHead` wired as the module docstring says. As a chained
+    layer (index > 0) its `hidden` input is the previous layer's output, so its
+    `feature_norm` (the target's final norm, DeepSeek-V3 naming) is not read.
 
     Raises:
         ValueError: no MTP layers (`no_mtp_message`); a checkpoint of another width or
@@ -115,7 +177,8 @@ def load_mtp_head(
     found = recognise_mtp(checkpoint)
     if found is None:
         raise ValueError(no_mtp_message(checkpoint.path))
-    naming, prefix = found
+    naming = found[0]
+    prefix = mtp_prefix(naming, checkpoint, index)
     config = target.config
     check_llama_layout(config, "MTP drafting")
     source = str(checkpoint.path)

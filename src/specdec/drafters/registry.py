@@ -11,6 +11,7 @@ from specdec.drafters.config import SpeculativeConfig
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.eagle.drafter import EagleDrafter
 from specdec.drafters.medusa import MedusaDrafter
+from specdec.drafters.mtp_chain import MtpDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.models import LlamaForCausalLM
 
@@ -19,7 +20,7 @@ DRAFTERS: dict[str, type[Drafter]] = {
     "draft_model": DraftModelDrafter,
     "eagle": EagleDrafter,
     "eagle3": EagleDrafter,  # vLLM's name for EAGLE-3 heads (which "eagle" loads too)
-    "mtp": EagleDrafter,  # the target's own MTP layers (`drafters.mtp`), or any "eagle" head
+    "mtp": MtpDrafter,  # the target's own MTP layers (`drafters.mtp`), or any "eagle" head
     "dflash": DFlashDrafter,
     "dspark": DSparkDrafter,
     "medusa": MedusaDrafter,

@@ -27,11 +27,11 @@ from law_fixtures import exact_continuation_law, first_token_counts, save_vocab8
 from models_fixtures import TINY_CONFIGS, make_hf_model, prompt_tokens, save_hf_model
 from public_drafter_fixtures import random_tensors, write_checkpoint
 from specdec.audit import chi_square
-from specdec.drafters import DrafterSetup
+from specdec.drafters import DrafterSetup, TargetFeatures
 from specdec.drafters.config import SpeculativeConfig
 from specdec.drafters.registry import build_drafter
 from specdec.engine.llm import LLM
-from specdec.models import load_model
+from specdec.models import AttentionMetadata, load_model
 from specdec.models.weights import CheckpointError
 from specdec.sampling import SampleOutput, SamplingParams
 
@@ -172,6 +172,23 @@ def _decoder_layer(w, p, x, cfg):
     return x + linear("mlp.down_proj", mlp)
 
 
+def _mtp_layer(naming, w, k, cfg, hidden, tokens, table, swap=False):
+    """MTP layer k over E entries (hidden [E, D], the token each entry reads): (its outputs o
+    [E, D], o normed [E, D], the layer's own LM head [V, D] or None)."""
+    p, mimo = _prefix(naming, k), naming == "mimo"
+    names = (
+        ("token_layernorm", "hidden_layernorm", "input_proj")
+        if mimo
+        else ("enorm", "hnorm", "eh_proj")
+    )
+    e = _rms(table[torch.tensor(tokens)], w[f"{p}{names[0]}.weight"])
+    h = _rms(hidden, w[f"{p}{names[1]}.weight"])
+    pair = (h, e) if mimo != swap else (e, h)
+    out = _decoder_layer(w, p, torch.cat(pair, -1) @ w[f"{p}{names[2]}.weight"].T, cfg)
+    normed = _rms(out, w[p + ("final_layernorm.weight" if mimo else "shared_head.norm.weight")])
+    return out, normed, w.get(p + "shared_head.head.weight")  # (MiMo: the target's LM head)
+
+
 def reference_draft_logits(
     naming,
     w,
@@ -180,56 +197,61 @@ def reference_draft_logits(
     anchor,
     drafts,
     *,
+    num_layers=1,
     swap=False,
     other_hidden=False,
     other_chain=False,
 ):
-    """[len(drafts), V] draft logits of a round anchored at `anchor` that proposed `drafts`:
-    entry t joins the target's hidden state at t with the token at t + 1; draft i > 0 comes
-    from an entry of the layer's previous output and draft i - 1.
+    """[len(drafts), V] draft logits of a round anchored at `anchor` that proposed `drafts`,
+    from a chain of the first `num_layers` MTP layers, every layer run over the whole round's
+    sequence (tokens[:anchor] + drafts) as in training (DeepSeek-V3 section 2.2):
+
+    layer 0, entry i (0..A-2): the target's hidden state at i and the token at i + 1;
+    layer k, entry i: layer k - 1's chained output at entry i and the token at i + k + 1;
+    draft k < num_layers: layer k's entry A-2; draft k >= num_layers: the last layer's entry
+    A-2 + (k - num_layers + 1), fed its own chained output at the entry before.
 
     MiMo:     o = final_layernorm(layer(input_proj(cat(hidden_layernorm(h), token_layernorm(e)))))
               logits = lm_head(o); the chain reads o.
     DeepSeek: o = layer(eh_proj(cat(enorm(e), hnorm(h)))); logits = shared_head.head(
-              shared_head.norm(o)); the chain reads o.
+              shared_head.norm(o)) of the layer; the chain reads o.
     Controls: `swap` the concatenation order, `other_hidden` the target's hidden state on the
     other side of its final norm, `other_chain` the other output (normed / unnormed) fed back.
     """
-    p, cfg, mimo = _prefix(naming), target_hf.config, naming == "mimo"
+    cfg, mimo = target_hf.config, naming == "mimo"
     table = target_hf.model.embed_tokens.weight
-    post_norm = (not mimo) != other_hidden
-    hidden = list(target_hidden(target_hf, tokens[: anchor - 1], post_norm))
-    inputs = list(tokens[1:anchor])
-    names = (
-        ("token_layernorm", "hidden_layernorm", "input_proj")
-        if mimo
-        else ("enorm", "hnorm", "eh_proj")
-    )
-    out_norm = w[p + ("final_layernorm.weight" if mimo else "shared_head.norm.weight")]
-    lm_head = target_hf.lm_head.weight if mimo else w[p + "shared_head.head.weight"]
+    sequence = list(tokens[:anchor]) + [int(d) for d in drafts]
+    hidden = target_hidden(target_hf, tokens[: anchor - 1], (not mimo) != other_hidden)
     logits = []
     with torch.no_grad():
-        for draft in drafts:
-            e = _rms(table[torch.tensor(inputs)], w[f"{p}{names[0]}.weight"])
-            h = _rms(torch.stack(hidden), w[f"{p}{names[1]}.weight"])
-            pair = (h, e) if mimo != swap else (e, h)
-            out = _decoder_layer(w, p, torch.cat(pair, -1) @ w[f"{p}{names[2]}.weight"].T, cfg)
-            normed = _rms(out[-1], out_norm)
-            logits.append(normed @ lm_head.T)
-            hidden.append(normed if mimo != other_chain else out[-1])
-            inputs.append(int(draft))
+        for k in range(len(drafts)):
+            layer = min(k, num_layers - 1)
+            count = hidden.shape[0]  # entries 0 .. count - 1
+            reads = sequence[layer + 1 : layer + 1 + count]  # entry i: the token at i + layer + 1
+            out, normed, lm_head = _mtp_layer(naming, w, layer, cfg, hidden, reads, table, swap)
+            lm_head = target_hf.lm_head.weight if lm_head is None else lm_head
+            logits.append(normed[-1] @ lm_head.T)
+            chained = normed if mimo != other_chain else out
+            # The next layer reads this one at every entry; the last layer feeds itself.
+            last = k + 1 >= num_layers
+            hidden = torch.cat([hidden, chained[-1:]]) if last else chained
     return torch.stack(logits)
 
 
 # --- Our drafter ------------------------------------------------------------------------------
 
 
-def propose(target_dir, model=None, k=3, plain_path=False):
+def propose(target_dir, model=None, k=3, plain_path=False, mtp_layers="all"):
     """The "mtp" drafter (built through the registry, `model` the target's own directory by
     default), fed the target's features, proposes k sampled drafts (temperature 1) for TOKENS
     at ANCHORS."""
     target = load_model(target_dir).model
-    spec = SpeculativeConfig(method="mtp", model=str(model or target_dir), num_speculative_tokens=k)
+    spec = SpeculativeConfig(
+        method="mtp",
+        model=str(model or target_dir),
+        num_speculative_tokens=k,
+        mtp_layers=mtp_layers,
+    )
     setup = DrafterSetup(num_blocks=64, block_size=4, max_num_seqs=4, max_model_len=64)
     drafter = build_drafter(spec, target, setup)
     if plain_path:
@@ -242,6 +264,9 @@ def propose(target_dir, model=None, k=3, plain_path=False):
 # float32 against float32 through other operation orders (as the EAGLE-1/2 test); the
 # controls below differ by more than 1e-3.
 REFERENCE_RTOL = 5e-5
+# Chains (2 and 3 layers, K = n + 2) measured at 4e-7 .. 1.1e-6 of the scale in float32; the
+# one-layer drafter against the chain's reference (the negative control) differs by > 0.9.
+CHAIN_RTOL = 1e-5
 
 
 def relative_error(got, want):
@@ -274,19 +299,162 @@ def test_a_reference_wired_otherwise_does_not_match(case, variant):
     assert relative_error(proposal.draft_logits[2], want).max() > 1e-3
 
 
-def test_a_lm_head_of_its_own_and_further_layers(tmp_path):
-    """DeepSeek-V3 naming with a shared_head.head that is not the target's LM head (the layer's
-    own, used) and two MTP layers (layer 0 drafts every position; layer 1 is not read)."""
+def test_a_lm_head_of_its_own(tmp_path):
+    """DeepSeek-V3 naming with a shared_head.head that is not the target's LM head (the
+    layer's own, used)."""
     target_hf = make_hf_model("llama")
-    tensors = mtp_tensors("deepseek", target_hf, num_layers=2)
+    tensors = mtp_tensors("deepseek", target_hf)
     own = 0.15 * torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(8))
     tensors[_prefix("deepseek") + "shared_head.head.weight"] = own
-    path = write_mtp_target(target_hf, tmp_path / "t", "deepseek", tensors, num_layers=2)
+    path = write_mtp_target(target_hf, tmp_path / "t", "deepseek", tensors)
     drafter, proposal = propose(path)
     assert drafter.head.lm_head is not None
     drafts = proposal.draft_token_ids[1].tolist()
     want = reference_draft_logits("deepseek", tensors, target_hf, TOKENS[1], ANCHORS[1], drafts)
     assert relative_error(proposal.draft_logits[1], want).max() < REFERENCE_RTOL
+
+
+# --- Chains of several MTP layers (`drafters.mtp_chain`) ---------------------------------------
+
+
+@pytest.fixture(scope="module", params=[(n, k) for n in sorted(NAMINGS) for k in (2, 3)])
+def chain_case(request, tmp_path_factory):
+    """(naming, target_hf, its directory with `num_layers` MTP layers, the MTP tensors,
+    num_layers); DeepSeek-V3's layer 1 with a LM head of its own (its shared_head.head)."""
+    naming, num_layers = request.param
+    target_hf = make_hf_model(NAMINGS[naming][0])
+    tensors = mtp_tensors(naming, target_hf, seed=40, num_layers=num_layers)
+    if naming == "deepseek":
+        own = 0.15 * torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(9))
+        tensors[_prefix(naming, 1) + "shared_head.head.weight"] = own
+    directory = tmp_path_factory.mktemp(f"{naming}-{num_layers}")
+    path = write_mtp_target(target_hf, directory, naming, tensors, num_layers=num_layers)
+    return naming, target_hf, path, tensors, num_layers
+
+
+def test_chain_draft_logits_match_the_reference(chain_case):
+    """Draft k from layer min(k, n - 1), each layer over the round's whole sequence, for
+    K = n + 2 > n drafts (the last layer drafting past its position twice)."""
+    naming, target_hf, path, tensors, num_layers = chain_case
+    k = num_layers + 2
+    drafter, proposal = propose(path, k=k)
+    assert type(drafter).__name__ == "MtpChainDrafter" and len(drafter.heads) == num_layers
+    for b, (tokens, anchor) in enumerate(zip(TOKENS, ANCHORS, strict=True)):
+        drafts = proposal.draft_token_ids[b].tolist()
+        want = reference_draft_logits(
+            naming, tensors, target_hf, tokens, anchor, drafts, num_layers=num_layers
+        )
+        assert relative_error(proposal.draft_logits[b], want).max() < CHAIN_RTOL
+
+
+def test_chain_layers_catch_up_after_a_round(chain_case):
+    """A second round, 3 tokens later (the first round's drafts not the sequence's tokens):
+    each layer's history entries are caught up across rounds and the entries the first
+    round's drafts wrote are rewritten, so the logits again equal the reference."""
+    naming, target_hf, path, tensors, num_layers = chain_case
+    k, later = num_layers + 1, [a + 3 for a in ANCHORS]
+    target = load_model(path).model
+    spec = SpeculativeConfig(method="mtp", model=str(path), num_speculative_tokens=k)
+    setup = DrafterSetup(num_blocks=64, block_size=4, max_num_seqs=4, max_model_len=64)
+    drafter = build_drafter(spec, target, setup)
+    ids = observe_prefixes(drafter, target, TOKENS, ANCHORS)
+    drafter.propose(draft_batch(TOKENS, ANCHORS, ids, k, ["standard"] * 3))
+    rows = [
+        target_features(target, drafter, tokens[: end - 1])[start - 1 :]
+        for tokens, start, end in zip(TOKENS, ANCHORS, later, strict=True)
+    ]
+    drafter.observe(TargetFeatures(ids, [a - 1 for a in ANCHORS], rows))
+    proposal = drafter.propose(draft_batch(TOKENS, later, ids, k, ["standard"] * 3))
+    for b, (tokens, anchor) in enumerate(zip(TOKENS, later, strict=True)):
+        drafts = proposal.draft_token_ids[b].tolist()
+        want = reference_draft_logits(
+            naming, tensors, target_hf, tokens, anchor, drafts, num_layers=num_layers
+        )
+        assert relative_error(proposal.draft_logits[b], want).max() < CHAIN_RTOL
+
+
+def target_features(target, drafter, tokens):
+    """[len(tokens), F] the target's features of `tokens` (one prefill in a fresh cache)."""
+    kv = target.allocate_kv_cache(-(-len(tokens) // 4), 4)
+    attn = AttentionMetadata.build([len(tokens)], [len(tokens)], [list(range(kv.num_blocks))], 4)
+    with torch.inference_mode():
+        _, layers = target.forward_with_layers(
+            torch.tensor(tokens), torch.arange(len(tokens)), attn, kv, drafter.feature_layers
+        )
+    return torch.cat(layers, dim=-1)
+
+
+def test_negative_control_layer_0_for_every_position(chain_case):
+    """The chain test has power: `mtp_layers: 1` on the same checkpoint (layer 0 drafts every
+    position, as before chains) equals the one-layer reference, and differs from the chain's
+    reference (by > 1e-3) at every position k >= 1, equal at position 0."""
+    naming, target_hf, path, tensors, num_layers = chain_case
+    k = num_layers + 1
+    drafter, proposal = propose(path, k=k, mtp_layers=1)
+    assert type(drafter).__name__ == "EagleDrafter"
+    drafts = proposal.draft_token_ids[2].tolist()
+    chain = reference_draft_logits(
+        naming, tensors, target_hf, TOKENS[2], ANCHORS[2], drafts, num_layers=num_layers
+    )
+    one = reference_draft_logits(naming, tensors, target_hf, TOKENS[2], ANCHORS[2], drafts)
+    assert relative_error(proposal.draft_logits[2], one).max() < REFERENCE_RTOL
+    errors = relative_error(proposal.draft_logits[2], chain)
+    assert errors[0] < REFERENCE_RTOL and errors[1:].min() > 1e-3, errors
+
+
+@pytest.mark.parametrize(
+    ("naming", "drop", "named"),
+    [
+        ("mimo", "input_proj.weight", "missing tensor 'model.mtp_layers.1.input_proj.weight'"),
+        ("mimo", "mlp.up_proj.weight", "missing tensor 'model.mtp_layers.1.mlp.up_proj.weight'"),
+        ("deepseek", "hnorm.weight", "missing tensor 'model.layers.4.hnorm.weight'"),
+        ("deepseek", "shared_head.norm.weight", "'model.layers.4.shared_head.norm.weight'"),
+    ],
+)
+def test_a_chained_layer_missing_a_tensor_is_refused_by_name(tmp_path, naming, drop, named):
+    target_hf = make_hf_model(NAMINGS[naming][0])
+    tensors = mtp_tensors(naming, target_hf, num_layers=2)
+    del tensors[_prefix(naming, 1) + drop]
+    path = write_mtp_target(target_hf, tmp_path / "bad", naming, tensors, num_layers=2, shards=1)
+    with pytest.raises(CheckpointError, match=re.escape(named)):
+        propose(path)
+    propose(path, mtp_layers=1)  # layer 0 alone is whole
+
+
+def test_mtp_layers_refused_by_name(tmp_path):
+    """`mtp_layers` other than "all" or an int >= 1, on another method, above the layers
+    stored, and a tree over several layers: each refused naming the key."""
+    for bad in (0, "two", True, 1.0):
+        with pytest.raises(ValueError, match=r"speculative_config\.mtp_layers must be"):
+            SpeculativeConfig(method="mtp", mtp_layers=bad)
+    with pytest.raises(ValueError, match='mtp_layers applies to method "mtp"'):
+        SpeculativeConfig(method="eagle", model="x", mtp_layers=1)
+    target_hf = make_hf_model("llama")
+    tensors = mtp_tensors("deepseek", target_hf, num_layers=2)
+    path = write_mtp_target(target_hf, tmp_path / "t", "deepseek", tensors, num_layers=2)
+    with pytest.raises(ValueError, match=r"mtp_layers 3: .* has 2 MTP layers"):
+        propose(path, mtp_layers=3)
+    with pytest.raises(ValueError, match='set "mtp_layers": 1'):
+        LLM(str(path), speculative_config=_spec(tree={"nodes": 4, "depth": 2, "topk": 2}), **COMMON)
+    LLM(
+        str(path),
+        speculative_config=_spec(tree={"nodes": 4, "depth": 2, "topk": 2}, mtp_layers=1),
+        **COMMON,
+    )
+
+
+def test_layer_count_from_the_tensors_without_a_config_count(tmp_path):
+    """Without `num_nextn_predict_layers` the layers stored are counted (MiMo: model.mtp_layers.k;
+    DeepSeek-V3: consecutive model.layers.N + k with its MTP tensors)."""
+    for naming in sorted(NAMINGS):
+        target_hf = make_hf_model(NAMINGS[naming][0])
+        tensors = mtp_tensors(naming, target_hf, num_layers=3)
+        path = write_mtp_target(target_hf, tmp_path / naming, naming, tensors, num_layers=3)
+        config = json.loads((path / "config.json").read_text())
+        del config["num_nextn_predict_layers"]
+        (path / "config.json").write_text(json.dumps(config))
+        drafter, _ = propose(path, k=1)
+        assert len(drafter.heads) == 3, naming
 
 
 COMMON = {"max_model_len": 64, "block_size": 4, "max_num_batched_tokens": 16}
@@ -335,6 +503,47 @@ def test_device_rounds_emit_what_the_synchronous_step_emits(case):
     )
     assert finals[0] == finals[1]
     assert engine.loop_stats.num_device_rounds > 0
+
+
+def test_chain_greedy_speculation_equals_greedy_plain(chain_case):
+    """Through `LLM.generate`, K = 4 > n: greedy speculation emits greedy plain decoding's
+    tokens (whatever the chain drafts), and rounds draft."""
+    _, _, path, _, _ = chain_case
+    prompts = prompt_tokens(VOCAB, [5, 9, 14], seed=3)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    spec = _spec(num_speculative_tokens=4)
+    plain, drafted, llm = plain_and_speculative_tokens(path, spec, prompts, params, **COMMON)
+    assert drafted == plain
+    assert llm.get_metrics()["num_draft_tokens"] > 0
+
+
+def test_chain_sampled_speculation_equals_plain_sampling(chain_case):
+    """The default verifier (coupled) through the chain emits plain sampling's tokens."""
+    _, _, path, _, _ = chain_case
+    prompts = prompt_tokens(VOCAB, [5, 9, 14], seed=5)
+    params = [
+        SamplingParams(temperature=0.9, max_tokens=24, ignore_eos=True, seed=s) for s in (1, 2, 3)
+    ]
+    spec = _spec(num_speculative_tokens=4)
+    plain, drafted, llm = plain_and_speculative_tokens(path, spec, prompts, params, **COMMON)
+    assert drafted == plain
+    assert llm.get_metrics()["num_draft_tokens"] > 0
+
+
+def test_chain_with_async_scheduling_runs_synchronous_rounds(chain_case):
+    """A chain has no device rounds: with `async_scheduling` the engine runs its rounds
+    synchronously and emits what the synchronous step emits (standard, sampled, K pinned)."""
+    _, _, path, _, _ = chain_case
+    spec = SpeculativeConfig.from_dict(_spec(rejection_sample_method="standard"))
+    prompts = prompt_tokens(VOCAB, [5, 9, 14], seed=8)
+    finals, engine = finals_sync_then_async(
+        path,
+        spec,
+        prompts,
+        lambda i: SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=30 + i),
+    )
+    assert finals[0] == finals[1]
+    assert engine.loop_stats.num_device_rounds == 0
 
 
 @pytest.mark.parametrize(
@@ -390,8 +599,8 @@ def law_target(tmp_path_factory):
     return write_mtp_target(target_hf, path, "deepseek", tensors, shards=1)
 
 
-def law_counts(path, method, temperature):
-    spec = {"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": method}
+def law_counts(path, method, temperature, k=2):
+    spec = {"method": "mtp", "num_speculative_tokens": k, "rejection_sample_method": method}
     counts, metrics = first_token_counts(
         path, spec, temperature, LAW_TOKENS, LAW_TOKENS, LAW_TRIALS
     )
@@ -428,4 +637,55 @@ def test_negative_control_verifier_given_the_raw_draft_distribution(law_target, 
     monkeypatch.setattr(Drafter, "sample_draft", wrong_distribution)
     law = exact_continuation_law(law_target, 1.6, LAW_TOKENS)
     result = chi_square(law_counts(law_target, "standard", 1.6), law)
+    assert result.log10_p < LOG10_ALPHA, result.describe()
+
+
+@pytest.fixture(scope="module")
+def law_chain_target(tmp_path_factory):
+    """The law tests' vocabulary-8 Llama with two random DeepSeek-V3-named MTP layers (drafted
+    by the chain: layer 0, layer 1, then layer 1 again at K = 3)."""
+    import transformers
+
+    path = save_vocab8_target(tmp_path_factory.mktemp("vocab8-mtp-chain"))
+    target_hf = transformers.LlamaForCausalLM.from_pretrained(path)
+    tensors = mtp_tensors("deepseek", target_hf, seed=6, num_layers=2)
+    path = write_mtp_target(target_hf, path, "deepseek", tensors, num_layers=2, shards=1)
+    target = load_model(path).model
+    spec = SpeculativeConfig(method="mtp", model=str(path))
+    setup = DrafterSetup(num_blocks=16, block_size=4, max_num_seqs=4, max_model_len=32)
+    assert type(build_drafter(spec, target, setup)).__name__ == "MtpChainDrafter"
+    return path
+
+
+@pytest.mark.stats
+@pytest.mark.parametrize("method", ["standard", "coupled"])
+def test_chain_first_tokens_follow_the_target(law_chain_target, method):
+    """H0: with a chain of 2 MTP layers (sampled drafts, K = 3 > 2), the engine's first 3
+    emitted tokens have the target's exact joint law. Statistic: Pearson chi-square over the
+    512 cells (cells expecting < 5 pooled), N = 12,000 seeded requests at temperature 0.7;
+    reject at p < 1e-6, so the false-failure rate is <= 1e-6 per case (2 cases)."""
+    law = exact_continuation_law(law_chain_target, 0.7, LAW_TOKENS)
+    result = chi_square(law_counts(law_chain_target, method, 0.7, k=3), law)
+    assert result.log10_p > LOG10_ALPHA, result.describe()
+
+
+@pytest.mark.stats
+def test_negative_control_chain_verifier_given_the_raw_draft_distribution(
+    law_chain_target, monkeypatch
+):
+    """The chain's law test has power: it rejects (p < 1e-6) an engine whose verifier gets
+    the layers' raw logits instead of the temperature-processed ones the drafts were sampled
+    from (temperature 1.6), K = 3 through the chain."""
+    from specdec.drafters.base import Drafter
+
+    real = Drafter.sample_draft
+
+    def wrong_distribution(self, logits, rows, positions, batch):
+        out = real(self, logits, rows, positions, batch)
+        raw = self.to_target_vocab(logits)
+        return SampleOutput(out.token_ids, raw, raw.logsumexp(dim=-1))
+
+    monkeypatch.setattr(Drafter, "sample_draft", wrong_distribution)
+    law = exact_continuation_law(law_chain_target, 1.6, LAW_TOKENS)
+    result = chi_square(law_counts(law_chain_target, "standard", 1.6, k=3), law)
     assert result.log10_p < LOG10_ALPHA, result.describe()
