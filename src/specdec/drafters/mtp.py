@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 
 import torch
 
@@ -116,6 +117,22 @@ def count_mtp_layers(checkpoint: DrafterCheckpoint, naming: str) -> int:
     ):
         count += 1
     return count
+
+
+def mtp_cache_layers(model: str | None, mtp_layers: str | int = "all") -> int:
+    """Paged-cache layers the "mtp" drafter of `model` keeps beside the target's, one per
+    chained MTP layer (an engine sizing its caches counts these; 1 for one layer, an EAGLE
+    head, or a `model` not read yet)."""
+    if model is None or not Path(model).is_dir():
+        return 1
+    try:
+        checkpoint = DrafterCheckpoint(model)
+    except FileNotFoundError:
+        return 1
+    found = recognise_mtp(checkpoint)
+    if found is None:
+        return 1
+    return count_mtp_layers(checkpoint, found[0]) if mtp_layers == "all" else int(mtp_layers)
 
 
 def no_mtp_message(path: object) -> str:

@@ -4,7 +4,9 @@ Llama target. The draft logits equal those of a reference forward written here f
 published equations (MiMo's modeling_mimo.py, vLLM's mimo_mtp.py / deepseek_mtp.py) to 5e-5 of
 their scale in float32, and references wired otherwise (concat order swapped, the other hidden
 state, the other chained input) do not; speculation through `LLM` with no `model` (the target's
-own files) emits plain decoding's tokens; bad checkpoints are refused by name.
+own files) emits plain decoding's tokens; bad checkpoints are refused by name. Checkpoints of
+2 and 3 layers draft through the chain (`drafters.mtp_chain`): their logits equal a reference
+that runs every layer over the round's whole sequence to 1e-5, while layer 0 alone does not.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from public_drafter_fixtures import random_tensors, write_checkpoint
 from specdec.audit import chi_square
 from specdec.drafters import DrafterSetup, TargetFeatures
 from specdec.drafters.config import SpeculativeConfig
+from specdec.drafters.mtp import mtp_cache_layers
 from specdec.drafters.registry import build_drafter
 from specdec.engine.llm import LLM
 from specdec.models import AttentionMetadata, load_model
@@ -350,7 +353,9 @@ def test_chain_draft_logits_match_the_reference(chain_case):
 def test_chain_layers_catch_up_after_a_round(chain_case):
     """A second round, 3 tokens later (the first round's drafts not the sequence's tokens):
     each layer's history entries are caught up across rounds and the entries the first
-    round's drafts wrote are rewritten, so the logits again equal the reference."""
+    round's drafts wrote are rewritten, so the logits again equal the reference. Power: a
+    drafter that stops catching layers >= 1 up after their first round fails this test (all
+    four cases) and passes the one-round test above (checked by hand, not kept)."""
     naming, target_hf, path, tensors, num_layers = chain_case
     k, later = num_layers + 1, [a + 3 for a in ANCHORS]
     target = load_model(path).model
@@ -445,7 +450,8 @@ def test_mtp_layers_refused_by_name(tmp_path):
 
 def test_layer_count_from_the_tensors_without_a_config_count(tmp_path):
     """Without `num_nextn_predict_layers` the layers stored are counted (MiMo: model.mtp_layers.k;
-    DeepSeek-V3: consecutive model.layers.N + k with its MTP tensors)."""
+    DeepSeek-V3: consecutive model.layers.N + k with its MTP tensors), and `mtp_cache_layers`
+    (the caches the drafter keeps) says as many."""
     for naming in sorted(NAMINGS):
         target_hf = make_hf_model(NAMINGS[naming][0])
         tensors = mtp_tensors(naming, target_hf, num_layers=3)
@@ -455,6 +461,9 @@ def test_layer_count_from_the_tensors_without_a_config_count(tmp_path):
         (path / "config.json").write_text(json.dumps(config))
         drafter, _ = propose(path, k=1)
         assert len(drafter.heads) == 3, naming
+        assert mtp_cache_layers(str(path)) == 3 and mtp_cache_layers(str(path), 2) == 2
+    assert mtp_cache_layers(None) == 1
+    assert mtp_cache_layers(str(save_hf_model(make_hf_model("llama"), tmp_path / "plain"))) == 1
 
 
 COMMON = {"max_model_len": 64, "block_size": 4, "max_num_batched_tokens": 16}
