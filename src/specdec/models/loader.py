@@ -2,7 +2,7 @@
 
 HF directories hold config.json, `*.safetensors` (one file or shards listed in
 model.safetensors.index.json; FP8 checkpoints with `weight_scale` tensors too) and tokenizer
-files; a family's own tensors are read under our names (`_hf_tensors`: Phi-3's fused q/k/v and
+files; a family's own tensors are read under our names (`hf_tensors`: Phi-3's fused q/k/v and
 gate/up, partial rotary's q/k layout). The model is built on the meta device and its parameters
 are assigned from the files, so nothing is ever initialised randomly. With a `quantization`, the
 linear layers (q/k/v and gate/up fused) and the LM head are packed for their kernels (`quant.py`)
@@ -22,6 +22,7 @@ import torch
 
 from specdec.models.config import ModelConfig
 from specdec.models.gguf_file import GGUFFile
+from specdec.models.hf_tensors import hf_tensors
 from specdec.models.layers import Linear, fused_quantized, set_fused
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.quant import QuantizedWeight
@@ -33,7 +34,6 @@ from specdec.models.quant_formats import (
     concat_quantized,
     quantize,
 )
-from specdec.models.rope import partial_rotary_layout
 from specdec.models.tensor_parallel import ShardLayout, TensorSlice, tensor_slice
 from specdec.models.tokenizer import Tokenizer
 from specdec.models.weights import CheckpointError, assign_weights
@@ -273,7 +273,7 @@ def _load_hf_dir(
     model = _empty_model(config, shard, without_layers, device)
     piece_of = _piece_of(config, shard)
     with _SafetensorsCheckpoint(path) as checkpoint:
-        read = _hf_tensors(config, checkpoint.read)
+        read = hf_tensors(config, checkpoint.read)
 
         def read_float(name: str) -> torch.Tensor | None:
             return read(name, piece_of(name))
@@ -297,151 +297,6 @@ def _load_hf_dir(
         if tokenizer.bos_token is None and config.bos_token_id is not None:
             tokenizer.bos_token = tokenizer.backend.id_to_token(config.bos_token_id)
     return LoadedModel(model, config, tokenizer)
-
-
-ReadTensor = Callable[[str, TensorSlice | None], torch.Tensor | None]
-# Phi-3's checkpoint stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`: our
-# projection -> (the stored one, the part's index in it).
-_PHI3_FUSED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-_LAYER_LINEAR = re.compile(r"(?P<block>model\.layers\.\d+\.\w+)\.(?P<part>\w+)\.weight")
-
-
-def _hf_tensors(config: ModelConfig, read: ReadTensor) -> ReadTensor:
-    """`read` (a HF checkpoint's tensor by name, whole or a rank's piece) under our parameter
-    names: Phi-3's fused projections split into ours, and under partial rotary the q/k rows of
-    every head reordered (`rope.partial_rotary_layout`)."""
-    if config.architecture == "Phi3ForCausalLM":
-        read = _split_fused(config, read)
-    if config.rotary_dim < config.head_dim:
-        read = _partial_rotary_rows(config, read)
-    if config.is_moe:
-        read = _moe_tensors(config, read)
-    return read
-
-
-# Mixtral's expert names on the Hub: ours -> its.
-_MIXTRAL_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-_EXPERT_LINEAR = re.compile(
-    r"(?P<layer>model\.layers\.\d+)\.mlp\.(?P<rest>gate\.weight|experts\.(?P<expert>\d+)\."
-    r"(?P<part>gate_proj|up_proj|down_proj)\.weight)"
-)
-
-
-def _moe_tensors(config: ModelConfig, read: ReadTensor) -> ReadTensor:
-    """Our router and per-expert names (`mlp.gate`, `mlp.experts.E.gate_proj`, ...) read from
-    a checkpoint's: per-expert tensors as the Hub stores them (Mixtral's
-    `block_sparse_moe.experts.E.w1/w3/w2`, Qwen3-MoE's `mlp.experts.E.gate_proj/...`), else
-    the 3D tensors of transformers 5's modules (`mlp.experts.gate_up_proj` [E, 2F, D], gate
-    rows first, and `mlp.experts.down_proj` [E, D, F]); one layer's 3D tensors are kept while
-    its experts are read."""
-    mixtral = config.architecture == "MixtralForCausalLM"
-    blocks = ("block_sparse_moe", "mlp") if mixtral else ("mlp",)
-    width = config.moe_intermediate_size
-    stacked: dict[str, torch.Tensor | None] = {}
-
-    def read_stacked(name: str) -> torch.Tensor | None:
-        layer = name.split(".experts.")[0]
-        if not all(key.startswith(f"{layer}.") for key in stacked):
-            stacked.clear()
-        if name not in stacked:
-            stacked[name] = read(name, None)
-            whole = stacked[name]
-            if whole is not None and whole.shape[0] != config.num_experts:
-                raise CheckpointError(
-                    f"{name} holds {whole.shape[0]} experts, the config {config.num_experts}"
-                )
-        return stacked[name]
-
-    def read_expert(name: str, piece: TensorSlice | None) -> torch.Tensor | None:
-        match = _EXPERT_LINEAR.fullmatch(name)
-        if match is None:
-            return read(name, piece)
-        layer = match["layer"]
-        if match["expert"] is None:
-            for block in blocks:
-                tensor = read(f"{layer}.{block}.gate.weight", piece)
-                if tensor is not None:
-                    return tensor
-            return None
-        expert, part = int(match["expert"]), match["part"]
-        for block in blocks:
-            stored = _MIXTRAL_EXPERT[part] if block == "block_sparse_moe" else part
-            tensor = read(f"{layer}.{block}.experts.{expert}.{stored}.weight", piece)
-            if tensor is not None:
-                return tensor
-        fused = "down_proj" if part == "down_proj" else "gate_up_proj"
-        whole = read_stacked(f"{layer}.mlp.experts.{fused}")
-        if whole is None:
-            return None
-        tensor = whole[expert]
-        if part != "down_proj":
-            tensor = tensor[:width] if part == "gate_proj" else tensor[width:]
-        return tensor.contiguous()
-
-    return read_expert
-
-
-def _split_fused(config: ModelConfig, read: ReadTensor) -> ReadTensor:
-    """Phi-3's q/k/v and gate/up as parts of its fused tensors (gate first, as its MLP chunks
-    them); the last fused tensor read is kept for its other parts."""
-    q_size = config.num_attention_heads * config.head_dim
-    kv_size = config.num_key_value_heads * config.head_dim
-    sizes = {"qkv_proj": [q_size, kv_size, kv_size], "gate_up_proj": [config.intermediate_size] * 2}
-    last: dict[str, torch.Tensor | None] = {}
-
-    def read_part(name: str, piece: TensorSlice | None) -> torch.Tensor | None:
-        match = _LAYER_LINEAR.fullmatch(name)
-        if match is None or match["part"] not in _PHI3_FUSED:
-            return read(name, piece)
-        fused, index = _PHI3_FUSED[match["part"]]
-        fused_name = f"{match['block']}.{fused}.weight"
-        if fused_name not in last:
-            last.clear()
-            last[fused_name] = read(fused_name, None)
-        whole = last[fused_name]
-        if whole is None or whole.shape[0] != sum(sizes[fused]):
-            found = "missing" if whole is None else f"of {whole.shape[0]} rows"
-            raise CheckpointError(
-                f"Phi-3 tensor {fused_name!r} {found} (expected {sum(sizes[fused])} rows: "
-                f"{' + '.join(map(str, sizes[fused]))})"
-            )
-        part = whole.split(sizes[fused])[index]
-        return part.contiguous() if piece is None else piece.take(part)
-
-    return read_part
-
-
-def _partial_rotary_rows(config: ModelConfig, read: ReadTensor) -> ReadTensor:
-    """q/k rows of each head in `partial_rotary_layout`'s order (rank pieces hold whole heads,
-    so the order applies to them as to the whole); the unrotated q rows divided by the square of
-    the RoPE attention factor m, which `transformers` applies to the rotated dimensions alone
-    and `attention_scale` to all (in float32: the weight is rounded once, to the model's dtype,
-    so in bfloat16 those scores carry one more rounding than `transformers`')."""
-    head_dim = config.head_dim
-    layout = partial_rotary_layout(head_dim, config.rotary_dim)
-    scaling = config.rope_scaling
-    factor = 1.0 if scaling is None else scaling.attention_factor
-    unrotated = torch.ones(head_dim)  # [D] in the new order
-    unrotated[config.rotary_dim // 2 : head_dim // 2] = factor**-2
-    unrotated[(head_dim + config.rotary_dim) // 2 :] = factor**-2
-
-    def read_rows(name: str, piece: TensorSlice | None) -> torch.Tensor | None:
-        tensor = read(name, piece)
-        match = _LAYER_LINEAR.fullmatch(name)
-        if tensor is None or match is None or match["part"] not in ("q_proj", "k_proj"):
-            return tensor
-        heads = tensor.unflatten(0, (-1, head_dim))[:, layout]  # [H, D, hidden]
-        if match["part"] == "q_proj" and factor != 1.0:
-            heads = heads.float() * unrotated[:, None]
-        return heads.flatten(0, 1)
-
-    return read_rows
 
 
 # Linears that read the same input, fused into one product when their formats agree.

@@ -311,10 +311,10 @@ def test_negative_control_partial_rotary_without_the_layout(
 ) -> None:
     """q/k rows kept in the checkpoint's order (rotating dimensions 0..5 with 6..11 instead of
     transformers' pairs, and m^2 over the unrotated ones): far from `transformers`."""
-    from specdec.models import loader
+    from specdec.models import hf_tensors
 
     _, path, reference, tokens = longrope
-    monkeypatch.setattr(loader, "_partial_rotary_rows", lambda config, read: read)
+    monkeypatch.setattr(hf_tensors, "_partial_rotary_rows", lambda config, read: read)
     errors = decode_errors(load_model(path).model, tokens, reference)
     assert errors[1:].min() > 100 * ATOL
 
@@ -325,16 +325,16 @@ def test_negative_control_attention_factor_over_every_q_dimension(
     """The layout without dividing the unrotated q rows by m^2 (so that the scale's m^2 weighs
     them too, where `transformers` scales the rotated dimensions alone): far off wherever
     there is more than one key to weigh."""
-    from specdec.models import loader
+    from specdec.models import hf_tensors
 
     _, path, reference, tokens = longrope
-    layout_rows = loader._partial_rotary_rows
+    layout_rows = hf_tensors._partial_rotary_rows
 
     def without_m(config: ModelConfig, read: Any) -> Any:
         scaling = dataclasses.replace(config.rope_scaling, attention_factor=1.0)
         return layout_rows(dataclasses.replace(config, rope_scaling=scaling), read)
 
-    monkeypatch.setattr(loader, "_partial_rotary_rows", without_m)
+    monkeypatch.setattr(hf_tensors, "_partial_rotary_rows", without_m)
     errors = decode_errors(load_model(path).model, tokens, reference)
     assert errors[0] <= ATOL  # one key: its weight is 1 whatever the scores
     assert errors[1:].min() > 100 * ATOL
