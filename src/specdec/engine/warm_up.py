@@ -15,7 +15,8 @@ key traffic would build (a key is never spelled out here):
   may choose, for the default verify method without top-k / top-p / min-p (requests asking for
   another method or those filters capture their round on first use), over slots none of which
   is live;
-- the drafter's own graphs (`Drafter.warm_up`: the EAGLE head's steps).
+- the drafter's own graphs (`Drafter.warm_up`: the EAGLE head's steps; a draft model's own
+  runner still captures on first use).
 Dummy requests through the scheduler were the other way; they were not taken because the
 speculation policy would then measure capture times as step costs, and would pick the Ks it
 visits. No request, request state, seed or stream exists during the warm-up, so no request's
@@ -99,7 +100,8 @@ def warm_up(
     Returns: what was done (`WarmUpReport.line()` says it in one line).
 
     Mutates: K/V slots of a free block; the decode path's, the rounds' and the drafter's
-    static buffers (rewritten by every later step) and their graph caches.
+    static buffers (rewritten by every later step) and their graph caches; the runner's own
+    step counters (the engine's counters, its deltas around its own steps, see nothing).
 
     Raises:
         RuntimeError: the engine holds requests.
@@ -113,7 +115,6 @@ def warm_up(
     steps = _decode_steps(engine) + _round_steps(engine)
     caches = _caches(engine)
     before = sum(len(cache.graphs) for cache in caches)
-    num_prefill = engine.runner.num_graphed_prefill_steps
     if progress is None:
         progress = sys.stderr.isatty()
     bar = None
@@ -136,8 +137,6 @@ def warm_up(
     finally:
         if bar is not None:
             bar.close()
-        # (warm-up steps are no traffic: the graphed-prefill counter reads as before)
-        engine.runner.num_graphed_prefill_steps = num_prefill
     captured = sum(len(cache.graphs) for cache in _caches(engine)) - before + drafter_graphs
     return WarmUpReport(captured, len(steps) + 1, time.perf_counter() - started)
 
