@@ -17,7 +17,7 @@ target features of entries 0..A-2):
   definition run on the round's sequence: layer k's attention sees every entry it would see
   in training, not only the entries of the rounds' last positions;
 - draft k >= n: the last layer's entry A-2+(k-n+1), fed its own previous output and draft
-  k - 1 (as one layer drafts every position today; vLLM's MTP models pick layer
+  k - 1 (as a single layer drafts every position; vLLM's MTP models pick layer
   `spec_step_idx % n`, which would feed layer 0, trained on the target's hidden states, an MTP
   layer's output: we keep the layer trained on MTP outputs).
 
@@ -154,6 +154,12 @@ class MtpChainDrafter(EagleDrafter):
 
     @torch.inference_mode()
     def propose(self, batch: DraftBatch) -> Proposal:
+        """Catches every layer up on its history, then drafts position k with layer
+        min(k, n - 1) (the module docstring).
+
+        RNG: as `Drafter.draw` (`sample_draft`), one draw per draft; none when greedy.
+        Mutates: the layers' caches and the rows' states (fed entries, pending outputs).
+        """
         if batch.request_ids is None:
             raise ValueError("the MTP drafter needs request_ids in its DraftBatch")
         size, k = batch.batch_size, batch.max_draft
@@ -164,11 +170,11 @@ class MtpChainDrafter(EagleDrafter):
         live = [b for b in range(size) if anchors[b] >= 2]  # rows with a feature to start from
         if not live:
             return out.proposal(proposed)
-        states = {b: self._fed_state(batch, b, max(num_draft[b] - 1, 0)) for b in live}
+        states = {b: self._fed_state(batch, b, anchors[b], max(num_draft[b] - 1, 0)) for b in live}
         layers = {b: self._layers.setdefault(batch.request_ids[b], []) for b in live}
         for b in live:
             layers[b] += [_LayerState() for _ in range(len(self.heads) - 1 - len(layers[b]))]
-        last = self._catch_up_all(batch, live, states, layers)  # [len(live), D] layer 0, A-2
+        last = self._catch_up_all(batch, anchors, live, states, layers)  # [len(live), D]
         logits = head_logits(self.head, last, self.lm_weights[0])
         steps: list[torch.Tensor] = [last.new_zeros(0, last.shape[1])] * len(live)
         for i in range(k):
@@ -186,11 +192,11 @@ class MtpChainDrafter(EagleDrafter):
             live = [live[j] for j in keep]
             layer = i + 1
             if layer < len(self.heads):  # layer i + 1 over its entries that read drafts
-                steps = self._draft_entries(layer, batch, live, states, layers, steps, out)
+                steps = self._draft_entries(layer, anchors, live, states, layers, steps, out)
                 last = torch.stack([rows_out[-1] for rows_out in steps])
             else:  # the last layer, fed its own output and the draft just proposed
                 layer = len(self.heads) - 1
-                entries = [anchors[b] - 2 + i + 2 - len(self.heads) for b in live]
+                entries = [anchors[b] + i - len(self.heads) for b in live]  # A-2+(i+1)-(n-1)
                 last = self._run(
                     layer,
                     last,
@@ -203,10 +209,10 @@ class MtpChainDrafter(EagleDrafter):
             logits = head_logits(self.heads[layer], last, self.lm_weights[layer])
         return out.proposal(proposed)
 
-    def _fed_state(self, batch: DraftBatch, b: int, extra: int) -> EagleState:
+    def _fed_state(self, batch: DraftBatch, b: int, anchor: int, extra: int) -> EagleState:
         """Row b's layer-0 state, checked to hold the target features of entries 0..A-2, its
         blocks grown for the round's entries (`extra` past A-2)."""
-        request_id, anchor = batch.request_ids[b], int(batch.anchors[b])
+        request_id = batch.request_ids[b]
         state = self._states.get(request_id)
         if state is None or state.feature_end != anchor - 1 or not state.pending:
             have = 0 if state is None else state.feature_end
@@ -217,15 +223,16 @@ class MtpChainDrafter(EagleDrafter):
         self.allocator.grow(state, anchor - 1 + extra)
         return state
 
-    def _catch_up_all(self, batch, live, states, layers) -> torch.Tensor:
-        """Every layer's history entries (layer k: up to A-2-k) for the rows `live`, layer 0
-        from the target's pending features, layer k from layer k - 1's pending outputs.
-        Returns layer 0's output at entry A-2 of each row [len(live), D].
+    def _catch_up_all(self, batch, anchors, live, states, layers) -> torch.Tensor:
+        """Every layer's history entries (layer k: up to A-2-k) for the rows `live` (`anchors`
+        the batch's, on the host), layer 0 from the target's pending features, layer k from
+        layer k - 1's pending outputs. Returns layer 0's output at entry A-2 of each row
+        [len(live), D].
 
         Mutates: each layer's cache (history slots), the rows' states and `pending` lists."""
-        anchors = [int(batch.anchors[b]) for b in live]
         hidden, tokens, starts = [], [], []
-        for b, anchor in zip(live, anchors, strict=True):
+        for b in live:
+            anchor = anchors[b]
             state = states[b]
             hidden.append(torch.cat(state.pending))  # [n_new, F]: entries num_fed .. A-2
             tokens.append(batch.token_ids[b][state.num_fed + 1 : anchor])
@@ -235,7 +242,6 @@ class MtpChainDrafter(EagleDrafter):
         feed = list(live)
         outs = self._history(
             0,
-            feed,
             self.head.project_features(torch.cat(hidden)),
             tokens,
             starts,
@@ -247,13 +253,13 @@ class MtpChainDrafter(EagleDrafter):
                 if rows.shape[0]:
                     layers[b][layer - 1].pending.append(rows)
             feed, hidden, tokens, starts = [], [], [], []
-            for b, anchor in zip(live, anchors, strict=True):
+            for b in live:
                 own = layers[b][layer - 1]
-                count = anchor - 1 - layer - own.num_fed  # entries num_fed .. A-2-layer
+                count = anchors[b] - 1 - layer - own.num_fed  # entries num_fed .. A-2-layer
                 if count <= 0:
                     continue
                 pending = torch.cat(own.pending)
-                own.pending = [pending[count:]]
+                own.pending = [pending[count:].clone()]  # (not a view of the whole catch-up)
                 hidden.append(pending[:count])
                 first = own.num_fed + layer + 1  # the token at entry i: i + layer + 1
                 tokens.append(batch.token_ids[b][first : first + count])
@@ -262,15 +268,18 @@ class MtpChainDrafter(EagleDrafter):
                 feed.append(b)
             if feed:
                 outs = self._history(
-                    layer, feed, torch.cat(hidden), tokens, starts, [states[b] for b in feed]
+                    layer, torch.cat(hidden), tokens, starts, [states[b] for b in feed]
                 )
             else:
                 outs = []
         return last
 
-    def _history(self, layer, rows, hidden, tokens, starts, states) -> list[torch.Tensor]:
-        """Layer `layer`'s entries starts[j] .. for each of `rows` (hidden [sum, D], tokens a
-        list per row). Returns each row's outputs [n_j, D]."""
+    def _history(self, layer, hidden, tokens, starts, states) -> list[torch.Tensor]:
+        """Layer `layer`'s entries starts[j] .. starts[j] + n_j - 1 of request j (`states[j]`):
+        hidden [sum n_j, D], tokens[j] a list of n_j token ids. Returns each request's outputs
+        [n_j, D].
+
+        Mutates: the layer's cache slots of those entries."""
         counts = [len(t) for t in tokens]
         flat = to_device([t for row in tokens for t in row], torch.int64, self.device)
         positions = [s + 1 + c for s, n in zip(starts, counts, strict=True) for c in range(n)]
@@ -278,14 +287,19 @@ class MtpChainDrafter(EagleDrafter):
         out = self._run(layer, hidden, flat, positions, counts, ends, states)
         return list(out.split(counts))
 
-    def _draft_entries(self, layer, batch, live, states, layers, steps, out) -> list[torch.Tensor]:
-        """Layer `layer` (< n) over its entries max(A-1-layer, 0)..A-2, which read drafts
-        (layer - 1 - ...) .. layer - 1: hidden from layer - 1's last history output (pending)
-        and its draft-step outputs `steps`. Returns each row's outputs (entry A-2 last)."""
+    def _draft_entries(
+        self, layer, anchors, live, states, layers, steps, out
+    ) -> list[torch.Tensor]:
+        """Layer `layer` (< n) over its entries max(A-1-layer, 0)..A-2, which read the drafts
+        in `out` (entry i: draft i + layer + 1 - A): hidden from layer - 1's history output at
+        A-1-layer (its pending row) and its draft-step outputs `steps` ([n_j, D] per row of
+        `live`). Returns each row's outputs [n_j', D] (entry A-2 last).
+
+        Mutates: the layer's cache slots of those entries (rewritten by the next catch-up)."""
         hidden, token_index, counts, ends = [], [], [], []
-        k = out.draft_token_ids.shape[1]
+        k = out.draft_token_ids.shape[1]  # [B, K] on the device
         for j, b in enumerate(live):
-            anchor = int(batch.anchors[b])
+            anchor = anchors[b]
             first = max(anchor - 1 - layer, 0)
             parts = [steps[j]]
             if anchor - 1 - layer >= 0:  # layer - 1's history output at entry A-1-layer
