@@ -16,10 +16,12 @@ rank's model holds its heads, MLP columns and vocabulary rows, and its forward p
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
+from specdec.models import decode_cpu_native
 from specdec.models.attention import (
     AttentionMetadata,
     AttentionPlan,
@@ -90,6 +92,9 @@ class LlamaModel(nn.Module):
         self.embed_scale = config.hidden_size**0.5 if config.scale_embeddings else None
         self.eager_only_reason = config.eager_only_reason  # CUDA's
         self.cpu_decode_reason = config.decode_path_reason("cpu")
+        # (extension, operands) of the C++ decode loop, False where it cannot run, None before
+        # the first planned step (`_native_layers`)
+        self._native: tuple[Any, tuple[list[torch.Tensor], list[int]]] | bool | None = None
 
     @property
     def is_quantized(self) -> bool:
@@ -170,6 +175,17 @@ class LlamaModel(nn.Module):
         a quantized model's step, bound by per-operation overhead, does its index work once)."""
         return not input_ids.is_cuda and self.cpu_decode_reason is None
 
+    def _native_layers(self) -> tuple[Any, tuple[list[torch.Tensor], list[int]]] | None:
+        """(the C++ loop, its operands) when it runs this model's layers (checked, and the
+        extension built, at the first planned step), else None (the Python loop)."""
+        if self._native is None:
+            reason = decode_cpu_native.native_reason(self)
+            extension = None if reason is not None else decode_cpu_native.load_extension()
+            self._native = (
+                (extension, decode_cpu_native.layer_operands(self)) if extension else False
+            )
+        return self._native or None
+
     def _layer_plans(
         self,
         plan: DecodePlanCPU,
@@ -227,7 +243,13 @@ class LlamaModel(nn.Module):
         plans = None if plan is None else self._layer_plans(plan, positions, inv_freqs[True])
         out = self.embed(input_ids)  # [T, D]
         residual: torch.Tensor | None = None  # the residual stream is out + residual
-        for index, layer in enumerate(self.layers):
+        native = None if plan is None or flash is not None else self._native_layers()
+        if native is not None:  # the same operations in one C++ call (`decode_cpu_native`)
+            out, residual, layers = decode_cpu_native.run_layers(
+                *native, self, out, plan, kv_cache, list(return_layers)
+            )
+            captured = dict(zip(return_layers, layers, strict=True))
+        for index, layer in enumerate(self.layers if native is None else ()):
             kind = self.layer_kinds[index]
             out, residual = layer.forward_decode(
                 out,

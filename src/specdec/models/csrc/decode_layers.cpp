@@ -1,0 +1,149 @@
+// The CPU decode step's decoder layers in one C++ call: the same ATen operations, in the same
+// order and on the same views, as the Python loop of `LlamaModel._forward_decode` over
+// `LlamaDecoderLayer.forward_decode` with a `DecodePlanCPU` (`decode_cpu.rope_write_kv_cpu`,
+// `decode_cpu.decode_attention_cpu`, `fused.add_rms_norm_ref`, `fused.silu_mul_ref`,
+// `QuantizedWeight.matmul` for the cpu_int4 layout), so its results are the Python loop's bit
+// for bit; only the interpreter's work between the operations is gone. Built and loaded by
+// `models/decode_cpu_native.py`, which also decides which models it may run.
+
+#include <torch/extension.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+using at::Tensor;
+
+namespace {
+
+// QuantizedWeight.matmul, cpu_int4 layout: x in bfloat16, expanded when the source is 8-bit
+// ([x_g, 16 x_g] per source group: quant.expand_input), the result back in x's dtype.
+Tensor int4_linear(const Tensor& x, const Tensor& packed, const Tensor& scale_zero,
+                   int64_t group, int64_t source_group) {
+  Tensor xk = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
+  if (source_group > 0) {
+    const int64_t rows = xk.size(0), cols = xk.size(1);
+    Tensor grouped = xk.view({rows, cols / source_group, 1, source_group});
+    xk = at::cat({grouped, grouped * 16}, 2).view({rows, 2 * cols});
+  }
+  Tensor out = at::_weight_int4pack_mm_for_cpu(xk, packed, group, scale_zero);
+  return out.scalar_type() == x.scalar_type() ? out : out.to(x.scalar_type());
+}
+
+// fused.add_rms_norm_ref for float32 activations and weight: (norm(x + residual), x + residual).
+std::pair<Tensor, Tensor> add_norm(const Tensor& x, const std::optional<Tensor>& residual,
+                                   const Tensor& weight, double eps) {
+  Tensor summed = residual.has_value() ? x + *residual : x;
+  return {at::rms_norm(summed, {summed.size(-1)}, weight, eps), summed};
+}
+
+}  // namespace
+
+// Runs every decoder layer. `weights`: per layer input-norm weight, post-attention-norm weight,
+// then (packed, scale_zero) of qkv_proj, o_proj, gate_up_proj and down_proj (10 tensors);
+// `meta`: per layer and linear (group size, source group or 0), 8 integers. The plan: `cos`,
+// `sin`, `half_swap`, `slots`, `write_rows` as in `DecodePlanCPU`; its sequences as first rows,
+// key counts (flattened, with offsets), the first slot of consecutive keys or -1 with the
+// gathered slots in `key_slots`; `all_live`. Returns (out, residual, the residual stream after
+// each layer of `wanted`).
+std::tuple<Tensor, Tensor, std::vector<Tensor>> decode_layers(
+    Tensor out, const std::vector<Tensor>& weights, const std::vector<int64_t>& meta,
+    const Tensor& cos, const Tensor& sin, const Tensor& half_swap, const Tensor& slots,
+    const std::optional<Tensor>& write_rows, const std::vector<int64_t>& first_rows,
+    const std::vector<int64_t>& counts, const std::vector<int64_t>& count_offsets,
+    const std::vector<int64_t>& key_starts, const std::vector<Tensor>& key_slots, bool all_live,
+    const Tensor& k_cache, const Tensor& v_cache, int64_t num_heads, int64_t num_kv_heads,
+    double scale, double eps, const std::vector<int64_t>& wanted) {
+  at::NoGradGuard no_grad;
+  const int64_t num_layers = k_cache.size(0);
+  const int64_t head_dim = k_cache.size(-1);
+  const bool gqa = num_heads != num_kv_heads;
+  std::optional<Tensor> residual;
+  std::vector<Tensor> captured(wanted.size());
+  for (int64_t layer = 0; layer < num_layers; ++layer) {
+    const Tensor* w = &weights[layer * 10];
+    const int64_t* m = &meta[layer * 8];
+    const Tensor layer_k = k_cache.select(0, layer), layer_v = v_cache.select(0, layer);
+    auto [normed, summed] = add_norm(out, residual, w[0], eps);
+    residual = summed;
+    // LlamaAttention.forward_decode with a plan.
+    Tensor qkv = int4_linear(normed, w[2], w[3], m[0], m[1]);
+    const int64_t num_tokens = qkv.size(0);
+    // decode_cpu.rope_write_kv_cpu
+    Tensor heads = qkv.view({num_tokens, num_heads + 2 * num_kv_heads, head_dim});
+    Tensor qk = heads.slice(1, 0, num_heads + num_kv_heads);
+    if (qk.scalar_type() != at::kFloat) qk = qk.to(at::kFloat);
+    Tensor rotated = qk * cos + qk.index_select(-1, half_swap) * sin;
+    if (rotated.scalar_type() != qkv.scalar_type()) rotated = rotated.to(qkv.scalar_type());
+    Tensor key = rotated.slice(1, num_heads);
+    Tensor value = heads.slice(1, num_heads + num_kv_heads);
+    if (write_rows.has_value()) {
+      key = key.index({*write_rows});
+      value = value.index({*write_rows});
+    }
+    if (key.scalar_type() != layer_k.scalar_type()) {
+      key = key.to(layer_k.scalar_type());
+      value = value.to(layer_v.scalar_type());
+    }
+    Tensor flat_k = layer_k.view({-1, num_kv_heads, head_dim});
+    Tensor flat_v = layer_v.view({-1, num_kv_heads, head_dim});
+    flat_k.index_copy_(0, slots, key);
+    flat_v.index_copy_(0, slots, value);
+    Tensor query = rotated.slice(1, 0, num_heads);
+    // decode_cpu.decode_attention_cpu (no window, no soft-capping)
+    const int64_t num_rows = query.size(0);
+    Tensor rows = query.transpose(0, 1).unsqueeze(0);
+    std::vector<int64_t> out_rows;
+    std::vector<Tensor> outputs;
+    for (size_t s = 0; s < first_rows.size(); ++s) {
+      const int64_t begin = count_offsets[s], end = count_offsets[s + 1];
+      const int64_t last = counts[end - 1];
+      Tensor keys, values;
+      if (key_starts[s] >= 0) {
+        keys = flat_k.slice(0, key_starts[s], key_starts[s] + last);
+        values = flat_v.slice(0, key_starts[s], key_starts[s] + last);
+      } else {
+        keys = flat_k.index_select(0, key_slots[s]);
+        values = flat_v.index_select(0, key_slots[s]);
+      }
+      if (keys.scalar_type() != query.scalar_type()) {
+        keys = keys.to(query.scalar_type());
+        values = values.to(query.scalar_type());
+      }
+      keys = keys.transpose(0, 1).unsqueeze(0);
+      values = values.transpose(0, 1).unsqueeze(0);
+      for (int64_t j = begin; j < end; ++j) {
+        const int64_t row = first_rows[s] + (j - begin);
+        Tensor attended = at::scaled_dot_product_attention(
+            rows.slice(2, row, row + 1), keys.slice(2, 0, counts[j]),
+            values.slice(2, 0, counts[j]), std::nullopt, 0.0, false, scale, gqa);
+        out_rows.push_back(row);
+        outputs.push_back(attended.select(0, 0).select(1, 0));
+      }
+    }
+    Tensor attention;
+    if (static_cast<int64_t>(outputs.size()) == num_rows && all_live) {
+      attention = at::stack(outputs);
+    } else {
+      attention = query.new_zeros({num_rows, num_heads, head_dim});
+      for (size_t i = 0; i < outputs.size(); ++i) attention.select(0, out_rows[i]).copy_(outputs[i]);
+    }
+    Tensor attn_out =
+        int4_linear(attention.reshape({num_tokens, num_heads * head_dim}), w[4], w[5], m[2], m[3]);
+    // LlamaDecoderLayer.forward_decode: the MLP on norm(attention + residual).
+    auto [normed2, summed2] = add_norm(attn_out, residual, w[1], eps);
+    residual = summed2;
+    Tensor gate_up = int4_linear(normed2, w[6], w[7], m[4], m[5]);
+    auto halves = gate_up.chunk(2, -1);
+    Tensor gated = at::silu(halves[0]) * halves[1];
+    out = int4_linear(gated, w[8], w[9], m[6], m[7]);
+    for (size_t i = 0; i < wanted.size(); ++i) {
+      if (wanted[i] == layer) captured[i] = out + *residual;
+    }
+  }
+  return {out, *residual, captured};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("decode_layers", &decode_layers, "the CPU decode step's decoder layers");
+}

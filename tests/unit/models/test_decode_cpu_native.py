@@ -1,0 +1,142 @@
+"""The CPU decode step's C++ loop (`models/decode_cpu_native.py`) against its twin, the Python
+loop of the same ATen operations: logits, K/V caches and captured layers bit for bit, over
+prefill chunks (the plan made from `AttentionMetadata`), decode and verify steps with padding
+rows and scattered blocks, 4-bit and 8-bit (expanded) int4-layout weights; the built-in model's
+seeded generations through `LLM`; and which models it refuses, by name.
+
+Negative control: one norm weight moved by one bfloat16 step (the products' input precision)
+changes the C++ loop's logits, so the equality checks see a change that small."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from models_fixtures import PagedRunner, decode_path_step, prompt_tokens, seeded_model
+from specdec.models import decode_cpu_native
+from specdec.models.attention import AttentionMetadata
+from specdec.models.loader import quantize_model
+from specdec.models.quant import QuantizedWeight
+from specdec.models.quant_formats import GroupQuantized
+
+extension = decode_cpu_native.load_extension()
+needs_extension = pytest.mark.skipif(
+    extension is None, reason="the C++ loop could not be built here (see the log line)"
+)
+
+
+def _eight_bit(weight: torch.Tensor, group: int = 32) -> GroupQuantized:
+    """A symmetric 8-bit, group-32 quantization of `weight` (GGUF Q8_0's kind)."""
+    rows, cols = weight.shape
+    grouped = weight.view(rows, cols // group, group)
+    scale = grouped.abs().amax(-1).clamp_min(1e-8) / 127
+    values = torch.round(grouped / scale[..., None]).clamp(-128, 127).to(torch.int8)
+    return GroupQuantized(values.view(rows, cols), scale, None, group, (-128, 127))
+
+
+def _pair(name: str = "llama") -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The same int4 model twice (one layer's down_proj 8-bit, in the expanded int4 layout):
+    the first runs the C++ loop, the second the Python loop."""
+    float_model = seeded_model(name, "cpu")
+    down = float_model.model.layers[1].mlp.down_proj.weight.detach().clone()
+    model = quantize_model(float_model, "int4")
+    model.fuse_projections()
+    eight = QuantizedWeight(_eight_bit(down), "cpu")
+    assert eight.layout == "cpu_int4" and eight._meta["source_group"] == 32
+    model.model.layers[1].mlp.down_proj.quantized = eight
+    twin = copy.deepcopy(model)
+    twin.model._native = False
+    return model, twin
+
+
+@needs_extension
+def test_prefill_decode_and_verify_steps_equal_the_python_loop() -> None:
+    native, python = _pair()
+    assert decode_cpu_native.native_reason(native.model) is None
+    runners = [PagedRunner(model, num_blocks=40, block_size=4) for model in (native, python)]
+    vocab = native.config.vocab_size
+    prompts = prompt_tokens(vocab, [9, 14, 5], seed=3)
+    stream = prompt_tokens(vocab, [64], seed=4)[0]
+    results = []
+    for runner in runners:
+        logits = [runner.step(dict(enumerate(prompts)))]  # ragged prefill chunks
+        logits.append(decode_path_step(runner, {0: stream[:1], 1: stream[1:2], 2: stream[2:3]}, 1))
+        # verify rows of 3, 1 and 2 tokens in a 3-row layout: padding rows write nothing
+        logits.append(decode_path_step(runner, {0: stream[3:6], 1: stream[6:7], 2: stream[7:9]}, 3))
+        logits.append(runner.step({1: stream[9:20], 0: stream[20:21]}))  # a chunk beside a row
+        results.append(logits)
+    assert native.model._native not in (None, False)  # the C++ loop ran
+    for step_native, step_python in zip(*results, strict=True):
+        for seq in step_native:
+            assert torch.equal(step_native[seq], step_python[seq]), seq
+    for cache in ("k_cache", "v_cache"):
+        assert torch.equal(getattr(runners[0].kv_cache, cache), getattr(runners[1].kv_cache, cache))
+
+
+@needs_extension
+def test_captured_layers_equal_the_python_loop() -> None:
+    native, python = _pair()
+    outputs = []
+    for model in (native, python):
+        runner = PagedRunner(model, num_blocks=20, block_size=4)
+        runner.step({0: prompt_tokens(model.config.vocab_size, [7], seed=5)[0]})
+        attn = AttentionMetadata.build([3], [10], [runner.tables[0] + [runner.free_blocks[0]]], 4)
+        with torch.inference_mode():
+            outputs.append(
+                model.forward_with_layers(
+                    torch.tensor([5, 6, 7]), torch.arange(7, 10), attn, runner.kv_cache, (0, 2, 0)
+                )
+            )
+    (hidden, layers), (hidden_twin, layers_twin) = outputs
+    assert torch.equal(hidden, hidden_twin)
+    assert len(layers) == 3
+    assert all(torch.equal(a, b) for a, b in zip(layers, layers_twin, strict=True))
+
+
+@needs_extension
+def test_negative_control_one_bfloat16_step_in_a_norm_weight_is_seen() -> None:
+    native, python = _pair()
+    weight = native.model.layers[2].post_attention_layernorm.weight
+    weight.data[3] *= 1 + 2**-7
+    native.model._native = None  # operands taken anew
+    runners = [PagedRunner(model, num_blocks=20, block_size=4) for model in (native, python)]
+    prompt = prompt_tokens(native.config.vocab_size, [12], seed=6)[0]
+    first, second = (runner.step({0: prompt})[0] for runner in runners)
+    assert not torch.equal(first, second)
+
+
+def test_models_the_loop_cannot_run_are_named() -> None:
+    for name, reason in (
+        ("qwen2_bias", "biased"),
+        ("qwen3_qk_norm", "q/k norms"),
+        ("mistral_window", "sliding-window"),
+    ):
+        model = quantize_model(seeded_model(name, "cpu"), "int4")
+        model.fuse_projections()
+        assert reason in decode_cpu_native.native_reason(model.model), name
+    assert "float products" in decode_cpu_native.native_reason(seeded_model("llama", "cpu").model)
+
+
+def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(decode_cpu_native.ENV_SWITCH, "0")
+    assert decode_cpu_native.load_extension.__wrapped__() is None
+
+
+@needs_extension
+def test_builtin_model_generations_equal_the_python_loop() -> None:
+    from specdec.engine.llm import LLM
+    from specdec.sampling import SamplingParams
+
+    llm = LLM(speculative_config=None)
+    inner = llm.engine.model.model
+    prompts = [{"prompt_token_ids": ids} for ids in ([1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11])]
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True, logprobs=2)
+    native = llm.generate(prompts, params, use_tqdm=False)
+    assert inner._native not in (None, False)
+    inner._native = False
+    python = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(native, python, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert repr(a.outputs[0].logprobs) == repr(b.outputs[0].logprobs)
