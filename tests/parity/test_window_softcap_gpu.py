@@ -7,12 +7,14 @@ Tolerances as tests/parity/test_long_attention_gpu.py states them (the twins run
 tiles in their order, not their tensor-core summation order nor the hardware exp2): float32
 |diff| <= 1e-4, bfloat16 2e-2 + 2e-2 |x|; bits where the contract says bits (a context of one
 partition: split-KV == single pass; a window no row reaches past == no window). Model logits
-within 1e-4 of `transformers` (float32). Negative controls: the kernels run without the window or
+within 1e-4 of `transformers` (float32). A tree verify step's window counts from its nodes'
+depths. Negative controls: the kernels run without the window or
 the cap their twins apply, and a Gemma 2 without its cap, move off.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -158,6 +160,39 @@ def test_decode_kernels_negative_control(small_partitions) -> None:
     )
     assert (no_window.cpu()[20:25] - twin[20:25]).abs().max() > 1e-2  # the 300-key sequence
     assert (no_cap.cpu() - twin).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("window,cap", [(4, None), (17, CAP), (130, None)])
+def test_tree_step_kernels_window_from_depths(small_partitions, window, cap) -> None:
+    """A tree verify step (4 nodes: root, two children, a grandchild) under a window counted
+    from each node's position (its depth), single pass and split-KV, against the twins."""
+    from specdec.models import fused_triton, split_kv_triton
+
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]).bool()
+    depths = torch.tensor([0, 1, 1, 2])
+    masks = torch.stack([tree if c >= 4 else torch.ones(4, 4, dtype=torch.bool) for c in CONTEXTS])
+    positions = torch.cat(
+        [(c - 4 + depths) if c >= 4 else torch.arange(4) for c in CONTEXTS]
+    )  # [B * 4]
+    query, k_cache, v_cache, meta = _decode_case(4, torch.float32, 11)
+    query_lens = torch.tensor([min(4, c) for c in CONTEXTS], dtype=torch.int32)
+    cuda = (query.cuda(), k_cache.cuda(), v_cache.cuda())
+    for launch, twin, parts in (
+        (fused_triton.paged_decode_attention_triton, fused.paged_decode_attention_ref, 0),
+        (
+            split_kv_triton.split_kv_decode_attention_triton,
+            split_kv.split_kv_decode_attention_ref,
+            _parts(),
+        ),
+    ):
+        step = dataclasses.replace(meta(parts, "cpu"), query_lens=query_lens, tree_mask=masks)
+        gpu = dataclasses.replace(
+            meta(parts, "cuda"), query_lens=query_lens.cuda(), tree_mask=masks.cuda()
+        )
+        options = dict(sliding_window=window, softcap=cap)
+        want = twin(query, k_cache, v_cache, step, SCALE, positions=positions, **options)
+        got = launch(*cuda, gpu, SCALE, positions=positions.cuda(), **options)
+        torch.testing.assert_close(got.cpu(), want, **TOLERANCE[torch.float32])
 
 
 @pytest.mark.parametrize("window,cap", [(None, CAP), (20, CAP)])

@@ -59,9 +59,10 @@ class LlamaAttention(nn.Module):
         # 1 / sqrt(head_dim) (Gemma 3: 1 / sqrt(query_pre_attn_scalar)), times YaRN's m^2
         self.scale = attention_scale(config, config.query_pre_attn_scalar)
         self.softcap = config.attn_logit_softcapping  # scores -> cap * tanh(scores / cap)
-        # This layer's window (`ModelConfig.layer_window`), set by the model that stacks it:
-        # the fused path's kernels take it per layer (the eager path's plans carry it).
-        self.sliding_window: int | None = None
+        # This layer's window (`ModelConfig.layer_window`; the model that stacks the layers
+        # sets each one's): the fused path's kernels take it per layer (the eager path's
+        # plans carry it).
+        self.sliding_window = None if config.layer_types else config.sliding_window
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = Linear(config.hidden_size, q_size, config.attention_bias)
         self.k_proj = Linear(config.hidden_size, kv_size, config.attention_bias)
@@ -164,6 +165,7 @@ class LlamaAttention(nn.Module):
                 self.scale,
                 sliding_window=self.sliding_window,
                 softcap=self.softcap,
+                positions=positions,  # a tree step's windows count from its nodes' depths
             )
         return self._reduce(
             self.o_proj.decode(out.reshape(num_tokens, self.num_heads * self.head_dim))

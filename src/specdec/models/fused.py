@@ -16,7 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from specdec.models.attention import DecodeMetadata, to_cache_dtype
-from specdec.models.split_kv import split_kv_decode_attention
+from specdec.models.split_kv import (
+    check_tree_window,
+    split_kv_decode_attention,
+    window_positions_ref,
+)
 
 
 # --------------------------------------------------------------------------- PyTorch twins
@@ -114,6 +118,7 @@ def paged_decode_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query tokens over its cached context, with a dense
     mask (the reference of the decode kernels, in another summation order).
@@ -125,16 +130,17 @@ def paged_decode_attention_ref(
         meta: the step's decode metadata.
         scale: softmax scale.
         sliding_window: if set, a query at position p sees keys at positions > p -
-            sliding_window (no tree mask then: a tree step's rows do not sit at their index).
+            sliding_window; under a tree mask p is a live row's own position (`positions`: a
+            node sits at its depth, not its index), and the region must fit the window.
         softcap: if set, scores = softcap * tanh(scores / softcap) after the scale and before
             the mask (Gemma 2).
+        positions: [B * Q] int64 rows' positions (read for a tree step under a window).
 
     Returns:
         [B * Q, H_q, D] in query's dtype; rows of inert sequences (context 0), and padding rows
         that see no key (past the window), are 0.
     """
-    if sliding_window is not None and meta.tree_mask is not None:
-        raise ValueError("the decode kernels take no tree mask under a sliding window")
+    check_tree_window(meta, sliding_window, positions)
     num_seqs = meta.context_lens.shape[0]
     q_per_seq = meta.query_per_seq
     num_heads = query.shape[1]
@@ -169,7 +175,8 @@ def paged_decode_attention_ref(
             visible[:, prefix:] = region
         if sliding_window is not None:
             keys_pos = torch.arange(ctx, device=query.device)[None]
-            visible = visible & (keys_pos > query_pos[:, None] - sliding_window)
+            window_pos = window_positions_ref(meta, b, ctx, query_lens[b], positions)
+            visible = visible & (keys_pos > window_pos.to(query.device)[:, None] - sliding_window)
         scores = scores.masked_fill(~visible[None], float("-inf"))
         weights = scores.softmax(dim=-1)
         if sliding_window is not None:  # padding rows past the window see no key: 0, not NaN
@@ -241,11 +248,12 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See `paged_decode_attention_ref`; one kernel per step and layer on CUDA (no host sync, so
     it can be captured in a CUDA graph). Metadata with `num_partitions` runs the split-KV
     kernels instead (`split_kv.py`: long contexts; a tree mask too)."""
-    options = dict(sliding_window=sliding_window, softcap=softcap)
+    options = dict(sliding_window=sliding_window, softcap=softcap, positions=positions)
     if meta.num_partitions:
         return split_kv_decode_attention(query, k_cache, v_cache, meta, scale, **options)
     if not query.is_cuda:

@@ -22,7 +22,13 @@ from specdec.triton_specialization import unspecialized
 # The decode kernel's per-step metadata (see `specdec.triton_specialization`).
 _DECODE_METADATA = unspecialized(
     ints=("block_table_stride", "tree_seq_stride", "tree_row_stride", "tree_width"),
-    pointers=("block_tables_ptr", "context_lens_ptr", "query_lens_ptr", "tree_mask_ptr"),
+    pointers=(
+        "block_tables_ptr",
+        "context_lens_ptr",
+        "query_lens_ptr",
+        "tree_mask_ptr",
+        "positions_ptr",
+    ),
 )
 
 
@@ -270,6 +276,7 @@ def _attend_chunk_masked(
     tree_rows_ptr,  # [BLOCK_M] pointers to each row's tree-mask row (read when TREE)
     region_start,  # context_len - W: the first key of the tree region (may be < 0)
     live_tree_row,  # [BLOCK_M] bool or 0: rows whose tree-mask row exists (read when TREE)
+    window_pos,  # [BLOCK_M] the positions the window counts from (read when SLIDING)
     window,  # the sliding window in keys (read when SLIDING)
     softcap_log2,  # the soft cap * log2(e) (read when SOFTCAP; see `score_scales`)
     NUM_KV_HEADS: tl.constexpr,
@@ -289,8 +296,8 @@ def _attend_chunk_masked(
     so a token's row is the same bits whichever of the kernels computes it; with TREE,
     keys at or after `region_start` are seen by the tree mask (row m sees region key j iff
     tree_rows_ptr[m][j] != 0) instead of the causal rule, as `fused.paged_decode_attention_ref`
-    applies `DecodeMetadata.tree_mask`; with SLIDING a row at position p sees no key at or
-    before p - window (the prefill kernel's rule); with SOFTCAP the scores are soft-capped
+    applies `DecodeMetadata.tree_mask`; with SLIDING a row at position p = window_pos[m] sees no
+    key at or before p - window (the prefill kernel's rule); with SOFTCAP the scores are soft-capped
     after the scale and before the masks (`attention_tiles.score_scales`: `qk_scale` is then
     the capped form's)."""
     dims = tl.arange(0, BLOCK_D)
@@ -319,7 +326,7 @@ def _attend_chunk_masked(
         causal = tl.where(in_region[None, :], bits != 0, causal)
     visible = live_key[None, :] & causal
     if SLIDING:
-        visible = visible & (key_pos[None, :] > query_pos[:, None] - window)
+        visible = visible & (key_pos[None, :] > window_pos[:, None] - window)
     scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(scores, axis=1))
     # Rows that see no key yet keep -inf; shift them by 0 so exp2 gives 0, not NaN.
@@ -337,6 +344,37 @@ def _attend_chunk_masked(
     return new_max, row_sum, acc * rescale[:, None] + update
 
 
+@triton.jit
+def _window_start(
+    positions_ptr,
+    seq,
+    token_in_seq,  # [BLOCK_M]
+    query_pos,  # [BLOCK_M] the rows' positions by their index in the step
+    query_len,
+    live_row,  # [BLOCK_M]
+    region_start,  # context_len - W (TREE)
+    first_pos,  # context_len - query_len: the first row's index position
+    window,
+    Q_PER_SEQ: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TREE: tl.constexpr,
+):
+    """(the position each row's window counts from [BLOCK_M], the first BLOCK_N-key chunk any
+    row sees) of a windowed decode step: a row's index position, or under a tree mask a live
+    row's own position (`positions_ptr`: a node sits at its depth; padding rows keep their
+    index). Chunks before every row's window are identity steps (every score -inf): skipped.
+    A tree's live rows sit at or after its region's start."""
+    if TREE:
+        live = live_row & (token_in_seq < query_len)
+        own = tl.load(positions_ptr + seq * Q_PER_SEQ + token_in_seq, mask=live, other=0)
+        window_pos = tl.where(live, own, query_pos)
+        lowest = region_start
+    else:
+        window_pos = query_pos
+        lowest = first_pos
+    return window_pos, tl.maximum(lowest - window + 1, 0) // BLOCK_N
+
+
 @triton.jit(**_DECODE_METADATA)
 def _paged_decode_attention_kernel(
     query_ptr,  # [B * Q, H_q, D]
@@ -347,6 +385,7 @@ def _paged_decode_attention_kernel(
     query_lens_ptr,  # [B] int32
     out_ptr,  # [B * Q, H_q, D]
     tree_mask_ptr,  # [B, Q, W] int8 tree region (read when TREE; nonzero: visible)
+    positions_ptr,  # [B * Q] int64 rows' positions (read when TREE and SLIDING)
     block_table_stride,
     tree_seq_stride,
     tree_row_stride,
@@ -396,11 +435,13 @@ def _paged_decode_attention_kernel(
     # The tree region (TREE only): row m reads mask row [seq, m // GROUP] over the last W keys.
     tree_rows_ptr = tree_mask_ptr + seq * tree_seq_stride + token_in_seq * tree_row_stride
     region_start = context_len - tree_width
-    if SLIDING:  # noqa: SIM108 (a constexpr branch)
-        # Chunks wholly before the first row's window: every score -inf, an identity step.
-        first_chunk = tl.maximum(context_len - query_len - window + 1, 0) // BLOCK_N
+    if SLIDING:
+        window_pos, first_chunk = _window_start(
+            positions_ptr, seq, token_in_seq, query_pos, query_len, live_row, region_start,
+            context_len - query_len, window, Q_PER_SEQ, BLOCK_N, TREE,
+        )  # fmt: skip
     else:
-        first_chunk = 0
+        window_pos, first_chunk = query_pos, 0
     if DEVICE_BOUND:
         for chunk in range(first_chunk, tl.cdiv(context_len, BLOCK_N)):
             row_max, row_sum, acc = _attend_chunk_masked(
@@ -419,6 +460,7 @@ def _paged_decode_attention_kernel(
                 tree_rows_ptr,
                 region_start,
                 live_row,
+                window_pos,
                 window,
                 softcap_log2,
                 NUM_KV_HEADS,
@@ -450,6 +492,7 @@ def _paged_decode_attention_kernel(
                 tree_rows_ptr,
                 region_start,
                 live_row,
+                window_pos,
                 window,
                 softcap_log2,
                 NUM_KV_HEADS,
@@ -492,17 +535,31 @@ def kernel_tree_mask(meta: DecodeMetadata) -> torch.Tensor | None:
     return tree.view(torch.int8)
 
 
-def kernel_window(meta: DecodeMetadata, sliding_window: int | None) -> int:
-    """The decode kernels' `window` argument (0: none). A window bounds a row by its index
-    in the step (position context_len - query_len + j), which a tree step's rows do not sit
-    at (a node sits at its depth): a tree mask under a window is refused."""
+def kernel_window(
+    meta: DecodeMetadata, sliding_window: int | None, positions: torch.Tensor | None
+) -> tuple[int, torch.Tensor | None]:
+    """The decode kernels' `window` argument (0: none) and the positions a tree step's rows
+    count it from (None when not read). A causal row's window counts from its index position
+    (context_len - query_len + j); a tree step's rows sit at their depths, so under a window
+    a tree step needs `positions` ([B * Q] int64, each live row's own position, at or after
+    its region's start) and a region of at most `sliding_window` keys (so no ancestor falls
+    out of a node's window, as `attention.AttentionPlan.build` requires).
+
+    Raises: ValueError: a window < 1, or a tree step under a window without positions or with
+        a wider region."""
     if sliding_window is None:
-        return 0
+        return 0, None
     if sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
-    if meta.tree_mask is not None:
-        raise ValueError("the decode kernels take no tree mask under a sliding window")
-    return sliding_window
+    if meta.tree_mask is None:
+        return sliding_window, None
+    region = meta.tree_mask.shape[-1]
+    if positions is None or region > sliding_window:
+        raise ValueError(
+            f"a tree step under a sliding window of {sliding_window} needs its rows' positions "
+            f"and a region of at most that many keys (got {region})"
+        )
+    return sliding_window, positions
 
 
 def paged_decode_attention_triton(
@@ -513,6 +570,7 @@ def paged_decode_attention_triton(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     num_seqs = meta.context_lens.shape[0]
     _, num_heads, head_dim = query.shape
@@ -520,7 +578,7 @@ def paged_decode_attention_triton(
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
     tree = kernel_tree_mask(meta)
-    window = kernel_window(meta, sliding_window)
+    window, tree_positions = kernel_window(meta, sliding_window, positions)
     qk_scale, softcap_log2 = score_scales(scale, softcap)
     if num_seqs:
         row_tiles = decode_row_tiles(meta.query_per_seq, group)
@@ -533,6 +591,7 @@ def paged_decode_attention_triton(
             meta.query_lens,
             out,
             meta.context_lens if tree is None else tree,
+            meta.context_lens if tree_positions is None else tree_positions,
             meta.block_tables.stride(0),
             0 if tree is None else tree.stride(0),
             0 if tree is None else tree.stride(1),

@@ -88,7 +88,6 @@ class LlamaModel(nn.Module):
         )
         for layer, (window, _) in zip(self.layers, self.layer_kinds, strict=True):
             layer.self_attn.sliding_window = window  # the fused path's kernels take it
-        self.has_window = config.has_sliding_window
         self.embed_scale = config.hidden_size**0.5 if config.scale_embeddings else None
         self.eager_only_reason = config.eager_only_reason  # CUDA's
         self.cpu_decode_reason = config.decode_path_reason("cpu")
@@ -232,11 +231,6 @@ class LlamaModel(nn.Module):
         local = self.local_rotary_emb
         inv_freqs = {False: inv_freq, True: None if local is None else local.inv_freq_at(positions)}
         planned = meta is not None and meta.tree_mask is None  # tree steps: the twins instead
-        tree_step = meta is not None and meta.tree_mask is not None
-        if tree_step and self.has_window:  # its rows sit at their depths, not their indices
-            raise ValueError(
-                "a tree step on the decode path has no sliding-window attention; run it eagerly"
-            )
         if plan is None and planned and self._plans_rows(input_ids):
             # index work once for every layer
             plan = DecodePlanCPU.build(meta, positions, inv_freq, kv_cache.block_size)

@@ -109,17 +109,49 @@ def _partition_ref(
     return row_max, row_sum, acc
 
 
+def check_tree_window(
+    meta: DecodeMetadata, sliding_window: int | None, positions: torch.Tensor | None
+) -> None:
+    """Raises ValueError for a tree step under a window without its rows' positions, or with a
+    region wider than the window (as `fused_triton.kernel_window`)."""
+    if sliding_window is None or meta.tree_mask is None:
+        return
+    region = meta.tree_mask.shape[-1]
+    if positions is None or region > sliding_window:
+        raise ValueError(
+            f"a tree step under a sliding window of {sliding_window} needs its rows' positions "
+            f"and a region of at most that many keys (got {region})"
+        )
+
+
+def window_positions_ref(
+    meta: DecodeMetadata, b: int, context_len: int, query_len: int, positions: torch.Tensor | None
+) -> torch.Tensor:
+    """[Q] int64: the positions sequence b's rows count their window from: row j's index
+    position context_len - query_len + j, or under a tree mask a live row's own position
+    (`positions` [B * Q]: a node sits at its depth), as the kernels' `_window_start`."""
+    device = meta.context_lens.device
+    q_per_seq = meta.query_per_seq
+    index = torch.arange(q_per_seq, device=device)
+    query_pos = context_len - query_len + index
+    if meta.tree_mask is None or positions is None:
+        return query_pos
+    own = positions[b * q_per_seq : (b + 1) * q_per_seq].to(device, torch.int64)
+    return torch.where(index < query_len, own, query_pos)
+
+
 def _visible_ref(
     meta: DecodeMetadata,
     b: int,
     context_len: int,
     query_len: int,
     sliding_window: int | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[Q, S] bool: the keys each query token of sequence b sees: the causal rule (token j at
     position S - query_len + j), the last W keys replaced by `meta.tree_mask[b]` when given (as
     `fused.paged_decode_attention_ref`), and with a window none at or before position
-    j - sliding_window."""
+    p - sliding_window (p: `window_positions_ref`'s)."""
     device = meta.context_lens.device
     q_per_seq = meta.query_per_seq
     query_pos = context_len - query_len + torch.arange(q_per_seq, device=device)
@@ -132,7 +164,8 @@ def _visible_ref(
         visible[:, prefix:] = region
     if sliding_window is not None:
         key_pos = torch.arange(context_len, device=device)
-        visible &= key_pos[None, :] > query_pos[:, None] - sliding_window
+        window_pos = window_positions_ref(meta, b, context_len, query_len, positions)
+        visible &= key_pos[None, :] > window_pos[:, None] - sliding_window
     return visible
 
 
@@ -181,10 +214,11 @@ def split_kv_decode_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query tokens over its cached context, partition by
     partition (see the module docstring); the same contract as
-    `fused.paged_decode_attention_ref` (`sliding_window` and `softcap` too).
+    `fused.paged_decode_attention_ref` (`sliding_window`, `softcap` and `positions` too).
 
     Args:
         query: [B * Q, H_q, D] rotated queries in the uniform layout of `meta`.
@@ -198,7 +232,14 @@ def split_kv_decode_attention_ref(
         [B * Q, H_q, D] in query's dtype; rows of inert sequences (context 0) are 0.
     """
     out, _ = split_kv_attention_lse_ref(
-        query, k_cache, v_cache, meta, scale, sliding_window=sliding_window, softcap=softcap
+        query,
+        k_cache,
+        v_cache,
+        meta,
+        scale,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        positions=positions,
     )
     return out.to(query.dtype)
 
@@ -211,6 +252,7 @@ def split_kv_attention_lse_ref(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The split-KV attention with its row log-sum-exps, in float32 (to be merged with another
     partial attention of the same rows, as the block drafters' paged context is).
@@ -226,8 +268,9 @@ def split_kv_attention_lse_ref(
         meta: block tables, context and query lengths (its `num_partitions` is the kernels').
         scale: softmax scale.
         sliding_window: if set, a row at position p sees no key at or before p - sliding_window
-            (no tree mask then).
+            (under a tree mask p is the row's own position: `positions`).
         softcap: if set, soft-capped scores (`attention_tiles.score_scales`).
+        positions: [B * Q] int64 rows' positions (read for a tree step under a window).
 
     Returns: (out [B * Q, H_q, D] float32, lse [B * Q, H_q] float32 of the scaled scores);
     rows that see no key have out 0 and lse -inf.
@@ -236,8 +279,7 @@ def split_kv_attention_lse_ref(
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    if sliding_window is not None and meta.tree_mask is not None:
-        raise ValueError("the decode kernels take no tree mask under a sliding window")
+    check_tree_window(meta, sliding_window, positions)
     qk_scale, softcap_log2 = score_scales(scale, softcap)
     out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
     lse = torch.full(query.shape[:2], -torch.inf, device=query.device)
@@ -255,7 +297,8 @@ def split_kv_attention_lse_ref(
         rows = rows.view(q_per_seq, num_kv_heads, group, head_dim).transpose(0, 1)
         rows = rows.reshape(num_kv_heads, q_per_seq * group, head_dim)
         token = torch.arange(q_per_seq * group, device=query.device) // group
-        visible = _visible_ref(meta, b, context_len, query_lens[b], sliding_window)[token]
+        visible = _visible_ref(meta, b, context_len, query_lens[b], sliding_window, positions)
+        visible = visible[token]  # [M, S]
         partials = [
             _partition_ref(
                 rows,
@@ -285,10 +328,11 @@ def split_kv_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See `split_kv_decode_attention_ref`; two kernels per step and layer on CUDA (no host
     sync: CUDA-graph safe, the grid fixed by `meta.num_partitions`)."""
-    options = dict(sliding_window=sliding_window, softcap=softcap)
+    options = dict(sliding_window=sliding_window, softcap=softcap, positions=positions)
     if not query.is_cuda:
         return split_kv_decode_attention_ref(query, k_cache, v_cache, meta, scale, **options)
     from specdec.models import split_kv_triton

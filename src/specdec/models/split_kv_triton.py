@@ -29,7 +29,12 @@ from specdec.models.attention_tiles import (
     decode_row_tiles,
     score_scales,
 )
-from specdec.models.fused_triton import _attend_chunk_masked, kernel_tree_mask, kernel_window
+from specdec.models.fused_triton import (
+    _attend_chunk_masked,
+    _window_start,
+    kernel_tree_mask,
+    kernel_window,
+)
 from specdec.triton_specialization import unspecialized
 
 # A kernel reads a module global only as a constexpr (Triton 3.6 refuses a plain float on the
@@ -40,7 +45,13 @@ _LN2 = tl.constexpr(LN2)
 @triton.jit(
     **unspecialized(
         ints=("block_table_stride", "tree_seq_stride", "tree_row_stride", "tree_width"),
-        pointers=("block_tables_ptr", "context_lens_ptr", "query_lens_ptr", "tree_mask_ptr"),
+        pointers=(
+            "block_tables_ptr",
+            "context_lens_ptr",
+            "query_lens_ptr",
+            "tree_mask_ptr",
+            "positions_ptr",
+        ),
     )
 )
 def _split_kv_partition_kernel(
@@ -54,6 +65,7 @@ def _split_kv_partition_kernel(
     part_sum_ptr,  # [B, H_kv * ROW_TILES, P, BLOCK_M] float32
     part_acc_ptr,  # [B, H_kv * ROW_TILES, P, BLOCK_M, BLOCK_D] float32
     tree_mask_ptr,  # [B, Q, W] int8 tree region (read when TREE; nonzero: visible)
+    positions_ptr,  # [B * Q] int64 rows' positions (read when TREE and SLIDING)
     block_table_stride,
     tree_seq_stride,
     tree_row_stride,
@@ -111,19 +123,21 @@ def _split_kv_partition_kernel(
     tree_rows_ptr = tree_mask_ptr + seq * tree_seq_stride + token_in_seq * tree_row_stride
     region_start = context_len - tree_width
     first_chunk = part * chunks_per_part
-    if SLIDING:
-        # Chunks wholly before the first row's window: every score -inf, an identity step.
-        window_chunk = tl.maximum(context_len - query_len - window + 1, 0) // BLOCK_N
+    if SLIDING:  # chunks before every row's window: identity steps (see `_window_start`)
+        window_pos, window_chunk = _window_start(
+            positions_ptr, seq, token_in_seq, query_pos, query_len, live_row, region_start,
+            context_len - query_len, window, Q_PER_SEQ, BLOCK_N, TREE,
+        )  # fmt: skip
         start_chunk = tl.maximum(first_chunk, window_chunk)
     else:
-        start_chunk = first_chunk
+        window_pos, start_chunk = query_pos, first_chunk
     if DEVICE_BOUND:
         last_chunk = tl.minimum(first_chunk + chunks_per_part, tl.cdiv(context_len, BLOCK_N))
         for chunk in range(start_chunk, last_chunk):
             row_max, row_sum, acc = _attend_chunk_masked(
                 chunk, query, query_pos, context_len, row_max, row_sum, acc,
                 k_cache_ptr, v_cache_ptr, table_ptr, kv_head, qk_scale,
-                tree_rows_ptr, region_start, live_row, window, softcap_log2,
+                tree_rows_ptr, region_start, live_row, window_pos, window, softcap_log2,
                 NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D, IEEE, KV_FP8, TREE,
                 SLIDING, SOFTCAP,
             )  # fmt: skip
@@ -132,7 +146,7 @@ def _split_kv_partition_kernel(
             row_max, row_sum, acc = _attend_chunk_masked(
                 first_chunk + step, query, query_pos, context_len, row_max, row_sum, acc,
                 k_cache_ptr, v_cache_ptr, table_ptr, kv_head, qk_scale,
-                tree_rows_ptr, region_start, live_row, window, softcap_log2,
+                tree_rows_ptr, region_start, live_row, window_pos, window, softcap_log2,
                 NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D, IEEE, KV_FP8, TREE,
                 SLIDING, SOFTCAP,
             )  # fmt: skip
@@ -274,11 +288,14 @@ def split_kv_decode_attention_triton(
     tiles: SplitKVTiles | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Split-KV attention of `query` (with `meta.num_partitions` partitions of
     `tiles.partition` keys); tiles other than the default are for the tuning probe."""
     out = torch.empty_like(query)
-    _launch(query, k_cache, v_cache, meta, scale, out, None, tiles, sliding_window, softcap)
+    _launch(
+        query, k_cache, v_cache, meta, scale, out, None, tiles, sliding_window, softcap, positions
+    )
     return out
 
 
@@ -307,10 +324,11 @@ def _launch(
     tiles: SplitKVTiles | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    positions: torch.Tensor | None = None,
 ) -> None:
     """Both passes, writing `out` [B * Q, H_q, D] (and `lse` [B * Q, H_q] float32 if given);
     `tiles` other than the default only for the tuning probe (the twin follows the default);
-    `sliding_window` / `softcap` as `split_kv.split_kv_attention_lse_ref`'s."""
+    `sliding_window` / `softcap` / `positions` as `split_kv.split_kv_attention_lse_ref`'s."""
     tiles = tiles or default_tiles()
     num_seqs = meta.context_lens.shape[0]
     num_parts, query_per_seq = meta.num_partitions, meta.query_per_seq
@@ -342,7 +360,7 @@ def _launch(
         DEVICE_BOUND=query.is_cuda,
     )
     tree = kernel_tree_mask(meta)
-    window = kernel_window(meta, sliding_window)
+    window, tree_positions = kernel_window(meta, sliding_window, positions)
     qk_scale, softcap_log2 = score_scales(scale, softcap)
     _split_kv_partition_kernel[(num_seqs, programs, num_parts)](
         query.contiguous(),
@@ -355,6 +373,7 @@ def _launch(
         part_sum,
         part_acc,
         meta.context_lens if tree is None else tree,
+        meta.context_lens if tree_positions is None else tree_positions,
         meta.block_tables.stride(0),
         0 if tree is None else tree.stride(0),
         0 if tree is None else tree.stride(1),

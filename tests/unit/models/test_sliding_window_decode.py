@@ -7,8 +7,8 @@ against `transformers` through prefill and decode/verify steps far past the wind
 decode path (`DecodeMetadata`) and the eager path alike; a tree verify step under the window
 (nodes at their depth, not their index) against the chain steps of each node's path. Negative
 controls: the same parity tests with the window dropped from the plan, or taken at the tree
-nodes' indices, fail. CUDA's decode kernels take the window too (test_window_softcap_kernels.py);
-a tree step under a window is refused on the decode path by name.
+nodes' indices, fail. CUDA's decode kernels take the window too, tree steps included
+(test_window_softcap_kernels.py).
 """
 
 from __future__ import annotations
@@ -159,28 +159,16 @@ def test_negative_control_window_ignored_on_the_decode_path(mistral: Any, monkey
     assert errors[WINDOW:].min() > 100 * ATOL
 
 
-def test_decode_path_takes_a_window_but_no_tree_under_it() -> None:
+def test_decode_path_takes_a_window() -> None:
     """The CPU plan and CUDA's kernels have windows: the decode path names no reason on either
-    device (nor for callers that name none), and the CPU runner builds it; a tree step, whose
-    rows sit at their depths (the kernels' window counts from a row's index), refuses the
-    window by name."""
+    device (nor for callers that name none), and the CPU runner builds it (a tree step under
+    the window on the decode path: test_window_softcap_kernels.py)."""
     config = ModelConfig.from_hf_config(TINY_CONFIGS["mistral_window"])
     assert config.decode_path_reason("cuda") is None
     assert config.eager_only_reason is None
     assert config.decode_path_reason("cpu") is None
     model = seeded_model("mistral_window", "cpu")
     PagedModelRunner(model, 8, 4, max_num_seqs=2, decode_path=True)
-    meta = DecodeMetadata(
-        block_tables=torch.tensor([[0, 1]]),
-        context_lens=torch.tensor([6]),
-        query_lens=torch.tensor([2]),
-        slot_mapping=torch.tensor([4, 5]),
-        query_per_seq=2,
-        tree_mask=torch.ones(1, 2, 2, dtype=torch.bool),
-    )
-    cache = model.allocate_kv_cache(2, 4)
-    with pytest.raises(ValueError, match="tree step on the decode path has no sliding-window"):
-        model.model(torch.tensor([3, 4]), torch.tensor([4, 5]), meta, cache)
 
 
 PREFIX = prompt_tokens(97, [20], seed=1)[0]  # far past the window of 7

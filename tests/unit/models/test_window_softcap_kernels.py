@@ -9,13 +9,16 @@ float32 tolerance (the interpreter's `tl.dot` sums in another order than torch's
 test_long_attention.py), and bit for bit where the contract says bits (a context of one
 partition: split-KV == single pass; a window at least as long as every context == no window).
 Windows of 1 key, within a 16-key cache block, across block, 64-key step and 128-key partition
-boundaries, and longer than every context. Negative controls: a kernel run without the window (or
-the cap) that its twin applies differs from it; a model whose layers lose their window or cap
-moves off `transformers`. GPU parity: tests/parity/test_window_softcap_gpu.py.
+boundaries, and longer than every context; a tree verify step under a window, each node's window
+counted from its depth (its position), not its index. Negative controls: a kernel run without the
+window (or the cap) that its twin applies differs from it, as does a tree's window counted from
+the rows' indices; a model whose layers lose their window or cap moves off `transformers`. GPU
+parity: tests/parity/test_window_softcap_gpu.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from typing import Any
@@ -33,6 +36,7 @@ from models_fixtures import (
     make_hf_model,
     prompt_tokens,
     save_hf_model,
+    seeded_model,
 )
 from specdec.models import fused, load_model, paged_attention, split_kv
 from specdec.models.attention import AttentionMetadata, DecodeMetadata
@@ -57,13 +61,14 @@ def _randn(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _decode_case(q_per_seq: int, group: int, seed: int) -> tuple[Any, ...]:
-    """Queries, caches on scattered blocks of 16 keys, and `meta(parts)`: CONTEXTS with
-    min(q_per_seq, context) live rows each, and fewer for the 300-key one (padding rows)."""
+def _decode_case(q_per_seq: int, group: int, seed: int, padded: bool = True) -> tuple[Any, ...]:
+    """Queries, caches on scattered blocks of 16 keys, and `meta(parts, tree_mask)`: CONTEXTS
+    with min(q_per_seq, context) live rows each, and (`padded`) fewer for the 300-key one."""
     block_size, head_dim, num_kv_heads = 16, 16, 2
     num_seqs = len(CONTEXTS)
     query_lens = [min(q_per_seq, c) for c in CONTEXTS]
-    query_lens[4] = min(2, q_per_seq)
+    if padded:
+        query_lens[4] = min(2, q_per_seq)
     width = max(-(-c // block_size) for c in CONTEXTS) + 2
     num_blocks = num_seqs * width + 3
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
@@ -86,10 +91,12 @@ def _decode_case(q_per_seq: int, group: int, seed: int) -> tuple[Any, ...]:
     return query, k_cache, v_cache, meta
 
 
-def _dense(query, k_cache, v_cache, meta, window, cap) -> torch.Tensor:
-    """Plain attention, row by row: row j of sequence b at position p = context - query_len + j
-    sees keys max(0, p - window + 1) .. min(p, context - 1); scores q.k * SCALE, then
-    cap * tanh(s / cap); rows that see no key are 0."""
+def _dense(query, k_cache, v_cache, meta, window, cap, positions=None) -> torch.Tensor:
+    """Plain attention, row by row: row j of sequence b at index position i = context -
+    query_len + j sees keys 0 .. i (under `meta.tree_mask` the last W keys through the mask
+    instead), and with a window none at or before p - window, p = i or under a tree the live
+    row's `positions` entry; scores q.k * SCALE, then cap * tanh(s / cap); rows that see no
+    key are 0."""
     q_per_seq = meta.query_per_seq
     group = query.shape[1] // k_cache.shape[2]
     block_size = k_cache.shape[1]
@@ -100,17 +107,27 @@ def _dense(query, k_cache, v_cache, meta, window, cap) -> torch.Tensor:
         blocks = meta.block_tables[b, : -(-ctx // block_size)].to(torch.int64)
         keys = k_cache[blocks].flatten(0, 1)[:ctx].repeat_interleave(group, dim=1)
         values = v_cache[blocks].flatten(0, 1)[:ctx].repeat_interleave(group, dim=1)
+        key_pos = torch.arange(ctx)
         for j in range(q_per_seq):
             pos = ctx - q_len + j
-            lo = 0 if window is None else max(pos - window + 1, 0)
-            hi = min(pos, ctx - 1) + 1
-            if lo >= hi:
+            seen = key_pos <= pos
+            if meta.tree_mask is not None:
+                region = meta.tree_mask[b, j]
+                seen = seen.clone()
+                for k, bit in enumerate(region.tolist()):
+                    if 0 <= ctx - len(region) + k < ctx:
+                        seen[ctx - len(region) + k] = bit
+                if j < q_len:
+                    pos = int(positions[b * q_per_seq + j])
+            if window is not None:
+                seen &= key_pos > pos - window
+            if not seen.any():
                 continue
             row = query[b * q_per_seq + j]  # [H_q, D]
-            scores = torch.einsum("hd,shd->hs", row, keys[lo:hi]) * SCALE
+            scores = torch.einsum("hd,shd->hs", row, keys[seen]) * SCALE
             if cap is not None:
                 scores = cap * torch.tanh(scores / cap)
-            out[b * q_per_seq + j] = torch.einsum("hs,shd->hd", scores.softmax(-1), values[lo:hi])
+            out[b * q_per_seq + j] = torch.einsum("hs,shd->hd", scores.softmax(-1), values[seen])
     return out
 
 
@@ -161,14 +178,56 @@ def test_twins_negative_control() -> None:
     assert (twin - no_cap).abs().max() > 1e-2
 
 
-def test_twins_refuse_a_tree_under_a_window() -> None:
-    """A tree step's rows sit at their depths, not their indices: no window applies there."""
-    query, k_cache, v_cache, meta = _decode_case(4, 2, 3)
-    tree = meta(0, torch.ones(len(CONTEXTS), 4, 4, dtype=torch.bool))
-    with pytest.raises(ValueError, match="no tree mask under a sliding window"):
-        fused.paged_decode_attention_ref(query, k_cache, v_cache, tree, SCALE, 17)
-    with pytest.raises(ValueError, match="no tree mask under a sliding window"):
-        split_kv.split_kv_decode_attention_ref(query, k_cache, v_cache, tree, SCALE, 17)
+# A verify step's tree of 4 nodes: the input token (depth 0), two children of it (depth 1), a
+# child of the second (depth 2); each row sees its ancestors and itself.
+TREE = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]).bool()
+TREE_DEPTHS = torch.tensor([0, 1, 1, 2])
+
+
+def _tree_step() -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, 4, 4] tree masks, [B * 4] positions) over CONTEXTS (4 rows each): the tree and its
+    nodes at their depths after the region's start where the context holds the region; the
+    1-key context sees its key (an all-ones mask, its live row at its index)."""
+    masks, positions = [], []
+    for context in CONTEXTS:
+        full = context >= 4
+        masks.append(TREE if full else torch.ones(4, 4, dtype=torch.bool))
+        start = context - 4 if full else 0
+        positions.append(start + (TREE_DEPTHS if full else torch.arange(4)))
+    return torch.stack(masks), torch.cat(positions)
+
+
+def _index_positions() -> torch.Tensor:
+    """[B * 4] the tree step's rows at their indices in the step (what a causal step assumes):
+    a negative control's positions."""
+    return torch.cat([max(context - 4, 0) + torch.arange(4) for context in CONTEXTS])
+
+
+@pytest.mark.parametrize("window,cap", [(4, None), (5, None), (17, CAP), (130, None)])
+def test_twins_window_a_tree_from_its_depths(small_partitions, window, cap) -> None:
+    """A tree step under a window: each node's window counts from its own position (its depth),
+    in both twins as in the dense reference; a region wider than the window, or no positions,
+    is refused. Negative control: the window counted from the rows' indices moves the deeper
+    nodes off."""
+    query, k_cache, v_cache, meta = _decode_case(4, 2, 3, padded=False)
+    masks, positions = _tree_step()
+    step, split_step = meta(0, masks), meta(_parts(), masks)
+    want = _dense(query, k_cache, v_cache, step, window, cap, positions)
+    options = dict(sliding_window=window, softcap=cap, positions=positions)
+    single = fused.paged_decode_attention_ref(query, k_cache, v_cache, step, SCALE, **options)
+    torch.testing.assert_close(single, want, **FP32_TOL)
+    split = split_kv.split_kv_decode_attention_ref(
+        query, k_cache, v_cache, split_step, SCALE, **options
+    )
+    torch.testing.assert_close(split, want, **FP32_TOL)
+    at_indices = _dense(query, k_cache, v_cache, step, window, cap, _index_positions())
+    if window < 130:
+        assert (at_indices - want).abs().max() > 1e-2
+    for bad in (dict(options, positions=None), dict(options, sliding_window=3)):
+        with pytest.raises(ValueError, match="needs its rows' positions and a region"):
+            fused.paged_decode_attention_ref(query, k_cache, v_cache, step, SCALE, **bad)
+        with pytest.raises(ValueError, match="needs its rows' positions and a region"):
+            split_kv.split_kv_decode_attention_ref(query, k_cache, v_cache, step, SCALE, **bad)
 
 
 @pytest.mark.parametrize("window", [None, 20])
@@ -254,16 +313,17 @@ def test_kernels_negative_control(small_partitions) -> None:
 
 
 @interpret
-def test_tree_step_kernels_cap_and_refuse_a_window(small_partitions) -> None:
-    """A tree verify step's kernels (single pass and split-KV) with capped scores match their
-    twins; under a window they refuse the tree mask by name."""
+@pytest.mark.parametrize("window,cap", [(None, CAP), (4, None), (17, CAP), (130, None)])
+def test_tree_step_kernels_window_and_cap(small_partitions, window, cap) -> None:
+    """A tree verify step's kernels (single pass and split-KV) with capped scores and a window
+    counted from each node's depth match their twins; without the positions the window is
+    refused by name. Negative control: the positions at the rows' indices move the kernels
+    off the twins."""
     from specdec.models import fused_triton, split_kv_triton
 
-    query, k_cache, v_cache, meta = _decode_case(4, 2, 9)
-    tree = torch.tril(torch.ones(4, 4, dtype=torch.bool))
-    tree[2, 1] = tree[3, 1] = False  # nodes 2 and 3 hang off the root, beside node 1
-    # A context shorter than the region (1 key) sees its keys through the mask's last columns.
-    masks = torch.stack([tree if c >= 4 else torch.ones(4, 4, dtype=torch.bool) for c in CONTEXTS])
+    query, k_cache, v_cache, meta = _decode_case(4, 2, 9, padded=False)
+    masks, positions = _tree_step()
+    options = dict(sliding_window=window, softcap=cap, positions=positions)
     for launch, twin, parts in (
         (fused_triton.paged_decode_attention_triton, fused.paged_decode_attention_ref, 0),
         (
@@ -273,10 +333,16 @@ def test_tree_step_kernels_cap_and_refuse_a_window(small_partitions) -> None:
         ),
     ):
         step = meta(parts, masks)
-        got = launch(query, k_cache, v_cache, step, SCALE, softcap=CAP)
-        torch.testing.assert_close(got, twin(query, k_cache, v_cache, step, SCALE, None, CAP))
-        with pytest.raises(ValueError, match="no tree mask under a sliding window"):
-            launch(query, k_cache, v_cache, step, SCALE, sliding_window=17)
+        want = twin(query, k_cache, v_cache, step, SCALE, **options)
+        torch.testing.assert_close(launch(query, k_cache, v_cache, step, SCALE, **options), want)
+        if window is None:
+            continue
+        with pytest.raises(ValueError, match="needs its rows' positions and a region"):
+            launch(query, k_cache, v_cache, step, SCALE, sliding_window=window)
+        if window < 130:
+            at_indices = dict(options, positions=_index_positions())
+            off = launch(query, k_cache, v_cache, step, SCALE, **at_indices)
+            assert (off - want).abs().max() > 1e-2
 
 
 @interpret
@@ -368,3 +434,43 @@ def test_cuda_decode_path_takes_windows_softcaps_and_geglu(gemma2_capped: Any) -
     assert window.eager_only_reason is None
     moe = ModelConfig.from_hf_config(MOE_CONFIGS["mixtral"])
     assert "mixture-of-experts" in (moe.decode_path_reason("cuda") or "")
+
+
+def test_tree_verify_under_the_window_on_the_decode_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tree verify step of a Mistral with a window of 7, after a 20-token prefix, on the
+    decode path (`DecodeMetadata` with the tree mask: on the CPU the kernels' twins, each node's
+    window counted from its depth) gives every node the eager tree step's logits (masked
+    attention, nodes at their depths). Negative control: the twins' window counted from the
+    rows' indices moves the deeper nodes off."""
+    from specdec.models import AttentionMetadata as Attn
+
+    model = seeded_model("mistral_window", "cpu")
+    prefix = prompt_tokens(97, [20], seed=1)[0]
+    tokens, table = torch.tensor([5, 9, 11, 30]), [list(range(16))]
+    positions = 20 + TREE_DEPTHS
+
+    def after_prefix(step: Any) -> torch.Tensor:
+        cache = model.allocate_kv_cache(16, 4)
+        with torch.inference_mode():
+            model(torch.tensor(prefix), torch.arange(20), Attn.build([20], [20], table, 4), cache)
+            return model.compute_logits(model(tokens, positions, step, cache))
+
+    eager_step = dataclasses.replace(Attn.build([4], [24], table, 4), tree_mask=TREE[None])
+    want = after_prefix(eager_step)
+    decode_step = DecodeMetadata(
+        block_tables=torch.tensor(table),
+        context_lens=torch.tensor([24]),
+        query_lens=torch.tensor([4]),
+        slot_mapping=torch.arange(20, 24),
+        query_per_seq=4,
+        tree_mask=TREE[None],
+    )
+    torch.testing.assert_close(after_prefix(decode_step), want, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(
+        fused,
+        "window_positions_ref",
+        lambda meta, b, ctx, q_len, pos: ctx - q_len + torch.arange(4),
+    )
+    off = (after_prefix(decode_step) - want).abs().amax(dim=-1)
+    assert off[0] < 1e-5 and off[1] < 1e-5  # nodes at their index: the same keys
+    assert off[2:].min() > 1e-3
