@@ -1,5 +1,5 @@
-"""Tile sizes that the attention kernels and their PyTorch twins share (a twin fixes the same
-reduction order, so both read one definition)."""
+"""Tile sizes, and the score scaling (soft cap included), that the attention kernels and their
+PyTorch twins share (a twin fixes the same reduction order, so both read one definition)."""
 
 from __future__ import annotations
 

@@ -389,8 +389,8 @@ def test_phi3_tensor_parallel_matches_one_rank(tmp_path: Path) -> None:
 
 
 def test_refusals_are_one_line_and_named(tmp_path: Path) -> None:
-    """OLMo 2 under tensor parallelism (its q/k norm spans every head); a windowed Phi-3 on
-    CUDA's decode path (the CPU's has windows); GGUF files of either family."""
+    """OLMo 2 under tensor parallelism (its q/k norm spans every head); GGUF files of either
+    family. (A windowed Phi-3 is taken by both devices' decode paths.)"""
     import gguf
 
     olmo2 = save_hf_model(make_family_hf_model("olmo2"), tmp_path / "olmo2")
@@ -399,7 +399,7 @@ def test_refusals_are_one_line_and_named(tmp_path: Path) -> None:
         load_model(olmo2, shard=shard_layout(config, 0, 2))
     assert "\n" not in str(info.value)
     window = load_model(save_hf_model(make_family_hf_model("phi3_window"), tmp_path / "w")).model
-    assert window.config.decode_path_reason("cuda") == "sliding-window attention"
+    assert window.config.decode_path_reason("cuda") is None
     PagedModelRunner(window, 8, 4, max_num_seqs=2, decode_path=True)  # the CPU's plan has it
     for arch in ("phi3", "olmo2"):
         file = tmp_path / f"{arch}.gguf"

@@ -53,11 +53,12 @@ def test_padded_rows_are_inert() -> None:
             assert finite == (slot < written.get(block, 0)), (block, slot)
 
 
-def test_the_cuda_decode_path_refuses_a_sliding_window() -> None:
-    """CUDA's decode kernels have no window (the CPU's plan has: the comparison above)."""
+def test_the_cuda_decode_path_takes_a_sliding_window() -> None:
+    """CUDA's decode kernels have windows, as the CPU's plan has (the comparison above; the
+    kernels: tests/unit/models/test_window_softcap_kernels.py)."""
     config = seeded_model("mistral_window", "cpu").config
     assert config.decode_path_reason("cpu") is None
-    assert config.decode_path_reason("cuda") == "sliding-window attention"
+    assert config.decode_path_reason("cuda") is None
 
 
 def test_batch_buckets() -> None:
