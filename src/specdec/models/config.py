@@ -315,9 +315,9 @@ class ModelConfig:
     def decode_path_reason(self, device_type: str) -> str | None:
         """Why the fused decode path cannot run this model on `device_type` ("cpu", "cuda"),
         or None when it can. Both take one frequency table per layer for every token (no
-        dynamic NTK); CUDA's kernels have windows, soft-capping and GeGLU but no grouped
-        expert kernel (mixture-of-experts), the CPU's plan (`DecodePlanCPU`) has windows and
-        soft-capping and the CPU runs every twin."""
+        dynamic NTK); CUDA's kernels have windows, soft-capping and GeGLU (a mixture of
+        experts waits on its grouped kernel's switch), the CPU's plan (`DecodePlanCPU`) has
+        windows and soft-capping and the CPU runs every twin."""
         if self.rope_scaling is not None and self.rope_scaling.is_dynamic:
             return "dynamic NTK rope scaling (frequencies that depend on the position)"
         device_reason = self.device_reason(device_type)
