@@ -23,6 +23,8 @@ visits. No request, request state, seed or stream exists during the warm-up, so 
 randomness is drawn (the RNG is keyed by request seed and position), and the request counters
 and the policy see nothing. Never samples; where nothing is captured (the CPU, enforce_eager)
 it is skipped unless asked for (tests check the keys it visits through `GraphCache.keys`).
+On the CPU the one thing done is to build (once per machine) or load the decode step's C++ loop
+(`models.decode_cpu_native`), which its first step would otherwise do.
 """
 
 from __future__ import annotations
@@ -108,6 +110,10 @@ def warm_up(
     """
     if engine.has_unfinished or engine.groups:
         raise RuntimeError("the engine warms up only while it holds no request")
+    if engine.device.type == "cpu" and engine.config.tensor_parallel_size == 1:
+        # The CPU decode step's C++ loop, built (once per machine) or loaded now rather than
+        # at the first request's first step (`models.decode_cpu_native`).
+        engine.model.model.prepare_native_layers()
     reason = nothing_to_capture(engine)
     if reason is not None and not (force and engine.runner.graphs is not None):
         return WarmUpReport(0, 0, 0.0, skipped=reason)

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_layers.cpp"
+NAME = "specdec_decode_layers"
 ENV_SWITCH = "SPECDEC_CPU_NATIVE"  # "0": never build or use the C++ loop
 
 
@@ -45,11 +46,13 @@ def load_extension() -> Any | None:
         logger.info("CPU decode step: the Python loop (%s=0)", ENV_SWITCH)
         return None
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
+        if not (Path(_get_build_directory(NAME, verbose=False)) / f"{NAME}.so").exists():
+            logger.warning("CPU decode step: building its C++ loop (once per machine, ~1 min)")
         start = time.perf_counter()
         module = load(
-            name="specdec_decode_layers",
+            name=NAME,
             sources=[str(SOURCE)],
             extra_cflags=["-O2"],
             verbose=False,

@@ -174,6 +174,13 @@ class LlamaModel(nn.Module):
         a quantized model's step, bound by per-operation overhead, does its index work once)."""
         return not input_ids.is_cuda and self.cpu_decode_reason is None
 
+    def prepare_native_layers(self) -> bool:
+        """Builds or loads the C++ decode loop now (an engine's warm-up) where this model on
+        the CPU would take it at its first planned step; whether it will."""
+        if self.norm.weight.is_cuda or self.cpu_decode_reason is not None:
+            return False
+        return self._native_layers() is not None
+
     def _native_layers(self) -> tuple[Any, tuple[list[torch.Tensor], list[int]]] | None:
         """(the C++ loop, its operands) when it runs this model's layers (checked, and the
         extension built, at the first planned step), else None (the Python loop)."""
