@@ -72,6 +72,8 @@ def _bench(args: argparse.Namespace) -> int:
     spec = speculative_config(args, default_spec(args.model, args.device))
     check_before_loading(EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args)), spec)
     plain = LLM(args.model, speculative_config=None, **engine_kwargs(args))
+    if plain.engine.config.warm_up:  # graphs (the CPU loop) before the timed work
+        plain.engine.warm_up()
     prompts = [
         plain.tokenizer.encode_chat([{"role": "user", "content": text}])
         if plain.tokenizer is not None and plain.tokenizer.chat_template
@@ -91,6 +93,8 @@ def _bench(args: argparse.Namespace) -> int:
     plain.close()  # stops tensor-parallel workers before the next engine starts
     del plain
     spec_llm = LLM(args.model, speculative_config=spec, **engine_kwargs(args))
+    if spec_llm.engine.config.warm_up:
+        spec_llm.engine.warm_up()
     name = f"{spec.method} K={spec.num_speculative_tokens}"
     spec_figures, spec_outputs = bench.run_workload(spec_llm, name, prompts, params)
     same = [
