@@ -179,8 +179,11 @@ class DecodeMetadata:
             draft tree's region; query row i of sequence b sees the keys before it and the
             region's keys j with tree_mask[b, i, j] (its tree ancestors and itself) instead of
             the causal rule. bool, or an integer dtype read as nonzero = visible (the decode
-            graphs' int64 static input). The twin and the single-pass Triton kernel apply it;
-            split-KV refuses it.
+            graphs' int64 static input). The twins, the single-pass and the split-KV kernels
+            apply it.
+
+    A layer's sliding window and score cap are not step metadata: each layer hands its own to
+    the kernels (`fused.paged_decode_attention`), a tree step's rows' positions with them.
     """
 
     block_tables: torch.Tensor
