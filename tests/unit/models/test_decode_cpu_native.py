@@ -140,3 +140,63 @@ def test_builtin_model_generations_equal_the_python_loop() -> None:
     for a, b in zip(native, python, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert repr(a.outputs[0].logprobs) == repr(b.outputs[0].logprobs)
+
+
+Q8_SHAPES = [(1, 64, 96, 32), (5, 50, 64, 16), (3, 103, 576, 32), (2, 7, 32, 32)]
+
+
+@needs_extension
+@pytest.mark.parametrize("shape", Q8_SHAPES)
+def test_q8_linear_equals_its_twin_and_keeps_rows(shape: tuple[int, int, int, int]) -> None:
+    rows, outs, cols, group = shape
+    generator = torch.Generator().manual_seed(cols + outs)
+    x = torch.randn(rows, cols, generator=generator)
+    values = torch.randint(-128, 128, (outs, cols), generator=generator, dtype=torch.int8)
+    scale = torch.rand(outs, cols // group, generator=generator) * 0.01
+    got = extension.q8_linear(x, values, scale, group)
+    assert torch.equal(got, decode_cpu_native.q8_linear_ref(x, values, scale, group))
+    for row in range(rows):  # a row alone gets its bits in the batch
+        assert torch.equal(extension.q8_linear(x[row : row + 1], values, scale, group)[0], got[row])
+    exact = (
+        x.double()
+        @ (values.double().view(outs, -1, group) * scale.double()[..., None]).view(outs, cols).T
+    )
+    assert torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+
+
+@needs_extension
+def test_negative_control_q8_lanes_summed_in_another_order_differ() -> None:
+    """The twin's lanes summed one after another instead of pairwise: other bits somewhere in
+    a few thousand outputs, so the equality above tests the order, not only the value."""
+    generator = torch.Generator().manual_seed(9)
+    x = torch.randn(4, 576, generator=generator)
+    values = torch.randint(-128, 128, (1024, 576), generator=generator, dtype=torch.int8)
+    scale = torch.rand(1024, 18, generator=generator) * 0.01
+    got = extension.q8_linear(x, values, scale, 32)
+    xs, qs = x.view(4, 1, 18, 2, 16), values.float().view(1, 1024, 18, 2, 16)
+    lanes = torch.zeros(4, 1024, 16)
+    for g in range(18):
+        lanes = (
+            lanes
+            + (xs[:, :, g, 0] * qs[:, :, g, 0] + xs[:, :, g, 1] * qs[:, :, g, 1])
+            * (scale[None, :, g, None])
+        )
+    sequential = lanes[..., 0]
+    for lane in range(1, 16):
+        sequential = sequential + lanes[..., lane]
+    assert torch.allclose(got, sequential, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(got, sequential)
+
+
+@needs_extension
+def test_an_8bit_lm_head_takes_q8_linear() -> None:
+    """The built-in model's tied Q8_0 head: `QuantizedWeight.matmul` returns the C++ product
+    (not PyTorch's int4 kernel over the split nibbles), for prefill and decode rows alike."""
+    from specdec.engine.llm import LLM
+
+    head = LLM(speculative_config=None).engine.model.tied_head
+    x = torch.randn(3, head.shape[1], generator=torch.Generator().manual_seed(2))
+    source = head.source
+    want = extension.q8_linear(x, source.values, source.scale, source.group_size)
+    assert torch.equal(head.matmul(x), want)
+    assert torch.allclose(head.matmul(x, kernel_only=True), want)

@@ -8,6 +8,10 @@
 
 #include <torch/extension.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -144,6 +148,86 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> decode_layers(
   return {out, *residual, captured};
 }
 
+// x @ W^T for a symmetric 8-bit group-quantized W (GGUF Q8_0, Q6_K): W[n, k] = values[n, k] *
+// scale[n, k / group], with x in float32 and a float32 result. The arithmetic, which
+// `decode_cpu_native.q8_linear_ref` repeats with PyTorch operations, is per output (m, n) and
+// never depends on M: 16 lanes; per group, s[l] = sum over the group's 16-wide chunks c, in
+// order, of x[c * 16 + l] * float(values[c * 16 + l]) (a product, then a sum: built with
+// -ffp-contract=off), then lanes[l] += s[l] * scale[g]; the lanes summed pairwise
+// (l + 8, then + 4, + 2, + 1). One pass over W's bytes for every row of x.
+Tensor q8_linear(const Tensor& x_in, const Tensor& values, const Tensor& scale, int64_t group) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "x: [M, K] float32");
+  TORCH_CHECK(values.scalar_type() == at::kChar && values.is_contiguous(), "values: int8");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous(), "scale: float32");
+  TORCH_CHECK(group % 16 == 0 && values.size(1) % group == 0, "group: a multiple of 16");
+  const Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0), cols = x.size(1), outs = values.size(0);
+  TORCH_CHECK(values.size(1) == cols && scale.size(0) == outs && scale.size(1) == cols / group,
+              "shapes of x, values and scale disagree");
+  Tensor out = at::empty({rows, outs}, x.options());
+  const float* xs = x.data_ptr<float>();
+  const int8_t* qs = values.data_ptr<int8_t>();
+  const float* ds = scale.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  const int64_t groups = cols / group, chunks = group / 16;
+  // One output's lanes in `lanes` (the scalar form of the arithmetic above).
+  auto one = [&](const float* x_row, int64_t n, float* lanes) {
+    const int8_t* q_row = qs + n * cols;
+    const float* d_row = ds + n * groups;
+    for (int l = 0; l < 16; ++l) lanes[l] = 0.0f;
+    for (int64_t g = 0; g < groups; ++g) {
+      float sums[16] = {0};
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float* xc = x_row + (g * chunks + c) * 16;
+        const int8_t* qc = q_row + (g * chunks + c) * 16;
+        for (int l = 0; l < 16; ++l) sums[l] = sums[l] + xc[l] * static_cast<float>(qc[l]);
+      }
+      const float d = d_row[g];
+      for (int l = 0; l < 16; ++l) lanes[l] = lanes[l] + sums[l] * d;
+    }
+  };
+  auto finish = [](const float* lanes) {
+    float v8[8], v4[4];
+    for (int l = 0; l < 8; ++l) v8[l] = lanes[l] + lanes[l + 8];
+    for (int l = 0; l < 4; ++l) v4[l] = v8[l] + v8[l + 4];
+    return (v4[0] + v4[2]) + (v4[1] + v4[3]);
+  };
+  at::parallel_for(0, outs, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t m = 0; m < rows; ++m) {
+      const float* x_row = xs + m * cols;
+      int64_t n = begin;
+#if defined(__AVX512F__)
+      // The same lane arithmetic, one 16-lane register for the lanes (mul, then add).
+      for (; n < end; ++n) {
+        const int8_t* q_row = qs + n * cols;
+        const float* d_row = ds + n * groups;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; ++g) {
+          __m512 sums = _mm512_setzero_ps();
+          for (int64_t c = 0; c < chunks; ++c) {
+            const int64_t at = (g * chunks + c) * 16;
+            const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q_row + at));
+            const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+            sums = _mm512_add_ps(sums, _mm512_mul_ps(_mm512_loadu_ps(x_row + at), q));
+          }
+          acc = _mm512_add_ps(acc, _mm512_mul_ps(sums, _mm512_set1_ps(d_row[g])));
+        }
+        float lanes[16];
+        _mm512_storeu_ps(lanes, acc);
+        os[m * outs + n] = finish(lanes);
+      }
+#endif
+      for (; n < end; ++n) {
+        float lanes[16];
+        one(x_row, n, lanes);
+        os[m * outs + n] = finish(lanes);
+      }
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("decode_layers", &decode_layers, "the CPU decode step's decoder layers");
+  module.def("q8_linear", &q8_linear, "x @ W^T for a symmetric 8-bit group-quantized W");
 }
