@@ -63,7 +63,11 @@ def load_extension() -> Any | None:
             sources=[str(SOURCE)],
             # -march=native: built on the machine it runs on; no FMA contraction, so that
             # q8_linear's sums are the ones its twin makes with PyTorch operations.
-            extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
+            # -fopenmp: q8_linear's at::parallel_for runs in PyTorch's OpenMP pool (the
+            # process's one libgomp), not serially and not in threads of its own that would
+            # compete with that pool's spinning workers.
+            extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as err:  # no compiler, no ninja, a build error: run the twin

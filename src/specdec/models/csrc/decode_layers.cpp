@@ -12,6 +12,7 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -192,7 +193,7 @@ Tensor q8_linear(const Tensor& x_in, const Tensor& values, const Tensor& scale, 
     for (int l = 0; l < 4; ++l) v4[l] = v8[l] + v8[l + 4];
     return (v4[0] + v4[2]) + (v4[1] + v4[3]);
   };
-  at::parallel_for(0, outs, 64, [&](int64_t begin, int64_t end) {
+  auto block = [&](int64_t begin, int64_t end) {
     for (int64_t m = 0; m < rows; ++m) {
       const float* x_row = xs + m * cols;
       int64_t n = begin;
@@ -223,7 +224,17 @@ Tensor q8_linear(const Tensor& x_in, const Tensor& values, const Tensor& scale, 
         os[m * outs + n] = finish(lanes);
       }
     }
-  });
+  };
+  // Outputs in contiguous ranges, one per PyTorch intra-op thread, in OpenMP (built with
+  // -fopenmp: the process's one libgomp, whose pool PyTorch's kernels use too); each output is
+  // computed whole by one thread, so the split never changes a bit.
+  const int64_t workers =
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), outs / 256));
+  const int64_t per = (outs + workers - 1) / workers;
+#pragma omp parallel for num_threads(workers) schedule(static, 1)
+  for (int64_t w = 0; w < workers; ++w) {
+    block(std::min(outs, w * per), std::min(outs, (w + 1) * per));
+  }
   return out;
 }
 
