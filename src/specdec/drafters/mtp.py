@@ -209,6 +209,8 @@ def load_mtp_head(
     layer = dataclasses.replace(config, num_hidden_layers=1, tie_word_embeddings=False)
     if layer.eager_only_reason is not None:  # the head's decode path has one frequency table
         raise ValueError(f"{source}: MTP drafting for a target with {layer.eager_only_reason}")
+    if config.has_sliding_window:  # the head's eager attention (eagle/head.py) has no window
+        raise ValueError(f"{source}: MTP drafting for a target with sliding-window attention")
     names = _NAMES[naming]
     deepseek = naming == DEEPSEEK
     # DeepSeek-V3 stores the shared embedding and LM head again in each MTP layer (vLLM reads

@@ -12,6 +12,7 @@ import torch
 from specdec.drafters.block.checkpoint import read_block_drafter_config
 from specdec.drafters.block.network import BLOCK_DRAFTER_KINDS
 from specdec.drafters.config import EAGLE_HEAD_METHODS
+from specdec.drafters.mtp import mtp_cache_layers
 from specdec.engine.config import EngineConfig
 from specdec.models import LlamaForCausalLM
 from specdec.models.linear import check_cublas_rows
@@ -216,11 +217,13 @@ def choose_products(model: LlamaForCausalLM, config: EngineConfig, max_query_len
 
 def draft_cache_layers(spec, model: LlamaForCausalLM) -> int:
     """Layers of the paged cache a drafter keeps beside the target's (same blocks): an EAGLE
-    head's one layer, a truncated draft's N, another draft model counted as large as the target
-    (its config is read only when it loads), a DFlash / DSpark drafter's layers (its device
-    rounds' context pools); none for the other methods."""
+    head's one layer, an MTP chain's one per layer, a truncated draft's N, another draft model
+    counted as large as the target (its config is read only when it loads), a DFlash / DSpark
+    drafter's layers (its device rounds' context pools); none for the other methods."""
     if spec is None:
         return 0
+    if spec.method == "mtp":  # one cache layer per chained MTP layer
+        return mtp_cache_layers(spec.model, spec.mtp_layers)
     if spec.method in EAGLE_HEAD_METHODS:
         return 1
     if spec.method in BLOCK_DRAFTER_KINDS and spec.model:

@@ -582,6 +582,31 @@ def test_bad_tensors_are_refused_by_name(tmp_path, naming, change, named):
         propose(path)
 
 
+def test_the_engine_sizes_one_cache_layer_per_chained_layer(chain_case):
+    """The KV budget counts the caches the chain allocates: n layers ("all"), m with
+    `mtp_layers: m`; one for a head directory."""
+    from specdec.drafters.config import SpeculativeConfig
+    from specdec.engine.setup import draft_cache_layers
+
+    _, _, path, _, num_layers = chain_case
+    spec = SpeculativeConfig.from_dict({**_spec(), "model": str(path)})
+    assert draft_cache_layers(spec, None) == num_layers
+    one = SpeculativeConfig.from_dict({**_spec(), "model": str(path), "mtp_layers": 1})
+    assert draft_cache_layers(one, None) == 1
+
+
+def test_a_windowed_target_is_refused_by_name(tmp_path):
+    """The MTP head attends eagerly with no window: a target with sliding-window attention is
+    refused naming it (its decode path, which has the window, would disagree with the head's
+    catch-up)."""
+    target_hf = make_hf_model("mistral_window")
+    tensors = mtp_tensors("deepseek", target_hf)
+    path = write_mtp_target(target_hf, tmp_path / "windowed", "deepseek", tensors)
+    with pytest.raises(ValueError, match="sliding-window attention") as err:
+        LLM(str(path), speculative_config=_spec(), **COMMON)
+    assert "\n" not in str(err.value)
+
+
 def test_a_target_without_mtp_layers_is_refused_in_one_line(tmp_path):
     path = save_hf_model(make_hf_model("llama"), tmp_path / "plain")
     with pytest.raises(ValueError, match="has no MTP layers") as err:
