@@ -6,7 +6,8 @@ each engine's peak resident memory, in one interleaved run.
 
     python benchmarks/bench_cpu_quant.py --out bench-results/cpu_quant.json \
         --llama-python /tmp/llamacpp-venv/bin/python [--threads 2] [--rounds 3] \
-        [--new-tokens 64] [--engines llama.cpp,specdec-plain,specdec-spec,specdec-float] \
+        [--new-tokens 64] \
+        [--engines llama.cpp,specdec-plain,specdec-spec,specdec-float,specdec-plain-python] \
         [--llama-kwargs '{"use_extra_bufts": true}']
 
 llama.cpp runs through llama-cpp-python, which is not a dependency of this project: install it
@@ -52,7 +53,10 @@ PROMPTS = (
     "Repeat the sentence 'The quick brown fox jumps over the lazy dog.' five times.",
     "Write a SQL query that selects the ten most recent orders with their customer names.",
 )
-ENGINES = ("llama.cpp", "specdec-plain", "specdec-spec", "specdec-float")
+ENGINES = ("llama.cpp", "specdec-plain", "specdec-spec", "specdec-float", "specdec-plain-python")
+# specdec-plain-python: plain, with the CPU decode step's Python loop and PyTorch's kernels
+# instead of its C++ loop and q8_linear (SPECDEC_CPU_NATIVE=0): the layers' bits, the head in
+# bfloat16 through the int4 kernel, and the speed before them.
 PREFILL_TOKENS = 1018
 BATCH = 32
 
@@ -73,7 +77,7 @@ class SpecdecWorker:
         from specdec.engine.llm import LLM
 
         start = time.perf_counter()
-        if kind == "specdec-plain":
+        if kind in ("specdec-plain", "specdec-plain-python"):
             self.llm = LLM(speculative_config=None)
         elif kind == "specdec-spec":
             self.llm = LLM()  # the default speculation of the built-in model
@@ -205,6 +209,8 @@ class Worker:
         ]
         env = dict(os.environ)
         env["OMP_NUM_THREADS"] = str(args.threads)
+        if kind == "specdec-plain-python":
+            env["SPECDEC_CPU_NATIVE"] = "0"
         self.kind = kind
         self.process = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env

@@ -270,6 +270,8 @@ def main() -> None:
         halves = [halves_step(t, p) for p, t in enumerate(tokens)]
         same = sum(torch.equal(a, b) for a, b in zip(eager_logits, halves, strict=True))
         print(f"halves: logits equal to eager {same}/{len(tokens)}")
+        loop = "its C++ loop" if inner._native else "its Python loop"
+        print(f"eager: the engine's step ({loop}; SPECDEC_CPU_NATIVE=0 for the other)")
         for name, fn in (
             ("eager", eager_step), ("compiled", compiled_step), ("halves", halves_step)
         ):  # fmt: skip
