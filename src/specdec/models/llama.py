@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from specdec.models import decode_cpu_native
+from specdec.models import cpu_extension, decode_cpu_native
 from specdec.models.attention import (
     AttentionMetadata,
     AttentionPlan,
@@ -186,7 +186,7 @@ class LlamaModel(nn.Module):
         extension built, at the first planned step), else None (the Python loop)."""
         if self._native is None:
             reason = decode_cpu_native.native_reason(self)
-            extension = None if reason is not None else decode_cpu_native.load_extension()
+            extension = None if reason is not None else cpu_extension.load_extension()
             self._native = (
                 (extension, decode_cpu_native.layer_operands(self)) if extension else False
             )

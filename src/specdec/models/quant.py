@@ -17,6 +17,7 @@ from typing import Literal
 
 import torch
 
+from specdec.models.cpu_extension import q8_linear
 from specdec.models.linear import batch_invariant_linear
 from specdec.models.quant_formats import (
     Fp8Quantized,
@@ -435,8 +436,6 @@ class QuantizedWeight:
         dequant = not kernel_only
         if layout == "cpu_int4" and self._meta["source_group"] and self.source is not None:
             # An 8-bit weight kept beside its nibbles (an LM head): one pass in C++ where built.
-            from specdec.models.decode_cpu_native import q8_linear
-
             out = q8_linear(x, self.source)
             if out is not None:
                 return out
@@ -555,7 +554,7 @@ def quant_linear(
     """x @ W^T (+ bias) through the weight's kernel: on the CPU PyTorch's int4/int8 kernels in
     bfloat16 (x rounded to bfloat16, float32 accumulation, the result rounded to bfloat16, then
     cast to x's dtype) for every row count, except a symmetric 8-bit weight kept with its source
-    (an LM head), which takes `decode_cpu_native.q8_linear` in float32 where it is built; on
+    (an LM head), which takes `cpu_extension.q8_linear` in float32 where it is built; on
     CUDA PyTorch's int4 kernel or the Triton kernels, where many rows (CUDA_DEQUANT_MIN_ROWS: a
     prefill chunk) dequantize the weight for one GEMM instead, unless `kernel_only`. See
     `quant_linear_ref` for the value.

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from models_fixtures import PagedRunner, decode_path_step, prompt_tokens, seeded_model
-from specdec.models import decode_cpu_native
+from specdec.models import cpu_extension, decode_cpu_native
 from specdec.models.attention import AttentionMetadata
 from specdec.models.loader import quantize_model
 from specdec.models.quant import QuantizedWeight
 from specdec.models.quant_formats import GroupQuantized
 
-extension = decode_cpu_native.load_extension()
+extension = cpu_extension.load_extension()
 needs_extension = pytest.mark.skipif(
     extension is None, reason="the C++ loop could not be built here (see the log line)"
 )
@@ -120,8 +120,8 @@ def test_models_the_loop_cannot_run_are_named() -> None:
 
 
 def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(decode_cpu_native.ENV_SWITCH, "0")
-    assert decode_cpu_native.load_extension.__wrapped__() is None
+    monkeypatch.setenv(cpu_extension.ENV_SWITCH, "0")
+    assert cpu_extension.load_extension.__wrapped__() is None
 
 
 @needs_extension
@@ -154,7 +154,7 @@ def test_q8_linear_equals_its_twin_and_keeps_rows(shape: tuple[int, int, int, in
     values = torch.randint(-128, 128, (outs, cols), generator=generator, dtype=torch.int8)
     scale = torch.rand(outs, cols // group, generator=generator) * 0.01
     got = extension.q8_linear(x, values, scale, group)
-    assert torch.equal(got, decode_cpu_native.q8_linear_ref(x, values, scale, group))
+    assert torch.equal(got, cpu_extension.q8_linear_ref(x, values, scale, group))
     for row in range(rows):  # a row alone gets its bits in the batch
         assert torch.equal(extension.q8_linear(x[row : row + 1], values, scale, group)[0], got[row])
     exact = (

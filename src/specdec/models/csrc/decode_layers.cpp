@@ -4,7 +4,7 @@
 // `decode_cpu.decode_attention_cpu`, `fused.add_rms_norm_ref`, `fused.silu_mul_ref`,
 // `QuantizedWeight.matmul` for the cpu_int4 layout), so its results are the Python loop's bit
 // for bit; only the interpreter's work between the operations is gone. Built and loaded by
-// `models/decode_cpu_native.py`, which also decides which models it may run.
+// `models/cpu_extension.py`; `models/decode_cpu_native.py` decides which models the loop runs.
 
 #include <torch/extension.h>
 
@@ -151,7 +151,7 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> decode_layers(
 
 // x @ W^T for a symmetric 8-bit group-quantized W (GGUF Q8_0, Q6_K): W[n, k] = values[n, k] *
 // scale[n, k / group], with x in float32 and a float32 result. The arithmetic, which
-// `decode_cpu_native.q8_linear_ref` repeats with PyTorch operations, is per output (m, n) and
+// `cpu_extension.q8_linear_ref` repeats with PyTorch operations, is per output (m, n) and
 // never depends on M: 16 lanes; per group, s[l] = sum over the group's 16-wide chunks c, in
 // order, of x[c * 16 + l] * float(values[c * 16 + l]) (a product, then a sum: built with
 // -ffp-contract=off), then lanes[l] += s[l] * scale[g]; the lanes summed pairwise
