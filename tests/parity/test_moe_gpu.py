@@ -37,11 +37,11 @@ from specdec.models import moe
 from specdec.models.moe import (
     GROUPED_BLOCK_K,
     GROUPED_KERNEL_ENV,
-    expert_tiles,
     grouped_experts,
     grouped_linear_ref,
     route,
 )
+from specdec.models.moe_tiles import expert_tiles
 
 pytestmark = pytest.mark.gpu
 

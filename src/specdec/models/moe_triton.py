@@ -2,15 +2,15 @@
 or under Triton's CPU interpreter): one launch computes the rows of every expert, each row
 x W_e^T of its own expert, the same way whatever the number of rows or experts in the step.
 
-One program per (tile of at most `moe.GROUPED_BLOCK_M` pairs of one expert, BLOCK_N columns): it
-gathers its rows of x through `source`, walks K in `moe.GROUPED_BLOCK_K` steps from 0 upwards into a
-float32 `tl.dot` accumulator with no split over K (as `linear_triton.py`'s dense kernel, whose
-H200 sweep found an output's bits to depend on K alone), rounds once, and scatters the rows
-through `dest`. The tile is fixed, never chosen from the row count, so a row's bits never
-depend on which rows share its step or its tile. The tiles come from `moe.expert_tiles`
-(device-side, sized by the token count alone: a CUDA graph replays it); empty tiles return at
-once. It never routes, activates or combines (`moe.grouped_experts` does, around two launches).
-"""
+One program per (tile of at most `moe_tiles.GROUPED_BLOCK_M` pairs of one expert, BLOCK_N
+columns): it gathers its rows of x through `source`, walks K in `moe.GROUPED_BLOCK_K` steps from
+0 upwards into a float32 `tl.dot` accumulator with no split over K (as `linear_triton.py`'s
+dense kernel, whose H200 sweep found an output's bits to depend on K alone), rounds once, and
+scatters the rows through `dest`. The tile is fixed, never chosen from the row count, so a row's
+bits never depend on which rows share its step or its tile. The tiles come from
+`moe_tiles.expert_tiles` (device-side, sized by the token count alone: a CUDA graph replays it);
+empty tiles return at once. It never routes, activates or combines (`moe.grouped_experts` does,
+around two launches)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 if TYPE_CHECKING:
-    from specdec.models.moe import ExpertTiles
+    from specdec.models.moe_tiles import ExpertTiles
 
 # Two interpreter gaps for 16-bit floats: its `tl.dot` multiplies bfloat16 tiles as their uint16
 # storage, and its float32 -> bfloat16 cast truncates. There the kernel widens the tiles to
@@ -111,7 +111,7 @@ def grouped_linear_triton(
     Args:
         x: [R, K] source rows (unit stride along K; rows may be strided).
         weight: [E, N, K] stacked expert weights in x's dtype.
-        tiles: the step's layout (`moe.expert_tiles`).
+        tiles: the step's layout (`moe_tiles.expert_tiles`).
         source, dest: [P] int64 row of x read / row of out written at each sorted position.
         num_out_rows: out's rows (every one is some position's dest).
         block_k: the K step (`moe.GROUPED_BLOCK_K`; only a negative control passes another).

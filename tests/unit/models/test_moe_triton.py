@@ -26,16 +26,14 @@ from specdec.models import ModelConfig, moe
 from specdec.models.linear import batch_invariant_linear
 from specdec.models.moe import (
     GROUPED_BLOCK_K,
-    GROUPED_BLOCK_M,
     GROUPED_KERNEL_ENV,
     SparseMoeBlock,
-    expert_tiles,
     grouped_experts,
     grouped_linear_ref,
-    max_tiles,
     route,
     weighted_sum,
 )
+from specdec.models.moe_tiles import GROUPED_BLOCK_M, expert_tiles, max_tiles
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton")
 interpret = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and Triton")
