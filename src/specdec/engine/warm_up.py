@@ -33,7 +33,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any  # the engine: an `LLMEngine` (not imported: it imports this module)
 
 import torch
 
@@ -41,9 +41,6 @@ from specdec.models.attention_tiles import SPLIT_KV_PARTITION
 from specdec.models.split_kv import split_when_seen
 from specdec.runner import StepInput
 from specdec.runner.cuda_graph import GraphCache, batch_buckets
-
-if TYPE_CHECKING:
-    from specdec.engine.llm_engine import LLMEngine
 
 # The block every warm-up row writes its K/V into (any block will do: all are free).
 WARM_UP_BLOCK = 0
@@ -77,7 +74,7 @@ class WarmUpReport:
         )
 
 
-def nothing_to_capture(engine: LLMEngine) -> str | None:
+def nothing_to_capture(engine: Any) -> str | None:
     """Why the engine has no CUDA graph to capture (None: it has)."""
     if engine.config.enforce_eager:
         return "enforce_eager: no CUDA graphs to capture"
@@ -88,9 +85,7 @@ def nothing_to_capture(engine: LLMEngine) -> str | None:
     return None
 
 
-def warm_up(
-    engine: LLMEngine, *, force: bool = False, progress: bool | None = None
-) -> WarmUpReport:
+def warm_up(engine: Any, *, force: bool = False, progress: bool | None = None) -> WarmUpReport:
     """Runs every step shape `engine` takes under traffic once (see the module docstring).
 
     Args:
@@ -147,7 +142,7 @@ def warm_up(
     return WarmUpReport(captured, len(steps) + 1, time.perf_counter() - started)
 
 
-def _caches(engine: LLMEngine) -> list[GraphCache]:
+def _caches(engine: Any) -> list[GraphCache]:
     """The engine's own graph caches (the drafter counts its own)."""
     caches = [engine.runner.graphs.graph_cache]
     if engine._rounds is not None:
@@ -155,7 +150,7 @@ def _caches(engine: LLMEngine) -> list[GraphCache]:
     return caches
 
 
-def _decode_steps(engine: LLMEngine) -> list[Callable[[], None]]:
+def _decode_steps(engine: Any) -> list[Callable[[], None]]:
     """One call per (bucket, shape, split-KV or not) of the target's decode path."""
     graphs, runner = engine.runner.graphs, engine.runner
     drafter = engine.drafter
@@ -193,7 +188,7 @@ def _decode_steps(engine: LLMEngine) -> list[Callable[[], None]]:
     return steps
 
 
-def _round_steps(engine: LLMEngine) -> list[Callable[[], None]]:
+def _round_steps(engine: Any) -> list[Callable[[], None]]:
     """One call per (bucket, K) of device rounds (none without them)."""
     if not engine.device_rounds:
         return []
