@@ -292,9 +292,9 @@ def test_eager_catch_up_pads_to_the_query_bucket(target_dir, head_dir, monkeypat
     widths = []
     attend = decoder_layers.paged_decode_attention
 
-    def recording(query, k_cache, v_cache, meta, scale):
+    def recording(query, k_cache, v_cache, meta, scale, **options):
         widths.append(meta.query_per_seq)
-        return attend(query, k_cache, v_cache, meta, scale)
+        return attend(query, k_cache, v_cache, meta, scale, **options)
 
     monkeypatch.setattr(decoder_layers, "paged_decode_attention", recording)
     proposals = []
