@@ -209,16 +209,22 @@ def _silu_mul_kernel(
     tl.store(out_ptr + row * width + cols, out, mask=inside)
 
 
-def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+def _gated(kernel, gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2F] (gate | up) -> [T, F] through an activation-times-up kernel (`_silu_mul_kernel`,
+    `_gelu_tanh_mul_kernel`): one program per (row, block of columns)."""
     num_tokens, double_width = gate_up.shape
     width = double_width // 2
     out = torch.empty(num_tokens, width, dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens:
         block = 1024
-        _silu_mul_kernel[(num_tokens, triton.cdiv(width, block))](
+        kernel[(num_tokens, triton.cdiv(width, block))](
             gate_up.contiguous(), out, width, BLOCK=block, num_warps=4
         )
     return out
+
+
+def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    return _gated(_silu_mul_kernel, gate_up)
 
 
 # GELU's tanh approximation: 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3).
@@ -248,15 +254,7 @@ def _gelu_tanh_mul_kernel(
 
 
 def gelu_tanh_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
-    num_tokens, double_width = gate_up.shape
-    width = double_width // 2
-    out = torch.empty(num_tokens, width, dtype=gate_up.dtype, device=gate_up.device)
-    if num_tokens:
-        block = 1024
-        _gelu_tanh_mul_kernel[(num_tokens, triton.cdiv(width, block))](
-            gate_up.contiguous(), out, width, BLOCK=block, num_warps=4
-        )
-    return out
+    return _gated(_gelu_tanh_mul_kernel, gate_up)
 
 
 @triton.jit
