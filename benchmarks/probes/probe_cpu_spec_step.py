@@ -8,7 +8,7 @@ delivery) the median host milliseconds per call; tokens/s of the whole call. Pin
 and run it on an otherwise idle machine.
 
     PYTHONPATH=src python benchmarks/probes/probe_cpu_spec_step.py --out FILE [--batch 1] \
-        [--threads 2] [--temperature 1]
+        [--threads 2] [--temperature 1] [--pinned]
 
 Writes FILE (JSON). A profile, not a BENCHMARKS.md figure by itself.
 """
@@ -42,6 +42,7 @@ def run(spec: dict | None, texts: list[str], tokens: int, temperature: float = 0
     host: dict[str, list[float]] = collections.defaultdict(list)
     parts = [
         (llm_engine, "propose", "propose"),
+        *([(engine.drafter, "propose", "drafter.propose")] if engine.drafter is not None else []),
         (llm_engine, "deliver_features", "deliver_features"),
         (engine.emitter, "emit", "emit"),
         (engine.runner, "run_with_features", "target forward"),
@@ -84,6 +85,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--pinned", action="store_true", help="K pinned (no adaptive policy)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from specdec.drafters.default import DEFAULT_EAGLE_DIR
@@ -99,10 +101,11 @@ def main() -> None:
         "tokens": args.tokens,
         "temperature": args.temperature,
     }
+    pinned = {"adaptive": False} if args.pinned else {}
     for name, spec in (
         ("plain", None),
-        ("eagle K=1", {**head, "num_speculative_tokens": 1}),
-        ("eagle K=2", {**head, "num_speculative_tokens": 2}),
+        ("eagle K=1", {**head, "num_speculative_tokens": 1, **pinned}),
+        ("eagle K=2", {**head, "num_speculative_tokens": 2, **pinned}),
     ):
         report[name] = run(spec, texts, args.tokens, args.temperature)
         print(name, json.dumps(report[name]), flush=True)

@@ -149,13 +149,57 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> decode_layers(
   return {out, *residual, captured};
 }
 
+// q8_linear's last reduction: 16 lanes summed pairwise (l + 8, then + 4, + 2, + 1).
+static inline float q8_finish(const float* lanes) {
+  float v8[8], v4[4];
+  for (int l = 0; l < 8; ++l) v8[l] = lanes[l] + lanes[l + 8];
+  for (int l = 0; l < 4; ++l) v4[l] = v8[l] + v8[l + 4];
+  return (v4[0] + v4[2]) + (v4[1] + v4[3]);
+}
+
+#if defined(__AVX512F__)
+// q8_linear's outputs [begin, end) of `Tile` rows of x (x and out at their first row), the
+// lanes of each row in one register: the arithmetic of `q8_linear`'s comment, per row.
+template <int Tile>
+static void q8_rows_avx512(const float* xs, const int8_t* qs, const float* ds, float* os,
+                           int64_t cols, int64_t outs, int64_t groups, int64_t chunks,
+                           int64_t begin, int64_t end) {
+  for (int64_t n = begin; n < end; ++n) {
+    const int8_t* q_row = qs + n * cols;
+    const float* d_row = ds + n * groups;
+    __m512 acc[Tile];
+    for (int t = 0; t < Tile; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512 sums[Tile];
+      for (int t = 0; t < Tile; ++t) sums[t] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t at = (g * chunks + c) * 16;
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q_row + at));
+        const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+        for (int t = 0; t < Tile; ++t) {
+          const __m512 x = _mm512_loadu_ps(xs + t * cols + at);
+          sums[t] = _mm512_add_ps(sums[t], _mm512_mul_ps(x, q));
+        }
+      }
+      const __m512 d = _mm512_set1_ps(d_row[g]);
+      for (int t = 0; t < Tile; ++t) acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(sums[t], d));
+    }
+    for (int t = 0; t < Tile; ++t) {
+      float lanes[16];
+      _mm512_storeu_ps(lanes, acc[t]);
+      os[t * outs + n] = q8_finish(lanes);
+    }
+  }
+}
+#endif
+
 // x @ W^T for a symmetric 8-bit group-quantized W (GGUF Q8_0, Q6_K): W[n, k] = values[n, k] *
 // scale[n, k / group], with x in float32 and a float32 result. The arithmetic, which
 // `cpu_extension.q8_linear_ref` repeats with PyTorch operations, is per output (m, n) and
 // never depends on M: 16 lanes; per group, s[l] = sum over the group's 16-wide chunks c, in
 // order, of x[c * 16 + l] * float(values[c * 16 + l]) (a product, then a sum: built with
 // -ffp-contract=off), then lanes[l] += s[l] * scale[g]; the lanes summed pairwise
-// (l + 8, then + 4, + 2, + 1). One pass over W's bytes for every row of x.
+// (l + 8, then + 4, + 2, + 1). One pass over W's bytes for every four rows of x.
 Tensor q8_linear(const Tensor& x_in, const Tensor& values, const Tensor& scale, int64_t group) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "x: [M, K] float32");
   TORCH_CHECK(values.scalar_type() == at::kChar && values.is_contiguous(), "values: int8");
@@ -171,6 +215,7 @@ Tensor q8_linear(const Tensor& x_in, const Tensor& values, const Tensor& scale, 
   const float* ds = scale.data_ptr<float>();
   float* os = out.data_ptr<float>();
   const int64_t groups = cols / group, chunks = group / 16;
+#if !defined(__AVX512F__)
   // One output's lanes in `lanes` (the scalar form of the arithmetic above).
   auto one = [&](const float* x_row, int64_t n, float* lanes) {
     const int8_t* q_row = qs + n * cols;
@@ -187,43 +232,32 @@ Tensor q8_linear(const Tensor& x_in, const Tensor& values, const Tensor& scale, 
       for (int l = 0; l < 16; ++l) lanes[l] = lanes[l] + sums[l] * d;
     }
   };
-  auto finish = [](const float* lanes) {
-    float v8[8], v4[4];
-    for (int l = 0; l < 8; ++l) v8[l] = lanes[l] + lanes[l + 8];
-    for (int l = 0; l < 4; ++l) v4[l] = v8[l] + v8[l + 4];
-    return (v4[0] + v4[2]) + (v4[1] + v4[3]);
-  };
-  auto block = [&](int64_t begin, int64_t end) {
-    for (int64_t m = 0; m < rows; ++m) {
-      const float* x_row = xs + m * cols;
-      int64_t n = begin;
-#if defined(__AVX512F__)
-      // The same lane arithmetic, one 16-lane register for the lanes (mul, then add).
-      for (; n < end; ++n) {
-        const int8_t* q_row = qs + n * cols;
-        const float* d_row = ds + n * groups;
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t g = 0; g < groups; ++g) {
-          __m512 sums = _mm512_setzero_ps();
-          for (int64_t c = 0; c < chunks; ++c) {
-            const int64_t at = (g * chunks + c) * 16;
-            const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q_row + at));
-            const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-            sums = _mm512_add_ps(sums, _mm512_mul_ps(_mm512_loadu_ps(x_row + at), q));
-          }
-          acc = _mm512_add_ps(acc, _mm512_mul_ps(sums, _mm512_set1_ps(d_row[g])));
-        }
-        float lanes[16];
-        _mm512_storeu_ps(lanes, acc);
-        os[m * outs + n] = finish(lanes);
-      }
 #endif
-      for (; n < end; ++n) {
-        float lanes[16];
-        one(x_row, n, lanes);
-        os[m * outs + n] = finish(lanes);
+  auto block = [&](int64_t begin, int64_t end) {
+#if defined(__AVX512F__)
+    // The same lane arithmetic, one 16-lane register per row for its lanes (mul, then add).
+    // Up to four rows of x share each weight row's load and conversion (a verify step's rows:
+    // one pass over W's bytes for all of them); each row's sums stay its own.
+    for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+      const float* x0 = xs + m0 * cols;
+      float* o0 = os + m0 * outs;
+      switch (std::min<int64_t>(4, rows - m0)) {
+        case 4: q8_rows_avx512<4>(x0, qs, ds, o0, cols, outs, groups, chunks, begin, end); break;
+        case 3: q8_rows_avx512<3>(x0, qs, ds, o0, cols, outs, groups, chunks, begin, end); break;
+        case 2: q8_rows_avx512<2>(x0, qs, ds, o0, cols, outs, groups, chunks, begin, end); break;
+        default: q8_rows_avx512<1>(x0, qs, ds, o0, cols, outs, groups, chunks, begin, end);
       }
     }
+#else
+    for (int64_t m = 0; m < rows; ++m) {
+      const float* x_row = xs + m * cols;
+      for (int64_t n = begin; n < end; ++n) {
+        float lanes[16];
+        one(x_row, n, lanes);
+        os[m * outs + n] = q8_finish(lanes);
+      }
+    }
+#endif
   };
   // Outputs in contiguous ranges, one per PyTorch intra-op thread, in OpenMP (built with
   // -fopenmp: the process's one libgomp, whose pool PyTorch's kernels use too); each output is
