@@ -424,6 +424,17 @@ def test_faults_get_the_right_status(server, client):
     assert complete(client, max_tokens=2).choices[0].text is not None
 
 
+def _wait_for_aborts_and_idle(server, aborts: int) -> None:
+    """Waits (10 s at most) until the server counted `aborts` aborts and every KV block is free
+    again: the abort is counted when the engine receives it, the blocks freed at its next step."""
+    for _ in range(200):
+        if metric(server, "specdec:request_aborts_total") == aborts and metric(
+            server, "specdec:kv_cache_free_blocks"
+        ) == metric(server, "specdec:kv_cache_num_blocks"):
+            return
+        asyncio.run(asyncio.sleep(0.05))
+
+
 def test_disconnect_aborts_and_frees_every_block(server, client):
     body = {
         "model": MODEL,
@@ -458,10 +469,7 @@ def test_disconnect_aborts_and_frees_every_block(server, client):
     assert metric(server, "specdec:request_aborts_total") == aborts + 3
     with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up is aborted too
         post(server, "/v1/completions", {**body, "stream": False}, timeout=0.3)
-    for _ in range(200):
-        if metric(server, "specdec:request_aborts_total") == aborts + 4:
-            break
-        asyncio.run(asyncio.sleep(0.05))
+    _wait_for_aborts_and_idle(server, aborts + 4)
     assert metric(server, "specdec:request_aborts_total") == aborts + 4
     assert metric(server, "specdec:kv_cache_free_blocks") == metric(
         server, "specdec:kv_cache_num_blocks"
@@ -471,10 +479,7 @@ def test_disconnect_aborts_and_frees_every_block(server, client):
         "POST", f"{server.url}/v1/completions", json=several, headers=headers, timeout=TIMEOUT_S
     ) as response:
         assert next(line for line in response.iter_lines() if line.startswith("data: "))
-    for _ in range(200):
-        if metric(server, "specdec:request_aborts_total") == aborts + 7:
-            break
-        asyncio.run(asyncio.sleep(0.05))
+    _wait_for_aborts_and_idle(server, aborts + 7)
     assert metric(server, "specdec:request_aborts_total") == aborts + 7
     assert metric(server, "specdec:kv_cache_free_blocks") == metric(
         server, "specdec:kv_cache_num_blocks"
