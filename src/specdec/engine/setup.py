@@ -14,8 +14,9 @@ from specdec.drafters.block.network import BLOCK_DRAFTER_KINDS
 from specdec.drafters.config import EAGLE_HEAD_METHODS
 from specdec.drafters.mtp import mtp_cache_layers
 from specdec.engine.config import EngineConfig
-from specdec.models import LlamaForCausalLM
+from specdec.models import LlamaForCausalLM, cpu_extension
 from specdec.models.linear import check_cublas_rows
+from specdec.rng import use_native_rows
 
 CPU_KV_CACHE_BYTES = 1 << 30
 # max_model_len of a model whose config declares no context length.
@@ -267,3 +268,12 @@ def check_tensor_parallel(
             "a truncated draft model shares the target's layers, which are split over "
             f"tensor_parallel_size={size} ranks: use an EAGLE head, n-gram or another draft model"
         )
+
+
+def use_native_random_words() -> None:
+    """Hands `specdec.rng` the CPU extension's Philox rounds (built or loaded now): the same words
+    as its NumPy rounds, for a fraction of their time (a full-vocabulary draw every sampled
+    token). Nothing changes where the extension is not built."""
+    extension = cpu_extension.load_extension()
+    if extension is not None:
+        use_native_rows(extension.philox_rows)

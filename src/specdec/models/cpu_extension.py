@@ -1,10 +1,12 @@
-"""The CPU's C++ extension (`csrc/decode_layers.cpp`): built once per machine and PyTorch
-version on first use by `torch.utils.cpp_extension` (about a minute; cached under
-`~/.cache/torch_extensions`), loaded by every later process. It holds the decode step's layer
+"""The CPU's C++ extension (`csrc/decode_layers.cpp`, `rng/csrc/philox_rows.cpp`): built once per
+machine and PyTorch version on first use by `torch.utils.cpp_extension` (about a minute; cached
+under `~/.cache/torch_extensions`), loaded by every later process. It holds the decode step's layer
 loop (`decode_cpu_native`) and `q8_linear`, the product of a symmetric 8-bit group-quantized
 weight (GGUF Q8_0, Q6_K: the built-in model's tied LM head) in float32 in one pass over its
 bytes, where PyTorch's int4 kernel needs the weight split in two nibbles (twice the products);
-its twin `q8_linear_ref` repeats its sums with PyTorch operations, bit for bit. Without a C++
+its twin `q8_linear_ref` repeats its sums with PyTorch operations, bit for bit; and
+`philox_rows`, the keyed random words of `specdec.rng` in exact integer arithmetic (the engine
+hands it over: `engine.setup.use_native_random_words`). Without a C++
 compiler, or with `SPECDEC_CPU_NATIVE=0`, nothing is built and the callers run their Python
 twins and PyTorch's kernels, after one log line saying why.
 """
@@ -22,7 +24,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "decode_layers.cpp"
+SOURCES = [
+    Path(__file__).parent / "csrc" / "decode_layers.cpp",
+    # specdec.rng's Philox rounds (all randomness lives under specdec/rng/), built in here
+    Path(__file__).parents[1] / "rng" / "csrc" / "philox_rows.cpp",
+]
 NAME = "specdec_decode_layers"
 ENV_SWITCH = "SPECDEC_CPU_NATIVE"  # "0": never build or use the C++ loop
 
@@ -41,7 +47,7 @@ def load_extension() -> Any | None:
         start = time.perf_counter()
         module = load(
             name=NAME,
-            sources=[str(SOURCE)],
+            sources=[str(source) for source in SOURCES],
             # -march=native: built on the machine it runs on; no FMA contraction, so that
             # q8_linear's sums are the ones its twin makes with PyTorch operations.
             # -fopenmp: q8_linear's at::parallel_for runs in PyTorch's OpenMP pool (the

@@ -15,7 +15,7 @@ from specdec.rng.draws import (
     words_to_uniform32,
     words_to_uniform64,
 )
-from specdec.rng.philox import philox4x32_10
+from specdec.rng.philox import philox4x32_10, use_native_rows
 from specdec.rng.seeds import (
     derive_seed,
     engine_request_seed,
@@ -39,6 +39,7 @@ __all__ = [
     "tree_draft_stream",
     "uniform",
     "uniform_to_gumbel",
+    "use_native_rows",
     "words_to_uniform32",
     "words_to_uniform64",
 ]

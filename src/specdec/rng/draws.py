@@ -24,7 +24,7 @@ import enum
 
 import torch
 
-from specdec.rng.philox import MASK32, philox4x32_10
+from specdec.rng.philox import MASK32, native_rows, philox4x32_10
 
 UNIFORM32_MAX = 1.0 - 2.0**-24
 UNIFORM64_MAX = 1.0 - 2.0**-53
@@ -114,14 +114,18 @@ def random_words(
     _check_counter_word("positions", positions)
     _check_counter_word("step", steps)
     _check_counter_word("stream", streams)
+    k0, k1 = seeds & MASK32, (seeds >> 32) & MASK32
+    native = native_rows()
+    if native is not None and device.type == "cpu":  # the same words, in C++
+        return native(positions, streams, steps, k0, k1, num_blocks)
     blocks = torch.arange(num_blocks, dtype=torch.int64, device=device)[None, :]
     words = philox4x32_10(
         blocks,
         positions[:, None],
         streams[:, None],
         steps[:, None],
-        (seeds & MASK32)[:, None],
-        ((seeds >> 32) & MASK32)[:, None],
+        k0[:, None],
+        k1[:, None],
     )
     return torch.stack(words, dim=-1)
 

@@ -13,6 +13,8 @@ draws one every token (`benchmarks/probes/probe_cpu_philox.py`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -24,6 +26,21 @@ PHILOX_ROUNDS = 10
 MASK32 = 0xFFFFFFFF
 
 Words = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # Philox's 4 output words
+
+# `random_words`' rows in C++ (the CPU extension's `philox_rows`: (c1, c2, c3, k0, k1 [N],
+# num_blocks) -> [N, num_blocks, 4]), once the extension is loaded; the same words.
+_native_rows: Callable[..., torch.Tensor] | None = None
+
+
+def use_native_rows(rows: Callable[..., torch.Tensor] | None) -> None:
+    """Hands `random_words` a compiled twin of its CPU rounds (None: back to NumPy's)."""
+    global _native_rows
+    _native_rows = rows
+
+
+def native_rows() -> Callable[..., torch.Tensor] | None:
+    """The compiled rows `use_native_rows` handed over, or None."""
+    return _native_rows
 
 
 def _mulhilo(a: torch.Tensor, multiplier: int) -> tuple[torch.Tensor, torch.Tensor]:

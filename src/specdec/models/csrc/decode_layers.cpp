@@ -272,7 +272,13 @@ Tensor q8_linear(const Tensor& x_in, const Tensor& values, const Tensor& scale, 
   return out;
 }
 
+// philox_rows.cpp
+torch::Tensor philox_rows(const torch::Tensor& c1, const torch::Tensor& c2,
+                          const torch::Tensor& c3, const torch::Tensor& k0,
+                          const torch::Tensor& k1, int64_t num_blocks);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("decode_layers", &decode_layers, "the CPU decode step's decoder layers");
   module.def("q8_linear", &q8_linear, "x @ W^T for a symmetric 8-bit group-quantized W");
+  module.def("philox_rows", &philox_rows, "Philox4x32-10 in random_words' layout");
 }
