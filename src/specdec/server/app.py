@@ -29,6 +29,7 @@ from specdec.engine.outputs import CompletionOutput, RequestOutput
 from specdec.rng.seeds import fresh_request_id
 from specdec.sampling import SamplingParams
 from specdec.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from specdec.server.chat_messages import chat_messages
 from specdec.server.config import DEFAULT_MODEL_ALIAS, ServerConfig
 from specdec.server.errors import APIError, _validation_error, error_response
 from specdec.server.guard import _GuardMiddleware
@@ -36,7 +37,6 @@ from specdec.server.prometheus import ServerMetrics
 from specdec.server.protocol import (
     CONSTRAINT_FIELDS,
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
@@ -391,21 +391,6 @@ class OpenAIServer:
         return {"content": content}
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict]:
-    """The messages as the chat template sees them (text content; `name` when given).
-
-    Raises:
-        APIError: 400 for a content part other than text (this server's models read text only).
-    """
-    out = []
-    for index, m in enumerate(messages):
-        message = {"role": m.role, "content": _message_text(m.content, index)}
-        if m.name is not None:
-            message["name"] = m.name
-        out.append(message)
-    return out
-
-
 # Request fields passed to SamplingParams as they are, when given.
 SAMPLING_FIELDS = (
     "temperature",
@@ -425,30 +410,6 @@ SAMPLING_FIELDS = (
     "prompt_logprobs",
     "best_of",
 )
-
-
-def _message_text(content: str | list[dict] | None, index: int) -> str:
-    """The text of message `index`'s content: a string, or its text parts joined."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    parts = []
-    for part in content:
-        kind = part.get("type")
-        if kind != "text":
-            raise APIError(
-                400,
-                f"this model takes text only: messages[{index}] has a content part of type "
-                f"{kind!r} (send {{'type': 'text', 'text': ...}} parts or a string)",
-                param="messages",
-            )
-        if not isinstance(part.get("text"), str):
-            raise APIError(
-                400,
-                f"messages[{index}] has a text content part without a string 'text'",
-                param="messages",
-            )
-        parts.append(part["text"])
-    return "".join(parts)
 
 
 def build_app(engine: AsyncEngine | EngineClient, config: ServerConfig) -> FastAPI:
