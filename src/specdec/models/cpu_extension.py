@@ -28,6 +28,8 @@ SOURCES = [
     Path(__file__).parent / "csrc" / "decode_layers.cpp",
     # specdec.rng's Philox rounds (all randomness lives under specdec/rng/), built in here
     Path(__file__).parents[1] / "rng" / "csrc" / "philox_rows.cpp",
+    # the EAGLE head's CPU step (`drafters.eagle.head_native`: `torch.ops.specdec_eagle`)
+    Path(__file__).parent / "csrc" / "head_step.cpp",
 ]
 NAME = "specdec_decode_layers"
 ENV_SWITCH = "SPECDEC_CPU_NATIVE"  # "0": never build or use the C++ loop

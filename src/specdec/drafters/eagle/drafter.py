@@ -32,6 +32,7 @@ from specdec.drafters.eagle.head import (
     head_logits_weight,
     quantize_head_int8,
 )
+from specdec.drafters.eagle.head_native import native_head_step
 from specdec.drafters.eagle.public import load_head
 from specdec.drafters.eagle.state import EagleState
 from specdec.drafters.eagle.step_inputs import HeadStepInputs
@@ -104,6 +105,10 @@ class EagleDrafter(Drafter):
         # count per step would compile a kernel variant per count).
         long = max_entries is not None and split_when_unseen(max_entries, self.device)
         self.num_partitions = step_partitions(max_entries, self.device) if long else 0
+        # On the CPU the head's decode step in one C++ call (the same operations, the same bits;
+        # None: the Python path).
+        cpu = self.device.type == "cpu" and not self.num_partitions
+        self._native = native_head_step(head, self.kv_cache) if cpu else None
         if max_entries is not None:  # (on the CPU: the same static buffers, run op by op)
             use_graphs = self.device.type == "cuda" and not enforce_eager
             max_blocks = -(-max_entries // block_size)
@@ -378,6 +383,8 @@ class EagleDrafter(Drafter):
             query_per_seq=width,
             num_partitions=self.num_partitions,
         )
+        if self._native is not None:
+            return self._native(hidden, False, self.embed(token_ids), positions_t, meta)
         return self.head.forward_decode(
             hidden, self.embed(token_ids), positions_t, meta, self.kv_cache
         )
@@ -513,8 +520,19 @@ class _HeadGraphs:
             query_per_seq=width,
             num_partitions=drafter.num_partitions,  # (split-KV at long contexts)
         )
-        hidden = head.project_features(step.features) if kind == "catch_up" else step.hidden
         embeds = drafter.embed(step.tokens)
+        if drafter._native is not None and not self.use_graphs:  # the CPU: one C++ call
+            catch_up = kind == "catch_up"
+            out = drafter._native(
+                step.features if catch_up else step.hidden,
+                catch_up,
+                embeds,
+                step.positions,
+                meta,
+                step.ends if catch_up else None,
+            )
+            return out, head_logits(head, out, drafter.lm_weight)
+        hidden = head.project_features(step.features) if kind == "catch_up" else step.hidden
         out = head.forward_decode(hidden, embeds, step.positions, meta, drafter.kv_cache)
         if kind == "catch_up":
             out = out.index_select(0, step.ends)  # each request's last entry
