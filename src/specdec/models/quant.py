@@ -224,6 +224,8 @@ class QuantizedWeight:
     (per-channel int8, bfloat16 scales), "triton_int" / "triton_fp8" (CUDA: the source tensors
     on the device, read by `quant_triton.py`), "reference" (dequantized per call: for shapes no
     kernel takes). `source` (the format's own tensors) is kept when asked, for row selection.
+    A symmetric 8-bit "cpu_int4" weight kept with its source (an LM head: `q8_linear`
+    multiplies by the source where the C++ extension is built) is packed on first use.
     """
 
     def __init__(
@@ -251,7 +253,10 @@ class QuantizedWeight:
         self._meta: dict[str, int | None] = {}
         if self.layout == "cpu_int4":
             assert isinstance(quantized, GroupQuantized)
-            self._pack_cpu_int4(quantized)
+            if not (keep_source and _q8_linear_takes(quantized)):
+                self._pack_cpu_int4(quantized)
+            # else packed on first use by the int4 kernel (`_cpu_int4_tensors`): `q8_linear`
+            # multiplies by the source, and without the C++ extension nothing else reads them
         elif self.layout == "cpu_int8":
             assert isinstance(quantized, GroupQuantized)
             self._tensors["values"] = quantized.values.contiguous()
@@ -310,6 +315,14 @@ class QuantizedWeight:
         assert packed is not None and scale_zero is not None
         self._tensors["packed"], self._tensors["scale_zero"] = packed, scale_zero  # [G', N, 2]
         self._meta = meta
+
+    def _cpu_int4_tensors(self) -> dict[str, torch.Tensor]:
+        """The cpu_int4 tensors ("packed", "scale_zero"; `_meta` set), packed from the source
+        now if they were left for first use."""
+        if "packed" not in self._tensors:
+            assert isinstance(self.source, GroupQuantized)
+            self._pack_cpu_int4(self.source)
+        return self._tensors
 
     def _pack_cuda_int4(self, quantized: GroupQuantized) -> None:
         """Beside the triton_int tensors (which the prefill's dequantization reads), PyTorch's
@@ -380,6 +393,7 @@ class QuantizedWeight:
             values = self._tensors["values"].to(torch.float32)
             return values * self._tensors["scale"].to(torch.float32)[:, None]
         if self.layout == "cpu_int4":
+            self._cpu_int4_tensors()
             expanded = self._unpacked_dequantize(torch.float32)  # [N, K']
             group = self._meta["source_group"]
             if group is None:
@@ -416,14 +430,15 @@ class QuantizedWeight:
         """[N, K'] w' of the cpu_int4 layout (expanded columns) in `dtype`."""
         block = _int4_pack_block()
         num_rows = self.shape[0]
+        tensors = self._cpu_int4_tensors()
         cols = self._meta["expanded_cols"]
         assert cols is not None
         if block is None:
             raise RuntimeError("cannot unpack PyTorch's int4 layout on this machine")
-        nibbles = _unpack_cpu_int4(self._tensors["packed"], num_rows, cols, block)
+        nibbles = _unpack_cpu_int4(tensors["packed"], num_rows, cols, block)
         group = self._meta["group_size"]
         assert group is not None
-        scale_zero = self._tensors["scale_zero"].transpose(0, 1)  # [N, G', 2]
+        scale_zero = tensors["scale_zero"].transpose(0, 1)  # [N, G', 2]
         # In place: one [N, K'] buffer.
         values = nibbles.to(dtype).view(num_rows, cols // group, group).sub_(8)
         values.mul_(scale_zero[:, :, 0:1].to(dtype)).add_(scale_zero[:, :, 1:2].to(dtype))
@@ -434,18 +449,19 @@ class QuantizedWeight:
         """[M, K] -> [M, N] in x's dtype; see `quant_linear`."""
         layout = self.layout
         dequant = not kernel_only
-        if layout == "cpu_int4" and self._meta["source_group"] and self.source is not None:
-            # An 8-bit weight kept beside its nibbles (an LM head): one pass in C++ where built.
+        if layout == "cpu_int4" and self.source is not None and _q8_linear_takes(self.source):
+            # An 8-bit weight kept with its source (an LM head): one pass in C++ where built.
             out = q8_linear(x, self.source)
             if out is not None:
                 return out
         if layout == "cpu_int4":
+            tensors = self._cpu_int4_tensors()
             xk = x if x.dtype == KERNEL_DTYPE_CPU else x.to(KERNEL_DTYPE_CPU)
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 expand_input(xk, self._meta["source_group"]),
-                self._tensors["packed"],
+                tensors["packed"],
                 self._meta["group_size"],
-                self._tensors["scale_zero"],
+                tensors["scale_zero"],
             )
             return out if out.dtype == x.dtype else out.to(x.dtype)
         if layout == "cpu_int8":
@@ -474,6 +490,19 @@ class QuantizedWeight:
             return quant_triton.quant_matmul_triton(x, self._tensors, self._meta, self.shape)
         weight = self.dequantize().to(x.dtype)
         return batch_invariant_linear(x, weight)
+
+
+def _q8_linear_takes(weight: Quantized) -> bool:
+    """Whether `cpu_extension.q8_linear` may multiply by `weight` (symmetric 8-bit, groups of a
+    multiple of 16, int8 values); it still declines inputs that are not [M, K] float32, and
+    every input where the extension is not built."""
+    return (
+        isinstance(weight, GroupQuantized)
+        and weight.bits == 8
+        and weight.zero is None
+        and weight.group_size % 16 == 0
+        and weight.values.dtype == torch.int8
+    )
 
 
 def _pack_int4_rows(nibbles: torch.Tensor, rows_per_call: int = 4096) -> torch.Tensor:

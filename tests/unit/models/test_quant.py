@@ -170,3 +170,58 @@ def test_quantization_names_are_checked() -> None:
         check_quantization(name)
     with pytest.raises(ValueError, match="awq"):
         check_quantization("awq")
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q6_K"])
+def test_a_kept_8bit_source_is_packed_for_the_int4_kernel_on_first_use(
+    type_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A symmetric 8-bit weight kept with its source (an LM head, which the C++ `q8_linear`
+    multiplies by where it is built) holds no int4 tensors until PyTorch's int4 kernel needs
+    them; then it holds the tensors of a weight packed at once, and gives its products and
+    dequantization bit for bit. Weights `q8_linear` never takes are packed at once.
+
+    Negative control: one value moved by one step changes the dequantization (exact float32;
+    the kernel's bfloat16 products may round it away), so its equality sees a change that
+    small."""
+    table = _blocks(type_name, 64, 256, seed=12)
+    eager = QuantizedWeight(table, "cpu")  # no source: packed at once
+    lazy = QuantizedWeight(table, "cpu", keep_source=True)
+    assert lazy.layout == eager.layout == "cpu_int4"
+    assert "packed" not in lazy._tensors
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(14))
+    monkeypatch.setattr("specdec.models.quant.q8_linear", lambda x, weight: None)  # not built
+    assert torch.equal(lazy.matmul(x), eager.matmul(x))
+    assert lazy._meta == eager._meta
+    for name, tensor in eager._tensors.items():
+        assert torch.equal(lazy._tensors[name], tensor), name
+    assert torch.equal(lazy.dequantize(), eager.dequantize())
+    fresh = QuantizedWeight(table, "cpu", keep_source=True)
+    assert torch.equal(fresh.dequantize(), eager.dequantize())  # dequantize packs it too
+    values = table.values.clone()
+    values[0, 0] = values[0, 0] + (1 if values[0, 0] < 0 else -1)
+    moved = GroupQuantized(values, table.scale, None, table.group_size, table.value_range)
+    assert not torch.equal(QuantizedWeight(moved, "cpu").dequantize(), eager.dequantize())
+    four_bit = QuantizedWeight(_blocks("Q4_1", 64, 128, seed=13), "cpu", keep_source=True)
+    assert "packed" in four_bit._tensors
+
+
+def test_int8_quantizer_rounds_each_row_to_its_largest_magnitude() -> None:
+    """`quantize_int8` equals round(w / s) clamped to [-127, 127] with s = max |w| / 127 per
+    row (floored at 1e-12), bit for bit: on random rows, rows of tiny or only negative values,
+    and a zero row.
+
+    Negative control: scales from max |w| / 127.5 differ, so the equality sees the scale."""
+    g = torch.Generator().manual_seed(15)
+    for weight in (
+        torch.randn(96, 80, generator=g),
+        torch.randn(96, 80, generator=g) * 1e-4,
+        -torch.rand(96, 80, generator=g),
+    ):
+        weight[3] = 0.0
+        got = quantize_int8(weight)
+        largest = weight.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+        scale = largest / 127.0
+        assert torch.equal(got.scale, scale)
+        assert torch.equal(got.values, torch.round(weight / scale).clamp(-127, 127).to(torch.int8))
+        assert not torch.equal(got.scale, largest / 127.5)
