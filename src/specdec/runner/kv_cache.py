@@ -18,7 +18,10 @@ class BlockHolder(Protocol):
 
 
 class BlockAllocator:
-    """A free list of `num_blocks` blocks of `block_size` token slots each."""
+    """A free list of `num_blocks` blocks of `block_size` token slots each, last freed first
+    handed out: on the CPU the cache's pages are committed when first written
+    (`KVCache.allocate`), so reusing warm blocks keeps the resident cache at what requests hold
+    at once rather than growing over every block as requests come and go."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -59,11 +62,11 @@ class BlockAllocator:
         beyond them are released). Mutates: holder.block_ids."""
         keep = self.blocks_needed(num_tokens)
         while len(holder.block_ids) > keep:
-            self._free.append(holder.block_ids.pop())
+            self._free.appendleft(holder.block_ids.pop())
 
     def free(self, holder: BlockHolder) -> None:
         """Releases every block of `holder`. Mutates: holder.block_ids."""
-        self._free.extend(reversed(holder.block_ids))
+        self._free.extendleft(reversed(holder.block_ids))  # its first block is next out
         holder.block_ids.clear()
 
     def slots(self, holder: BlockHolder, start: int, count: int) -> list[int]:
