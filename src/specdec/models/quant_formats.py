@@ -161,9 +161,10 @@ def quantize_int8(weight: torch.Tensor) -> GroupQuantized:
     Args: weight: [N, K] float. Returns: GroupQuantized with group_size K, values in [-127, 127].
     """
     weight = weight.to(torch.float32)
-    scale = weight.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0  # [N, 1]
-    values = torch.round(weight / scale).clamp(-127, 127).to(torch.int8)
-    return GroupQuantized(values, scale, None, weight.shape[1], (-127, 127))
+    low, high = torch.aminmax(weight, dim=1, keepdim=True)  # max |w| = max(-low, high) exactly
+    scale = torch.maximum(-low, high).clamp(min=1e-12) / 127.0  # [N, 1]
+    values = torch.div(weight, scale).round_().clamp_(-127, 127)  # one [N, K] float temporary
+    return GroupQuantized(values.to(torch.int8), scale, None, weight.shape[1], (-127, 127))
 
 
 def int4_group_size(num_cols: int) -> int:
