@@ -410,7 +410,8 @@ def quantize_model(model: LlamaForCausalLM, quantization: str) -> LlamaForCausal
 def quantize_layer(
     layer: torch.nn.Module, quantization: str, device: torch.device, dtype: torch.dtype
 ) -> None:
-    """Quantizes one decoder layer's linears in place (q/k/v and gate/up fused)."""
+    """Quantizes one decoder layer's linears in place (q/k/v and gate/up fused), then hands the
+    memory of their float weights back to the OS."""
     for block_name, fused_name, names in _FUSED_GROUPS:
         block = getattr(layer, block_name)
         linears = [getattr(block, name) for name in names]
@@ -427,6 +428,7 @@ def quantize_layer(
         linear = getattr(getattr(layer, block_name), name)
         weight = quantize(linear.weight.detach(), quantization)
         linear.set_quantized(QuantizedWeight(weight, device))
+    _release_freed_memory()
 
 
 def _fuse(
