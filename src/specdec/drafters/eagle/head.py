@@ -479,7 +479,9 @@ def load_eagle_head(
     if (draft_to_target is None) != (config.draft_vocab_size is None):
         raise CheckpointError(f"{path}: draft_vocab_size and the draft_to_target tensor disagree")
     if draft_to_target is not None:
-        draft_to_target = draft_to_target.to(torch.int64)
+        # A copy: `load_file`'s tensors are views of the file's memory map, which this one
+        # alone would keep mapped (its read pages resident) for the drafter's lifetime.
+        draft_to_target = draft_to_target.to(torch.int64, copy=True)
         if draft_to_target.shape != (config.draft_vocab_size,) or not (
             int(draft_to_target.min()) >= 0 and int(draft_to_target.max()) < target.vocab_size
         ):
