@@ -251,9 +251,11 @@ class QuantizedWeight:
         self.layout: Layout = layout or _default_layout(quantized, device)
         self._tensors: dict[str, torch.Tensor] = {}
         self._meta: dict[str, int | None] = {}
+        # `q8_linear` multiplies by the source (checked once: the decode step asks every step)
+        self._q8_source = self.layout == "cpu_int4" and keep_source and _q8_linear_takes(quantized)
         if self.layout == "cpu_int4":
             assert isinstance(quantized, GroupQuantized)
-            if not (keep_source and _q8_linear_takes(quantized)):
+            if not self._q8_source:
                 self._pack_cpu_int4(quantized)
             # else packed on first use by the int4 kernel (`_cpu_int4_tensors`): `q8_linear`
             # multiplies by the source, and without the C++ extension nothing else reads them
@@ -449,7 +451,7 @@ class QuantizedWeight:
         """[M, K] -> [M, N] in x's dtype; see `quant_linear`."""
         layout = self.layout
         dequant = not kernel_only
-        if layout == "cpu_int4" and self.source is not None and _q8_linear_takes(self.source):
+        if self._q8_source:
             # An 8-bit weight kept with its source (an LM head): one pass in C++ where built.
             out = q8_linear(x, self.source)
             if out is not None:
