@@ -53,7 +53,7 @@ from specdec.engine.setup import (
     size_kv_cache,
     use_native_random_words,
 )
-from specdec.engine.spec_policy import SYNC_EXPLORE_BUDGET, SpeculationPolicy
+from specdec.engine.spec_policy import SYNC_EXPLORE_BUDGET, SYNC_SPEC_MARGIN, SpeculationPolicy
 from specdec.engine.speculative_loops import SpeculativeLoops
 from specdec.engine.warm_up import WarmUpReport, warm_up
 from specdec.metrics import LoopStats, SpecDecodeStats
@@ -213,6 +213,7 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
                 # Without device rounds (the CPU) every step is synchronous and a drafted step
                 # costs about twice a plain one: explore within a share of the time.
                 side_budget=None if self.device_rounds else SYNC_EXPLORE_BUDGET,
+                margin=0.0 if self.device_rounds else SYNC_SPEC_MARGIN,
             )
         self._sync_k: dict[int, int] = {}  # batch bucket -> the K its last measured step took
         self._sync_emitted: list[Emission | None] = []  # the last synchronous step's

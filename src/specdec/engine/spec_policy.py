@@ -51,6 +51,11 @@ PLAIN = -1  # the plain arm: a plain overlapped decode step, outside device roun
 # The share of the time that re-exploring K on an engine of synchronous steps (the CPU) may
 # cost (`SpeculationPolicy.side_budget`).
 SYNC_EXPLORE_BUDGET = 0.02
+# How much better than K = 0 a drafting arm must look on the synchronous step (the CPU) to be
+# chosen (`SpeculationPolicy.margin`): a few times the spread of its cost medians from run to
+# run on the 2-core machine (s24: K = 1 at batch 1 measured 1.47 tokens for 15.1 ms against
+# 1 for 9.8, within a few percent of each other from one server run to the next).
+SYNC_SPEC_MARGIN = 0.05
 
 # The expected maximum of 2^i independent standard normals, i = 0..10.
 _EXPECTED_MAX_NORMAL = (0.0, 0.5642, 1.0294, 1.4236, 1.7660, 2.0697, 2.3437, 2.5946, 2.8269,
@@ -106,6 +111,12 @@ class SpeculationPolicy:
             every `explore_every` steps. A share (the synchronous step of the CPU, where a
             drafted step costs twice a plain one): only once that share of the time since pays
             for what exploring it is expected to lose against the best arm.
+        margin: a drafting arm (K > 0) is chosen over a measured K = 0 only when it is
+            expected to beat it by more than this share (of tokens per second, or of the
+            seconds to finish a closed batch). The synchronous step (`SYNC_SPEC_MARGIN`):
+            where the two are within the noise of their medians, a drafting step also pays
+            what its cost does not show (the drafter's catch-up on the entries a K = 0 stretch
+            left it), so K = 0 is the safe side.
     """
 
     max_k: int
@@ -118,6 +129,7 @@ class SpeculationPolicy:
     window: int = 8
     decay: float = 0.1
     side_budget: float | None = None
+    margin: float = 0.0
     _costs: dict[tuple[int, int], _Cost] = field(default_factory=dict)
     _entry: dict[int, deque[float]] = field(default_factory=dict)  # bucket -> entry costs
     _tried: dict[tuple[int, int], int] = field(default_factory=dict)
@@ -179,9 +191,15 @@ class SpeculationPolicy:
                 return k
         if remaining:
             ordered = sorted(remaining)
-            best = min(arms, key=lambda k: self._seconds_to_finish(bucket, k, ordered, in_rounds))
+            finish = {k: self._seconds_to_finish(bucket, k, ordered, in_rounds) for k in arms}
+            best = min(arms, key=finish.__getitem__)
+            drafts_pay = finish[best] < (1 - self.margin) * finish.get(0, finish[best])
         else:
-            best = max(arms, key=lambda k: self.tokens_per_second(bucket, k))
+            rates = {k: self.tokens_per_second(bucket, k) for k in arms}
+            best = max(arms, key=rates.__getitem__)
+            drafts_pay = rates[best] > (1 + self.margin) * rates.get(0, rates[best])
+        if best > 0 and self.margin and self._measured(bucket, 0) is not None and not drafts_pay:
+            best = 0  # within the margin of K = 0: not worth a draft (see `margin`)
         if self._rounds % self.explore_every == 0:
             others = [k for k in arms if k != best and self._may_explore(bucket, k, in_rounds)]
             if others:

@@ -322,3 +322,25 @@ def test_side_budget_a_new_bucket_starts_from_the_measured_ones():
     assert 1 in chosen[:20]  # then K = 1 from batch 1's ratio
     assert chosen[20:] == [0] * 40
     assert chosen.count(1) <= 5 + policy.explore_run
+
+
+def test_margin_keeps_k_0_unless_drafting_beats_it_by_more():
+    """Synchronous steps (the CPU, `SYNC_SPEC_MARGIN`): K = 1 emits 1.5 tokens a step. At 1.45 s
+    a step (3% more tokens per second than K = 0's 1 s) a 5% margin keeps K = 0, in the open
+    and the closed-batch objectives; at 1.3 s (15% more) K = 1 is chosen. Negative control:
+    without the margin K = 1 wins at 1.45 s too."""
+
+    def choice(k1_seconds: float, margin: float, remaining: list[int] | None) -> int:
+        policy = SpeculationPolicy(1, explore_every=10**6, side_budget=0.02, margin=margin)
+        seconds = {0: 1.0, 1: k1_seconds}
+        for _ in range(3 * policy.explore_run):  # every arm measured, acceptance 0.5
+            k = policy.choose(BUCKET)
+            policy.observe(BUCKET, k, seconds[k], [(1, 1), (1, 0)] if k else [])
+        for _ in range(30):
+            policy.observe(BUCKET, 1, None, [(1, 1), (1, 0)])
+        return policy.choose(BUCKET, remaining)
+
+    for remaining in (None, [200, 180]):
+        assert choice(1.45, 0.05, remaining) == 0
+        assert choice(1.30, 0.05, remaining) == 1
+        assert choice(1.45, 0.0, remaining) == 1  # the negative control
