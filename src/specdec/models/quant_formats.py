@@ -155,16 +155,26 @@ def concat_quantized(parts: list[Quantized]) -> Quantized:
 
 
 # --------------------------------------------------------------------------- quantizers
-def quantize_int8(weight: torch.Tensor) -> GroupQuantized:
-    """Symmetric per-channel int8 (gpt-fast's "int8"): scale = max|w| / 127 per row.
+def quantize_int8(weight: torch.Tensor, chunk_values: int = 1 << 20) -> GroupQuantized:
+    """Symmetric per-channel int8 (gpt-fast's "int8"): scale = max|w| / 127 per row, in float32
+    (a float16 or bfloat16 weight is upcast exactly). A few rows at a time, as each row's scale
+    and values depend on that row alone: the float32 temporaries hold `chunk_values` values, not
+    the whole weight (the same bits for any chunking).
 
     Args: weight: [N, K] float. Returns: GroupQuantized with group_size K, values in [-127, 127].
     """
-    weight = weight.to(torch.float32)
-    low, high = torch.aminmax(weight, dim=1, keepdim=True)  # max |w| = max(-low, high) exactly
-    scale = torch.maximum(-low, high).clamp(min=1e-12) / 127.0  # [N, 1]
-    values = torch.div(weight, scale).round_().clamp_(-127, 127)  # one [N, K] float temporary
-    return GroupQuantized(values.to(torch.int8), scale, None, weight.shape[1], (-127, 127))
+    num_rows, num_cols = weight.shape
+    values = torch.empty(num_rows, num_cols, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(num_rows, 1, dtype=torch.float32, device=weight.device)
+    rows_per_chunk = max(1, chunk_values // max(num_cols, 1))
+    for start in range(0, num_rows, rows_per_chunk):
+        rows = slice(start, start + rows_per_chunk)
+        chunk = weight[rows].to(torch.float32)  # [n, K]
+        low, high = torch.aminmax(chunk, dim=1, keepdim=True)  # max |w| = max(-low, high) exactly
+        chunk_scale = torch.maximum(-low, high).clamp(min=1e-12) / 127.0  # [n, 1]
+        scale[rows] = chunk_scale
+        values[rows] = torch.div(chunk, chunk_scale).round_().clamp_(-127, 127)
+    return GroupQuantized(values, scale, None, num_cols, (-127, 127))
 
 
 def int4_group_size(num_cols: int) -> int:
@@ -210,8 +220,15 @@ def quantize_fp8(weight: torch.Tensor, per_channel: bool = True) -> Fp8Quantized
     return Fp8Quantized(values, scale.contiguous())
 
 
-def quantize(weight: torch.Tensor, quantization: str) -> Quantized:
-    """A float [N, K] weight in the format `quantization` ("int8", "int4", "fp8") names."""
+def quantize(
+    weight: torch.Tensor, quantization: str, dtype: torch.dtype | None = None
+) -> Quantized:
+    """A float [N, K] weight in the format `quantization` ("int8", "int4", "fp8") names; with
+    `dtype`, the weight as loaded in `dtype` (a weight kept in its file's dtype): `weight` cast
+    to `dtype` first, a copy made only where `dtype` is not float32 (the quantizers compute in
+    float32, and their own upcast is that cast)."""
+    if dtype is not None and dtype != torch.float32:
+        weight = weight.to(dtype)
     if quantization == "int8":
         return quantize_int8(weight)
     if quantization == "int4":

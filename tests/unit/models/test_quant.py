@@ -225,3 +225,25 @@ def test_int8_quantizer_rounds_each_row_to_its_largest_magnitude() -> None:
         assert torch.equal(got.scale, scale)
         assert torch.equal(got.values, torch.round(weight / scale).clamp(-127, 127).to(torch.int8))
         assert not torch.equal(got.scale, largest / 127.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_int8_quantizer_gives_the_same_bits_in_any_chunking_and_from_the_file_dtype(dtype) -> None:
+    """`quantize_int8` a few rows at a time (chunks of 1 row, of 7 rows: a last partial chunk,
+    of the whole weight) equals the whole weight at once, and a float16 / bfloat16 weight
+    equals its float32 copy (the upcast is exact), bit for bit: scales compared as bytes.
+
+    Negative control: a weight whose float32 copy is rounded to bfloat16 first gives other
+    bits (a cast that is not exact shows)."""
+    g = torch.Generator().manual_seed(16)
+    weight = (torch.randn(45, 80, generator=g) * 0.05).to(dtype)
+    weight[3] = 0.0
+    whole = quantize_int8(weight.float(), chunk_values=weight.numel())
+    for chunk_values in (1, 80, 7 * 80 + 5, 1 << 20):
+        got = quantize_int8(weight, chunk_values=chunk_values)
+        assert torch.equal(got.values, whole.values)
+        assert torch.equal(got.scale.view(torch.int32), whole.scale.view(torch.int32))
+        assert got.values.dtype == torch.int8 and got.scale.shape == (45, 1)
+    if dtype != torch.bfloat16:
+        rounded = quantize_int8(weight.float().to(torch.bfloat16))
+        assert not torch.equal(rounded.scale.view(torch.int32), whole.scale.view(torch.int32))
