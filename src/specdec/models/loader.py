@@ -411,11 +411,12 @@ def quantize_layer(
     layer: torch.nn.Module, quantization: str, device: torch.device, dtype: torch.dtype
 ) -> None:
     """Quantizes one decoder layer's linears in place (q/k/v and gate/up fused), then hands the
-    memory of their float weights back to the OS."""
+    memory of their float weights back to the OS. A weight kept in its file's dtype
+    (`eagle.head.load_eagle_head`) gives the bits of one loaded in `dtype` (`quantize`)."""
     for block_name, fused_name, names in _FUSED_GROUPS:
         block = getattr(layer, block_name)
         linears = [getattr(block, name) for name in names]
-        weights = [quantize(linear.weight.detach(), quantization) for linear in linears]
+        weights = [quantize(linear.weight.detach(), quantization, dtype) for linear in linears]
         fused = _fuse(linears, weights, device)
         assert fused is not None  # one format for all
         biases = [linear.bias for linear in linears]
@@ -426,7 +427,7 @@ def quantize_layer(
         set_fused(block, fused_name, fused_quantized(linears, fused, bias))
     for block_name, name in _SINGLE_LINEARS:
         linear = getattr(getattr(layer, block_name), name)
-        weight = quantize(linear.weight.detach(), quantization)
+        weight = quantize(linear.weight.detach(), quantization, dtype)
         linear.set_quantized(QuantizedWeight(weight, device))
     _release_freed_memory()
 

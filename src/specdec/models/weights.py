@@ -5,7 +5,7 @@ Shared by the safetensors and GGUF loaders; it never reads files itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
@@ -21,6 +21,7 @@ def assign_weights(
     source: str,
     dtype: torch.dtype,
     device: torch.device | str,
+    keep_dtype: Collection[str] = (),
 ) -> None:
     """Replaces every parameter of `model` by the checkpoint tensor of the same (HF) name.
 
@@ -30,6 +31,9 @@ def assign_weights(
         source: the checkpoint path, for error messages.
         dtype: dtype of the loaded parameters.
         device: device of the loaded parameters.
+        keep_dtype: parameters that keep the checkpoint tensor's dtype (on the CPU, the tensor
+            `read_tensor` returned: no copy), for a caller that quantizes them next, one at a
+            time (`eagle.head.load_eagle_head`).
 
     Raises:
         CheckpointError: a missing tensor or a shape mismatch (the tensor is named).
@@ -48,7 +52,7 @@ def assign_weights(
                 f"{source}: tensor {name!r} has shape {list(tensor.shape)}, "
                 f"expected {list(param.shape)}"
             )
-        state[name] = tensor.to(device=device, dtype=dtype)
+        state[name] = tensor.to(device=device, dtype=None if name in keep_dtype else dtype)
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device)  # buffers (RoPE frequencies) follow the parameters
     model.requires_grad_(False)

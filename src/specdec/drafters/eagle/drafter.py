@@ -26,12 +26,7 @@ from specdec.drafters.base import (
 from specdec.drafters.config import MAX_NUM_SPECULATIVE_TOKENS, SpeculativeConfig, TreeConfig
 from specdec.drafters.device import DeviceDrafting
 from specdec.drafters.eagle.eagle3 import Eagle3Head
-from specdec.drafters.eagle.head import (
-    EagleHead,
-    head_logits,
-    head_logits_weight,
-    quantize_head_int8,
-)
+from specdec.drafters.eagle.head import EagleHead, head_logits, head_logits_weight
 from specdec.drafters.eagle.head_native import native_head_step
 from specdec.drafters.eagle.public import load_head
 from specdec.drafters.eagle.state import EagleState
@@ -133,12 +128,15 @@ class EagleDrafter(Drafter):
                 f'speculative_config method "{spec.method}" needs "model": the directory of a '
                 "head or of a target checkpoint with MTP layers"
             )
+        # The head follows a target kept quantized on the CPU: int8 weight-only linears.
         head, draft_to_target = load_head(
-            spec.model, target, dtype=target.dtype, device=target.device, method=spec.method
+            spec.model,
+            target,
+            dtype=target.dtype,
+            device=target.device,
+            method=spec.method,
+            int8_linears=target.quantization is not None,
         )
-        if target.quantization is not None:
-            # The head follows a target kept quantized on the CPU: int8 weight-only linears.
-            quantize_head_int8(head)
         return cls(
             head,
             target,

@@ -436,27 +436,55 @@ def quantize_head_int8(head: nn.Module) -> bool:
     be slower than the float head). Its drafts are then drawn from the quantized head's own
     distribution, which is what the verifier is given, so exactness does not depend on it.
     Half a round's host time on a 2-core AMD EPYC (the head's `propose` 8.1 -> 4.0 ms median,
-    the held-out acceptance unchanged; BENCHMARKS.md area 4)."""
-    device = head.device
+    the held-out acceptance unchanged; BENCHMARKS.md area 4). A linear's weight kept in its
+    file's dtype (`load_eagle_head`) gives the bits of a head loaded in `head.dtype`."""
+    device, dtype = head.device, head.dtype
     if device.type != "cpu":
         return False
     linears = [getattr(head, name, None) for name in ("fc", "in_proj")]
     linears = [linear for linear in linears if linear is not None]
     weights = [
-        QuantizedWeight(quantize(linear.weight.detach(), "int8"), device) for linear in linears
+        QuantizedWeight(quantize(linear.weight.detach(), "int8", dtype), device)
+        for linear in linears
     ]
     if any(weight.layout != "cpu_int8" for weight in weights):
         return False
     for linear, weight in zip(linears, weights, strict=True):
         linear.set_quantized(weight)
-    quantize_layer(head.layer, "int8", device, head.dtype)
+    quantize_layer(head.layer, "int8", device, dtype)
     return True
 
 
+def _linear_weight_names(head: nn.Module) -> list[str]:
+    """The parameter names of the weights of `head`'s `Linear`s (those `quantize_head_int8`
+    quantizes, and an EAGLE-3 head's own LM head, which it keeps float)."""
+    return [
+        f"{name}.weight"
+        for name, module in head.named_modules()
+        if isinstance(module, Linear) and module.weight is not None
+    ]
+
+
+def _cast_parameters(module: nn.Module, dtype: torch.dtype) -> None:
+    """Casts every parameter of `module` that is not in `dtype` (weights kept in their file's
+    dtype that were not quantized). Mutates: those parameters (replaced)."""
+    for owner in module.modules():
+        for name, param in list(owner.named_parameters(recurse=False)):
+            if param.dtype != dtype:
+                setattr(owner, name, nn.Parameter(param.to(dtype), requires_grad=False))
+
+
 def load_eagle_head(
-    path: str | Path, target: ModelConfig, dtype: torch.dtype, device: torch.device | str
+    path: str | Path,
+    target: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    int8_linears: bool = False,
 ) -> tuple[EagleHead, torch.Tensor | None]:
-    """Loads a head directory (config.json + model.safetensors).
+    """Loads a head directory (config.json + model.safetensors); with `int8_linears`, its
+    linears made int8 as `quantize_head_int8` makes them (where it can: on the CPU), each from
+    the file's tensor: the head never holds its float linears all at once (the shipped head's
+    would be 32 MiB in float32 beside the file's 16; at most one weight in float here).
 
     Returns:
         (head in eval mode without grads, draft_to_target [V_draft] int64 or None).
@@ -488,5 +516,11 @@ def load_eagle_head(
             raise CheckpointError(f"{path}: draft_to_target is not a map into the target vocab")
     with torch.device("meta"):
         head = EagleHead(config)
-    assign_weights(head, tensors.get, str(path), dtype, device)
+    # With int8_linears, the linears' weights stay views of the file until quantized.
+    keep = _linear_weight_names(head) if int8_linears else ()
+    assign_weights(head, tensors.get, str(path), dtype, device, keep_dtype=keep)
+    del tensors
+    if keep:
+        quantize_head_int8(head)
+        _cast_parameters(head, dtype)  # none left where the head was quantized
     return head, draft_to_target

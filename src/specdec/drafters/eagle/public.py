@@ -27,7 +27,13 @@ from pathlib import Path
 import torch
 
 from specdec.drafters.eagle.eagle3 import Eagle3Head, load_eagle3_head
-from specdec.drafters.eagle.head import EagleConfig, EagleHead, HeadLayout, load_eagle_head
+from specdec.drafters.eagle.head import (
+    EagleConfig,
+    EagleHead,
+    HeadLayout,
+    load_eagle_head,
+    quantize_head_int8,
+)
 from specdec.drafters.formats import (
     EAGLE3,
     SPECDEC_EAGLE,
@@ -60,10 +66,12 @@ def load_head(
     dtype: torch.dtype,
     device: torch.device | str,
     method: str = "eagle",
+    int8_linears: bool = False,
 ) -> tuple[EagleHead | Eagle3Head, torch.Tensor | None]:
     """Loads the EAGLE head in `path`, whichever format `recognise_eagle` finds there
     (`method` "eagle3", vLLM's name for EAGLE-3 heads, takes those only; "mtp" first looks for
-    MTP layers in a target checkpoint there: `drafters.mtp`).
+    MTP layers in a target checkpoint there: `drafters.mtp`); with `int8_linears`, its linears
+    made int8 (`head.quantize_head_int8`; a head of this engine's format as it is read).
 
     Returns:
         (head in eval mode without grads, draft_to_target [V_draft] int64 or None).
@@ -81,7 +89,7 @@ def load_head(
     checkpoint = DrafterCheckpoint(path)
     if method == "mtp":
         if recognise_mtp(checkpoint) is not None:
-            return load_mtp_head(checkpoint, target, dtype, device), None
+            return _int8(load_mtp_head(checkpoint, target, dtype, device), int8_linears), None
         try:
             recognise_eagle(checkpoint)
         except CheckpointError:
@@ -92,11 +100,19 @@ def load_head(
             f'{path} holds a {kind} head, not an EAGLE-3 one: speculative_config method "eagle3" '
             'takes EAGLE-3 heads; use "eagle" for this one'
         )
-    if kind == SPECDEC_EAGLE:
-        return load_eagle_head(path, target.config, dtype, device)
+    if kind == SPECDEC_EAGLE:  # quantized as it is read
+        return load_eagle_head(path, target.config, dtype, device, int8_linears)
     if kind == EAGLE3:
-        return load_eagle3_head(checkpoint, target, dtype, device)
-    return load_eagle1_head(checkpoint, target, dtype, device), None
+        head, draft_to_target = load_eagle3_head(checkpoint, target, dtype, device)
+        return _int8(head, int8_linears), draft_to_target
+    return _int8(load_eagle1_head(checkpoint, target, dtype, device), int8_linears), None
+
+
+def _int8(head: EagleHead | Eagle3Head, int8_linears: bool) -> EagleHead | Eagle3Head:
+    """`head`, with `int8_linears` made int8 where it can be (`quantize_head_int8`)."""
+    if int8_linears:
+        quantize_head_int8(head)
+    return head
 
 
 def eagle1_config(
