@@ -99,12 +99,16 @@ def q8_linear_ref(
     return (v4[..., 0] + v4[..., 2]) + (v4[..., 1] + v4[..., 3])
 
 
-def q8_linear(x: torch.Tensor, weight: Any) -> torch.Tensor | None:
+def q8_linear(
+    x: torch.Tensor, weight: Any, rows: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """x @ W^T through the C++ `q8_linear` for a symmetric 8-bit group-quantized W (a
     `GroupQuantized`: GGUF Q8_0, Q6_K) and float32 x on the CPU; None where it does not apply
     or the extension is not built here (the caller's kernel then runs). One pass over W's
     bytes, float32 throughout: against PyTorch's int4 kernel over the weight split in two
-    nibbles (twice the products, x and the result rounded to bfloat16), half the work."""
+    nibbles (twice the products, x and the result rounded to bfloat16), half the work.
+    `rows` ([N'] int64): only those rows of W, read in place (output n is row rows[n]; the bits
+    of the same product over a copy of them)."""
     if (
         x.dtype != torch.float32
         or x.dim() != 2
@@ -118,4 +122,4 @@ def q8_linear(x: torch.Tensor, weight: Any) -> torch.Tensor | None:
     extension = load_extension()
     if extension is None:
         return None
-    return extension.q8_linear(x, weight.values, weight.scale, weight.group_size)
+    return extension.q8_linear(x, weight.values, weight.scale, weight.group_size, rows)

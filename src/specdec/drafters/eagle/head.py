@@ -29,7 +29,7 @@ from specdec.models.fused import add_rms_norm
 from specdec.models.layers import Embedding, Linear, RMSNorm
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.loader import quantize_layer
-from specdec.models.quant import QuantizedWeight, quant_linear
+from specdec.models.quant import QuantizedRows, QuantizedWeight, quant_linear
 from specdec.models.quant_formats import quantize
 from specdec.models.rope import RotaryEmbedding
 from specdec.models.weights import CheckpointError, assign_weights
@@ -379,7 +379,7 @@ def head_logits_weight(
     draft_to_target: torch.Tensor | None,
     dtype: torch.dtype,
     head: nn.Module | None = None,
-) -> torch.Tensor | QuantizedWeight:
+) -> torch.Tensor | QuantizedWeight | QuantizedRows:
     """[V_draft, D] the LM head `head` scores: its own `lm_head` (an EAGLE-3 head's) when it
     has one, else the rows of the target's LM head (all rows when not reduced), in `dtype`, or
     in the target's quantized format when its head is quantized."""
@@ -390,7 +390,7 @@ def head_logits_weight(
     if quantized is not None:
         if draft_to_target is None:
             return quantized
-        return quantized.select_rows(draft_to_target)
+        return quantized.rows(draft_to_target)
     weight = target.lm_head_weight
     if draft_to_target is not None:
         weight = weight.index_select(0, draft_to_target.to(weight.device))
@@ -398,7 +398,7 @@ def head_logits_weight(
 
 
 def head_logits(
-    head: EagleHead, hidden: torch.Tensor, lm_weight: torch.Tensor | QuantizedWeight
+    head: EagleHead, hidden: torch.Tensor, lm_weight: torch.Tensor | QuantizedWeight | QuantizedRows
 ) -> torch.Tensor:
     """[.., D] head outputs -> [.., V_draft] float32 draft logits."""
     inference = hidden.dim() == 2 and not torch.is_grad_enabled()
@@ -410,6 +410,8 @@ def head_logits(
         normed = head.norm(hidden)
     if isinstance(lm_weight, QuantizedWeight):
         return quant_linear(normed, lm_weight).float()
+    if isinstance(lm_weight, QuantizedRows):
+        return lm_weight.matmul(normed).float()
     return F.linear(normed, lm_weight).float()
 
 

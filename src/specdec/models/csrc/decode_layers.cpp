@@ -163,10 +163,11 @@ static inline float q8_finish(const float* lanes) {
 template <int Tile>
 static void q8_rows_avx512(const float* xs, const int8_t* qs, const float* ds, float* os,
                            int64_t cols, int64_t outs, int64_t groups, int64_t chunks,
-                           int64_t begin, int64_t end) {
+                           int64_t begin, int64_t end, const int64_t* row_ids) {
   for (int64_t n = begin; n < end; ++n) {
-    const int8_t* q_row = qs + n * cols;
-    const float* d_row = ds + n * groups;
+    const int64_t w = row_ids == nullptr ? n : row_ids[n];  // output n's weight row
+    const int8_t* q_row = qs + w * cols;
+    const float* d_row = ds + w * groups;
     __m512 acc[Tile];
     for (int t = 0; t < Tile; ++t) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
@@ -199,17 +200,33 @@ static void q8_rows_avx512(const float* xs, const int8_t* qs, const float* ds, f
 // never depends on M: 16 lanes; per group, s[l] = sum over the group's 16-wide chunks c, in
 // order, of x[c * 16 + l] * float(values[c * 16 + l]) (a product, then a sum: built with
 // -ffp-contract=off), then lanes[l] += s[l] * scale[g]; the lanes summed pairwise
-// (l + 8, then + 4, + 2, + 1). One pass over W's bytes for every four rows of x.
-Tensor q8_linear(const Tensor& x_in, const Tensor& values, const Tensor& scale, int64_t group) {
+// (l + 8, then + 4, + 2, + 1). One pass over W's bytes for every four rows of x. With `rows`
+// ([N'] int64), output n is weight row rows[n] (a row selection read in place: an EAGLE head's
+// draft vocabulary in its target's LM head), with the same sums, so the bits of a copy of them.
+Tensor q8_linear(const Tensor& x_in, const Tensor& values, const Tensor& scale, int64_t group,
+                 const std::optional<Tensor>& rows) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "x: [M, K] float32");
   TORCH_CHECK(values.scalar_type() == at::kChar && values.is_contiguous(), "values: int8");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous(), "scale: float32");
   TORCH_CHECK(group % 16 == 0 && values.size(1) % group == 0, "group: a multiple of 16");
   const Tensor x = x_in.contiguous();
-  const int64_t rows = x.size(0), cols = x.size(1), outs = values.size(0);
-  TORCH_CHECK(values.size(1) == cols && scale.size(0) == outs && scale.size(1) == cols / group,
+  const int64_t num_rows = x.size(0), cols = x.size(1), weight_rows = values.size(0);
+  TORCH_CHECK(values.size(1) == cols && scale.size(0) == weight_rows &&
+                  scale.size(1) == cols / group,
               "shapes of x, values and scale disagree");
-  Tensor out = at::empty({rows, outs}, x.options());
+  Tensor row_index;
+  const int64_t* row_ids = nullptr;
+  if (rows.has_value()) {
+    row_index = rows->contiguous();
+    TORCH_CHECK(row_index.scalar_type() == at::kLong && row_index.dim() == 1,
+                "rows: [N'] int64");
+    TORCH_CHECK(row_index.numel() == 0 || (row_index.min().item<int64_t>() >= 0 &&
+                                           row_index.max().item<int64_t>() < weight_rows),
+                "rows: indices of W's rows");
+    row_ids = row_index.data_ptr<int64_t>();
+  }
+  const int64_t outs = row_ids == nullptr ? weight_rows : row_index.size(0);
+  Tensor out = at::empty({num_rows, outs}, x.options());
   const float* xs = x.data_ptr<float>();
   const int8_t* qs = values.data_ptr<int8_t>();
   const float* ds = scale.data_ptr<float>();
@@ -218,8 +235,9 @@ Tensor q8_linear(const Tensor& x_in, const Tensor& values, const Tensor& scale, 
 #if !defined(__AVX512F__)
   // One output's lanes in `lanes` (the scalar form of the arithmetic above).
   auto one = [&](const float* x_row, int64_t n, float* lanes) {
-    const int8_t* q_row = qs + n * cols;
-    const float* d_row = ds + n * groups;
+    const int64_t w = row_ids == nullptr ? n : row_ids[n];
+    const int8_t* q_row = qs + w * cols;
+    const float* d_row = ds + w * groups;
     for (int l = 0; l < 16; ++l) lanes[l] = 0.0f;
     for (int64_t g = 0; g < groups; ++g) {
       float sums[16] = {0};
@@ -238,18 +256,19 @@ Tensor q8_linear(const Tensor& x_in, const Tensor& values, const Tensor& scale, 
     // The same lane arithmetic, one 16-lane register per row for its lanes (mul, then add).
     // Up to four rows of x share each weight row's load and conversion (a verify step's rows:
     // one pass over W's bytes for all of them); each row's sums stay its own.
-    for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+    for (int64_t m0 = 0; m0 < num_rows; m0 += 4) {
       const float* x0 = xs + m0 * cols;
       float* o0 = os + m0 * outs;
-      switch (std::min<int64_t>(4, rows - m0)) {
-        case 4: q8_rows_avx512<4>(x0, qs, ds, o0, cols, outs, groups, chunks, begin, end); break;
-        case 3: q8_rows_avx512<3>(x0, qs, ds, o0, cols, outs, groups, chunks, begin, end); break;
-        case 2: q8_rows_avx512<2>(x0, qs, ds, o0, cols, outs, groups, chunks, begin, end); break;
-        default: q8_rows_avx512<1>(x0, qs, ds, o0, cols, outs, groups, chunks, begin, end);
+      const int64_t* ids = row_ids;
+      switch (std::min<int64_t>(4, num_rows - m0)) {
+        case 4: q8_rows_avx512<4>(x0, qs, ds, o0, cols, outs, groups, chunks, begin, end, ids); break;
+        case 3: q8_rows_avx512<3>(x0, qs, ds, o0, cols, outs, groups, chunks, begin, end, ids); break;
+        case 2: q8_rows_avx512<2>(x0, qs, ds, o0, cols, outs, groups, chunks, begin, end, ids); break;
+        default: q8_rows_avx512<1>(x0, qs, ds, o0, cols, outs, groups, chunks, begin, end, ids);
       }
     }
 #else
-    for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t m = 0; m < num_rows; ++m) {
       const float* x_row = xs + m * cols;
       for (int64_t n = begin; n < end; ++n) {
         float lanes[16];
@@ -279,6 +298,8 @@ torch::Tensor philox_rows(const torch::Tensor& c1, const torch::Tensor& c2,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("decode_layers", &decode_layers, "the CPU decode step's decoder layers");
-  module.def("q8_linear", &q8_linear, "x @ W^T for a symmetric 8-bit group-quantized W");
+  module.def("q8_linear", &q8_linear, "x @ W^T for a symmetric 8-bit group-quantized W",
+             pybind11::arg("x"), pybind11::arg("values"), pybind11::arg("scale"),
+             pybind11::arg("group"), pybind11::arg("rows") = pybind11::none());
   module.def("philox_rows", &philox_rows, "Philox4x32-10 in random_words' layout");
 }
