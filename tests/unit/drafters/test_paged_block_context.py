@@ -146,10 +146,14 @@ def slots(token_lists=TOKENS) -> list[DeviceSlot]:
 
 
 def reverse_free_list(paged) -> None:
-    """Hands every block out and back: the free list is then in reverse order, so requests get
+    """Hands every block out, one holder each, and back in ascending order: the allocator hands
+    out the last freed first, so the free list is then in reverse order and requests get
     descending, non-contiguous block ids."""
-    paged.grow({"all": paged.allocator.num_blocks * paged.block_size})
-    paged.free("all")
+    holders = [f"one{i}" for i in range(paged.allocator.num_blocks)]
+    for holder in holders:
+        paged.grow({holder: paged.block_size})
+    for holder in holders:
+        paged.free(holder)
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
