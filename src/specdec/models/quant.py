@@ -372,12 +372,11 @@ class QuantizedWeight:
             total += sum(t.numel() * t.element_size() for t in tensors)
         return total
 
-    def rows(self, rows: torch.Tensor) -> QuantizedWeight | QuantizedRows:
-        """The rows `rows` ([N'] int64) of this weight for products: read in place where the
-        weight takes `q8_linear` (`QuantizedRows`: no copy), else a copy (`select_rows`)."""
-        if self._q8_source and rows.numel() % 16 == 0:  # (its copy would take q8_linear too)
-            return QuantizedRows(self, rows.to(device="cpu", dtype=torch.int64).contiguous())
-        return self.select_rows(rows)
+    @property
+    def takes_q8_linear(self) -> bool:
+        """Whether products take `q8_linear` over the kept 8-bit source (an LM head) where it
+        is built (`quant_rows.QuantizedRows` reads its rows in place)."""
+        return self._q8_source
 
     def select_rows(self, rows: torch.Tensor) -> QuantizedWeight:
         """A weight of the rows `rows` ([N'] int64) only, in the same layout.
@@ -563,39 +562,6 @@ def _shape_probe(quantized: GroupQuantized) -> GroupQuantized:
 
 
 # --------------------------------------------------------------------------- dispatch
-class QuantizedRows:
-    """Rows `index` of a weight that takes `q8_linear` (an 8-bit LM head kept with its source),
-    multiplied in place through q8_linear's row index: the same sums as over a copy of the rows,
-    so the same bits, without the copy (an EAGLE head's draft vocabulary: 10 MiB of the built-in
-    model's head). Where q8_linear does not run (no extension, a bfloat16 x) the copy is made on
-    first use and multiplied instead."""
-
-    def __init__(self, weight: QuantizedWeight, index: torch.Tensor) -> None:
-        if index.dim() != 1 or (
-            index.numel() and not 0 <= int(index.min()) <= int(index.max()) < weight.shape[0]
-        ):
-            raise ValueError(f"row indices must be [N'] ids of the weight's {weight.shape[0]} rows")
-        self.weight, self.index = weight, index
-        self.shape = (index.shape[0], weight.shape[1])
-        self._copy: QuantizedWeight | None = None
-
-    def matmul(self, x: torch.Tensor, kernel_only: bool = False) -> torch.Tensor:
-        """[M, K] -> [M, N'] in x's dtype; see `QuantizedWeight.matmul`."""
-        out = q8_linear(x, self.weight.source, self.index)
-        if out is not None:
-            return out
-        return self.copy().matmul(x, kernel_only)
-
-    def copy(self) -> QuantizedWeight:
-        """The rows as a weight of their own (`QuantizedWeight.select_rows`), made once."""
-        if self._copy is None:
-            self._copy = self.weight.select_rows(self.index)
-        return self._copy
-
-    def dequantize(self) -> torch.Tensor:
-        return self.copy().dequantize()
-
-
 def quant_linear_ref(
     x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from specdec.models import cpu_extension
-from specdec.models.quant import QuantizedRows, QuantizedWeight
+from specdec.models.quant import QuantizedWeight
 from specdec.models.quant_formats import GroupQuantized
+from specdec.models.quant_rows import QuantizedRows, weight_rows
 
 extension = cpu_extension.load_extension()
 needs_extension = pytest.mark.skipif(
@@ -31,7 +32,7 @@ def _head(rows: int = 96, cols: int = 64) -> QuantizedWeight:
 def test_rows_in_place_equal_the_copied_rows(num_x: int) -> None:
     weight = _head()
     index = torch.tensor([95, 0, 17, 17, 40, 3, 88, 1, 2, 9, 60, 61, 62, 30, 31, 4])
-    rows = weight.rows(index)
+    rows = weight_rows(weight, index)
     assert isinstance(rows, QuantizedRows) and rows.shape == (16, 64)
     x = torch.randn(num_x, 64, generator=torch.Generator().manual_seed(num_x))
     assert torch.equal(rows.matmul(x), weight.select_rows(index).matmul(x))
@@ -44,7 +45,7 @@ def test_negative_control_another_row_gives_other_bits() -> None:
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
     index = torch.arange(5, 21)
     shifted = torch.arange(6, 22)
-    got = weight.rows(index).matmul(x)
+    got = weight_rows(weight, index).matmul(x)
     assert not torch.equal(got, weight.select_rows(shifted).matmul(x))
 
 
@@ -53,14 +54,14 @@ def test_without_q8_linear_the_copy_is_multiplied(monkeypatch) -> None:
     index = torch.arange(50, 66)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
     rows = QuantizedRows(weight, index)
-    monkeypatch.setattr("specdec.models.quant.q8_linear", lambda *args, **kwargs: None)
+    monkeypatch.setattr("specdec.models.quant_rows.q8_linear", lambda *args, **kwargs: None)
     assert torch.equal(rows.matmul(x), weight.select_rows(index).matmul(x))
     assert torch.equal(rows.dequantize(), weight.select_rows(index).dequantize())
 
 
 def test_a_selection_its_copy_would_not_multiply_by_q8_linear_is_a_copy() -> None:
     weight = _head()  # 8 rows: the copy takes another layout, so the rows are copied as before
-    assert not isinstance(weight.rows(torch.arange(8)), QuantizedRows)
+    assert not isinstance(weight_rows(weight, torch.arange(8)), QuantizedRows)
 
 
 def test_bad_row_ids_are_refused() -> None:

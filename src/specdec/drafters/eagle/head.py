@@ -29,8 +29,9 @@ from specdec.models.fused import add_rms_norm
 from specdec.models.layers import Embedding, Linear, RMSNorm
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.loader import quantize_layer
-from specdec.models.quant import QuantizedRows, QuantizedWeight, quant_linear
+from specdec.models.quant import QuantizedWeight, quant_linear
 from specdec.models.quant_formats import quantize
+from specdec.models.quant_rows import QuantizedRows, weight_rows
 from specdec.models.rope import RotaryEmbedding
 from specdec.models.weights import CheckpointError, assign_weights
 
@@ -390,7 +391,7 @@ def head_logits_weight(
     if quantized is not None:
         if draft_to_target is None:
             return quantized
-        return quantized.rows(draft_to_target)
+        return weight_rows(quantized, draft_to_target)
     weight = target.lm_head_weight
     if draft_to_target is not None:
         weight = weight.index_select(0, draft_to_target.to(weight.device))
