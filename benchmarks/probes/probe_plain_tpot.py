@@ -25,8 +25,19 @@ def main() -> None:
     parser.add_argument(
         "--cublas", action="store_true", help="force cuBLAS for every product (if supported)"
     )
+    parser.add_argument(
+        "--decode-max-block-m",
+        type=int,
+        default=None,
+        help="the decode kernels' most query rows a program (128: before the s22 row tiles)",
+    )
     args = parser.parse_args()
     import specdec
+
+    if args.decode_max_block_m is not None:
+        from specdec.models import attention_tiles
+
+        attention_tiles.DECODE_MAX_BLOCK_M = args.decode_max_block_m
 
     try:
         from specdec.models import linear as linear_module
@@ -37,6 +48,7 @@ def main() -> None:
 
     model = build_ours(args.shape)
     result = {"specdec": specdec.__file__, "shape": args.shape, "tpot_ms": {}}
+    result["decode_max_block_m"] = args.decode_max_block_m
     for batch in [int(b) for b in args.batches.split(",")]:
         llm = make_llm(model, None, max_num_seqs=64)
         prompts = random_prompts(batch, model.config.vocab_size, seed=batch)
