@@ -16,7 +16,6 @@ import re
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from drafter_format_fixtures import (
     draft_batch,
@@ -27,7 +26,8 @@ from drafter_format_fixtures import (
 )
 from law_fixtures import exact_continuation_law, first_token_counts, save_vocab8_target
 from models_fixtures import TINY_CONFIGS, make_hf_model, prompt_tokens, save_hf_model
-from public_drafter_fixtures import random_tensors, write_checkpoint
+from public_drafter_fixtures import mtp_prefix as _prefix
+from public_drafter_fixtures import mtp_tensors, write_mtp_target
 from specdec.audit import chi_square
 from specdec.drafters import DrafterSetup, TargetFeatures
 from specdec.drafters.config import SpeculativeConfig
@@ -48,72 +48,6 @@ NAMINGS = {
     "mimo": ("qwen2_bias", "model.mtp_layers.0."),
     "deepseek": ("llama", f"model.layers.{TINY_CONFIGS['llama']['num_hidden_layers']}."),
 }
-
-
-def mtp_tensors(naming, target_hf, seed=21, num_layers=1):
-    """Random tensors of `num_layers` dense MTP layers named as `naming` stores them (q/k/v
-    biases where the target's layers have them; DeepSeek-V3's copies of the shared embedding
-    and LM head)."""
-    cfg = target_hf.config
-    dim, heads, kv_heads = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
-    d, inner = dim // heads, cfg.intermediate_size
-    layer = {
-        "self_attn.q_proj.weight": (heads * d, dim),
-        "self_attn.k_proj.weight": (kv_heads * d, dim),
-        "self_attn.v_proj.weight": (kv_heads * d, dim),
-        "self_attn.o_proj.weight": (dim, heads * d),
-        "mlp.gate_proj.weight": (inner, dim),
-        "mlp.up_proj.weight": (inner, dim),
-        "mlp.down_proj.weight": (dim, inner),
-        "input_layernorm.weight": (dim,),
-        "post_attention_layernorm.weight": (dim,),
-    }
-    if naming == "mimo":
-        layer |= {
-            f"self_attn.{p}_proj.bias": (n * d,)
-            for p, n in zip("qkv", (heads, *[kv_heads] * 2), strict=True)
-        }
-        layer |= {
-            "token_layernorm.weight": (dim,),
-            "hidden_layernorm.weight": (dim,),
-            "input_proj.weight": (dim, 2 * dim),
-            "final_layernorm.weight": (dim,),
-        }
-    else:
-        layer |= {
-            "enorm.weight": (dim,),
-            "hnorm.weight": (dim,),
-            "eh_proj.weight": (dim, 2 * dim),
-            "shared_head.norm.weight": (dim,),
-        }
-    tensors = {}
-    for k in range(num_layers):
-        prefix = _prefix(naming, k)
-        own = random_tensors(layer, seed + k)
-        tensors |= {prefix + name: t for name, t in own.items()}
-        if naming == "deepseek":
-            tensors[prefix + "embed_tokens.weight"] = target_hf.model.embed_tokens.weight.detach()
-            tensors[prefix + "shared_head.head.weight"] = target_hf.lm_head.weight.detach()
-    return {name: t.detach().clone() for name, t in tensors.items()}
-
-
-def _prefix(naming, k=0):
-    if naming == "mimo":
-        return f"model.mtp_layers.{k}."
-    return f"model.layers.{TINY_CONFIGS['llama']['num_hidden_layers'] + k}."
-
-
-def write_mtp_target(target_hf, path, naming, tensors, num_layers=1, shards=2):
-    """The target's directory with the MTP tensors beside its own (in `shards` files), its
-    config.json naming them as MiMo / DeepSeek-V3 do."""
-    save_hf_model(target_hf, path)
-    config = json.loads((path / "config.json").read_text())
-    merged = load_file(str(path / "model.safetensors")) | tensors
-    (path / "model.safetensors").unlink()
-    if naming == "mimo":
-        config |= {"architectures": ["MiMoForCausalLM"], "model_type": "mimo"}
-    config["num_nextn_predict_layers"] = num_layers
-    return write_checkpoint(path, config, merged, shards=shards)
 
 
 @pytest.fixture(scope="module", params=sorted(NAMINGS))
