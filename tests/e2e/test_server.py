@@ -505,8 +505,11 @@ def test_metrics_expose_vllm_names(server):
         "specdec:num_sync_steps_total",
         "specdec:num_graphed_prefill_steps_total",
         "specdec:num_plain_arm_steps_total",
+        "specdec:cuda_graphs_after_warm_up_total",
     ):
         assert name in text, name
+    late = [line for line in text.splitlines() if line.startswith("specdec:cuda_graphs_after")]
+    assert len(late) == 1 and late[0].endswith(" 0.0"), late  # the CPU captures none
 
 
 def test_shutdown_aborts_requests_in_flight(model_dir):

@@ -66,9 +66,11 @@ def test_no_graph_is_captured_after_warm_up(target, tiny):
     walk(engine, vocab_size, max_model_len)
     assert engine.loop_stats.num_graph_rounds > 0  # rounds replayed from graphs
     assert captured(engine) == before, sorted(map(str, graph_keys(engine) - warmed))
+    assert engine.graphs_after_warm_up == 0  # what /metrics reports
     del engine
     # Negative control: never warmed up, the same load captures graphs (of warmed-up keys).
     cold, _, _ = engine_for(target, tiny)
     walk(cold, vocab_size, max_model_len)
     assert sum(captured(cold).values()) > 0
+    assert cold.graphs_after_warm_up > 0
     assert graph_keys(cold) <= warmed

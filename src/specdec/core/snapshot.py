@@ -31,6 +31,7 @@ class EngineSnapshot:
     num_sync_steps: int = 0
     num_graphed_prefill_steps: int = 0
     k_chosen: tuple[tuple[int, int], ...] = field(default_factory=tuple)  # (K, rounds)
+    graphs_after_warm_up: int = 0
 
 
 def snapshot_of(engine) -> EngineSnapshot:
@@ -56,4 +57,5 @@ def snapshot_of(engine) -> EngineSnapshot:
         num_sync_steps=loop.num_sync_steps,
         num_graphed_prefill_steps=loop.num_graphed_prefill_steps,
         k_chosen=tuple(sorted(loop.k_chosen.items())),
+        graphs_after_warm_up=engine.graphs_after_warm_up,
     )

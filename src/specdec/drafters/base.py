@@ -336,6 +336,10 @@ class Drafter(abc.ABC):
         is non-empty). For a request, successive calls cover consecutive positions, except
         that after `release` (preemption) they restart from position 0."""
 
+    def num_graphs(self) -> int:
+        """The CUDA graphs this drafter holds of its own (0: none, or none on this device)."""
+        return 0
+
     def warm_up(self) -> int:
         """Runs each of this drafter's graphed steps once per padded batch size on inert inputs
         (no cache slot written, no request state kept, no draw), so that their CUDA graphs are

@@ -141,6 +141,10 @@ class DraftModelDrafter(Drafter):
 
         return DraftModelDeviceDrafting(self, num_slots, width)
 
+    def num_graphs(self) -> int:
+        graphs = self.runner.graphs
+        return 0 if graphs is None else len(graphs.graphs)
+
     def release(self, request_id: str) -> None:
         state = self._states.pop(request_id, None)
         if state is not None:

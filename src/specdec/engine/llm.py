@@ -156,8 +156,11 @@ class LLM:
     def get_metrics(self) -> dict:
         """Engine-wide spec-decode counters (vLLM's definitions), and which path served the
         steps ("loop": overlapped plain steps, device rounds, rounds replayed from CUDA graphs,
-        synchronous steps, and the K the policy chose per device round)."""
-        return {**self.engine.stats.as_dict(), "loop": self.engine.loop_stats.as_dict()}
+        synchronous steps, the K the policy chose per device round, and the CUDA graphs
+        captured after the warm-up: 0 on a warmed-up engine)."""
+        loop = self.engine.loop_stats.as_dict()
+        loop["graphs_after_warm_up"] = self.engine.graphs_after_warm_up
+        return {**self.engine.stats.as_dict(), "loop": loop}
 
     def _run(self, ids, use_tqdm, on_tokens) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}

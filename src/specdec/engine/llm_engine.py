@@ -55,7 +55,7 @@ from specdec.engine.setup import (
 )
 from specdec.engine.spec_policy import SYNC_EXPLORE_BUDGET, SYNC_SPEC_MARGIN, SpeculationPolicy
 from specdec.engine.speculative_loops import SpeculativeLoops
-from specdec.engine.warm_up import WarmUpReport, warm_up
+from specdec.engine.warm_up import WarmUpReport, count_graphs, warm_up
 from specdec.metrics import LoopStats, SpecDecodeStats
 from specdec.models import (
     LlamaForCausalLM,
@@ -188,6 +188,7 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
         self.outputs = OutputProcessor(tokenizer, self.max_model_len, self._finish)
         self.stats = SpecDecodeStats()
         self.loop_stats = LoopStats()
+        self._warm_graphs = 0  # CUDA graphs held after the warm-up (`graphs_after_warm_up`)
         self.num_preemptions = 0  # engine-wide, for vllm:num_preemptions
         self._inflight: Inflight | None = None
         self._rounds: DeviceRounds | None = None  # built on first use
@@ -255,7 +256,16 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
         runs, and why it leaves no trace). Call it on an idle engine, before the first request;
         skipped where nothing is captured (the CPU, enforce_eager) unless `force`. `progress`:
         a progress bar on stderr (None: when stderr is a terminal)."""
-        return warm_up(self, force=force, progress=progress)
+        report = warm_up(self, force=force, progress=progress)
+        self._warm_graphs = count_graphs(self)
+        return report
+
+    @property
+    def graphs_after_warm_up(self) -> int:
+        """CUDA graphs captured since the warm-up (every one, on an engine never warmed up):
+        stays 0 under traffic on a warmed-up engine; each is a stall of the requests in its
+        step (`/metrics`: specdec:cuda_graphs_after_warm_up)."""
+        return count_graphs(self) - self._warm_graphs
 
     def _check_round_fits(self, k: int) -> None:
         if k + 1 > self.config.max_num_batched_tokens:

@@ -142,9 +142,17 @@ def warm_up(engine: Any, *, force: bool = False, progress: bool | None = None) -
     return WarmUpReport(captured, len(steps) + 1, time.perf_counter() - started)
 
 
+def count_graphs(engine: Any) -> int:
+    """The CUDA graphs `engine` holds now: its decode path's, its device rounds', its drafter's."""
+    drafter = engine.drafter
+    own = drafter.num_graphs() if drafter is not None else 0
+    return sum(len(cache.graphs) for cache in _caches(engine)) + own
+
+
 def _caches(engine: Any) -> list[GraphCache]:
-    """The engine's own graph caches (the drafter counts its own)."""
-    caches = [engine.runner.graphs.graph_cache]
+    """The engine's own graph caches (the drafter counts its own; none on the CPU)."""
+    graphs = getattr(engine.runner, "graphs", None)
+    caches = [] if graphs is None else [graphs.graph_cache]
     if engine._rounds is not None:
         caches.append(engine._rounds.graph_cache)
     return caches

@@ -104,6 +104,12 @@ class _EngineCollector(Collector):
             "Plain overlapped decode steps the speculation policy chose over device rounds.",
             snap.num_plain_arm_steps,
         )
+        yield counter(
+            "specdec:cuda_graphs_after_warm_up",
+            "CUDA graphs captured under traffic, after the start-up warm-up (each one stalls "
+            "the requests of its step; 0 when the warm-up covered every step shape).",
+            snap.graphs_after_warm_up,
+        )
         chosen = CounterMetricFamily(
             "specdec:spec_k_chosen",
             "Device rounds by the number of drafts the policy chose (0: no drafts; -1: plain "

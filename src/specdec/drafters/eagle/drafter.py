@@ -161,6 +161,9 @@ class EagleDrafter(Drafter):
 
         return EagleDeviceDrafting(self, num_slots)
 
+    def num_graphs(self) -> int:
+        return 0 if self._graphs is None else len(self._graphs.graphs)
+
     @torch.inference_mode()  # as `propose`, whose steps these are
     def warm_up(self) -> int:
         if self._graphs is None:
