@@ -511,6 +511,18 @@ def plot(levels: list[LevelResult], path: Path) -> None:
     plt.close(fig)
 
 
+def engine_counters(metrics: str) -> dict[str, float]:
+    """The server's `specdec:` step counters from its /metrics text (labels dropped but k)."""
+    counters = {}
+    for line in metrics.splitlines():
+        if line.startswith(("specdec:num_", "specdec:spec_k_chosen", "specdec:cuda_graphs")):
+            name, value = line.rsplit(" ", 1)
+            k = name.split('k="')[1].split('"')[0] if 'k="' in name else None
+            key = name.split("{")[0] + (f"[k={k}]" if k is not None else "")
+            counters[key] = float(value)
+    return counters
+
+
 def run(args: argparse.Namespace) -> tuple[dict, list[LevelResult]]:
     started = time.perf_counter()
     if args.warmup_requests:
@@ -533,6 +545,7 @@ def run(args: argparse.Namespace) -> tuple[dict, list[LevelResult]]:
             print_level(level)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     models = httpx.get(f"{args.url}/v1/models", timeout=30.0, headers=headers).json()
+    metrics = httpx.get(f"{args.url}/metrics", timeout=30.0, headers=headers).text
     meta = {
         "date": time.strftime("%Y-%m-%d"),
         "argv": [Path(sys.argv[0]).as_posix(), *sys.argv[1:]],
@@ -552,6 +565,8 @@ def run(args: argparse.Namespace) -> tuple[dict, list[LevelResult]]:
         "requests_per_level": args.requests_per_level,
         "temperature": args.temperature,
         "machine": machine(),
+        # which path served the steps, and graphs captured under traffic (0 after a warm-up)
+        "engine_counters": engine_counters(metrics),
         "benchmark_s": time.perf_counter() - started,
     }
     return meta, levels
