@@ -383,13 +383,16 @@ def start_server(args: argparse.Namespace, log_path: Path) -> subprocess.Popen:
     log = log_path.open("wb")
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     log.close()
-    deadline = time.monotonic() + args.startup_timeout_s
+    started = time.monotonic()
+    deadline = started + args.startup_timeout_s
     while time.monotonic() < deadline:
         if server.poll() is not None:
             tail = log_path.read_text(errors="replace")[-4000:]
             raise RuntimeError(f"specdec serve exited with {server.returncode}:\n{tail}")
         try:
             if httpx.get(f"{args.url}/health", timeout=2.0).status_code == 200:
+                args.startup_seconds = round(time.monotonic() - started, 1)
+                print(f"ready: /health answered 200 after {args.startup_seconds} s", flush=True)
                 return server
         except httpx.HTTPError:
             pass
@@ -553,6 +556,7 @@ def run(args: argparse.Namespace) -> tuple[dict, list[LevelResult]]:
         "model": args.serve or models["data"][0]["id"],
         "max_model_len": models["data"][0].get("max_model_len"),
         "serve_command": getattr(args, "serve_command", None),
+        "startup_seconds": getattr(args, "startup_seconds", None),  # process start to /health
         "speculative_config": (args.speculative_config or "the server's default")
         if args.serve
         else None,
