@@ -18,6 +18,10 @@ With `--generate` (and `--serve`), after the server has stopped the same request
 `LLM.chat` in this process, a closed batch per concurrency level (max_num_seqs = the
 concurrency), spec and plain: the engine's ceiling, beside the server's figures.
 
+With `--rules mixed` the requests ask in turn for log-probabilities, penalties or a JSON schema
+(`serve_rules.py`; TPOT p50 per rule in the report): run it beside `--rules none` (the default)
+to see what the rules cost with and without speculation.
+
     python benchmarks/make_checkpoint.py llama-3.2-1b --out /tmp/llama-3.2-1b --device cuda
     python benchmarks/bench_serve.py --serve /tmp/llama-3.2-1b --device cuda --dtype bfloat16 \\
         --requests-per-level 8 --max-tokens 128 --out-dir bench-results/serve-h200
@@ -39,11 +43,12 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 
+from serve_rules import MIXES, RULES, may_end_early, rule_of
 from specdec.bench import DEFAULT_PROMPTS
 from specdec.cli import DEFAULT_SPECULATIVE_CONFIG
 
@@ -61,6 +66,7 @@ class RequestResult:
     accepted_tokens: int
     drafts: int
     itl_s: tuple[float, ...] = ()  # gaps between successive streamed chunks after the first
+    rule: str = "none"  # what else it asked for (`serve_rules`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +89,7 @@ class LevelResult:
     itl_p90_ms: float
     itl_p99_ms: float
     mean_acceptance_length: float
+    tpot_p50_ms_by_rule: dict[str, float] = field(default_factory=dict)  # with --rules mixed
 
     @property
     def label(self) -> str:
@@ -110,6 +117,7 @@ async def one_request(
     seed: int,
     max_tokens: int,
     spec: bool,
+    rule: str = "none",
 ) -> RequestResult:
     body = {
         "model": args.model,
@@ -121,6 +129,7 @@ async def one_request(
         "stream": True,
         "stream_options": {"include_usage": True},
         "speculative": {"enabled": spec},
+        **RULES.get(rule, {}),
     }
     started = time.perf_counter()
     first = None
@@ -144,7 +153,7 @@ async def one_request(
     done = time.perf_counter()
     first = first if first is not None else done
     tokens = usage.get("completion_tokens", 0)
-    if tokens != max_tokens:
+    if tokens != max_tokens and not (may_end_early(rule) and 0 < tokens < max_tokens):
         raise RuntimeError(f"expected {max_tokens} output tokens, got {tokens}")
     return RequestResult(
         ttft_s=first - started,
@@ -154,6 +163,7 @@ async def one_request(
         accepted_tokens=stats.get("num_accepted_tokens", 0),
         drafts=stats.get("num_drafts", 0),
         itl_s=tuple(b - a for a, b in itertools.pairwise(chunks)),
+        rule=rule,
     )
 
 
@@ -220,7 +230,8 @@ async def run_level(
         async def gated(i: int) -> RequestResult:
             await asyncio.sleep(max(0.0, started + arrivals[i] - time.perf_counter()))
             async with gate:
-                return await one_request(http, args, prompt(i), i, args.max_tokens, spec)
+                rule = rule_of(i, args.rules)
+                return await one_request(http, args, prompt(i), i, args.max_tokens, spec, rule)
 
         outcomes = await asyncio.gather(
             *[gated(i) for i in range(num_requests)], return_exceptions=True
@@ -254,6 +265,12 @@ async def run_level(
         itl_p90_ms=percentile(itl, 0.9),
         itl_p99_ms=percentile(itl, 0.99),
         mean_acceptance_length=1.0 + accepted / drafts if drafts else 1.0,
+        tpot_p50_ms_by_rule={
+            rule: percentile([r.tpot_s * 1e3 for r in results if r.rule == rule and r.tpot_s], 0.5)
+            for rule in sorted({r.rule for r in results})
+        }
+        if args.rules != "none"
+        else {},
     )
 
 
@@ -483,6 +500,14 @@ def markdown(meta: dict, levels: list[LevelResult]) -> str:
                     else " |"
                 )
         lines.append(row)
+    mixed = [x for x in levels if x.tpot_p50_ms_by_rule]
+    if mixed:
+        lines += ["", f"Rules ({meta['rules']}): TPOT p50 ms by rule", ""]
+        lines += ["| mode | load | " + " | ".join(RULES) + " |", "|---|---|" + "---|" * len(RULES)]
+        for x in mixed:
+            tpot = x.tpot_p50_ms_by_rule
+            cells = " | ".join(f"{tpot.get(rule, float('nan')):.1f}" for rule in RULES)
+            lines.append(f"| {x.mode} | {x.label} | {cells} |")
     return "\n".join(lines) + "\n"
 
 
@@ -568,6 +593,7 @@ def run(args: argparse.Namespace) -> tuple[dict, list[LevelResult]]:
         "max_tokens": args.max_tokens,
         "requests_per_level": args.requests_per_level,
         "temperature": args.temperature,
+        "rules": args.rules,
         "machine": machine(),
         # which path served the steps, and graphs captured under traffic (0 after a warm-up)
         "engine_counters": engine_counters(metrics),
@@ -638,6 +664,13 @@ def main() -> None:
         help="also LLM.chat on each concurrency level's requests in this process (needs --serve)",
     )
     load.add_argument("--generate-max-model-len", type=int, default=None)
+    load.add_argument(
+        "--rules",
+        choices=MIXES,
+        default="none",
+        help="mixed: request i asks for log-probabilities, penalties or a JSON schema in turn "
+        "(issue 34's mixed traffic; TPOT p50 reported per rule); none: no rules",
+    )
     output = parser.add_mutually_exclusive_group()
     output.add_argument(
         "--out-dir", default="bench-results/serve", help="writes serve.json and serve.md here"
@@ -650,6 +683,8 @@ def main() -> None:
         parser.error("--api-key is for --url servers; a started server has none")
     if args.generate and args.serve is None:
         parser.error("--generate needs --serve (the model it loads in this process)")
+    if args.generate and args.rules != "none":
+        parser.error("--generate runs requests without rules: not with --rules mixed")
     if args.request_rate and any(rate <= 0 for rate in args.request_rate):
         parser.error("--request-rate must be > 0")
     if args.prompts_file:

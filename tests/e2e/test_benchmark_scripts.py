@@ -178,11 +178,38 @@ def test_serve_benchmark_poisson_arrivals(tiny_dir, tmp_path):
     assert all(x["num_failed"] == 0 and x["num_requests"] == 4 for x in report["levels"])
 
 
+def test_serve_benchmark_mixed_rules(tiny_dir, tmp_path):
+    """--rules mixed: requests ask for log-probabilities, penalties and a JSON schema in turn;
+    each rule's TPOT p50 is reported (a JSON request may end before max_tokens: its object can
+    close)."""
+    report = run_bench_serve(
+        tiny_dir,
+        tmp_path,
+        "--concurrency",
+        "3",
+        "--requests-per-level",
+        "6",
+        "--max-tokens",
+        "6",
+        "--warmup-requests",
+        "0",
+        "--rules",
+        "mixed",
+    )
+    assert report["meta"]["rules"] == "mixed"
+    for level in report["levels"]:
+        assert level["num_failed"] == 0, level
+        assert set(level["tpot_p50_ms_by_rule"]) <= {"logprobs", "penalties", "json"}
+        assert {"logprobs", "penalties"} <= set(level["tpot_p50_ms_by_rule"])
+    assert "TPOT p50 ms by rule" in (tmp_path / "serve.md").read_text()
+
+
 def test_arrival_times_are_a_seeded_poisson_process(monkeypatch):
     """Increasing, seeded (the same load for every mode), and at about the asked rate."""
     spec = importlib.util.spec_from_file_location("bench_serve", BENCHMARKS / "bench_serve.py")
     bench_serve = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "bench_serve", bench_serve)  # its dataclasses look it up
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # its sibling serve_rules
     spec.loader.exec_module(bench_serve)
     arrival_times = bench_serve.arrival_times
 

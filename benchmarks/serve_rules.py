@@ -1,0 +1,41 @@
+"""The rules a mixed load's requests ask for (`bench_serve.py --rules`): issue 34's mixed traffic,
+a third of the requests with log-probabilities, a third with penalties, a third with a JSON
+schema. `--rules none` sends the same requests without them (the comparison that says what the
+rules cost)."""
+
+from __future__ import annotations
+
+# A JSON schema whose one string field can hold any answer: the text stays free, the grammar runs.
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "string"}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+
+RULES: dict[str, dict] = {
+    "logprobs": {"logprobs": True, "top_logprobs": 5},
+    "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.1},
+    "json": {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA},
+        }
+    },
+}
+MIXES = ("none", "mixed")
+
+
+def rule_of(index: int, mix: str) -> str:
+    """The rule of request `index` under `mix`: "none" for every request without rules, else the
+    rules in turn (so a level of 3n requests has n of each)."""
+    if mix == "none":
+        return "none"
+    names = list(RULES)
+    return names[index % len(names)]
+
+
+def may_end_early(rule: str) -> bool:
+    """Whether a request of `rule` may end before max_tokens though EOS is ignored (a JSON
+    schema's object can close: then the grammar allows nothing but the end)."""
+    return rule == "json"
