@@ -7,6 +7,9 @@ noise. Ties go to the lowest token id.
 
 from __future__ import annotations
 
+import collections
+import threading
+
 import torch
 
 from specdec.rng import Stream, gumbel
@@ -65,16 +68,103 @@ def gumbel_argmax_ref(
     Returns:
         [N] int64 token ids.
 
-    RNG: `stream` at (position, step), V lanes per sampled row; greedy rows draw nothing.
+    RNG: `stream` at (position, step), V lanes per sampled row; greedy rows draw nothing. On the
+    CPU, rows of `Stream.TARGET` come from `target_noise_memo` (the same values: a coupled
+    draft at Q and the target's sample at Q read one row).
     """
-    tokens = processed.argmax(dim=-1)
-    sampled = (~greedy).nonzero().squeeze(1)
-    if sampled.numel():
-        steps = step[sampled] if isinstance(step, torch.Tensor) and step.dim() else step
-        streams = stream[sampled] if isinstance(stream, torch.Tensor) and stream.dim() else stream
-        noise = gumbel(seeds[sampled], positions[sampled], streams, processed.shape[1], step=steps)
-        tokens[sampled] = (processed[sampled] + noise).argmax(dim=-1)
+    num_rows = processed.shape[0]
+    if processed.device.type == "cpu":
+        # Asking costs no device sync here: skip the greedy argmax and the gathers when unused.
+        sampled_list = (~greedy).nonzero().squeeze(1).tolist()
+        if not sampled_list:
+            return processed.argmax(dim=-1)
+        whole = len(sampled_list) == num_rows
+        tokens = None if whole else processed.argmax(dim=-1)
+        sampled = None if whole else torch.tensor(sampled_list, dtype=torch.int64)
+    else:
+        tokens = processed.argmax(dim=-1)
+        sampled = (~greedy).nonzero().squeeze(1)
+        if not sampled.numel():
+            return tokens
+        whole = False
+    steps = step[sampled] if isinstance(step, torch.Tensor) and step.dim() and not whole else step
+    streams = stream
+    if isinstance(stream, torch.Tensor) and stream.dim() and not whole:
+        streams = stream[sampled]
+    row_seeds = seeds if whole else seeds[sampled]
+    row_positions = positions if whole else positions[sampled]
+    vocab = processed.shape[1]
+    noise = None
+    if processed.device.type == "cpu":
+        noise = target_noise_memo(row_seeds, row_positions, streams, vocab, steps)
+    if noise is None:
+        noise = gumbel(row_seeds, row_positions, streams, vocab, step=steps)
+    rows = processed if whole else processed[sampled]
+    if whole:
+        tokens = (rows + noise).argmax(dim=-1)
+    else:
+        tokens[sampled] = (rows + noise).argmax(dim=-1)
     return tokens
+
+
+class _NoiseMemo(threading.local):
+    """The last `Stream.TARGET` Gumbel rows drawn on the CPU by this thread, by key."""
+
+    def __init__(self) -> None:
+        self.rows: collections.OrderedDict[tuple[int, int, int], torch.Tensor] = (
+            collections.OrderedDict()
+        )
+        self.bytes = 0
+
+
+_NOISE_MEMO = _NoiseMemo()
+NOISE_MEMO_BYTES = 32 << 20  # the memo's bound per thread (163 rows of a 49,152-token field)
+
+
+def target_noise_memo(
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    stream: Stream | int | torch.Tensor,
+    vocab: int,
+    step: int | torch.Tensor = 0,
+) -> torch.Tensor | None:
+    """[N, vocab] `gumbel(seeds, positions, Stream.TARGET, vocab)` on the CPU, each row drawn
+    at most once while it stays in this thread's memo (a pure function of its key, so a memo
+    row is exactly a fresh draw). None (draw it yourself) for other streams, a step other than
+    0, or tensors not on the CPU.
+
+    A speculative step samples the target's token at Q with the noise the coupled draft at Q
+    was drawn with, and a rejected round's next draft with the noise of the row after the
+    rejection: each is a row of `Stream.TARGET` at (Q), drawn once here. Callers must not
+    write into the returned rows.
+    """
+    if isinstance(stream, torch.Tensor) or int(stream) != Stream.TARGET:
+        return None
+    if isinstance(step, torch.Tensor) or step != 0 or seeds.device.type != "cpu":
+        return None
+    memo = _NOISE_MEMO.rows
+    keys = [
+        (seed, position, vocab)
+        for seed, position in zip(seeds.tolist(), positions.tolist(), strict=True)
+    ]
+    missing = [i for i, key in enumerate(keys) if key not in memo]
+    if missing:
+        index = torch.tensor(missing, dtype=torch.int64)
+        fresh = gumbel(seeds[index], positions[index], Stream.TARGET, vocab)
+        row_bytes = fresh.shape[1] * fresh.element_size()
+        for i, row in zip(missing, fresh, strict=True):
+            memo[keys[i]] = row
+            _NOISE_MEMO.bytes += row_bytes
+    rows = []
+    for key in keys:
+        memo.move_to_end(key)
+        rows.append(memo[key])
+    while _NOISE_MEMO.bytes > NOISE_MEMO_BYTES and memo:  # oldest first; `rows` holds ours
+        _, old = memo.popitem(last=False)
+        _NOISE_MEMO.bytes -= old.numel() * old.element_size()
+    if len(rows) == 1:
+        return rows[0][None]
+    return torch.stack(rows)
 
 
 def sample_ref(

@@ -249,6 +249,9 @@ def _verify_active_rows(inputs: VerifyInputs, active: int) -> tuple[torch.Tensor
     row_positions = anchors[:, None] + torch.arange(num_rows, device=device)  # [B, K+1] Q
     in_chain = torch.arange(k, device=device)[None, :] < num_draft[:, None]  # [B, K]
     drafts = torch.where(in_chain, inputs.draft_token_ids[:active], 0)  # [B, K]
+    if device.type == "cpu" and inputs.method == "coupled" and not bool(greedy.all()):
+        accepted, final = _coupled_cpu(target, drafts, num_draft, greedy, seeds, row_positions)
+        return _emit(drafts, accepted, final), accepted
     target_argmax = target.argmax(dim=-1)  # [B, K+1]
     greedy_accepted = leading_true((drafts == target_argmax[:, :k]) & in_chain)
     if device.type == "cpu" and bool(greedy.all()):
@@ -333,6 +336,39 @@ def _verify_active_rows(inputs: VerifyInputs, active: int) -> tuple[torch.Tensor
             Stream.RESIDUAL,
         )
     return _emit(drafts, accepted, final), accepted
+
+
+def _coupled_cpu(
+    target: torch.Tensor,
+    drafts: torch.Tensor,
+    num_draft: torch.Tensor,
+    greedy: torch.Tensor,
+    seeds: torch.Tensor,
+    row_positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Coupled verification on the CPU (accepted [B], final [B]): what the "coupled" branch of
+    `_verify_active_rows` computes, row by row, sampling each request's rows only up to its
+    first rejection (asking costs no device sync here). The rows past it are never read, so
+    their noise is not drawn; the rows sampled are the same rows with the same keys."""
+    active, num_rows, _ = target.shape
+    accepted = torch.zeros(active, dtype=torch.int64)
+    final = torch.zeros(active, dtype=torch.int64)
+    live = torch.arange(active)  # requests whose drafts 0..j-1 were all accepted
+    for j in range(num_rows):
+        samples = gumbel_argmax_ref(
+            target[live, j], greedy[live], seeds[live], row_positions[live, j], Stream.TARGET
+        )
+        if j < num_rows - 1:
+            match = (j < num_draft[live]) & (drafts[live, j] == samples)
+        else:
+            match = torch.zeros_like(live, dtype=torch.bool)
+        stop = ~match
+        final[live[stop]] = samples[stop]
+        accepted[live[stop]] = j
+        live = live[match]
+        if not live.numel():
+            break
+    return accepted, final
 
 
 def _block_tau(
