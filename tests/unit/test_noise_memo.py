@@ -105,3 +105,14 @@ def test_coupled_cpu_matches_full_sampling_and_draws_no_row_past_a_rejection(tem
         for j in range(int(match[b]) + 1)
     }
     assert sorted(drawn) == sorted(expected)
+
+
+def test_memo_forgets_rows_of_a_replaced_draw_function():
+    seeds, positions = torch.tensor([3]), torch.tensor([9])
+    real = sampler.target_noise_memo(seeds, positions, Stream.TARGET, 32)
+    with mock.patch.object(sampler, "gumbel", lambda s, p, *a, **k: torch.zeros(1, 32)):
+        assert torch.equal(
+            sampler.target_noise_memo(seeds, positions, Stream.TARGET, 32), torch.zeros(1, 32)
+        )
+    again = sampler.target_noise_memo(seeds, positions, Stream.TARGET, 32)
+    assert torch.equal(again.view(torch.int32), real.view(torch.int32))

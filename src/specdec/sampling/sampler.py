@@ -115,6 +115,7 @@ class _NoiseMemo(threading.local):
             collections.OrderedDict()
         )
         self.bytes = 0
+        self.source = None  # the `gumbel` that drew the rows
 
 
 _NOISE_MEMO = _NoiseMemo()
@@ -136,13 +137,18 @@ def target_noise_memo(
     A speculative step samples the target's token at Q with the noise the coupled draft at Q
     was drawn with, and a rejected round's next draft with the noise of the row after the
     rejection: each is a row of `Stream.TARGET` at (Q), drawn once here. Callers must not
-    write into the returned rows.
+    write into the returned rows. The memo is emptied whenever the module's `gumbel` is not
+    the one that drew its rows (an audit's spy or control noise sees every draw it makes).
     """
     if isinstance(stream, torch.Tensor) or int(stream) != Stream.TARGET:
         return None
     if isinstance(step, torch.Tensor) or step != 0 or seeds.device.type != "cpu":
         return None
     memo = _NOISE_MEMO.rows
+    if _NOISE_MEMO.source is not gumbel:  # rows of another draw function (a test's spy)
+        memo.clear()
+        _NOISE_MEMO.bytes = 0
+        _NOISE_MEMO.source = gumbel
     keys = [
         (seed, position, vocab)
         for seed, position in zip(seeds.tolist(), positions.tolist(), strict=True)
