@@ -119,7 +119,10 @@ class _NoiseMemo(threading.local):
 
 
 _NOISE_MEMO = _NoiseMemo()
-NOISE_MEMO_BYTES = 32 << 20  # the memo's bound per thread (163 rows of a 49,152-token field)
+# The memo's bound per thread: 21 rows of a 49,152-token vocabulary, the rows a step of up to
+# about 8 requests at K = 1 reads twice (a bigger batch draws some of them again: the same bits,
+# at the old cost). Its rows stay resident, so it is kept small (the CPU's peak-memory target).
+NOISE_MEMO_BYTES = 4 << 20
 
 
 def target_noise_memo(
@@ -159,7 +162,7 @@ def target_noise_memo(
         fresh = gumbel(seeds[index], positions[index], Stream.TARGET, vocab)
         row_bytes = fresh.shape[1] * fresh.element_size()
         for i, row in zip(missing, fresh, strict=True):
-            memo[keys[i]] = row
+            memo[keys[i]] = row if len(missing) == 1 else row.clone()  # not a view of all
             _NOISE_MEMO.bytes += row_bytes
     rows = []
     for key in keys:
