@@ -42,13 +42,36 @@ def draft_batch(
 ) -> DraftBatch:
     """The batch of `tokens[b][: anchors[b]]`, k drafts each, seeds 3, 4, ..., temperature 1."""
     num_rows = len(tokens)
+    return cpu_draft_batch(
+        [t[:a] for t, a in zip(tokens, anchors, strict=True)],
+        anchors,
+        list(range(3, 3 + num_rows)),
+        [k] * num_rows,
+        methods,
+        1.0,
+        request_ids,
+    )
+
+
+def cpu_draft_batch(
+    tokens: list[list[int]],
+    anchors: list[int],
+    seeds: list[int],
+    num_draft: list[int],
+    methods: list[str],
+    temperature: float,
+    request_ids: list[str],
+) -> DraftBatch:
+    """The DraftBatch of `tokens` as given (row b anchored at anchors[b], seeded seeds[b],
+    num_draft[b] drafts, verified by methods[b]), every row's sampling parameters at
+    `temperature` on the CPU."""
     return DraftBatch(
-        token_ids=[t[:a] for t, a in zip(tokens, anchors, strict=True)],
-        seeds=torch.tensor(list(range(3, 3 + num_rows))),
+        token_ids=tokens,
+        seeds=torch.tensor(seeds),
         anchors=torch.tensor(anchors),
-        num_draft=torch.full((num_rows,), k),
+        num_draft=torch.tensor(num_draft),
         methods=methods,
-        params=SamplingTensors.build(num_rows, torch.device("cpu"), 1.0),
+        params=SamplingTensors.build(len(tokens), torch.device("cpu"), temperature),
         request_ids=request_ids,
     )
 

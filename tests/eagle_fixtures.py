@@ -3,9 +3,10 @@ drafter and engine tests)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from models_fixtures import prompt_tokens
+from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
 from specdec.models import load_model
 from specdec.train.data import TrainingSet, annotate_token_lists
 from specdec.train.kind import TrainOptions
@@ -37,3 +38,20 @@ def trained_head(target_dir, out, draft_vocab_size=0, steps=15):
         optimizer.step()
     kind.save(draft, target, out, options)
     return out
+
+
+def tiny_target_and_head_fixtures():
+    """Two module-scoped pytest fixtures for a test module to bind at its top level,
+    `target_dir, head_dir = tiny_target_and_head_fixtures()`: `target_dir`, the tiny Llama
+    (`make_hf_model("llama")`) saved as an HF checkpoint, and `head_dir`, an EAGLE head
+    `trained_head` distilled on it. Each module that binds them builds its own pair."""
+
+    @pytest.fixture(scope="module")
+    def target_dir(tmp_path_factory):
+        return save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("tiny"))
+
+    @pytest.fixture(scope="module")
+    def head_dir(target_dir, tmp_path_factory):
+        return trained_head(target_dir, tmp_path_factory.mktemp("eagle"))
+
+    return target_dir, head_dir

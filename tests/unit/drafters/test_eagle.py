@@ -10,13 +10,14 @@ import json
 import pytest
 import torch
 
-from eagle_fixtures import trained_head
-from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
-from specdec.drafters import DrafterSetup, TargetFeatures
+from drafter_format_fixtures import cpu_draft_batch, observe_prefixes
+from eagle_fixtures import tiny_target_and_head_fixtures, trained_head
+from models_fixtures import prompt_tokens
+from specdec.drafters import DrafterSetup
 from specdec.drafters.eagle.drafter import EagleDrafter
 from specdec.engine.config import SpeculativeConfig
 from specdec.engine.llm import LLM
-from specdec.models import AttentionMetadata, load_model
+from specdec.models import load_model
 from specdec.models.attention_tiles import decode_query_bucket
 from specdec.rng import Stream
 from specdec.sampling import SamplingParams, SamplingTensors
@@ -24,15 +25,7 @@ from specdec.sampling import sampler as sampler_module
 
 VOCAB = 97
 
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def head_dir(target_dir, tmp_path_factory):
-    return trained_head(target_dir, tmp_path_factory.mktemp("eagle"))
+target_dir, head_dir = tiny_target_and_head_fixtures()
 
 
 @pytest.fixture(scope="module")
@@ -51,19 +44,7 @@ def fed_drafter(target_dir, head_dir, token_lists, anchors, greedy=False):
     setup = DrafterSetup(num_blocks=64, block_size=4, max_num_seqs=4, max_model_len=64)
     drafter = EagleDrafter.from_config(spec, target, setup)
     drafter._graphs = None  # the plain path (tests that want the head buffers set their own)
-    starts, rows = [], []
-    for tokens, anchor in zip(token_lists, anchors, strict=True):
-        fed = tokens[: anchor - 1]
-        kv = target.allocate_kv_cache(-(-len(fed) // 4), 4)
-        attn = AttentionMetadata.build([len(fed)], [len(fed)], [list(range(kv.num_blocks))], 4)
-        with torch.inference_mode():
-            _, layers = target.forward_with_layers(
-                torch.tensor(fed), torch.arange(len(fed)), attn, kv, drafter.feature_layers
-            )
-        starts.append(0)
-        rows.append(torch.cat(layers, dim=-1))
-    ids = [f"r{i}" for i in range(len(token_lists))]
-    drafter.observe(TargetFeatures(ids, starts, rows))
+    ids = observe_prefixes(drafter, target, token_lists, anchors)
     return drafter, ids
 
 
@@ -73,16 +54,9 @@ RAGGED_ANCHORS = [6, 3, 8]
 
 def ragged_batch(ids, num_draft):
     """The DraftBatch of RAGGED_TOKENS: one request per verify method, temperature 0.9."""
-    from specdec.drafters import DraftBatch
-
-    return DraftBatch(
-        token_ids=RAGGED_TOKENS,
-        seeds=torch.tensor([11, -22, 33]),
-        anchors=torch.tensor(RAGGED_ANCHORS),
-        num_draft=torch.tensor(num_draft),
-        methods=["standard", "block", "coupled"],
-        params=SamplingTensors.build(3, torch.device("cpu"), 0.9),
-        request_ids=ids,
+    methods = ["standard", "block", "coupled"]
+    return cpu_draft_batch(
+        RAGGED_TOKENS, RAGGED_ANCHORS, [11, -22, 33], num_draft, methods, 0.9, ids
     )
 
 

@@ -8,16 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle_fixtures import trained_head
-from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
-from specdec.drafters import DraftBatch, DrafterSetup, TargetFeatures
+from drafter_format_fixtures import cpu_draft_batch, observe_prefixes
+from eagle_fixtures import tiny_target_and_head_fixtures
+from models_fixtures import prompt_tokens
+from specdec.drafters import DrafterSetup
 from specdec.drafters.eagle import head_native
 from specdec.drafters.eagle.drafter import EagleDrafter, _HeadGraphs
 from specdec.drafters.eagle.head import quantize_head_int8
 from specdec.engine.config import SpeculativeConfig
-from specdec.models import AttentionMetadata, load_model
+from specdec.models import load_model
 from specdec.models.attention import DecodeMetadata, cache_slots
-from specdec.sampling import SamplingTensors
 
 VOCAB = 97
 BLOCK = 4
@@ -26,15 +26,7 @@ pytestmark = pytest.mark.skipif(
     head_native.load_extension() is None, reason="the CPU extension is not built here"
 )
 
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def head_dir(target_dir, tmp_path_factory):
-    return trained_head(target_dir, tmp_path_factory.mktemp("eagle"))
+target_dir, head_dir = tiny_target_and_head_fixtures()
 
 
 def int8_drafter(target_dir, head_dir) -> EagleDrafter:
@@ -177,19 +169,7 @@ def fed(drafter_dirs, native: bool, graphs: bool) -> tuple[EagleDrafter, list[st
         drafter._graphs = None
     elif drafter._graphs.width < 10:  # every catch-up through the buffers
         drafter._graphs = _HeadGraphs(drafter, 4, 10, 8, use_graphs=False)
-    target = load_model(target_dir).model
-    rows = []
-    for tokens, anchor in zip(TOKENS, ANCHORS, strict=True):
-        seen = tokens[: anchor - 1]
-        kv = target.allocate_kv_cache(-(-len(seen) // BLOCK), BLOCK)
-        attn = AttentionMetadata.build([len(seen)], [len(seen)], [list(range(kv.num_blocks))], 4)
-        with torch.inference_mode():
-            _, layers = target.forward_with_layers(
-                torch.tensor(seen), torch.arange(len(seen)), attn, kv, drafter.feature_layers
-            )
-        rows.append(torch.cat(layers, dim=-1))
-    ids = [f"r{i}" for i in range(len(TOKENS))]
-    drafter.observe(TargetFeatures(ids, [0] * len(ids), rows))
+    ids = observe_prefixes(drafter, load_model(target_dir).model, TOKENS, ANCHORS)
     return drafter, ids
 
 
@@ -197,14 +177,9 @@ def fed(drafter_dirs, native: bool, graphs: bool) -> tuple[EagleDrafter, list[st
 def test_propose_gives_the_python_drafts_bit_for_bit(target_dir, head_dir, graphs):
     """Whole rounds (a ragged catch-up, then chained drafts, K = 4, 2, 3) propose the same
     draft tokens, logits and log-normalisers with the C++ step as with the Python step."""
-    batch = DraftBatch(
-        token_ids=TOKENS,
-        seeds=torch.tensor([5, -6, 7]),
-        anchors=torch.tensor(ANCHORS),
-        num_draft=torch.tensor([4, 2, 3]),
-        methods=["standard", "block", "coupled"],
-        params=SamplingTensors.build(3, torch.device("cpu"), 0.8),
-        request_ids=["r0", "r1", "r2"],
+    methods = ["standard", "block", "coupled"]
+    batch = cpu_draft_batch(
+        TOKENS, ANCHORS, [5, -6, 7], [4, 2, 3], methods, 0.8, ["r0", "r1", "r2"]
     )
     proposals = []
     for native in (False, True):

@@ -11,8 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle_fixtures import trained_head
-from models_fixtures import make_hf_model, save_hf_model
+from eagle_fixtures import tiny_target_and_head_fixtures
 from specdec.drafters import DrafterSetup
 from specdec.drafters.eagle.drafter import EagleDrafter
 from specdec.drafters.eagle.head import WEIGHTS_FILE, load_eagle_head, quantize_head_int8
@@ -24,20 +23,12 @@ from specdec.models.quant_formats import quantize
 
 pytestmark = pytest.mark.skipif(not _cpu_int8_available(), reason="no CPU int8 kernel here")
 
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("tiny"))
+target_dir, head_dir = tiny_target_and_head_fixtures()
 
 
 @pytest.fixture(scope="module")
 def target_config(target_dir):
     return load_model(target_dir).config
-
-
-@pytest.fixture(scope="module")
-def head_dir(target_dir, tmp_path_factory):
-    return trained_head(target_dir, tmp_path_factory.mktemp("eagle"))
 
 
 def head_in(head_dir, out, dtype: torch.dtype, changed: str | None = None):

@@ -9,15 +9,15 @@ import inspect
 import pytest
 import torch
 
+from drafter_format_fixtures import cpu_draft_batch, observe_prefixes
 from eagle_fixtures import trained_head
 from models_fixtures import make_hf_model, save_hf_model
 from specdec.draft_tree import check_parents, node_depths, sibling_ranks
-from specdec.drafters import DraftBatch, DrafterSetup, TargetFeatures
+from specdec.drafters import DrafterSetup
 from specdec.drafters.config import SpeculativeConfig
 from specdec.drafters.eagle.drafter import EagleDrafter
-from specdec.models import AttentionMetadata, load_model
+from specdec.models import load_model
 from specdec.rng import Stream, tree_draft_stream
-from specdec.sampling import SamplingTensors
 from specdec.sampling import sampler as sampler_module
 
 TOKENS = [[5, 6, 7, 8, 5, 6], [9, 10, 11], [3, 1, 4, 1, 5, 9, 2, 6]]
@@ -43,27 +43,9 @@ def fed_tree_drafter(dirs, greedy=False):
     setup = DrafterSetup(num_blocks=64, block_size=4, max_num_seqs=4, max_model_len=64)
     drafter = EagleDrafter.from_config(spec, target, setup)
     drafter._graphs = None
-    rows = []
-    for tokens, anchor in zip(TOKENS, ANCHORS, strict=True):
-        fed = tokens[: anchor - 1]
-        kv = target.allocate_kv_cache(-(-len(fed) // 4), 4)
-        attn = AttentionMetadata.build([len(fed)], [len(fed)], [list(range(kv.num_blocks))], 4)
-        with torch.inference_mode():
-            _, layers = target.forward_with_layers(
-                torch.tensor(fed), torch.arange(len(fed)), attn, kv, drafter.feature_layers
-            )
-        rows.append(torch.cat(layers, dim=-1))
-    ids = ["r0", "r1", "r2"]
-    drafter.observe(TargetFeatures(ids, [0, 0, 0], rows))
-    batch = DraftBatch(
-        token_ids=TOKENS,
-        seeds=torch.tensor([11, -22, 33]),
-        anchors=torch.tensor(ANCHORS),
-        num_draft=torch.tensor([7, 5, 7]),
-        methods=["standard", "coupled", "standard"],
-        params=SamplingTensors.build(3, torch.device("cpu"), 0.9),
-        request_ids=ids,
-    )
+    ids = observe_prefixes(drafter, target, TOKENS, ANCHORS)
+    methods = ["standard", "coupled", "standard"]
+    batch = cpu_draft_batch(TOKENS, ANCHORS, [11, -22, 33], [7, 5, 7], methods, 0.9, ids)
     return drafter, batch
 
 

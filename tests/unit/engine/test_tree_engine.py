@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle_fixtures import trained_head
+from eagle_fixtures import tiny_target_and_head_fixtures
 from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
 from specdec.drafters.config import SpeculativeConfig
 from specdec.engine.llm import LLM
@@ -18,15 +18,7 @@ VOCAB = 97
 COMMON = {"max_model_len": 96, "block_size": 4, "max_num_batched_tokens": 64}
 TREE = {"nodes": 8, "depth": 4, "topk": 2}
 
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def head_dir(target_dir, tmp_path_factory):
-    return trained_head(target_dir, tmp_path_factory.mktemp("eagle"))
+target_dir, head_dir = tiny_target_and_head_fixtures()
 
 
 @pytest.fixture(scope="module")
