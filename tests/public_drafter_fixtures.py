@@ -30,6 +30,22 @@ def random_tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, t
     return tensors
 
 
+def layer_linear_shapes(
+    dim: int, heads: int, kv_heads: int, head_dim: int, inner: int
+) -> dict[str, tuple[int, ...]]:
+    """The shapes of a Llama decoder layer's seven linear weights, in this order (which
+    `random_tensors` draws in): self_attn q, k, v, o, then mlp gate, up, down."""
+    return {
+        "self_attn.q_proj.weight": (heads * head_dim, dim),
+        "self_attn.k_proj.weight": (kv_heads * head_dim, dim),
+        "self_attn.v_proj.weight": (kv_heads * head_dim, dim),
+        "self_attn.o_proj.weight": (dim, heads * head_dim),
+        "mlp.gate_proj.weight": (inner, dim),
+        "mlp.up_proj.weight": (inner, dim),
+        "mlp.down_proj.weight": (dim, inner),
+    }
+
+
 def write_checkpoint(
     path: Path, config: dict, tensors: dict[str, torch.Tensor], shards: int = 1
 ) -> Path:
@@ -77,15 +93,10 @@ def eagle1_tensors(
     """The tensors of an EAGLE-1/2 head (`fc`, `layers.0.*` without input_layernorm, optional
     `fc.bias` and `embed_tokens.weight`)."""
     heads, kv_heads, head_dim, inter = 4, 2, 16, EAGLE1_CONFIG["intermediate_size"]
+    linears = layer_linear_shapes(HIDDEN, heads, kv_heads, head_dim, inter)
     shapes = {
         "fc.weight": (HIDDEN, 2 * HIDDEN),
-        "layers.0.self_attn.q_proj.weight": (heads * head_dim, HIDDEN),
-        "layers.0.self_attn.k_proj.weight": (kv_heads * head_dim, HIDDEN),
-        "layers.0.self_attn.v_proj.weight": (kv_heads * head_dim, HIDDEN),
-        "layers.0.self_attn.o_proj.weight": (HIDDEN, heads * head_dim),
-        "layers.0.mlp.gate_proj.weight": (inter, HIDDEN),
-        "layers.0.mlp.up_proj.weight": (inter, HIDDEN),
-        "layers.0.mlp.down_proj.weight": (HIDDEN, inter),
+        **{f"layers.0.{name}": shape for name, shape in linears.items()},
         "layers.0.post_attention_layernorm.weight": (HIDDEN,),
     }
     if bias:
@@ -360,13 +371,7 @@ def mtp_tensors(naming, target_hf, seed=21, num_layers=1):
     dim, heads, kv_heads = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
     d, inner = dim // heads, cfg.intermediate_size
     layer = {
-        "self_attn.q_proj.weight": (heads * d, dim),
-        "self_attn.k_proj.weight": (kv_heads * d, dim),
-        "self_attn.v_proj.weight": (kv_heads * d, dim),
-        "self_attn.o_proj.weight": (dim, heads * d),
-        "mlp.gate_proj.weight": (inner, dim),
-        "mlp.up_proj.weight": (inner, dim),
-        "mlp.down_proj.weight": (dim, inner),
+        **layer_linear_shapes(dim, heads, kv_heads, d, inner),
         "input_layernorm.weight": (dim,),
         "post_attention_layernorm.weight": (dim,),
     }
