@@ -158,6 +158,8 @@ static inline float q8_finish(const float* lanes) {
 }
 
 #if defined(__AVX512F__)
+constexpr int64_t PREFETCH_ROWS = 4;  // how far ahead a row selection's rows are fetched
+
 // q8_linear's outputs [begin, end) of `Tile` rows of x (x and out at their first row), the
 // lanes of each row in one register: the arithmetic of `q8_linear`'s comment, per row.
 template <int Tile>
@@ -166,6 +168,15 @@ static void q8_rows_avx512(const float* xs, const int8_t* qs, const float* ds, f
                            int64_t begin, int64_t end, const int64_t* row_ids) {
   for (int64_t n = begin; n < end; ++n) {
     const int64_t w = row_ids == nullptr ? n : row_ids[n];  // output n's weight row
+    if (row_ids != nullptr && n + PREFETCH_ROWS < end) {
+      // Selected rows are scattered through W: fetch a later one's bytes and scales now, or
+      // each row waits on memory (contiguous rows are streamed by the hardware prefetcher).
+      const int64_t ahead = row_ids[n + PREFETCH_ROWS];
+      const char* bytes = reinterpret_cast<const char*>(qs + ahead * cols);
+      for (int64_t at = 0; at < cols; at += 64) _mm_prefetch(bytes + at, _MM_HINT_T0);
+      const char* scales = reinterpret_cast<const char*>(ds + ahead * groups);
+      for (int64_t at = 0; at < groups * 4; at += 64) _mm_prefetch(scales + at, _MM_HINT_T0);
+    }
     const int8_t* q_row = qs + w * cols;
     const float* d_row = ds + w * groups;
     __m512 acc[Tile];
