@@ -22,9 +22,13 @@ Parts (each writes DIR/<part>.json; BENCHMARKS.md's tables are read from them):
   E[tokens per round] x t_plain_step / t_round_floor, with the decode and verify steps' graph
   replays as t_plain_step and t_round_floor; the round's own graph replay against the measured
   time between round launches; plain TPOT at batch 1 and 64.
+- `eagle3`: a random EAGLE-3 head (vLLM's format, written for the target's shape) on the
+  `--shapes` targets with random weights, K = 4 pinned, batch 1: the interval between round
+  launches and the round graph's replay against the target's verify step (issue 36: <= 1.15x).
 
-    python benchmarks/bench_spec_round.py --out DIR [--parts smollm2,oracle,block] [--gguf PATH]
-        [--shapes llama-3.2-1b,llama-3-8b] [--device cuda] [--block-drafters DFLASH_DIR,DSPARK_DIR]
+    python benchmarks/bench_spec_round.py --out DIR [--parts smollm2,oracle,block,eagle3]
+        [--gguf PATH] [--shapes llama-3.2-1b,llama-3-8b] [--device cuda]
+        [--block-drafters DFLASH_DIR,DSPARK_DIR]
 
 `--device cpu --shapes tiny` runs the same code on a CPU in seconds (a smoke test, not a
 figure). Never imported by tests.
@@ -554,13 +558,132 @@ def bench_oracle(shapes, device: str, new_tokens: int, batches, acceptances) -> 
     return results
 
 
-def tiny_model(shape: str):
+def eagle3_checkpoint(config, path: Path, draft_vocab: int, device: str) -> Path:
+    """A random EAGLE-3 head for a target of `config` (a `ModelConfig`), written as vLLM names
+    it (`Eagle3LlamaForCausalLM`: `fc` over three captured layers, the midlayer whose q/k/v
+    read [embedding, hidden] 2H wide, `norm`, `lm_head` over a draft vocabulary of the first
+    `draft_vocab` target ids, `d2t` / `t2d`), in bfloat16 on CUDA, float32 on the CPU."""
+    from safetensors.torch import save_file
+
+    dim, heads = config.hidden_size, config.num_attention_heads
+    kv_heads = config.num_key_value_heads
+    head_dim, inner, vocab = config.head_dim, config.intermediate_size, config.vocab_size
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    shapes = {
+        "fc.weight": (dim, 3 * dim),
+        "midlayer.self_attn.q_proj.weight": (heads * head_dim, 2 * dim),
+        "midlayer.self_attn.k_proj.weight": (kv_heads * head_dim, 2 * dim),
+        "midlayer.self_attn.v_proj.weight": (kv_heads * head_dim, 2 * dim),
+        "midlayer.self_attn.o_proj.weight": (dim, heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": (inner, dim),
+        "midlayer.mlp.up_proj.weight": (inner, dim),
+        "midlayer.mlp.down_proj.weight": (dim, inner),
+        "lm_head.weight": (draft_vocab, dim),
+    }
+    generator = torch.Generator(device=device).manual_seed(3)
+    tensors = {
+        name: torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=generator)
+        for name, shape in shapes.items()
+    }
+    for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        tensors[f"midlayer.{name}.weight"] = torch.ones(dim, dtype=dtype, device=device)
+    tensors["norm.weight"] = torch.ones(dim, dtype=dtype, device=device)
+    tensors = {name: t.cpu().contiguous() for name, t in tensors.items()}
+    tensors["d2t"] = torch.zeros(draft_vocab, dtype=torch.int64)  # draft id i -> target id i
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[:draft_vocab] = True
+    tensors["t2d"] = t2d
+    path.mkdir(parents=True, exist_ok=True)
+    layer = {
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": dim,
+        "intermediate_size": inner,
+        "num_hidden_layers": 1,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "vocab_size": vocab,
+    }
+    head_config = {
+        "architectures": ["Eagle3LlamaForCausalLM"],
+        **layer,
+        "draft_vocab_size": draft_vocab,
+        "tie_word_embeddings": False,
+    }
+    (path / "config.json").write_text(json.dumps(head_config))
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def bench_eagle3(shapes, device: str, new_tokens: int, root: Path) -> dict:
+    """Issue 36's speed target: an EAGLE-3 round at K = 4 (random head and target: every round
+    drafts 4, acceptance is irrelevant here) against the target's verify step alone, batch 1:
+    the median interval between round launches and the round graph's replay, over the verify
+    (K + 1 = 5 rows) and decode steps' graph replays."""
+    from specdec.runner.cuda_graph import bucket_for
+
+    results = {}
+    k, batch = 4, 1
+    for shape in shapes:
+        model = build_ours(shape) if device == "cuda" else tiny_model(shape, layers=8)
+        config = model.config
+        draft_vocab = min(32000, config.vocab_size // 2)
+        head = eagle3_checkpoint(config, root / f"eagle3-{shape}", draft_vocab, device)
+        prompts = random_prompts(batch, config.vocab_size, seed=1)
+        blocks = batch * (-(-(PROMPT_LEN + new_tokens + 16) // 16) + 2) + 64
+        common = {"device": device, "max_num_seqs": 8, "max_model_len": 1024}
+        floors = make_engine(
+            model, None, {"method": "ngram", "num_speculative_tokens": k}, blocks=blocks, **common
+        )
+        row: dict = {"draft_vocab": draft_vocab}
+        graphs = floors.engine.runner.graphs
+        if graphs is not None and device == "cuda":
+            bucket = bucket_for(graphs.buckets, batch)
+            tables = [list(range(12))]
+            for width in (1, k + 1):
+                graphs.run([[7] * width], [PROMPT_LEN], tables)
+            row["decode_step_ms"] = replay_ms(step_graph(graphs, bucket, 1), device)
+            row["verify_step_ms"] = replay_ms(step_graph(graphs, bucket, k + 1), device)
+        del floors
+        spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": k}
+        llm = make_engine(model, None, {**spec, "adaptive": False}, blocks=blocks, **common)
+        spec_s, _ = decode_phase(llm, prompts, new_tokens, device)
+        rounds = llm.engine._rounds
+        row["tpot_ms"] = spec_s * 1e3
+        row["mean_acceptance_length"] = llm.get_metrics()["mean_acceptance_length"]
+        row["loop"] = llm.get_metrics()["loop"]
+        intervals = [] if rounds is None else [s for s in rounds.round_seconds if s]
+        if intervals:
+            row["round_launch_interval_ms_median"] = statistics.median(intervals) * 1e3
+            key = next(iter(rounds.graph_cache.graphs), None)
+            if key is not None:
+                row["round_graph_ms"] = replay_ms(rounds.graph_cache.graphs[key][0], device)
+        if "verify_step_ms" in row:
+            for name in ("round_launch_interval_ms_median", "round_graph_ms"):
+                if name in row:
+                    row[name.replace("_ms", "") + "_over_verify_step"] = (
+                        row[name] / row["verify_step_ms"]
+                    )
+        results[f"{shape} b{batch} K={k}"] = row
+        log(f"[eagle3] {shape}: {row}")
+        del llm, model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def tiny_model(shape: str, layers: int = 2):
     """A small random model for the CPU smoke test (float32)."""
     from specdec.models import LlamaForCausalLM, ModelConfig
     from specdec.models.weights import assign_weights
 
     cfg = {**hf_config("llama-3.2-1b"), "hidden_size": 64, "intermediate_size": 128}
-    cfg.update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+    cfg.update(num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2)
+    cfg.update(vocab_size=512)
     config = ModelConfig.from_hf_config(cfg)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
@@ -629,6 +752,11 @@ def main() -> None:
         batches = [int(b) for b in args.oracle_batches.split(",")]
         result = bench_oracle(shapes, args.device, args.output_len, batches, (0.6, 0.8))
         (out / "oracle.json").write_text(json.dumps({"meta": meta, **result}, indent=1))
+    if "eagle3" in parts:
+        shapes = args.shapes.split(",")
+        assert all(s in SHAPES or s == "tiny" for s in shapes), shapes
+        result = bench_eagle3(shapes, args.device, args.output_len, out / "drafters")
+        (out / "eagle3.json").write_text(json.dumps({"meta": meta, **result}, indent=1))
 
 
 if __name__ == "__main__":
