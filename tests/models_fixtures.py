@@ -743,12 +743,11 @@ def write_gguf(
 def seeded_model(
     name: str, device: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any
 ) -> LlamaForCausalLM:
-    """A TINY_CONFIGS (or ROPE_SCALING_CONFIGS) model with seeded weights (norm weights near 1,
-    others ~N(0, 0.15^2)); `overrides` replace config.json keys (e.g. a longer
+    """A TINY_CONFIGS (or ROPE_SCALING_CONFIGS, FAMILY_CONFIGS) model with seeded weights (norm
+    weights near 1, others ~N(0, 0.15^2)); `overrides` replace config.json keys (e.g. a longer
     max_position_embeddings)."""
-    config = ModelConfig.from_hf_config(
-        {**{**TINY_CONFIGS, **ROPE_SCALING_CONFIGS}[name], **overrides}
-    )
+    configs = {**TINY_CONFIGS, **ROPE_SCALING_CONFIGS, **FAMILY_CONFIGS}
+    config = ModelConfig.from_hf_config({**configs[name], **overrides})
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     generator = torch.Generator().manual_seed(seed)
