@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from bench_gpu_engine import random_prompts
+from bench_long_context import copy_bandwidth
 from bench_spec_round import decode_phase, make_engine
 
 SHAPES = {
@@ -163,25 +164,6 @@ def weight_bytes(model, config: dict) -> tuple[int, int]:
         return total, total
     share = config["num_experts_per_tok"] / config["num_experts"]
     return total, int(total - expert + expert * share)
-
-
-def copy_bandwidth(device: str) -> float | None:
-    """Bytes a second a device copy of 2 GiB moves (read + write), median of 5."""
-    if device != "cuda":
-        return None
-    source = torch.empty(1 << 30, dtype=torch.float16, device=device)
-    target = torch.empty_like(source)
-    times = []
-    for _ in range(6):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        target.copy_(source)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del source, target
-    torch.cuda.empty_cache()
-    return 2 * (1 << 31) / sorted(times[1:])[2]
 
 
 def bench_shape(name: str, config: dict, device: str, batches, new_tokens: int) -> dict:
