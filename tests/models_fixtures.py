@@ -263,17 +263,26 @@ def hf_decode_logits(model: Any, token_ids: Sequence[int]) -> torch.Tensor:
     decoding computes token by token (for LongRoPE it differs from one call over the sequence,
     which takes the long factors for every token once the sequence passes the original
     context)."""
+    import inspect
+
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
+    # The cache's keyword: `cache` in transformers 5.25, `past_key_values` in 5.17 (the GPU
+    # machine's), whose forward takes any other keyword silently: each token would then be
+    # decoded without its context (s26: Gemma's decode path "off by 4.8" on the H100).
+    parameters = inspect.signature(model.forward).parameters
+    keyword = "cache" if "cache" in parameters else "past_key_values"
+    if keyword not in parameters:
+        raise TypeError(f"{type(model).__name__}.forward takes neither cache nor past_key_values")
     rows = []
     with torch.no_grad():
         for position, token in enumerate(token_ids):
             out = model(
                 torch.tensor([[token]]),
                 position_ids=torch.tensor([[position]]),
-                cache=cache,
                 use_cache=True,
+                **{keyword: cache},
             )
             rows.append(out.logits[0, -1].float())
     return torch.stack(rows)
