@@ -28,26 +28,13 @@ from pathlib import Path
 
 import torch
 
-from bench_gpu_engine import random_prompts
+from bench_gpu_engine import hf_config, random_prompts
 from bench_long_context import copy_bandwidth
 from bench_spec_round import decode_phase, make_engine
 
 SHAPES = {
-    "llama-3-8b": {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "vocab_size": 128256,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "max_position_embeddings": 8192,
-        "tie_word_embeddings": False,
-        "hidden_act": "silu",
-    },
+    # the engine benchmark's Llama-3-8B (bench_gpu_engine.SHAPES), the yardstick per byte
+    "llama-3-8b": {**hf_config("llama-3-8b"), "model_type": "llama", "hidden_act": "silu"},
     "qwen3-8b": {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
