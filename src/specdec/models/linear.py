@@ -8,13 +8,16 @@ the row count, and on the H200 that changes a row's bits for some weights (Llama
 rows on) and not for others (SmolLM2's, up to 512 rows at least). So on CUDA a weight keeps
 cuBLAS only where `check_cublas_rows` found every row of every row count the engine can run
 equal to the row alone; every other float product runs `linear_triton`, whose rows are the
-same bits for every row count. On the CPU the product is F.linear over rows padded to a multiple
-of 4 (the kept-quantized default takes the weight-only kernels of `quant.py` instead). Nothing
-here draws randomness.
+same bits for every row count. On the CPU the product runs in chunks of exactly
+`CPU_ROW_CHUNK` rows (one batched product over the chunks), so the BLAS sees one row count
+whatever the step holds; `cpu_rows_invariant` checks that, per weight shape, before use (the
+kept-quantized default takes the weight-only kernels of `quant.py` instead). Nothing here draws
+randomness.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -23,10 +26,15 @@ import torch.nn.functional as F
 # Whether CUDA products are made row-invariant at all (probes measure the cost by turning it
 # off; the engine never does).
 ROW_INVARIANT_ON_CUDA = True
-# On the CPU a float GEMM gives a row other bits for 1-3, 5-7 and 9-11 rows than for 4, 8 and
-# 12 or more (this 2-core EPYC's BLAS), and the same bits for every multiple of 4 (checked up to
-# 520 rows: tests/unit/models/test_linear_cpu.py guards it): products are padded to it.
-CPU_ROW_MULTIPLE = 4
+# On the CPU, which rows share a BLAS kernel depends on the machine: on a 2-core AMD EPYC every
+# multiple of 4 rows gave a row the same bits; on a 2-core Intel Xeon (MKL, AVX-512) the same
+# holds for 576 x 576 but not for 1536 x 576 (one kernel for 2-15 rows, another from 16 on) or
+# 576 x 1536 (a third for 57-128 rows). One row count for every product avoids the question: rows
+# go in chunks of this many (the last padded with zeros), one F.linear per chunk, and a row's bits
+# were the same at every position of a chunk on both machines (checked per shape at first use:
+# `cpu_rows_invariant`; tests/unit/models/test_linear_cpu.py guards it). A batched product over
+# the chunks (torch.bmm) is not: its kernel changes with the number of chunks for some shapes.
+CPU_ROW_CHUNK = 16
 
 # (N, K, dtype, device) of a weight -> the most rows for which cuBLAS was checked to give every
 # row the bits of the row alone (absent: not checked or failed: the Triton kernel).
@@ -46,19 +54,63 @@ def batch_invariant_linear_ref(
     return out.to(x.dtype)
 
 
-def _padded_linear(
+def _chunked_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """F.linear over x's rows padded with zeros to a multiple of CPU_ROW_MULTIPLE (the CPU's
-    row-invariant product; see CPU_ROW_MULTIPLE). x: [..., K] -> [..., N]."""
+    """x W^T (+ bias) over x's rows in chunks of CPU_ROW_CHUNK rows (the last padded with zeros),
+    one F.linear per chunk: the CPU's row-invariant product where `cpu_rows_invariant` passed
+    for the weight's shape, else one row at a time. x: [..., K] -> [..., N]."""
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
     count = rows.shape[0]
-    extra = -count % CPU_ROW_MULTIPLE
+    size = CPU_ROW_CHUNK if cpu_rows_invariant(weight) else 1
+    extra = -count % size
     if extra:
         rows = torch.cat([rows, rows.new_zeros(extra, rows.shape[1])])
-    out = F.linear(rows, weight, bias)[:count]
+    if rows.shape[0] == size:
+        out = F.linear(rows, weight, bias)
+    else:
+        out = torch.cat([F.linear(chunk, weight, bias) for chunk in rows.split(size)])
+    out = out[:count]
     return out.reshape(*lead, out.shape[-1])
+
+
+# (N, K, dtype) of a CPU weight -> whether its chunked product passed `cpu_rows_invariant`.
+_CPU_CHUNK_OK: dict[tuple[int, int, torch.dtype], bool] = {}
+
+
+@torch.inference_mode()
+def cpu_rows_invariant(weight: torch.Tensor) -> bool:
+    """Whether a `CPU_ROW_CHUNK`-row product gives a row the same bits at any position of the
+    chunk, whatever shares it, for this weight's shape (checked once per shape and dtype, on
+    fixed inputs: the BLAS picks its kernel by shapes, not values). A shape that fails runs one
+    row at a time (slow, and logged once)."""
+    key = (weight.shape[0], weight.shape[1], weight.dtype)
+    known = _CPU_CHUNK_OK.get(key)
+    if known is not None:
+        return known
+    depth, size = weight.shape[1], 3 * CPU_ROW_CHUNK
+    grid = torch.arange(size * depth, dtype=torch.float32)
+    x = torch.sin(grid * 0.618034).mul_(2.0).view(size, depth).to(weight.dtype)
+    full = torch.cat([F.linear(chunk, weight) for chunk in x.split(CPU_ROW_CHUNK)])
+    alone = x.new_zeros(CPU_ROW_CHUNK, depth)
+    passed = True
+    for i in (0, 1, CPU_ROW_CHUNK - 1, CPU_ROW_CHUNK + 5, size - 1):
+        alone[0] = x[i]
+        if not torch.equal(F.linear(alone, weight)[0], full[i]):
+            passed = False
+            break
+    _CPU_CHUNK_OK[key] = passed
+    if not passed:
+        logging.getLogger(__name__).warning(
+            "this machine's BLAS gives rows of a %d x %d %s product other bits by their position "
+            "in a %d-row chunk: those products run one row at a time (slower) to stay "
+            "batch-invariant",
+            *weight.shape,
+            weight.dtype,
+            CPU_ROW_CHUNK,
+        )
+    return passed
 
 
 def _key(weight: torch.Tensor) -> tuple[int, int, torch.dtype, torch.device]:
@@ -70,9 +122,10 @@ def batch_invariant_linear(
 ) -> torch.Tensor:
     """x W^T (+ bias) for x of [..., K] and weight [N, K]: on CUDA every row computed as it
     would be alone (cuBLAS for a weight `check_cublas_rows` cleared, in slices of at most the
-    rows it checked; `linear_triton` otherwise), elsewhere F.linear. Returns [..., N]."""
+    rows it checked; `linear_triton` otherwise); on the CPU in chunks of `CPU_ROW_CHUNK` rows
+    (`_chunked_linear`). Returns [..., N]."""
     if not x.is_cuda:
-        return _padded_linear(x, weight, bias)
+        return _chunked_linear(x, weight, bias)
     if not ROW_INVARIANT_ON_CUDA or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
     lead = x.shape[:-1]

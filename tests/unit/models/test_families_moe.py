@@ -238,7 +238,7 @@ def test_expert_rules_negative_controls_are_not_batch_invariant(
     breaks: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Negative controls: with each expert's products a plain F.linear over its gathered tokens
-    (no padding to `CPU_ROW_MULTIPLE` rows), or its SiLU over a contiguous [N, F] of F = 44
+    (not in chunks of `CPU_ROW_CHUNK` rows), or its SiLU over a contiguous [N, F] of F = 44
     (this CPU's vectorised SiLU rounds the elements of a last partial vector otherwise), some
     token's output depends on how many tokens its experts gather; with both rules (the block
     as loaded) none does."""
