@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
 import json
 import os
@@ -53,6 +54,8 @@ from specdec.bench import DEFAULT_PROMPTS
 from specdec.cli import DEFAULT_SPECULATIVE_CONFIG
 
 REQUEST_TIMEOUT_S = 600.0
+# The mode of the plain levels run against a second server started with --no-spec.
+NO_SPEC_MODE = "no-spec server"
 # Warm-up requests are short: they only have to run every code path (and compile its kernels) once.
 WARMUP_MAX_TOKENS = 16
 
@@ -203,11 +206,11 @@ def _client(args: argparse.Namespace, concurrency: int) -> httpx.AsyncClient:
     )
 
 
-async def warm_up(args: argparse.Namespace) -> None:
+async def warm_up(args: argparse.Namespace, modes: tuple[bool, ...] = (False, True)) -> None:
     """A few short requests of each mode, so that no level pays for first-use compilation."""
     count = args.warmup_requests
     async with _client(args, max(count, 1)) as http:
-        for spec in (False, True):
+        for spec in modes:
             await asyncio.gather(
                 *[
                     one_request(http, args, prompt(i), i, WARMUP_MAX_TOKENS, spec)
@@ -382,7 +385,9 @@ def serve_command(args: argparse.Namespace, port: int) -> list[str]:
         "--threads",
         str(args.threads),
         *(
-            ["--speculative-config", json.dumps(args.speculative_config)]
+            ["--no-spec"]
+            if getattr(args, "no_spec_now", False)
+            else ["--speculative-config", json.dumps(args.speculative_config)]
             if args.speculative_config is not None
             else []  # the server's own default
         ),
@@ -478,10 +483,14 @@ def markdown(meta: dict, levels: list[LevelResult]) -> str:
     by_key = {(x.mode, x.label): x for x in levels}
     labels = list(dict.fromkeys(x.label for x in levels if not x.mode.startswith("generate")))
     header = "| load | plain tok/s | spec tok/s | spec / plain |"
+    no_spec = any(x.mode == NO_SPEC_MODE for x in levels)
+    if no_spec:
+        header += " `--no-spec` server tok/s | spec / `--no-spec` |"
     ceiling = any(x.mode.startswith("generate") for x in levels)
     if ceiling:
         header += " server / `LLM.generate`: plain | spec |"
-    lines += ["", header, "|---|---|---|---|" + ("---|---|" if ceiling else "")]
+    columns = 4 + 2 * no_spec + 2 * ceiling
+    lines += ["", header, "|" + "---|" * columns]
     for label in labels:
         plain, spec = by_key.get(("plain", label)), by_key.get(("spec", label))
         if plain is None or spec is None:
@@ -491,6 +500,14 @@ def markdown(meta: dict, levels: list[LevelResult]) -> str:
             f"| {label} | {plain.output_tokens_per_s:.1f} | {spec.output_tokens_per_s:.1f} "
             f"| {ratio:.2f} |"
         )
+        if no_spec:
+            base = by_key.get((NO_SPEC_MODE, label))
+            row += (
+                f" {base.output_tokens_per_s:.1f} | "
+                f"{spec.output_tokens_per_s / base.output_tokens_per_s:.2f} |"
+                if base
+                else " | |"
+            )
         if ceiling:
             for server, mode in ((plain, "generate plain"), (spec, "generate spec")):
                 engine = by_key.get((mode, label))
@@ -551,10 +568,13 @@ def engine_counters(metrics: str) -> dict[str, float]:
     return counters
 
 
-def run(args: argparse.Namespace) -> tuple[dict, list[LevelResult]]:
+def run(
+    args: argparse.Namespace, modes: tuple[bool, ...] = (False, True)
+) -> tuple[dict, list[LevelResult]]:
+    """Every load level of `modes` (False: plain requests, True: spec) against args.url."""
     started = time.perf_counter()
     if args.warmup_requests:
-        asyncio.run(warm_up(args))
+        asyncio.run(warm_up(args, modes))
     levels = []
     print(
         f"{'mode':>14} {'load':>8} {'reqs':>4} {'fail':>4} {'req/s':>6} {'tok/s':>7} "
@@ -567,7 +587,7 @@ def run(args: argparse.Namespace) -> tuple[dict, list[LevelResult]]:
         else [(concurrency, None) for concurrency in args.concurrency]
     )
     for concurrency, rate in loads:
-        for spec in (False, True):
+        for spec in modes:
             level = asyncio.run(run_level(args, concurrency, spec, rate))
             levels.append(level)
             print_level(level)
@@ -600,6 +620,26 @@ def run(args: argparse.Namespace) -> tuple[dict, list[LevelResult]]:
         "benchmark_s": time.perf_counter() - started,
     }
     return meta, levels
+
+
+def no_spec_levels(args: argparse.Namespace, levels: list[LevelResult], out_dir: Path) -> dict:
+    """The plain levels again against a second server started with `--no-spec` (the baseline a
+    user compares with: its plain requests take the overlapped plain loop, where a speculative
+    server's plain requests take the synchronous step); appends them to `levels` as mode
+    "no-spec server" and returns that server's start-up time and step counters."""
+    args.no_spec_now = True
+    server = start_server(args, out_dir / "server_no_spec.log")
+    try:
+        meta, plain = run(args, modes=(False,))
+    finally:
+        stop_server(server)
+        args.no_spec_now = False
+    levels += [dataclasses.replace(level, mode=NO_SPEC_MODE) for level in plain]
+    return {
+        "serve_command": meta["serve_command"],
+        "startup_seconds": meta["startup_seconds"],
+        "engine_counters": meta["engine_counters"],
+    }
 
 
 def main() -> None:
@@ -659,6 +699,12 @@ def main() -> None:
         "--warmup-requests", type=int, default=4, help="per mode, before the levels (0: none)"
     )
     load.add_argument(
+        "--no-spec-server",
+        action="store_true",
+        help="also the plain levels against a second server started with --no-spec (needs "
+        "--serve): the spec / --no-spec column",
+    )
+    load.add_argument(
         "--generate",
         action="store_true",
         help="also LLM.chat on each concurrency level's requests in this process (needs --serve)",
@@ -683,6 +729,8 @@ def main() -> None:
         parser.error("--api-key is for --url servers; a started server has none")
     if args.generate and args.serve is None:
         parser.error("--generate needs --serve (the model it loads in this process)")
+    if args.no_spec_server and args.serve is None:
+        parser.error("--no-spec-server needs --serve (the model its second server loads)")
     if args.generate and args.rules != "none":
         parser.error("--generate runs requests without rules: not with --rules mixed")
     if args.request_rate and any(rate <= 0 for rate in args.request_rate):
@@ -702,6 +750,8 @@ def main() -> None:
     finally:
         if server is not None:
             stop_server(server)
+    if args.no_spec_server:
+        meta["no_spec_server"] = no_spec_levels(args, levels, out_json.parent)
     if args.generate:
         levels += generate_levels(args)
     report = {"meta": meta, "levels": [asdict(x) | {"load": x.label} for x in levels]}

@@ -152,7 +152,8 @@ def test_serve_benchmark_starts_a_server_and_reports(tiny_dir, tmp_path):
 
 def test_serve_benchmark_poisson_arrivals(tiny_dir, tmp_path):
     """--request-rate: a level of seeded Poisson arrivals (at most 2 in flight), the prompts
-    from a file."""
+    from a file; --no-spec-server: the plain level again against a second server started with
+    --no-spec, and the spec / --no-spec column."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "Name a colour."}\n{"prompt": "Count to three."}\n')
     report = run_bench_serve(
@@ -170,12 +171,17 @@ def test_serve_benchmark_poisson_arrivals(tiny_dir, tmp_path):
         "0",
         "--prompts-file",
         str(prompts),
+        "--no-spec-server",
     )
     assert [(x["mode"], x["load"]) for x in report["levels"]] == [
-        ("plain", "r=20/s"), ("spec", "r=20/s")
+        ("plain", "r=20/s"), ("spec", "r=20/s"), ("no-spec server", "r=20/s")
     ]  # fmt: skip
     assert report["meta"]["prompts"] == str(prompts)
     assert all(x["num_failed"] == 0 and x["num_requests"] == 4 for x in report["levels"])
+    no_spec = report["meta"]["no_spec_server"]
+    assert "--no-spec" in no_spec["serve_command"] and no_spec["startup_seconds"] > 0
+    assert "spec / `--no-spec`" in (tmp_path / "serve.md").read_text()
+    assert (tmp_path / "server_no_spec.log").exists()
 
 
 def test_serve_benchmark_mixed_rules(tiny_dir, tmp_path):
