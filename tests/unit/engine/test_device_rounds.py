@@ -383,3 +383,40 @@ def test_a_round_of_k_drafts_runs_the_target_over_k_plus_1_rows(
         assert got == expected
     assert {k for k, _ in widths} == {0, 1, 3}
     assert all(query == k + 1 for k, query in widths)
+
+
+@pytest.mark.parametrize("rule", ["on", "off (negative control)"])
+def test_a_step_holding_a_prefill_chunk_drafts_nothing_beside_it(
+    model_dir, dirs, prompts, monkeypatch, rule
+):
+    """With device rounds and the adaptive policy, the synchronous step that admits a joining
+    request holds its prefill chunk beside the running requests' decode rows: those rows draft
+    nothing (K = 0), so the step takes the graphed prefill path instead of an eager verify step
+    with host drafting (s27: ~30 ms a step on an H100). Coupled output still equals plain
+    decoding's. Negative control: with the rule turned off the same steps hold drafts."""
+    from specdec.engine import llm_engine
+    from specdec.engine.speculative_loops import SpeculativeLoops
+
+    if rule != "on":
+        monkeypatch.setattr(SpeculativeLoops, "_plain_beside_prefill", staticmethod(lambda s: None))
+    mixed_drafts = []
+    original = llm_engine.LLMEngine._run_step
+
+    def spy(self, scheduled, only_finished):
+        if any(share.request.in_prefill for share in scheduled):
+            mixed_drafts.extend(s.num_draft for s in scheduled if not s.request.in_prefill)
+        return original(self, scheduled, only_finished)
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "_run_step", spy)
+    requests = [(p, params_for(1.0, 70 + i)) for i, p in enumerate(prompts)]
+    expected, _ = drive(make_engine(model_dir, None, False), requests[:2], late=requests[2:])
+    spec = spec_for("eagle", dirs, "coupled", k=3, adaptive=True)
+    engine = make_engine(model_dir, spec, True)
+    got, _ = drive(engine, requests[:2], late=requests[2:])
+    assert got == expected
+    assert engine.loop_stats.num_device_rounds > 0
+    assert mixed_drafts, "no decode row shared a step with a joining request's prefill"
+    if rule == "on":
+        assert set(mixed_drafts) == {0}
+    else:
+        assert any(mixed_drafts)
