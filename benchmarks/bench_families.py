@@ -7,8 +7,9 @@ its active-parameter weight-read floor.
   weights against Llama-3-8B's (target: within 5%).
 - Mixture of experts: Qwen3-30B-A3B (128 experts, 8 a token): TPOT at batch 1 and 64 against
   the floor = bytes a token's step reads (everything but the experts, plus 8 / 128 of them) /
-  the device's copy bandwidth measured in the same run (target at batch 1: <= 1.3x); the grouped
-  expert kernel (`SPECDEC_MOE_GROUPED_KERNEL=1`) beside the default where `--moe-kernels both`.
+  the device's copy bandwidth measured in the same run (target at batch 1: <= 1.3x); the CPU's
+  expert loop (`SPECDEC_MOE_GROUPED_KERNEL=0`) beside the default grouped kernel where
+  `--moe-kernels both`.
 
     python benchmarks/bench_families.py --out DIR [--shapes llama-3-8b,qwen3-8b,gemma-2-9b,
         qwen3-30b-a3b] [--batches 1,64] [--new-tokens 64] [--moe-kernels both]
@@ -192,7 +193,8 @@ def main() -> None:
         "--moe-kernels",
         default="default",
         choices=("default", "both"),
-        help="both: the MoE shape also with the grouped expert kernel",
+        help="both: the MoE shape also with the grouped expert kernel off (the CPU's loop, "
+        "SPECDEC_MOE_GROUPED_KERNEL=0)",
     )
     args = parser.parse_args()
     out = Path(args.out)
@@ -216,14 +218,18 @@ def main() -> None:
             config = {**config, **TINY, **TINY_FAMILY.get(name, {})}
         kernels = ["default"]
         if "num_experts" in config and args.moe_kernels == "both":
-            kernels.append("grouped")
+            kernels.append("loop")
         for kernel in kernels:
-            if kernel == "grouped":
-                os.environ[MOE_ENV] = "1"
-            key = name if kernel == "default" else f"{name} grouped"
+            saved = os.environ.get(MOE_ENV)
+            if kernel == "loop":
+                os.environ[MOE_ENV] = "0"
+            key = name if kernel == "default" else f"{name} loop"
             row = bench_shape(name, config, args.device, batches, args.new_tokens)
-            if kernel == "grouped":
-                os.environ.pop(MOE_ENV, None)
+            if kernel == "loop":
+                if saved is None:
+                    os.environ.pop(MOE_ENV, None)
+                else:
+                    os.environ[MOE_ENV] = saved
             if bandwidth is not None and 1 in row["tpot_ms"]:
                 floor_ms = row["active_weight_gb"] * 1e9 / bandwidth * 1e3
                 row["weight_read_floor_ms"] = floor_ms

@@ -1,8 +1,8 @@
-"""The grouped mixture-of-experts kernel on CUDA (`moe_triton.grouped_linear_triton`, switched
-on by SPECDEC_MOE_GROUPED_KERNEL=1): against its twin `moe.grouped_linear_ref`, a token alone
-== in any batch bit for bit, a CUDA-graph replay == the eager call, and tiny Mixtral /
-Qwen3-MoE checkpoints on CUDA (eager, decode-path steps, the engine under CUDA graphs, n-gram
-speculation) against `transformers` on the CPU.
+"""The grouped mixture-of-experts kernel on CUDA (`moe_triton.grouped_linear_triton`, CUDA's
+default; SPECDEC_MOE_GROUPED_KERNEL=0 switches it off): against its twin
+`moe.grouped_linear_ref`, a token alone == in any batch bit for bit, a CUDA-graph replay == the
+eager call, and tiny Mixtral / Qwen3-MoE checkpoints on CUDA (eager, decode-path steps, the
+engine under CUDA graphs, n-gram speculation) against `transformers` on the CPU.
 
 Against the twin the kernel is compared within rounding, not bits: the GPU's dot sums each K
 step in its own order (a float32 FMA chain started from the accumulator, bfloat16 tensor
@@ -204,10 +204,11 @@ def test_moe_engine_on_cuda_greedy_and_speculative(family: Any, grouped_on: None
 def test_moe_engine_on_cuda_without_the_switch_runs_eagerly(
     family: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """Switch off (the default): no decode path, the CPU's loop on CUDA, `generate`'s tokens."""
+    """Switch off (SPECDEC_MOE_GROUPED_KERNEL=0): no decode path, the CPU's loop on CUDA,
+    `generate`'s tokens."""
     from specdec.engine.llm import LLM
 
-    monkeypatch.delenv(GROUPED_KERNEL_ENV, raising=False)
+    monkeypatch.setenv(GROUPED_KERNEL_ENV, "0")
     hf_model, path = family
     args = {"max_model_len": 64, "block_size": 4, "num_kv_blocks": 256}
     llm = LLM(str(path), speculative_config=None, device="cuda", dtype="float32", **args)

@@ -316,17 +316,18 @@ class ModelConfig:
         """Why the fused decode path cannot run this model on `device_type` ("cpu", "cuda"),
         or None when it can. Both take one frequency table per layer for every token (no
         dynamic NTK); CUDA's kernels have windows, soft-capping and GeGLU (a mixture of
-        experts waits on its grouped kernel's switch), the CPU's plan (`DecodePlanCPU`) has
+        experts takes its grouped kernel, unless switched off), the CPU's plan (`DecodePlanCPU`) has
         windows and soft-capping and the CPU runs every twin."""
         if self.rope_scaling is not None and self.rope_scaling.is_dynamic:
             return "dynamic NTK rope scaling (frequencies that depend on the position)"
         device_reason = self.device_reason(device_type)
         if device_reason is not None:
             return device_reason
-        if device_type != "cpu" and self.is_moe and os.getenv("SPECDEC_MOE_GROUPED_KERNEL") != "1":
-            return (  # `moe.GROUPED_KERNEL_ENV`: the grouped expert kernel, unchecked on a GPU
-                "mixture-of-experts MLP (the grouped expert kernel is off until checked on a "
-                "GPU: SPECDEC_MOE_GROUPED_KERNEL=1 turns it on)"
+        grouped = os.getenv("SPECDEC_MOE_GROUPED_KERNEL", "1") != "0"  # `moe.GROUPED_KERNEL_ENV`
+        if device_type != "cpu" and self.is_moe and not grouped:
+            return (
+                "mixture-of-experts MLP with the grouped expert kernel switched off "
+                "(SPECDEC_MOE_GROUPED_KERNEL=0)"
             )
         return None
 

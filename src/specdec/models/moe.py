@@ -5,8 +5,9 @@ never reads files, samples, or shards experts (tensor parallelism is refused by 
 
 Two ways to run the experts: the CPU's (each expert in turn over its gathered tokens), and the
 grouped one (every (token, rank) pair sorted by expert into tiles of one expert, one grouped
-product for gate/up and one for down over all experts: `moe_triton.py` on CUDA, opted into with
-SPECDEC_MOE_GROUPED_KERNEL=1 while it is unchecked on a GPU; `grouped_linear_ref`, its twin).
+product for gate/up and one for down over all experts: `moe_triton.py`, CUDA's default since s27
+(bit for bit its twin, and the engine's greedy and speculative tokens `transformers`' on an H100
+in s26), switched off with SPECDEC_MOE_GROUPED_KERNEL=0; `grouped_linear_ref`, its twin).
 """
 
 from __future__ import annotations
@@ -27,16 +28,16 @@ from specdec.models.moe_tiles import ExpertTiles, expert_tiles
 # its tile of pairs is `moe_tiles.GROUPED_BLOCK_M`.
 GROUPED_BLOCK_K = 64
 # The environment switch of the grouped kernel on CUDA (and of the CUDA decode path for MoE
-# models: `ModelConfig.decode_path_reason` reads the same name). Off: CUDA runs the CPU's loop
-# eagerly, and the decode path refuses the model.
+# models: `ModelConfig.decode_path_reason` reads the same name): on unless set to 0. Off: CUDA
+# runs the CPU's loop eagerly (a host sync per expert and layer: 578 ms a token for the
+# Qwen3-30B-A3B shape on an H100, s27), and the decode path refuses the model.
 GROUPED_KERNEL_ENV = "SPECDEC_MOE_GROUPED_KERNEL"
 
 
 def takes_grouped_path(x: torch.Tensor) -> bool:
-    """Whether a step on `x`'s device runs the grouped experts: CUDA with `GROUPED_KERNEL_ENV`
-    set to 1 (tests replace this to run CPU steps through the kernel under Triton's
-    interpreter)."""
-    return x.is_cuda and os.environ.get(GROUPED_KERNEL_ENV) == "1"
+    """Whether a step on `x`'s device runs the grouped experts: CUDA unless `GROUPED_KERNEL_ENV`
+    is 0 (tests replace this to run CPU steps through the kernel under Triton's interpreter)."""
+    return x.is_cuda and os.environ.get(GROUPED_KERNEL_ENV, "1") != "0"
 
 
 class Expert(nn.Module):

@@ -260,9 +260,9 @@ def test_expert_rules_negative_controls_are_not_batch_invariant(
 
 
 # --------------------------------------------------------------------------- refusals
-def test_refusals_are_one_line_and_named(tmp_path: Path) -> None:
-    """Tensor parallelism, quantization at load and after, CUDA's decode path, a model cut to
-    fewer layers, a GGUF file with experts."""
+def test_refusals_are_one_line_and_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensor parallelism, quantization at load and after, CUDA's decode path with the grouped
+    kernel switched off, a model cut to fewer layers, a GGUF file with experts."""
     path = save_hf_model(make_moe_hf_model("qwen3_moe"), tmp_path)
     loaded = load_model(path)
     config = loaded.config
@@ -292,5 +292,6 @@ def test_refusals_are_one_line_and_named(tmp_path: Path) -> None:
         load_model(file)
     messages.append(str(info.value))
     assert all("\n" not in message for message in messages)
-    assert config.decode_path_reason("cuda").startswith("mixture-of-experts MLP (the grouped")
+    monkeypatch.setenv("SPECDEC_MOE_GROUPED_KERNEL", "0")
+    assert config.decode_path_reason("cuda").startswith("mixture-of-experts MLP with the grouped")
     assert config.decode_path_reason("cpu") is None

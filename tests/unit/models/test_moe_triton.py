@@ -9,7 +9,7 @@ order, bit for bit (kernel and twin). Negative controls, each of which the same 
 reject: a K step of 32 instead of 64 (other bits), a K step that follows the row count (a
 token's bits change with its batch), the ranks summed in reverse (other bits at top-3), routes
 to other experts (other outputs). The switch: CUDA takes the kernel, and its decode path takes
-MoE models, only with SPECDEC_MOE_GROUPED_KERNEL=1.
+MoE models, unless SPECDEC_MOE_GROUPED_KERNEL=0.
 """
 
 from __future__ import annotations
@@ -330,21 +330,25 @@ def test_fuse_stacks_the_experts_as_views() -> None:
 
 
 def test_the_switch_names_the_grouped_kernel(monkeypatch: Any) -> None:
-    """Off (the default): CUDA's decode path refuses MoE models naming the switch, CUDA runs
-    the CPU's loop; on (SPECDEC_MOE_GROUPED_KERNEL=1): the decode path takes them and CUDA
-    tensors take the grouped path. The CPU never does."""
+    """On (the default, or SPECDEC_MOE_GROUPED_KERNEL=1): CUDA's decode path takes MoE models
+    and CUDA tensors take the grouped path; off (=0): the decode path refuses them naming the
+    switch, and CUDA runs the CPU's loop. The CPU never takes the grouped path."""
     from models_fixtures import MOE_CONFIGS
 
     config = ModelConfig.from_hf_config(MOE_CONFIGS["mixtral"])
-    monkeypatch.delenv(GROUPED_KERNEL_ENV, raising=False)
+    for value in (None, "1"):
+        if value is None:
+            monkeypatch.delenv(GROUPED_KERNEL_ENV, raising=False)
+        else:
+            monkeypatch.setenv(GROUPED_KERNEL_ENV, value)
+        assert config.decode_path_reason("cuda") is None
+        assert not moe.takes_grouped_path(torch.zeros(1))
+    monkeypatch.setenv(GROUPED_KERNEL_ENV, "0")
     reason = config.decode_path_reason("cuda")
     assert reason is not None and GROUPED_KERNEL_ENV in reason and "\n" not in reason
     assert config.decode_path_reason("cpu") is None
     meta = torch.empty(1, device="meta")
     assert not moe.takes_grouped_path(meta) and not moe.takes_grouped_path(torch.zeros(1))
-    monkeypatch.setenv(GROUPED_KERNEL_ENV, "1")
-    assert config.decode_path_reason("cuda") is None
-    assert not moe.takes_grouped_path(torch.zeros(1))
 
 
 # --------------------------------------------------------------------------- a model
