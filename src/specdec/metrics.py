@@ -73,10 +73,6 @@ class SpecDecodeStats:
             return [0.0] * len(self.accepted_per_position)
         return [count / self.num_drafts for count in self.accepted_per_position]
 
-    def observe_plain_arm(self) -> None:
-        self.num_plain_arm_steps += 1
-        self.k_chosen[-1] = self.k_chosen.get(-1, 0) + 1
-
     def as_dict(self) -> dict:
         return {
             "num_drafts": self.num_drafts,
@@ -87,6 +83,10 @@ class SpecDecodeStats:
             "acceptance_rate": self.acceptance_rate,
             "acceptance_per_position": self.acceptance_per_position,
         }
+
+
+# The kinds of query rows `LoopStats.rows` counts.
+ROW_KINDS = ("prefill", "plain", "speculative")
 
 
 @dataclass(slots=True)
@@ -103,7 +103,10 @@ class LoopStats:
     - num_plain_arm_steps: plain overlapped decode steps the speculation policy chose (its arm
       P) for speculative requests, counted in num_overlapped_steps too;
     - k_chosen: device rounds per K (the policy's choice; 0 = a round of no drafts; -1 = the
-      plain arm's steps).
+      plain arm's steps);
+    - rows: the target's query rows by kind, over every path: "prefill" (prompt chunks and
+      recomputed prefixes), "plain" (decode rows without drafts) and "speculative" (verify rows:
+      a request's last token and its drafts).
     """
 
     num_overlapped_steps: int = 0
@@ -113,11 +116,20 @@ class LoopStats:
     num_graphed_prefill_steps: int = 0
     num_plain_arm_steps: int = 0
     k_chosen: dict[int, int] = field(default_factory=dict)
+    rows: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ROW_KINDS, 0))
 
-    def observe_round(self, k: int, graphed: bool) -> None:
+    def observe_round(self, k: int, graphed: bool, num_requests: int) -> None:
+        """A device round of `k` drafts for `num_requests` live requests."""
         self.num_device_rounds += 1
         self.num_graph_rounds += int(graphed)
         self.k_chosen[k] = self.k_chosen.get(k, 0) + 1
+        self.rows["speculative" if k > 0 else "plain"] += num_requests * (k + 1)
+
+    def observe_rows(self, prefill: int = 0, plain: int = 0, speculative: int = 0) -> None:
+        """Query rows a step gave the target, by kind."""
+        self.rows["prefill"] += prefill
+        self.rows["plain"] += plain
+        self.rows["speculative"] += speculative
 
     def observe_plain_arm(self) -> None:
         self.num_plain_arm_steps += 1
@@ -132,4 +144,5 @@ class LoopStats:
             "num_graphed_prefill_steps": self.num_graphed_prefill_steps,
             "num_plain_arm_steps": self.num_plain_arm_steps,
             "k_chosen": dict(sorted(self.k_chosen.items())),
+            "rows": dict(self.rows),
         }

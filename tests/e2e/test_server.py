@@ -508,6 +508,10 @@ def test_metrics_expose_vllm_names(server):
         "specdec:cuda_graphs_after_warm_up_total",
     ):
         assert name in text, name
+    rows = [line for line in text.splitlines() if line.startswith("specdec:num_rows_total{")]
+    for kind in ("prefill", "plain", "speculative"):
+        assert any(f'kind="{kind}"' in line for line in rows), (kind, rows)
+    assert any('kind="prefill"' in line and not line.endswith(" 0.0") for line in rows), rows
     late = [line for line in text.splitlines() if line.startswith("specdec:cuda_graphs_after")]
     assert len(late) == 1 and late[0].endswith(" 0.0"), late  # the CPU captures none
 

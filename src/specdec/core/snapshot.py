@@ -31,6 +31,7 @@ class EngineSnapshot:
     num_sync_steps: int = 0
     num_graphed_prefill_steps: int = 0
     k_chosen: tuple[tuple[int, int], ...] = field(default_factory=tuple)  # (K, rounds)
+    rows: tuple[tuple[str, int], ...] = field(default_factory=tuple)  # (kind, query rows)
     graphs_after_warm_up: int = 0
 
 
@@ -57,5 +58,6 @@ def snapshot_of(engine) -> EngineSnapshot:
         num_sync_steps=loop.num_sync_steps,
         num_graphed_prefill_steps=loop.num_graphed_prefill_steps,
         k_chosen=tuple(sorted(loop.k_chosen.items())),
+        rows=tuple(loop.rows.items()),
         graphs_after_warm_up=engine.graphs_after_warm_up,
     )

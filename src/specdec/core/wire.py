@@ -48,6 +48,7 @@ def _snapshot_from_row(row: list) -> EngineSnapshot:
     values = dict(zip((f.name for f in dataclasses.fields(EngineSnapshot)), row, strict=True))
     values["accepted_per_position"] = tuple(values["accepted_per_position"])
     values["k_chosen"] = tuple(tuple(pair) for pair in values["k_chosen"])
+    values["rows"] = tuple(tuple(pair) for pair in values["rows"])
     return EngineSnapshot(**values)
 
 

@@ -497,6 +497,7 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
     ) -> list[RequestOutput]:
         """The algorithm: propose drafts, run the target over [last token + drafts] (or a prefill
         chunk), sample or verify, commit (advance, roll back rejected slots), report."""
+        self._count_rows(scheduled)
         drafts = propose(self.drafter, self.emitter.constants, scheduled)
         inputs = step_inputs(scheduled, drafts, self.outputs.wants_prompt_logprobs)
         layers = self.drafter.feature_layers if self.drafter is not None else ()
@@ -519,6 +520,18 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
             rejected = 0 if emission is None else emission.num_rejected
             commits.append((share.request, end - rejected, emission))
         return self._commit(commits, only_finished)
+
+    def _count_rows(self, scheduled: list[ScheduledRequest]) -> None:
+        """The step's query rows by kind to `loop_stats` (before the step commits)."""
+        prefill = plain = speculative = 0
+        for share in scheduled:
+            if share.request.in_prefill:
+                prefill += share.num_query_tokens
+            elif share.num_draft:
+                speculative += share.num_query_tokens
+            else:
+                plain += share.num_query_tokens
+        self.loop_stats.observe_rows(prefill, plain, speculative)
 
     def _take_prompt_logprobs(
         self,

@@ -110,6 +110,7 @@ class OverlappedLoop:
             self.scheduler.commit(request, step_input.start + 1)
             request.num_pending += 1
         self.loop_stats.num_overlapped_steps += 1
+        self.loop_stats.observe_rows(plain=len(inputs))
         # A row without a distribution still yields a valid id (the next step may take it as
         # its input); its flag comes back in the same copy and `_resolve` drops the token.
         readback = Readback({"tokens": token_ids, "unusable": unusable}, {})

@@ -284,7 +284,9 @@ class SpeculativeLoops:
             last = rounds.launch_room(k)
             if last is not None and self._grow_ahead(rounds.live_requests, last):
                 rounds.launch(k, last)
-                self.loop_stats.observe_round(k, rounds.graph_cache.use_graphs)
+                self.loop_stats.observe_round(
+                    k, rounds.graph_cache.use_graphs, len(rounds.live_requests)
+                )
                 launched = True
         outputs: list[RequestOutput] = []
         if rounds.inflight and (len(rounds.inflight) > 1 or not launched):

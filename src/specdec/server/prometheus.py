@@ -119,6 +119,16 @@ class _EngineCollector(Collector):
         for k, count in snap.k_chosen:
             chosen.add_metric([*values, str(k)], count)
         yield chosen
+        rows = CounterMetricFamily(
+            "specdec:num_rows",
+            "The target's query rows by kind: prefill (prompt chunks, recomputed prefixes), "
+            "plain (decode rows without drafts), speculative (a request's last token and its "
+            "drafts).",
+            labels=[*labels, "kind"],
+        )
+        for kind, count in snap.rows:
+            rows.add_metric([*values, kind], count)
+        yield rows
 
 
 class ServerMetrics:

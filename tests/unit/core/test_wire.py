@@ -106,6 +106,10 @@ def test_an_assembler_that_drops_a_delta_does_not_rebuild_the_output():
 
 def test_the_snapshot_round_trips_with_its_tuples():
     snapshot = EngineSnapshot(
-        num_waiting=2, kv_cache_usage=0.5, accepted_per_position=(3, 1), k_chosen=((1, 4), (2, 9))
+        num_waiting=2,
+        kv_cache_usage=0.5,
+        accepted_per_position=(3, 1),
+        k_chosen=((1, 4), (2, 9)),
+        rows=(("prefill", 12), ("plain", 3), ("speculative", 8)),
     )
     assert decode_frame(encode_frame("snapshot", None, snapshot))[2] == snapshot
