@@ -557,13 +557,17 @@ def plot(levels: list[LevelResult], path: Path) -> None:
 
 
 def engine_counters(metrics: str) -> dict[str, float]:
-    """The server's `specdec:` step counters from its /metrics text (labels dropped but k)."""
+    """The server's `specdec:` step counters from its /metrics text (labels dropped but k and
+    kind: `specdec:spec_k_chosen_total[k=2]`, `specdec:num_rows_total[kind=prefill]`)."""
     counters = {}
     for line in metrics.splitlines():
         if line.startswith(("specdec:num_", "specdec:spec_k_chosen", "specdec:cuda_graphs")):
             name, value = line.rsplit(" ", 1)
-            k = name.split('k="')[1].split('"')[0] if 'k="' in name else None
-            key = name.split("{")[0] + (f"[k={k}]" if k is not None else "")
+            key = name.split("{")[0]
+            for label in ("k", "kind"):
+                marker = f'{{{label}="' if f'{{{label}="' in name else f',{label}="'
+                if marker in name:
+                    key += f"[{label}={name.split(marker)[1].split(chr(34))[0]}]"
             counters[key] = float(value)
     return counters
 
