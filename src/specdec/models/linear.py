@@ -9,7 +9,7 @@ rows on) and not for others (SmolLM2's, up to 512 rows at least). So on CUDA a w
 cuBLAS only where `check_cublas_rows` found every row of every row count the engine can run
 equal to the row alone; every other float product runs `linear_triton`, whose rows are the
 same bits for every row count. On the CPU the product runs in chunks of exactly
-`CPU_ROW_CHUNK` rows (one batched product over the chunks), so the BLAS sees one row count
+`CPU_ROW_CHUNK` rows (one F.linear each), so the BLAS sees one row count
 whatever the step holds; `cpu_rows_invariant` checks that, per weight shape, before use (the
 kept-quantized default takes the weight-only kernels of `quant.py` instead). Nothing here draws
 randomness.
