@@ -420,9 +420,12 @@ def test_mistral_window_decode_path_through_the_kernel_twins(tmp_path: Any) -> N
     assert decode_path_error(off, references, sequences) > 1e-2
 
 
-def test_cuda_decode_path_takes_windows_softcaps_and_geglu(gemma2_capped: Any) -> None:
+def test_cuda_decode_path_takes_windows_softcaps_and_geglu(
+    gemma2_capped: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The CUDA refusals lifted: windows, soft-capping and GeGLU name no reason on either
-    device; a mixture of experts still does on CUDA."""
+    device; a mixture of experts neither (its grouped kernel, CUDA's default), unless that
+    kernel is switched off (SPECDEC_MOE_GROUPED_KERNEL=0)."""
     from models_fixtures import MOE_CONFIGS, TINY_CONFIGS
     from specdec.models import ModelConfig
 
@@ -433,6 +436,9 @@ def test_cuda_decode_path_takes_windows_softcaps_and_geglu(gemma2_capped: Any) -
     window = ModelConfig.from_hf_config(TINY_CONFIGS["mistral_window"])
     assert window.eager_only_reason is None
     moe = ModelConfig.from_hf_config(MOE_CONFIGS["mixtral"])
+    monkeypatch.delenv("SPECDEC_MOE_GROUPED_KERNEL", raising=False)
+    assert moe.decode_path_reason("cuda") is None
+    monkeypatch.setenv("SPECDEC_MOE_GROUPED_KERNEL", "0")
     assert "mixture-of-experts" in (moe.decode_path_reason("cuda") or "")
 
 
