@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from eagle_fixtures import trained_head
-from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
+from eagle_fixtures import tiny_target_and_head_fixtures
+from models_fixtures import prompt_tokens
 from specdec.engine.config import EngineConfig, SpeculativeConfig
 from specdec.engine.llm_engine import LLMEngine
 from specdec.sampling import SamplingParams
@@ -17,15 +17,7 @@ from specdec.sampling import SamplingParams
 VOCAB = 97
 MAX_TOKENS = 9
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("tiny-rows"))
-
-
-@pytest.fixture(scope="module")
-def head_dir(model_dir, tmp_path_factory):
-    return trained_head(model_dir, tmp_path_factory.mktemp("eagle-rows"))
+target_dir, head_dir = tiny_target_and_head_fixtures()
 
 
 def run(model_dir, spec, async_scheduling: bool) -> tuple[dict, list[list[int]]]:
@@ -43,8 +35,8 @@ def run(model_dir, spec, async_scheduling: bool) -> tuple[dict, list[list[int]]]
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_plain_decoding_counts_prefill_and_plain_rows(model_dir, async_scheduling):
-    loop, prompts = run(model_dir, None, async_scheduling)
+def test_plain_decoding_counts_prefill_and_plain_rows(target_dir, async_scheduling):
+    loop, prompts = run(target_dir, None, async_scheduling)
     assert loop["rows"]["prefill"] == sum(len(p) for p in prompts)
     assert loop["rows"]["speculative"] == 0
     emitted_after_first = len(prompts) * (MAX_TOKENS - 1)
@@ -57,9 +49,9 @@ def test_plain_decoding_counts_prefill_and_plain_rows(model_dir, async_schedulin
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_speculation_counts_verify_rows_as_speculative(model_dir, head_dir, async_scheduling):
+def test_speculation_counts_verify_rows_as_speculative(target_dir, head_dir, async_scheduling):
     spec = {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": 3}
-    loop, prompts = run(model_dir, spec, async_scheduling)
+    loop, prompts = run(target_dir, spec, async_scheduling)
     assert loop["rows"]["prefill"] == sum(len(p) for p in prompts)
     assert loop["rows"]["speculative"] > 0
     if async_scheduling:
