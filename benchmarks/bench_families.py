@@ -33,6 +33,15 @@ from bench_gpu_engine import hf_config, random_prompts
 from bench_long_context import copy_bandwidth
 from bench_spec_round import decode_phase, make_engine
 
+# The keys Qwen3-8B and Qwen3-30B-A3B share.
+QWEN3_COMMON = {
+    "vocab_size": 151936,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+}
 SHAPES = {
     # the engine benchmark's Llama-3-8B (bench_gpu_engine.SHAPES), the yardstick per byte
     "llama-3-8b": {**hf_config("llama-3-8b"), "model_type": "llama", "hidden_act": "silu"},
@@ -45,12 +54,7 @@ SHAPES = {
         "num_attention_heads": 32,
         "num_key_value_heads": 8,
         "head_dim": 128,
-        "vocab_size": 151936,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "max_position_embeddings": 40960,
-        "tie_word_embeddings": False,
-        "hidden_act": "silu",
+        **QWEN3_COMMON,
     },
     "gemma-2-9b": {
         "architectures": ["Gemma2ForCausalLM"],
@@ -88,12 +92,7 @@ SHAPES = {
         "norm_topk_prob": True,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
-        "vocab_size": 151936,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "max_position_embeddings": 40960,
-        "tie_word_embeddings": False,
-        "hidden_act": "silu",
+        **QWEN3_COMMON,
     },
 }
 TINY = {  # every family at toy sizes (the CPU smoke test)
