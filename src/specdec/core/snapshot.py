@@ -33,6 +33,8 @@ class EngineSnapshot:
     k_chosen: tuple[tuple[int, int], ...] = field(default_factory=tuple)  # (K, rounds)
     rows: tuple[tuple[str, int], ...] = field(default_factory=tuple)  # (kind, query rows)
     graphs_after_warm_up: int = 0
+    # (kernel, variants) compiled after the warm-up; None: not counted (no Triton hook)
+    triton_compiles_after_warm_up: tuple[tuple[str, int], ...] | None = None
 
 
 def snapshot_of(engine) -> EngineSnapshot:
@@ -40,6 +42,7 @@ def snapshot_of(engine) -> EngineSnapshot:
     stats = engine.stats
     allocator = engine.allocator
     loop = engine.loop_stats
+    compiles = engine.triton_compiles_after_warm_up
     return EngineSnapshot(
         num_waiting=len(engine.scheduler.waiting),
         num_running=len(engine.scheduler.running),
@@ -60,4 +63,5 @@ def snapshot_of(engine) -> EngineSnapshot:
         k_chosen=tuple(sorted(loop.k_chosen.items())),
         rows=tuple(loop.rows.items()),
         graphs_after_warm_up=engine.graphs_after_warm_up,
+        triton_compiles_after_warm_up=None if compiles is None else tuple(sorted(compiles.items())),
     )

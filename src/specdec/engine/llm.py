@@ -157,9 +157,11 @@ class LLM:
         """Engine-wide spec-decode counters (vLLM's definitions), and which path served the
         steps ("loop": overlapped plain steps, device rounds, rounds replayed from CUDA graphs,
         synchronous steps, the K the policy chose per device round, and the CUDA graphs
-        captured after the warm-up: 0 on a warmed-up engine)."""
+        captured and Triton kernel variants compiled after the warm-up, by kernel: 0 and {} on
+        a warmed-up engine, None where compiles are not counted)."""
         loop = self.engine.loop_stats.as_dict()
         loop["graphs_after_warm_up"] = self.engine.graphs_after_warm_up
+        loop["triton_compiles_after_warm_up"] = self.engine.triton_compiles_after_warm_up
         return {**self.engine.stats.as_dict(), "loop": loop}
 
     def _run(self, ids, use_tqdm, on_tokens) -> list[RequestOutput]:

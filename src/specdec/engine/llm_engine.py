@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from specdec import triton_compiles
 from specdec.drafters import Drafter, DrafterSetup
 from specdec.drafters.config import (
     EAGLE_HEAD_METHODS,
@@ -96,6 +97,8 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
         builtin_target = model is None and is_builtin_model(config.model)
         speculative_config = with_shipped_head(speculative_config, builtin_target, config.model)
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda":
+            triton_compiles.install()  # before any kernel of this engine compiles
         check_kv_cache_dtype(config.kv_cache_dtype, self.device)  # before a model loads
         self.async_scheduling = config.async_scheduling
         if self.async_scheduling == "auto":
@@ -189,6 +192,8 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
         self.stats = SpecDecodeStats()
         self.loop_stats = LoopStats()
         self._warm_graphs = 0  # CUDA graphs held after the warm-up (`graphs_after_warm_up`)
+        # Triton variants by kernel at the end of the warm-up (`triton_compiles_after_warm_up`)
+        self._warm_compiles: dict[str, int] = {}
         self.num_preemptions = 0  # engine-wide, for vllm:num_preemptions
         self._inflight: Inflight | None = None
         self._rounds: DeviceRounds | None = None  # built on first use
@@ -258,6 +263,7 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
         a progress bar on stderr (None: when stderr is a terminal)."""
         report = warm_up(self, force=force, progress=progress)
         self._warm_graphs = count_graphs(self)
+        self._warm_compiles = triton_compiles.by_kernel()
         return report
 
     @property
@@ -266,6 +272,17 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
         stays 0 under traffic on a warmed-up engine; each is a stall of the requests in its
         step (`/metrics`: specdec:cuda_graphs_after_warm_up)."""
         return count_graphs(self) - self._warm_graphs
+
+    @property
+    def triton_compiles_after_warm_up(self) -> dict[str, int] | None:
+        """Triton kernel variants compiled (or loaded from Triton's disk cache) since the
+        warm-up, by kernel (since the engine was built, on an engine never warmed up): {} under
+        traffic on a warmed-up engine; each is a stall of the requests in its step (`/metrics`:
+        specdec:triton_compiles_after_warm_up). None where they are not counted (no Triton, or
+        one without the post-compile hook). Counted process-wide (`specdec.triton_compiles`)."""
+        if not triton_compiles.available():
+            return None
+        return triton_compiles.since(self._warm_compiles)
 
     def _check_round_fits(self, k: int) -> None:
         if k + 1 > self.config.max_num_batched_tokens:

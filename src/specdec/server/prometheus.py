@@ -110,6 +110,17 @@ class _EngineCollector(Collector):
             "the requests of its step; 0 when the warm-up covered every step shape).",
             snap.graphs_after_warm_up,
         )
+        if snap.triton_compiles_after_warm_up is not None:  # counted where Triton has the hook
+            compiles = CounterMetricFamily(
+                "specdec:triton_compiles_after_warm_up",
+                "Triton kernel variants compiled (or loaded from Triton's disk cache) under "
+                "traffic, after the start-up warm-up, by kernel (each stalls the requests of its "
+                "step; none when the warm-up covered every variant).",
+                labels=[*labels, "kernel"],
+            )
+            for kernel, count in snap.triton_compiles_after_warm_up:
+                compiles.add_metric([*values, kernel], count)
+            yield compiles
         chosen = CounterMetricFamily(
             "specdec:spec_k_chosen",
             "Device rounds by the number of drafts the policy chose (0: no drafts; -1: plain "
