@@ -556,15 +556,27 @@ def plot(levels: list[LevelResult], path: Path) -> None:
     plt.close(fig)
 
 
+COUNTER_PREFIXES = (
+    "specdec:num_",
+    "specdec:spec_k_chosen",
+    "specdec:cuda_graphs",
+    "specdec:triton_compiles",
+)
+
+# what a warmed-up server should not do under traffic
+STALL_PREFIXES = ("specdec:cuda_graphs", "specdec:triton_compiles")
+
+
 def engine_counters(metrics: str) -> dict[str, float]:
-    """The server's `specdec:` step counters from its /metrics text (labels dropped but k and
-    kind: `specdec:spec_k_chosen_total[k=2]`, `specdec:num_rows_total[kind=prefill]`)."""
+    """The server's `specdec:` step counters from its /metrics text (labels dropped but k, kind
+    and kernel: `specdec:spec_k_chosen_total[k=2]`, `specdec:num_rows_total[kind=prefill]`,
+    `specdec:triton_compiles_after_warm_up_total[kernel=...]`)."""
     counters = {}
     for line in metrics.splitlines():
-        if line.startswith(("specdec:num_", "specdec:spec_k_chosen", "specdec:cuda_graphs")):
+        if line.startswith(COUNTER_PREFIXES):
             name, value = line.rsplit(" ", 1)
             key = name.split("{")[0]
-            for label in ("k", "kind"):
+            for label in ("k", "kind", "kernel"):
                 marker = f'{{{label}="' if f'{{{label}="' in name else f',{label}="'
                 if marker in name:
                     key += f"[{label}={name.split(marker)[1].split(chr(34))[0]}]"
@@ -590,14 +602,29 @@ def run(
         if args.request_rate
         else [(concurrency, None) for concurrency in args.concurrency]
     )
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+    def counters_now() -> dict[str, float]:
+        metrics = httpx.get(f"{args.url}/metrics", timeout=30.0, headers=headers).text
+        return engine_counters(metrics)
+
+    # Per level, what its counters grew by (which path served it; graphs and compiles under it)
+    by_level = {}
+    before = counters_now()
     for concurrency, rate in loads:
         for spec in modes:
             level = asyncio.run(run_level(args, concurrency, spec, rate))
             levels.append(level)
             print_level(level)
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+            after = counters_now()
+            grown = {k: v - before.get(k, 0.0) for k, v in after.items()}
+            grown = {k: v for k, v in grown.items() if v}
+            by_level[f"{level.mode} {level.label}"] = grown
+            stalls = {k: v for k, v in grown.items() if k.startswith(STALL_PREFIXES)}
+            if stalls:
+                print(f"{'':>14} under this level: {stalls}", flush=True)
+            before = after
     models = httpx.get(f"{args.url}/v1/models", timeout=30.0, headers=headers).json()
-    metrics = httpx.get(f"{args.url}/metrics", timeout=30.0, headers=headers).text
     meta = {
         "date": time.strftime("%Y-%m-%d"),
         "argv": [Path(sys.argv[0]).as_posix(), *sys.argv[1:]],
@@ -620,7 +647,8 @@ def run(
         "rules": args.rules,
         "machine": machine(),
         # which path served the steps, and graphs captured under traffic (0 after a warm-up)
-        "engine_counters": engine_counters(metrics),
+        "engine_counters": before,
+        "engine_counters_by_level": by_level,
         "benchmark_s": time.perf_counter() - started,
     }
     return meta, levels
@@ -643,6 +671,7 @@ def no_spec_levels(args: argparse.Namespace, levels: list[LevelResult], out_dir:
         "serve_command": meta["serve_command"],
         "startup_seconds": meta["startup_seconds"],
         "engine_counters": meta["engine_counters"],
+        "engine_counters_by_level": meta["engine_counters_by_level"],
     }
 
 
