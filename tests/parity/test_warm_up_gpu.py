@@ -1,8 +1,10 @@
 """The warm-up on a CUDA engine: after `LLMEngine.warm_up`, a load that walks every batch bucket
 (plain and speculative, graphed prefill, device rounds with the adaptive policy, and one request
-past a split-KV partition) captures no CUDA graph; on the built-in model with its shipped EAGLE
-head and on a tiny model with a trained head. Negative control: the same load on an engine never
-warmed up captures graphs (every one of a key the warm-up captured)."""
+past a split-KV partition) captures no CUDA graph and compiles no Triton kernel variant; on the
+built-in model with its shipped EAGLE head and on a tiny model with a trained head. Negative
+control: the same load on an engine never warmed up captures graphs (every one of a key the
+warm-up captured). (Compiles have no such control: Triton keeps a kernel's variants for the
+process, so a second engine compiles none; `test_triton_compiles.py` checks the counter.)"""
 
 from __future__ import annotations
 
@@ -67,6 +69,7 @@ def test_no_graph_is_captured_after_warm_up(target, tiny):
     assert engine.loop_stats.num_graph_rounds > 0  # rounds replayed from graphs
     assert captured(engine) == before, sorted(map(str, graph_keys(engine) - warmed))
     assert engine.graphs_after_warm_up == 0  # what /metrics reports
+    assert engine.triton_compiles_after_warm_up == {}  # counted (Triton 3.5+ has the hook)
     del engine
     # Negative control: never warmed up, the same load captures graphs (of warmed-up keys).
     cold, _, _ = engine_for(target, tiny)

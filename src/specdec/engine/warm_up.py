@@ -15,8 +15,13 @@ key traffic would build (a key is never spelled out here):
   may choose, for the default verify method without top-k / top-p / min-p (requests asking for
   another method or those filters capture their round on first use), over slots none of which
   is live;
-- the drafter's own graphs (`Drafter.warm_up`: the EAGLE head's steps; a draft model's own
-  runner still captures on first use).
+- the target's eager prefill (chunks longer than the graphed prefill's width, or wanting every
+  row's logits: prompt logprobs), at a row count of every tier and value class its kernels
+  compile a variant for (`models.row_classes`), one sequence and two, into the same free block:
+  nothing is captured there, but each Triton variant compiles now rather than under traffic
+  (counted after the warm-up by `specdec:triton_compiles_after_warm_up`);
+- the drafter's own graphs and eager steps (`Drafter.warm_up`: the EAGLE head's steps and its
+  prompt catch-up; a draft model's own runner still captures on first use).
 Dummy requests through the scheduler were the other way; they were not taken because the
 speculation policy would then measure capture times as step costs, and would pick the Ks it
 visits. No request, request state, seed or stream exists during the warm-up, so no request's
@@ -38,6 +43,7 @@ from typing import Any  # the engine: an `LLMEngine` (not imported: it imports t
 import torch
 
 from specdec.models.attention_tiles import SPLIT_KV_PARTITION
+from specdec.models.row_classes import eager_row_counts
 from specdec.models.split_kv import split_when_seen
 from specdec.runner import StepInput
 from specdec.runner.cuda_graph import GraphCache, batch_buckets
@@ -113,7 +119,7 @@ def warm_up(engine: Any, *, force: bool = False, progress: bool | None = None) -
     if reason is not None and not (force and engine.runner.graphs is not None):
         return WarmUpReport(0, 0, 0.0, skipped=reason)
     started = time.perf_counter()
-    steps = _decode_steps(engine) + _round_steps(engine)
+    steps = _decode_steps(engine) + _round_steps(engine) + _eager_steps(engine)
     caches = _caches(engine)
     before = sum(len(cache.graphs) for cache in caches)
     if progress is None:
@@ -192,6 +198,36 @@ def _decode_steps(engine: Any) -> list[Callable[[], None]]:
                     parents,
                 )
                 inputs = [row] * bucket
+                steps.append(lambda inputs=inputs: runner.run_with_features(inputs, layers))
+    return steps
+
+
+def _eager_steps(engine: Any) -> list[Callable[[], None]]:
+    """One call per (row count, sequences, logit rows) of the target's eager prefill: a sample
+    of every row tier and value class up to the longest chunk a step may hold (`row_classes`),
+    in one sequence and split over two, wanting the last row's logits or every row's."""
+    graphs, runner = engine.runner.graphs, engine.runner
+    drafter = engine.drafter
+    layers = tuple(drafter.feature_layers) if drafter is not None else ()
+    longest = min(engine.config.max_num_batched_tokens, engine.max_model_len)
+    block_size = engine.config.block_size
+    # A sequence this long never takes the decode path's graphs (plain, verify or prefill).
+    shortest = max(graphs.prefill_width, graphs.max_query_len) + 1
+
+    def row(count: int, logit_rows: int) -> StepInput:
+        blocks = [WARM_UP_BLOCK] * -(-count // block_size)
+        return StepInput([0] * count, 0, blocks, logit_rows, None)
+
+    steps = []
+    for count in eager_row_counts(longest):
+        if count < shortest:
+            continue
+        splits = [[count]]
+        if count // 2 >= shortest:
+            splits.append([count - count // 2, count // 2])
+        for split in splits:
+            for all_rows in (False, True):
+                inputs = [row(n, n if all_rows else 1) for n in split]
                 steps.append(lambda inputs=inputs: runner.run_with_features(inputs, layers))
     return steps
 

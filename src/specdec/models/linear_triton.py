@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specdec.models.row_classes import LINEAR_ROW_TIERS
 from specdec.triton_specialization import unspecialized
 
 
@@ -87,14 +88,15 @@ def linear_tile(num_rows: int, num_cols: int, depth: int) -> LinearTile:
     gives a row the same bits). From the H200 sweep (`probe_batch_invariance.py --parts tune`,
     graph replays of the SmolLM2 and Llama-3-8B weights): decode-sized products want many
     narrow column tiles and deep K steps, prefill-sized ones wide tiles."""
-    if num_rows <= 16:
+    small, medium, large = LINEAR_ROW_TIERS  # (the warm-up compiles each tier's variants)
+    if num_rows <= small:
         block_n = 16 if num_cols <= 8192 else 32 if num_cols <= 32768 else 64
         return LinearTile(16, block_n, 256 if depth >= 512 else 128, 4, 3)
-    if num_rows <= 128:
+    if num_rows <= medium:
         if num_cols > 8192:
             return LinearTile(64, 128, 128, 4, 3)
         return LinearTile(16, 32 if num_cols <= 1024 else 64, 128, 4, 3)
-    if num_rows <= 512:
+    if num_rows <= large:
         return LinearTile(64, 128, 64, 8, 3)
     return LinearTile(128, 128, 64, 8, 3)
 

@@ -33,6 +33,7 @@ from specdec.sampling.processing import (
     scale_logits,
 )
 from specdec.sampling.tensors import SampleOutput
+from specdec.triton_specialization import unspecialized
 
 NEG_INF: tl.constexpr = tl.constexpr(float("-inf"))
 INT32_MAX: tl.constexpr = tl.constexpr(2**31 - 1)
@@ -190,7 +191,9 @@ def _sample_chunk_kernel(
     tl.store(chunk_idx_ptr + out, top_idx)
 
 
-@triton.jit
+# (the per-row outputs' strides: 1 for a [N] tensor, K + 1 for a column of drafts; the
+# warm-up cannot know which a step passes, and a specialisation gains nothing here)
+@triton.jit(**unspecialized(ints=("token_stride", "logsumexp_stride")))
 def _sample_reduce_kernel(
     chunk_max_ptr,  # [N, C] float32
     chunk_sum_ptr,  # [N, C] float32

@@ -151,3 +151,50 @@ def test_warm_up_refuses_an_engine_with_requests(model_dir, head_dir):
     engine.add_request([3, 4, 5], SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match="holds no request"):
         engine.warm_up(force=True, progress=False)
+
+
+def test_warm_up_runs_the_eager_prefill_and_catch_up_at_every_row_class(
+    model_dir, head_dir, monkeypatch
+):
+    """The target's eager prefill and the head's prompt catch-up run at a row count of every
+    tier and value class their Triton kernels compile a variant for (`models.row_classes`), up
+    to the longest chunk (max_num_batched_tokens) or context (here): one sequence and two,
+    last-row and every-row logits (the eager kernels never see a count class first under
+    traffic; on CUDA `triton_compiles_after_warm_up` counts what is left)."""
+    config = EngineConfig(
+        model=str(model_dir),
+        max_model_len=256,  # the tiny model's context
+        max_num_batched_tokens=600,
+        block_size=4,
+        max_num_seqs=MAX_NUM_SEQS,
+        async_scheduling=True,
+        prefill_graph_tokens=128,
+    )
+    spec = SpeculativeConfig.from_dict(
+        {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": K}
+    )
+    engine = LLMEngine(config, spec)
+    eager, caught_up = [], []
+    run_eager, catch_up = engine.runner._run_eager, engine.drafter._catch_up
+
+    def recorded_eager(inputs, *args):
+        eager.append(tuple((len(s.token_ids), s.num_logit_rows) for s in inputs))
+        return run_eager(inputs, *args)
+
+    def recorded_catch_up(features, tokens, firsts, query_lens, states):
+        caught_up.append(tuple(query_lens))
+        return catch_up(features, tokens, firsts, query_lens, states)
+
+    monkeypatch.setattr(engine.runner, "_run_eager", recorded_eager)
+    monkeypatch.setattr(engine.drafter, "_catch_up", recorded_catch_up)
+    engine.warm_up(force=True, progress=False)
+    singles = [17, 32, 129, 144]  # past the graphed prefill's 16 tokens, <= max_model_len
+    pairs = [(65, 64), (72, 72)]  # both halves past 16
+    expected = set()
+    for split in [(n,) for n in singles] + pairs:
+        expected |= {tuple((n, 1) for n in split), tuple((n, n) for n in split)}
+    assert set(eager) == expected
+    # the head: every class from 1 (its decode path up to 16 entries), to max_model_len
+    assert set(caught_up) == {(n,) for n in [1, 2, 16, *singles]} | set(pairs)
+    assert engine.drafter.allocator.num_free_blocks == engine.drafter.allocator.num_blocks
+    assert not engine.drafter._states

@@ -36,6 +36,7 @@ from specdec.models import AttentionMetadata, LlamaForCausalLM
 from specdec.models.attention import DecodeMetadata, cache_slots
 from specdec.models.attention_tiles import decode_query_bucket
 from specdec.models.fused import paged_decode_attention
+from specdec.models.row_classes import LINEAR_ROW_TIERS, eager_row_counts
 from specdec.models.split_kv import split_when_unseen, step_partitions
 from specdec.runner.cuda_graph import GraphCache, StaticInputs, batch_buckets, bucket_for
 from specdec.runner.kv_cache import BlockAllocator
@@ -92,6 +93,7 @@ class EagleDrafter(Drafter):
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.block_size = block_size
         self.device = head.device
+        self.max_entries = max_entries
         self._states: dict[str, EagleState] = {}
         self._graphs: _HeadGraphs | None = None
         # The head's attention over long contexts, as the target's rounds take it: split-KV on
@@ -166,11 +168,32 @@ class EagleDrafter(Drafter):
 
     @torch.inference_mode()  # as `propose`, whose steps these are
     def warm_up(self) -> int:
+        self._warm_up_catch_up()
         if self._graphs is None:
             return 0
         before = len(self._graphs.graphs)
         self._graphs.warm_up()
         return len(self._graphs.graphs) - before
+
+    def _warm_up_catch_up(self) -> None:
+        """The eager prompt catch-up (`_catch_up`, which a round's entry runs for the requests
+        that joined) at a sample of every row tier and value class (`models.row_classes`), for
+        one request and for two: its Triton variants compile at start-up rather than in the
+        first round that catches up on prompts of a new size (the server's first c = 16 level
+        stalled on three, s28). Writes head K/V into block 0 only: the engine is idle, so every
+        block is free, and a request reads only slots it wrote. Keeps no state; no draw."""
+        limit = self.max_entries if self.max_entries is not None else LINEAR_ROW_TIERS[-1] + 16
+        size, dtype = self.head.config.feature_size, self.head.dtype
+        for count in eager_row_counts(limit - 1):
+            groups = [[count]]
+            if count // 2 > self.MAX_DECODE_ENTRIES:  # two requests on the general path
+                groups.append([count - count // 2, count // 2])
+            for group in groups:
+                blocks = [-(-(n + 1) // self.block_size) for n in group]
+                states = [EagleState(block_ids=[0] * b) for b in blocks]
+                features = [torch.zeros(n, size, dtype=dtype, device=self.device) for n in group]
+                tokens = [[0] * n for n in group]
+                self._catch_up(features, tokens, [1] * len(group), list(group), states)
 
     def release(self, request_id: str) -> None:
         state = self._states.pop(request_id, None)
