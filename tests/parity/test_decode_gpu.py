@@ -8,7 +8,7 @@ import torch
 
 from models_fixtures import TINY_CONFIGS, compare_decode_path, make_hf_model, save_hf_model
 from specdec.engine.llm import LLM
-from specdec.models import fused
+from specdec.models import fused, rms_norm
 from specdec.models.attention import DecodeMetadata
 from specdec.sampling import SamplingParams
 
@@ -31,11 +31,29 @@ def test_fused_kernels_match_twins(dtype: torch.dtype, head_dim: int) -> None:
     x = _randn(num_tokens, dim, dtype=dtype, seed=1)
     residual = _randn(num_tokens, dim, dtype=dtype, seed=2)
     weight = 1 + 0.1 * _randn(dim, dtype=dtype, seed=3)
-    for res in (None, residual):
-        want = fused.add_rms_norm_ref(x, res, weight, 1e-5)
-        got = fused.add_rms_norm(x.cuda(), None if res is None else res.cuda(), weight.cuda(), 1e-5)
-        for w, g in zip(want, got, strict=True):
-            torch.testing.assert_close(g.cpu(), w, **tol)
+    for numerics in rms_norm.NUMERICS:  # Llama's, OLMo 2's and Gemma's numerics
+        for res in (None, residual):
+            want = fused.add_rms_norm_ref(x, res, weight, 1e-5, numerics)
+            got = fused.add_rms_norm(
+                x.cuda(), None if res is None else res.cuda(), weight.cuda(), 1e-5, numerics
+            )
+            for w, g in zip(want, got, strict=True):
+                torch.testing.assert_close(g.cpu(), w, **tol)
+    # Qwen3's per-head q/k norm over a fused projection, in place (values untouched).
+    qkv = _randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=8)
+    q_weight = 1 + 0.1 * _randn(head_dim, dtype=dtype, seed=9)
+    k_weight = 1 + 0.1 * _randn(head_dim, dtype=dtype, seed=10)
+    for numerics in rms_norm.NUMERICS:
+        args = (q_weight, k_weight, 1e-6, numerics, num_heads, num_kv_heads)
+        want = fused.qk_norm_ref(qkv, *args)
+        got = fused.qk_norm(qkv.cuda(), *(a.cuda() if torch.is_tensor(a) else a for a in args))
+        torch.testing.assert_close(got.cpu(), want, **tol)
+        values = qkv[:, (num_heads + num_kv_heads) * head_dim :]
+        assert torch.equal(got.cpu()[:, (num_heads + num_kv_heads) * head_dim :], values)
+        # negative control: the query heads were normed with q_weight, not k_weight
+        swapped = fused.qk_norm_ref(qkv, k_weight, q_weight, *args[2:])
+        queries = slice(0, num_heads * head_dim)
+        assert not torch.allclose(got.cpu()[:, queries], swapped[:, queries], **tol)
     gate_up = _randn(num_tokens, 2 * 1000, dtype=dtype, seed=4)
     torch.testing.assert_close(
         fused.silu_mul(gate_up.cuda()).cpu(), fused.silu_mul_ref(gate_up), **tol

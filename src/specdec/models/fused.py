@@ -1,6 +1,7 @@
 """Fused GPU kernels of the decode/verify forward pass, each with a PyTorch twin.
 
-Four kernels cover everything between the GEMMs of a Llama layer: residual add + RMSNorm, RoPE + K/V
+Four kernels cover everything between the GEMMs of a Llama layer: residual add + RMSNorm (with each
+family's norm numerics, and Qwen3's per-head q/k norm as a fifth), RoPE + K/V
 cache write, SwiGLU's silu(gate) * up (GeGLU's gelu_tanh(gate) * up), and paged attention for
 sequences that each bring a few query tokens (decode: 1; verify: K + 1; within a sliding window,
 with soft-capped scores, where the layer has them). Launch counts, not arithmetic, bound a
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.models.attention import DecodeMetadata, to_cache_dtype
+from specdec.models.rms_norm import LLAMA, rms_norm_values
 from specdec.models.split_kv import (
     check_tree_window,
     split_kv_decode_attention,
@@ -25,28 +27,53 @@ from specdec.models.split_kv import (
 
 # --------------------------------------------------------------------------- PyTorch twins
 def add_rms_norm_ref(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    numerics: int = LLAMA,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual) * weight, x + residual) with HF's numerics: the sum is rounded to
-    x's dtype, normalised in float32, cast back, then scaled by the weight.
+    """(RMSNorm(x + residual), x + residual) with HF's numerics: the sum is rounded to x's
+    dtype, normalised in float32, and scaled by the weight as the family does (`rms_norm`:
+    Llama casts back, then scales).
 
     Args:
         x: [T, D] input (the previous sublayer's output, or the embeddings).
         residual: [T, D] residual stream, or None (then the residual is x itself).
         weight: [D] norm weight.
         eps: RMSNorm epsilon.
+        numerics: `rms_norm.NUMERICS` (LLAMA, FLOAT32_WEIGHT or UNIT_OFFSET).
 
     Returns:
         (normed [T, D], new residual [T, D]), both in x's dtype.
     """
     summed = x if residual is None else x + residual
-    if summed.dtype == torch.float32 and weight.dtype == torch.float32:
+    if numerics == LLAMA and summed.dtype == torch.float32 and weight.dtype == torch.float32:
         # The same products in one call (bit for bit: x * rsqrt(mean(x^2) + eps), then * w):
         # on the CPU decode path each Python-level operation counts.
         return F.rms_norm(summed, (summed.shape[-1],), weight, eps), summed
-    hidden = summed.to(torch.float32)
-    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * hidden.to(x.dtype), summed
+    return rms_norm_values(summed, weight, eps, numerics), summed
+
+
+def qk_norm_ref(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    numerics: int,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """Qwen3's q/k RMSNorm over each head of a fused projection: [T, (H_q + 2 H_kv) D] in, the
+    same layout out with every query head normed by `q_weight` [D] and every key head by
+    `k_weight` [D] (values as they are)."""
+    head_dim = q_weight.shape[0]
+    sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+    query, key, value = qkv.split(sizes, dim=-1)
+    heads = (-1, head_dim)
+    query = rms_norm_values(query.unflatten(-1, heads), q_weight, eps, numerics).flatten(-2)
+    key = rms_norm_values(key.unflatten(-1, heads), k_weight, eps, numerics).flatten(-2)
+    return torch.cat([query, key, value], dim=-1)
 
 
 def rope_write_kv_ref(
@@ -189,14 +216,38 @@ def paged_decode_attention_ref(
 
 # --------------------------------------------------------------------------- dispatch
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    numerics: int = LLAMA,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See `add_rms_norm_ref`; one fused kernel on CUDA."""
     if not x.is_cuda:
-        return add_rms_norm_ref(x, residual, weight, eps)
+        return add_rms_norm_ref(x, residual, weight, eps, numerics)
     from specdec.models import fused_triton
 
-    return fused_triton.add_rms_norm_triton(x, residual, weight, eps)
+    return fused_triton.add_rms_norm_triton(x, residual, weight, eps, numerics)
+
+
+def qk_norm(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    numerics: int,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """See `qk_norm_ref`; one kernel on CUDA (in place: the returned tensor is `qkv`, made
+    contiguous first)."""
+    if not qkv.is_cuda:
+        return qk_norm_ref(qkv, q_weight, k_weight, eps, numerics, num_heads, num_kv_heads)
+    from specdec.models import fused_triton
+
+    return fused_triton.qk_norm_triton(
+        qkv, q_weight, k_weight, eps, numerics, num_heads, num_kv_heads
+    )
 
 
 def rope_write_kv(

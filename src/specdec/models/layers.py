@@ -16,6 +16,7 @@ from torch import nn
 from specdec.models.linear import batch_invariant_linear
 from specdec.models.quant import QuantizedWeight, embedding_lookup, quant_linear
 from specdec.models.quant_formats import GroupQuantized
+from specdec.models.rms_norm import FLOAT32_WEIGHT, LLAMA, UNIT_OFFSET, rms_norm_values
 from specdec.models.tensor_parallel import Collectives
 
 
@@ -164,15 +165,15 @@ class RMSNorm(nn.Module):
 
     @property
     def is_llama(self) -> bool:
-        """Whether these are Llama's numerics (those of the fused add + norm kernel)."""
-        return not (self.weight_in_float32 or self.unit_offset)
+        """Whether these are Llama's numerics (the CPU decode step's C++ loop has only them)."""
+        return self.numerics == LLAMA
+
+    @property
+    def numerics(self) -> int:
+        """Its `rms_norm` numerics code (the fused kernels take it)."""
+        if self.unit_offset:
+            return UNIT_OFFSET
+        return FLOAT32_WEIGHT if self.weight_in_float32 else LLAMA
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.unit_offset:
-            return (x * (1.0 + self.weight.float())).to(input_dtype)
-        if self.weight_in_float32:
-            return (self.weight * x).to(input_dtype)
-        return self.weight * x.to(input_dtype)
+        return rms_norm_values(x, self.weight, self.eps, self.numerics)
