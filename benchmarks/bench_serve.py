@@ -561,6 +561,7 @@ COUNTER_PREFIXES = (
     "specdec:spec_k_chosen",
     "specdec:cuda_graphs",
     "specdec:triton_compiles",
+    "specdec:stream_outputs_coalesced",
 )
 
 # what a warmed-up server should not do under traffic
@@ -573,7 +574,7 @@ def engine_counters(metrics: str) -> dict[str, float]:
     `specdec:triton_compiles_after_warm_up_total[kernel=...]`)."""
     counters = {}
     for line in metrics.splitlines():
-        if line.startswith(COUNTER_PREFIXES):
+        if line.startswith(COUNTER_PREFIXES) and "_created" not in line.split(" ")[0]:
             name, value = line.rsplit(" ", 1)
             key = name.split("{")[0]
             for label in ("k", "kind", "kernel"):

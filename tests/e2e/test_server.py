@@ -506,6 +506,7 @@ def test_metrics_expose_vllm_names(server):
         "specdec:num_graphed_prefill_steps_total",
         "specdec:num_plain_arm_steps_total",
         "specdec:cuda_graphs_after_warm_up_total",
+        "specdec:stream_outputs_coalesced_total",
     ):
         assert name in text, name
     rows = [line for line in text.splitlines() if line.startswith("specdec:num_rows_total{")]

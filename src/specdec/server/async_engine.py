@@ -36,17 +36,37 @@ class _Stream:
 
 
 class RequestStream:
-    """The outputs of one admitted request; iterate it, and `abort()` if you stop early."""
+    """The outputs of one admitted request; iterate it, and `abort()` if you stop early.
+
+    Each output holds everything so far (text, tokens, logprobs: cumulative, as vLLM's), so a
+    reader that fell behind the engine gets only the newest of the outputs waiting for it: one
+    chunk for several steps' tokens rather than one chunk a step, which would keep it behind
+    (`coalesced` counts the outputs skipped). An error or the final output is never skipped,
+    and the outputs before an error are delivered first."""
 
     def __init__(self, engine: AsyncEngine, request_id: str, outputs: asyncio.Queue) -> None:
         self.engine = engine
         self.request_id = request_id
         self._outputs = outputs
+        self._held: RequestOutput | BaseException | None = None  # taken early, not yet handed
         self.finished = False
+        self.coalesced = 0
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while not self.finished:
-            item = await self._outputs.get()
+            if self._held is not None:
+                item, self._held = self._held, None
+            else:
+                item = await self._outputs.get()
+            while not isinstance(item, BaseException) and not item.finished:
+                if self._outputs.empty():
+                    break
+                newer = self._outputs.get_nowait()
+                if isinstance(newer, BaseException):
+                    self._held = newer  # after the output it follows
+                    break
+                item = newer
+                self.coalesced += 1
             if isinstance(item, BaseException):
                 self.finished = True
                 raise item

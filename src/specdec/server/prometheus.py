@@ -170,6 +170,13 @@ class ServerMetrics:
         self.generation_tokens = Counter(
             "vllm:generation_tokens", "Tokens generated.", registry=self.registry
         )
+        self.coalesced_outputs = Counter(
+            "specdec:stream_outputs_coalesced",
+            "Engine outputs of streaming requests not sent as chunks of their own: the reader "
+            "was behind, and the newer output waiting (every output holds all tokens so far) "
+            "went out in one chunk instead.",
+            registry=self.registry,
+        )
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Time from admission to the first token.",

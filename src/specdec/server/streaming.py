@@ -133,6 +133,8 @@ def _streaming(
             for stream in streams:
                 if stream.abort():
                     server.metrics.aborts.inc()
+                if stream.coalesced:
+                    server.metrics.coalesced_outputs.inc(stream.coalesced)
             for output in last:
                 server.count_output(output)
 
