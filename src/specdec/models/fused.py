@@ -225,9 +225,9 @@ def add_rms_norm(
     """See `add_rms_norm_ref`; one fused kernel on CUDA."""
     if not x.is_cuda:
         return add_rms_norm_ref(x, residual, weight, eps, numerics)
-    from specdec.models import fused_triton
+    from specdec.models import norm_triton
 
-    return fused_triton.add_rms_norm_triton(x, residual, weight, eps, numerics)
+    return norm_triton.add_rms_norm_triton(x, residual, weight, eps, numerics)
 
 
 def qk_norm(
@@ -243,9 +243,9 @@ def qk_norm(
     contiguous first)."""
     if not qkv.is_cuda:
         return qk_norm_ref(qkv, q_weight, k_weight, eps, numerics, num_heads, num_kv_heads)
-    from specdec.models import fused_triton
+    from specdec.models import norm_triton
 
-    return fused_triton.qk_norm_triton(
+    return norm_triton.qk_norm_triton(
         qkv, q_weight, k_weight, eps, numerics, num_heads, num_kv_heads
     )
 
