@@ -143,6 +143,11 @@ def test_serve_benchmark_starts_a_server_and_reports(tiny_dir, tmp_path):
     spec = [x for x in report["levels"] if x["mode"] == "spec"]
     assert all(x["mean_acceptance_length"] >= 1.0 for x in spec)
     assert all(x["itl_p50_ms"] >= 0 for x in report["levels"] if x["mode"] in ("spec", "plain"))
+    # the engine counters each server level grew (rows by kind: every level prefills and decodes)
+    by_level = report["meta"]["engine_counters_by_level"]
+    assert list(by_level) == ["plain c=1", "spec c=1", "plain c=3", "spec c=3"]
+    for grown in by_level.values():
+        assert grown.get("specdec:num_rows_total[kind=prefill]", 0) > 0, grown
     table = (tmp_path / "serve.md").read_text()
     assert "| spec | c=3 | 3 | 0 |" in table and "spec / plain" in table
     assert "server / `LLM.generate`" in table
