@@ -846,3 +846,34 @@ def compare_decode_path(
         got = getattr(fast.kv_cache, cache_name)[:, used]
         torch.testing.assert_close(got, want, atol=atol, rtol=atol)
     return fast, used
+
+
+def rope_per_token_error(launch: Any, device: str) -> tuple[float, float]:
+    """RoPE + cache write with a frequency table per token (longrope's short factors before
+    position 32, long ones from it on), through `launch` (`fused.rope_write_kv`'s signature)
+    on `device` against the twin on the CPU: (largest |difference| of the query and both
+    caches; the same with the short table given to every token, on the long-factor rows: a
+    negative control that should be large)."""
+    from specdec.models import fused
+
+    heads, kv_heads, head_dim, block_size = 4, 2, 16, 4
+    generator = torch.Generator().manual_seed(0)
+    positions = torch.tensor([0, 5, 31, 32, 33, 60])
+    short = torch.rand(head_dim // 2, generator=generator)
+    per_token = torch.where((positions >= 32)[:, None], short / 8, short)
+    qkv = torch.randn(len(positions), (heads + 2 * kv_heads) * head_dim, generator=generator)
+    slots = torch.tensor([0, 5, 31, -1, 33, 60])
+
+    def run(write: Any, on: str, table: torch.Tensor) -> list[torch.Tensor]:
+        caches = [torch.zeros(16, block_size, kv_heads, head_dim, device=on) for _ in "kv"]
+        query = write(
+            qkv.to(on), positions.to(on), table.to(on), *caches, slots.to(on), heads, kv_heads
+        )
+        return [t.cpu() for t in (query, *caches)]
+
+    twin = run(fused.rope_write_kv_ref, "cpu", per_token)
+    got = run(launch, device, per_token)
+    error = max((g - w).abs().max().item() for g, w in zip(got, twin, strict=True))
+    short_only = run(launch, device, short)[0]
+    control = (short_only - twin[0])[positions >= 32].abs().max().item()
+    return error, control

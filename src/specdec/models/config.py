@@ -314,10 +314,11 @@ class ModelConfig:
 
     def decode_path_reason(self, device_type: str) -> str | None:
         """Why the fused decode path cannot run this model on `device_type` ("cpu", "cuda"),
-        or None when it can. Both take one frequency table per layer for every token (no
-        dynamic NTK); CUDA's kernels have windows, soft-capping and GeGLU (a mixture of
-        experts takes its grouped kernel, unless switched off), the CPU's plan (`DecodePlanCPU`) has
-        windows and soft-capping and the CPU runs every twin."""
+        or None when it can. Both take a token's frequencies from its position alone (a table
+        per layer, or longrope's short or long one: no dynamic NTK); CUDA's kernels have
+        windows, soft-capping and GeGLU (a mixture of experts takes its grouped kernel, unless
+        switched off), the CPU's plan (`DecodePlanCPU`) has windows and soft-capping and the
+        CPU runs every twin."""
         if self.rope_scaling is not None and self.rope_scaling.is_dynamic:
             return "dynamic NTK rope scaling (frequencies that depend on the position)"
         device_reason = self.device_reason(device_type)

@@ -92,7 +92,8 @@ def rope_write_kv_ref(
     Args:
         qkv: [T, (H_q + 2 H_kv) * D] fused q/k/v projections.
         positions: [T] int64 absolute positions.
-        inv_freq: [D / 2] float32 RoPE inverse frequencies.
+        inv_freq: [D / 2] float32 RoPE inverse frequencies, or [T, D / 2]: each token's own
+            (longrope's short or long factors, by position).
         k_cache, v_cache: [num_blocks, block_size, H_kv, D] one layer's caches.
         slot_mapping: [T] int64 flat cache slot of each token (-1: not written).
         num_heads, num_kv_heads: H_q, H_kv.

@@ -42,7 +42,7 @@ def _fp8_saturate(x):
 def _rope_write_kv_kernel(
     qkv_ptr,  # [T, (H_q + 2 H_kv) * D]
     positions_ptr,  # [T] int64
-    inv_freq_ptr,  # [D / 2] float32
+    inv_freq_ptr,  # [D / 2] float32, or [T, D / 2] (PER_ROW_FREQ)
     query_ptr,  # [T, H_q, D] out
     k_cache_ptr,  # [num_slots, H_kv, D]
     v_cache_ptr,  # [num_slots, H_kv, D]
@@ -52,6 +52,7 @@ def _rope_write_kv_kernel(
     HALF_DIM: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     KV_FP8: tl.constexpr,
+    PER_ROW_FREQ: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -60,6 +61,8 @@ def _rope_write_kv_kernel(
     cols = tl.arange(0, BLOCK_HALF)
     inside = cols < HALF_DIM
     position = tl.load(positions_ptr + token).to(tl.float32)
+    if PER_ROW_FREQ:  # each token its own table (longrope: short or long factors by position)
+        inv_freq_ptr += token * HALF_DIM
     freqs = position * tl.load(inv_freq_ptr + cols, mask=inside, other=0.0)
     cos, sin = tl.cos(freqs), tl.sin(freqs)
     src = qkv_ptr + token * row_width + head * head_dim
@@ -115,11 +118,17 @@ def rope_write_kv_triton(
     num_tokens = qkv.shape[0]
     head_dim = k_cache.shape[-1]
     query = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    per_row = inv_freq.dim() == 2
+    if per_row and inv_freq.shape != (num_tokens, head_dim // 2):
+        raise ValueError(
+            f"per-token inverse frequencies of shape {tuple(inv_freq.shape)}, expected "
+            f"({num_tokens}, {head_dim // 2})"
+        )
     if num_tokens:
         _rope_write_kv_kernel[(num_tokens, num_heads + num_kv_heads)](
             qkv.contiguous(),
             positions,
-            inv_freq.to(torch.float32),
+            inv_freq.to(torch.float32).contiguous(),
             query,
             k_cache,
             v_cache,
@@ -129,6 +138,7 @@ def rope_write_kv_triton(
             HALF_DIM=head_dim // 2,
             BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
             KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+            PER_ROW_FREQ=per_row,
             num_warps=1,
         )
     return query

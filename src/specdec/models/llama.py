@@ -123,12 +123,7 @@ class LlamaModel(nn.Module):
                 attn, positions, self.rotary_emb.inv_freq_at(positions), kv_cache.block_size
             )
             return self._forward_decode(input_ids, positions, None, kv_cache, return_layers, plan)
-        if (
-            input_ids.is_cuda
-            and self.eager_only_reason is None
-            and self.rotary_emb.one_table
-            and attn.tree_mask is None
-        ):
+        if input_ids.is_cuda and self.eager_only_reason is None and attn.tree_mask is None:
             # The decode step's kernels for every row (prefill chunks beside decode rows), with
             # the prefill kernel's attention, whose rows are the decode kernel's bits: a
             # token's row never depends on the path its step takes.
@@ -227,14 +222,9 @@ class LlamaModel(nn.Module):
         if reason is not None:
             device = "CUDA" if input_ids.is_cuda else "the CPU"
             raise ValueError(f"the decode path on {device} has no {reason}; run eagerly")
-        # [D / 2], or [T, D / 2] (longrope), which the CPU plan and the RoPE twin take alike
-        # (position x frequency, broadcast); the CUDA kernel takes one table for every row.
+        # [D / 2], or [T, D / 2] (longrope), which the CPU plan, the RoPE twin and the CUDA
+        # kernel take alike (position x frequency, a token's own row where there are rows).
         inv_freq = self.rotary_emb.inv_freq_at(positions)
-        if inv_freq.dim() == 2 and input_ids.is_cuda:
-            raise ValueError(
-                "longrope on CUDA's fused decode path is not supported yet (its RoPE kernel "
-                "takes one frequency table for every row); run on the CPU"
-            )
         local = self.local_rotary_emb
         inv_freqs = {False: inv_freq, True: None if local is None else local.inv_freq_at(positions)}
         planned = meta is not None and meta.tree_mask is None  # tree steps: the twins instead

@@ -472,11 +472,6 @@ class RotaryEmbedding(nn.Module):
         long_inv_freq = rope_inv_freq(config, long=True) if longrope else None
         self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
 
-    @property
-    def one_table(self) -> bool:
-        """Whether every position rotates with `inv_freq` (not dynamic NTK, not longrope)."""
-        return self.long_from is None and not (self.scaling is not None and self.scaling.is_dynamic)
-
     def inv_freq_at(self, positions: torch.Tensor) -> torch.Tensor:
         """The inverse frequencies the tokens at `positions` ([T] int64) rotate with: `inv_freq`
         ([D / 2]) when one table serves every position, else [T, D / 2] (longrope: the long
