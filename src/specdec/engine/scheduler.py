@@ -122,6 +122,13 @@ class Scheduler:
                 index += 1
                 continue
             break
+        return SchedulerOutput(scheduled + self._admit(budget), preempted)
+
+    def _admit(self, budget: int) -> list[ScheduledRequest]:
+        """Waiting requests, first come first served, while the token budget, max_num_seqs and
+        the free blocks allow (never preempting). Mutates: queues, request.status,
+        request.block_ids."""
+        admitted: list[ScheduledRequest] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             share = self._share(request, budget)
@@ -134,9 +141,40 @@ class Scheduler:
             self.allocator.grow(request, needed)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append(share)
+            admitted.append(share)
             budget -= share.num_query_tokens
-        return SchedulerOutput(scheduled, preempted)
+        return admitted
+
+    def schedule_ahead(self, hold: set[int]) -> list[ScheduledRequest] | None:
+        """`schedule` for a step launched before the previous one is read (asynchronous
+        scheduling): the running requests whose id() is in `hold` (their last token, still on
+        the device, ends them) get no share, and nothing is preempted: None, with nothing
+        changed, when a running request's share does not fit the free blocks (the caller reads
+        the step in flight first and schedules as usual). Waiting requests are admitted as
+        `schedule` admits them. Mutates (when not None): queues, request.status,
+        request.block_ids."""
+        budget = self.config.max_num_batched_tokens
+        allocator = self.allocator
+        shares: list[ScheduledRequest] = []
+        needed_blocks = 0
+        for request in self.running:
+            if budget <= 0:
+                break
+            if id(request) in hold:
+                continue
+            share = self._share(request, budget)
+            if share is None:
+                break
+            needed = request.num_computed_tokens + share.num_query_tokens
+            needed_blocks += max(allocator.blocks_needed(needed) - len(request.block_ids), 0)
+            shares.append(share)
+            budget -= share.num_query_tokens
+        if needed_blocks > allocator.num_free_blocks:
+            return None
+        for share in shares:
+            request = share.request
+            allocator.grow(request, request.num_computed_tokens + share.num_query_tokens)
+        return shares + self._admit(budget)
 
     def _share(self, request: Request, budget: int) -> ScheduledRequest | None:
         """The request's share of this step, or None when a decode round does not fit `budget`.

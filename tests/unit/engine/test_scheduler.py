@@ -148,3 +148,34 @@ def test_short_prefills_are_chunked_at_the_graph_width():
     off = Scheduler(config(prefill_graph_tokens=0), BlockAllocator(256, 16))
     off.add(make_request("short", 40))
     assert [s.num_query_tokens for s in off.schedule().scheduled] == [40]
+
+
+def test_schedule_ahead_holds_requests_admits_and_never_preempts():
+    """A step scheduled ahead of reading the one in flight: held requests get no share,
+    waiting ones are admitted as `schedule` admits them, and where a running request's share
+    does not fit the free blocks it returns None with nothing changed (where `schedule` would
+    preempt)."""
+    allocator = BlockAllocator(num_blocks=8, block_size=4)
+    scheduler = Scheduler(config(max_model_len=64), allocator)
+    first, second = make_request("a", 4), make_request("b", 3)
+    for request in (first, second):
+        scheduler.add(request)
+    run_step(scheduler)  # both prefilled, one output token each
+    late = make_request("c", 6)
+    scheduler.add(late)
+    shares = scheduler.schedule_ahead(hold={id(first)})
+    assert [(s.request.request_id, s.num_query_tokens) for s in shares] == [("b", 1), ("c", 6)]
+    assert late.status is RequestStatus.RUNNING and list(scheduler.waiting) == []
+
+    allocator = BlockAllocator(num_blocks=2, block_size=4)
+    scheduler = Scheduler(config(max_model_len=64), allocator)
+    first, second = make_request("a", 4), make_request("b", 4)
+    for request in (first, second):
+        scheduler.add(request)
+    run_step(scheduler)  # a block each, none free; each next token needs a second block
+    assert allocator.num_free_blocks == 0
+    assert scheduler.schedule_ahead(hold=set()) is None
+    assert [len(r.block_ids) for r in (first, second)] == [1, 1]
+    assert scheduler.running == [first, second]
+    assert scheduler.schedule_ahead(hold={id(second)}) is None  # a alone still needs a block
+    assert scheduler.schedule().preempted == [second]  # the usual schedule preempts instead
