@@ -1,54 +1,83 @@
-"""The engine's overlapped plain loop (asynchronous scheduling): while a plain decode step runs on
-the device, the next one is scheduled and launched, fed the sampled tokens on the device, and the
-earlier step's tokens are read meanwhile. A mixin of `LLMEngine`, whose state (scheduler,
-runner, the step in flight) it uses.
+"""The engine's overlapped plain loop (asynchronous scheduling): while a plain step runs on the
+device, the next one is scheduled and launched, fed the sampled tokens on the device, and the
+earlier step's tokens are read meanwhile. Requests join and leave without draining it: a step
+launched ahead holds the in-flight requests' decode rows beside the prefill chunks of requests
+that arrive (or continue their prompt), and a request whose last token is still on the device
+is held back from it. A mixin of `LLMEngine`, whose state (scheduler, runner, the step in
+flight) it uses.
 """
 
 from __future__ import annotations
+
+import torch
 
 from specdec.engine.device_round import mark
 from specdec.engine.emitter import Emission
 from specdec.engine.inflight import Inflight
 from specdec.engine.outputs import RequestOutput
 from specdec.engine.proposals import step_inputs
+from specdec.engine.request import Request
 from specdec.engine.scheduler import ScheduledRequest
-from specdec.transfer import Readback
+from specdec.runner import StepInput
+from specdec.transfer import Readback, to_device
 
 
 class OverlappedLoop:
-    """`LLMEngine`'s overlapped plain decode loop (methods only)."""
+    """`LLMEngine`'s overlapped plain loop (methods only)."""
 
     def _step_async(self, only_finished: bool) -> list[RequestOutput]:
-        """One call of the overlapped loop. With a step in flight: launch the next one when the
-        batch is certain to be the same requests (its input tokens are the in-flight step's
-        samples, still on the device), then read and commit the in-flight step's tokens while
-        the new one runs; otherwise read the in-flight step first. With none in flight: run the
-        scheduled step as usual, or launch it without reading when it can be overlapped."""
+        """One call of the overlapped loop. With a step in flight: schedule and launch the next
+        one ahead of reading it (`_schedule_ahead`: its decode rows take the in-flight step's
+        samples on the device; arriving requests' prefill chunks join it), then read and commit
+        the in-flight step's tokens while the new one runs; where the next step cannot be
+        scheduled ahead, read the in-flight step first. With none in flight: launch the
+        scheduled step without reading it when every request in it can be overlapped, else run
+        it synchronously."""
         inflight = self._inflight
         if inflight is not None:
             self._inflight = None
-            if self._can_overlap(inflight):
-                self._inflight = self._launch(self._schedule(), inflight)
+            scheduled = self._schedule_ahead()
+            if scheduled:
+                self._inflight = self._launch(scheduled, inflight)
             return self._resolve(inflight, only_finished)
         scheduled = self._schedule()
         if not scheduled:
             return []
-        if all(self._overlappable(share) for share in scheduled):
+        if all(self._joinable(share.request) for share in scheduled):
             self._inflight = self._launch(scheduled, None)
             return []
         return self._run_step(scheduled, only_finished)
 
-    def _overlappable(self, share: ScheduledRequest) -> bool:
-        """A plain decode share whose output needs nothing but the sampled token."""
-        request = share.request
+    @staticmethod
+    def _joinable(request: Request) -> bool:
+        """A plain request whose steps need nothing read but the sampled token (no logprobs
+        or prompt logprobs, no logits processed with its output on the host): its steps can
+        be launched before the previous one is read."""
+        params = request.params
         return (
-            share.emits
-            and share.num_query_tokens == 1
-            and request.spec is None
-            and request.num_computed_tokens == request.num_tokens - 1
-            and request.params.logprobs is None
-            and not request.host_processed  # processed with the output so far, on the host
+            request.spec is None
+            and params.logprobs is None
+            and params.prompt_logprobs is None
+            and not request.host_processed
         )
+
+    def _schedule_ahead(self) -> list[ScheduledRequest] | None:
+        """The next step's shares while a step is in flight (None: read that step first):
+        every running request and every request that waits to join must be `_joinable`;
+        requests whose token in flight reaches their output limit are held back (that token
+        ends them); nothing is preempted (`Scheduler.schedule_ahead`)."""
+        scheduler = self.scheduler
+        if not all(self._joinable(r) for r in scheduler.running):
+            return None
+        if self._admission_pending() and not all(self._joinable(r) for r in scheduler.waiting):
+            return None
+        limit = self.outputs.output_limit
+        hold = {
+            id(r)
+            for r in scheduler.running
+            if r.num_pending and len(r.output_token_ids) + r.num_pending >= limit(r)
+        }
+        return scheduler.schedule_ahead(hold)
 
     def _admission_pending(self) -> bool:
         """Whether a waiting request could join the batch now (the overlapped loop and the rounds
@@ -86,39 +115,80 @@ class OverlappedLoop:
         previous: Inflight | None,
         plain_arm: bool = False,
     ) -> Inflight:
-        """Runs and samples a plain decode step without reading its tokens. With `previous`,
-        each request's input token is that step's sample (same requests, same order).
-        `plain_arm`: a step of the speculation policy's plain arm (speculative requests: it
-        keeps the target features their drafter reads, and is measured)."""
+        """Runs a step and samples its emitting rows without reading the tokens: decode rows
+        (a request's input token is `previous`'s sample where `previous` holds the request)
+        and prefill chunks (their tokens from the host; the last chunk of a prompt samples its
+        first output token). `plain_arm`: a step of the speculation policy's plain arm (decode
+        rows of speculative requests, the batch of `previous`: it keeps the target features
+        their drafter reads, and is measured)."""
         requests = [share.request for share in scheduled]
-        first_tokens = None
-        if previous is not None:
-            if requests != previous.requests:
-                raise RuntimeError("asynchronous scheduling: the batch changed unexpectedly")
-            first_tokens = previous.token_ids
         inputs = step_inputs(scheduled, None)
+        first_tokens = self._first_tokens(requests, inputs, previous)
         started = mark(self.device) if plain_arm else None
-        layers = self.drafter.feature_layers if plain_arm else ()
-        rows, features = self.runner.run_rows_with_features(
-            inputs, layers, first_tokens, min_rows=self._plain_rows if plain_arm else 0
-        )
-        if features is not None:
-            features = features.clone()  # a static buffer's view: the next step overwrites it
-        token_ids, unusable = self.emitter.sample_rows(requests, rows)
+        decode_only = all(len(s.token_ids) == 1 and s.num_logit_rows == 1 for s in inputs)
+        features = None
+        if decode_only:
+            layers = self.drafter.feature_layers if plain_arm else ()
+            rows, features = self.runner.run_rows_with_features(
+                inputs, layers, first_tokens, min_rows=self._plain_rows if plain_arm else 0
+            )
+            if features is not None:
+                features = features.clone()  # a static buffer's view: the next step overwrites
+        elif plain_arm:
+            raise RuntimeError("the plain arm's steps are decode rows only")
+        else:
+            logits, _ = self.runner.run_with_features(inputs, (), first_tokens)
+            picked = [rows for rows in logits if rows.shape[0]]  # the emitting shares' rows
+            rows = torch.cat(picked) if picked else None
+        emitters = [share.request for share in scheduled if share.emits]
+        if rows is not None:
+            token_ids, unusable = self.emitter.sample_rows(emitters, rows)
+        else:  # prefill chunks only, none of them the last of its prompt
+            token_ids = torch.empty(0, dtype=torch.int64, device=self.device)
+            unusable = torch.empty(0, dtype=torch.bool, device=self.device)
         ended = mark(self.device) if plain_arm else None
-        for request, step_input in zip(requests, inputs, strict=True):
-            self.scheduler.commit(request, step_input.start + 1)
-            request.num_pending += 1
+        plain = sum(not share.request.in_prefill for share in scheduled)
+        for share, step_input in zip(scheduled, inputs, strict=True):
+            self.scheduler.commit(share.request, step_input.start + len(step_input.token_ids))
+            share.request.num_pending += int(share.emits)
         self.loop_stats.num_overlapped_steps += 1
-        self.loop_stats.observe_rows(plain=len(inputs))
+        prefill = sum(len(s.token_ids) for s in inputs) - plain
+        self.loop_stats.observe_rows(prefill=prefill, plain=plain)
         # A row without a distribution still yields a valid id (the next step may take it as
         # its input); its flag comes back in the same copy and `_resolve` drops the token.
         readback = Readback({"tokens": token_ids, "unusable": unusable}, {})
-        starts = [s.start for s in inputs]
+        # per emitting request, the position of its last input token (its token comes next)
+        starts = [
+            s.start + len(s.token_ids) - 1
+            for share, s in zip(scheduled, inputs, strict=True)
+            if share.emits
+        ]
         if not plain_arm:
-            return Inflight(requests, token_ids, readback, starts=starts)
+            return Inflight(emitters, token_ids, readback, starts=starts)
         self.loop_stats.observe_plain_arm()
-        return Inflight(requests, token_ids, readback, True, starts, features, started, ended)
+        return Inflight(emitters, token_ids, readback, True, starts, features, started, ended)
+
+    @staticmethod
+    def _first_tokens(
+        requests: list[Request], inputs: list[StepInput], previous: Inflight | None
+    ) -> torch.Tensor | None:
+        """[len(inputs)] int64 on the device: each input's first token, `previous`'s sample
+        for the requests it holds (their token is still on the device), else the input's own
+        (None when no input takes a sample)."""
+        if previous is None:
+            return None
+        if requests == previous.requests:
+            return previous.token_ids
+        index = {id(r): i for i, r in enumerate(previous.requests)}
+        picks = [(i, index[id(r)]) for i, r in enumerate(requests) if id(r) in index]
+        if not picks:
+            return None
+        own = [s.token_ids[0] for s in inputs]
+        device = previous.token_ids.device
+        packed = to_device(own + [j for _, j in picks] + [i for i, _ in picks], torch.int64, device)
+        firsts, taken, at = packed.split([len(own), len(picks), len(picks)])
+        firsts[at] = previous.token_ids[taken]
+        return firsts
 
     def _resolve(self, inflight: Inflight, only_finished: bool) -> list[RequestOutput]:
         """Reads a launched step's tokens and commits them as a synchronous step would have

@@ -147,3 +147,72 @@ def test_a_full_batch_overlaps_while_requests_queue(model_dir):
     )
     assert overlapped_run == sync and len(sync) == 8
     assert queued > 10  # steps launched in flight while requests waited
+
+
+def drive_arrivals(engine: LLMEngine, arrivals: dict[int, list]) -> tuple[dict, dict]:
+    """Adds `arrivals[step]` before that step (requests joining a running engine), runs to the
+    end; final outputs by request id, and how the steps ran: synchronous steps (`_run_step`),
+    steps launched while another was in flight, and steps whose launch held a prefill chunk."""
+    counts = {"sync": 0, "launched_in_flight": 0, "prefill_rows": 0}
+    run_step = engine._run_step
+
+    def counted(*args, **kwargs):
+        counts["sync"] += 1
+        return run_step(*args, **kwargs)
+
+    engine._run_step = counted
+    finals, step = {}, 0
+    while engine.has_unfinished or any(s >= step for s in arrivals):
+        for prompt, params in arrivals.get(step, []):
+            engine.add_request(prompt, params)
+        in_flight_before = engine._inflight is not None
+        outputs = engine.step(only_finished=True)
+        counts["launched_in_flight"] += in_flight_before and engine._inflight is not None
+        step += 1
+        for out in outputs:
+            finals[out.request_id] = [(o.token_ids, o.finish_reason, o.text) for o in out.outputs]
+    counts["prefill_rows"] = engine.loop_stats.rows["prefill"]
+    return finals, counts
+
+
+def test_requests_join_and_leave_without_draining(model_dir):
+    """Requests arriving at several steps (prompts of 3 to 30 tokens, chunked at a budget of
+    8 tokens a step), finishing by length and by a stop token, with sampled and greedy
+    parameters: every request ends with the synchronous loop's tokens, and no step of the
+    overlapped run is synchronous (each arrival's prefill chunks ride in steps launched ahead
+    beside the running decode rows; each finish just leaves the next step). Before, every
+    arrival and every finish read the step in flight first and ran a synchronous step."""
+    prompts = prompt_tokens(VOCAB, [5, 30, 3, 12, 17, 4, 9, 22], seed=31)
+    params = [
+        SamplingParams(temperature=1.0, seed=50 + i, max_tokens=6 + 2 * i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    params[3] = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[7, 11, 13])
+    params[5] = SamplingParams(temperature=0.7, top_p=0.9, seed=9, max_tokens=14, n=2)
+    schedule = {0: [0, 1], 2: [2], 3: [3, 4], 7: [5], 11: [6], 12: [7]}
+    arrivals = {
+        step: [(prompts[i], params[i]) for i in indices] for step, indices in schedule.items()
+    }
+    engine_args = {"max_num_seqs": 6, "max_num_batched_tokens": 8}
+    sync, _ = drive_arrivals(make_engine(model_dir, False, **engine_args), arrivals)
+    overlapped_run, counts = drive_arrivals(make_engine(model_dir, True, **engine_args), arrivals)
+    assert overlapped_run == sync and len(sync) == len(prompts)
+    assert counts["sync"] == 0
+    assert counts["launched_in_flight"] > 20
+    assert counts["prefill_rows"] > sum(len(p) for p in prompts) - len(prompts)
+
+
+def test_a_request_that_needs_the_host_still_drains(model_dir):
+    """A joining request with logprobs reads the step in flight and takes synchronous steps
+    (its rows need more than the sampled token), with the synchronous loop's tokens and
+    logprobs: the negative control of the count above."""
+    prompts = prompt_tokens(VOCAB, [5, 9, 6], seed=32)
+    arrivals = {
+        0: [(prompts[0], SamplingParams(temperature=1.0, seed=1, max_tokens=12))],
+        3: [(prompts[1], SamplingParams(temperature=1.0, seed=2, max_tokens=8, logprobs=1))],
+        4: [(prompts[2], SamplingParams(temperature=0, max_tokens=8))],
+    }
+    sync, _ = drive_arrivals(make_engine(model_dir, False), arrivals)
+    overlapped_run, counts = drive_arrivals(make_engine(model_dir, True), arrivals)
+    assert overlapped_run == sync
+    assert counts["sync"] > 0
