@@ -111,22 +111,33 @@ class StepLog:
 
 
 def spy_schedule(engine: LLMEngine) -> StepLog:
-    """Wraps `engine.scheduler.schedule` (this engine only) to fill a StepLog."""
+    """Wraps `engine.scheduler.schedule` and `schedule_ahead` (the overlapped loop's steps
+    launched before the one in flight is read; this engine only) to fill a StepLog."""
     log = StepLog()
-    schedule = engine.scheduler.schedule
+    scheduler = engine.scheduler
+    schedule, schedule_ahead = scheduler.schedule, scheduler.schedule_ahead
 
-    def spy():
-        out = schedule()
-        chunks = [s for s in out.scheduled if s.request.in_prefill]
-        decodes = len(out.scheduled) - len(chunks)
+    def record(scheduled):
+        chunks = [s for s in scheduled if s.request.in_prefill]
+        decodes = len(scheduled) - len(chunks)
         log.num_steps += 1
         log.num_mixed_steps += int(bool(chunks) and decodes > 0)
         for share in chunks:
             log.chunk_sizes.add(share.num_query_tokens)
             log.num_split_prompts += int(share.num_query_tokens < share.request.num_prompt_tokens)
+
+    def spy():
+        out = schedule()
+        record(out.scheduled)
         return out
 
-    engine.scheduler.schedule = spy
+    def spy_ahead(hold):
+        scheduled = schedule_ahead(hold)
+        if scheduled is not None:
+            record(scheduled)
+        return scheduled
+
+    scheduler.schedule, scheduler.schedule_ahead = spy, spy_ahead
     return log
 
 

@@ -132,6 +132,26 @@ def test_overlapped_loop_and_device_rounds_replay(model_paths, dirs, requests, a
         assert len(engine.loop_stats.k_chosen) > 1  # the policy changed K between rounds
 
 
+@pytest.mark.parametrize("case", ["chunked", "preempted"])
+@pytest.mark.parametrize("model", MODELS)
+def test_overlapped_joins_replay(model_paths, requests, alone, model, case):
+    """The overlapped plain loop with requests joining in bursts while steps are in flight
+    (their prefill chunks launched ahead beside the decode rows): prompts split at 16 tokens a
+    step, or a cache small enough to preempt (the loop then reads the step in flight and
+    preempts as usual): fails if a token depends on the step it was launched in."""
+    make = engine_factory(model_paths[model])
+    options = {"max_num_batched_tokens": 16}
+    if case == "preempted":
+        options = {"num_kv_blocks": 14, "max_num_batched_tokens": 32}
+    engine, log, diff = replay(
+        make, requests, alone(model), "bursts", None, async_scheduling=True, **options
+    )
+    assert not diff, diff
+    assert engine.loop_stats.num_overlapped_steps > 0 and log.num_mixed_steps > 0
+    if case == "preempted":
+        assert engine.num_preemptions > 0
+
+
 @pytest.mark.parametrize("drafter", DRAFTERS)
 @pytest.mark.parametrize("model", MODELS)
 def test_speculation_replays_plain_decoding(model_paths, dirs, requests, alone, model, drafter):
