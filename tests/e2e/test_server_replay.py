@@ -44,18 +44,20 @@ def model_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-replay"))
 
 
-@pytest.fixture(scope="module", params=["no-spec", "default-spec"])
+@pytest.fixture(scope="module", params=["no-spec", "no-spec-overlapped", "default-spec"])
 def server(request, model_dir):
     """A server as `specdec serve MODEL_DIR [--no-spec]` builds it (engine defaults, the
-    commands' default speculation for a model other than the built-in one), and its engine's
-    step log."""
+    commands' default speculation for a model other than the built-in one; or `--no-spec
+    --async-scheduling on`, CUDA's default loop: requests join steps launched ahead), and its
+    engine's step log."""
     spec = None
+    overlapped = request.param == "no-spec-overlapped"
     if request.param == "default-spec":
         values = default_spec(str(model_dir), "auto")
         assert values == DEFAULT_SPECULATIVE_CONFIG  # prompt lookup
         spec = SpeculativeConfig.from_dict(values)
         assert spec.rejection_sample_method == "coupled"  # the default verifier
-    engine = LLMEngine(EngineConfig(model=str(model_dir)), spec)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), async_scheduling=overlapped), spec)
     log = spy_schedule(engine)
     thread = ServerThread(build_app(AsyncEngine(engine), ServerConfig(MODEL))).start()
     yield request.param, thread, engine, log
@@ -152,6 +154,9 @@ def test_concurrent_completions_replay_each_alone(server):
     assert not diff, diff
     assert log.num_mixed_steps > 0  # prompts were prefilled beside other requests' decode rows
     TEXTS[name] = alone
+    if name == "no-spec-overlapped":
+        assert engine.loop_stats.num_overlapped_steps > 0
+        assert not differences(TEXTS.get("no-spec", alone), alone)
     if name == "default-spec":
         assert engine.stats.num_drafts > 0
         if "no-spec" in TEXTS:
