@@ -93,13 +93,15 @@ ROW_KINDS = ("prefill", "plain", "speculative")
 class LoopStats:
     """Which path served an engine's steps (so a user sees what ran):
 
-    - num_overlapped_steps: plain decode steps launched before the previous step was read;
+    - num_overlapped_steps: plain steps launched before the previous step was read;
+    - num_overlapped_prefill_steps: those of them that held prefill chunks (requests joining
+      the overlapped loop without draining it);
     - num_device_rounds: speculative rounds run on the device, each launched before the
       previous one was read;
     - num_graph_rounds: those of them replayed from CUDA graphs;
     - num_sync_steps: steps of the synchronous path;
-    - num_graphed_prefill_steps: those of them that ran prefill chunks on the decode path's
-      CUDA graphs (`EngineConfig.prefill_graph_tokens`);
+    - num_graphed_prefill_steps: steps (synchronous or overlapped) that ran prefill chunks on
+      the decode path's CUDA graphs (`EngineConfig.prefill_graph_tokens`);
     - num_plain_arm_steps: plain overlapped decode steps the speculation policy chose (its arm
       P) for speculative requests, counted in num_overlapped_steps too;
     - k_chosen: device rounds per K (the policy's choice; 0 = a round of no drafts; -1 = the
@@ -110,6 +112,7 @@ class LoopStats:
     """
 
     num_overlapped_steps: int = 0
+    num_overlapped_prefill_steps: int = 0
     num_device_rounds: int = 0
     num_graph_rounds: int = 0
     num_sync_steps: int = 0
@@ -138,6 +141,7 @@ class LoopStats:
     def as_dict(self) -> dict:
         return {
             "num_overlapped_steps": self.num_overlapped_steps,
+            "num_overlapped_prefill_steps": self.num_overlapped_prefill_steps,
             "num_device_rounds": self.num_device_rounds,
             "num_graph_rounds": self.num_graph_rounds,
             "num_sync_steps": self.num_sync_steps,

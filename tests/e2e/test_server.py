@@ -502,6 +502,7 @@ def test_metrics_expose_vllm_names(server):
         "specdec:num_device_rounds_total",
         "specdec:num_graph_rounds_total",
         "specdec:num_overlapped_steps_total",
+        "specdec:num_overlapped_prefill_steps_total",
         "specdec:num_sync_steps_total",
         "specdec:num_graphed_prefill_steps_total",
         "specdec:num_plain_arm_steps_total",

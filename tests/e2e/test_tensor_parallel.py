@@ -82,9 +82,10 @@ def test_tokens_match_tp1(method):
 
 
 def test_overlapped_plain_decoding_matches_tp1():
-    """async_scheduling=True without speculation under TP = 2: every step overlapped (its input
-    tokens, sampled on the driver's device and not read by the host, broadcast to the worker),
-    greedy and seeded sampled tokens equal to TP = 1's overlapped decoding."""
+    """async_scheduling=True without speculation under TP = 2: every step overlapped, the
+    prefill's too (its input tokens, sampled on the driver's device and not read by the host,
+    broadcast to the worker), greedy and seeded sampled tokens equal to TP = 1's overlapped
+    decoding."""
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
     sampled = SamplingParams(max_tokens=8, temperature=0.8, seed=99)
     prompts = PROMPTS[:4]
@@ -95,7 +96,7 @@ def test_overlapped_plain_decoding_matches_tp1():
             tensor_parallel_size=tp, async_scheduling=True, speculative_config=None, **ENGINE_ARGS
         )
         results[tp] = [llm.generate(prompts, p, use_tqdm=False) for p in (greedy, sampled)]
-        assert llm.get_metrics()["loop"]["num_overlapped_steps"] == 2 * 7, tp
+        assert llm.get_metrics()["loop"]["num_overlapped_steps"] == 2 * 8, tp
         if tp == 1:
             reference = llm
         else:

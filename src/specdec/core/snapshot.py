@@ -25,6 +25,7 @@ class EngineSnapshot:
     accepted_per_position: tuple[int, ...] = field(default_factory=tuple)
     num_preemptions: int = 0
     num_overlapped_steps: int = 0
+    num_overlapped_prefill_steps: int = 0
     num_plain_arm_steps: int = 0
     num_device_rounds: int = 0
     num_graph_rounds: int = 0
@@ -55,6 +56,7 @@ def snapshot_of(engine) -> EngineSnapshot:
         accepted_per_position=tuple(stats.accepted_per_position),
         num_preemptions=engine.num_preemptions,
         num_overlapped_steps=loop.num_overlapped_steps,
+        num_overlapped_prefill_steps=loop.num_overlapped_prefill_steps,
         num_plain_arm_steps=loop.num_plain_arm_steps,
         num_device_rounds=loop.num_device_rounds,
         num_graph_rounds=loop.num_graph_rounds,

@@ -46,6 +46,7 @@ class OverlappedLoop:
         if all(self._joinable(share.request) for share in scheduled):
             self._inflight = self._launch(scheduled, None)
             return []
+        self.loop_stats.num_sync_steps += 1
         return self._run_step(scheduled, only_finished)
 
     @staticmethod
@@ -137,7 +138,10 @@ class OverlappedLoop:
         elif plain_arm:
             raise RuntimeError("the plain arm's steps are decode rows only")
         else:
+            graphed = self.runner.num_graphed_prefill_steps
             logits, _ = self.runner.run_with_features(inputs, (), first_tokens)
+            graphed = self.runner.num_graphed_prefill_steps - graphed
+            self.loop_stats.num_graphed_prefill_steps += graphed
             picked = [rows for rows in logits if rows.shape[0]]  # the emitting shares' rows
             rows = torch.cat(picked) if picked else None
         emitters = [share.request for share in scheduled if share.emits]
@@ -154,6 +158,7 @@ class OverlappedLoop:
         self.loop_stats.num_overlapped_steps += 1
         prefill = sum(len(s.token_ids) for s in inputs) - plain
         self.loop_stats.observe_rows(prefill=prefill, plain=plain)
+        self.loop_stats.num_overlapped_prefill_steps += int(prefill > 0)
         # A row without a distribution still yields a valid id (the next step may take it as
         # its input); its flag comes back in the same copy and `_resolve` drops the token.
         readback = Readback({"tokens": token_ids, "unusable": unusable}, {})

@@ -78,8 +78,13 @@ class _EngineCollector(Collector):
         # Which path served the steps.
         yield counter(
             "specdec:num_overlapped_steps",
-            "Plain decode steps launched before the previous one was read.",
+            "Plain steps launched before the previous one was read.",
             snap.num_overlapped_steps,
+        )
+        yield counter(
+            "specdec:num_overlapped_prefill_steps",
+            "Overlapped steps that held prefill chunks (requests joining without a drain).",
+            snap.num_overlapped_prefill_steps,
         )
         yield counter(
             "specdec:num_device_rounds",
@@ -96,7 +101,7 @@ class _EngineCollector(Collector):
         )
         yield counter(
             "specdec:num_graphed_prefill_steps",
-            "Synchronous steps that ran prefill chunks on the decode path's CUDA graphs.",
+            "Steps that ran prefill chunks on the decode path's CUDA graphs.",
             snap.num_graphed_prefill_steps,
         )
         yield counter(

@@ -172,6 +172,7 @@ def drive_arrivals(engine: LLMEngine, arrivals: dict[int, list]) -> tuple[dict, 
         for out in outputs:
             finals[out.request_id] = [(o.token_ids, o.finish_reason, o.text) for o in out.outputs]
     counts["prefill_rows"] = engine.loop_stats.rows["prefill"]
+    counts["loop"] = engine.loop_stats.as_dict()
     return finals, counts
 
 
@@ -197,8 +198,9 @@ def test_requests_join_and_leave_without_draining(model_dir):
     sync, _ = drive_arrivals(make_engine(model_dir, False, **engine_args), arrivals)
     overlapped_run, counts = drive_arrivals(make_engine(model_dir, True, **engine_args), arrivals)
     assert overlapped_run == sync and len(sync) == len(prompts)
-    assert counts["sync"] == 0
+    assert counts["sync"] == 0 == counts["loop"]["num_sync_steps"]
     assert counts["launched_in_flight"] > 20
+    assert counts["loop"]["num_overlapped_prefill_steps"] >= len(prompts)
     assert counts["prefill_rows"] > sum(len(p) for p in prompts) - len(prompts)
 
 
@@ -215,4 +217,4 @@ def test_a_request_that_needs_the_host_still_drains(model_dir):
     sync, _ = drive_arrivals(make_engine(model_dir, False), arrivals)
     overlapped_run, counts = drive_arrivals(make_engine(model_dir, True), arrivals)
     assert overlapped_run == sync
-    assert counts["sync"] > 0
+    assert counts["sync"] > 0 and counts["loop"]["num_sync_steps"] == counts["sync"]
