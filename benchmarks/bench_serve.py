@@ -733,6 +733,11 @@ def main() -> None:
         "--warmup-requests", type=int, default=4, help="per mode, before the levels (0: none)"
     )
     load.add_argument(
+        "--plain-only",
+        action="store_true",
+        help="plain requests only (a --url server started with --no-spec refuses spec ones)",
+    )
+    load.add_argument(
         "--no-spec-server",
         action="store_true",
         help="also the plain levels against a second server started with --no-spec (needs "
@@ -765,6 +770,8 @@ def main() -> None:
         parser.error("--generate needs --serve (the model it loads in this process)")
     if args.no_spec_server and args.serve is None:
         parser.error("--no-spec-server needs --serve (the model its second server loads)")
+    if args.plain_only and (args.no_spec_server or args.serve is not None):
+        parser.error("--plain-only is for a --url server started with --no-spec")
     if args.generate and args.rules != "none":
         parser.error("--generate runs requests without rules: not with --rules mixed")
     if args.request_rate and any(rate <= 0 for rate in args.request_rate):
@@ -780,7 +787,7 @@ def main() -> None:
     out_json.parent.mkdir(parents=True, exist_ok=True)
     server = start_server(args, out_json.parent / "server.log") if args.serve else None
     try:
-        meta, levels = run(args)
+        meta, levels = run(args, modes=(False,) if args.plain_only else (False, True))
     finally:
         if server is not None:
             stop_server(server)
