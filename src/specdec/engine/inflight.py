@@ -17,7 +17,8 @@ class Inflight:
     batch order, their sampled tokens on the device, the asynchronous copy reading them (with
     each row's unusable flag) and the positions of its input tokens. A step of the speculation
     policy's plain arm also keeps their target features (drafters that read some; None
-    otherwise) and the marks that measure its cost."""
+    otherwise) and the marks that measure its cost; a step of a joining visit, the features of
+    every input to deliver."""
 
     requests: list[Request]
     token_ids: torch.Tensor
@@ -27,3 +28,7 @@ class Inflight:
     features: torch.Tensor | None = None
     started: torch.cuda.Event | float | None = None
     ended: torch.cuda.Event | float | None = None
+    # A step of a joining visit (`SpeculativeLoops._step_join`): per input of a speculative
+    # request, (request, position of its first token, [n, F] target features of its tokens),
+    # handed to the drafter when the step is read.
+    deliveries: list[tuple[Request, int, torch.Tensor]] | None = None

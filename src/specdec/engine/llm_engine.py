@@ -198,6 +198,9 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
         self._inflight: Inflight | None = None
         self._rounds: DeviceRounds | None = None  # built on first use
         self._in_rounds = False
+        # A joining visit: overlapped steps of prefill chunks and undrafted decode rows while
+        # requests join an engine with device rounds (`_step_join`).
+        self._in_join = False
         # The policy's plain arm: plain overlapped steps of speculative requests (`_step_plain`).
         self._in_plain = False
         self._plain_chosen = False  # the policy chose PLAIN: drain the rounds, then go plain
@@ -492,12 +495,16 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
         launch work whose tokens the next call reports."""
         if self.async_scheduling and self.drafter is None:
             return self._step_async(only_finished)
+        if self._in_join:
+            return self._step_join(only_finished)
         if self._in_plain:
             return self._step_plain(only_finished)
         if self._in_rounds:
             return self._step_rounds(only_finished)
         scheduled = self._schedule()
         if not scheduled:
+            return []
+        if self._begin_join(scheduled):
             return []
         chosen = self._sync_step_k(scheduled)
         started = time.perf_counter()

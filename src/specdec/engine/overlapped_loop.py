@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.drafters import TargetFeatures
 from specdec.engine.device_round import mark
 from specdec.engine.emitter import Emission
 from specdec.engine.inflight import Inflight
@@ -50,27 +51,30 @@ class OverlappedLoop:
         return self._run_step(scheduled, only_finished)
 
     @staticmethod
-    def _joinable(request: Request) -> bool:
-        """A plain request whose steps need nothing read but the sampled token (no logprobs
-        or prompt logprobs, no logits processed with its output on the host): its steps can
-        be launched before the previous one is read."""
+    def _joinable(request: Request, speculative: bool = False) -> bool:
+        """A request whose steps need nothing read but the sampled token (no logprobs or
+        prompt logprobs, no logits processed with its output on the host): its steps can be
+        launched before the previous one is read. A speculative request only in a joining
+        visit (`speculative`: its steps draft nothing there)."""
         params = request.params
         return (
-            request.spec is None
+            (request.spec is None or speculative)
             and params.logprobs is None
             and params.prompt_logprobs is None
             and not request.host_processed
         )
 
-    def _schedule_ahead(self) -> list[ScheduledRequest] | None:
+    def _schedule_ahead(self, speculative: bool = False) -> list[ScheduledRequest] | None:
         """The next step's shares while a step is in flight (None: read that step first):
         every running request and every request that waits to join must be `_joinable`;
         requests whose token in flight reaches their output limit are held back (that token
-        ends them); nothing is preempted (`Scheduler.schedule_ahead`)."""
+        ends them); nothing is preempted (`Scheduler.schedule_ahead`). `speculative`: a
+        joining visit's step (speculative requests allowed; their shares draft nothing)."""
         scheduler = self.scheduler
-        if not all(self._joinable(r) for r in scheduler.running):
+        if not all(self._joinable(r, speculative) for r in scheduler.running):
             return None
-        if self._admission_pending() and not all(self._joinable(r) for r in scheduler.waiting):
+        waiting = scheduler.waiting
+        if self._admission_pending() and not all(self._joinable(r, speculative) for r in waiting):
             return None
         limit = self.outputs.output_limit
         hold = {
@@ -78,7 +82,12 @@ class OverlappedLoop:
             for r in scheduler.running
             if r.num_pending and len(r.output_token_ids) + r.num_pending >= limit(r)
         }
-        return scheduler.schedule_ahead(hold)
+        scheduled = scheduler.schedule_ahead(hold)
+        for share in scheduled or ():
+            if share.num_draft:  # the slots allocated for the drafts are released at launch
+                share.num_query_tokens -= share.num_draft
+                share.num_draft = 0
+        return scheduled
 
     def _admission_pending(self) -> bool:
         """Whether a waiting request could join the batch now (the overlapped loop and the rounds
@@ -115,6 +124,7 @@ class OverlappedLoop:
         scheduled: list[ScheduledRequest],
         previous: Inflight | None,
         plain_arm: bool = False,
+        joining: bool = False,
     ) -> Inflight:
         """Runs a step and samples its emitting rows without reading the tokens: decode rows
         (a request's input token is `previous`'s sample where `previous` holds the request)
@@ -127,8 +137,8 @@ class OverlappedLoop:
         first_tokens = self._first_tokens(requests, inputs, previous)
         started = mark(self.device) if plain_arm else None
         decode_only = all(len(s.token_ids) == 1 and s.num_logit_rows == 1 for s in inputs)
-        features = None
-        if decode_only:
+        features = deliveries = None
+        if decode_only and not joining:
             layers = self.drafter.feature_layers if plain_arm else ()
             rows, features = self.runner.run_rows_with_features(
                 inputs, layers, first_tokens, min_rows=self._plain_rows if plain_arm else 0
@@ -138,10 +148,17 @@ class OverlappedLoop:
         elif plain_arm:
             raise RuntimeError("the plain arm's steps are decode rows only")
         else:
+            layers = self.drafter.feature_layers if joining else ()
             graphed = self.runner.num_graphed_prefill_steps
-            logits, _ = self.runner.run_with_features(inputs, (), first_tokens)
+            logits, per_input = self.runner.run_with_features(inputs, layers, first_tokens)
             graphed = self.runner.num_graphed_prefill_steps - graphed
             self.loop_stats.num_graphed_prefill_steps += graphed
+            if per_input:  # views of static buffers: the next step overwrites them
+                deliveries = [
+                    (share.request, step_input.start, rows.clone())
+                    for share, step_input, rows in zip(scheduled, inputs, per_input, strict=True)
+                    if share.request.spec is not None
+                ]
             picked = [rows for rows in logits if rows.shape[0]]  # the emitting shares' rows
             rows = torch.cat(picked) if picked else None
         emitters = [share.request for share in scheduled if share.emits]
@@ -169,7 +186,7 @@ class OverlappedLoop:
             if share.emits
         ]
         if not plain_arm:
-            return Inflight(emitters, token_ids, readback, starts=starts)
+            return Inflight(emitters, token_ids, readback, starts=starts, deliveries=deliveries)
         self.loop_stats.observe_plain_arm()
         return Inflight(emitters, token_ids, readback, True, starts, features, started, ended)
 
@@ -203,6 +220,16 @@ class OverlappedLoop:
         tokens, unusable = values["tokens"].tolist(), values["unusable"].tolist()
         if inflight.plain_arm:
             self._observe_plain(inflight)
+        if inflight.deliveries:  # the step's tokens now have their features, in order
+            live = [d for d in inflight.deliveries if not d[0].status.finished]
+            if live:
+                self.drafter.observe(
+                    TargetFeatures(
+                        [r.request_id for r, _, _ in live],
+                        [start for _, start, _ in live],
+                        [rows for _, _, rows in live],
+                    )
+                )
         commits = []
         for request, token, bad, start in zip(
             inflight.requests, tokens, unusable, inflight.starts, strict=True

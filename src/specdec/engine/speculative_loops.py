@@ -89,6 +89,46 @@ class SpeculativeLoops:
         ]
         self.policy.observe(bucket, k, seconds, outcomes)
 
+    # ------------------------------------------------------- joining visits
+    def _begin_join(self, scheduled: list[ScheduledRequest]) -> bool:
+        """Launches `scheduled` as the first step of a joining visit, without reading it, when
+        the engine has device rounds, the step holds a prefill chunk (a request joining, or
+        resuming after preemption) and every request in it can be overlapped (`_joinable`):
+        its decode shares draft nothing (as `_plain_beside_prefill`'s rule, so only under the
+        adaptive policy: a pinned K drafts K in every step); True when launched."""
+        policy = self.policy
+        if policy is None or not policy.adaptive or not self.device_rounds:
+            return False
+        if not any(s.request.in_prefill for s in scheduled):
+            return False
+        if not all(self._joinable(share.request, True) for share in scheduled):
+            return False
+        self._plain_beside_prefill(scheduled)
+        self._inflight = self._launch(scheduled, None, joining=True)
+        self._in_join = True
+        return True
+
+    def _step_join(self, only_finished: bool) -> list[RequestOutput]:
+        """One call of a joining visit: while a request is still in prefill or one waits to
+        join, the next step (prefill chunks beside decode rows that draft nothing, their input
+        tokens the step in flight's samples) is launched before the step in flight is read
+        (`_schedule_ahead`); the target features of each read step go to the drafter. The
+        visit ends when no prefill is left or a step cannot be scheduled ahead: the last step
+        is read, and the batch goes to the rounds (`_enter_rounds`) or to the synchronous
+        step. With the default verifier, a step's K never changes a token."""
+        inflight = self._inflight
+        self._inflight = None
+        scheduler = self.scheduler
+        if self._admission_pending() or any(r.in_prefill for r in scheduler.running):
+            scheduled = self._schedule_ahead(speculative=True)
+            if scheduled:
+                self._inflight = self._launch(scheduled, inflight, joining=True)
+        outputs = self._resolve(inflight, only_finished)
+        if self._inflight is None:
+            self._in_join = False
+            self._enter_rounds()
+        return outputs
+
     # ------------------------------------------------------- the policy's plain arm
     def _step_plain(self, only_finished: bool) -> list[RequestOutput]:
         """One call of the plain arm's loop: the overlapped plain decode loop over the

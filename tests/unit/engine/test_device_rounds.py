@@ -389,25 +389,35 @@ def test_a_round_of_k_drafts_runs_the_target_over_k_plus_1_rows(
 def test_a_step_holding_a_prefill_chunk_drafts_nothing_beside_it(
     model_dir, dirs, prompts, monkeypatch, rule
 ):
-    """With device rounds and the adaptive policy, the synchronous step that admits a joining
-    request holds its prefill chunk beside the running requests' decode rows: those rows draft
-    nothing (K = 0), so the step takes the graphed prefill path instead of an eager verify step
-    with host drafting (s27: ~30 ms a step on an H100). Coupled output still equals plain
-    decoding's. Negative control: with the rule turned off the same steps hold drafts."""
+    """With device rounds and the adaptive policy, a step that admits a joining request holds
+    its prefill chunk beside the running requests' decode rows: those rows draft nothing (K =
+    0), and the step is launched ahead in a joining visit (overlapped, s29) instead of an eager
+    verify step with host drafting (s27: ~30 ms a step on an H100). Coupled output still equals
+    plain decoding's. Negative control: with the rule and the joining visit turned off, the
+    same steps are synchronous and hold drafts."""
     from specdec.engine import llm_engine
     from specdec.engine.speculative_loops import SpeculativeLoops
 
     if rule != "on":
         monkeypatch.setattr(SpeculativeLoops, "_plain_beside_prefill", staticmethod(lambda s: None))
+        monkeypatch.setattr(SpeculativeLoops, "_begin_join", lambda self, scheduled: False)
     mixed_drafts = []
-    original = llm_engine.LLMEngine._run_step
+    run_step, launch = llm_engine.LLMEngine._run_step, llm_engine.LLMEngine._launch
 
-    def spy(self, scheduled, only_finished):
+    def record(scheduled):
         if any(share.request.in_prefill for share in scheduled):
             mixed_drafts.extend(s.num_draft for s in scheduled if not s.request.in_prefill)
-        return original(self, scheduled, only_finished)
 
-    monkeypatch.setattr(llm_engine.LLMEngine, "_run_step", spy)
+    def spy_run_step(self, scheduled, only_finished):
+        record(scheduled)
+        return run_step(self, scheduled, only_finished)
+
+    def spy_launch(self, scheduled, previous, plain_arm=False, joining=False):
+        record(scheduled)
+        return launch(self, scheduled, previous, plain_arm, joining)
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "_run_step", spy_run_step)
+    monkeypatch.setattr(llm_engine.LLMEngine, "_launch", spy_launch)
     requests = [(p, params_for(1.0, 70 + i)) for i, p in enumerate(prompts)]
     expected, _ = drive(make_engine(model_dir, None, False), requests[:2], late=requests[2:])
     spec = spec_for("eagle", dirs, "coupled", k=3, adaptive=True)
@@ -418,5 +428,7 @@ def test_a_step_holding_a_prefill_chunk_drafts_nothing_beside_it(
     assert mixed_drafts, "no decode row shared a step with a joining request's prefill"
     if rule == "on":
         assert set(mixed_drafts) == {0}
+        assert engine.loop_stats.num_overlapped_prefill_steps > 0  # joining visits ran
     else:
         assert any(mixed_drafts)
+        assert engine.loop_stats.num_overlapped_prefill_steps == 0

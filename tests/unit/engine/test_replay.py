@@ -120,7 +120,8 @@ def test_preempted_requests_replay(model_paths, dirs, requests, alone, model, sp
 def test_overlapped_loop_and_device_rounds_replay(model_paths, dirs, requests, alone, model, spec):
     """async_scheduling on the CPU: the overlapped plain loop, or speculative rounds on the
     device (run op by op) with the adaptive policy choosing each round's K, requests joining
-    (the rounds drain and resume): fails if a token depends on the loop, on K, or on the batch."""
+    (the rounds drain, a joining visit prefills them beside undrafted decode rows, the rounds
+    resume): fails if a token depends on the loop, on K, or on the batch."""
     make = engine_factory(model_paths[model])
     spec = None if spec is None else drafter_spec(spec, dirs)
     engine, _, diff = replay(make, requests, alone(model), "uniform", spec, async_scheduling=True)
@@ -130,6 +131,7 @@ def test_overlapped_loop_and_device_rounds_replay(model_paths, dirs, requests, a
     else:
         assert engine.loop_stats.num_device_rounds > 0
         assert len(engine.loop_stats.k_chosen) > 1  # the policy changed K between rounds
+        assert engine.loop_stats.num_overlapped_prefill_steps > 0  # joining visits ran
 
 
 @pytest.mark.parametrize("case", ["chunked", "preempted"])
