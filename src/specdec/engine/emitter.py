@@ -46,6 +46,8 @@ class Emission:
         unusable_position: the position Q of the first token whose logits row the step read
             had no distribution (then `tokens` is empty, `num_accepted` 0, and the request
             ends with an error); None otherwise.
+        logprobs: the emitted tokens' logprob entries when they were computed on the device
+            and read with the tokens (the overlapped loop; `rows` is None then).
     """
 
     tokens: list[int]
@@ -54,6 +56,7 @@ class Emission:
     rows: torch.Tensor | None
     path: list[int] | None = None
     unusable_position: int | None = None
+    logprobs: list[dict] | None = None
 
     @property
     def num_rejected(self) -> int:

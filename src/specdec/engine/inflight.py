@@ -32,3 +32,6 @@ class Inflight:
     # request, (request, position of its first token, [n, F] target features of its tokens),
     # handed to the drafter when the step is read.
     deliveries: list[tuple[Request, int, torch.Tensor]] | None = None
+    # The logprobs read back with the tokens: per group of the step's requests asking for the
+    # same number of top alternatives, (that number, their indices in `requests`).
+    logprob_groups: list[tuple[int, list[int]]] | None = None

@@ -599,7 +599,9 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
             if emission.num_draft:
                 request.stats.observe(emission.num_draft, emission.num_accepted)
                 self.stats.observe(emission.num_draft, emission.num_accepted)
-            finished = self.outputs.append(request, emission.tokens, emission.rows)
+            finished = self.outputs.append(
+                request, emission.tokens, emission.rows, emission.logprobs
+            )
             if request.grammar is not None and not request.status.finished:
                 request.grammar.commit(request.output_token_ids)
             if finished or not only_finished:

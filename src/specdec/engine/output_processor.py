@@ -98,17 +98,23 @@ class OutputProcessor:
     def empty(self) -> bool:
         return not self.groups and not self._group_of
 
-    def append(self, request: Request, tokens: list[int], rows: torch.Tensor | None) -> bool:
+    def append(
+        self,
+        request: Request,
+        tokens: list[int],
+        rows: torch.Tensor | None,
+        entries: list[dict[int, Logprob]] | None = None,
+    ) -> bool:
         """Appends emitted tokens one by one, stopping at the first stop condition (the tokens
-        after it are dropped). `rows` ([len(tokens), V] raw logits) give the logprobs. Returns
-        whether the request finished."""
+        after it are dropped). `rows` ([len(tokens), V] raw logits) give the logprobs, unless
+        their `entries` were read already (`logprob_entries_from`). Returns whether the request
+        finished."""
         group = self._group_of[id(request)]
         params = request.params
         output = request.output_token_ids
         check_text = bool(params.stop) and self.tokenizer is not None
         limit = self.output_limit(request)
-        entries = None
-        if params.logprobs is not None:
+        if params.logprobs is not None and entries is None:
             entries = self.logprob_entries(rows[: len(tokens)], tokens, params.logprobs)
         for j, token in enumerate(tokens):
             output.append(token)
@@ -150,8 +156,24 @@ class OutputProcessor:
         """vLLM's logprob dicts of tokens under [N, V] raw logit rows: the top `num_top` ids in
         rank order, then the token itself if it is not among them."""
         lp = compute_logprobs(rows, torch.tensor(token_ids, device=rows.device), num_top)
-        top_ids, top_values = lp.top_ids.tolist(), lp.top_logprobs.tolist()
-        values, ranks = lp.token_logprobs.tolist(), lp.token_ranks.tolist()
+        return self.logprob_entries_from(
+            token_ids,
+            lp.top_ids.tolist(),
+            lp.top_logprobs.tolist(),
+            lp.token_logprobs.tolist(),
+            lp.token_ranks.tolist(),
+        )
+
+    def logprob_entries_from(
+        self,
+        token_ids: list[int],
+        top_ids: list[list[int]],
+        top_values: list[list[float]],
+        values: list[float],
+        ranks: list[int],
+    ) -> list[dict[int, Logprob]]:
+        """`logprob_entries` from `compute_logprobs`' results read to the host (per token: its
+        top ids and their log-probabilities, its own log-probability and rank)."""
         entries = []
         for j, token in enumerate(token_ids):
             entry = {

@@ -20,6 +20,7 @@ from specdec.engine.proposals import step_inputs
 from specdec.engine.request import Request
 from specdec.engine.scheduler import ScheduledRequest
 from specdec.runner import StepInput
+from specdec.sampling import compute_logprobs
 from specdec.transfer import Readback, to_device
 
 
@@ -52,15 +53,13 @@ class OverlappedLoop:
 
     @staticmethod
     def _joinable(request: Request, speculative: bool = False) -> bool:
-        """A request whose steps need nothing read but the sampled token (no logprobs or
-        prompt logprobs, no logits processed with its output on the host): its steps can be
-        launched before the previous one is read. A speculative request only in a joining
+        """A request whose steps need nothing read but the sampled token and its logprobs
+        (no prompt logprobs, no logits processed with its output on the host): its steps can
+        be launched before the previous one is read. A speculative request only in a joining
         visit (`speculative`: its steps draft nothing there)."""
-        params = request.params
         return (
             (request.spec is None or speculative)
-            and params.logprobs is None
-            and params.prompt_logprobs is None
+            and request.params.prompt_logprobs is None
             and not request.host_processed
         )
 
@@ -178,7 +177,9 @@ class OverlappedLoop:
         self.loop_stats.num_overlapped_prefill_steps += int(prefill > 0)
         # A row without a distribution still yields a valid id (the next step may take it as
         # its input); its flag comes back in the same copy and `_resolve` drops the token.
-        readback = Readback({"tokens": token_ids, "unusable": unusable}, {})
+        ints, floats = {"tokens": token_ids, "unusable": unusable}, {}
+        groups = self._logprobs_ahead(emitters, rows, token_ids, ints, floats)
+        readback = Readback(ints, floats)
         # per emitting request, the position of its last input token (its token comes next)
         starts = [
             s.start + len(s.token_ids) - 1
@@ -186,9 +187,61 @@ class OverlappedLoop:
             if share.emits
         ]
         if not plain_arm:
-            return Inflight(emitters, token_ids, readback, starts=starts, deliveries=deliveries)
+            return Inflight(
+                emitters,
+                token_ids,
+                readback,
+                starts=starts,
+                deliveries=deliveries,
+                logprob_groups=groups,
+            )
         self.loop_stats.observe_plain_arm()
         return Inflight(emitters, token_ids, readback, True, starts, features, started, ended)
+
+    @staticmethod
+    def _logprobs_ahead(
+        requests: list[Request],
+        rows: torch.Tensor | None,
+        token_ids: torch.Tensor,
+        ints: dict[str, torch.Tensor],
+        floats: dict[str, torch.Tensor],
+    ) -> list[tuple[int, list[int]]] | None:
+        """The logprobs of the sampled tokens of the `requests` that ask for them, computed on
+        the device now (the rows are a static buffer's views that the next step overwrites)
+        and added to the step's read-back (`ints`, `floats`: "top_ids{g}", "ranks{g}",
+        "top_logprobs{g}", "logprobs{g}" per group g of one number of top alternatives).
+        Returns the groups (that number, indices into `requests`), or None."""
+        groups: dict[int, list[int]] = {}
+        for index, request in enumerate(requests):
+            if request.params.logprobs is not None:
+                groups.setdefault(request.params.logprobs, []).append(index)
+        if not groups:
+            return None
+        for g, (num_top, members) in enumerate(groups.items()):
+            picked = to_device(members, torch.int64, token_ids.device)
+            lp = compute_logprobs(rows.index_select(0, picked), token_ids[picked], num_top)
+            ints[f"top_ids{g}"], ints[f"ranks{g}"] = lp.top_ids, lp.token_ranks
+            floats[f"top_logprobs{g}"], floats[f"logprobs{g}"] = lp.top_logprobs, lp.token_logprobs
+        return list(groups.items())
+
+    def _logprob_entries_read(
+        self, inflight: Inflight, values: dict[str, torch.Tensor], tokens: list[int]
+    ) -> dict[int, dict]:
+        """Index into `inflight.requests` -> the logprob entry of its token, from the values
+        `_logprobs_ahead` added to the read-back."""
+        entries: dict[int, dict] = {}
+        for g, (num_top, members) in enumerate(inflight.logprob_groups or ()):
+            top_ids = values[f"top_ids{g}"].view(len(members), num_top).tolist()
+            top_values = values[f"top_logprobs{g}"].view(len(members), num_top).tolist()
+            built = self.outputs.logprob_entries_from(
+                [tokens[i] for i in members],
+                top_ids,
+                top_values,
+                values[f"logprobs{g}"].tolist(),
+                values[f"ranks{g}"].tolist(),
+            )
+            entries.update(zip(members, built, strict=True))
+        return entries
 
     @staticmethod
     def _first_tokens(
@@ -230,9 +283,10 @@ class OverlappedLoop:
                         [rows for _, _, rows in live],
                     )
                 )
+        entries = self._logprob_entries_read(inflight, values, tokens)
         commits = []
-        for request, token, bad, start in zip(
-            inflight.requests, tokens, unusable, inflight.starts, strict=True
+        for index, (request, token, bad, start) in enumerate(
+            zip(inflight.requests, tokens, unusable, inflight.starts, strict=True)
         ):
             request.num_pending -= 1
             if request.status.finished:
@@ -240,6 +294,7 @@ class OverlappedLoop:
             if bad:  # the row of the token at start + 1
                 emission = Emission([], 0, 0, None, unusable_position=start + 1)
             else:
-                emission = Emission([token], 0, 0, None)
+                entry = entries.get(index)
+                emission = Emission([token], 0, 0, None, logprobs=entry and [entry])
             commits.append((request, None, emission))
         return self._commit(commits, only_finished)

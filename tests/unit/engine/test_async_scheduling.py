@@ -170,7 +170,9 @@ def drive_arrivals(engine: LLMEngine, arrivals: dict[int, list]) -> tuple[dict, 
         counts["launched_in_flight"] += in_flight_before and engine._inflight is not None
         step += 1
         for out in outputs:
-            finals[out.request_id] = [(o.token_ids, o.finish_reason, o.text) for o in out.outputs]
+            finals[out.request_id] = [
+                (o.token_ids, o.finish_reason, o.text, o.logprobs) for o in out.outputs
+            ]
     counts["prefill_rows"] = engine.loop_stats.rows["prefill"]
     counts["loop"] = engine.loop_stats.as_dict()
     return finals, counts
@@ -179,7 +181,8 @@ def drive_arrivals(engine: LLMEngine, arrivals: dict[int, list]) -> tuple[dict, 
 def test_requests_join_and_leave_without_draining(model_dir):
     """Requests arriving at several steps (prompts of 3 to 30 tokens, chunked at a budget of
     8 tokens a step), finishing by length and by a stop token, with sampled and greedy
-    parameters: every request ends with the synchronous loop's tokens, and no step of the
+    parameters, two with logprobs: every request ends with the synchronous loop's tokens (and
+    logprobs), and no step of the
     overlapped run is synchronous (each arrival's prefill chunks ride in steps launched ahead
     beside the running decode rows; each finish just leaves the next step). Before, every
     arrival and every finish read the step in flight first and ran a synchronous step."""
@@ -190,6 +193,9 @@ def test_requests_join_and_leave_without_draining(model_dir):
     ]
     params[3] = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[7, 11, 13])
     params[5] = SamplingParams(temperature=0.7, top_p=0.9, seed=9, max_tokens=14, n=2)
+    # logprobs are computed on the device and read with the tokens (two numbers of top ids)
+    params[1] = SamplingParams(temperature=1.0, seed=51, max_tokens=12, logprobs=3)
+    params[6] = SamplingParams(temperature=0.9, seed=56, max_tokens=10, logprobs=0)
     schedule = {0: [0, 1], 2: [2], 3: [3, 4], 7: [5], 11: [6], 12: [7]}
     arrivals = {
         step: [(prompts[i], params[i]) for i in indices] for step, indices in schedule.items()
@@ -205,13 +211,14 @@ def test_requests_join_and_leave_without_draining(model_dir):
 
 
 def test_a_request_that_needs_the_host_still_drains(model_dir):
-    """A joining request with logprobs reads the step in flight and takes synchronous steps
-    (its rows need more than the sampled token), with the synchronous loop's tokens and
-    logprobs: the negative control of the count above."""
+    """A joining request with a repetition penalty (its logits are processed with its output
+    on the host) reads the step in flight and takes synchronous steps, with the synchronous
+    loop's tokens: the negative control of the count above."""
     prompts = prompt_tokens(VOCAB, [5, 9, 6], seed=32)
+    penalised = SamplingParams(temperature=1.0, seed=2, max_tokens=8, repetition_penalty=1.3)
     arrivals = {
         0: [(prompts[0], SamplingParams(temperature=1.0, seed=1, max_tokens=12))],
-        3: [(prompts[1], SamplingParams(temperature=1.0, seed=2, max_tokens=8, logprobs=1))],
+        3: [(prompts[1], penalised)],
         4: [(prompts[2], SamplingParams(temperature=0, max_tokens=8))],
     }
     sync, _ = drive_arrivals(make_engine(model_dir, False), arrivals)
