@@ -198,9 +198,13 @@ class Emitter:
                 emitted[i] = Emission([token], 0, 0, row)
 
     def sample_rows(
-        self, requests: list[Request], rows: torch.Tensor
+        self, requests: list[Request], rows: torch.Tensor, prefix: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Samples one token per [B, V] logit row at each request's next position.
+
+        `prefix` ([B, 1] int64 on the device, -1 where none): a token each row's request has
+        emitted after its output as the host knows it (sampled by a step not read yet: the
+        overlapped loop), which its logits rules count as output (`LogitsContext.apply`).
 
         Returns:
             ([B] int64 tokens, [B] bool unusable), both on the device, not read by the host.
@@ -211,7 +215,7 @@ class Emitter:
         constants = self.constants.get("plain", requests, rows.device)
         context = logits_context(requests)
         if context is not None:
-            rows = context.apply(rows)
+            rows = context.apply(rows, prefix=prefix)
         if constants.greedy:
             # All greedy: `sample` would take the first maximum with NaN as -inf and no noise
             # (the filters never remove the maximum). Two kernels instead of the sampler's

@@ -54,13 +54,15 @@ class OverlappedLoop:
     @staticmethod
     def _joinable(request: Request, speculative: bool = False) -> bool:
         """A request whose steps need nothing read but the sampled token and its logprobs
-        (no prompt logprobs, no logits processed with its output on the host): its steps can
-        be launched before the previous one is read. A speculative request only in a joining
-        visit (`speculative`: its steps draft nothing there)."""
+        (no prompt logprobs, no grammar: its matcher runs on the host): its steps can be
+        launched before the previous one is read; its logits rules (penalties, biases, bans,
+        min_tokens) count the token still on the device as output (`Emitter.sample_rows`'s
+        prefix). A speculative request only in a joining visit (`speculative`: its steps draft
+        nothing there)."""
         return (
             (request.spec is None or speculative)
             and request.params.prompt_logprobs is None
-            and not request.host_processed
+            and request.grammar is None
         )
 
     def _schedule_ahead(self, speculative: bool = False) -> list[ScheduledRequest] | None:
@@ -162,7 +164,8 @@ class OverlappedLoop:
             rows = torch.cat(picked) if picked else None
         emitters = [share.request for share in scheduled if share.emits]
         if rows is not None:
-            token_ids, unusable = self.emitter.sample_rows(emitters, rows)
+            prefix = self._pending_prefix(scheduled, emitters, first_tokens, previous)
+            token_ids, unusable = self.emitter.sample_rows(emitters, rows, prefix)
         else:  # prefill chunks only, none of them the last of its prompt
             token_ids = torch.empty(0, dtype=torch.int64, device=self.device)
             unusable = torch.empty(0, dtype=torch.bool, device=self.device)
@@ -197,6 +200,28 @@ class OverlappedLoop:
             )
         self.loop_stats.observe_plain_arm()
         return Inflight(emitters, token_ids, readback, True, starts, features, started, ended)
+
+    @staticmethod
+    def _pending_prefix(
+        scheduled: list[ScheduledRequest],
+        emitters: list[Request],
+        first_tokens: torch.Tensor | None,
+        previous: Inflight | None,
+    ) -> torch.Tensor | None:
+        """[len(emitters), 1] int64 on the device: for an emitting request whose last token is
+        `previous`'s sample (its input token now, not read by the host), that token; -1 for
+        the others. None when no emitter has logits rules or none has such a token."""
+        if first_tokens is None or not any(r.rules is not None for r in emitters):
+            return None
+        held = {id(r) for r in previous.requests}
+        pending = [id(s.request) in held for s in scheduled if s.emits]
+        if not any(pending):
+            return None
+        rows = [i for i, share in enumerate(scheduled) if share.emits]
+        device = first_tokens.device
+        packed = to_device(rows + [int(p) for p in pending], torch.int64, device)
+        index, flags = packed.split([len(rows), len(rows)])
+        return torch.where(flags.bool(), first_tokens[index], -1)[:, None]
 
     @staticmethod
     def _logprobs_ahead(

@@ -181,8 +181,9 @@ def drive_arrivals(engine: LLMEngine, arrivals: dict[int, list]) -> tuple[dict, 
 def test_requests_join_and_leave_without_draining(model_dir):
     """Requests arriving at several steps (prompts of 3 to 30 tokens, chunked at a budget of
     8 tokens a step), finishing by length and by a stop token, with sampled and greedy
-    parameters, two with logprobs: every request ends with the synchronous loop's tokens (and
-    logprobs), and no step of the
+    parameters, two with logprobs, three with logits rules (penalties, min_tokens, biases,
+    allowed ids): every request ends with the synchronous loop's tokens (and logprobs), and no
+    step of the
     overlapped run is synchronous (each arrival's prefill chunks ride in steps launched ahead
     beside the running decode rows; each finish just leaves the next step). Before, every
     arrival and every finish read the step in flight first and ran a synchronous step."""
@@ -196,6 +197,22 @@ def test_requests_join_and_leave_without_draining(model_dir):
     # logprobs are computed on the device and read with the tokens (two numbers of top ids)
     params[1] = SamplingParams(temperature=1.0, seed=51, max_tokens=12, logprobs=3)
     params[6] = SamplingParams(temperature=0.9, seed=56, max_tokens=10, logprobs=0)
+    # logits rules count the token still on the device as output
+    params[0] = SamplingParams(
+        temperature=1.0, seed=50, max_tokens=14, repetition_penalty=1.8, frequency_penalty=0.9
+    )
+    params[4] = SamplingParams(
+        temperature=0.8,
+        seed=54,
+        max_tokens=16,
+        presence_penalty=1.5,
+        min_tokens=6,
+        stop_token_ids=[3, 8, 12],
+        logit_bias={5: 4.0, 9: -100.0},
+    )
+    params[7] = SamplingParams(
+        temperature=0, max_tokens=9, allowed_token_ids=list(range(10, 40)), repetition_penalty=2.0
+    )
     schedule = {0: [0, 1], 2: [2], 3: [3, 4], 7: [5], 11: [6], 12: [7]}
     arrivals = {
         step: [(prompts[i], params[i]) for i in indices] for step, indices in schedule.items()
@@ -211,17 +228,39 @@ def test_requests_join_and_leave_without_draining(model_dir):
 
 
 def test_a_request_that_needs_the_host_still_drains(model_dir):
-    """A joining request with a repetition penalty (its logits are processed with its output
-    on the host) reads the step in flight and takes synchronous steps, with the synchronous
-    loop's tokens: the negative control of the count above."""
+    """A joining request with prompt logprobs (every row of its prefill read) makes the loop
+    read the step in flight and take synchronous steps, with the synchronous loop's tokens:
+    the negative control of the count above."""
     prompts = prompt_tokens(VOCAB, [5, 9, 6], seed=32)
-    penalised = SamplingParams(temperature=1.0, seed=2, max_tokens=8, repetition_penalty=1.3)
+    prompt_rows = SamplingParams(temperature=1.0, seed=2, max_tokens=8, prompt_logprobs=1)
     arrivals = {
         0: [(prompts[0], SamplingParams(temperature=1.0, seed=1, max_tokens=12))],
-        3: [(prompts[1], penalised)],
+        3: [(prompts[1], prompt_rows)],
         4: [(prompts[2], SamplingParams(temperature=0, max_tokens=8))],
     }
     sync, _ = drive_arrivals(make_engine(model_dir, False), arrivals)
     overlapped_run, counts = drive_arrivals(make_engine(model_dir, True), arrivals)
     assert overlapped_run == sync
     assert counts["sync"] > 0 and counts["loop"]["num_sync_steps"] == counts["sync"]
+
+
+def test_negative_control_rules_that_miss_the_token_in_flight(model_dir, monkeypatch):
+    """Penalties and allowed ids counting only the output the host has read (the token still
+    on the device left out of the rules' context) move the tokens off the synchronous loop's:
+    the comparison above has power over the rules' prefix."""
+    from specdec.engine.overlapped_loop import OverlappedLoop
+
+    prompts = prompt_tokens(VOCAB, [5, 30, 3], seed=31)
+    penalised = SamplingParams(
+        temperature=1.0, seed=50, max_tokens=20, repetition_penalty=1.8, frequency_penalty=0.9
+    )
+    allowed = SamplingParams(
+        temperature=0, max_tokens=9, allowed_token_ids=list(range(10, 40)), repetition_penalty=2.0
+    )
+    arrivals = {0: [(prompts[0], penalised)], 2: [(prompts[2], allowed)]}
+    sync, _ = drive_arrivals(make_engine(model_dir, False), arrivals)
+    overlapped_run, _ = drive_arrivals(make_engine(model_dir, True), arrivals)
+    assert overlapped_run == sync
+    monkeypatch.setattr(OverlappedLoop, "_pending_prefix", staticmethod(lambda *args: None))
+    blind, counts = drive_arrivals(make_engine(model_dir, True), arrivals)
+    assert counts["sync"] == 0 and blind != sync
