@@ -9,6 +9,8 @@ flight) it uses.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from specdec.drafters import TargetFeatures
@@ -24,6 +26,23 @@ from specdec.sampling import compute_logprobs
 from specdec.transfer import Readback, to_device
 
 
+@dataclass(slots=True)
+class _Forward:
+    """A launched step whose rows are not sampled yet (`OverlappedLoop._launch_forward`): the
+    emitting requests, their logits rows ([E, V] on the device; None: none emits), the logits
+    rules' prefix of tokens still on the device, the positions of their last input tokens, and
+    what the plain arm (features, the start mark) or a joining visit (`deliveries`) keeps."""
+
+    emitters: list[Request]
+    rows: torch.Tensor | None
+    prefix: torch.Tensor | None
+    starts: list[int]
+    plain_arm: bool
+    features: torch.Tensor | None
+    deliveries: list | None
+    started: torch.cuda.Event | float | None
+
+
 class OverlappedLoop:
     """`LLMEngine`'s overlapped plain loop (methods only)."""
 
@@ -37,11 +56,7 @@ class OverlappedLoop:
         it synchronously."""
         inflight = self._inflight
         if inflight is not None:
-            self._inflight = None
-            scheduled = self._schedule_ahead()
-            if scheduled:
-                self._inflight = self._launch(scheduled, inflight)
-            return self._resolve(inflight, only_finished)
+            return self._launch_and_resolve(self._schedule_ahead(), inflight, only_finished)
         scheduled = self._schedule()
         if not scheduled:
             return []
@@ -54,16 +69,13 @@ class OverlappedLoop:
     @staticmethod
     def _joinable(request: Request, speculative: bool = False) -> bool:
         """A request whose steps need nothing read but the sampled token and its logprobs
-        (no prompt logprobs, no grammar: its matcher runs on the host): its steps can be
-        launched before the previous one is read; its logits rules (penalties, biases, bans,
-        min_tokens) count the token still on the device as output (`Emitter.sample_rows`'s
-        prefix). A speculative request only in a joining visit (`speculative`: its steps draft
-        nothing there)."""
-        return (
-            (request.spec is None or speculative)
-            and request.params.prompt_logprobs is None
-            and request.grammar is None
-        )
+        (no prompt logprobs): its steps can be launched before the previous one is read; its
+        logits rules (penalties, biases, bans, min_tokens) count the token still on the device
+        as output (`Emitter.sample_rows`'s prefix), and a step holding a constrained request
+        is sampled once the step before it is read (`_launch_and_resolve`: its grammar runs
+        on the host). A speculative request only in a joining visit (`speculative`: its steps
+        draft nothing there)."""
+        return (request.spec is None or speculative) and request.params.prompt_logprobs is None
 
     def _schedule_ahead(self, speculative: bool = False) -> list[ScheduledRequest] | None:
         """The next step's shares while a step is in flight (None: read that step first):
@@ -132,7 +144,42 @@ class OverlappedLoop:
         and prefill chunks (their tokens from the host; the last chunk of a prompt samples its
         first output token). `plain_arm`: a step of the speculation policy's plain arm (decode
         rows of speculative requests, the batch of `previous`: it keeps the target features
-        their drafter reads, and is measured)."""
+        their drafter reads, and is measured). `joining`: a joining visit's step (the target
+        features of every input kept for the drafter)."""
+        forward = self._launch_forward(scheduled, previous, plain_arm, joining)
+        return self._launch_sample(forward)
+
+    def _launch_and_resolve(
+        self,
+        scheduled: list[ScheduledRequest] | None,
+        inflight: Inflight,
+        only_finished: bool,
+        joining: bool = False,
+    ) -> list[RequestOutput]:
+        """Launches `scheduled` (None or empty: nothing) ahead of reading `inflight`, then reads
+        it; sets `_inflight` to the launched step. A step with a constrained request (its
+        grammar runs on the host) runs its forward first and samples after `inflight` is read,
+        so that the grammar's mask follows the token in flight."""
+        if not scheduled:
+            self._inflight = None
+            return self._resolve(inflight, only_finished)
+        forward = self._launch_forward(scheduled, inflight, joining=joining)
+        if any(r.grammar is not None for r in forward.emitters):
+            outputs = self._resolve(inflight, only_finished)
+            self._inflight = self._launch_sample(forward, host_current=True)
+            return outputs
+        self._inflight = self._launch_sample(forward)
+        return self._resolve(inflight, only_finished)
+
+    def _launch_forward(
+        self,
+        scheduled: list[ScheduledRequest],
+        previous: Inflight | None,
+        plain_arm: bool = False,
+        joining: bool = False,
+    ) -> _Forward:
+        """`_launch`'s first half: the target's forward over the step (its K/V committed), its
+        emitting rows' logits kept for `_launch_sample`."""
         requests = [share.request for share in scheduled]
         inputs = step_inputs(scheduled, None)
         first_tokens = self._first_tokens(requests, inputs, previous)
@@ -162,44 +209,62 @@ class OverlappedLoop:
                 ]
             picked = [rows for rows in logits if rows.shape[0]]  # the emitting shares' rows
             rows = torch.cat(picked) if picked else None
-        emitters = [share.request for share in scheduled if share.emits]
-        if rows is not None:
-            prefix = self._pending_prefix(scheduled, emitters, first_tokens, previous)
-            token_ids, unusable = self.emitter.sample_rows(emitters, rows, prefix)
-        else:  # prefill chunks only, none of them the last of its prompt
-            token_ids = torch.empty(0, dtype=torch.int64, device=self.device)
-            unusable = torch.empty(0, dtype=torch.bool, device=self.device)
-        ended = mark(self.device) if plain_arm else None
         plain = sum(not share.request.in_prefill for share in scheduled)
         for share, step_input in zip(scheduled, inputs, strict=True):
             self.scheduler.commit(share.request, step_input.start + len(step_input.token_ids))
-            share.request.num_pending += int(share.emits)
         self.loop_stats.num_overlapped_steps += 1
         prefill = sum(len(s.token_ids) for s in inputs) - plain
         self.loop_stats.observe_rows(prefill=prefill, plain=plain)
         self.loop_stats.num_overlapped_prefill_steps += int(prefill > 0)
-        # A row without a distribution still yields a valid id (the next step may take it as
-        # its input); its flag comes back in the same copy and `_resolve` drops the token.
-        ints, floats = {"tokens": token_ids, "unusable": unusable}, {}
-        groups = self._logprobs_ahead(emitters, rows, token_ids, ints, floats)
-        readback = Readback(ints, floats)
+        emitters = [share.request for share in scheduled if share.emits]
+        prefix = self._pending_prefix(scheduled, emitters, first_tokens, previous)
         # per emitting request, the position of its last input token (its token comes next)
         starts = [
             s.start + len(s.token_ids) - 1
             for share, s in zip(scheduled, inputs, strict=True)
             if share.emits
         ]
-        if not plain_arm:
+        return _Forward(emitters, rows, prefix, starts, plain_arm, features, deliveries, started)
+
+    def _launch_sample(self, forward: _Forward, host_current: bool = False) -> Inflight:
+        """`_launch`'s second half: samples the emitting rows (`host_current`: the host has
+        read every token of the emitting requests since the forward, so their logits rules
+        need no prefix) and starts reading the tokens (and logprobs) back."""
+        emitters, rows = forward.emitters, forward.rows
+        if rows is not None:
+            prefix = None if host_current else forward.prefix
+            token_ids, unusable = self.emitter.sample_rows(emitters, rows, prefix)
+        else:  # prefill chunks only, none of them the last of its prompt
+            token_ids = torch.empty(0, dtype=torch.int64, device=self.device)
+            unusable = torch.empty(0, dtype=torch.bool, device=self.device)
+        ended = mark(self.device) if forward.plain_arm else None
+        for request in emitters:
+            request.num_pending += 1
+        # A row without a distribution still yields a valid id (the next step may take it as
+        # its input); its flag comes back in the same copy and `_resolve` drops the token.
+        ints, floats = {"tokens": token_ids, "unusable": unusable}, {}
+        groups = self._logprobs_ahead(emitters, rows, token_ids, ints, floats)
+        readback = Readback(ints, floats)
+        if not forward.plain_arm:
             return Inflight(
                 emitters,
                 token_ids,
                 readback,
-                starts=starts,
-                deliveries=deliveries,
+                starts=forward.starts,
+                deliveries=forward.deliveries,
                 logprob_groups=groups,
             )
         self.loop_stats.observe_plain_arm()
-        return Inflight(emitters, token_ids, readback, True, starts, features, started, ended)
+        return Inflight(
+            emitters,
+            token_ids,
+            readback,
+            True,
+            forward.starts,
+            forward.features,
+            forward.started,
+            ended,
+        )
 
     @staticmethod
     def _pending_prefix(

@@ -126,5 +126,6 @@ def logits_context(requests: list[Request]) -> LogitsContext | None:
         [r.rules for r in requests],
         [r.prompt_token_ids for r in requests],
         [r.output_token_ids for r in requests],
-        [r.grammar for r in requests],
+        # a finished request's row emits nothing (the overlapped loop samples it once more)
+        [None if r.status.finished else r.grammar for r in requests],
     )

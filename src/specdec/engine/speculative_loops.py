@@ -119,11 +119,10 @@ class SpeculativeLoops:
         inflight = self._inflight
         self._inflight = None
         scheduler = self.scheduler
+        scheduled = None
         if self._admission_pending() or any(r.in_prefill for r in scheduler.running):
             scheduled = self._schedule_ahead(speculative=True)
-            if scheduled:
-                self._inflight = self._launch(scheduled, inflight, joining=True)
-        outputs = self._resolve(inflight, only_finished)
+        outputs = self._launch_and_resolve(scheduled, inflight, only_finished, joining=True)
         if self._inflight is None:
             self._in_join = False
             self._enter_rounds()

@@ -119,3 +119,38 @@ def test_bad_constraints_raise_before_running(model_dir, constraint, words):
         llm.generate(PROMPT, bad, use_tqdm=False)
     assert not llm.engine.has_unfinished
     assert llm.generate(PROMPT, SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0]
+
+
+@pytest.mark.parametrize("defer", ["after the read", "before it (negative control)"])
+def test_constrained_requests_stay_on_the_overlapped_plain_loop(model_dir, monkeypatch, defer):
+    """Plain decoding with async_scheduling: a batch of constrained and unconstrained requests
+    runs every step overlapped (none synchronous); a step holding a constrained request is
+    sampled once the step before it is read, so its mask follows the token in flight, and every
+    request emits the synchronous loop's tokens. Negative control: sampled before that read
+    (the grammar one token behind), the constrained requests leave the synchronous tokens."""
+    from specdec.engine.overlapped_loop import OverlappedLoop
+
+    if defer != "after the read":
+        original = OverlappedLoop._launch_and_resolve
+
+        def sample_first(self, scheduled, inflight, only_finished, joining=False):
+            if not scheduled:
+                return original(self, scheduled, inflight, only_finished, joining)
+            forward = self._launch_forward(scheduled, inflight, joining=joining)
+            self._inflight = self._launch_sample(forward, True)  # the grammar a token behind
+            return self._resolve(inflight, only_finished)
+
+        monkeypatch.setattr(OverlappedLoop, "_launch_and_resolve", sample_first)
+    batch = [params(s, s % 2 == 0) for s in range(6)]
+    sync = make(model_dir, speculative_config=None, async_scheduling=False)
+    overlapped = make(model_dir, speculative_config=None, async_scheduling=True)
+    a = sync.generate([PROMPT] * 6, batch, use_tqdm=False)
+    b = overlapped.generate([PROMPT] * 6, batch, use_tqdm=False)
+    loop = overlapped.get_metrics()["loop"]
+    assert loop["num_sync_steps"] == 0 and loop["num_overlapped_steps"] > 0
+    same = [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    if defer == "after the read":
+        assert same
+        assert all(in_language_prefix(o.outputs[0].token_ids) for o in b[::2])
+    else:
+        assert not same
