@@ -432,3 +432,38 @@ def test_a_step_holding_a_prefill_chunk_drafts_nothing_beside_it(
     else:
         assert any(mixed_drafts)
         assert engine.loop_stats.num_overlapped_prefill_steps == 0
+
+
+def test_requests_the_rounds_cannot_take_decode_overlapped_beside_them(model_dir, dirs, prompts):
+    """A batch holding requests the rounds cannot take (logprobs; a repetition penalty;
+    speculation switched off for one) decodes in a joining visit's overlapped steps, drafting
+    nothing, instead of synchronous steps that draft on the host; once they have finished the
+    others go to the rounds. Coupled output (and logprobs) equal plain decoding's; no step is
+    synchronous."""
+
+    def sampled(seed: int, max_tokens: int, **kwargs) -> SamplingParams:
+        return SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens, **kwargs)
+
+    requests = {f"r{i}": (p, sampled(90 + i, 20, ignore_eos=True)) for i, p in enumerate(prompts)}
+    requests["r0"] = (prompts[0], sampled(90, 8, logprobs=2))
+    requests["r1"] = (prompts[1], sampled(91, 10, repetition_penalty=1.5))
+    requests["off"] = (prompts[2], sampled(99, 12, top_p=0.9))
+
+    def run(engine, spec_off=()):
+        for rid, (prompt, params) in requests.items():
+            speculative = {"enabled": False} if rid in spec_off else None
+            engine.add_request(prompt, params, request_id=rid, speculative=speculative)
+        finals = {}
+        while engine.has_unfinished:
+            for out in engine.step(only_finished=True):
+                finals[out.request_id] = [(o.token_ids, o.logprobs) for o in out.outputs]
+        return finals
+
+    expected = run(make_engine(model_dir, None, False))
+    spec = spec_for("eagle", dirs, "coupled", k=3, adaptive=True)
+    engine = make_engine(model_dir, spec, True)
+    assert run(engine, spec_off={"off"}) == expected
+    assert expected["r0"][0][1]  # logprobs were compared
+    loop = engine.loop_stats
+    assert loop.num_sync_steps == 0 and loop.num_overlapped_steps > 0
+    assert loop.num_device_rounds > 0  # after the requests the rounds cannot take finished
