@@ -97,9 +97,7 @@ class OverlappedLoop:
         }
         scheduled = scheduler.schedule_ahead(hold)
         for share in scheduled or ():
-            if share.num_draft:  # the slots allocated for the drafts are released at launch
-                share.num_query_tokens -= share.num_draft
-                share.num_draft = 0
+            share.cap_drafts(0)
         return scheduled
 
     def _admission_pending(self) -> bool:

@@ -48,6 +48,13 @@ class ScheduledRequest:
     num_draft: int
     emits: bool
 
+    def cap_drafts(self, cap: int) -> None:
+        """At most `cap` drafts this step (the slots allocated for the others are released
+        when the step commits)."""
+        if self.num_draft > cap:
+            self.num_query_tokens -= self.num_draft - cap
+            self.num_draft = cap
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:

@@ -55,9 +55,7 @@ class SpeculativeLoops:
         cap = max(k, 0)  # the plain arm (PLAIN), where offered, is a step of no drafts here
         if cap < policy.max_k:
             for share in decodes:
-                if share.num_draft > cap:
-                    share.num_query_tokens -= share.num_draft - cap
-                    share.num_draft = cap
+                share.cap_drafts(cap)
         return (bucket, k) if measured else None
 
     @staticmethod
@@ -74,9 +72,8 @@ class SpeculativeLoops:
         if not any(share.request.in_prefill for share in scheduled):
             return
         for share in scheduled:
-            if share.num_draft and not share.request.in_prefill:
-                share.num_query_tokens -= share.num_draft
-                share.num_draft = 0
+            if not share.request.in_prefill:
+                share.cap_drafts(0)
 
     def _observe_sync_step(self, chosen: tuple[int, int], seconds: float) -> None:
         """A measured synchronous step (`_sync_step_k`): its cost and its rounds' acceptance to
@@ -105,11 +102,8 @@ class SpeculativeLoops:
             return False
         if not all(self._joinable(r, True) for r in requests):
             return False
-        self._plain_beside_prefill(scheduled)
-        for share in scheduled:  # no prefill chunk in the step: nothing else dropped the drafts
-            if share.num_draft:
-                share.num_query_tokens -= share.num_draft
-                share.num_draft = 0
+        for share in scheduled:
+            share.cap_drafts(0)
         self._inflight = self._launch(scheduled, None, joining=True)
         self._in_join = True
         return True
