@@ -35,3 +35,6 @@ class Inflight:
     # The logprobs read back with the tokens: per group of the step's requests asking for the
     # same number of top alternatives, (that number, their indices in `requests`).
     logprob_groups: list[tuple[int, list[int]]] | None = None
+    # The prompt logprobs read back with the tokens: per chunk that asked for them, (request,
+    # start, the wanted rows, their prompt tokens, the number of top ids).
+    prompt_logprobs: list[tuple[Request, int, list[int], list[int], int]] | None = None

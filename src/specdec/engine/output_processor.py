@@ -203,19 +203,35 @@ class OutputProcessor:
         """Records the logprobs of the prompt tokens that raw logit rows [n, V] of positions
         start .. start+n-1 predict (row i: the token at start+i+1), where still missing.
         Mutates: the group's prompt_logprobs."""
-        group = self._group_of[id(request)]
-        filled = group.prompt_logprobs
-        prompt = group.prompt_token_ids
-        wanted = [i for i in range(rows.shape[0]) if start + i + 1 < len(prompt)]
-        wanted = [i for i in wanted if filled[start + i + 1] is None]
+        wanted, tokens = self.prompt_logprobs_wanted(request, start, rows.shape[0])
         if not wanted:
             return
         index = torch.tensor(wanted, device=rows.device)
-        tokens = [prompt[start + i + 1] for i in wanted]
         num_top = request.params.prompt_logprobs
-        for i, entry in zip(
-            wanted, self.logprob_entries(rows[index], tokens, num_top), strict=True
-        ):
+        entries = self.logprob_entries(rows[index], tokens, num_top)
+        self.fill_prompt_logprobs(request, start, wanted, entries)
+
+    def prompt_logprobs_wanted(
+        self, request: Request, start: int, num_rows: int
+    ) -> tuple[list[int], list[int]]:
+        """Of `num_rows` logit rows from position `start`, the rows whose prompt token (at
+        start + i + 1) still lacks its logprobs, and those tokens."""
+        group = self._group_of[id(request)]
+        filled, prompt = group.prompt_logprobs, group.prompt_token_ids
+        wanted = [
+            i
+            for i in range(num_rows)
+            if start + i + 1 < len(prompt) and filled[start + i + 1] is None
+        ]
+        return wanted, [prompt[start + i + 1] for i in wanted]
+
+    def fill_prompt_logprobs(
+        self, request: Request, start: int, wanted: list[int], entries: list[dict]
+    ) -> None:
+        """Records `entries`, the logprobs of the prompt tokens rows `wanted` (from position
+        `start`) predict. Mutates: the group's prompt_logprobs."""
+        filled = self._group_of[id(request)].prompt_logprobs
+        for i, entry in zip(wanted, entries, strict=True):
             filled[start + i + 1] = entry
 
     def output_limit(self, request: Request) -> int:

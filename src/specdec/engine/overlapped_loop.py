@@ -22,7 +22,7 @@ from specdec.engine.proposals import step_inputs
 from specdec.engine.request import Request
 from specdec.engine.scheduler import ScheduledRequest
 from specdec.runner import StepInput
-from specdec.sampling import compute_logprobs
+from specdec.sampling import Logprobs, compute_logprobs
 from specdec.transfer import Readback, to_device
 
 
@@ -41,54 +41,42 @@ class _Forward:
     features: torch.Tensor | None
     deliveries: list | None
     started: torch.cuda.Event | float | None
+    # prompt logprobs computed on the device: (request, start, wanted rows, their tokens,
+    # number of top ids, `compute_logprobs`' result) per chunk that asked for them
+    prompt: list[tuple[Request, int, list[int], list[int], int, Logprobs]]
 
 
 class OverlappedLoop:
     """`LLMEngine`'s overlapped plain loop (methods only)."""
 
     def _step_async(self, only_finished: bool) -> list[RequestOutput]:
-        """One call of the overlapped loop. With a step in flight: schedule and launch the next
-        one ahead of reading it (`_schedule_ahead`: its decode rows take the in-flight step's
-        samples on the device; arriving requests' prefill chunks join it), then read and commit
-        the in-flight step's tokens while the new one runs; where the next step cannot be
-        scheduled ahead, read the in-flight step first. With none in flight: launch the
-        scheduled step without reading it when every request in it can be overlapped, else run
-        it synchronously."""
+        """One call of the overlapped loop, which serves every plain request: with a step in
+        flight, schedule and launch the next one ahead of reading it (`_schedule_ahead`: its
+        decode rows take the in-flight step's samples on the device; arriving requests'
+        prefill chunks join it), then read and commit the in-flight step's tokens while the new
+        one runs (`_launch_and_resolve`); where the next step cannot be scheduled ahead
+        without preempting, read the in-flight step first. With none in flight: schedule as
+        usual (preempting where the cache must) and launch without reading.
+
+        What a request asks for stays on this path: its logprobs and prompt logprobs are
+        computed on the device and read with the tokens; its logits rules (penalties, biases,
+        bans, min_tokens) count the token still on the device as output (`Emitter.sample_rows`'
+        prefix); a step holding a constrained request is sampled once the step before it is
+        read (its grammar runs on the host)."""
         inflight = self._inflight
         if inflight is not None:
             return self._launch_and_resolve(self._schedule_ahead(), inflight, only_finished)
         scheduled = self._schedule()
-        if not scheduled:
-            return []
-        if all(self._joinable(share.request) for share in scheduled):
+        if scheduled:
             self._inflight = self._launch(scheduled, None)
-            return []
-        self.loop_stats.num_sync_steps += 1
-        return self._run_step(scheduled, only_finished)
+        return []
 
-    @staticmethod
-    def _joinable(request: Request, speculative: bool = False) -> bool:
-        """A request whose steps need nothing read but the sampled token and its logprobs
-        (no prompt logprobs): its steps can be launched before the previous one is read; its
-        logits rules (penalties, biases, bans, min_tokens) count the token still on the device
-        as output (`Emitter.sample_rows`'s prefix), and a step holding a constrained request
-        is sampled once the step before it is read (`_launch_and_resolve`: its grammar runs
-        on the host). A speculative request only in a joining visit (`speculative`: its steps
-        draft nothing there)."""
-        return (request.spec is None or speculative) and request.params.prompt_logprobs is None
-
-    def _schedule_ahead(self, speculative: bool = False) -> list[ScheduledRequest] | None:
+    def _schedule_ahead(self) -> list[ScheduledRequest] | None:
         """The next step's shares while a step is in flight (None: read that step first):
-        every running request and every request that waits to join must be `_joinable`;
         requests whose token in flight reaches their output limit are held back (that token
-        ends them); nothing is preempted (`Scheduler.schedule_ahead`). `speculative`: a
-        joining visit's step (speculative requests allowed; their shares draft nothing)."""
+        ends them); nothing is preempted (`Scheduler.schedule_ahead`); speculative requests (a
+        joining visit's) draft nothing."""
         scheduler = self.scheduler
-        if not all(self._joinable(r, speculative) for r in scheduler.running):
-            return None
-        waiting = scheduler.waiting
-        if self._admission_pending() and not all(self._joinable(r, speculative) for r in waiting):
-            return None
         limit = self.outputs.output_limit
         hold = {
             id(r)
@@ -101,9 +89,10 @@ class OverlappedLoop:
         return scheduled
 
     def _admission_pending(self) -> bool:
-        """Whether a waiting request could join the batch now (the overlapped loop and the rounds
-        then drain). A full batch (max_num_seqs running) admits nobody until one finishes, so a
-        queue behind it does not stop them."""
+        """Whether a waiting request could join the batch now (the device rounds and the plain
+        arm then drain; the overlapped loop and joining visits take it in). A full batch
+        (max_num_seqs running) admits nobody until one finishes, so a queue behind it does not
+        stop them."""
         scheduler = self.scheduler
         return bool(scheduler.waiting) and len(scheduler.running) < self.config.max_num_seqs
 
@@ -179,11 +168,16 @@ class OverlappedLoop:
         """`_launch`'s first half: the target's forward over the step (its K/V committed), its
         emitting rows' logits kept for `_launch_sample`."""
         requests = [share.request for share in scheduled]
-        inputs = step_inputs(scheduled, None)
+        inputs = step_inputs(scheduled, None, self.outputs.wants_prompt_logprobs)
         first_tokens = self._first_tokens(requests, inputs, previous)
         started = mark(self.device) if plain_arm else None
-        decode_only = all(len(s.token_ids) == 1 and s.num_logit_rows == 1 for s in inputs)
+        decode_only = all(
+            len(s.token_ids) == 1 and s.num_logit_rows == 1 and share.emits
+            for s, share in zip(inputs, scheduled, strict=True)
+        )
+        decodes = [not share.request.in_prefill for share in scheduled]  # before the commit
         features = deliveries = None
+        prompt = []
         if decode_only and not joining:
             layers = self.drafter.feature_layers if plain_arm else ()
             rows, features = self.runner.run_rows_with_features(
@@ -205,7 +199,13 @@ class OverlappedLoop:
                     for share, step_input, rows in zip(scheduled, inputs, per_input, strict=True)
                     if share.request.spec is not None
                 ]
-            picked = [rows for rows in logits if rows.shape[0]]  # the emitting shares' rows
+            for share, step_input, rows, decode in zip(
+                scheduled, inputs, logits, decodes, strict=True
+            ):
+                if not decode and step_input.num_logit_rows > int(share.emits):
+                    prompt += self._prompt_logprobs_ahead(share.request, step_input.start, rows)
+            # the emitting shares' rows: a chunk's last one (its others: prompt logprobs)
+            picked = [rows[-1:] for rows, s in zip(logits, scheduled, strict=True) if s.emits]
             rows = torch.cat(picked) if picked else None
         plain = sum(not share.request.in_prefill for share in scheduled)
         for share, step_input in zip(scheduled, inputs, strict=True):
@@ -222,7 +222,22 @@ class OverlappedLoop:
             for share, s in zip(scheduled, inputs, strict=True)
             if share.emits
         ]
-        return _Forward(emitters, rows, prefix, starts, plain_arm, features, deliveries, started)
+        return _Forward(
+            emitters, rows, prefix, starts, plain_arm, features, deliveries, started, prompt
+        )
+
+    def _prompt_logprobs_ahead(self, request: Request, start: int, rows: torch.Tensor) -> list:
+        """The logprobs of the prompt tokens that a chunk's logit rows ([n, V] from position
+        `start`) predict and that still lack them, computed on the device now (the rows are a
+        static buffer's views): [] or one `_Forward.prompt` entry."""
+        wanted, tokens = self.outputs.prompt_logprobs_wanted(request, start, rows.shape[0])
+        if not wanted:
+            return []
+        packed = to_device(wanted + tokens, torch.int64, rows.device)
+        index, token_ids = packed.split([len(wanted), len(tokens)])
+        num_top = request.params.prompt_logprobs
+        result = compute_logprobs(rows.index_select(0, index), token_ids, num_top)
+        return [(request, start, wanted, tokens, num_top, result)]
 
     def _launch_sample(self, forward: _Forward, host_current: bool = False) -> Inflight:
         """`_launch`'s second half: samples the emitting rows (`host_current`: the host has
@@ -242,6 +257,11 @@ class OverlappedLoop:
         # its input); its flag comes back in the same copy and `_resolve` drops the token.
         ints, floats = {"tokens": token_ids, "unusable": unusable}, {}
         groups = self._logprobs_ahead(emitters, rows, token_ids, ints, floats)
+        for k, (*_, result) in enumerate(forward.prompt):
+            ints[f"prompt_top_ids{k}"] = result.top_ids
+            ints[f"prompt_ranks{k}"] = result.token_ranks
+            floats[f"prompt_top_logprobs{k}"] = result.top_logprobs
+            floats[f"prompt_logprobs{k}"] = result.token_logprobs
         readback = Readback(ints, floats)
         if not forward.plain_arm:
             return Inflight(
@@ -251,6 +271,7 @@ class OverlappedLoop:
                 starts=forward.starts,
                 deliveries=forward.deliveries,
                 logprob_groups=groups,
+                prompt_logprobs=[entry[:5] for entry in forward.prompt] or None,
             )
         self.loop_stats.observe_plain_arm()
         return Inflight(
@@ -372,6 +393,20 @@ class OverlappedLoop:
                     )
                 )
         entries = self._logprob_entries_read(inflight, values, tokens)
+        for k, (request, start, wanted, prompt_tokens, num_top) in enumerate(
+            inflight.prompt_logprobs or ()
+        ):
+            if request.status.finished:
+                continue
+            shape = (len(wanted), num_top)
+            built = self.outputs.logprob_entries_from(
+                prompt_tokens,
+                values[f"prompt_top_ids{k}"].view(shape).tolist(),
+                values[f"prompt_top_logprobs{k}"].view(shape).tolist(),
+                values[f"prompt_logprobs{k}"].tolist(),
+                values[f"prompt_ranks{k}"].tolist(),
+            )
+            self.outputs.fill_prompt_logprobs(request, start, wanted, built)
         commits = []
         for index, (request, token, bad, start) in enumerate(
             zip(inflight.requests, tokens, unusable, inflight.starts, strict=True)

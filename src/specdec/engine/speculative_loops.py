@@ -90,17 +90,14 @@ class SpeculativeLoops:
     def _begin_join(self, scheduled: list[ScheduledRequest]) -> bool:
         """Launches `scheduled` as the first step of a joining visit, without reading it, when
         the engine has device rounds under the adaptive policy (a pinned K drafts K in every
-        step), the step holds a prefill chunk (a request joining, or resuming after
-        preemption) or a request the rounds cannot take (`_round_able`), and every request in
-        it can be overlapped (`_joinable`): its decode shares draft nothing (as
-        `_plain_beside_prefill`'s rule); True when launched."""
+        step) and the step holds a prefill chunk (a request joining, or resuming after
+        preemption) or a request the rounds cannot take (`_round_able`): its decode shares
+        draft nothing (as `_plain_beside_prefill`'s rule); True when launched."""
         policy = self.policy
         if policy is None or not policy.adaptive or not self.device_rounds:
             return False
         requests = [share.request for share in scheduled]
         if all(r.num_computed_tokens == r.num_tokens - 1 and self._round_able(r) for r in requests):
-            return False
-        if not all(self._joinable(r, True) for r in requests):
             return False
         for share in scheduled:
             share.cap_drafts(0)
@@ -137,7 +134,7 @@ class SpeculativeLoops:
         if self._admission_pending() or any(
             r.in_prefill or not self._round_able(r) for r in running
         ):
-            scheduled = self._schedule_ahead(speculative=True)
+            scheduled = self._schedule_ahead()
         outputs = self._launch_and_resolve(scheduled, inflight, only_finished, joining=True)
         if self._inflight is None:
             self._in_join = False

@@ -171,7 +171,8 @@ def drive_arrivals(engine: LLMEngine, arrivals: dict[int, list]) -> tuple[dict, 
         step += 1
         for out in outputs:
             finals[out.request_id] = [
-                (o.token_ids, o.finish_reason, o.text, o.logprobs) for o in out.outputs
+                (o.token_ids, o.finish_reason, o.text, o.logprobs, out.prompt_logprobs)
+                for o in out.outputs
             ]
     counts["prefill_rows"] = engine.loop_stats.rows["prefill"]
     counts["loop"] = engine.loop_stats.as_dict()
@@ -181,9 +182,9 @@ def drive_arrivals(engine: LLMEngine, arrivals: dict[int, list]) -> tuple[dict, 
 def test_requests_join_and_leave_without_draining(model_dir):
     """Requests arriving at several steps (prompts of 3 to 30 tokens, chunked at a budget of
     8 tokens a step), finishing by length and by a stop token, with sampled and greedy
-    parameters, two with logprobs, three with logits rules (penalties, min_tokens, biases,
-    allowed ids): every request ends with the synchronous loop's tokens (and logprobs), and no
-    step of the
+    parameters, two with logprobs, one with prompt logprobs, three with logits rules
+    (penalties, min_tokens, biases, allowed ids): every request ends with the synchronous
+    loop's tokens (and logprobs), and no step of the
     overlapped run is synchronous (each arrival's prefill chunks ride in steps launched ahead
     beside the running decode rows; each finish just leaves the next step). Before, every
     arrival and every finish read the step in flight first and ran a synchronous step."""
@@ -197,6 +198,8 @@ def test_requests_join_and_leave_without_draining(model_dir):
     # logprobs are computed on the device and read with the tokens (two numbers of top ids)
     params[1] = SamplingParams(temperature=1.0, seed=51, max_tokens=12, logprobs=3)
     params[6] = SamplingParams(temperature=0.9, seed=56, max_tokens=10, logprobs=0)
+    # prompt logprobs too (a 22-token prompt split over three steps)
+    params[7] = SamplingParams(temperature=1.0, seed=57, max_tokens=8, prompt_logprobs=2)
     # logits rules count the token still on the device as output
     params[0] = SamplingParams(
         temperature=1.0, seed=50, max_tokens=14, repetition_penalty=1.8, frequency_penalty=0.9
@@ -210,7 +213,7 @@ def test_requests_join_and_leave_without_draining(model_dir):
         stop_token_ids=[3, 8, 12],
         logit_bias={5: 4.0, 9: -100.0},
     )
-    params[7] = SamplingParams(
+    params[2] = SamplingParams(
         temperature=0, max_tokens=9, allowed_token_ids=list(range(10, 40)), repetition_penalty=2.0
     )
     schedule = {0: [0, 1], 2: [2], 3: [3, 4], 7: [5], 11: [6], 12: [7]}
@@ -227,21 +230,34 @@ def test_requests_join_and_leave_without_draining(model_dir):
     assert counts["prefill_rows"] > sum(len(p) for p in prompts) - len(prompts)
 
 
-def test_a_request_that_needs_the_host_still_drains(model_dir):
-    """A joining request with prompt logprobs (every row of its prefill read) makes the loop
-    read the step in flight and take synchronous steps, with the synchronous loop's tokens:
-    the negative control of the count above."""
-    prompts = prompt_tokens(VOCAB, [5, 9, 6], seed=32)
-    prompt_rows = SamplingParams(temperature=1.0, seed=2, max_tokens=8, prompt_logprobs=1)
+def test_a_cache_that_must_preempt_reads_the_step_in_flight_first(model_dir):
+    """A cache too small for the running requests' next tokens: the next step cannot be
+    scheduled ahead without preempting (`schedule_ahead` gives None), so the loop reads the
+    step in flight first, then the usual schedule preempts and the loop goes on overlapped
+    (the preempted requests recompute), with the synchronous loop's tokens."""
+    prompts = prompt_tokens(VOCAB, [9, 7, 11, 6], seed=32)
     arrivals = {
-        0: [(prompts[0], SamplingParams(temperature=1.0, seed=1, max_tokens=12))],
-        3: [(prompts[1], prompt_rows)],
-        4: [(prompts[2], SamplingParams(temperature=0, max_tokens=8))],
+        0: [
+            (p, SamplingParams(temperature=1.0, seed=i, max_tokens=24, ignore_eos=True))
+            for i, p in enumerate(prompts)
+        ]
     }
-    sync, _ = drive_arrivals(make_engine(model_dir, False), arrivals)
-    overlapped_run, counts = drive_arrivals(make_engine(model_dir, True), arrivals)
+    engine_args = {"num_kv_blocks": 16}
+    sync, _ = drive_arrivals(make_engine(model_dir, False, **engine_args), arrivals)
+    engine = make_engine(model_dir, True, **engine_args)
+    ahead = engine.scheduler.schedule_ahead
+    refused = []
+
+    def spy(hold):
+        scheduled = ahead(hold)
+        refused.append(scheduled is None)
+        return scheduled
+
+    engine.scheduler.schedule_ahead = spy
+    overlapped_run, counts = drive_arrivals(engine, arrivals)
     assert overlapped_run == sync
-    assert counts["sync"] > 0 and counts["loop"]["num_sync_steps"] == counts["sync"]
+    assert engine.num_preemptions > 0 and any(refused)
+    assert counts["sync"] == 0  # after the read, the preempting step is launched overlapped
 
 
 def test_negative_control_rules_that_miss_the_token_in_flight(model_dir, monkeypatch):
