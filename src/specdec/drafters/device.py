@@ -81,6 +81,16 @@ class DeviceDrafting(abc.ABC):
         """Loads the state of the requests in `slots` into the device buffers (catching up on
         the host what exceeds one round's width). Called once, before the first launch."""
 
+    admits: bool = False  # whether `admit` can take requests into running rounds
+
+    def admit(self, slots: list[DeviceSlot], num_rows: int) -> None:
+        """Loads the state of new requests into `slots` while rounds of the others run (some
+        may still be in flight): writes only these slots' buffers, with device work ordered
+        after the rounds launched before (so their writes to these rows, inert there, land
+        first). Drafters that implement it set `admits`; the engine drains the rounds for the
+        others."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take requests into running rounds")
+
     @abc.abstractmethod
     def prepare(self, slots: list[DeviceSlot], last_positions: list[int]) -> None:
         """Host work before a launch: room in the drafter's caches for every position up to

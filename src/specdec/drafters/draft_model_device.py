@@ -31,9 +31,14 @@ class DraftModelDeviceDrafting(DeviceDrafting):
             num_slots, width - 1, drafter.target_vocab_size, device, drafter.greedy
         )
 
+    admits = True
+
     def begin(self, slots: list[DeviceSlot], num_rows: int) -> None:
-        drafter, width = self.drafter, self.width
         self.entry_count.zero_()
+        self.admit(slots, num_rows)
+
+    def admit(self, slots: list[DeviceSlot], num_rows: int) -> None:
+        drafter, width = self.drafter, self.width
         behind = []  # one draft-model pass for every request behind (a new batch: its prompts)
         for slot in slots:
             tokens = slot.token_ids

@@ -28,7 +28,12 @@ class NgramDeviceDrafting(DeviceDrafting):
         self.num_draft = self.num_draft.to(device)
         return self
 
+    admits = True
+
     def begin(self, slots: list[DeviceSlot], num_rows: int) -> None:
+        self.admit(slots, num_rows)
+
+    def admit(self, slots: list[DeviceSlot], num_rows: int) -> None:
         for slot in slots:
             tokens = torch.tensor(slot.token_ids, dtype=torch.int64)
             self.history[slot.slot, : len(tokens)].copy_(tokens)

@@ -60,9 +60,14 @@ class EagleDeviceDrafting(DeviceDrafting):
             reduced_vocab=drafter.draft_to_target is not None,
         )
 
+    admits = True
+
     def begin(self, slots: list[DeviceSlot], num_rows: int) -> None:
-        drafter, width = self.drafter, self.width
         self.entry_count.zero_()
+        self.admit(slots, num_rows)
+
+    def admit(self, slots: list[DeviceSlot], num_rows: int) -> None:
+        drafter, width = self.drafter, self.width
         if not slots:
             return
         # Every slot's pending features joined (one copy), then per slot: all but its last
