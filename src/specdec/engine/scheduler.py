@@ -9,6 +9,7 @@ since every draw is keyed by (seed, position), it then produces exactly the toke
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from specdec.engine.request import Request, RequestStatus
@@ -131,13 +132,17 @@ class Scheduler:
             break
         return SchedulerOutput(scheduled + self._admit(budget), preempted)
 
-    def _admit(self, budget: int) -> list[ScheduledRequest]:
+    def _admit(
+        self, budget: int, accept: Callable[[Request], bool] | None = None
+    ) -> list[ScheduledRequest]:
         """Waiting requests, first come first served, while the token budget, max_num_seqs and
-        the free blocks allow (never preempting). Mutates: queues, request.status,
-        request.block_ids."""
+        the free blocks allow (never preempting), stopping at the first that `accept` (when
+        given) refuses. Mutates: queues, request.status, request.block_ids."""
         admitted: list[ScheduledRequest] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if accept is not None and not accept(request):
+                break
             share = self._share(request, budget)
             if share is None:
                 break
@@ -182,6 +187,28 @@ class Scheduler:
             request = share.request
             allocator.grow(request, request.num_computed_tokens + share.num_query_tokens)
         return shares + self._admit(budget)
+
+    def schedule_joining(
+        self, joining: list[Request], budget: int, accept: Callable[[Request], bool]
+    ) -> list[ScheduledRequest]:
+        """Prefill chunks for requests joining running device rounds (which schedule their own
+        decode rows): the next chunk of each of `joining` still in prefill, then waiting
+        requests as `_admit` takes them while `accept` does. Never preempts: a chunk that does
+        not fit the free blocks waits. Mutates: queues, request.status, request.block_ids."""
+        shares: list[ScheduledRequest] = []
+        for request in joining:
+            if budget <= 0:
+                break
+            if request.status.finished or not request.in_prefill:
+                continue
+            share = self._share(request, budget)
+            needed = request.num_computed_tokens + share.num_query_tokens
+            if not self.allocator.can_grow(request, needed):
+                break
+            self.allocator.grow(request, needed)
+            shares.append(share)
+            budget -= share.num_query_tokens
+        return shares + self._admit(budget, accept)
 
     def _share(self, request: Request, budget: int) -> ScheduledRequest | None:
         """The request's share of this step, or None when a decode round does not fit `budget`.
