@@ -357,11 +357,17 @@ class SpeculationPolicy:
         self._entry.setdefault(bucket, deque(maxlen=self.window)).append(seconds)
 
     def observe(
-        self, bucket: int, k: int, seconds: float | None, outcomes: list[tuple[int, int]]
+        self,
+        bucket: int,
+        k: int,
+        seconds: float | None,
+        outcomes: list[tuple[int, int]],
+        interrupted: bool = False,
     ) -> None:
         """Records a read step: its arm, its measured cost (None: not measured, the first step
-        of a visit) and, for a round, per live request (drafts verified, drafts accepted)."""
-        if seconds is None or (bucket, k) != self._visit:
+        of a visit, or `interrupted`: other device work ran before it, inside the visit) and,
+        for a round, per live request (drafts verified, drafts accepted)."""
+        if (bucket, k) != self._visit or (seconds is None and not interrupted):
             self._visit, self._visit_measured = (bucket, k), 0  # a new visit to arm k
         if seconds is not None:  # credit for exploring, up to two round trips' worth
             cap = 2 * self.round_trip_seconds(bucket)

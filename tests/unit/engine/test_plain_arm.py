@@ -191,7 +191,7 @@ def test_injected_costs_make_the_real_policy_go_plain(model_dir, head_dir, promp
     then, and coupled output stays plain decoding's."""
     original = SpeculationPolicy.observe
 
-    def observe(self, bucket, k, seconds, outcomes):
+    def observe(self, bucket, k, seconds, outcomes, interrupted=False):
         original(self, bucket, k, 1.0 if k == PLAIN else 3.0, outcomes)
 
     monkeypatch.setattr(SpeculationPolicy, "observe", observe)
