@@ -99,6 +99,8 @@ class LoopStats:
     - num_device_rounds: speculative rounds run on the device, each launched before the
       previous one was read;
     - num_graph_rounds: those of them replayed from CUDA graphs;
+    - num_round_joins: requests that joined running device rounds without draining them
+      (their prefill in overlapped steps between two rounds, then a slot of the rounds);
     - num_sync_steps: steps of the synchronous path;
     - num_graphed_prefill_steps: steps (synchronous or overlapped) that ran prefill chunks on
       the decode path's CUDA graphs (`EngineConfig.prefill_graph_tokens`);
@@ -115,6 +117,7 @@ class LoopStats:
     num_overlapped_prefill_steps: int = 0
     num_device_rounds: int = 0
     num_graph_rounds: int = 0
+    num_round_joins: int = 0
     num_sync_steps: int = 0
     num_graphed_prefill_steps: int = 0
     num_plain_arm_steps: int = 0
@@ -144,6 +147,7 @@ class LoopStats:
             "num_overlapped_prefill_steps": self.num_overlapped_prefill_steps,
             "num_device_rounds": self.num_device_rounds,
             "num_graph_rounds": self.num_graph_rounds,
+            "num_round_joins": self.num_round_joins,
             "num_sync_steps": self.num_sync_steps,
             "num_graphed_prefill_steps": self.num_graphed_prefill_steps,
             "num_plain_arm_steps": self.num_plain_arm_steps,

@@ -501,6 +501,7 @@ def test_metrics_expose_vllm_names(server):
         'specdec:http_requests_total{route="/v1/completions",status="200"}',
         "specdec:num_device_rounds_total",
         "specdec:num_graph_rounds_total",
+        "specdec:num_round_joins_total",
         "specdec:num_overlapped_steps_total",
         "specdec:num_overlapped_prefill_steps_total",
         "specdec:num_sync_steps_total",

@@ -95,6 +95,29 @@ def test_graphed_rounds_emit_what_the_synchronous_step_emits(
     assert rounds.graph_cache.graphs and rounds.num_overlapped_reads > 0
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model", "eagle"])
+@pytest.mark.parametrize(("method", "temperature"), [("coupled", 1.0), ("standard", 0.0)])
+def test_requests_join_graphed_rounds_without_a_drain(
+    model_dir, dirs, prompts, drafter, method, temperature
+):
+    """Six requests through two slots (max_num_seqs = 2, prompts chunked at 8 tokens): each
+    later one joins the running graphed rounds (its prefill in overlapped steps between two
+    rounds, then a finished request's slot) and the tokens are the synchronous step's, and
+    plain decoding's for coupled and greedy."""
+    spec = spec_for(drafter, dirs, method)
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=16 + 2 * i, ignore_eos=True, seed=40 + i)
+        for i in range(len(prompts))
+    ]
+    args = {"max_num_seqs": 2, "max_num_batched_tokens": 16}
+    plain, _ = generate(model_dir, prompts, params, None, **args)
+    sync, _ = generate(model_dir, prompts, params, spec, async_scheduling=False, **args)
+    graphed, llm = generate(model_dir, prompts, params, spec, async_scheduling=True, **args)
+    assert graphed == sync == plain
+    loop = llm.get_metrics()["loop"]
+    assert loop["num_round_joins"] >= 3 and loop["num_graph_rounds"] == loop["num_device_rounds"]
+
+
 @pytest.mark.parametrize("drafter", ["eagle", "dspark"])
 def test_adaptive_rounds_keep_coupled_and_greedy_exact(model_dir, dirs, prompts, drafter):
     for method, temperature in (("coupled", 1.0), ("standard", 0.0)):

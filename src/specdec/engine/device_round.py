@@ -13,9 +13,10 @@ applies stops one round late: a request that finished in round N is inert from r
 and whatever round N + 1 emitted for it is dropped, never reported. A request whose round read a
 target row without a distribution (`first_unusable_read_row`, computed in the round and read
 back with its tokens) is ended the same way, with an error, emitting nothing from that round.
-Blocks are allocated ahead for the rounds in flight. Anything else (a new request, a preemption,
-a request near its length limit) drains the rounds in flight and hands the batch back to the
-synchronous step.
+Blocks are allocated ahead for the rounds in flight. A new request joins without a drain
+(`admit`: its prefill ran beside the rounds; it takes a free slot for the next launch). Anything
+else (a preemption, a request near its length limit, a request the rounds cannot take) drains
+the rounds in flight and hands the batch back to the synchronous step.
 
 Never draws randomness itself: drafts come from the drafter, emitted tokens from `verify`.
 """
@@ -37,6 +38,7 @@ from specdec.engine.round_buffers import RoundInputs, RoundResults, RoundSlots
 from specdec.runner import PagedModelRunner
 from specdec.runner.cuda_graph import GraphCache, StaticInputs, batch_buckets, bucket_for
 from specdec.sampling import SamplingTensors
+from specdec.transfer import to_device
 from specdec.verify import check_verify_inputs, first_unusable_read_row, verify_checked
 
 
@@ -77,6 +79,9 @@ class _Launched:
     done: torch.cuda.Event | None
     started: torch.cuda.Event | float | None
     ended: torch.cuda.Event | float | None
+    # other device work (a joining request's prefill step, an admission) ran between the
+    # previous round and this one: its interval is not this round's cost
+    interrupted: bool = False
 
 
 class DeviceRounds:
@@ -147,6 +152,7 @@ class DeviceRounds:
         self.inflight: deque[_Launched] = deque()
         self._last_end: torch.cuda.Event | float | None = None
         self._left: set[str] = set()  # the request ids of the rounds last left
+        self._interrupted = False  # the next launch follows other device work (`interrupt`)
         self.num_rounds = 0  # rounds launched (all replayed from graphs when use_graphs)
         self.num_overlapped_reads = 0  # rounds read while the next one was already launched
         self.round_seconds: deque[float] = deque(maxlen=4096)  # each read round's cost
@@ -165,15 +171,20 @@ class DeviceRounds:
         self.num_rows = rows
         self._left = set()
         self.method = requests[0].spec.method
+        self._filters = self._filters_of(requests)
+        pad = rows - len(requests)
+        off = {self.temperature: 0.0, self.top_k: 0, self.top_p: 1.0, self.min_p: 0.0}
+        for tensor, values in self._columns(requests).items():
+            values = values + [off.get(tensor, 0)] * pad  # padding rows: inert, greedy
+            tensor[:rows].copy_(torch.tensor(values, dtype=tensor.dtype))
+        self.drafting.begin(self._device_slots(), rows)
+        self._last_end = None
+        self._interrupted = False
+
+    def _columns(self, requests: list[Request]) -> dict[torch.Tensor, list]:
+        """Per-slot buffer -> the values of `requests` (in order)."""
         params = [r.params for r in requests]
-        self._filters = (
-            any(p.top_k > 0 for p in params),
-            any(p.top_p < 1 for p in params),
-            any(p.min_p > 0 for p in params),
-        )
-        n, rows = len(requests), self.num_rows
-        pad = rows - n
-        columns = {
+        return {
             self.anchors: [r.num_tokens for r in requests],
             self.last_tokens: [r.last_token_id for r in requests],
             self.seeds: [r.seed for r in requests],
@@ -184,12 +195,58 @@ class DeviceRounds:
             self.top_p: [p.top_p for p in params],
             self.min_p: [p.min_p for p in params],
         }
-        off = {self.temperature: 0.0, self.top_k: 0, self.top_p: 1.0, self.min_p: 0.0}
-        for tensor, values in columns.items():
-            values = values + [off.get(tensor, 0)] * pad  # padding rows: inert, greedy
-            tensor[:rows].copy_(torch.tensor(values, dtype=tensor.dtype))
-        self.drafting.begin(self._device_slots(), rows)
-        self._last_end = None
+
+    @staticmethod
+    def _filters_of(requests: list[Request]) -> tuple[bool, bool, bool]:
+        """Which sampling filters (top-k, top-p, min-p) some request of `requests` uses."""
+        params = [r.params for r in requests]
+        return (
+            any(p.top_k > 0 for p in params),
+            any(p.top_p < 1 for p in params),
+            any(p.min_p > 0 for p in params),
+        )
+
+    def admit(self, requests: list[Request]) -> list[Request]:
+        """Takes `requests` (each decoding with speculation by this batch's verify method, the
+        drafter holding its target features) into the rounds while they run, without draining
+        them: each into a free slot (one whose request finished and that no round in flight
+        holds live, else a new one). Returns those taken (the others wait for a slot); their
+        first round is the next launch. The slots' buffers are written after the rounds in
+        flight (the same stream), so whatever those rounds write to these rows (inert in them)
+        lands first."""
+        busy = {b for launched in self.inflight for b, live in enumerate(launched.live) if live}
+        for slot in self.slots:
+            if slot.live and slot.request.status.finished:
+                slot.live = False
+        free = [b for b, slot in enumerate(self.slots) if not slot.live and b not in busy]
+        free += range(len(self.slots), self.anchors.shape[0])
+        taken = requests[: len(free)]
+        if not taken:
+            return []
+        placed = free[: len(taken)]
+        for request, b in zip(taken, placed, strict=True):
+            slot = _Slot(request, request.num_tokens)
+            if b < len(self.slots):
+                self.slots[b] = slot
+            else:
+                self.slots.append(slot)
+        self.num_rows = max(self.num_rows, bucket_for(self.buckets, len(self.slots)))
+        self._filters = tuple(
+            a or b for a, b in zip(self._filters, self._filters_of(taken), strict=True)
+        )
+        index = to_device(placed, torch.int64, self.device)
+        for tensor, values in self._columns(taken).items():
+            tensor.index_copy_(0, index, to_device(values, tensor.dtype, self.device))
+        pairs = zip(placed, taken, strict=True)
+        slots = [DeviceSlot(b, r.request_id, r.all_token_ids) for b, r in pairs]
+        self.drafting.admit(slots, self.num_rows)
+        self._interrupted = True
+        return taken
+
+    def interrupt(self) -> None:
+        """Other device work is launched between two rounds (a joining request's prefill step):
+        the next round's interval is not its cost."""
+        self._interrupted = True
 
     def _draft_limit(self, request: Request) -> int:
         limit = self.max_model_len - 1
@@ -223,10 +280,15 @@ class DeviceRounds:
         for slot in self.slots:
             if slot.live and slot.request.status.finished:
                 slot.live = False  # finished or aborted: inert from the next round on
-        ahead = sum(launched.k + 1 for launched in self.inflight)
         last = []
-        for slot in self.slots:
+        for b, slot in enumerate(self.slots):
             if slot.live:
+                # the rounds in flight that hold it (one admitted since holds fewer)
+                ahead = sum(
+                    launched.k + 1
+                    for launched in self.inflight
+                    if b < len(launched.live) and launched.live[b]
+                )
                 position = slot.anchor - 1 + ahead + k
                 if position > self.max_model_len - 2:
                     return None
@@ -261,7 +323,8 @@ class DeviceRounds:
             done = torch.cuda.Event()
             done.record()
         live_flags = [s.live for s in self.slots]
-        self.inflight.append(_Launched(k, live_flags, ring, done, started, ended))
+        interrupted, self._interrupted = self._interrupted, False
+        self.inflight.append(_Launched(k, live_flags, ring, done, started, ended, interrupted))
         self.num_rounds += 1
 
     def _run_round(self, k: int) -> None:
@@ -294,12 +357,14 @@ class DeviceRounds:
         self._run_round(k)
         self.num_rows, self.method = 0, "standard"
 
-    def read(self) -> tuple[list[tuple[Request, Emission]], int, float | None]:
+    def read(self) -> tuple[list[tuple[Request, Emission]], int, float | None, bool]:
         """Reads the oldest round in flight: (per live request still running, its emission;
         the round's K; its cost in seconds: from the previous round's end to its own on the
-        device (None for the first round since `begin`, which has no previous one; on the CPU
-        its own duration)). Advances the host's anchors and each
-        request's computed tokens (the input token and the accepted drafts have K/V)."""
+        device (None for the first round since `begin`, which has no previous one, and for a
+        round launched after other device work; on the CPU its own duration); whether other
+        device work came before it since the previous round (`interrupt`, `admit`)). Advances
+        the host's anchors and each request's computed tokens (the input token and the
+        accepted drafts have K/V)."""
         launched = self.inflight.popleft()
         self.num_overlapped_reads += bool(self.inflight)  # a newer round runs meanwhile
         if launched.done is not None:
@@ -311,8 +376,8 @@ class DeviceRounds:
         size = self.out.shape[0] // (width + 3)
         emissions = []
         for b, slot in enumerate(self.slots[:rows]):
-            if not launched.live[b]:
-                continue
+            if b >= len(launched.live) or not launched.live[b]:
+                continue  # not in that round (inert, or admitted after its launch)
             accepted = values[size * width + b]
             num_draft = values[size * (width + 1) + b]
             bad_row = values[size * (width + 2) + b]
@@ -327,7 +392,7 @@ class DeviceRounds:
                 emissions.append((request, emission))
             request.num_computed_tokens = slot.anchor + accepted
             slot.anchor += accepted + 1
-        return emissions, launched.k, seconds
+        return emissions, launched.k, seconds, launched.interrupted
 
     def _state(self) -> list[torch.Tensor]:
         """The buffers a round both reads and updates (its own and the drafter's)."""
@@ -337,7 +402,7 @@ class DeviceRounds:
         previous, self._last_end = self._last_end, launched.ended
         if self.device.type != "cuda":
             return seconds_between(launched.started, launched.ended)
-        if previous is None:  # the first round since `begin`: no steady-state interval
+        if previous is None or launched.interrupted:  # no steady-state interval
             return None
         return seconds_between(previous, launched.ended)
 

@@ -198,6 +198,10 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
         self._inflight: Inflight | None = None
         self._rounds: DeviceRounds | None = None  # built on first use
         self._in_rounds = False
+        # Requests joining running rounds without draining them (`_step_rounds`): admitted,
+        # not in a slot yet (their prefill, then a free slot), and their prefill step in flight.
+        self._round_joiners: list[Request] = []
+        self._round_prefill: Inflight | None = None
         # A joining visit: overlapped steps of prefill chunks and undrafted decode rows while
         # requests join an engine with device rounds (`_step_join`).
         self._in_join = False

@@ -378,6 +378,11 @@ class OverlappedLoop:
         """Reads a launched step's tokens and commits them as a synchronous step would have
         (requests that finished meanwhile drop theirs; the cache was committed at launch). A
         request whose row had no distribution ends with an error instead."""
+        return self._commit(self._read_commits(inflight), only_finished)
+
+    def _read_commits(self, inflight: Inflight) -> list[tuple[Request, None, Emission]]:
+        """`_resolve`'s first half: reads the step (its features to the drafter, its logprobs
+        and prompt logprobs to the outputs) and returns its commits for `_commit`."""
         values = inflight.readback.values()
         tokens, unusable = values["tokens"].tolist(), values["unusable"].tolist()
         if inflight.plain_arm:
@@ -420,4 +425,4 @@ class OverlappedLoop:
                 entry = entries.get(index)
                 emission = Emission([token], 0, 0, None, logprobs=entry and [entry])
             commits.append((request, None, emission))
-        return self._commit(commits, only_finished)
+        return commits

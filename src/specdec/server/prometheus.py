@@ -97,6 +97,11 @@ class _EngineCollector(Collector):
             snap.num_graph_rounds,
         )
         yield counter(
+            "specdec:num_round_joins",
+            "Requests that joined running device rounds without draining them.",
+            snap.num_round_joins,
+        )
+        yield counter(
             "specdec:num_sync_steps", "Steps of the synchronous path.", snap.num_sync_steps
         )
         yield counter(

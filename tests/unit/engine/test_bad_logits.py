@@ -182,12 +182,12 @@ def spy_rounds(monkeypatch) -> list[int]:
     read = device_round.DeviceRounds.read
 
     def spy(self):
-        emissions, k, seconds = read(self)
-        for _, emission in emissions:
+        read_round = read(self)
+        for _, emission in read_round[0]:
             position = getattr(emission, "unusable_position", None)
             if position is not None:
                 positions.append(position)
-        return emissions, k, seconds
+        return read_round
 
     monkeypatch.setattr(device_round.DeviceRounds, "read", spy)
     return positions

@@ -138,9 +138,8 @@ def both(model_dir, spec, requests, **kwargs):
 
 def params_for(temperature: float, seed: int, **kwargs) -> SamplingParams:
     filters = {"top_k": 20, "top_p": 0.9} if temperature > 0 else {}
-    return SamplingParams(
-        temperature=temperature, max_tokens=20, ignore_eos=True, seed=seed, **filters, **kwargs
-    )
+    kwargs.setdefault("max_tokens", 20)
+    return SamplingParams(temperature=temperature, ignore_eos=True, seed=seed, **filters, **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -217,9 +216,9 @@ def record_verify_lengths(monkeypatch) -> list[int]:
     original = device_round.DeviceRounds.read
 
     def read(self):
-        emissions, k, seconds = original(self)
-        lengths.extend(e.num_draft for _, e in emissions)
-        return emissions, k, seconds
+        read_round = original(self)
+        lengths.extend(e.num_draft for _, e in read_round[0])
+        return read_round
 
     monkeypatch.setattr(device_round.DeviceRounds, "read", read)
     return lengths
@@ -394,10 +393,13 @@ def test_a_step_holding_a_prefill_chunk_drafts_nothing_beside_it(
     0), and the step is launched ahead in a joining visit (overlapped, s29) instead of an eager
     verify step with host drafting (s27: ~30 ms a step on an H100). Coupled output still equals
     plain decoding's. Negative control: with the rule and the joining visit turned off, the
-    same steps are synchronous and hold drafts."""
+    same steps are synchronous and hold drafts. (Arrivals joining the running rounds without a
+    drain, `_joins_rounds`, are turned off here: they take no step beside the rounds' rows;
+    `test_arrivals_join_running_rounds_without_a_drain` covers them.)"""
     from specdec.engine import llm_engine
     from specdec.engine.speculative_loops import SpeculativeLoops
 
+    monkeypatch.setattr(SpeculativeLoops, "_joins_rounds", lambda self: False)
     if rule != "on":
         monkeypatch.setattr(SpeculativeLoops, "_plain_beside_prefill", staticmethod(lambda s: None))
         monkeypatch.setattr(SpeculativeLoops, "_begin_join", lambda self, scheduled: False)
@@ -467,3 +469,135 @@ def test_requests_the_rounds_cannot_take_decode_overlapped_beside_them(model_dir
     loop = engine.loop_stats
     assert loop.num_sync_steps == 0 and loop.num_overlapped_steps > 0
     assert loop.num_device_rounds > 0  # after the requests the rounds cannot take finished
+
+
+def drive_arrivals(engine, requests, arrivals):
+    """Adds requests[i] at step arrivals[i] (0: before the first) and runs to the end; the
+    final (tokens, finish reason) per request id."""
+    pending = sorted(zip(arrivals, range(len(requests)), strict=True))
+    finals, steps = {}, 0
+    while pending or engine.has_unfinished:
+        while pending and pending[0][0] <= steps:
+            _, i = pending.pop(0)
+            prompt, params = requests[i]
+            engine.add_request(prompt, params, request_id=f"r{i}")
+        for out in engine.step(only_finished=True):
+            if out.finished:
+                finals[out.request_id] = [(o.token_ids, o.finish_reason) for o in out.outputs]
+        steps += 1
+    return finals
+
+
+@pytest.mark.parametrize("admission", ["admit", "stale token (negative control)"])
+@pytest.mark.parametrize(
+    ("drafter", "method", "temperature"),
+    [
+        ("eagle", "coupled", 1.0),
+        ("eagle-adaptive", "coupled", 1.0),
+        ("eagle", "standard", 0.0),
+        ("ngram", "coupled", 1.0),
+        ("draft_model", "coupled", 1.0),
+    ],
+)
+def test_arrivals_join_running_rounds_without_a_drain(
+    model_dir, dirs, prompts, monkeypatch, admission, drafter, method, temperature
+):
+    """Requests arriving while device rounds run join them without a drain: their prompts
+    (chunked at 8 tokens a step) run in overlapped prefill steps between two rounds, and each
+    then takes a free slot (a finished request's, once no round in flight holds it: 3 slots
+    for 8 requests) for the next round, while the running requests keep drafting. The rounds
+    are left once, at the end; no step is synchronous; coupled and greedy output equal plain
+    decoding's for the same seeds. Negative control: an admission that gives the slot its
+    request's previous token as input (one position stale) must change the tokens."""
+    if admission != "admit":
+        columns = device_round.DeviceRounds._columns
+
+        def stale(self, requests):
+            values = columns(self, requests)
+            values[self.last_tokens] = [r.all_token_ids[-2] for r in requests]
+            return values
+
+        monkeypatch.setattr(device_round.DeviceRounds, "_columns", stale)
+    from specdec.engine import llm_engine
+    from specdec.engine.speculative_loops import SpeculativeLoops
+
+    # every arrival joins the rounds (not only bursts: `test_bursts_join_the_rounds...`)
+    monkeypatch.setattr(SpeculativeLoops, "_burst", staticmethod(lambda waiting, live: True))
+    leaves, late_sync_steps = [], []
+    leave, run_step = device_round.DeviceRounds.end, llm_engine.LLMEngine._run_step
+    monkeypatch.setattr(
+        device_round.DeviceRounds, "end", lambda self: (leaves.append(1), leave(self))[1]
+    )
+
+    def spy_run_step(self, scheduled, only_finished):
+        if self._rounds is not None:  # a synchronous step after the rounds began
+            late_sync_steps.append([share.request.request_id for share in scheduled])
+        return run_step(self, scheduled, only_finished)
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "_run_step", spy_run_step)
+    all_prompts = prompts + [p[::-1] for p in prompts]
+    requests = [
+        (p, params_for(temperature, 130 + i, max_tokens=12 + 3 * (i % 4)))
+        for i, p in enumerate(all_prompts)
+    ]
+    arrivals = [0, 0, 3, 5, 6, 9, 14, 15]
+    args = {"max_num_seqs": 3, "max_num_batched_tokens": 8 + 3 * 4}
+    expected = drive_arrivals(make_engine(model_dir, None, False, **args), requests, arrivals)
+    adaptive = drafter.endswith("-adaptive")
+    spec = spec_for(drafter.removesuffix("-adaptive"), dirs, method, k=3, adaptive=adaptive)
+    engine = make_engine(model_dir, spec, True, **args)
+    if adaptive:  # K by a script (a measured choice would vary run to run)
+        from specdec.engine.spec_policy import SpeculationPolicy
+
+        class Scripted(SpeculationPolicy):
+            def _choose(self, bucket, remaining=None, in_rounds=True):
+                return (3, 0, 2, 1)[self._rounds % 4]
+
+        engine.policy = Scripted(3)
+    got = drive_arrivals(engine, requests, arrivals)
+    loop = engine.loop_stats
+    if admission != "admit":
+        assert got != expected
+        return
+    assert got == expected
+    assert loop.num_round_joins >= 5, loop.as_dict()  # those arriving while rounds ran
+    assert not late_sync_steps  # only the first batch's prefill was synchronous (K pinned)
+    assert len(leaves) == 1  # the rounds were never drained for an arrival
+    assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
+
+
+def test_bursts_join_the_rounds_and_trickles_take_a_joining_visit(
+    model_dir, dirs, prompts, monkeypatch
+):
+    """Under the adaptive policy, a burst (at least as many requests waiting as the rounds run)
+    joins the running rounds without a drain; a single arrival beside a larger batch drains
+    them into a joining visit (its mixed steps advance every running row while the prefill
+    runs). Coupled output equals plain decoding's either way."""
+    from specdec.engine.spec_policy import SpeculationPolicy
+
+    class Scripted(SpeculationPolicy):
+        def _choose(self, bucket, remaining=None, in_rounds=True):
+            return (3, 2)[self._rounds % 2]
+
+    begins = []
+    begin = device_round.DeviceRounds.begin
+    monkeypatch.setattr(
+        device_round.DeviceRounds,
+        "begin",
+        lambda self, requests: (begins.append(len(requests)), begin(self, requests))[1],
+    )
+    all_prompts = prompts + [p[::-1] for p in prompts]
+    requests = [(p, params_for(1.0, 150 + i, max_tokens=24)) for i, p in enumerate(all_prompts)]
+    spec = spec_for("eagle", dirs, "coupled", k=3, adaptive=True)
+    args = {"max_num_seqs": 8}
+    for arrivals, burst in (([0, 0, 4, 4, 4, 4, 4, 4], True), ([0] * 7 + [6], False)):
+        begins.clear()
+        expected = drive_arrivals(make_engine(model_dir, None, False, **args), requests, arrivals)
+        engine = make_engine(model_dir, spec, True, **args)
+        engine.policy = Scripted(3)
+        assert drive_arrivals(engine, requests, arrivals) == expected
+        joins = engine.loop_stats.num_round_joins
+        if burst:  # six arrive beside two: they join the rounds, entered once
+            assert joins == 6 and len(begins) == 1, (joins, begins)
+        else:  # one arrives beside seven: a joining visit, then the rounds entered again
+            assert joins == 0 and len(begins) == 2, (joins, begins)
