@@ -26,7 +26,7 @@ from specdec.core.wire import (
     FAILED,
     OUTPUTS,
     SNAPSHOT,
-    DeltaEncoder,
+    delta_row,
     encode_frame,
 )
 
@@ -141,7 +141,7 @@ class EngineCore:
         self.inbox = inbox
         self.outbox = outbox
         self.parent_pid = parent_pid
-        self.deltas = DeltaEncoder()
+        engine.emit_deltas = True  # each step's outputs as changes (`delta_row`)
         self.live: set[str] = set()  # requests admitted and not finished or aborted
         self.draining = False
         self.stopping = False
@@ -176,12 +176,12 @@ class EngineCore:
                 self._fail_all(f"engine step failed: {type(err).__name__}")
                 continue
             deltas = []
-            for output in outputs:
-                if output.request_id not in self.live:
+            for delta in outputs:
+                if delta.request_id not in self.live:
                     continue
-                if output.finished:
-                    self.live.discard(output.request_id)
-                deltas.append(self.deltas.encode(output))
+                if delta.finished:
+                    self.live.discard(delta.request_id)
+                deltas.append(delta_row(delta))
             self._send(OUTPUTS, deltas)
             if self.stats is not None:
                 self.stats.emitted(sum(len(sample[3]) for delta in deltas for sample in delta[6]))
@@ -219,7 +219,6 @@ class EngineCore:
                 request_id = command[1]
                 if request_id in self.live:
                     self.live.discard(request_id)
-                    self.deltas.forget(request_id)
                     self.engine.abort(request_id)
             elif kind == "drain":
                 self.draining = True
@@ -245,12 +244,11 @@ class EngineCore:
         """Every live request aborted with a final output (finish_reason "abort")."""
         deltas, failed = [], []
         for request_id in sorted(self.live):
-            output = self.engine.abort(request_id)
-            if output is None:
+            delta = self.engine.abort(request_id)
+            if delta is None:
                 failed.append([request_id, "the server is shutting down"])
-                self.deltas.forget(request_id)
             else:
-                deltas.append(self.deltas.encode(output))
+                deltas.append(delta_row(delta))
         self.live.clear()
         if deltas:
             self._send(OUTPUTS, deltas)
@@ -264,8 +262,6 @@ class EngineCore:
                 self.engine.abort(request_id)
             except Exception:  # after a failed step the engine may be inconsistent
                 logger.exception("aborting request %s failed", request_id)
-        for request_id in self.live:
-            self.deltas.forget(request_id)
         self.live.clear()
         if failed:
             self._send(FAILED, failed)

@@ -3,9 +3,11 @@
 The HTTP process sends commands (`add`, `abort`, `drain`, `shutdown`) pickled: a few per
 request, and `SamplingParams` travels whole. The engine process answers with msgpack frames
 (msgspec): admissions, the step's outputs and the latest `EngineSnapshot`. A step's outputs go
-as deltas against what was already sent for the request (the text and token ids appended, the
-logprob entries added), so a frame's size follows the tokens of the step, not the length of the
-outputs; `OutputAssembler` rebuilds the `RequestOutput`s the engine returned, field for field.
+as the engine's `RequestDelta`s (`LLMEngine.emit_deltas`: the text and token ids appended, the
+logprob entries added since the request's previous delta; the spec-decode counters with the
+finished one), so neither a frame's size nor the engine's work per step follows the length of
+the outputs; `OutputAssembler` rebuilds the `RequestOutput`s the engine would have returned,
+field for field.
 Never touches the model or randomness.
 """
 
@@ -18,7 +20,7 @@ from typing import Any
 import msgspec
 
 from specdec.core.snapshot import EngineSnapshot
-from specdec.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from specdec.engine.outputs import CompletionOutput, Logprob, RequestDelta, RequestOutput
 
 # Frame kinds (engine -> HTTP process). Each frame is [kind, payload, snapshot | None].
 ADMITTED = "admitted"  # payload: [[request_id, error message | None], ...]
@@ -70,71 +72,31 @@ def _logprob_entries(rows: list) -> list:
     ]
 
 
-@dataclass(slots=True)
-class _SentSample:
-    text: str = ""
-    num_tokens: int = 0
-    num_logprobs: int = 0
-
-
-@dataclass(slots=True)
-class _SentRequest:
-    samples: dict[int, _SentSample] = field(default_factory=dict)
-    prompt_logprobs_sent: bool = False
-
-
-class DeltaEncoder:
-    """The engine side: turns each `RequestOutput` into the delta against what was sent for its
-    request before (and forgets a request once its finished output is encoded)."""
-
-    def __init__(self) -> None:
-        self._sent: dict[str, _SentRequest] = {}
-
-    def encode(self, output: RequestOutput) -> list:
-        sent = self._sent.setdefault(output.request_id, _SentRequest())
-        prompt_logprobs = None
-        if output.prompt_logprobs is not None and not sent.prompt_logprobs_sent:
-            prompt_logprobs = _logprob_rows(output.prompt_logprobs)
-            sent.prompt_logprobs_sent = True
-        samples = []
-        for sample in output.outputs:
-            before = sent.samples.setdefault(sample.index, _SentSample())
-            # The text normally grows; if it does not (a stop string cut it), it is resent whole.
-            keep = len(before.text) if sample.text.startswith(before.text) else 0
-            num_logprobs = 0 if sample.logprobs is None else len(sample.logprobs)
-            new_logprobs = None
-            if sample.logprobs is not None:
-                new_logprobs = _logprob_rows(sample.logprobs[before.num_logprobs :])
-            samples.append(
-                [
-                    sample.index,
-                    keep,
-                    sample.text[keep:],
-                    sample.token_ids[before.num_tokens :],
-                    new_logprobs,
-                    sample.finish_reason,
-                    sample.stop_reason,
-                    sample.cumulative_logprob,
-                    sample.error,
-                ]
-            )
-            before.text = sample.text
-            before.num_tokens = len(sample.token_ids)
-            before.num_logprobs = num_logprobs
-        if output.finished:
-            del self._sent[output.request_id]
-        return [
-            output.request_id,
-            output.prompt,
-            output.finished,
-            output.seed,
-            output.spec_decode_stats,
-            prompt_logprobs,
-            samples,
-        ]
-
-    def forget(self, request_id: str) -> None:
-        self._sent.pop(request_id, None)
+def delta_row(delta: RequestDelta) -> list:
+    """A `RequestDelta` as the frame's row (what `OutputAssembler.assemble` reads)."""
+    prompt_logprobs = delta.prompt_logprobs
+    return [
+        delta.request_id,
+        delta.prompt,
+        delta.finished,
+        delta.seed,
+        delta.spec_decode_stats,
+        None if prompt_logprobs is None else _logprob_rows(prompt_logprobs),
+        [
+            [
+                s.index,
+                s.keep,
+                s.text,
+                s.token_ids,
+                None if s.logprobs is None else _logprob_rows(s.logprobs),
+                s.finish_reason,
+                s.stop_reason,
+                s.cumulative_logprob,
+                s.error,
+            ]
+            for s in delta.samples
+        ],
+    ]
 
 
 @dataclass(slots=True)
@@ -142,6 +104,7 @@ class _Assembled:
     prompt_token_ids: list[int]
     samples: dict[int, CompletionOutput] = field(default_factory=dict)
     prompt_logprobs: list | None = None
+    stats: dict = field(default_factory=dict)  # the spec-decode counters (the final delta's)
 
 
 class OutputAssembler:
@@ -165,6 +128,8 @@ class OutputAssembler:
             return None
         if prompt_logprobs is not None:
             state.prompt_logprobs = _logprob_entries(prompt_logprobs)
+        if stats is not None:
+            state.stats = stats
         for index, keep, text, tokens, logprobs, reason, stop, cumulative, error in samples:
             sample = state.samples.get(index)
             if sample is None:
@@ -195,10 +160,10 @@ class OutputAssembler:
         return RequestOutput(
             request_id,
             prompt,
-            list(state.prompt_token_ids),
+            state.prompt_token_ids,  # shared between steps, as the engine's own outputs do
             outputs,
             finished,
             seed,
-            stats,
+            state.stats,
             None if state.prompt_logprobs is None else list(state.prompt_logprobs),
         )

@@ -37,7 +37,7 @@ from specdec.engine.device_round import DeviceRounds
 from specdec.engine.emitter import Emission, Emitter
 from specdec.engine.inflight import Inflight
 from specdec.engine.output_processor import OutputProcessor, RequestGroup, unusable_logits_message
-from specdec.engine.outputs import RequestOutput
+from specdec.engine.outputs import RequestDelta, RequestOutput
 from specdec.engine.overlapped_loop import OverlappedLoop
 from specdec.engine.proposals import compact_path, deliver_features, propose, step_inputs
 from specdec.engine.request import Request, RequestStatus, SpecSettings
@@ -195,6 +195,10 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
         # Triton variants by kernel at the end of the warm-up (`triton_compiles_after_warm_up`)
         self._warm_compiles: dict[str, int] = {}
         self.num_preemptions = 0  # engine-wide, for vllm:num_preemptions
+        # `step` and `abort` return `RequestDelta`s (each output as its change since the
+        # previous one) instead of `RequestOutput`s: `specdec serve`'s engine process sets it,
+        # so that a step does not rebuild every running request's whole output.
+        self.emit_deltas = False
         self._inflight: Inflight | None = None
         self._rounds: DeviceRounds | None = None  # built on first use
         self._in_rounds = False
@@ -463,16 +467,17 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
         self._check_round_fits(k)
         return SpecSettings(k, method)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str) -> RequestOutput | RequestDelta | None:
         """Stops a request and frees its KV blocks. Returns its final output (finish_reason
-        "abort" for the samples it stopped), or None for an unknown id."""
+        "abort" for the samples it stopped; a `RequestDelta` with `emit_deltas`), or None for
+        an unknown id."""
         group = self.outputs.groups.get(request_id)
         if group is None:
             return None
         for request in group.samples:
             if not request.status.finished:
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
-        output = self.outputs.output(group)
+        output = self.outputs.delta(group) if self.emit_deltas else self.outputs.output(group)
         self.outputs.forget(group)
         return output
 
@@ -492,11 +497,12 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
             self.drafter.release(request.request_id)
 
     # ------------------------------------------------------------------- step
-    def step(self, only_finished: bool = False) -> list[RequestOutput]:
+    def step(self, only_finished: bool = False) -> list[RequestOutput] | list[RequestDelta]:
         """Runs one step; returns the outputs of the requests that emitted tokens or finished
-        (finished groups are then forgotten). `only_finished` skips building the outputs of
-        unfinished requests (callers that do not stream). With `async_scheduling`, a step may
-        launch work whose tokens the next call reports."""
+        (finished groups are then forgotten; `RequestDelta`s with `emit_deltas`).
+        `only_finished` skips building the outputs of unfinished requests (callers that do not
+        stream). With `async_scheduling`, a step may launch work whose tokens the next call
+        reports."""
         if self.async_scheduling and self.drafter is None:
             return self._step_async(only_finished)
         if self._in_join:
@@ -611,7 +617,7 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
             if finished or not only_finished:
                 group = self.outputs.group_of(request)
                 reported[group.request_id] = group
-        return self.outputs.outputs(reported, only_finished)
+        return self.outputs.outputs(reported, only_finished, self.emit_deltas)
 
     def _schedule(self) -> list[ScheduledRequest]:
         out = self.scheduler.schedule()

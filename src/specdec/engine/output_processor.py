@@ -15,7 +15,9 @@ from specdec.engine.outputs import (
     CompletionOutput,
     Logprob,
     PromptLogprobs,
+    RequestDelta,
     RequestOutput,
+    SampleDelta,
     SampleLogprobs,
 )
 from specdec.engine.request import Request, RequestStatus
@@ -39,6 +41,13 @@ class RequestGroup:
     logprobs: list[SampleLogprobs | None] = field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None  # filled as prefill chunks run
     errors: list[str | None] = field(default_factory=list)  # why a sample ended in error
+    # What the deltas sent so far hold (`OutputProcessor.delta`), per sample: the text, the
+    # number of token ids and of logprob entries, the sum of those entries' log-probabilities.
+    sent_texts: list[str] = field(default_factory=list)
+    sent_tokens: list[int] = field(default_factory=list)
+    sent_logprobs: list[int] = field(default_factory=list)
+    sent_cumulative: list[float] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
 
 def unusable_logits_message(position: int) -> str:
@@ -77,6 +86,10 @@ class OutputProcessor:
         group.texts = [None] * n
         group.stop_reasons = [None] * n
         group.errors = [None] * n
+        group.sent_texts = [""] * n
+        group.sent_tokens = [0] * n
+        group.sent_logprobs = [0] * n
+        group.sent_cumulative = [0.0] * n
         params = group.samples[0].params
         wants_logprobs = params.logprobs is not None
         group.logprobs = [[] if wants_logprobs else None for _ in range(n)]
@@ -251,10 +264,13 @@ class OutputProcessor:
         return request.detokenized.update(self.tokenizer, request.output_token_ids, skip)
 
     def outputs(
-        self, reported: dict[str, RequestGroup], only_finished: bool
-    ) -> list[RequestOutput]:
-        """The outputs of the reported groups (only the finished ones with `only_finished`);
-        finished groups are forgotten."""
+        self, reported: dict[str, RequestGroup], only_finished: bool, deltas: bool = False
+    ) -> list[RequestOutput] | list[RequestDelta]:
+        """The outputs of the reported groups (only the finished ones with `only_finished`;
+        `deltas`: each as the change since its previous delta); finished groups are
+        forgotten."""
+        if deltas:
+            return [self.delta(group) for group in reported.values()]
         if only_finished:
             return [
                 self.output(group)
@@ -288,12 +304,7 @@ class OutputProcessor:
                     ),
                 )
             )
-        if len(group.samples) == 1:
-            stats = group.samples[0].stats  # merging one set into empty counters copies it
-        else:
-            stats = SpecDecodeStats()
-            for request in group.samples:
-                stats.merge(request.stats)
+        stats = self._stats(group)
         if finished:
             self.forget(group)
         return RequestOutput(
@@ -303,9 +314,73 @@ class OutputProcessor:
             outputs=outputs,
             finished=finished,
             seed=group.seed,
-            spec_decode_stats=stats.as_dict(),
+            spec_decode_stats=stats,
             prompt_logprobs=None if group.prompt_logprobs is None else list(group.prompt_logprobs),
         )
+
+    def delta(self, group: RequestGroup) -> RequestDelta:
+        """The group's output as a change since its previous delta (`output`'s fields without
+        rebuilding what was sent: a streaming server's engine process sends these); the group
+        is forgotten once finished."""
+        samples = []
+        finished = True
+        for index, request in enumerate(group.samples):
+            status = request.status
+            done = status.finished
+            finished = finished and done
+            text = group.texts[index]
+            if text is None:
+                text = self.text(request)
+            before = group.sent_texts[index]
+            keep = len(before) if text.startswith(before) else 0
+            tokens = request.output_token_ids
+            logprobs = group.logprobs[index]
+            new_logprobs = cumulative = None
+            if logprobs is not None:
+                sent = group.sent_logprobs[index]
+                new_logprobs = logprobs[sent:]
+                cumulative = group.sent_cumulative[index] + sum(
+                    entry[token].logprob
+                    for entry, token in zip(new_logprobs, tokens[sent:], strict=False)
+                )
+                group.sent_cumulative[index] = cumulative
+                group.sent_logprobs[index] = len(logprobs)
+            samples.append(
+                SampleDelta(
+                    index,
+                    keep,
+                    text[keep:],
+                    tokens[group.sent_tokens[index] :],
+                    new_logprobs,
+                    status.value if done else None,
+                    group.stop_reasons[index],
+                    cumulative,
+                    group.errors[index],
+                )
+            )
+            group.sent_texts[index] = text
+            group.sent_tokens[index] = len(tokens)
+        prompt_logprobs = None
+        if group.prompt_logprobs is not None and not group.prompt_logprobs_sent:
+            prompt_logprobs = list(group.prompt_logprobs)
+            group.prompt_logprobs_sent = True
+        stats = None
+        if finished:
+            stats = self._stats(group)
+            self.forget(group)
+        return RequestDelta(
+            group.request_id, group.prompt, finished, group.seed, stats, prompt_logprobs, samples
+        )
+
+    @staticmethod
+    def _stats(group: RequestGroup) -> dict:
+        """The group's spec-decode counters, summed over its samples, as a dict."""
+        if len(group.samples) == 1:
+            return group.samples[0].stats.as_dict()
+        stats = SpecDecodeStats()
+        for request in group.samples:
+            stats.merge(request.stats)
+        return stats.as_dict()
 
 
 def _find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:

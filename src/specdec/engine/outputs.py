@@ -81,3 +81,43 @@ class RequestOutput:
     seed: int
     spec_decode_stats: dict = field(default_factory=dict)
     prompt_logprobs: PromptLogprobs | None = None
+
+
+@dataclass(slots=True)
+class SampleDelta:
+    """What one sample gained since its previous delta (`RequestDelta`).
+
+    Attributes:
+        index: which of the request's n samples this is.
+        keep: characters of the previously sent text that stay (all of them, unless a stop
+            string cut the text back: then 0 and `text` is the whole text).
+        text: the text appended after them.
+        token_ids: the token ids appended.
+        logprobs: the logprob entries appended (None: the request asks for none).
+        finish_reason, stop_reason, cumulative_logprob, error: as `CompletionOutput`'s now.
+    """
+
+    index: int
+    keep: int
+    text: str
+    token_ids: list[int]
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None
+    stop_reason: str | int | None
+    cumulative_logprob: float | None
+    error: str | None
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """A request's output as a change since its previous delta (what `specdec serve`'s engine
+    process sends; `LLMEngine.emit_deltas`): its samples' deltas, the prompt logprobs in the
+    first delta only, the spec-decode counters in the finished one only (None before)."""
+
+    request_id: str
+    prompt: str | None
+    finished: bool
+    seed: int
+    spec_decode_stats: dict | None
+    prompt_logprobs: PromptLogprobs | None
+    samples: list[SampleDelta]

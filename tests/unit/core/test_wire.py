@@ -1,107 +1,123 @@
-"""The frames between the engine process and the HTTP process: every `RequestOutput` the engine
-returns is rebuilt on the other side field for field from its deltas (growing text, a text a
-stop string cut, n samples, logprobs, prompt logprobs), and frames carry the snapshot."""
+"""The frames between the engine process and the HTTP process: the engine's deltas
+(`LLMEngine.emit_deltas`), framed and rebuilt by `OutputAssembler`, give at every step the
+`RequestOutput`s a twin engine returns (growing text, a text a stop string cut, n samples,
+logprobs, prompt logprobs, an abort; the spec-decode counters arrive with the finished output),
+frames carry only the step, and frames carry the snapshot."""
 
 from __future__ import annotations
 
-import random
+import dataclasses
 
 import pytest
 
+from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
 from specdec.core.snapshot import EngineSnapshot
-from specdec.core.wire import (
-    OUTPUTS,
-    DeltaEncoder,
-    OutputAssembler,
-    decode_frame,
-    encode_frame,
-)
-from specdec.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from specdec.core.wire import OUTPUTS, OutputAssembler, decode_frame, delta_row, encode_frame
+from specdec.engine.config import EngineConfig
+from specdec.engine.llm_engine import LLMEngine
+from specdec.sampling import SamplingParams
+
+VOCAB = 97
 
 
-def _entry(rng: random.Random, token: int) -> dict[int, Logprob]:
-    top = {rng.randrange(100): Logprob(-rng.random() * 5, r + 1, f"t{r}") for r in range(2)}
-    top[token] = Logprob(-rng.random(), None, None)
-    return top
+def word(token_id: int) -> str:
+    """Token i's text: a letter (i mod 26), repeated 1 + i // 26 times."""
+    return chr(ord("a") + token_id % 26) * (1 + token_id // 26)
 
 
-def _outputs(rng: random.Random, n: int, steps: int, logprobs: bool) -> list[RequestOutput]:
-    """A request's successive outputs as the engine returns them (cumulative)."""
-    texts = [""] * n
-    tokens: list[list[int]] = [[] for _ in range(n)]
-    entries: list[list] = [[] for _ in range(n)]
-    prompt_logprobs = [None, _entry(rng, 5), _entry(rng, 6)]
-    result = []
-    for step in range(steps):
-        last = step == steps - 1
-        samples = []
-        for i in range(n):
-            new = [rng.randrange(100) for _ in range(rng.randrange(0, 4))]
-            tokens[i] += new
-            entries[i] += [_entry(rng, t) for t in new]
-            texts[i] += "".join(chr(97 + t % 26) for t in new) + ("é" if rng.random() < 0.2 else "")
-            if last and i == 0 and len(texts[i]) > 2:
-                texts[i] = texts[i][:-2]  # a stop string cut the text back
-            samples.append(
-                CompletionOutput(
-                    i,
-                    texts[i],
-                    list(tokens[i]),
-                    "stop" if last else None,
-                    "xy" if last and i == 0 else None,
-                    [dict(e) for e in entries[i]] if logprobs else None,
-                    -rng.random() * 10 if logprobs else None,
-                    None,
-                )
-            )
-        result.append(
-            RequestOutput(
-                "req-1",
-                None,
-                [5, 6, 7],
-                samples,
-                last,
-                -42,
-                {"num_drafts": step},
-                list(prompt_logprobs) if logprobs else None,
-            )
-        )
-    return result
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The tiny Llama with a word-level tokenizer (texts and stop strings exist)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("tiny-wire"))
+    tokenizer = Tokenizer(models.WordLevel({word(i): i for i in range(VOCAB)}, unk_token="a"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path / "tokenizer.json"))
+    return path
 
 
-@pytest.mark.parametrize("n,logprobs", [(1, False), (1, True), (3, True)])
-def test_every_output_is_rebuilt_field_for_field(n, logprobs):
-    rng = random.Random(n * 10 + logprobs)
-    encoder, assembler = DeltaEncoder(), OutputAssembler()
-    assembler.expect("req-1", [5, 6, 7])
-    sent = _outputs(rng, n, 12, logprobs)
-    for output in sent:
-        frame = encode_frame(OUTPUTS, [encoder.encode(output)], EngineSnapshot(num_running=1))
+def requests() -> list[tuple[list[int], SamplingParams, str]]:
+    prompts = prompt_tokens(VOCAB, [5, 9, 14, 7], seed=4)
+
+    def params(seed: int, **kwargs) -> SamplingParams:
+        return SamplingParams(temperature=1.0, seed=seed, max_tokens=24, **kwargs)
+
+    return [
+        (prompts[0], params(1), "plain"),
+        (prompts[1], params(2, n=3, logprobs=2, prompt_logprobs=1), "n3-logprobs"),
+        (prompts[2], params(3, stop=["b", "c", "d"]), "stop"),
+        (prompts[3], params(4, logprobs=1), "aborted"),
+    ]
+
+
+def engine(model_dir, deltas: bool) -> LLMEngine:
+    config = EngineConfig(model=str(model_dir), max_model_len=96, block_size=4)
+    built = LLMEngine(config, None)
+    built.emit_deltas = deltas
+    for prompt, params, request_id in requests():
+        built.add_request(prompt, params, request_id=request_id)
+    return built
+
+
+def unfinished_without_counters(output):
+    """A `RequestOutput` as the assembler rebuilds it: an unfinished one carries no
+    spec-decode counters (they come with the finished output)."""
+    if output.finished:
+        return output
+    return dataclasses.replace(output, spec_decode_stats={})
+
+
+def run_both(model_dir, drop: int | None = None):
+    """(outputs of the engine, outputs rebuilt from its twin's framed deltas) per step; `drop`:
+    the index of a delta lost on the way (negative control)."""
+    direct, twin = engine(model_dir, False), engine(model_dir, True)
+    assembler = OutputAssembler()
+    for prompt, _, request_id in requests():
+        assembler.expect(request_id, prompt)
+    steps, sizes, count = [], [], 0
+    while direct.has_unfinished:
+        expected = direct.step()
+        deltas = twin.step()
+        if len(steps) == 3:
+            expected.append(direct.abort("aborted"))
+            deltas.append(twin.abort("aborted"))
+        rows = [delta_row(delta) for delta in deltas]
+        frame = encode_frame(OUTPUTS, rows, EngineSnapshot(num_running=1))
+        sizes.append(len(frame))
         kind, payload, snapshot = decode_frame(frame)
         assert kind == OUTPUTS and snapshot == EngineSnapshot(num_running=1)
-        assert assembler.assemble(payload[0]) == output
-    assert assembler.assemble(encoder.encode(sent[-1])) is None  # finished: forgotten
+        rebuilt = []
+        for row in payload:
+            if count != drop:
+                rebuilt.append(assembler.assemble(row))
+            count += 1
+        steps.append(([unfinished_without_counters(o) for o in expected], rebuilt))
+    assert not twin.has_unfinished
+    return steps, sizes
 
 
-def test_deltas_carry_only_the_step_not_the_whole_output():
-    rng = random.Random(3)
-    encoder = DeltaEncoder()
-    sent = _outputs(rng, 1, 40, True)
-    sizes = [len(encode_frame(OUTPUTS, [encoder.encode(output)])) for output in sent[:-1]]
-    whole = len(encode_frame(OUTPUTS, [DeltaEncoder().encode(sent[-2])]))
-    assert max(sizes[20:]) < whole / 4, (sizes, whole)
+def test_every_output_is_rebuilt_field_for_field(model_dir):
+    steps, _ = run_both(model_dir)
+    for expected, rebuilt in steps:
+        assert rebuilt == expected
+    finals = {o.request_id: o for expected, _ in steps for o in expected if o.finished}
+    assert set(finals) == {"plain", "n3-logprobs", "stop", "aborted"}
+    assert finals["stop"].outputs[0].stop_reason in ("b", "c", "d")  # a stop string cut it
+    assert finals["aborted"].outputs[0].finish_reason == "abort"
+    assert finals["n3-logprobs"].prompt_logprobs and finals["n3-logprobs"].outputs[2].logprobs
+    assert finals["plain"].spec_decode_stats  # the counters came with the finished output
 
 
-def test_an_assembler_that_drops_a_delta_does_not_rebuild_the_output():
-    """Negative control: the comparison above sees a lost frame."""
-    rng = random.Random(5)
-    encoder, assembler = DeltaEncoder(), OutputAssembler()
-    assembler.expect("req-1", [5, 6, 7])
-    sent = _outputs(rng, 1, 6, True)
-    deltas = [encoder.encode(output) for output in sent]
-    lost = next(i for i, delta in enumerate(deltas) if i > 0 and delta[6][0][3])  # added tokens
-    rebuilt = [assembler.assemble(delta) for i, delta in enumerate(deltas) if i != lost]
-    assert rebuilt[-1] != sent[-1]
+def test_deltas_carry_only_the_step_not_the_whole_output(model_dir):
+    _, sizes = run_both(model_dir)
+    assert max(sizes[8:-1]) < 2 * min(sizes[2:8]), sizes  # late steps no larger than early ones
+
+
+def test_an_assembler_that_drops_a_delta_does_not_rebuild_the_output(model_dir):
+    """Negative control: the comparison above sees a lost delta."""
+    steps, _ = run_both(model_dir, drop=5)
+    assert any(rebuilt != expected for expected, rebuilt in steps)
 
 
 def test_the_snapshot_round_trips_with_its_tuples():
