@@ -5,9 +5,9 @@ deltas of streamed choices, and the merge of several request streams."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 
+import msgspec
 from fastapi.responses import JSONResponse
 
 from specdec.engine.outputs import CompletionOutput, RequestOutput
@@ -127,9 +127,14 @@ def _error_field(completion: CompletionOutput) -> dict:
     return {} if completion.error is None else {"error": completion.error}
 
 
+_json = msgspec.json.Encoder()
+
+
 def _sse(payload: dict | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
+    """One server-sent event: the payload as compact JSON (msgspec: about a tenth of
+    `json.dumps`' time per chunk; non-ASCII text as UTF-8, not escaped), or a bare string."""
+    data = payload.encode() if isinstance(payload, str) else _json.encode(payload)
+    return b"data: " + data + b"\n\n"
 
 
 class _Deltas:
