@@ -134,6 +134,31 @@ def test_overlapped_loop_and_device_rounds_replay(model_paths, dirs, requests, a
         assert engine.loop_stats.num_overlapped_prefill_steps > 0  # joining visits ran
 
 
+@pytest.mark.parametrize("rule", ["every arrival", "bursts"])
+@pytest.mark.parametrize("spec", ["ngram", "draft_model", "eagle"])
+@pytest.mark.parametrize("model", MODELS)
+def test_arrivals_joining_running_rounds_replay(
+    model_paths, dirs, requests, alone, model, spec, rule, monkeypatch
+):
+    """Device rounds (op by op on the CPU) taking arrivals without a drain: their prefill in
+    overlapped steps between two rounds, then a free slot (`DeviceRounds.admit`), with prompts
+    split at 16 tokens a step. "every arrival": each one joins so (the burst rule forced);
+    "bursts": the engine's rule (here, 2-3 arrivals beside a larger batch: joining visits). Fails
+    if a token depends on when or how its request joined."""
+    from specdec.engine.speculative_loops import SpeculativeLoops
+
+    if rule == "every arrival":
+        monkeypatch.setattr(SpeculativeLoops, "_burst", staticmethod(lambda waiting, live: True))
+    make = engine_factory(model_paths[model])
+    options = {"max_num_batched_tokens": 16, "async_scheduling": True}
+    engine, _, diff = replay(
+        make, requests, alone(model), "bursts", drafter_spec(spec, dirs), **options
+    )
+    assert not diff, diff
+    if rule == "every arrival":
+        assert engine.loop_stats.num_round_joins > 0
+
+
 @pytest.mark.parametrize("case", ["chunked", "preempted"])
 @pytest.mark.parametrize("model", MODELS)
 def test_overlapped_joins_replay(model_paths, requests, alone, model, case):
