@@ -429,14 +429,15 @@ class SpeculativeLoops:
 
     def _seat_joiners(self) -> None:
         """The joining requests whose prefill is read (their first token and every target
-        feature with the host and the drafter) into free slots of the rounds."""
+        feature with the host and the drafter) into free slots of the rounds. Called with no
+        joining prefill step in flight (`_step_rounds` reads it first), so a request whose
+        last chunk emits nothing (a recomputed prefix) is seated only once its features came."""
         ready = [
             r
             for r in self._round_joiners
             if not r.status.finished
             and not r.num_pending
             and r.num_computed_tokens == r.num_tokens - 1
-            and not (self._round_prefill and r in self._round_prefill.requests)
         ]
         if not ready:
             return
