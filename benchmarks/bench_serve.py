@@ -280,8 +280,8 @@ async def run_level(
 # ------------------------------------------------------- the engine's ceiling
 def generate_levels(args: argparse.Namespace) -> list[LevelResult]:
     """`LLM.chat` on each concurrency level's requests in this process (a closed batch of
-    max_num_seqs = the concurrency), plain and spec: what the engine delivers without the
-    server. Only throughput is measured (NaN latencies)."""
+    max_num_seqs = the concurrency, warmed up as the server is), plain and spec: what the
+    engine delivers without the server. Only throughput is measured (NaN latencies)."""
     import torch
 
     from specdec import LLM, SamplingParams
@@ -302,6 +302,10 @@ def generate_levels(args: argparse.Namespace) -> list[LevelResult]:
                     else {}
                 ),
             )
+            # As `specdec serve` does before its first request: every step shape's CUDA graph
+            # captured now, not in the timed run (s30: without it the speculative ceiling read
+            # 1,088 / 3,868 tokens/s at c = 1 / 16 on an H100, below the server's own figures).
+            llm.engine.warm_up(progress=False)
             num_requests = max(concurrency, args.requests_per_level)
             chats = [[{"role": "user", "content": prompt(i)}] for i in range(num_requests)]
             params = [
