@@ -74,6 +74,8 @@ class OutputProcessor:
     ) -> None:
         self.tokenizer = tokenizer
         self.eos_token_id = None if tokenizer is None else tokenizer.eos_token_id
+        if tokenizer is not None:
+            tokenizer.byte_pieces()  # built now (tens of ms), not inside the first request's step
         self.max_model_len = max_model_len
         self.finish = finish
         self.groups: dict[str, RequestGroup] = {}
@@ -261,6 +263,9 @@ class OutputProcessor:
         skip = request.params.skip_special_tokens
         if request.status.finished:
             return self.tokenizer.decode(request.output_token_ids, skip_special_tokens=skip)
+        pieces = self.tokenizer.byte_pieces(skip)
+        if pieces is not None:
+            return request.detokenized.update_bytes(pieces, request.output_token_ids)
         return request.detokenized.update(self.tokenizer, request.output_token_ids, skip)
 
     def outputs(

@@ -127,6 +127,34 @@ class Tokenizer:
             return token.replace(_SENTENCEPIECE_SPACE, " ").encode()
         return self.decode([token_id], skip_special_tokens=False).encode()
 
+    def byte_pieces(self, skip_special_tokens: bool = True) -> tuple[bytes, ...] | None:
+        """Per token id, the bytes `decode` turns it into, when decoding is exactly "join the
+        tokens' bytes, then UTF-8 with U+FFFD for invalid bytes" (a byte-level BPE decoder and
+        nothing else: GPT-2, Llama-3, Qwen, SmolLM); None for any other decoder. Special tokens
+        are b"" with `skip_special_tokens`; ids the tokenizer does not know are b"". The
+        incremental detokenizer appends these instead of decoding windows of ids."""
+        return self._byte_pieces[bool(skip_special_tokens)]
+
+    @cached_property
+    def _byte_pieces(self) -> dict[bool, tuple[bytes, ...] | None]:
+        if self._decoder_types != {"ByteLevel"}:
+            return {True: None, False: None}
+        byte_of_char = _unicode_to_bytes()
+        added = self.backend.get_added_tokens_decoder()
+        special = {i for i, t in added.items() if t.special}
+        pieces = []
+        for token_id in range(max([self.vocab_size - 1, *added]) + 1):
+            token = self.backend.id_to_token(token_id)
+            if token is None:
+                pieces.append(b"")
+            elif all(c in byte_of_char for c in token):
+                pieces.append(bytes([byte_of_char[c] for c in token]))
+            else:  # the decoder passes a token with other characters through as its UTF-8
+                pieces.append(token.encode())
+        kept = tuple(pieces)
+        skipped = tuple(b"" if i in special else piece for i, piece in enumerate(pieces))
+        return {True: skipped, False: kept}
+
     @cached_property
     def _added_tokens(self) -> dict[int, str]:
         """Special and added tokens by id: their text, which no decoder rewrites."""
