@@ -36,6 +36,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import multiprocessing
 import os
 import platform
 import random
@@ -44,6 +45,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -56,6 +58,10 @@ from specdec.cli import DEFAULT_SPECULATIVE_CONFIG
 REQUEST_TIMEOUT_S = 600.0
 # The mode of the plain levels run against a second server started with --no-spec.
 NO_SPEC_MODE = "no-spec server"
+# Streams in flight per client process by default (`client_processes`), and the head start the
+# processes get to be ready before the level's clock starts.
+CLIENT_STREAMS_PER_PROCESS = 16
+CLIENT_START_S = 1.0
 # Warm-up requests are short: they only have to run every code path (and compile its kernels) once.
 WARMUP_MAX_TOKENS = 16
 
@@ -93,6 +99,7 @@ class LevelResult:
     itl_p99_ms: float
     mean_acceptance_length: float
     tpot_p50_ms_by_rule: dict[str, float] = field(default_factory=dict)  # with --rules mixed
+    client_processes: int = 1  # the client processes that drove it (`client_processes`)
 
     @property
     def label(self) -> str:
@@ -219,15 +226,32 @@ async def warm_up(args: argparse.Namespace, modes: tuple[bool, ...] = (False, Tr
             )
 
 
-async def run_level(
-    args: argparse.Namespace, concurrency: int, spec: bool, rate: float | None = None
-) -> LevelResult:
-    """One level: `concurrency` requests in flight at once (0: no limit), all queued at the
-    start, or arriving at `rate` a second (Poisson)."""
-    num_requests = max(concurrency, args.requests_per_level)
-    gate = asyncio.Semaphore(concurrency or num_requests)
-    arrivals = arrival_times(rate, num_requests, args.seed) if rate else [0.0] * num_requests
-    async with _client(args, concurrency or num_requests) as http:
+def client_processes(args: argparse.Namespace, concurrency: int, num_requests: int) -> int:
+    """How many client processes drive a level: `--client-processes`, or by default one per
+    CLIENT_STREAMS_PER_PROCESS streams in flight, at most a quarter of this machine's cores (one
+    Python process reads about 20-50k SSE events a second: s30's c = 64 / 256 levels read tokens
+    back to back, ITL p50 0.0 ms, a client behind the server)."""
+    if args.client_processes:
+        return min(args.client_processes, num_requests)
+    streams = concurrency or num_requests
+    cap = max(1, (os.cpu_count() or 1) // 4)
+    return max(1, min(cap, -(-streams // CLIENT_STREAMS_PER_PROCESS)))
+
+
+async def drive(
+    args: argparse.Namespace,
+    indices: list[int],
+    arrivals: list[float],
+    limit: int,
+    spec: bool,
+    start_at: float,
+) -> tuple[list[RequestResult | str], float]:
+    """Sends requests `indices` (request i at `arrivals[i]` seconds after the wall-clock
+    `start_at`), at most `limit` in flight (0: no limit). Returns each request's result (or its
+    failure, as text) and the wall-clock time the last one ended."""
+    gate = asyncio.Semaphore(limit or len(indices))
+    async with _client(args, limit or len(indices)) as http:
+        await asyncio.sleep(max(0.0, start_at - time.time()))
         started = time.perf_counter()
 
         async def gated(i: int) -> RequestResult:
@@ -236,14 +260,52 @@ async def run_level(
                 rule = rule_of(i, args.rules)
                 return await one_request(http, args, prompt(i), i, args.max_tokens, spec, rule)
 
-        outcomes = await asyncio.gather(
-            *[gated(i) for i in range(num_requests)], return_exceptions=True
-        )
-        duration = time.perf_counter() - started
+        outcomes = await asyncio.gather(*[gated(i) for i in indices], return_exceptions=True)
+    ended = time.time()
+    return [r if isinstance(r, RequestResult) else repr(r) for r in outcomes], ended
+
+
+def _drive_in_process(
+    args: argparse.Namespace,
+    indices: list[int],
+    arrivals: list[float],
+    limit: int,
+    spec: bool,
+    start_at: float,
+) -> tuple[list[RequestResult | str], float]:
+    """`drive` in a client process of its own (`run_level`)."""
+    return asyncio.run(drive(args, indices, arrivals, limit, spec, start_at))
+
+
+def run_level(
+    args: argparse.Namespace, concurrency: int, spec: bool, rate: float | None = None
+) -> LevelResult:
+    """One level: `concurrency` requests in flight at once (0: no limit), all queued at the
+    start, or arriving at `rate` a second (Poisson). Several client processes share the level
+    (`client_processes`): request i goes to process i mod N, and each keeps its share of the
+    concurrency in flight; they start together on the wall clock."""
+    num_requests = max(concurrency, args.requests_per_level)
+    arrivals = arrival_times(rate, num_requests, args.seed) if rate else [0.0] * num_requests
+    processes = client_processes(args, concurrency, num_requests)
+    shares = [list(range(num_requests))[w::processes] for w in range(processes)]
+    limits = [concurrency // processes + (w < concurrency % processes) for w in range(processes)]
+    start_at = time.time() + (CLIENT_START_S if processes > 1 else 0.0)
+    if processes == 1:
+        parts = [_drive_in_process(args, shares[0], arrivals, concurrency, spec, start_at)]
+    else:
+        context = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(processes, mp_context=context) as pool:
+            futures = [
+                pool.submit(_drive_in_process, args, share, arrivals, limit, spec, start_at)
+                for share, limit in zip(shares, limits, strict=True)
+            ]
+            parts = [future.result() for future in futures]
+    outcomes = [outcome for part, _ in parts for outcome in part]
+    duration = max(ended for _, ended in parts) - start_at
     results = [r for r in outcomes if isinstance(r, RequestResult)]
     failures = [r for r in outcomes if not isinstance(r, RequestResult)]
     if failures:
-        print(f"  {len(failures)} requests failed; first: {failures[0]!r}", file=sys.stderr)
+        print(f"  {len(failures)} requests failed; first: {failures[0]}", file=sys.stderr)
     ttft = [r.ttft_s * 1e3 for r in results]
     tpot = [r.tpot_s * 1e3 for r in results if r.tpot_s is not None]
     itl = [gap * 1e3 for r in results for gap in r.itl_s]
@@ -268,6 +330,7 @@ async def run_level(
         itl_p90_ms=percentile(itl, 0.9),
         itl_p99_ms=percentile(itl, 0.99),
         mean_acceptance_length=1.0 + accepted / drafts if drafts else 1.0,
+        client_processes=processes,
         tpot_p50_ms_by_rule={
             rule: percentile([r.tpot_s * 1e3 for r in results if r.rule == rule and r.tpot_s], 0.5)
             for rule in sorted({r.rule for r in results})
@@ -361,7 +424,8 @@ def print_level(level: LevelResult) -> None:
     print(
         f"{level.mode:>14} {level.label:>8} {level.num_requests:>4} {level.num_failed:>4} "
         f"{level.requests_per_s:>6.2f} {level.output_tokens_per_s:>7.1f} {ttft:>22} "
-        f"{tpot:>22} {itl:>15} {level.mean_acceptance_length:>7.2f} {level.duration_s:>5.1f}",
+        f"{tpot:>22} {itl:>15} {level.mean_acceptance_length:>7.2f} {level.duration_s:>5.1f} "
+        f"{level.client_processes:>3}",
         flush=True,
     )
 
@@ -472,8 +536,9 @@ def markdown(meta: dict, levels: list[LevelResult]) -> str:
         "```",
         "",
         "| mode | load | requests | failed | req/s | output tok/s | TTFT p50/p90/p99 ms "
-        "| TPOT p50/p90/p99 ms | ITL p50/p90/p99 ms | mean acceptance length |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| TPOT p50/p90/p99 ms | ITL p50/p90/p99 ms | mean acceptance length "
+        "| client processes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for x in levels:
         lines.append(
@@ -482,7 +547,7 @@ def markdown(meta: dict, levels: list[LevelResult]) -> str:
             f"| {x.ttft_p50_ms:.0f}/{x.ttft_p90_ms:.0f}/{x.ttft_p99_ms:.0f} "
             f"| {x.tpot_p50_ms:.1f}/{x.tpot_p90_ms:.1f}/{x.tpot_p99_ms:.1f} "
             f"| {x.itl_p50_ms:.1f}/{x.itl_p90_ms:.1f}/{x.itl_p99_ms:.1f} "
-            f"| {x.mean_acceptance_length:.2f} |"
+            f"| {x.mean_acceptance_length:.2f} | {x.client_processes} |"
         )
     by_key = {(x.mode, x.label): x for x in levels}
     labels = list(dict.fromkeys(x.label for x in levels if not x.mode.startswith("generate")))
@@ -600,7 +665,7 @@ def run(
     print(
         f"{'mode':>14} {'load':>8} {'reqs':>4} {'fail':>4} {'req/s':>6} {'tok/s':>7} "
         f"{'TTFT p50/p90/p99 ms':>22} {'TPOT p50/p90/p99 ms':>22} {'ITL p50/p99 ms':>15} "
-        f"{'acc len':>7} {'s':>5}"
+        f"{'acc len':>7} {'s':>5} {'cli':>3}"
     )
     loads = (
         [(args.max_concurrency, rate) for rate in args.request_rate]
@@ -618,7 +683,7 @@ def run(
     before = counters_now()
     for concurrency, rate in loads:
         for spec in modes:
-            level = asyncio.run(run_level(args, concurrency, spec, rate))
+            level = run_level(args, concurrency, spec, rate)
             levels.append(level)
             print_level(level)
             after = counters_now()
@@ -644,6 +709,7 @@ def run(
         "concurrency": args.concurrency,
         "request_rate": args.request_rate,
         "max_concurrency": args.max_concurrency,
+        "client_processes": args.client_processes or "auto",
         "seed": args.seed,
         "prompts": args.prompts_file or "the built-in chats",
         "max_tokens": args.max_tokens,
@@ -729,6 +795,13 @@ def main() -> None:
         help="with --request-rate: most in flight (0: no limit)",
     )
     load.add_argument("--seed", type=int, default=0, help="of the arrival times")
+    load.add_argument(
+        "--client-processes",
+        type=int,
+        default=0,
+        help="client processes per level (0: one per 16 streams in flight, at most a quarter of "
+        "the cores; one Python process reads at most some tens of thousands of events a second)",
+    )
     load.add_argument("--prompts-file", default=None, help='a .jsonl of {"prompt": ...}')
     load.add_argument("--requests-per-level", type=int, default=8)
     load.add_argument("--max-tokens", type=int, default=128)

@@ -8,6 +8,7 @@ The scripts run as subprocesses (tests never import benchmarks/). No timing is a
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import itertools
 import json
@@ -157,8 +158,8 @@ def test_serve_benchmark_starts_a_server_and_reports(tiny_dir, tmp_path):
 
 def test_serve_benchmark_poisson_arrivals(tiny_dir, tmp_path):
     """--request-rate: a level of seeded Poisson arrivals (at most 2 in flight), the prompts
-    from a file; --no-spec-server: the plain level again against a second server started with
-    --no-spec, and the spec / --no-spec column."""
+    from a file, sent by two client processes; --no-spec-server: the plain level again against
+    a second server started with --no-spec, and the spec / --no-spec column."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "Name a colour."}\n{"prompt": "Count to three."}\n')
     report = run_bench_serve(
@@ -177,12 +178,15 @@ def test_serve_benchmark_poisson_arrivals(tiny_dir, tmp_path):
         "--prompts-file",
         str(prompts),
         "--no-spec-server",
+        "--client-processes",
+        "2",
     )
     assert [(x["mode"], x["load"]) for x in report["levels"]] == [
         ("plain", "r=20/s"), ("spec", "r=20/s"), ("no-spec server", "r=20/s")
     ]  # fmt: skip
     assert report["meta"]["prompts"] == str(prompts)
     assert all(x["num_failed"] == 0 and x["num_requests"] == 4 for x in report["levels"])
+    assert all(x["client_processes"] == 2 for x in report["levels"])
     no_spec = report["meta"]["no_spec_server"]
     assert "--no-spec" in no_spec["serve_command"] and no_spec["startup_seconds"] > 0
     assert "spec / `--no-spec`" in (tmp_path / "serve.md").read_text()
@@ -215,14 +219,33 @@ def test_serve_benchmark_mixed_rules(tiny_dir, tmp_path):
     assert "TPOT p50 ms by rule" in (tmp_path / "serve.md").read_text()
 
 
-def test_arrival_times_are_a_seeded_poisson_process(monkeypatch):
-    """Increasing, seeded (the same load for every mode), and at about the asked rate."""
+def load_bench_serve(monkeypatch):
     spec = importlib.util.spec_from_file_location("bench_serve", BENCHMARKS / "bench_serve.py")
     bench_serve = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "bench_serve", bench_serve)  # its dataclasses look it up
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # its sibling serve_rules
     spec.loader.exec_module(bench_serve)
-    arrival_times = bench_serve.arrival_times
+    return bench_serve
+
+
+def test_client_processes_follow_the_streams_in_flight(monkeypatch):
+    """One client process per 16 streams, at most a quarter of the cores (at least one); an
+    explicit --client-processes stands, up to one per request."""
+    bench_serve = load_bench_serve(monkeypatch)
+    count = bench_serve.client_processes
+    auto = argparse.Namespace(client_processes=0)
+    monkeypatch.setattr(bench_serve.os, "cpu_count", lambda: 16)
+    assert [count(auto, c, max(c, 64)) for c in (1, 16, 17, 64, 256)] == [1, 1, 2, 4, 4]
+    assert count(auto, 0, 100) == 4  # Poisson arrivals, no limit: every request may be in flight
+    monkeypatch.setattr(bench_serve.os, "cpu_count", lambda: 2)
+    assert count(auto, 256, 256) == 1
+    assert count(argparse.Namespace(client_processes=3), 64, 64) == 3
+    assert count(argparse.Namespace(client_processes=8), 2, 2) == 2
+
+
+def test_arrival_times_are_a_seeded_poisson_process(monkeypatch):
+    """Increasing, seeded (the same load for every mode), and at about the asked rate."""
+    arrival_times = load_bench_serve(monkeypatch).arrival_times
 
     times = arrival_times(50.0, 5000, seed=3)
     assert times == arrival_times(50.0, 5000, seed=3) and times != arrival_times(50.0, 5000, 4)
