@@ -100,10 +100,12 @@ def test_graphed_rounds_emit_what_the_synchronous_step_emits(
 def test_requests_join_graphed_rounds_without_a_drain(
     model_dir, dirs, prompts, drafter, method, temperature
 ):
-    """Six requests through two slots (max_num_seqs = 2, prompts chunked at 8 tokens): each
-    later one joins the running graphed rounds (its prefill in overlapped steps between two
-    rounds, then a finished request's slot) and the tokens are the synchronous step's, and
-    plain decoding's for coupled and greedy."""
+    """Six requests through two slots (max_num_seqs = 2, prompts chunked at 8 tokens): later
+    ones join the running graphed rounds (their prefill in overlapped steps between two rounds,
+    then a finished request's slot) while at least as many wait as the rounds run (the burst
+    rule: fewer take a joining visit), and the tokens are the synchronous step's, and plain
+    decoding's for coupled and greedy. (How many join depends on when requests finish: 2 to 4
+    on an H100 in s31.)"""
     spec = spec_for(drafter, dirs, method)
     params = [
         SamplingParams(temperature=temperature, max_tokens=16 + 2 * i, ignore_eos=True, seed=40 + i)
@@ -115,7 +117,7 @@ def test_requests_join_graphed_rounds_without_a_drain(
     graphed, llm = generate(model_dir, prompts, params, spec, async_scheduling=True, **args)
     assert graphed == sync == plain
     loop = llm.get_metrics()["loop"]
-    assert loop["num_round_joins"] >= 3 and loop["num_graph_rounds"] == loop["num_device_rounds"]
+    assert loop["num_round_joins"] >= 1 and loop["num_graph_rounds"] == loop["num_device_rounds"]
 
 
 @pytest.mark.parametrize("drafter", ["eagle", "dspark"])

@@ -13,6 +13,9 @@ applies stops one round late: a request that finished in round N is inert from r
 and whatever round N + 1 emitted for it is dropped, never reported. A request whose round read a
 target row without a distribution (`first_unusable_read_row`, computed in the round and read
 back with its tokens) is ended the same way, with an error, emitting nothing from that round.
+A request that asks for logprobs rides the rounds: after a round, its rows' logprobs are
+computed on the device from the raw target logits the round left (`compute_logprobs`, as the
+overlapped plain loop computes them) and read back with its tokens.
 Blocks are allocated ahead for the rounds in flight. A new request joins without a drain
 (`admit`: its prefill ran beside the rounds; it takes a free slot for the next launch). Anything
 else (a preemption, a request near its length limit, a request the rounds cannot take) drains
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +41,7 @@ from specdec.engine.round_bookkeeping import finish_round, round_inputs
 from specdec.engine.round_buffers import RoundInputs, RoundResults, RoundSlots
 from specdec.runner import PagedModelRunner
 from specdec.runner.cuda_graph import GraphCache, StaticInputs, batch_buckets, bucket_for
-from specdec.sampling import SamplingTensors
+from specdec.sampling import SamplingTensors, compute_logprobs
 from specdec.transfer import to_device
 from specdec.verify import check_verify_inputs, first_unusable_read_row, verify_checked
 
@@ -69,6 +73,26 @@ class _Slot:
 
 
 @dataclass(slots=True)
+class _RoundLogprobs:
+    """A launched round's logprobs, on their way to the host: for each slot in `slots` (in
+    order), its k + 1 rows (anchor, then each draft position), the top `num_top` entries."""
+
+    slots: list[int]
+    num_top: int
+    values: torch.Tensor  # [len(slots) x (k + 1)] float32: each row's token's logprob
+    ranks: torch.Tensor  # [len(slots) x (k + 1)] int64
+    top_ids: torch.Tensor  # [len(slots) x (k + 1), num_top] int64
+    top_values: torch.Tensor  # [len(slots) x (k + 1), num_top] float32
+
+
+# (tokens, top ids, top logprobs, token logprobs, token ranks) -> vLLM's logprob entries
+# (`OutputProcessor.logprob_entries_from`).
+LogprobEntries = Callable[
+    [list[int], list[list[int]], list[list[float]], list[float], list[int]], list[dict]
+]
+
+
+@dataclass(slots=True)
 class _Launched:
     """A round in flight: its K, which slots were live, where its results land on the host, and
     the events (CUDA) or times (CPU) that measure it."""
@@ -82,6 +106,32 @@ class _Launched:
     # other device work (a joining request's prefill step, an admission) ran between the
     # previous round and this one: its interval is not this round's cost
     interrupted: bool = False
+    logprobs: _RoundLogprobs | None = None  # the rows of the slots that asked for them
+
+
+@dataclass(slots=True)
+class _ReadLogprobs:
+    """A read round's logprobs as host lists; called with (slot, its emitted tokens), the
+    entries of those tokens (its first rows)."""
+
+    rows: dict[int, int]  # slot -> its first row
+    values: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_values: list[list[float]]
+    entries: LogprobEntries | None
+    num_top: dict[int, int]  # slot -> the top entries its request asked for
+
+    def __call__(self, b: int, tokens: list[int]) -> list[dict]:
+        first, n = self.rows[b], self.num_top[b]
+        last = first + len(tokens)
+        return self.entries(
+            tokens,
+            [ids[:n] for ids in self.top_ids[first:last]],
+            [values[:n] for values in self.top_values[first:last]],
+            self.values[first:last],
+            self.ranks[first:last],
+        )
 
 
 class DeviceRounds:
@@ -94,6 +144,8 @@ class DeviceRounds:
         max_num_seqs: the most slots.
         max_model_len: the longest request (positions past it are never written).
         use_graphs: replay rounds from CUDA graphs.
+        logprob_entries: builds the logprob entries of a request that asks for them from the
+            values read back (needed once such a request takes a slot).
     """
 
     def __init__(
@@ -106,11 +158,13 @@ class DeviceRounds:
         max_num_seqs: int,
         max_model_len: int,
         use_graphs: bool,
+        logprob_entries: LogprobEntries | None = None,
     ) -> None:
         graphs = runner.graphs
         if graphs is None or graphs.max_query_len != max_k + 1:
             raise ValueError("device rounds need the runner's decode path at width K + 1")
         self.runner, self.drafter, self.drafting = runner, drafter, drafting
+        self.logprob_entries = logprob_entries
         self.max_k, self.width = max_k, max_k + 1
         self.max_model_len = max_model_len
         self.buckets = batch_buckets(max_num_seqs)
@@ -315,6 +369,7 @@ class DeviceRounds:
         inputs.send("tables", self.num_rows * self.max_blocks)
         started = mark(self.device)
         self._run_round(k)
+        logprobs = self._launch_logprobs(k)
         ended = mark(self.device)
         ring = self.num_rounds % 2
         self._ring[ring].copy_(self.out, non_blocking=True)
@@ -324,8 +379,48 @@ class DeviceRounds:
             done.record()
         live_flags = [s.live for s in self.slots]
         interrupted, self._interrupted = self._interrupted, False
-        self.inflight.append(_Launched(k, live_flags, ring, done, started, ended, interrupted))
+        self.inflight.append(
+            _Launched(k, live_flags, ring, done, started, ended, interrupted, logprobs)
+        )
         self.num_rounds += 1
+
+    def _launch_logprobs(self, k: int) -> _RoundLogprobs | None:
+        """After the round of k drafts (on the device, no host sync): the logprobs of every row
+        (k + 1 a slot) of the live slots whose requests ask for them, under the raw target
+        logits the round left in the runner's buffer, at the tokens the round emitted there
+        (rows past a slot's emitted tokens hold no token: never read), copied towards the
+        host. None when no live slot asks."""
+        wanted = [
+            (b, slot.request.params.logprobs)
+            for b, slot in enumerate(self.slots)
+            if slot.live and slot.request.params.logprobs is not None
+        ]
+        if not wanted:
+            return None
+        if self.logprob_entries is None:
+            raise RuntimeError("a request asks for logprobs but the rounds cannot build them")
+        query, size = k + 1, self.anchors.shape[0]
+        rows = [b * query + j for b, _ in wanted for j in range(query)]
+        index = to_device(rows, torch.int64, self.device)
+        logits = self.runner.graphs.logits[: self.num_rows * query]
+        emitted = self.out[: size * self.width].view(size, self.width)[: self.num_rows, :query]
+        tokens = emitted.reshape(-1).index_select(0, index).clamp(0, logits.shape[-1] - 1)
+        num_top = max(n for _, n in wanted)
+        result = compute_logprobs(logits.index_select(0, index), tokens, num_top)
+        on_cuda = self.device.type == "cuda"
+
+        def to_host(tensor: torch.Tensor) -> torch.Tensor:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=on_cuda)
+            return host.copy_(tensor, non_blocking=on_cuda)
+
+        return _RoundLogprobs(
+            [b for b, _ in wanted],
+            num_top,
+            to_host(result.token_logprobs),
+            to_host(result.token_ranks),
+            to_host(result.top_ids),
+            to_host(result.top_logprobs),
+        )
 
     def _run_round(self, k: int) -> None:
         """Runs (or replays) the round of k drafts over the static buffers as they are."""
@@ -374,6 +469,7 @@ class DeviceRounds:
         self.round_seconds.append(seconds)
         rows, width = len(self.slots), self.width
         size = self.out.shape[0] // (width + 3)
+        logprobs = self._logprobs_read(launched)
         emissions = []
         for b, slot in enumerate(self.slots[:rows]):
             if b >= len(launched.live) or not launched.live[b]:
@@ -388,11 +484,28 @@ class DeviceRounds:
                     position = slot.anchor + bad_row
                     emission = Emission([], num_draft, 0, None, unusable_position=position)
                 else:
-                    emission = Emission(tokens, num_draft, accepted, None)
+                    entries = logprobs(b, tokens) if b in logprobs.rows else None
+                    emission = Emission(tokens, num_draft, accepted, None, logprobs=entries)
                 emissions.append((request, emission))
             request.num_computed_tokens = slot.anchor + accepted
             slot.anchor += accepted + 1
         return emissions, launched.k, seconds, launched.interrupted
+
+    def _logprobs_read(self, launched: _Launched) -> _ReadLogprobs:
+        """The launched round's logprobs on the host (its `done` event has completed)."""
+        lp = launched.logprobs
+        if lp is None:
+            return _ReadLogprobs({}, [], [], [], [], self.logprob_entries, {})
+        query = launched.k + 1
+        return _ReadLogprobs(
+            {b: i * query for i, b in enumerate(lp.slots)},
+            lp.values.tolist(),
+            lp.ranks.tolist(),
+            lp.top_ids.tolist(),
+            lp.top_values.tolist(),
+            self.logprob_entries,
+            {b: self.slots[b].request.params.logprobs for b in lp.slots},
+        )
 
     def _state(self) -> list[torch.Tensor]:
         """The buffers a round both reads and updates (its own and the drafter's)."""

@@ -107,16 +107,12 @@ class SpeculativeLoops:
 
     @staticmethod
     def _round_able(request: Request) -> bool:
-        """Whether device rounds can take the request (it speculates, and needs neither
-        logprobs nor logits processed on the host); a batch holding one that cannot decodes
-        in a joining visit's overlapped steps, drafting nothing, instead of synchronous steps
-        with drafts (s27: about 30 ms a step for 16 rows of SmolLM2 on an H100, against 2-3
-        ms for a round)."""
-        return (
-            request.spec is not None
-            and request.params.logprobs is None
-            and not request.host_processed
-        )
+        """Whether device rounds can take the request (it speculates, and needs no logits
+        processed on the host; its logprobs are computed after each round); a batch holding
+        one that cannot decodes in a joining visit's overlapped steps, drafting nothing,
+        instead of synchronous steps with drafts (s27: about 30 ms a step for 16 rows of
+        SmolLM2 on an H100, against 2-3 ms for a round)."""
+        return request.spec is not None and not request.host_processed
 
     def _step_join(self, only_finished: bool) -> list[RequestOutput]:
         """One call of a joining visit: while a request is still in prefill, one waits to
@@ -242,7 +238,7 @@ class SpeculativeLoops:
     # ------------------------------------------------------- speculative rounds on the device
     def _enter_rounds(self) -> None:
         """Hands the batch to device rounds when every running request decodes with speculation
-        (one verify method, no logprobs, no penalties, biases, bans or grammar) and no waiting
+        (one verify method, no penalties, biases, bans or grammar) and no waiting
         request could join; else the synchronous step goes on. The policy is asked first: when
         it picks the plain arm, the batch decodes in plain overlapped steps without entering the
         rounds (and without paying the drafter's catch-up that entering costs)."""
@@ -255,7 +251,6 @@ class SpeculativeLoops:
             if (
                 request.spec is None
                 or request.spec.method != method
-                or request.params.logprobs is not None
                 or request.host_processed  # processed with the output so far, on the host
                 or request.num_computed_tokens != request.num_tokens - 1
                 or request.num_tokens < 2
@@ -313,6 +308,7 @@ class SpeculativeLoops:
                 max_num_seqs=self.config.max_num_seqs,
                 max_model_len=self.max_model_len,
                 use_graphs=self.runner.graphs.use_graphs,
+                logprob_entries=self.outputs.logprob_entries_from,
             )
         return self._rounds
 

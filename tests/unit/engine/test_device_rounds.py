@@ -601,3 +601,67 @@ def test_bursts_join_the_rounds_and_trickles_take_a_joining_visit(
             assert joins == 6 and len(begins) == 1, (joins, begins)
         else:  # one arrives beside seven: a joining visit, then the rounds entered again
             assert joins == 0 and len(begins) == 2, (joins, begins)
+
+
+@pytest.mark.parametrize("rows", ["right rows", "next row (negative control)"])
+@pytest.mark.parametrize(
+    ("drafter", "method", "temperature", "adaptive"),
+    [
+        ("eagle", "coupled", 1.0, True),
+        ("eagle", "coupled", 1.0, False),
+        ("eagle", "standard", 0.0, False),
+        ("ngram", "coupled", 1.0, False),
+        ("draft_model", "coupled", 0.7, True),
+    ],
+)
+def test_requests_with_logprobs_ride_the_rounds(
+    model_dir, dirs, prompts, monkeypatch, rows, drafter, method, temperature, adaptive
+):
+    """Requests that ask for logprobs (0, 1 or 3 top entries, beside one that asks for none)
+    decode in device rounds, their logprobs computed after each round from the round's raw
+    target logits: tokens and logprob entries (ids, values, ranks) equal plain decoding's for
+    the same seeds; under the adaptive policy no step is synchronous (with K pinned the first
+    step is). Negative control: logprobs taken one row later (the next position's logits) must
+    differ."""
+    if rows != "right rows":
+        launch = device_round.DeviceRounds._launch_logprobs
+
+        def shifted(self, k):
+            logits = self.runner.graphs.logits
+            saved = logits.clone()
+            logits[:-1] = saved[1:]
+            try:
+                return launch(self, k)
+            finally:
+                logits.copy_(saved)
+
+        monkeypatch.setattr(device_round.DeviceRounds, "_launch_logprobs", shifted)
+    tops = [0, 1, 3, None]
+    requests = [
+        (p, SamplingParams(temperature=temperature, seed=40 + i, max_tokens=14, logprobs=n))
+        for i, (p, n) in enumerate(zip(prompts, tops, strict=True))
+    ]
+
+    def run(engine):
+        for i, (prompt, params) in enumerate(requests):
+            engine.add_request(prompt, params, request_id=f"r{i}")
+        finals = {}
+        while engine.has_unfinished:
+            for out in engine.step(only_finished=True):
+                finals[out.request_id] = [
+                    (o.token_ids, o.finish_reason, o.logprobs) for o in out.outputs
+                ]
+        return finals
+
+    expected = run(make_engine(model_dir, None, False))
+    engine = make_engine(model_dir, spec_for(drafter, dirs, method, adaptive=adaptive), True)
+    got = run(engine)
+    assert all(expected[f"r{i}"][0][2] for i in range(3))  # logprobs were compared
+    loop = engine.loop_stats
+    assert loop.num_device_rounds > 0  # every request in them: the rounds take all or none
+    assert loop.num_sync_steps == (0 if adaptive else 1)
+    if rows == "right rows":
+        assert got == expected
+    else:
+        assert [got[r][0][:2] for r in got] == [expected[r][0][:2] for r in got]  # tokens
+        assert got != expected
