@@ -178,22 +178,33 @@ class OverlappedLoop:
         decodes = [not share.request.in_prefill for share in scheduled]  # before the commit
         features = deliveries = None
         prompt = []
-        if decode_only and not joining:
-            layers = self.drafter.feature_layers if plain_arm else ()
+        # An engine with a drafter runs every step with the drafter's feature layers (the
+        # graphs its warm-up captured), keeping the features only where a drafter reads them.
+        layers = () if self.drafter is None else self.drafter.feature_layers
+        kept = plain_arm or joining
+        if decode_only:
+            # the decode graph, its features stacked [B, F]: one copy a step, not one a row
             rows, features = self.runner.run_rows_with_features(
                 inputs, layers, first_tokens, min_rows=self._plain_rows if plain_arm else 0
             )
             if features is not None:
-                features = features.clone()  # a static buffer's view: the next step overwrites
+                # a static buffer's view: the next step overwrites it
+                features = features.clone() if kept else None
+            if joining and features is not None:
+                deliveries = [
+                    (share.request, step_input.start, features[i : i + 1])
+                    for i, (share, step_input) in enumerate(zip(scheduled, inputs, strict=True))
+                    if share.request.spec is not None
+                ]
+                features = None
         elif plain_arm:
             raise RuntimeError("the plain arm's steps are decode rows only")
         else:
-            layers = self.drafter.feature_layers if joining else ()
             graphed = self.runner.num_graphed_prefill_steps
             logits, per_input = self.runner.run_with_features(inputs, layers, first_tokens)
             graphed = self.runner.num_graphed_prefill_steps - graphed
             self.loop_stats.num_graphed_prefill_steps += graphed
-            if per_input:  # views of static buffers: the next step overwrites them
+            if per_input and joining:  # views of static buffers: the next step overwrites them
                 deliveries = [
                     (share.request, step_input.start, rows.clone())
                     for share, step_input, rows in zip(scheduled, inputs, per_input, strict=True)
