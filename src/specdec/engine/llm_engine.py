@@ -211,6 +211,8 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
         self._in_join = False
         # The policy's plain arm: plain overlapped steps of speculative requests (`_step_plain`).
         self._in_plain = False
+        # The overlapped plain loop of a batch in which nothing speculates (`_step_unspeculated`).
+        self._in_unspeculated = False
         self._plain_chosen = False  # the policy chose PLAIN: drain the rounds, then go plain
         self._next_k: int | None = None  # a K chosen in plain mode for the next device round
         self._plain_rows = 0  # the rows of the rounds a plain visit left (its steps pad to them)
@@ -505,12 +507,17 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
         reports."""
         if self.async_scheduling and self.drafter is None:
             return self._step_async(only_finished)
+        if self._in_unspeculated:
+            return self._step_unspeculated(only_finished)
         if self._in_join:
             return self._step_join(only_finished)
         if self._in_plain:
             return self._step_plain(only_finished)
         if self._in_rounds:
             return self._step_rounds(only_finished)
+        if self._unspeculated():
+            self._in_unspeculated = True
+            return self._step_unspeculated(only_finished)
         scheduled = self._schedule()
         if not scheduled:
             return []
@@ -525,6 +532,25 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
         if self.device_rounds:
             self._enter_rounds()
         return outputs
+
+    def _unspeculated(self) -> bool:
+        """Whether the engine with a drafter runs the overlapped plain loop as an engine
+        without one does: asynchronous scheduling, and no running or waiting request
+        speculates (speculation switched off for each), so no drafter needs their features."""
+        scheduler = self.scheduler
+        return self.async_scheduling and not any(
+            r.spec is not None for r in itertools.chain(scheduler.running, scheduler.waiting)
+        )
+
+    def _step_unspeculated(self, only_finished: bool) -> list[RequestOutput]:
+        """One call of the overlapped plain loop for a batch in which nothing speculates
+        (`_unspeculated`); once a request that speculates is running or waiting, the step in
+        flight is read and the next call takes the engine's speculative paths."""
+        if self._unspeculated():
+            return self._step_async(only_finished)
+        self._in_unspeculated = False
+        inflight, self._inflight = self._inflight, None
+        return self._resolve(inflight, only_finished) if inflight is not None else []
 
     def _run_step(
         self, scheduled: list[ScheduledRequest], only_finished: bool

@@ -665,3 +665,44 @@ def test_requests_with_logprobs_ride_the_rounds(
     else:
         assert [got[r][0][:2] for r in got] == [expected[r][0][:2] for r in got]  # tokens
         assert got != expected
+
+
+def test_a_batch_that_does_not_speculate_takes_the_plain_loop(model_dir, dirs, prompts):
+    """An engine with a drafter whose requests all switch speculation off runs the overlapped
+    plain loop as an engine without one does: no synchronous step, no joining visit, no target
+    features for the drafter. A request that speculates, arriving later, makes the step in
+    flight be read and the engine take its speculative paths (rounds). Tokens equal plain
+    decoding's (coupled) throughout."""
+    requests = [
+        (p, SamplingParams(temperature=1.0, seed=70 + i, max_tokens=16, ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
+
+    def run(engine, speculating=(), late=()):
+        steps, finals = 0, {}
+        for i, (prompt, params) in enumerate(requests):
+            if i not in late:
+                on = {"enabled": i in speculating}
+                engine.add_request(prompt, params, request_id=f"r{i}", speculative=on)
+        while engine.has_unfinished:
+            steps += 1
+            if steps == 5:
+                for i in late:
+                    engine.add_request(*requests[i], request_id=f"r{i}")
+            for out in engine.step(only_finished=True):
+                finals[out.request_id] = [o.token_ids for o in out.outputs]
+        return finals
+
+    expected = run(make_engine(model_dir, None, True))
+    engine = make_engine(model_dir, spec_for("eagle", dirs, "coupled", adaptive=True), True)
+    observed = []
+    observe = engine.drafter.observe
+    engine.drafter.observe = lambda features: (observed.append(features), observe(features))
+    assert run(engine) == expected
+    loop = engine.loop_stats
+    assert loop.num_sync_steps == 0 and loop.num_device_rounds == 0
+    assert loop.num_overlapped_steps > 0 and not observed
+
+    engine = make_engine(model_dir, spec_for("eagle", dirs, "coupled", adaptive=True), True)
+    assert run(engine, speculating={3}, late={3}) == expected
+    assert engine.loop_stats.num_device_rounds > 0  # the late request speculated
