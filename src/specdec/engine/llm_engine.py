@@ -533,25 +533,6 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
             self._enter_rounds()
         return outputs
 
-    def _unspeculated(self) -> bool:
-        """Whether the engine with a drafter runs the overlapped plain loop as an engine
-        without one does: asynchronous scheduling, and no running or waiting request
-        speculates (speculation switched off for each), so no drafter needs their features."""
-        scheduler = self.scheduler
-        return self.async_scheduling and not any(
-            r.spec is not None for r in itertools.chain(scheduler.running, scheduler.waiting)
-        )
-
-    def _step_unspeculated(self, only_finished: bool) -> list[RequestOutput]:
-        """One call of the overlapped plain loop for a batch in which nothing speculates
-        (`_unspeculated`); once a request that speculates is running or waiting, the step in
-        flight is read and the next call takes the engine's speculative paths."""
-        if self._unspeculated():
-            return self._step_async(only_finished)
-        self._in_unspeculated = False
-        inflight, self._inflight = self._inflight, None
-        return self._resolve(inflight, only_finished) if inflight is not None else []
-
     def _run_step(
         self, scheduled: list[ScheduledRequest], only_finished: bool
     ) -> list[RequestOutput]:

@@ -9,6 +9,7 @@ flight) it uses.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +71,25 @@ class OverlappedLoop:
         if scheduled:
             self._inflight = self._launch(scheduled, None)
         return []
+
+    def _unspeculated(self) -> bool:
+        """Whether the engine with a drafter runs the overlapped plain loop as an engine
+        without one does: asynchronous scheduling, and no running or waiting request
+        speculates (speculation switched off for each), so no drafter needs their features."""
+        scheduler = self.scheduler
+        return self.async_scheduling and not any(
+            r.spec is not None for r in itertools.chain(scheduler.running, scheduler.waiting)
+        )
+
+    def _step_unspeculated(self, only_finished: bool) -> list[RequestOutput]:
+        """One call of the overlapped plain loop for a batch in which nothing speculates
+        (`_unspeculated`); once a request that speculates is running or waiting, the step in
+        flight is read and the next call takes the engine's speculative paths."""
+        if self._unspeculated():
+            return self._step_async(only_finished)
+        self._in_unspeculated = False
+        inflight, self._inflight = self._inflight, None
+        return self._resolve(inflight, only_finished) if inflight is not None else []
 
     def _schedule_ahead(self) -> list[ScheduledRequest] | None:
         """The next step's shares while a step is in flight (None: read that step first):
