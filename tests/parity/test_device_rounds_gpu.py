@@ -206,7 +206,7 @@ def test_eagle_rounds_past_split_kv_length_emit_the_synchronous_tokens(
 
 @pytest.mark.parametrize("drafter", ["eagle", "ngram"])
 @pytest.mark.parametrize("adaptive", [False, True])
-def test_graphed_rounds_carry_logprobs(model_dir, dirs, prompts, drafter, adaptive):
+def test_graphed_rounds_carry_logprobs(model_dir, prompts, request, drafter, adaptive):
     """Requests that ask for logprobs (0, 1, 3 top entries; one asks for none) ride the graphed
     rounds: coupled tokens, logprob ids and ranks equal plain decoding's exactly; logprob values
     within 1e-5 (the tiny float model's cuBLAS products may give a row's logits other last bits
@@ -216,6 +216,7 @@ def test_graphed_rounds_carry_logprobs(model_dir, dirs, prompts, drafter, adapti
         SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=60 + i, logprobs=n)
         for i, n in enumerate(tops)
     ]
+    dirs = request.getfixturevalue("dirs") if drafter == "eagle" else {}  # trains a head
     spec = spec_for(drafter, dirs, "coupled", adaptive=adaptive)
 
     def run(spec, **kwargs):
