@@ -77,3 +77,26 @@ def test_no_graph_is_captured_after_warm_up(target, tiny):
     assert sum(captured(cold).values()) > 0
     assert cold.graphs_after_warm_up > 0
     assert graph_keys(cold) <= warmed
+
+
+def test_a_grammar_compiles_nothing_after_warm_up(tiny):
+    """The built-in model as `specdec serve` builds it: after the warm-up, requests with a JSON
+    schema (plain and speculative) compile no Triton kernel variant: the grammar bitmask
+    kernel's variant for the vocabulary is compiled by the warm-up (s31 found it compiled under
+    traffic). (Vacuous if an earlier test of this process compiled that variant: Triton keeps
+    it for the process; run this file alone to make it count.)"""
+    from specdec.sampling import SamplingParams
+    from specdec.sampling.structured import StructuredOutputsParams
+
+    engine, vocab_size, _ = engine_for("builtin", tiny)
+    engine.warm_up(progress=False)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    for i, speculative in enumerate((None, {"enabled": False})):
+        params = SamplingParams(
+            max_tokens=16, seed=i, structured_outputs=StructuredOutputsParams(json=schema)
+        )
+        prompt = prompt_tokens(vocab_size, [12], seed=i)[0]
+        engine.add_request(prompt, params, request_id=f"g{i}", speculative=speculative)
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.triton_compiles_after_warm_up == {}

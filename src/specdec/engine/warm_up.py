@@ -21,7 +21,9 @@ key traffic would build (a key is never spelled out here):
   nothing is captured there, but each Triton variant compiles now rather than under traffic
   (counted after the warm-up by `specdec:triton_compiles_after_warm_up`);
 - the drafter's own graphs and eager steps (`Drafter.warm_up`: the EAGLE head's steps and its
-  prompt catch-up; a draft model's own runner still captures on first use).
+  prompt catch-up; a draft model's own runner still captures on first use);
+- on CUDA, the grammar bitmask kernel once over one row of the vocabulary (its one variant for
+  this vocabulary: the first request with a grammar compiled it under traffic, s31).
 Dummy requests through the scheduler were the other way; they were not taken because the
 speculation policy would then measure capture times as step costs, and would pick the Ks it
 visits. No request, request state, seed or stream exists during the warm-up, so no request's
@@ -47,6 +49,8 @@ from specdec.models.row_classes import eager_row_counts
 from specdec.models.split_kv import split_when_seen
 from specdec.runner import StepInput
 from specdec.runner.cuda_graph import GraphCache, batch_buckets
+from specdec.sampling.bitmask import apply_bitmask
+from specdec.sampling.grammar import bitmask_words
 
 # The block every warm-up row writes its K/V into (any block will do: all are free).
 WARM_UP_BLOCK = 0
@@ -120,6 +124,7 @@ def warm_up(engine: Any, *, force: bool = False, progress: bool | None = None) -
         return WarmUpReport(0, 0, 0.0, skipped=reason)
     started = time.perf_counter()
     steps = _decode_steps(engine) + _round_steps(engine) + _eager_steps(engine)
+    steps += _mask_steps(engine)
     caches = _caches(engine)
     before = sum(len(cache.graphs) for cache in caches)
     if progress is None:
@@ -230,6 +235,23 @@ def _eager_steps(engine: Any) -> list[Callable[[], None]]:
                 inputs = [row(n, n if all_rows else 1) for n in split]
                 steps.append(lambda inputs=inputs: runner.run_with_features(inputs, layers))
     return steps
+
+
+def _mask_steps(engine: Any) -> list[Callable[[], None]]:
+    """On CUDA, one call of the grammar bitmask kernel as a constrained step makes it (float32
+    rows of the vocabulary, one int32 mask word per 32 tokens), every token allowed; none
+    elsewhere (the CPU masks in PyTorch)."""
+    device = engine.device
+    if device.type != "cuda":
+        return []
+    vocab = engine.model_config.vocab_size
+
+    def step() -> None:
+        logits = torch.zeros(1, vocab, dtype=torch.float32, device=device)
+        bitmask = torch.full((1, bitmask_words(vocab)), -1, dtype=torch.int32, device=device)
+        apply_bitmask(logits, bitmask, torch.zeros(1, dtype=torch.int64, device=device))
+
+    return [step]
 
 
 def _round_steps(engine: Any) -> list[Callable[[], None]]:
