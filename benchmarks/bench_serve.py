@@ -265,16 +265,9 @@ async def drive(
     return [r if isinstance(r, RequestResult) else repr(r) for r in outcomes], ended
 
 
-def _drive_in_process(
-    args: argparse.Namespace,
-    indices: list[int],
-    arrivals: list[float],
-    limit: int,
-    spec: bool,
-    start_at: float,
-) -> tuple[list[RequestResult | str], float]:
-    """`drive` in a client process of its own (`run_level`)."""
-    return asyncio.run(drive(args, indices, arrivals, limit, spec, start_at))
+def _drive_in_process(*args) -> tuple[list[RequestResult | str], float]:
+    """`drive(*args)` in a client process of its own (`run_level`)."""
+    return asyncio.run(drive(*args))
 
 
 def run_level(
