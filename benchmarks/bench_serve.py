@@ -647,6 +647,14 @@ def engine_counters(metrics: str) -> dict[str, float]:
     return counters
 
 
+def level_modes(args: argparse.Namespace) -> tuple[bool, ...]:
+    """The levels' modes in order (False: plain requests, True: spec): both, or one with
+    --plain-only / --spec-only."""
+    if args.plain_only:
+        return (False,)
+    return (True,) if args.spec_only else (False, True)
+
+
 def run(
     args: argparse.Namespace, modes: tuple[bool, ...] = (False, True)
 ) -> tuple[dict, list[LevelResult]]:
@@ -808,6 +816,11 @@ def main() -> None:
         help="plain requests only (a --url server started with --no-spec refuses spec ones)",
     )
     load.add_argument(
+        "--spec-only",
+        action="store_true",
+        help="speculative requests only (a --url server, profiled under the spec level alone)",
+    )
+    load.add_argument(
         "--no-spec-server",
         action="store_true",
         help="also the plain levels against a second server started with --no-spec (needs "
@@ -842,6 +855,8 @@ def main() -> None:
         parser.error("--no-spec-server needs --serve (the model its second server loads)")
     if args.plain_only and (args.no_spec_server or args.serve is not None):
         parser.error("--plain-only is for a --url server started with --no-spec")
+    if args.spec_only and (args.plain_only or args.serve is not None):
+        parser.error("--spec-only is for a --url server, and not with --plain-only")
     if args.generate and args.rules != "none":
         parser.error("--generate runs requests without rules: not with --rules mixed")
     if args.request_rate and any(rate <= 0 for rate in args.request_rate):
@@ -857,7 +872,7 @@ def main() -> None:
     out_json.parent.mkdir(parents=True, exist_ok=True)
     server = start_server(args, out_json.parent / "server.log") if args.serve else None
     try:
-        meta, levels = run(args, modes=(False,) if args.plain_only else (False, True))
+        meta, levels = run(args, modes=level_modes(args))
     finally:
         if server is not None:
             stop_server(server)

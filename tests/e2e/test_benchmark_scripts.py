@@ -243,6 +243,23 @@ def test_client_processes_follow_the_streams_in_flight(monkeypatch):
     assert count(argparse.Namespace(client_processes=8), 2, 2) == 2
 
 
+def test_spec_only_runs_the_spec_levels_of_a_url_server(monkeypatch):
+    """--spec-only (a --url server profiled under its spec levels alone) and --plain-only pick
+    the levels' modes; --spec-only with --serve is refused by name."""
+    bench_serve = load_bench_serve(monkeypatch)
+    modes = [
+        bench_serve.level_modes(argparse.Namespace(plain_only=plain, spec_only=spec))
+        for plain, spec in ((False, False), (True, False), (False, True))
+    ]
+    assert modes == [(False, True), (False,), (True,)]
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_serve.py"), "--spec-only", "--serve", "x"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "--spec-only is for a --url server" in done.stderr
+
+
 def test_arrival_times_are_a_seeded_poisson_process(monkeypatch):
     """Increasing, seeded (the same load for every mode), and at about the asked rate."""
     arrival_times = load_bench_serve(monkeypatch).arrival_times
