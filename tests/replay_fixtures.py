@@ -131,8 +131,8 @@ def spy_schedule(engine: LLMEngine) -> StepLog:
         record(out.scheduled)
         return out
 
-    def spy_ahead(hold):
-        scheduled = schedule_ahead(hold)
+    def spy_ahead(hold, admit=True):
+        scheduled = schedule_ahead(hold, admit)
         if scheduled is not None:
             record(scheduled)
         return scheduled

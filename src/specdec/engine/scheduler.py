@@ -157,14 +157,14 @@ class Scheduler:
             budget -= share.num_query_tokens
         return admitted
 
-    def schedule_ahead(self, hold: set[int]) -> list[ScheduledRequest] | None:
+    def schedule_ahead(self, hold: set[int], admit: bool = True) -> list[ScheduledRequest] | None:
         """`schedule` for a step launched before the previous one is read (asynchronous
         scheduling): the running requests whose id() is in `hold` (their last token, still on
         the device, ends them) get no share, and nothing is preempted: None, with nothing
         changed, when a running request's share does not fit the free blocks (the caller reads
         the step in flight first and schedules as usual). Waiting requests are admitted as
-        `schedule` admits them. Mutates (when not None): queues, request.status,
-        request.block_ids."""
+        `schedule` admits them (`admit`: False admits none). Mutates (when not None): queues,
+        request.status, request.block_ids."""
         budget = self.config.max_num_batched_tokens
         allocator = self.allocator
         shares: list[ScheduledRequest] = []
@@ -186,7 +186,7 @@ class Scheduler:
         for share in shares:
             request = share.request
             allocator.grow(request, request.num_computed_tokens + share.num_query_tokens)
-        return shares + self._admit(budget)
+        return shares + self._admit(budget) if admit else shares
 
     def schedule_joining(
         self, joining: list[Request], budget: int, accept: Callable[[Request], bool]

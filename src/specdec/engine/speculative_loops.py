@@ -127,10 +127,9 @@ class SpeculativeLoops:
         self._inflight = None
         running = self.scheduler.running
         scheduled = None
-        if self._admission_pending() or any(
-            r.in_prefill or not self._round_able(r) for r in running
-        ):
-            scheduled = self._schedule_ahead()
+        due = self._admission_due()
+        if due or any(r.in_prefill or not self._round_able(r) for r in running):
+            scheduled = self._schedule_ahead(admit=due)
         outputs = self._launch_and_resolve(scheduled, inflight, only_finished, joining=True)
         if self._inflight is None:
             self._in_join = False
@@ -157,7 +156,7 @@ class SpeculativeLoops:
             self._inflight = self._launch(shares, None, plain_arm=True)
             return []
         self._inflight = None
-        if self._can_overlap(inflight):
+        if self._can_overlap(inflight, deferring=True):
             bucket = self._plain_bucket(len(inflight.requests))
             self._visit_steps += 1
             base = self._visit_horizon
@@ -185,7 +184,7 @@ class SpeculativeLoops:
         requests are those of the step in flight and `_can_overlap` passed (each may emit one
         more token; nothing waits), so only the blocks are grown."""
         requests = list(self.scheduler.running)
-        if not requests or self._admission_pending():
+        if not requests or self._admission_due():
             return None
         for request in () if checked else requests:
             if request.status.finished or request.num_computed_tokens != request.num_tokens - 1:
@@ -244,7 +243,7 @@ class SpeculativeLoops:
         rounds (and without paying the drafter's catch-up that entering costs)."""
         scheduler = self.scheduler
         requests = list(scheduler.running)
-        if not requests or self._admission_pending():
+        if not requests or self._admission_due():
             return
         method = requests[0].spec.method if requests[0].spec is not None else None
         for request in requests:
@@ -325,7 +324,7 @@ class SpeculativeLoops:
         k = None
         if (
             not self._plain_chosen
-            and (joining or not self._admission_pending())
+            and (joining or not self._admission_due())
             and rounds.live_requests
         ):
             k = self._next_k

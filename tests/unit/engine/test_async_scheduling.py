@@ -248,8 +248,8 @@ def test_a_cache_that_must_preempt_reads_the_step_in_flight_first(model_dir):
     ahead = engine.scheduler.schedule_ahead
     refused = []
 
-    def spy(hold):
-        scheduled = ahead(hold)
+    def spy(hold, admit=True):
+        scheduled = ahead(hold, admit)
         refused.append(scheduled is None)
         return scheduled
 

@@ -603,6 +603,57 @@ def test_bursts_join_the_rounds_and_trickles_take_a_joining_visit(
             assert joins == 0 and len(begins) == 2, (joins, begins)
 
 
+@pytest.mark.parametrize("max_wait", [3600.0, 0.0])
+def test_trickling_arrivals_gather_before_a_joining_visit(
+    model_dir, dirs, prompts, monkeypatch, max_wait
+):
+    """Beside a running batch of 12, arrivals six steps apart are admitted once one waits per
+    8 running (two at a time here) or the first has waited MAX_ADMISSION_WAIT_S: four arrivals
+    take two joining visits (the rounds entered three times), where admitting each at once
+    (a wait of 0: the control that must differ) takes four. A request waits through steps
+    meanwhile; coupled output equals plain decoding's either way."""
+    from specdec.engine import overlapped_loop
+    from specdec.engine.spec_policy import SpeculationPolicy
+
+    class Scripted(SpeculationPolicy):
+        def _choose(self, bucket, remaining=None, in_rounds=True):
+            return 2
+
+    monkeypatch.setattr(overlapped_loop, "MAX_ADMISSION_WAIT_S", max_wait)
+    begins, waited = [], []
+    begin = device_round.DeviceRounds.begin
+
+    def spy_begin(self, requests):
+        begins.append(len(requests))
+        return begin(self, requests)
+
+    monkeypatch.setattr(device_round.DeviceRounds, "begin", spy_begin)
+    all_prompts = (prompts + [p[::-1] for p in prompts]) * 2
+    requests = [(p, params_for(1.0, 170 + i, max_tokens=60)) for i, p in enumerate(all_prompts)]
+    arrivals = [0] * 12 + [6, 12, 18, 24]
+    args = {"max_num_seqs": 16}
+    expected = drive_arrivals(make_engine(model_dir, None, False, **args), requests, arrivals)
+    engine = make_engine(
+        model_dir, spec_for("eagle", dirs, "coupled", k=2, adaptive=True), True, **args
+    )
+    engine.policy = Scripted(2)
+    step = engine.step
+
+    def spy_step(only_finished=False):
+        waiting = len(engine.scheduler.waiting)
+        outputs = step(only_finished)
+        waited.append(waiting and len(engine.scheduler.waiting) == waiting)
+        return outputs
+
+    engine.step = spy_step
+    assert drive_arrivals(engine, requests, arrivals) == expected
+    assert engine.loop_stats.num_sync_steps == 0
+    if max_wait:
+        assert len(begins) == 3 and any(waited), (begins, waited)
+    else:
+        assert len(begins) == 5, begins
+
+
 @pytest.mark.parametrize("rows", ["right rows", "next row (negative control)"])
 @pytest.mark.parametrize(
     ("drafter", "method", "temperature", "adaptive"),
