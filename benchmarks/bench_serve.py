@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import itertools
 import json
 import multiprocessing
@@ -334,10 +335,25 @@ def run_level(
 
 
 # ------------------------------------------------------- the engine's ceiling
+def server_max_num_seqs(args: argparse.Namespace) -> int:
+    """The started server's max_num_seqs: a --serve-arg=--max-num-seqs=N, else the engine's
+    default."""
+    from specdec.engine.config import EngineConfig
+
+    for flag in args.serve_arg:
+        name, _, value = flag.partition("=")
+        if name == "--max-num-seqs" and value:
+            return int(value)
+    return EngineConfig.__dataclass_fields__["max_num_seqs"].default
+
+
 def generate_levels(args: argparse.Namespace) -> list[LevelResult]:
     """`LLM.chat` on each concurrency level's requests in this process (a closed batch of
-    max_num_seqs = the concurrency, warmed up as the server is), plain and spec: what the
-    engine delivers without the server. Only throughput is measured (NaN latencies)."""
+    max_num_seqs = the concurrency, capped at the server's own max_num_seqs as the server caps
+    the streams it runs at once; warmed up as the server is), plain and spec: what the engine
+    delivers without the server. Only throughput is measured (NaN latencies). (Before s32 the
+    batch was the concurrency uncapped: at c = 256 it ran 256 sequences against the server's
+    64.)"""
     import torch
 
     from specdec import LLM, SamplingParams
@@ -350,7 +366,7 @@ def generate_levels(args: argparse.Namespace) -> list[LevelResult]:
                 model=args.serve,
                 device=args.device,
                 dtype=args.dtype,
-                max_num_seqs=concurrency,
+                max_num_seqs=min(concurrency, server_max_num_seqs(args)),
                 speculative_config=(args.speculative_config or "auto") if spec else None,
                 **(
                     {"max_model_len": args.generate_max_model_len}
@@ -406,7 +422,13 @@ def generate_levels(args: argparse.Namespace) -> list[LevelResult]:
                 )
             )
             print_level(levels[-1])
-            del llm
+            # The next level's engine sizes its KV cache from the memory free then: this one's
+            # (held in reference cycles until collected) must be gone (s32: a second LLM in one
+            # process ran out of memory on an H100 without this).
+            del llm, outputs
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     return levels
 
 

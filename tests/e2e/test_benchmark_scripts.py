@@ -260,6 +260,18 @@ def test_spec_only_runs_the_spec_levels_of_a_url_server(monkeypatch):
     assert done.returncode == 2 and "--spec-only is for a --url server" in done.stderr
 
 
+def test_generate_runs_as_many_sequences_at_once_as_the_server(monkeypatch):
+    """--generate's closed batch is capped at the started server's max_num_seqs (its
+    --serve-arg, else the engine's default), as the server caps the streams it runs."""
+    from specdec.engine.config import EngineConfig
+
+    bench_serve = load_bench_serve(monkeypatch)
+    cap = bench_serve.server_max_num_seqs
+    assert cap(argparse.Namespace(serve_arg=[])) == EngineConfig(model="m").max_num_seqs
+    flags = ["--max-model-len=512", "--max-num-seqs=256"]
+    assert cap(argparse.Namespace(serve_arg=flags)) == 256
+
+
 def test_arrival_times_are_a_seeded_poisson_process(monkeypatch):
     """Increasing, seeded (the same load for every mode), and at about the asked rate."""
     arrival_times = load_bench_serve(monkeypatch).arrival_times
