@@ -206,6 +206,8 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
         # not in a slot yet (their prefill, then a free slot), and their prefill step in flight.
         self._round_joiners: list[Request] = []
         self._round_prefill: Inflight | None = None
+        # Since when a waiting request could have been admitted (`_admission_due`); None: none.
+        self._admissible_since: float | None = None
         # A joining visit: overlapped steps of prefill chunks and undrafted decode rows while
         # requests join an engine with device rounds (`_step_join`).
         self._in_join = False

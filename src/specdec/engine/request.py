@@ -6,7 +6,6 @@ Pure bookkeeping (no tensors, no randomness); the seed is fixed at admission.
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -71,7 +70,6 @@ class Request:
         rules: penalties, biases and bans resolved to token ids (None: none).
         grammar: the structured-output constraint's matcher, following output_token_ids
             (None: unconstrained).
-        arrival_time: `time.monotonic()` when it was queued (how long it has waited).
     """
 
     request_id: str
@@ -89,7 +87,6 @@ class Request:
     num_pending: int = 0
     rules: LogitsRules | None = None
     grammar: GrammarMatcher | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
 
     @property
     def host_processed(self) -> bool:

@@ -384,7 +384,7 @@ class SpeculativeLoops:
             return True
         waiting = self.scheduler.waiting
         return (
-            self._admission_pending()
+            self._admission_due()
             and self._can_join(waiting[0])
             and self._burst(len(waiting), len(self._rounds.live_requests))
         )
@@ -398,7 +398,11 @@ class SpeculativeLoops:
         visit: its mixed steps advance every running row by a token while the prefill runs,
         which paid more than the rounds the admission keeps (s30, H100, the built-in model,
         admission for every arrival against the visit: 5% and 9% fewer tokens/s at c = 16 and
-        64 with requests arriving as others finish, 13% more in a c = 256 burst)."""
+        64 with requests arriving as others finish, 13% more in a c = 256 burst). s32 (H100,
+        one lease, 768 requests a level, arrivals gathered by `_admission_due`): every due
+        arrival joining gave spec / `--no-spec` 0.89x / 0.95x / 0.87x at c = 16 / 64 / 256
+        (256 streams behind max_num_seqs = 64: a queue, so bursts), this rule 0.96x / 1.01x /
+        0.82x: one run each, within the runs' spread of each other."""
         return num_waiting >= num_live
 
     def _can_join(self, request: Request) -> bool:
