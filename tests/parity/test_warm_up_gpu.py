@@ -100,3 +100,25 @@ def test_a_grammar_compiles_nothing_after_warm_up(tiny):
     while engine.has_unfinished:
         engine.step()
     assert engine.triton_compiles_after_warm_up == {}
+
+
+def test_a_plain_engine_compiles_nothing_after_warm_up(tiny):
+    """An engine without speculation (`specdec serve --no-spec`): after the warm-up, sampled
+    requests (a temperature alone, and with top-k / top-p) compile no Triton kernel variant:
+    the sampler's kernels are compiled by the warm-up (s32 found a `--no-spec` server compiling
+    them on its first request). (Vacuous if an earlier test of this process compiled those
+    variants: Triton keeps them for the process; run this test alone to make it count.)"""
+    from specdec.sampling import SamplingParams
+
+    model, _, vocab_size, max_model_len = tiny
+    config = EngineConfig(model=model, max_num_seqs=MAX_NUM_SEQS, max_model_len=max_model_len)
+    engine = LLMEngine(config, None)
+    report = engine.warm_up(progress=False)
+    assert report.skipped is None, report.line()
+    filters = ({}, {"top_k": 20, "top_p": 0.9})
+    for i, extra in enumerate(filters):
+        params = SamplingParams(max_tokens=8, temperature=0.8, seed=i, **extra)
+        engine.add_request(prompt_tokens(vocab_size, [12], seed=i)[0], params)
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.triton_compiles_after_warm_up == {}

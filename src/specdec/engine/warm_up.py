@@ -23,13 +23,16 @@ key traffic would build (a key is never spelled out here):
 - the drafter's own graphs and eager steps (`Drafter.warm_up`: the EAGLE head's steps and its
   prompt catch-up; a draft model's own runner still captures on first use);
 - on CUDA, the grammar bitmask kernel once over one row of the vocabulary (its one variant for
-  this vocabulary: the first request with a grammar compiled it under traffic, s31).
+  this vocabulary: the first request with a grammar compiled it under traffic, s31), and the
+  sampler's kernels as a plain step calls them (a `--no-spec` server compiled them on its first
+  request, s32).
 Dummy requests through the scheduler were the other way; they were not taken because the
 speculation policy would then measure capture times as step costs, and would pick the Ks it
 visits. No request, request state, seed or stream exists during the warm-up, so no request's
 randomness is drawn (the RNG is keyed by request seed and position), and the request counters
-and the policy see nothing. Never samples; where nothing is captured (the CPU, enforce_eager)
-it is skipped unless asked for (tests check the keys it visits through `GraphCache.keys`).
+and the policy see nothing. It samples inert rows only (`_sample_steps`). Where nothing is
+captured (the CPU, enforce_eager) it is skipped unless asked for (tests check the keys it
+visits through `GraphCache.keys`).
 On the CPU the one thing done is to build (once per machine) or load the decode step's C++ loop
 (`models.decode_cpu_native`), which its first step would otherwise do.
 """
@@ -49,6 +52,7 @@ from specdec.models.row_classes import eager_row_counts
 from specdec.models.split_kv import split_when_seen
 from specdec.runner import StepInput
 from specdec.runner.cuda_graph import GraphCache, batch_buckets
+from specdec.sampling import sample
 from specdec.sampling.bitmask import apply_bitmask
 from specdec.sampling.grammar import bitmask_words
 
@@ -124,7 +128,7 @@ def warm_up(engine: Any, *, force: bool = False, progress: bool | None = None) -
         return WarmUpReport(0, 0, 0.0, skipped=reason)
     started = time.perf_counter()
     steps = _decode_steps(engine) + _round_steps(engine) + _eager_steps(engine)
-    steps += _mask_steps(engine)
+    steps += _mask_steps(engine) + _sample_steps(engine)
     caches = _caches(engine)
     before = sum(len(cache.graphs) for cache in caches)
     if progress is None:
@@ -252,6 +256,34 @@ def _mask_steps(engine: Any) -> list[Callable[[], None]]:
         apply_bitmask(logits, bitmask, torch.zeros(1, dtype=torch.int64, device=device))
 
     return [step]
+
+
+def _sample_steps(engine: Any) -> list[Callable[[], None]]:
+    """On CUDA, the sampler's Triton kernels as a plain step calls them (`Emitter.sample_rows`:
+    float32 rows of the vocabulary, a per-row temperature, without filters and with top-k and
+    top-p), over zero logits keyed by seed 0; none elsewhere. A `--no-spec` server compiled
+    them on its first request (s32: `_sample_chunk_kernel`, `_sample_reduce_kernel`); an engine
+    with device rounds compiles them in its rounds' capture too. The RNG is counter-based
+    (keyed by seed and position), so this computes a draw and consumes none."""
+    device = engine.device
+    if device.type != "cuda":
+        return []
+    vocab = engine.model_config.vocab_size
+    rows = 2
+
+    def step(filtered: bool) -> None:
+        logits = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
+        keys = torch.zeros(rows, dtype=torch.int64, device=device)
+        filters = {}
+        if filtered:
+            filters = {
+                "top_k": torch.full((rows,), 20, dtype=torch.int64, device=device),
+                "top_p": torch.full((rows,), 0.9, dtype=torch.float32, device=device),
+            }
+        temperature = torch.ones(rows, dtype=torch.float32, device=device)
+        sample(logits, keys, keys + 1, temperature=temperature, check_values=False, **filters)
+
+    return [lambda: step(False), lambda: step(True)]
 
 
 def _round_steps(engine: Any) -> list[Callable[[], None]]:
