@@ -75,10 +75,10 @@ class _Slot:
 @dataclass(slots=True)
 class _RoundLogprobs:
     """A launched round's logprobs, on their way to the host: for each slot in `slots` (in
-    order), its k + 1 rows (anchor, then each draft position), the top `num_top` entries."""
+    order), its k + 1 rows (anchor, then each draft position), the top entries of the most any
+    of them asked for (each request's own count is cut when read, `_ReadLogprobs`)."""
 
     slots: list[int]
-    num_top: int
     values: torch.Tensor  # [len(slots) x (k + 1)] float32: each row's token's logprob
     ranks: torch.Tensor  # [len(slots) x (k + 1)] int64
     top_ids: torch.Tensor  # [len(slots) x (k + 1), num_top] int64
@@ -415,7 +415,6 @@ class DeviceRounds:
 
         return _RoundLogprobs(
             [b for b, _ in wanted],
-            num_top,
             to_host(result.token_logprobs),
             to_host(result.token_ranks),
             to_host(result.top_ids),
