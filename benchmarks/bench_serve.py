@@ -601,6 +601,7 @@ def markdown(meta: dict, levels: list[LevelResult]) -> str:
                     else " |"
                 )
         lines.append(row)
+    lines += paths_table(meta)
     mixed = [x for x in levels if x.tpot_p50_ms_by_rule]
     if mixed:
         lines += ["", f"Rules ({meta['rules']}): TPOT p50 ms by rule", ""]
@@ -610,6 +611,39 @@ def markdown(meta: dict, levels: list[LevelResult]) -> str:
             cells = " | ".join(f"{tpot.get(rule, float('nan')):.1f}" for rule in RULES)
             lines.append(f"| {x.mode} | {x.label} | {cells} |")
     return "\n".join(lines) + "\n"
+
+
+# The step counters of the paths table: (column, counter); a row's counters as they grew
+PATH_COLUMNS = (
+    ("overlapped steps", "specdec:num_overlapped_steps_total"),
+    ("of them with prefill", "specdec:num_overlapped_prefill_steps_total"),
+    ("device rounds", "specdec:num_device_rounds_total"),
+    ("round joins", "specdec:num_round_joins_total"),
+    ("synchronous steps", "specdec:num_sync_steps_total"),
+    ("plain-arm steps", "specdec:num_plain_arm_steps_total"),
+    ("rows prefill", "specdec:num_rows_total[kind=prefill]"),
+    ("rows plain", "specdec:num_rows_total[kind=plain]"),
+    ("rows speculative", "specdec:num_rows_total[kind=speculative]"),
+)
+
+
+def paths_table(meta: dict) -> list[str]:
+    """Markdown lines: per server level, how its engine ran it (the step counters that level
+    grew: joining visits and joins show as overlapped prefill steps beside device rounds)."""
+    rows = dict(meta.get("engine_counters_by_level") or {})
+    for key, grown in (
+        (meta.get("no_spec_server") or {}).get("engine_counters_by_level") or {}
+    ).items():
+        rows[f"{NO_SPEC_MODE} {key.split(' ', 1)[1]}"] = grown
+    if not rows:
+        return []
+    lines = ["", "Engine paths by level (the server's step counters, as each level grew them)", ""]
+    lines.append("| level | " + " | ".join(name for name, _ in PATH_COLUMNS) + " |")
+    lines.append("|---|" + "---|" * len(PATH_COLUMNS))
+    for level, grown in rows.items():
+        cells = " | ".join(f"{grown.get(counter, 0):.0f}" for _, counter in PATH_COLUMNS)
+        lines.append(f"| {level} | {cells} |")
+    return lines
 
 
 def plot(levels: list[LevelResult], path: Path) -> None:

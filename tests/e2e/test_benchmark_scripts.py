@@ -152,6 +152,8 @@ def test_serve_benchmark_starts_a_server_and_reports(tiny_dir, tmp_path):
     table = (tmp_path / "serve.md").read_text()
     assert "| spec | c=3 | 3 | 0 |" in table and "spec / plain" in table
     assert "server / `LLM.generate`" in table
+    paths = table.split("Engine paths by level")[1]
+    assert "| plain c=1 |" in paths and "| spec c=3 |" in paths
     assert (tmp_path / "serve.png").stat().st_size > 0
     assert "Application shutdown complete" in (tmp_path / "server.log").read_text()
 
