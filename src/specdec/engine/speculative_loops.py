@@ -402,7 +402,7 @@ class SpeculativeLoops:
         one lease, 768 requests a level, arrivals gathered by `_admission_due`): every due
         arrival joining gave spec / `--no-spec` 0.89x / 0.95x / 0.87x at c = 16 / 64 / 256
         (256 streams behind max_num_seqs = 64: a queue, so bursts), this rule 0.96x / 1.01x /
-        0.82x: one run each, within the runs' spread of each other."""
+        0.82x (one run each; the spread between two runs is not known)."""
         return num_waiting >= num_live
 
     def _can_join(self, request: Request) -> bool:
