@@ -16,7 +16,8 @@ TTFT, TPOT and ITL (the gaps between streamed chunks) percentiles; "spec" reques
 
 With `--generate` (and `--serve`), after the server has stopped the same requests run through
 `LLM.chat` in this process, a closed batch per concurrency level (max_num_seqs = the
-concurrency), spec and plain: the engine's ceiling, beside the server's figures.
+concurrency, at most the server's), spec and plain: the engine's ceiling, beside the server's
+figures.
 
 With `--rules mixed` the requests ask in turn for log-probabilities, penalties or a JSON schema
 (`serve_rules.py`; TPOT p50 per rule in the report): run it beside `--rules none` (the default)

@@ -274,6 +274,32 @@ def test_generate_runs_as_many_sequences_at_once_as_the_server(monkeypatch):
     assert cap(argparse.Namespace(serve_arg=flags)) == 256
 
 
+def test_ab_serve_prepares_revisions_and_sets_versions_side_by_side(tmp_path):
+    """ab_serve.py: `prepare` puts a revision's src/ (without the shipped weights) where it
+    can travel; the table puts each version's spec / --no-spec and plain / --no-spec per load
+    side by side."""
+    spec = importlib.util.spec_from_file_location("ab_serve", BENCHMARKS / "ab_serve.py")
+    ab_serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab_serve)
+    if shutil.which("git") is None or not (BENCHMARKS.parent / ".git").exists():
+        pytest.skip("needs the repository's git history")
+    (version,) = ab_serve.prepare(["HEAD"], tmp_path / "ab")
+    assert (version / "specdec" / "__init__.py").is_file()
+    assert (version / "specdec" / "drafters" / "default").is_dir()
+    assert not list(version.rglob("*.safetensors"))
+
+    def report(spec_rate, plain_rate, base_rate):
+        levels = [
+            {"mode": mode, "load": "c=64", "output_tokens_per_s": rate}
+            for mode, rate in (("plain", plain_rate), ("spec", spec_rate))
+        ]
+        levels.append({"mode": "no-spec server", "load": "c=64", "output_tokens_per_s": base_rate})
+        return {"levels": levels}
+
+    text = ab_serve.table({"old-1": report(90.0, 100.0, 100.0), "tree-1": report(120.0, 95, 100)})
+    assert "| old-1 | 0.90x (1.00x) |" in text and "| tree-1 | 1.20x (0.95x) |" in text
+
+
 def test_arrival_times_are_a_seeded_poisson_process(monkeypatch):
     """Increasing, seeded (the same load for every mode), and at about the asked rate."""
     arrival_times = load_bench_serve(monkeypatch).arrival_times
