@@ -5,8 +5,9 @@ else its product or its attention call holds.
   rows, and under every tile `linear_tile` can pick, gives the same bits (the kernel relies on
   `tl.dot` giving a row's bits independently of the tile; this test is that assumption's guard).
 - `batch_invariant_linear` after `check_cublas_rows`: cuBLAS kept only where it passed, every row
-  equal to the row alone either way; a negative control (plain F.linear on a weight cuBLAS fails)
-  must differ.
+  equal to the row alone either way, on random rows and on rows whose bits change with any change
+  of the summation order; a negative control (plain F.linear on a weight cuBLAS fails) must
+  differ.
 - Attention: a token's row is the same bits from the prefill kernel (every position of chunks
   of 40, 700 and 2,000 tokens), the decode kernel alone (Q = 1), as a verify row and as a graphed
   prefill row (Q = 5, 16), and split-KV over one partition.
@@ -86,6 +87,43 @@ def test_dispatch_rows_equal_alone_and_negative_control() -> None:
         x = _randn(200, 4096, seed=5).bfloat16()
         alone = torch.cat([F.linear(x[i : i + 1], large) for i in range(8)])
         assert any(not torch.equal(F.linear(x[:rows], large)[:8], alone) for rows in (64, 128, 200))
+
+
+@pytest.mark.parametrize(
+    ("cols", "depth", "dtype"),
+    [
+        (97, 64, torch.bfloat16),
+        (192, 64, torch.bfloat16),
+        (576, 576, torch.bfloat16),
+        (1536, 576, torch.bfloat16),
+        (4096, 4096, torch.bfloat16),
+        (97, 64, torch.float32),
+    ],
+)
+def test_dispatch_rows_equal_alone_on_order_sensitive_rows(cols, depth, dtype) -> None:
+    """The dispatch after the start-up check, on rows that change bits with any change of the
+    summation order (s33: the tiny model's 97 x 64 bfloat16 head passed the check on `sin`
+    inputs alone, and its rows changed bits at 5 rows in the engine). Where the check failed
+    the shape, cuBLAS itself must give some row other bits (the reason reproduces)."""
+    weight = torch.ones(cols, depth, device="cuda", dtype=dtype)
+    linear_module._CUBLAS_ROWS.pop((cols, depth, dtype, weight.device), None)
+    max_rows = 256
+    passed = linear_module.check_cublas_rows([weight], max_rows)[
+        (cols, depth, dtype, weight.device)
+    ]
+    x = linear_module.order_sensitive_rows(300, depth, dtype, "cuda")
+    alone = torch.cat(
+        [linear_module.batch_invariant_linear(x[i : i + 1], weight) for i in range(300)]
+    )
+    for rows in (*range(2, 17), 31, 64, 65, 200, 256, 300):
+        out = linear_module.batch_invariant_linear(x[:rows], weight)
+        assert torch.equal(out, alone[:rows]), (cols, depth, dtype, passed, rows)
+    if not passed:
+        raw_alone = torch.cat([F.linear(x[i : i + 1], weight) for i in range(max_rows)])
+        assert any(
+            not torch.equal(F.linear(x[:rows], weight), raw_alone[:rows])
+            for rows in range(2, max_rows + 1)
+        )
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (32, 8, 128)])

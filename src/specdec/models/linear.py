@@ -143,13 +143,48 @@ def batch_invariant_linear(
     return out.view(*lead, out.shape[-1])
 
 
+def order_sensitive_rows(
+    rows: int, depth: int, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """Inputs whose products against a weight of ones change bits with the order of the sum.
+
+    Each row holds small values of the dtype's full mantissa and `_ORDER_PAIRS` pairs of a large
+    +B and -B at row-dependent positions: the exact dot product is the small values' sum, but
+    every small value added while a partial sum holds an uncancelled B loses low bits, so two
+    kernels that split or order the depth differently give rows other bits. B is chosen from
+    the dtype so that the loss shows in the rounded output (bfloat16 keeps 8 bits of it), and
+    small enough that no partial sum of float16 rows overflows a float16 accumulator. A
+    weight's own values can hide a kernel change (s33: the tiny model's 97 x 64 head passed
+    the check on `sin` inputs while its rows took other bits at 5 rows than alone).
+
+    Returns: [rows, depth] of `dtype` (no randomness: `sin` of a grid)."""
+    small = 2.0**-8 if dtype == torch.float16 else 1.0
+    big = small * torch.finfo(dtype).eps * 2.0**27 * max(1.0, (depth / 64) ** 0.5)
+    grid = torch.arange(rows * depth, device=device, dtype=torch.float32).view(rows, depth)
+    x = torch.sin(grid * 0.618034).mul_(2.0 * small)
+    pairs = min(_ORDER_PAIRS, depth // 4)
+    if pairs:
+        positions = torch.argsort(torch.sin(grid * 0.7548777 + grid[:, :1] * 0.3), dim=1)
+        signs = torch.tensor([big, -big], device=device).repeat(pairs)
+        x.scatter_(1, positions[:, : 2 * pairs], signs.expand(rows, -1).contiguous())
+    return x.to(dtype)
+
+
+# Pairs of cancelling large values an order-sensitive row holds (few, so that no partial sum of
+# float16 rows overflows a float16 accumulator; their positions vary by row).
+_ORDER_PAIRS = 4
+
+
 @torch.inference_mode()
 def check_cublas_rows(weights: Iterable[torch.Tensor], max_rows: int) -> dict[tuple, bool]:
     """Decides, for each distinct CUDA weight shape, whether cuBLAS may compute its products:
     for every row count 1..max_rows, F.linear over x[:M] must give every row the bits it gets
-    alone (on fixed, non-random inputs: cuBLAS chooses its kernel by shapes, not values).
-    Records the weights that pass for `batch_invariant_linear`; a shape that fails (or was never
-    checked) takes the Triton kernel. Stops at a shape's first differing row count.
+    alone, on two problems of the weight's shape (cuBLAS chooses its kernel by shapes, not
+    values): the weight itself on fixed inputs, and a weight of ones on `order_sensitive_rows`,
+    whose rows change bits with any change of the summation order (a weight's own values can
+    hide one). Records the weights that pass for `batch_invariant_linear`; a shape that fails
+    (or was never checked) takes the Triton kernel. Stops at a shape's first differing row
+    count.
 
     Args:
         weights: the model's float weights ([N, K] each; other devices are skipped).
@@ -166,11 +201,18 @@ def check_cublas_rows(weights: Iterable[torch.Tensor], max_rows: int) -> dict[tu
         # Deterministic inputs of varied magnitude (no randomness: none outside rng/).
         grid = torch.arange(max_rows * depth, device=weight.device, dtype=torch.float32)
         x = torch.sin(grid * 0.618034).mul_(2.0).view(max_rows, depth).to(weight.dtype)
-        alone = torch.cat([F.linear(x[i : i + 1], weight) for i in range(max_rows)])
+        ones = torch.ones_like(weight)
+        x_order = order_sensitive_rows(max_rows, depth, weight.dtype, weight.device)
+        problems = [(x, weight), (x_order, ones)]
+        alone = [
+            torch.cat([F.linear(rows[i : i + 1], w) for i in range(max_rows)])
+            for rows, w in problems
+        ]
         differs = torch.zeros((), dtype=torch.bool, device=weight.device)
         passed = True
         for count in range(2, max_rows + 1):
-            differs |= (F.linear(x[:count], weight) != alone[:count]).any()
+            for (rows, w), want in zip(problems, alone, strict=True):
+                differs |= (F.linear(rows[:count], w) != want[:count]).any()
             if (count % 64 == 0 or count == max_rows) and bool(differs):
                 passed = False
                 break
