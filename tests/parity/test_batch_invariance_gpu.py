@@ -9,8 +9,9 @@ else its product or its attention call holds.
   of the summation order; a negative control (plain F.linear on a weight cuBLAS fails) must
   differ.
 - Attention: a token's row is the same bits from the prefill kernel (every position of chunks
-  of 40, 700 and 2,000 tokens), the decode kernel alone (Q = 1), as a verify row and as a graphed
-  prefill row (Q = 5, 16), and split-KV over one partition.
+  of 40 to 4,096 tokens, past one 2,048-key partition too), the decode kernel alone (Q = 1), as
+  a verify row and as a graphed prefill row (Q = 5, 16), and split-KV over one partition and
+  over two.
 """
 
 from __future__ import annotations
@@ -145,7 +146,8 @@ def test_token_rows_equal_across_attention_kernels(heads: int, kv_heads: int, di
         )
         return paged_decode_attention_triton(queries, k_cache, v_cache, meta, scale)
 
-    for length in (40, 700, 2000):
+    # Past 2,048 keys (one split-KV partition) every kernel merges at the partition edges (s33).
+    for length in (40, 700, 2000, 2049, 3000, 4096):
         queries = _randn(length, heads, dim, seed=length).bfloat16()
         prefill = paged_prefill_attention_triton(
             queries,
@@ -164,18 +166,20 @@ def test_token_rows_equal_across_attention_kernels(heads: int, kv_heads: int, di
             end = length
             rows = decode(queries[end - width : end], end)
             assert torch.equal(rows, prefill[end - width : end]), (length, width)
-    # Split-KV over one partition gives the single pass's bits.
-    queries = _randn(16, heads, dim, seed=9).bfloat16()
-    single = decode(queries, 1000)
-    meta = DecodeMetadata(
-        block_tables=table,
-        context_lens=torch.tensor([1000], device="cuda", dtype=torch.int32),
-        query_lens=torch.tensor([16], device="cuda", dtype=torch.int32),
-        slot_mapping=torch.full((16,), -1, device="cuda", dtype=torch.int64),
-        query_per_seq=16,
-        num_partitions=4,
-    )
-    assert torch.equal(split_kv_decode_attention(queries, k_cache, v_cache, meta, scale), single)
+    # Split-KV gives the single pass's bits, over one partition and over two.
+    for context in (1000, 3500):
+        queries = _randn(16, heads, dim, seed=9).bfloat16()
+        single = decode(queries, context)
+        meta = DecodeMetadata(
+            block_tables=table,
+            context_lens=torch.tensor([context], device="cuda", dtype=torch.int32),
+            query_lens=torch.tensor([16], device="cuda", dtype=torch.int32),
+            slot_mapping=torch.full((16,), -1, device="cuda", dtype=torch.int64),
+            query_per_seq=16,
+            num_partitions=4,
+        )
+        split = split_kv_decode_attention(queries, k_cache, v_cache, meta, scale)
+        assert torch.equal(split, single), context
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (32, 8, 128)])

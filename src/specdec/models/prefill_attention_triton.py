@@ -5,8 +5,9 @@ One program per (query tile of BLOCK_M tokens, sequence, query head): it walks t
 rows can see, gathering keys and values through the block table, every tile under the causal,
 context (and sliding-window) masks, scores soft-capped where the layer caps them (Gemma 2), with the
 decode kernels' arithmetic, so that a token's row has the same bits whichever kernel computes it
-(tests/parity checks it). No host sync; addresses in int64 (a 128K context times heads times
-head_dim passes 2^31).
+(tests/parity checks it); past one split-KV partition of keys, with the decode kernels'
+partition edges and merges too. No host sync; addresses in int64 (a 128K context times heads
+times head_dim passes 2^31).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import triton
 import triton.language as tl
 
 from specdec.models.attention_tiles import PREFILL_BLOCK_N, score_scales
+from specdec.models.fused_triton import _merge_partial, kernel_partition
 from specdec.triton_specialization import unspecialized
 
 
@@ -116,6 +118,7 @@ def _paged_prefill_attention_kernel(
     IEEE: tl.constexpr,
     DEVICE_BOUND: tl.constexpr,
     HOST_NUM_TILES: tl.constexpr,
+    PARTITION: tl.constexpr,
     SOFTCAP: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
@@ -144,25 +147,63 @@ def _paged_prefill_attention_kernel(
         lo = (tl.maximum(first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N
     else:
         lo = hi * 0
-    if DEVICE_BOUND:
-        # Every tile masked, as the decode kernels' steps are (`_attend_chunk_masked`): an
-        # unmasked tile lets the compiler fuse the scale into the exponent's subtraction, and a
-        # token's row would then differ in its last bits from the row decode computes for it.
-        for key_start in range(lo, hi, BLOCK_N):
-            row_max, row_sum, acc = _prefill_tile(
-                key_start, query, query_pos, context_len, window, row_max, row_sum, acc,
-                k_cache_ptr, v_cache_ptr, table_ptr, kv_head, qk_scale, softcap_log2,
-                NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D,
-                True, SLIDING, KV_FP8, IEEE, SOFTCAP,
-            )  # fmt: skip
-    else:  # Triton's CPU interpreter cannot loop to a loaded bound: every tile, masked
-        for tile in range(0, HOST_NUM_TILES):
-            row_max, row_sum, acc = _prefill_tile(
-                tile * BLOCK_N, query, query_pos, hi, window, row_max, row_sum, acc,
-                k_cache_ptr, v_cache_ptr, table_ptr, kv_head, qk_scale, softcap_log2,
-                NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D,
-                True, SLIDING, KV_FP8, IEEE, SOFTCAP,
-            )  # fmt: skip
+    # Every tile masked, as the decode kernels' steps are (`_attend_chunk_masked`): an unmasked
+    # tile lets the compiler fuse the scale into the exponent's subtraction, and a token's row
+    # would then differ in its last bits from the row decode computes for it.
+    if PARTITION == 0:  # every context within one partition (the launcher's rule)
+        if DEVICE_BOUND:
+            for key_start in range(lo, hi, BLOCK_N):
+                row_max, row_sum, acc = _prefill_tile(
+                    key_start, query, query_pos, context_len, window, row_max, row_sum, acc,
+                    k_cache_ptr, v_cache_ptr, table_ptr, kv_head, qk_scale, softcap_log2,
+                    NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D,
+                    True, SLIDING, KV_FP8, IEEE, SOFTCAP,
+                )  # fmt: skip
+        else:  # Triton's CPU interpreter cannot loop to a loaded bound: every tile, masked
+            for tile in range(0, HOST_NUM_TILES):
+                row_max, row_sum, acc = _prefill_tile(
+                    tile * BLOCK_N, query, query_pos, hi, window, row_max, row_sum, acc,
+                    k_cache_ptr, v_cache_ptr, table_ptr, kv_head, qk_scale, softcap_log2,
+                    NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D,
+                    True, SLIDING, KV_FP8, IEEE, SOFTCAP,
+                )  # fmt: skip
+    else:
+        # The split-KV partitions' edges, each partition from an empty state, merged in order
+        # (`fused_triton._merge_partial`): the decode kernels' bits at any context length.
+        tiles_per_part: tl.constexpr = PARTITION // BLOCK_N
+        merged_max, merged_sum, merged_acc = row_max, row_sum, acc
+        if DEVICE_BOUND:
+            for part in range(lo // PARTITION, tl.cdiv(hi, PARTITION)):
+                row_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+                row_sum = tl.zeros((BLOCK_M,), tl.float32)
+                acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+                first = tl.maximum(part * PARTITION, lo)
+                for key_start in range(first, tl.minimum((part + 1) * PARTITION, hi), BLOCK_N):
+                    row_max, row_sum, acc = _prefill_tile(
+                        key_start, query, query_pos, context_len, window, row_max, row_sum,
+                        acc, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, qk_scale,
+                        softcap_log2, NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D,
+                        True, SLIDING, KV_FP8, IEEE, SOFTCAP,
+                    )  # fmt: skip
+                merged_max, merged_sum, merged_acc = _merge_partial(
+                    merged_max, merged_sum, merged_acc, row_max, row_sum, acc
+                )
+        else:  # the interpreter: every partition of the table, masks void the extra tiles
+            for part in range(0, tl.cdiv(HOST_NUM_TILES, tiles_per_part)):
+                row_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+                row_sum = tl.zeros((BLOCK_M,), tl.float32)
+                acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+                for step in range(0, tiles_per_part):
+                    row_max, row_sum, acc = _prefill_tile(
+                        (part * tiles_per_part + step) * BLOCK_N, query, query_pos, hi, window,
+                        row_max, row_sum, acc, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
+                        qk_scale, softcap_log2, NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N,
+                        BLOCK_D, True, SLIDING, KV_FP8, IEEE, SOFTCAP,
+                    )  # fmt: skip
+                merged_max, merged_sum, merged_acc = _merge_partial(
+                    merged_max, merged_sum, merged_acc, row_max, row_sum, acc
+                )
+        row_sum, acc = merged_sum, merged_acc
     out = acc / tl.maximum(row_sum, 1e-30)[:, None]
     tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
@@ -231,6 +272,7 @@ def paged_prefill_attention_triton(
         IEEE=query.dtype == torch.float32,
         DEVICE_BOUND=query.is_cuda,
         HOST_NUM_TILES=host_tiles,
+        PARTITION=kernel_partition(block_tables.shape[1] * cache_block),
         SOFTCAP=softcap is not None,
         enable_fp_fusion=False,  # see attention_tiles.NO_FP_FUSION
         num_warps=num_warps,

@@ -1,12 +1,15 @@
 """Split-KV (flash-decoding) attention for decode/verify steps at long context: the dispatch
 (Triton on CUDA) and its PyTorch twin `split_kv_decode_attention_ref`.
 
-Each sequence's context is cut into partitions of `SPLIT_KV_PARTITION` keys at fixed absolute
+Each sequence's context is cut into partitions of `split_kv_partition()` keys at fixed absolute
 positions; a first pass computes one partial (row max, row sum, unnormalised output) per
 partition, running exactly the single-pass decode kernel's 64-key online-softmax steps, and a
-second pass combines the partials in partition order (Dao et al. 2023, Flash-Decoding). A context
-of one partition therefore gives the single-pass kernel's result bit for bit (its combine weights
-are exactly 1), and the partition a key falls in never depends on the batch. A launch covers
+second pass merges the partials in partition order (Dao et al. 2023, Flash-Decoding), one at a
+time (`merge_partial_ref`). The single-pass decode kernel and the prefill kernel cut a context
+longer than one partition at the same edges and merge the same way (s33), so a token's row has
+the same bits whichever kernel computes it at any context length; a context of one partition is
+the single pass itself (its merge takes the partial as it is). The partition a key falls in never
+depends on the batch. A launch covers
 `meta.num_partitions` partitions per sequence, fixed per CUDA-graph bucket (derived from
 max_model_len); programs of partitions past a sequence's context do no work.
 A tree verify step's mask (`DecodeMetadata.tree_mask`) applies in the partitions as in the
@@ -24,15 +27,16 @@ from specdec.models.attention import DecodeMetadata
 from specdec.models.attention_tiles import (
     DECODE_BLOCK_N,
     LN2,
-    SPLIT_KV_PARTITION,
+    merge_partial_ref,
     score_scales,
     soft_cap_ref,
+    split_kv_partition,
 )
 
 
 def num_partitions(max_context_len: int) -> int:
     """Partitions a launch needs to cover contexts of up to `max_context_len` keys."""
-    return -(-max_context_len // SPLIT_KV_PARTITION)
+    return -(-max_context_len // split_kv_partition())
 
 
 # Steps filled on the device (device rounds) attend with split-KV when their cache holds contexts
@@ -62,7 +66,7 @@ def split_when_seen(longest_context: int, partitions: int) -> bool:
     """Whether a step whose longest context the host knows takes split-KV (with `partitions`
     from `step_partitions`): when it spans more than one partition (below that both kernels
     give the same bits, so the choice never changes a request's tokens)."""
-    return partitions > 0 and longest_context > SPLIT_KV_PARTITION
+    return partitions > 0 and longest_context > split_kv_partition()
 
 
 def _partition_ref(
@@ -172,15 +176,13 @@ def _visible_ref(
 def combine_partials_ref(
     part_max: torch.Tensor, part_sum: torch.Tensor, part_acc: torch.Tensor
 ) -> torch.Tensor:
-    """The second pass: partials combined in partition order.
+    """The second pass: partials merged in partition order (`merge_partial_ref`).
 
     Args:
         part_max, part_sum: [P, ...] float32 partials of P partitions (row max may be -inf).
         part_acc: [P, ..., D] float32 unnormalised outputs.
 
-    Returns: [..., D] float32: with M = max_p m_p and w_p = 1 where m_p == M, else
-    2^(m_p - M) (0 where m_p = -inf; maxima of base-2 scores), sum_p w_p acc_p / max(sum_p w_p
-    l_p, 1e-30), summed from partition 0 up.
+    Returns: [..., D] float32: the merged acc / max(merged sum, 1e-30).
     """
     return combine_partials_lse_ref(part_max, part_sum, part_acc)[0]
 
@@ -191,19 +193,18 @@ def combine_partials_lse_ref(
     """`combine_partials_ref` and the rows' log-sum-exp of their scaled scores.
 
     Returns: (out [..., D] float32 as `combine_partials_ref`, lse [...] float32
-    = M' ln 2 + log(sum_p w_p l_p) with M' = M, or 0 where M = -inf: the natural log-sum-exp,
+    = M' ln 2 + log(l) with M' the merged max, or 0 where it is -inf: the natural log-sum-exp,
     -inf for rows that saw no key).
     """
-    global_max = part_max.amax(dim=0) if part_max.shape[0] else part_max.new_full((), -torch.inf)
-    safe_max = torch.where(global_max == float("-inf"), 0.0, global_max)
-    total = torch.zeros_like(safe_max)
+    row_max = torch.full(part_max.shape[1:], -torch.inf, device=part_max.device)
+    row_sum = torch.zeros(part_max.shape[1:], device=part_max.device)
     acc = torch.zeros(part_acc.shape[1:], device=part_acc.device)
     for p in range(part_max.shape[0]):
-        weight = torch.where(part_max[p] == global_max, 1.0, torch.exp2(part_max[p] - safe_max))
-        weight = torch.where(part_max[p] == float("-inf"), 0.0, weight)
-        total = total + part_sum[p] * weight
-        acc = acc + part_acc[p] * weight[..., None]
-    return acc / total.clamp_min(1e-30)[..., None], safe_max * LN2 + torch.log(total)
+        row_max, row_sum, acc = merge_partial_ref(
+            row_max, row_sum, acc, part_max[p], part_sum[p], part_acc[p]
+        )
+    safe_max = torch.where(row_max == float("-inf"), 0.0, row_max)
+    return acc / row_sum.clamp_min(1e-30)[..., None], safe_max * LN2 + torch.log(row_sum)
 
 
 def split_kv_decode_attention_ref(
@@ -299,17 +300,18 @@ def split_kv_attention_lse_ref(
         token = torch.arange(q_per_seq * group, device=query.device) // group
         visible = _visible_ref(meta, b, context_len, query_lens[b], sliding_window, positions)
         visible = visible[token]  # [M, S]
+        size = split_kv_partition()
         partials = [
             _partition_ref(
                 rows,
-                keys[:, start : start + SPLIT_KV_PARTITION],
-                values[:, start : start + SPLIT_KV_PARTITION],
-                visible[:, start : start + SPLIT_KV_PARTITION],
+                keys[:, start : start + size],
+                values[:, start : start + size],
+                visible[:, start : start + size],
                 qk_scale,
                 query.dtype,
                 None if softcap is None else softcap_log2,
             )
-            for start in range(0, context_len, SPLIT_KV_PARTITION)
+            for start in range(0, context_len, size)
         ]
         part_max, part_sum, part_acc = (torch.stack(parts) for parts in zip(*partials, strict=True))
         result, row_lse = combine_partials_lse_ref(part_max, part_sum, part_acc)  # [H_kv, M, ...]

@@ -7,9 +7,10 @@ is one) over its partition and writes the partial (row max of the base-2 scores,
 unnormalised output) of its BLOCK_M rows (query token x q head of the group); a program whose
 partition starts past its sequence's context reads and writes nothing, and one wholly before its
 rows' sliding window (SLIDING) walks no key: its partial is the empty one (row max -inf, sum 0),
-which the combine weighs 0. Pass 2: one program per
-(sequence, KV head and row tile) combines the live partitions in order (and, with WRITE_LSE,
-writes each row's natural log-sum-exp). No host sync (CUDA-graph safe); addresses in int64.
+which the merge leaves out. Pass 2: one program per (sequence, KV head and row tile) merges the
+live partitions one at a time in order (`fused_triton._merge_partial`, as the single-pass and
+prefill kernels merge at their partition edges) and, with WRITE_LSE, writes each row's natural
+log-sum-exp. No host sync (CUDA-graph safe); addresses in int64.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from specdec.models.attention import DecodeMetadata
 from specdec.models.attention_tiles import (
     DECODE_BLOCK_N,
     LN2,
-    SPLIT_KV_PARTITION,
     decode_block_m,
     decode_row_tiles,
     score_scales,
+    split_kv_partition,
 )
 from specdec.models.fused_triton import (
     _attend_chunk_masked,
+    _merge_partial,
     _window_start,
     kernel_tree_mask,
     kernel_window,
@@ -162,11 +164,10 @@ def _split_kv_partition_kernel(
 
 
 @triton.jit
-def _combine_partition(
+def _merge_loaded(
     p,
     num_parts,
-    global_max,  # [BLOCK_M] float32
-    safe_max,  # [BLOCK_M] float32
+    row_max,  # [BLOCK_M] float32
     total,  # [BLOCK_M] float32
     acc,  # [BLOCK_M, BLOCK_D] float32
     part_max_ptr,
@@ -178,7 +179,8 @@ def _combine_partition(
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Adds partition p's partial (nothing when p >= num_parts) with its combine weight."""
+    """Merges partition p's partial into the running state (nothing when p >= num_parts: an
+    empty partial leaves it as it is)."""
     inside = (rows < BLOCK_M) & (p < num_parts)
     offsets = (base + p) * BLOCK_M + rows
     part_max = tl.load(part_max_ptr + offsets, mask=inside, other=float("-inf"))
@@ -188,9 +190,7 @@ def _combine_partition(
         mask=inside[:, None] & (dims[None, :] < BLOCK_D),
         other=0.0,
     )
-    weight = tl.where(part_max == global_max, 1.0, tl.math.exp2(part_max - safe_max))
-    weight = tl.where(part_max == float("-inf"), 0.0, weight)
-    return total + part_sum * weight, acc + part_acc * weight[:, None]
+    return _merge_partial(row_max, total, acc, part_max, part_sum, part_acc)
 
 
 @triton.jit
@@ -225,33 +225,22 @@ def _split_kv_reduce_kernel(
     context_len = tl.load(context_lens_ptr + seq).to(tl.int64)
     num_parts = tl.minimum(tl.cdiv(context_len, PARTITION), NUM_PARTITIONS)
     base = (seq * NUM_KV_HEADS * ROW_TILES + tl.program_id(1)) * NUM_PARTITIONS
-    global_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    if DEVICE_BOUND:
-        for p in range(0, num_parts):
-            part_max = tl.load(part_max_ptr + (base + p) * BLOCK_M + local)
-            global_max = tl.maximum(global_max, part_max)
-    else:
-        for p in range(0, NUM_PARTITIONS):
-            inside = (local < BLOCK_M) & (p < num_parts)
-            part_max = tl.load(
-                part_max_ptr + (base + p) * BLOCK_M + local, mask=inside, other=float("-inf")
-            )
-            global_max = tl.maximum(global_max, part_max)
-    safe_max = tl.where(global_max == float("-inf"), 0.0, global_max)
+    row_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     total = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     if DEVICE_BOUND:
         for p in range(0, num_parts):
-            total, acc = _combine_partition(
-                p, num_parts, global_max, safe_max, total, acc,
-                part_max_ptr, part_sum_ptr, part_acc_ptr, base, local, dims, BLOCK_M, BLOCK_D,
+            row_max, total, acc = _merge_loaded(
+                p, num_parts, row_max, total, acc, part_max_ptr, part_sum_ptr, part_acc_ptr,
+                base, local, dims, BLOCK_M, BLOCK_D,
             )  # fmt: skip
     else:
         for p in range(0, NUM_PARTITIONS):
-            total, acc = _combine_partition(
-                p, num_parts, global_max, safe_max, total, acc,
-                part_max_ptr, part_sum_ptr, part_acc_ptr, base, local, dims, BLOCK_M, BLOCK_D,
+            row_max, total, acc = _merge_loaded(
+                p, num_parts, row_max, total, acc, part_max_ptr, part_sum_ptr, part_acc_ptr,
+                base, local, dims, BLOCK_M, BLOCK_D,
             )  # fmt: skip
+    safe_max = tl.where(row_max == float("-inf"), 0.0, row_max)
     out = acc / tl.maximum(total, 1e-30)[:, None]
     query_rows = (seq * Q_PER_SEQ + token_in_seq) * num_heads + head  # [BLOCK_M] int64
     tl.store(
@@ -276,7 +265,7 @@ class SplitKVTiles:
 
 def default_tiles() -> SplitKVTiles:
     """The tiles the twin follows (read at each launch: tests shrink the partition)."""
-    return SplitKVTiles(SPLIT_KV_PARTITION, DECODE_BLOCK_N)
+    return SplitKVTiles(split_kv_partition(), DECODE_BLOCK_N)
 
 
 def split_kv_decode_attention_triton(

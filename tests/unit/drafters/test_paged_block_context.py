@@ -77,10 +77,10 @@ def test_context_lse_is_the_scores_logsumexp() -> None:
 
 @interpret
 def test_lse_kernels_interpreted_match_twin(monkeypatch) -> None:
-    from specdec.models import split_kv_triton
+    from specdec.models import attention_tiles, split_kv_triton
 
-    for module in (split_kv, split_kv_triton):  # partitions of 128 keys: several per context
-        monkeypatch.setattr(module, "SPLIT_KV_PARTITION", 128)
+    # partitions of 128 keys: several per context
+    monkeypatch.setattr(attention_tiles, "SPLIT_KV_PARTITION", 128)
     contexts = [0, 1, 16, 129, 300]
     k_pool, v_pool, tables, lens = paged_layout(contexts, 2, 16, seed=21)
     rows = 5

@@ -12,13 +12,14 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+from dataclasses import replace
 
 import pytest
 import torch
 
 from specdec.engine.config import EngineConfig
 from specdec.engine.setup import kv_bytes_per_token, resolve_kv_cache_dtype
-from specdec.models import fused, split_kv
+from specdec.models import attention_tiles, fused, split_kv
 from specdec.models.attention import (
     AttentionMetadata,
     DecodeMetadata,
@@ -137,7 +138,7 @@ def _decode_case(context_lens, query_lens, q_per_seq, num_kv_heads, group, seed)
 @pytest.fixture
 def small_partitions(monkeypatch):
     """Partitions of 128 keys (two 64-key steps), so that short contexts span several."""
-    monkeypatch.setattr(split_kv, "SPLIT_KV_PARTITION", 128)
+    monkeypatch.setattr(attention_tiles, "SPLIT_KV_PARTITION", 128)
     return 128
 
 
@@ -172,7 +173,7 @@ def test_one_partition_combines_to_its_own_output() -> None:
 
 
 def test_num_partitions_covers_the_context() -> None:
-    size = split_kv.SPLIT_KV_PARTITION
+    size = attention_tiles.SPLIT_KV_PARTITION
     assert size % split_kv.DECODE_BLOCK_N == 0
     assert [split_kv.num_partitions(n) for n in (1, size, size + 1, 131072)] == [
         1,
@@ -188,7 +189,7 @@ def test_split_kv_rules_for_seen_and_unseen_contexts() -> None:
     the host cannot see from SPLIT_KV_ROUNDS_FROM tokens of cache; steps it sees when their
     longest context spans more than one partition."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    size, unseen_from = split_kv.SPLIT_KV_PARTITION, split_kv.SPLIT_KV_ROUNDS_FROM
+    size, unseen_from = attention_tiles.SPLIT_KV_PARTITION, split_kv.SPLIT_KV_ROUNDS_FROM
     assert split_kv.step_partitions(131072, cpu) == 0
     assert split_kv.step_partitions(size, cuda) == 0  # one partition: the single-pass kernel
     assert split_kv.step_partitions(131072, cuda) == split_kv.num_partitions(131072)
@@ -260,21 +261,90 @@ def test_split_kv_kernels_interpreted_match_twin(small_partitions, q_per_seq) ->
     contexts = [1, 128, 129, 300, 0]
     query_lens = [min(q_per_seq, c) for c in contexts]
     query, k_cache, v_cache, meta = _decode_case(contexts, query_lens, q_per_seq, 2, 4, 13)
-    monkey = pytest.MonkeyPatch()
-    monkey.setattr(split_kv_triton, "SPLIT_KV_PARTITION", small_partitions)
-    try:
-        got = split_kv_triton.split_kv_decode_attention_triton(
-            query, k_cache, v_cache, meta(5), 0.3
-        )
-    finally:
-        monkey.undo()
+    got = split_kv_triton.split_kv_decode_attention_triton(query, k_cache, v_cache, meta(5), 0.3)
     twin = split_kv.split_kv_decode_attention_ref(query, k_cache, v_cache, meta(5), 0.3)
     torch.testing.assert_close(got, twin, **FP32_TOL)
     single = fused_triton.paged_decode_attention_triton(query, k_cache, v_cache, meta(0), 0.3)
-    # Contexts of one partition: the single-pass kernel's bits.
-    for b in (0, 1, 4):
+    # The single-pass kernel merges at the same partition edges: its bits at every context,
+    # one partition (sequences 0, 1, 4) or several (2, 3; s33).
+    for b in range(len(contexts)):
         rows = slice(b * q_per_seq, (b + 1) * q_per_seq)
         assert torch.equal(got[rows], single[rows]), f"sequence {b}"
+
+
+@pytest.mark.parametrize("query_lens,context_lens", PREFILL_CASES)
+@pytest.mark.parametrize("window", [None, 50])
+def test_prefill_twin_over_partitions_matches_naive_attention(
+    small_partitions, query_lens, context_lens, window
+) -> None:
+    """Contexts across several partitions (of 128 keys here): the twin's per-partition passes
+    and merges still compute the attention."""
+    query, k_cache, v_cache, meta = _paged_case(query_lens, context_lens, 2, 2, 16, 16, 5)
+    naive = paged_attention(query, k_cache, v_cache, meta, scale=0.3, sliding_window=window)
+    args = (query, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables)
+    twin = paged_prefill_attention_ref(*args, scale=0.3, sliding_window=window)
+    torch.testing.assert_close(twin, naive, **FP32_TOL)
+
+
+@interpret
+@pytest.mark.parametrize("window", [None, 50])
+def test_prefill_kernel_over_partitions_interpreted(small_partitions, window) -> None:
+    """The prefill kernel merging at partition edges (contexts up to 300 keys, partitions of
+    128) against its twin, and each of its rows against the same token's row from the decode
+    kernels (single-pass and split-KV) with the token's own context: the bits a request's
+    recomputed prefix must reproduce after preemption (s33)."""
+    from specdec.models import fused_triton, split_kv_triton
+    from specdec.models.prefill_attention_triton import paged_prefill_attention_triton
+
+    query_lens, context_lens = [40, 129, 20], [300, 200, 20]
+    query, k_cache, v_cache, meta = _paged_case(query_lens, context_lens, 2, 2, 16, 16, 9)
+    args = (query, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables)
+    twin = paged_prefill_attention_ref(*args, scale=0.3, sliding_window=window)
+    got = paged_prefill_attention_triton(*args, meta.max_seqlen_q, scale=0.3, sliding_window=window)
+    torch.testing.assert_close(got, twin, **FP32_TOL)
+    # Token j of sequence 0 (position 260 + j) as a decode row of its own context.
+    tables = meta.block_tables[:1]
+    for j in (0, 3, 39):
+        position = context_lens[0] - query_lens[0] + j
+        decode = DecodeMetadata(
+            block_tables=tables,
+            context_lens=torch.tensor([position + 1]),
+            query_lens=torch.tensor([1]),
+            slot_mapping=torch.full((1,), -1),
+            query_per_seq=1,
+            num_partitions=0,
+        )
+        row = query[j : j + 1]
+        single = fused_triton.paged_decode_attention_triton(
+            row, k_cache, v_cache, decode, 0.3, sliding_window=window
+        )
+        split = split_kv_triton.split_kv_decode_attention_triton(
+            row,
+            k_cache,
+            v_cache,
+            replace(decode, num_partitions=3),
+            0.3,
+            sliding_window=window,
+        )
+        assert torch.equal(single, split), f"token {j}: single-pass against split-KV"
+        diff = (single - got[j : j + 1]).abs().max().item()
+        assert diff < 2e-5, f"token {j}: decode against prefill, {diff:.2e}"
+
+
+@interpret
+def test_negative_control_one_pass_over_partitions_differs(small_partitions, monkeypatch) -> None:
+    """Without the merges at partition edges (the single pass over every key, as before s33),
+    a context of several partitions gets other bits than split-KV gives it: the comparison
+    above can fail."""
+    from specdec.models import fused_triton, split_kv_triton
+
+    contexts = [129, 300]
+    query, k_cache, v_cache, meta = _decode_case(contexts, [1, 1], 1, 2, 4, 13)
+    split = split_kv_triton.split_kv_decode_attention_triton(query, k_cache, v_cache, meta(5), 0.3)
+    monkeypatch.setattr(fused_triton, "kernel_partition", lambda max_keys: 0)
+    single = fused_triton.paged_decode_attention_triton(query, k_cache, v_cache, meta(0), 0.3)
+    torch.testing.assert_close(single, split, **FP32_TOL)  # the same attention
+    assert not torch.equal(single, split)  # in other bits
 
 
 def test_decode_query_bucket_keeps_the_tile() -> None:
@@ -318,8 +388,6 @@ def test_padding_to_the_query_bucket_keeps_each_rows_bits_interpreted(
     """The decode kernels (single-pass and split-KV) over a layout padded to its bucket give
     every live row the bits of the unpadded layout (the EAGLE head's eager catch-up pads so),
     and match their twins, past DECODE_MAX_BLOCK_M rows (several row tiles) too."""
-    from dataclasses import replace
-
     from specdec.models import fused_triton, split_kv_triton
 
     group, contexts = 3, [1, 70, 129, 300, 0]
@@ -330,23 +398,18 @@ def test_padding_to_the_query_bucket_keeps_each_rows_bits_interpreted(
     bucket = decode_query_bucket(width, group, 16)
     assert bucket > width
     padded_query = _in_layout(query, len(contexts), width, bucket)
-    monkey = pytest.MonkeyPatch()
-    monkey.setattr(split_kv_triton, "SPLIT_KV_PARTITION", small_partitions)
-    try:
-        for parts in (0, 5):
-            launch = (
-                fused_triton.paged_decode_attention_triton
-                if parts == 0
-                else split_kv_triton.split_kv_decode_attention_triton
-            )
-            want = launch(query, k_cache, v_cache, meta(parts), 0.3)
-            # Every row written right, those of the second row tile too (width 13: 39 rows).
-            twin = fused.paged_decode_attention_ref if parts == 0 else split_kv_twin
-            torch.testing.assert_close(want, twin(query, k_cache, v_cache, meta(parts), 0.3))
-            slots = torch.full((len(contexts) * bucket,), -1)
-            wide = replace(meta(parts), query_per_seq=bucket, slot_mapping=slots)
-            got = launch(padded_query, k_cache, v_cache, wide, 0.3)
-            got = got.view(len(contexts), bucket, *got.shape[1:])[:, :width]
-            assert torch.equal(got.flatten(0, 1), want), f"partitions {parts}"
-    finally:
-        monkey.undo()
+    for parts in (0, 5):
+        launch = (
+            fused_triton.paged_decode_attention_triton
+            if parts == 0
+            else split_kv_triton.split_kv_decode_attention_triton
+        )
+        want = launch(query, k_cache, v_cache, meta(parts), 0.3)
+        # Every row written right, those of the second row tile too (width 13: 39 rows).
+        twin = fused.paged_decode_attention_ref if parts == 0 else split_kv_twin
+        torch.testing.assert_close(want, twin(query, k_cache, v_cache, meta(parts), 0.3))
+        slots = torch.full((len(contexts) * bucket,), -1)
+        wide = replace(meta(parts), query_per_seq=bucket, slot_mapping=slots)
+        got = launch(padded_query, k_cache, v_cache, wide, 0.3)
+        got = got.view(len(contexts), bucket, *got.shape[1:])[:, :width]
+        assert torch.equal(got.flatten(0, 1), want), f"partitions {parts}"

@@ -103,13 +103,9 @@ SMALL_PARTITION = 64
 
 @pytest.fixture()
 def small_partitions(monkeypatch):
-    from specdec.models import split_kv
+    from specdec.models import attention_tiles
 
-    monkeypatch.setattr(split_kv, "SPLIT_KV_PARTITION", SMALL_PARTITION)
-    if importlib.util.find_spec("triton"):  # the kernels' module imports Triton
-        from specdec.models import split_kv_triton
-
-        monkeypatch.setattr(split_kv_triton, "SPLIT_KV_PARTITION", SMALL_PARTITION)
+    monkeypatch.setattr(attention_tiles, "SPLIT_KV_PARTITION", SMALL_PARTITION)
     return SMALL_PARTITION
 
 

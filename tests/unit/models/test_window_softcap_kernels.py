@@ -134,11 +134,9 @@ def _dense(query, k_cache, v_cache, meta, window, cap, positions=None) -> torch.
 @pytest.fixture
 def small_partitions(monkeypatch: pytest.MonkeyPatch) -> int:
     """Split-KV partitions of PARTITION keys in the twin and (when imported) the kernels."""
-    monkeypatch.setattr(split_kv, "SPLIT_KV_PARTITION", PARTITION)
-    if INTERPRET:
-        from specdec.models import split_kv_triton
+    from specdec.models import attention_tiles
 
-        monkeypatch.setattr(split_kv_triton, "SPLIT_KV_PARTITION", PARTITION)
+    monkeypatch.setattr(attention_tiles, "SPLIT_KV_PARTITION", PARTITION)
     return PARTITION
 
 
