@@ -25,6 +25,14 @@ def split_kv_partition() -> int:
     return SPLIT_KV_PARTITION
 
 
+def kernel_partition(max_keys: int) -> int:
+    """The PARTITION a single-pass kernel (decode or prefill) runs with over a block table that
+    holds up to `max_keys` keys: 0 (one pass, no merge) when no context can span two
+    partitions, else the split-KV partition, whose edges it then merges at."""
+    partition = split_kv_partition()
+    return partition if max_keys > partition else 0
+
+
 def score_scales(scale: float, softcap: float | None) -> tuple[float, float]:
     """(qk_scale, softcap_log2): the float arguments the attention kernels (and twins) turn
     q.k products into base-2 scores with.
@@ -99,7 +107,7 @@ def merge_partial_ref(
     part_acc: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One partition's partial merged into the running state of the partitions before it, as
-    every attention kernel merges at each partition edge (`fused_triton._merge_partial`).
+    every attention kernel merges at each partition edge (`partition_merge_triton`).
 
     With M = max(m, m_p), a = 1 where m == M else 2^(m - M), b likewise for m_p: the state
     becomes (M, l a + l_p b, acc a + acc_p b); an empty state (m = -inf) takes the partial as it

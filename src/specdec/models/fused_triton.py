@@ -15,9 +15,10 @@ from specdec.models.attention_tiles import (
     DECODE_BLOCK_N,
     decode_block_m,
     decode_row_tiles,
+    kernel_partition,
     score_scales,
-    split_kv_partition,
 )
+from specdec.models.partition_merge_triton import merge_partial_triton
 from specdec.triton_specialization import unspecialized
 
 # The decode kernel's per-step metadata (see `specdec.triton_specialization`).
@@ -298,25 +299,6 @@ def _attend_chunk_masked(
 
 
 @triton.jit
-def _merge_partial(row_max, row_sum, acc, part_max, part_sum, part_acc):
-    """A partition's partial (part_max, part_sum, part_acc) merged into the running state of the
-    partitions before it (`split_kv.merge_partial_ref`, operation for operation): the split-KV
-    second pass, and the single-pass and prefill kernels at each partition edge. An empty state
-    takes the partial as it is, so one partition keeps the single pass's bits."""
-    new_max = tl.maximum(row_max, part_max)
-    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-    mine = tl.where(row_max == new_max, 1.0, tl.math.exp2(row_max - safe_max))
-    theirs = tl.where(part_max == new_max, 1.0, tl.math.exp2(part_max - safe_max))
-    empty = row_max == float("-inf")
-    none_new = part_max == float("-inf")
-    merged_sum = row_sum * mine + part_sum * theirs
-    merged_acc = acc * mine[:, None] + part_acc * theirs[:, None]
-    row_sum = tl.where(empty, part_sum, tl.where(none_new, row_sum, merged_sum))
-    acc = tl.where(empty[:, None], part_acc, tl.where(none_new[:, None], acc, merged_acc))
-    return new_max, row_sum, acc
-
-
-@triton.jit
 def _window_start(
     positions_ptr,
     seq,
@@ -458,7 +440,7 @@ def _paged_decode_attention_kernel(
                         softcap_log2, NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D,
                         IEEE, KV_FP8, TREE, SLIDING, SOFTCAP,
                     )  # fmt: skip
-                merged_max, merged_sum, merged_acc = _merge_partial(
+                merged_max, merged_sum, merged_acc = merge_partial_triton(
                     merged_max, merged_sum, merged_acc, row_max, row_sum, acc
                 )
         else:  # the interpreter: every partition of the table, masks void the extra chunks
@@ -474,7 +456,7 @@ def _paged_decode_attention_kernel(
                         softcap_log2, NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D,
                         IEEE, KV_FP8, TREE, SLIDING, SOFTCAP,
                     )  # fmt: skip
-                merged_max, merged_sum, merged_acc = _merge_partial(
+                merged_max, merged_sum, merged_acc = merge_partial_triton(
                     merged_max, merged_sum, merged_acc, row_max, row_sum, acc
                 )
         row_sum, acc = merged_sum, merged_acc
@@ -484,14 +466,6 @@ def _paged_decode_attention_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=live_row[:, None] & (dims[None, :] < HEAD_DIM),
     )
-
-
-def kernel_partition(max_keys: int) -> int:
-    """The PARTITION a single-pass kernel (decode or prefill) runs with over a block table that
-    holds up to `max_keys` keys: 0 (one pass, no merge) when no context can span two
-    partitions, else the split-KV partition, whose edges it then merges at."""
-    partition = split_kv_partition()
-    return partition if max_keys > partition else 0
 
 
 def kernel_tree_mask(meta: DecodeMetadata) -> torch.Tensor | None:

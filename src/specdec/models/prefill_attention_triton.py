@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.models.attention_tiles import PREFILL_BLOCK_N, score_scales
-from specdec.models.fused_triton import _merge_partial, kernel_partition
+from specdec.models.attention_tiles import PREFILL_BLOCK_N, kernel_partition, score_scales
+from specdec.models.partition_merge_triton import merge_partial_triton
 from specdec.triton_specialization import unspecialized
 
 
@@ -169,7 +169,7 @@ def _paged_prefill_attention_kernel(
                 )  # fmt: skip
     else:
         # The split-KV partitions' edges, each partition from an empty state, merged in order
-        # (`fused_triton._merge_partial`): the decode kernels' bits at any context length.
+        # (`partition_merge_triton`): the decode kernels' bits at any context length.
         tiles_per_part: tl.constexpr = PARTITION // BLOCK_N
         merged_max, merged_sum, merged_acc = row_max, row_sum, acc
         if DEVICE_BOUND:
@@ -185,7 +185,7 @@ def _paged_prefill_attention_kernel(
                         softcap_log2, NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N, BLOCK_D,
                         True, SLIDING, KV_FP8, IEEE, SOFTCAP,
                     )  # fmt: skip
-                merged_max, merged_sum, merged_acc = _merge_partial(
+                merged_max, merged_sum, merged_acc = merge_partial_triton(
                     merged_max, merged_sum, merged_acc, row_max, row_sum, acc
                 )
         else:  # the interpreter: every partition of the table, masks void the extra tiles
@@ -200,7 +200,7 @@ def _paged_prefill_attention_kernel(
                         qk_scale, softcap_log2, NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, BLOCK_N,
                         BLOCK_D, True, SLIDING, KV_FP8, IEEE, SOFTCAP,
                     )  # fmt: skip
-                merged_max, merged_sum, merged_acc = _merge_partial(
+                merged_max, merged_sum, merged_acc = merge_partial_triton(
                     merged_max, merged_sum, merged_acc, row_max, row_sum, acc
                 )
         row_sum, acc = merged_sum, merged_acc

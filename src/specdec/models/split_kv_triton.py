@@ -8,8 +8,8 @@ unnormalised output) of its BLOCK_M rows (query token x q head of the group); a 
 partition starts past its sequence's context reads and writes nothing, and one wholly before its
 rows' sliding window (SLIDING) walks no key: its partial is the empty one (row max -inf, sum 0),
 which the merge leaves out. Pass 2: one program per (sequence, KV head and row tile) merges the
-live partitions one at a time in order (`fused_triton._merge_partial`, as the single-pass and
-prefill kernels merge at their partition edges) and, with WRITE_LSE, writes each row's natural
+live partitions one at a time in order (`partition_merge_triton`, as the single-pass and prefill
+kernels merge at their partition edges) and, with WRITE_LSE, writes each row's natural
 log-sum-exp. No host sync (CUDA-graph safe); addresses in int64.
 """
 
@@ -32,11 +32,11 @@ from specdec.models.attention_tiles import (
 )
 from specdec.models.fused_triton import (
     _attend_chunk_masked,
-    _merge_partial,
     _window_start,
     kernel_tree_mask,
     kernel_window,
 )
+from specdec.models.partition_merge_triton import merge_partial_triton
 from specdec.triton_specialization import unspecialized
 
 # A kernel reads a module global only as a constexpr (Triton 3.6 refuses a plain float on the
@@ -190,7 +190,7 @@ def _merge_loaded(
         mask=inside[:, None] & (dims[None, :] < BLOCK_D),
         other=0.0,
     )
-    return _merge_partial(row_max, total, acc, part_max, part_sum, part_acc)
+    return merge_partial_triton(row_max, total, acc, part_max, part_sum, part_acc)
 
 
 @triton.jit

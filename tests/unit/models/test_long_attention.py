@@ -341,7 +341,7 @@ def test_negative_control_one_pass_over_partitions_differs(small_partitions, mon
     contexts = [129, 300]
     query, k_cache, v_cache, meta = _decode_case(contexts, [1, 1], 1, 2, 4, 13)
     split = split_kv_triton.split_kv_decode_attention_triton(query, k_cache, v_cache, meta(5), 0.3)
-    monkeypatch.setattr(fused_triton, "kernel_partition", lambda max_keys: 0)
+    monkeypatch.setattr(fused_triton, "kernel_partition", lambda max_keys: 0)  # as imported
     single = fused_triton.paged_decode_attention_triton(query, k_cache, v_cache, meta(0), 0.3)
     torch.testing.assert_close(single, split, **FP32_TOL)  # the same attention
     assert not torch.equal(single, split)  # in other bits
