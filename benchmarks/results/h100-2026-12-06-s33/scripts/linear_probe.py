@@ -17,8 +17,16 @@ BAD = []
 
 def meta(x, w, b):
     return (
-        tuple(w.shape), str(w.dtype), tuple(x.shape), tuple(x.stride()), x.storage_offset() % 64,
-        x.data_ptr() % 256, x.is_contiguous(), b is not None, tuple(w.stride()), w.data_ptr() % 256,
+        tuple(w.shape),
+        str(w.dtype),
+        tuple(x.shape),
+        tuple(x.stride()),
+        x.storage_offset() % 64,
+        x.data_ptr() % 256,
+        x.is_contiguous(),
+        b is not None,
+        tuple(w.stride()),
+        w.data_ptr() % 256,
     )
 
 
@@ -30,8 +38,17 @@ def checked_linear(x, w, b=None):
     if not x.is_cuda or STATE["skip"]:
         return out
     capturing = torch.cuda.is_current_stream_capturing()
-    key = meta(x, w, b) + (capturing,)
-    sig = (key[0], key[2][0] if len(key[2]) else 0, key[3], key[4], key[5], key[6], key[7], capturing)
+    key = (*meta(x, w, b), capturing)
+    sig = (
+        key[0],
+        key[2][0] if len(key[2]) else 0,
+        key[3],
+        key[4],
+        key[5],
+        key[6],
+        key[7],
+        capturing,
+    )
     SIGS[str(sig)] = SIGS.get(str(sig), 0) + 1
     if capturing or x.dim() != 2 or x.shape[0] < 2:
         return out
@@ -42,8 +59,14 @@ def checked_linear(x, w, b=None):
     d2 = (contig != out).any(dim=-1).nonzero().flatten().tolist()
     d3 = (whole_contig != out).any(dim=-1).nonzero().flatten().tolist()
     if d1 or d2 or d3:
-        BAD.append({"meta": [str(m) for m in key], "rows_vs_same_stride": d1[:8],
-                    "rows_vs_contig": d2[:8], "whole_contig_differs": d3[:8]})
+        BAD.append(
+            {
+                "meta": [str(m) for m in key],
+                "rows_vs_same_stride": d1[:8],
+                "rows_vs_contig": d2[:8],
+                "whole_contig_differs": d3[:8],
+            }
+        )
     return out
 
 
@@ -83,14 +106,21 @@ if os.environ.get("EAGER") == "1":
 
 
 def dump():
-    path = os.path.join(os.environ.get("OUT", "/tmp"), f"linear_probe{os.environ.get('TAG', '')}.json")
+    path = os.path.join(
+        os.environ.get("OUT", "/tmp"), f"linear_probe{os.environ.get('TAG', '')}.json"
+    )
     with open(path, "w") as f:
-        json.dump({"signatures": SIGS, "mismatches": BAD[:200], "num_mismatches": len(BAD)}, f, indent=1)
+        json.dump(
+            {"signatures": SIGS, "mismatches": BAD[:200], "num_mismatches": len(BAD)}, f, indent=1
+        )
     print("linear_probe:", len(SIGS), "signatures,", len(BAD), "mismatching calls ->", path)
 
 
 atexit.register(dump)
-print("linear_probe: F.linear in specdec.models.linear checked row by row; EAGER =", os.environ.get("EAGER"))
+print(
+    "linear_probe: F.linear in specdec.models.linear checked row by row; EAGER =",
+    os.environ.get("EAGER"),
+)
 
 import signal  # noqa: E402
 
