@@ -18,7 +18,7 @@ import torch
 from models_fixtures import seeded_model
 from specdec.models import attention, fused, split_kv
 from specdec.models.attention import AttentionMetadata, DecodeMetadata, to_cache_dtype
-from specdec.models.attention_tiles import decode_query_bucket
+from specdec.models.attention_tiles import SPLIT_KV_PARTITION, decode_query_bucket
 from specdec.models.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 from specdec.runner.model_runner import PagedModelRunner, StepInput
 
@@ -147,7 +147,7 @@ def test_prefill_of_long_chunks_has_linear_memory() -> None:
 
 # ----------------------------------------------------------------------------- split-KV
 # Partition edges follow the partition size (2,048 keys since s11).
-_P = split_kv.SPLIT_KV_PARTITION
+_P = SPLIT_KV_PARTITION
 CONTEXTS = [1, 63, 64, 65, _P - 1, _P, _P + 1, 3000, 0, 9000]
 
 
