@@ -110,7 +110,7 @@ def build_ours(shape: str, device: str = "cuda"):
     return model
 
 
-def make_llm(model, spec=None, max_num_seqs=64, **kwargs):
+def make_llm(model, spec=None, max_num_seqs=64, max_model_len=None, **kwargs):
     from specdec.engine.config import EngineConfig, SpeculativeConfig
     from specdec.engine.llm import LLM
     from specdec.engine.llm_engine import LLMEngine
@@ -119,7 +119,7 @@ def make_llm(model, spec=None, max_num_seqs=64, **kwargs):
         device=model.model.embed_tokens.weight.device.type,
         dtype="bfloat16",
         max_num_seqs=max_num_seqs,
-        max_model_len=min(1024, model.config.max_position_embeddings),
+        max_model_len=max_model_len or min(1024, model.config.max_position_embeddings),
         num_kv_blocks=max_num_seqs * 1024 // 16 + 64,
         **kwargs,
     )

@@ -3,7 +3,7 @@ with whatever `specdec` is on the path: run it with two source trees one after t
 one lease to compare them (e.g. before and after a change of the decode step).
 
 `PYTHONPATH=src:benchmarks python3 benchmarks/probes/probe_plain_tpot.py --out FILE.json
-[--shape smollm2-135m] [--batches 1,64] [--new-tokens 64]`
+[--shape smollm2-135m] [--batches 1,64] [--new-tokens 64] [--max-model-len N]`
 """
 
 from __future__ import annotations
@@ -24,6 +24,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument(
         "--cublas", action="store_true", help="force cuBLAS for every product (if supported)"
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the engine's max_model_len (default 1024; past 2,048 the attention kernels merge "
+        "at split-KV partition edges: the cost of s33's long-context replay)",
     )
     parser.add_argument(
         "--decode-max-block-m",
@@ -49,8 +56,10 @@ def main() -> None:
     model = build_ours(args.shape)
     result = {"specdec": specdec.__file__, "shape": args.shape, "tpot_ms": {}}
     result["decode_max_block_m"] = args.decode_max_block_m
+    result["max_model_len"] = args.max_model_len
     for batch in [int(b) for b in args.batches.split(",")]:
-        llm = make_llm(model, None, max_num_seqs=64)
+        sizing = {} if args.max_model_len is None else {"max_model_len": args.max_model_len}
+        llm = make_llm(model, None, max_num_seqs=64, **sizing)
         prompts = random_prompts(batch, model.config.vocab_size, seed=batch)
         result["tpot_ms"][batch] = engine_tpot(llm, prompts, args.new_tokens)["tpot_ms"]
         print(
