@@ -42,7 +42,7 @@ def num_partitions(max_context_len: int) -> int:
 # Steps filled on the device (device rounds) attend with split-KV when their cache holds contexts
 # of at least this many tokens: their contexts are not known on the host, and below it the
 # single-pass kernel's occupancy suffices while split-KV's second pass would cost every layer a
-# launch.
+# launch. A speed choice only: both kernels merge at the same partition edges (s33).
 SPLIT_KV_ROUNDS_FROM = 16384
 
 
@@ -64,8 +64,9 @@ def split_when_unseen(max_context_len: int, device: torch.device) -> bool:
 
 def split_when_seen(longest_context: int, partitions: int) -> bool:
     """Whether a step whose longest context the host knows takes split-KV (with `partitions`
-    from `step_partitions`): when it spans more than one partition (below that both kernels
-    give the same bits, so the choice never changes a request's tokens)."""
+    from `step_partitions`): when it spans more than one partition. A speed choice: the
+    single-pass kernel merges at the same partition edges and gives the same bits at any
+    context (s33), so the choice never changes a request's tokens."""
     return partitions > 0 and longest_context > split_kv_partition()
 
 
