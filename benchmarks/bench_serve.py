@@ -348,13 +348,29 @@ def server_max_num_seqs(args: argparse.Namespace) -> int:
     return EngineConfig.__dataclass_fields__["max_num_seqs"].default
 
 
-def generate_levels(args: argparse.Namespace) -> list[LevelResult]:
+def loop_counters(stats: dict) -> dict[str, float]:
+    """An engine's `LoopStats.as_dict()` under the names of the server's counters
+    (`engine_counters`), so that in-process levels fill the same paths table."""
+    counters = {
+        f"specdec:{name}_total": float(value)
+        for name, value in stats.items()
+        if name.startswith("num_")
+    }
+    for kind, count in stats.get("rows", {}).items():
+        counters[f"specdec:num_rows_total[kind={kind}]"] = float(count)
+    for k, count in stats.get("k_chosen", {}).items():
+        counters[f"specdec:spec_k_chosen_total[k={k}]"] = float(count)
+    return counters
+
+
+def generate_levels(args: argparse.Namespace, by_level: dict | None = None) -> list[LevelResult]:
     """`LLM.chat` on each concurrency level's requests in this process (a closed batch of
     max_num_seqs = the concurrency, capped at the server's own max_num_seqs as the server caps
     the streams it runs at once; warmed up as the server is), plain and spec: what the engine
-    delivers without the server. Only throughput is measured (NaN latencies). (Before s32 the
-    batch was the concurrency uncapped: at c = 256 it ran 256 sequences against the server's
-    64.)"""
+    delivers without the server. Only throughput is measured (NaN latencies); `by_level`, if
+    given, receives each level's step counters as the timed run grew them (`loop_counters`).
+    (Before s32 the batch was the concurrency uncapped: at c = 256 it ran 256 sequences against
+    the server's 64.)"""
     import torch
 
     from specdec import LLM, SamplingParams
@@ -396,9 +412,11 @@ def generate_levels(args: argparse.Namespace) -> list[LevelResult]:
                 warm * min(concurrency, num_requests),
                 use_tqdm=False,
             )
+            before = loop_counters(llm.engine.loop_stats.as_dict())
             started = time.perf_counter()
             outputs = llm.chat(chats, params, use_tqdm=False)
             duration = time.perf_counter() - started
+            after = loop_counters(llm.engine.loop_stats.as_dict())
             tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
             stats = llm.get_metrics()
             drafts = stats.get("num_drafts", 0)
@@ -423,6 +441,10 @@ def generate_levels(args: argparse.Namespace) -> list[LevelResult]:
                 )
             )
             print_level(levels[-1])
+            if by_level is not None:
+                by_level[f"{levels[-1].mode} {levels[-1].label}"] = {
+                    name: value - before.get(name, 0.0) for name, value in after.items()
+                }
             # The next level's engine sizes its KV cache from the memory free then: this one's
             # (held in reference cycles until collected) must be gone (s32: a second LLM in one
             # process ran out of memory on an H100 without this).
@@ -636,9 +658,15 @@ def paths_table(meta: dict) -> list[str]:
         (meta.get("no_spec_server") or {}).get("engine_counters_by_level") or {}
     ).items():
         rows[f"{NO_SPEC_MODE} {key.split(' ', 1)[1]}"] = grown
+    rows.update(meta.get("generate_counters_by_level") or {})
     if not rows:
         return []
-    lines = ["", "Engine paths by level (the server's step counters, as each level grew them)", ""]
+    lines = [
+        "",
+        "Engine paths by level (the server's step counters, and the in-process engine's for "
+        "`LLM.generate`, as each level grew them)",
+        "",
+    ]
     lines.append("| level | " + " | ".join(name for name, _ in PATH_COLUMNS) + " |")
     lines.append("|---|" + "---|" * len(PATH_COLUMNS))
     for level, grown in rows.items():
@@ -936,7 +964,7 @@ def main() -> None:
     if args.no_spec_server:
         meta["no_spec_server"] = no_spec_levels(args, levels, out_json.parent)
     if args.generate:
-        levels += generate_levels(args)
+        levels += generate_levels(args, meta.setdefault("generate_counters_by_level", {}))
     report = {"meta": meta, "levels": [asdict(x) | {"load": x.label} for x in levels]}
     out_json.write_text(json.dumps(report, indent=2))
     out_json.with_suffix(".md").write_text(markdown(meta, levels))

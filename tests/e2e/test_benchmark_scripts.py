@@ -149,11 +149,20 @@ def test_serve_benchmark_starts_a_server_and_reports(tiny_dir, tmp_path):
     assert list(by_level) == ["plain c=1", "spec c=1", "plain c=3", "spec c=3"]
     for grown in by_level.values():
         assert grown.get("specdec:num_rows_total[kind=prefill]", 0) > 0, grown
+    # and the in-process engine's, for the `LLM.generate` levels (spec ones drafted)
+    in_process = report["meta"]["generate_counters_by_level"]
+    assert list(in_process) == [
+        "generate plain c=1", "generate plain c=3", "generate spec c=1", "generate spec c=3"
+    ]  # fmt: skip
+    for grown in in_process.values():
+        assert grown.get("specdec:num_rows_total[kind=prefill]", 0) > 0, grown
+    assert in_process["generate plain c=3"].get("specdec:num_rows_total[kind=speculative]") == 0
     table = (tmp_path / "serve.md").read_text()
     assert "| spec | c=3 | 3 | 0 |" in table and "spec / plain" in table
     assert "server / `LLM.generate`" in table
     paths = table.split("Engine paths by level")[1]
     assert "| plain c=1 |" in paths and "| spec c=3 |" in paths
+    assert "| generate spec c=3 |" in paths
     assert (tmp_path / "serve.png").stat().st_size > 0
     assert "Application shutdown complete" in (tmp_path / "server.log").read_text()
 
