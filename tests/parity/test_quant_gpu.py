@@ -113,7 +113,13 @@ def test_engine_greedy_speculation_equals_plain_on_cuda(tmp_path, quantization: 
     """CUDA graphs captured over quantized products: greedy speculative == greedy plain."""
     path = str(save_hf_model(make_hf_model("llama"), tmp_path / "hf"))
     spec = {"method": "draft_model", "model": "truncated:1", "num_speculative_tokens": 3}
-    llm = LLM(path, speculative_config=spec, quantization=quantization, device="cuda")
+    llm = LLM(
+        path,
+        speculative_config=spec,
+        quantization=quantization,
+        device="cuda",
+        gpu_memory_utilization=0.1,  # a tiny model: leaves the GPU to parallel test workers
+    )
     prompts = prompt_tokens(97, [6, 11, 3, 8], seed=4)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain = llm.generate(prompts, params, speculative={"enabled": False}, use_tqdm=False)
