@@ -83,6 +83,18 @@ def test_kernel_rows_do_not_depend_on_the_batch(name: str) -> None:
         assert torch.equal(quant_linear(x[row : row + 1], weight, kernel_only=True)[0], batch[row])
 
 
+@pytest.mark.parametrize("name", ["Q4_1", "int4", "int8", "fp8"])
+@pytest.mark.parametrize("kernel_only", [False, True])
+def test_zero_rows_give_an_empty_product(name: str, kernel_only: bool) -> None:
+    """Zero rows (an eager step's LM head when the step wants no logits): [0, N] back, not
+    PyTorch's int4 kernel's CUDA "invalid argument" (s34: an int4 engine failed so)."""
+    weight = QuantizedWeight(WEIGHTS[name], CUDA)
+    x = torch.empty(0, 512, dtype=torch.bfloat16, device=CUDA)
+    out = quant_linear(x, weight, kernel_only=kernel_only)
+    torch.cuda.synchronize()
+    assert out.shape == (0, 192) and out.dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "int4", "fp8"])
 def test_dequantize_kernel(name: str) -> None:
     from specdec.models import quant_triton

@@ -455,6 +455,9 @@ class QuantizedWeight:
     # ------------------------------------------------------------------ kernels
     def matmul(self, x: torch.Tensor, kernel_only: bool = False) -> torch.Tensor:
         """[M, K] -> [M, N] in x's dtype; see `quant_linear`."""
+        if x.shape[0] == 0:  # (an eager step that wants no logits: PyTorch's CUDA int4 kernel
+            # fails on zero rows with "invalid argument", s34)
+            return x.new_empty((0, self.shape[0]))
         layout = self.layout
         dequant = not kernel_only
         if self._q8_source:

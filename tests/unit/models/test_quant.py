@@ -88,6 +88,19 @@ def test_cpu_kernel_matches_reference(type_name: str, num_rows: int) -> None:
     assert not ((x @ broken.t() - want).abs() <= _bf16_bound(x, exact)).all()
 
 
+@pytest.mark.parametrize("source", ["Q4_1", "Q8_0", "int8", "fp8"])
+def test_zero_rows_give_an_empty_product(source: str) -> None:
+    """An eager step that wants no logits multiplies zero rows by the LM head: [0, N] back,
+    whatever the layout (PyTorch's CUDA int4 kernel fails on zero rows: s34)."""
+    dense = torch.randn(64, 256, generator=torch.Generator().manual_seed(5)) * 0.05
+    formats = {"int8": quantize_int8, "fp8": quantize_fp8}
+    weight = formats[source](dense) if source in formats else _blocks(source, 64, 256, seed=5)
+    packed = QuantizedWeight(weight, "cpu")
+    for dtype in (torch.float32, torch.bfloat16):
+        out = quant_linear(torch.empty(0, 256, dtype=dtype), packed)
+        assert out.shape == (0, 64) and out.dtype == dtype
+
+
 @pytest.mark.parametrize("type_name", GGUF_QUANT_TYPES)
 def test_dequantize_of_the_layout_is_the_weight(type_name: str) -> None:
     """`QuantizedWeight.dequantize` (bfloat16 scales, as the kernel reads them) stays within
