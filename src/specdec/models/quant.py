@@ -25,13 +25,12 @@ from specdec.models.quant_formats import (
     Quantized,
 )
 
-# On the CPU every product takes the weight-only kernel, whose rows do not depend on how many
-# rows it multiplies: a dequantized GEMM for prefill chunks (faster from a few tens of rows on)
-# rounds differently, so a request's tokens would depend on what shares its chunk, whether a
-# step mixes prefill and decode rows, and on preemption. On CUDA, prefill chunks of this many
-# rows dequantize to the activation dtype and run cuBLAS (whose bfloat16 products already pick
-# their algorithm by shape, as the float path's do).
-CUDA_DEQUANT_MIN_ROWS = 256
+# Every product takes the weight-only kernel, on the CPU and on CUDA, whose rows do not depend
+# on how many rows it multiplies: a dequantized GEMM for prefill chunks (faster from a few tens
+# of rows on) rounds differently, so a request's tokens would depend on what shares its chunk,
+# whether a step mixes prefill and decode rows, and on preemption. (Until s34 CUDA steps of 256
+# rows or more outside the decode path's kernels, and an LM head over 256 rows or more,
+# dequantized for one GEMM.)
 KERNEL_DTYPE_CPU = torch.bfloat16  # what PyTorch's CPU weight-only kernels compute in
 
 
@@ -459,7 +458,7 @@ class QuantizedWeight:
             # fails on zero rows with "invalid argument", s34)
             return x.new_empty((0, self.shape[0]))
         layout = self.layout
-        dequant = not kernel_only
+        del kernel_only  # (every product takes the kernel: see the note on CUDA above)
         if self._q8_source:
             # An 8-bit weight kept with its source (an LM head): one pass in C++ where built.
             out = q8_linear(x, self.source)
@@ -484,11 +483,6 @@ class QuantizedWeight:
         if layout in ("triton_int", "triton_fp8"):
             from specdec.models import quant_triton
 
-            if dequant and x.shape[0] >= CUDA_DEQUANT_MIN_ROWS:  # a prefill chunk: one GEMM
-                weight = quant_triton.dequantize_triton(
-                    self._tensors, self._meta, self.shape, x.dtype
-                )
-                return batch_invariant_linear(x, weight)
             if "int4pack" in self._tensors:
                 xk = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
                 out = torch.ops.aten._weight_int4pack_mm(
@@ -595,16 +589,14 @@ def quant_linear(
     bfloat16 (x rounded to bfloat16, float32 accumulation, the result rounded to bfloat16, then
     cast to x's dtype) for every row count, except a symmetric 8-bit weight kept with its source
     (an LM head), which takes `cpu_extension.q8_linear` in float32 where it is built; on
-    CUDA PyTorch's int4 kernel or the Triton kernels, where many rows (CUDA_DEQUANT_MIN_ROWS: a
-    prefill chunk) dequantize the weight for one GEMM instead, unless `kernel_only`. See
-    `quant_linear_ref` for the value.
+    CUDA PyTorch's int4 kernel or the Triton kernels, for every row count: a row's value never
+    depends on how many rows the product has. See `quant_linear_ref` for the value.
 
     Args:
         x: [..., K] activations.
         weight: [N, K].
         bias: [N] or None.
-        kernel_only: always the weight-only kernel (decode/verify steps on CUDA: each row's
-            result is then independent of the number of rows, as it always is on the CPU).
+        kernel_only: accepted and ignored: every product takes the weight-only kernel.
 
     Returns: [..., N] in x's dtype.
     """
