@@ -60,9 +60,9 @@ def gemm_rows(model, fmt: str, batches: list[int]) -> dict:
         n, k = quantized[0].shape
         for batch in batches:
             x = torch.randn(batch, k, device="cuda", dtype=torch.bfloat16)
-            ours = base.cuda_ms(
-                lambda x=x, q=quantized: [quant_linear(x, w, kernel_only=True) for w in q], 5
-            ) / len(quantized)
+            ours = base.cuda_ms(lambda x=x, q=quantized: [quant_linear(x, w) for w in q], 5) / len(
+                quantized
+            )
             dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
             cublas = base.cuda_ms(
                 lambda x=x, d=dense, q=quantized: [torch.nn.functional.linear(x, d) for _ in q], 5

@@ -433,7 +433,7 @@ def decode_path_step(
     )
     with torch.inference_mode():
         hidden, _ = runner.model.model(tensor(input_ids), tensor(positions), meta, runner.kv_cache)
-        logits = runner.model.compute_logits(hidden, decode=True)  # [B * Q, V]
+        logits = runner.model.compute_logits(hidden)  # [B * Q, V]
     rows = logits.view(len(seq_ids), query_per_seq, -1)
     return {seq: rows[b, : query_lens[b]] for b, seq in enumerate(seq_ids)}
 

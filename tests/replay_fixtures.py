@@ -241,8 +241,8 @@ def make_batch_dependent(monkeypatch, scale: float = 0.05) -> None:
     itself). The engine stays deterministic, but a row's tokens now depend on its batch."""
     compute_logits = LlamaForCausalLM.compute_logits
 
-    def batch_dependent(self, hidden, decode=False, out=None):
-        logits = compute_logits(self, hidden, decode)
+    def batch_dependent(self, hidden, out=None):
+        logits = compute_logits(self, hidden)
         logits = logits + scale * logits.mean(dim=0, keepdim=True)
         return logits if out is None else out.copy_(logits)
 

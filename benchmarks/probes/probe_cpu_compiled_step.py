@@ -209,7 +209,7 @@ def main() -> None:
                 kv.k_cache[index], kv.v_cache[index], 0, pos + 1,
             )  # fmt: skip
         hidden = F.rms_norm(out + residual, (out.shape[-1],), inner.norm.weight, inner.norm.eps)
-        return model.compute_logits(hidden, decode=True)
+        return model.compute_logits(hidden)
 
     before, after = (
         torch.compile(f, fullgraph=True, dynamic=HALVES_DYNAMIC) for f in make_halves(eps, group)
@@ -234,7 +234,7 @@ def main() -> None:
             ).reshape(1, nh * hd)
             out, residual = after(attn_out, summed, w[4], w[5], w[1], *w[6:])
         hidden = F.rms_norm(out + residual, (out.shape[-1],), inner.norm.weight, inner.norm.eps)
-        return model.compute_logits(hidden, decode=True)
+        return model.compute_logits(hidden)
 
     def eager_step(token: int, pos: int) -> torch.Tensor:
         logits, _ = graphs.run([[token]], [pos], [blocks], stacked=True)

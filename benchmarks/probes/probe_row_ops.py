@@ -70,8 +70,8 @@ def install_recorders() -> None:
     layers.Linear.decode = linear_decode
     logits = llama.LlamaForCausalLM.compute_logits
 
-    def compute_logits(self, hidden, decode=False, out=None, _logits=logits):
-        return record("lm_head", _logits(self, hidden, decode, out))
+    def compute_logits(self, hidden, out=None, _logits=logits):
+        return record("lm_head", _logits(self, hidden, out))
 
     llama.LlamaForCausalLM.compute_logits = compute_logits
     embed = llama.LlamaModel.embed
@@ -142,7 +142,7 @@ class Runner:
         RECORDING[0] = True
         try:
             hidden = self.model(ids, pos, attn, self.cache)
-            self.model.compute_logits(hidden, decode=True)
+            self.model.compute_logits(hidden)
         finally:
             RECORDING[0] = False
         torch.cuda.synchronize() if self.device.type == "cuda" else None

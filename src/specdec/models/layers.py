@@ -45,18 +45,13 @@ class Linear(nn.Module):
         self.quantized = weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T (+ bias); a row's value never depends on how many rows x has (a quantized
+        weight's kernel, `batch_invariant_linear` for a float one)."""
         if self.quantized is not None:
             return quant_linear(x, self.quantized, self.bias)
         return batch_invariant_linear(x, self.weight, self.bias)
 
-    def decode(self, x: torch.Tensor) -> torch.Tensor:
-        """`forward` for a decode/verify step: a quantized weight always goes through its
-        weight-only kernel, whose rows do not depend on how many rows the step has (so a
-        verify row equals the plain decode row of the same token); `forward` may instead
-        dequantize for a GEMM when there are many rows (a prefill chunk)."""
-        if self.quantized is not None:
-            return quant_linear(x, self.quantized, self.bias, kernel_only=True)
-        return batch_invariant_linear(x, self.weight, self.bias)
+    decode = forward  # the decode path's call (no module hooks); the same product
 
 
 class Embedding(nn.Module):

@@ -390,20 +390,18 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("the LM head is quantized: it has no float weight")
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def compute_logits(
-        self, hidden: torch.Tensor, decode: bool = False, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Args: hidden: [N, D] final hidden states; decode: rows of a decode/verify step
-        (a quantized head then always takes its weight-only kernel, see `Linear.decode`; a
-        float head's rows never depend on the row count: `batch_invariant_linear`); out: a
-        float32 [N, V] buffer to write them into (a graphed step's), cast in the copy.
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Args: hidden: [N, D] final hidden states (a row's logits never depend on how many
+        rows there are: a quantized head's weight-only kernel, `batch_invariant_linear` for a
+        float one); out: a float32 [N, V] buffer to write them into (a graphed step's), cast in
+        the copy.
 
         Returns: [N, V] float32 logits (`out` if given; under tensor parallelism every rank's
         vocabulary rows, gathered), soft-capped in float32 when the model caps them (Gemma 2's
         `final_logit_softcapping`)."""
         head = self.lm_head_quantized
         if head is not None:
-            logits = quant_linear(hidden, head, kernel_only=decode)
+            logits = quant_linear(hidden, head)
         else:
             logits = batch_invariant_linear(hidden, self.lm_head_weight)
         if self.tp is not None:

@@ -452,13 +452,12 @@ class QuantizedWeight:
         return values.view(num_rows, cols)
 
     # ------------------------------------------------------------------ kernels
-    def matmul(self, x: torch.Tensor, kernel_only: bool = False) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """[M, K] -> [M, N] in x's dtype; see `quant_linear`."""
         if x.shape[0] == 0:  # (an eager step that wants no logits: PyTorch's CUDA int4 kernel
             # fails on zero rows with "invalid argument", s34)
             return x.new_empty((0, self.shape[0]))
         layout = self.layout
-        del kernel_only  # (every product takes the kernel: see the note on CUDA above)
         if self._q8_source:
             # An 8-bit weight kept with its source (an LM head): one pass in C++ where built.
             out = q8_linear(x, self.source)
@@ -582,8 +581,6 @@ def quant_linear(
     x: torch.Tensor,
     weight: QuantizedWeight,
     bias: torch.Tensor | None = None,
-    *,
-    kernel_only: bool = False,
 ) -> torch.Tensor:
     """x @ W^T (+ bias) through the weight's kernel: on the CPU PyTorch's int4/int8 kernels in
     bfloat16 (x rounded to bfloat16, float32 accumulation, the result rounded to bfloat16, then
@@ -596,15 +593,14 @@ def quant_linear(
         x: [..., K] activations.
         weight: [N, K].
         bias: [N] or None.
-        kernel_only: accepted and ignored: every product takes the weight-only kernel.
 
     Returns: [..., N] in x's dtype.
     """
     if x.dim() == 2:  # (the decode path's case: no reshapes)
-        out = weight.matmul(x, kernel_only)
+        out = weight.matmul(x)
         return out if bias is None else out + bias
     lead = x.shape[:-1]
-    out = weight.matmul(x.reshape(-1, x.shape[-1]), kernel_only)
+    out = weight.matmul(x.reshape(-1, x.shape[-1]))
     if bias is not None:
         out = out + bias
     return out.view(*lead, out.shape[-1])

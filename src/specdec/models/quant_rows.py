@@ -33,12 +33,12 @@ class QuantizedRows:
         self.shape = (index.shape[0], weight.shape[1])
         self._copy: QuantizedWeight | None = None
 
-    def matmul(self, x: torch.Tensor, kernel_only: bool = False) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """[M, K] -> [M, N'] in x's dtype; see `QuantizedWeight.matmul`."""
         out = q8_linear(x, self.weight.source, self.index)
         if out is not None:
             return out
-        return self.copy().matmul(x, kernel_only)
+        return self.copy().matmul(x)
 
     def copy(self) -> QuantizedWeight:
         """The rows as a weight of their own (`QuantizedWeight.select_rows`), made once."""

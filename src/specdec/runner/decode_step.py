@@ -150,7 +150,7 @@ class DecodeGraphs:
         # Every row's logits as the row alone would get them (`compute_logits` through
         # `batch_invariant_linear`: a bare cuBLAS product here gave the LM head of a model
         # whose head shape fails the start-up check other bits at other batch buckets).
-        self.model.compute_logits(hidden, decode=True, out=self.logits[:rows])
+        self.model.compute_logits(hidden, out=self.logits[:rows])
         return torch.cat(layers, dim=-1) if layers else None
 
     @property

@@ -32,12 +32,10 @@ def test_kernel_rows_do_not_depend_on_the_batch(layout: str) -> None:
         weight = QuantizedWeight(quantize_int8(torch.randn(64, 128, generator=generator)), "cpu")
     assert weight.layout == layout
     x = torch.randn(40, 128, generator=generator)
-    batch = quant_linear(x, weight, kernel_only=True)
+    batch = quant_linear(x, weight)
     for row in (0, 3, 39):
-        alone = quant_linear(x[row : row + 1], weight, kernel_only=True)
+        alone = quant_linear(x[row : row + 1], weight)
         assert torch.equal(alone[0], batch[row])
-    # Without `kernel_only` too: on the CPU every row count takes the kernel.
-    assert torch.equal(quant_linear(x, weight), batch)
     # Negative control: a dequantized bfloat16 GEMM (what prefill chunks once took) rounds
     # differently somewhere, so a row's value would depend on the path its step takes.
     gemm = torch.nn.functional.linear(x.bfloat16(), weight.dequantize().bfloat16()).float()
@@ -78,7 +76,7 @@ def test_gguf_rows_do_not_depend_on_what_shares_the_prefill(tmp_path: Path, monk
     """The default load of a GGUF file on the CPU keeps it quantized, and a prompt's final hidden
     states, and its logits taken row by row, are bit-identical alone and inside a batched
     prefill of other prompts (every layer's product takes the weight-only kernel). The LM head
-    is compared row by row (`decode=True`): this fixture's head is a float product (its GGUF
+    is compared row by row: this fixture's head is a float product (its GGUF
     leaves output.weight unquantized; quantized, 97 rows would take the dequantizing reference
     layout), and a float GEMM's bits for a row may depend on how many rows it multiplies (on an
     AVX-512 AMD EPYC, 7e-7 apart for a prompt at the end of a 67-row prefill). Negative control:
@@ -107,19 +105,18 @@ def test_gguf_rows_do_not_depend_on_what_shares_the_prefill(tmp_path: Path, monk
         alone = [prefill([p])[0] for p in prompts]
         batched = prefill(prompts)
         return all(
-            torch.equal(a, b)
-            and torch.equal(model.compute_logits(a, decode=True), model.compute_logits(b, True))
+            torch.equal(a, b) and torch.equal(model.compute_logits(a), model.compute_logits(b))
             for a, b in zip(alone, batched, strict=True)
         )
 
     assert compare()
     kernel = QuantizedWeight.matmul
 
-    def rows_dependent(self, x, kernel_only=False):
+    def rows_dependent(self, x):
         if x.shape[0] >= 16:
             weight = self.dequantize().to(torch.bfloat16)
             return torch.nn.functional.linear(x.to(torch.bfloat16), weight).to(x.dtype)
-        return kernel(self, x, kernel_only)
+        return kernel(self, x)
 
     monkeypatch.setattr(QuantizedWeight, "matmul", rows_dependent)
     # (the decoder layers' C++ loop calls the kernel itself: the Python loop takes the patch)
