@@ -30,7 +30,13 @@ exploring costs at most about that share of the time. On an engine of synchronou
 CPU, `side_budget`), where a drafted step costs up to twice a plain one, re-exploring any arm is
 budgeted the same way (by its expected loss against the best arm), the first bucket tries the
 largest K first, and a new bucket measures its cheapest arm and estimates the others from the
-nearest fully measured bucket's cost ratios.
+nearest fully measured bucket's cost ratios. There the drafter is fed lazily: the first drafted
+step after K = 0 steps first catches up on every entry they left it (s34, CPU, c = 8: backlogs to
+90 positions, that step up to 91.6 ms against a 54 ms plain one). The policy measures that step's
+cost over the arm's own, as a share of it (`catch_up_seconds`), and charges it to a move between
+K = 0 and drafting: in an exploration's expected loss, in the seconds to finish a closed batch,
+and spread over `explore_every` steps in the tokens per second of a drafting arm chosen from
+K = 0.
 
 Non-anticipating: a step's arm is chosen at its launch from steps already read and from the
 remaining budgets (known before any of the step's tokens is drawn), so it depends only on tokens
@@ -141,11 +147,16 @@ class SpeculationPolicy:
     _visit_measured: int = 0  # its steps measured so far
     _credit: float = 0.0  # seconds of exploration across the rounds' border earned so far
     _side_credit: float = 0.0  # seconds of exploration on the batch's side (`side_budget`)
+    # `side_budget`: whether the drafter was left behind (the last step drafted nothing), and
+    # the (bucket, K, seconds) of the last drafted steps that caught up on such a stretch.
+    _behind: bool = True
+    _catch_ups: deque[tuple[int, int, float]] = field(default_factory=deque)
     chosen: dict[int, int] = field(default_factory=dict)  # K (PLAIN: -1) -> times chosen
 
     def __post_init__(self) -> None:
         self._offered = [0.0] * self.max_k
         self._accepted = [0.0] * self.max_k
+        self._catch_ups = deque(maxlen=self.window)
 
     @property
     def arms(self) -> list[int]:
@@ -189,13 +200,19 @@ class SpeculationPolicy:
             if self._tried.get((bucket, k), 0) < self.explore_run:
                 self._tried[(bucket, k)] = self._tried.get((bucket, k), 0) + 1
                 return k
+        # From K = 0 on synchronous steps, a drafting arm first pays the drafter's catch-up.
+        entry = {k: self.catch_up_seconds(bucket, k) if self._behind else 0.0 for k in arms}
         if remaining:
             ordered = sorted(remaining)
-            finish = {k: self._seconds_to_finish(bucket, k, ordered, in_rounds) for k in arms}
+            finish = {
+                k: self._seconds_to_finish(bucket, k, ordered, in_rounds) + entry[k] for k in arms
+            }
             best = min(arms, key=finish.__getitem__)
             drafts_pay = finish[best] < (1 - self.margin) * finish.get(0, finish[best])
         else:
-            rates = {k: self.tokens_per_second(bucket, k) for k in arms}
+            rates = {
+                k: self.tokens_per_second(bucket, k, entry[k] / self.explore_every) for k in arms
+            }
             best = max(arms, key=rates.__getitem__)
             drafts_pay = rates[best] > (1 + self.margin) * rates.get(0, rates[best])
         if best > 0 and self.margin and self._measured(bucket, 0) is not None and not drafts_pay:
@@ -234,7 +251,27 @@ class SpeculationPolicy:
         cost, rate = self.step_seconds(bucket, k), self.tokens_per_second(bucket, best)
         if cost is None or math.isinf(rate):
             return 0.0
-        return self.explore_run * max(cost - self.expected_tokens(k) / rate, 0.0)
+        loss = self.explore_run * max(cost - self.expected_tokens(k) / rate, 0.0)
+        if (k > 0) != (best > 0):  # one catch-up: entering k, or going back to best
+            loss += self.catch_up_seconds(bucket, max(k, best))
+        return loss
+
+    def catch_up_seconds(self, bucket: int, k: int) -> float:
+        """`side_budget` only: the expected extra cost of a step of arm k > 0 at `bucket` that
+        drafts after K = 0 steps (the drafter's catch-up on the entries they left it): the
+        median of such steps' measured cost over their arm's, as a share of it, times the cost
+        of k here (0 before any is measured)."""
+        if k <= 0 or self.side_budget is None:
+            return 0.0
+        cost = self.step_seconds(bucket, k)
+        shares = [
+            seconds / base - 1.0
+            for (b, j, seconds) in self._catch_ups
+            if (base := self.step_seconds(b, j))
+        ]
+        if cost is None or not shares:
+            return 0.0
+        return max(statistics.median(shares), 0.0) * cost
 
     def _measured(self, bucket: int, k: int) -> float | None:
         cost = self._costs.get((bucket, k))
@@ -336,11 +373,12 @@ class SpeculationPolicy:
         steps = self._expected_steps(k, ordered)
         return self.switch_seconds(bucket, k, in_rounds) + steps * cost
 
-    def tokens_per_second(self, bucket: int, k: int) -> float:
+    def tokens_per_second(self, bucket: int, k: int, extra: float = 0.0) -> float:
+        """Expected tokens a step of arm k emits per second of it (plus `extra` seconds)."""
         cost = self.step_seconds(bucket, k)
         if cost is None:
             return float("inf")  # not measured yet: worth measuring
-        return self.expected_tokens(k) / max(cost, 1e-9)
+        return self.expected_tokens(k) / max(cost + extra, 1e-9)
 
     def costs(self) -> dict[tuple[int, int], tuple[float, int]]:
         """(bucket, K) -> (estimated seconds of a step, measurements kept); (bucket, "entry")
@@ -351,6 +389,11 @@ class SpeculationPolicy:
         return out
 
     # ------------------------------------------------------------------ measurements
+    def observe_unmeasured(self, k: int) -> None:
+        """`side_budget`: a synchronous step of arm k that is not measured (a prefill chunk in
+        it) ran: a drafting one caught the drafter up, a K = 0 one left it behind."""
+        self._behind = k <= 0
+
     def observe_entry(self, bucket: int, seconds: float) -> None:
         """Records the cost of one entry into device rounds at `bucket` (the drafter's
         catch-up on the tokens it has not seen)."""
@@ -367,6 +410,10 @@ class SpeculationPolicy:
         """Records a read step: its arm, its measured cost (None: not measured, the first step
         of a visit, or `interrupted`: other device work ran before it, inside the visit) and,
         for a round, per live request (drafts verified, drafts accepted)."""
+        if self.side_budget is not None:
+            if k > 0 and self._behind and seconds is not None:
+                self._catch_ups.append((bucket, k, seconds))
+            self._behind = k <= 0
         if (bucket, k) != self._visit or (seconds is None and not interrupted):
             self._visit, self._visit_measured = (bucket, k), 0  # a new visit to arm k
         if seconds is not None:  # credit for exploring, up to two round trips' worth

@@ -52,6 +52,7 @@ class SpeculativeLoops:
             self.loop_stats.k_chosen[k] = self.loop_stats.k_chosen.get(k, 0) + 1
         else:
             k = self._sync_k.get(bucket, policy.max_k)
+            policy.observe_unmeasured(k)
         cap = max(k, 0)  # the plain arm (PLAIN), where offered, is a step of no drafts here
         if cap < policy.max_k:
             for share in decodes:

@@ -344,3 +344,32 @@ def test_margin_keeps_k_0_unless_drafting_beats_it_by_more():
         assert choice(1.45, 0.05, remaining) == 0
         assert choice(1.30, 0.05, remaining) == 1
         assert choice(1.45, 0.0, remaining) == 1  # the negative control
+
+
+def test_side_budget_counts_the_drafters_catch_up_after_k_0_steps(monkeypatch):
+    """Synchronous steps (the CPU) with a drafter fed lazily: K = 1 emits 1.5 tokens for 1.6 s
+    (K = 0: 1 token for 1 s, the best arm), and the first K = 1 step after K = 0 steps costs
+    3 s more (the drafter's catch-up). Over 3,000 steps the time lost against K = 0 alone stays
+    near the 2% side budget: the catch-up is measured and charged to each exploration. Negative
+    control: with the catch-up not charged (as before s35), explorations are budgeted at what
+    their steady steps lose and lose several times the budget."""
+    seconds, catch_up = {0: 1.0, 1: 1.6}, 3.0
+
+    def lost_share() -> float:
+        policy = SpeculationPolicy(1, explore_every=20, side_budget=0.02)
+        spent = emitted = 0.0
+        last = 0
+        for _ in range(3000):
+            k = policy.choose(BUCKET)
+            step = seconds[k] + (catch_up if k and not last else 0.0)
+            spent += step
+            emitted += 1.5 if k else 1.0
+            policy.observe(BUCKET, k, step, [(1, 1), (1, 0)] if k else [])
+            last = k
+        return (spent - emitted * seconds[0]) / spent
+
+    charged = lost_share()
+    monkeypatch.setattr(SpeculationPolicy, "catch_up_seconds", lambda self, bucket, k: 0.0)
+    uncharged = lost_share()
+    assert charged <= 0.03, charged
+    assert uncharged >= 3 * charged and uncharged > 0.05, (charged, uncharged)
