@@ -710,21 +710,25 @@ COUNTER_PREFIXES = (
     "specdec:triton_compiles",
     "specdec:stream_outputs_coalesced",
 )
+# gauges read at the end of each level: the speculation policy's estimates then
+POLICY_PREFIXES = ("specdec:spec_policy",)
 
 # what a warmed-up server should not do under traffic
 STALL_PREFIXES = ("specdec:cuda_graphs", "specdec:triton_compiles")
 
 
-def engine_counters(metrics: str) -> dict[str, float]:
-    """The server's `specdec:` step counters from its /metrics text (labels dropped but k, kind
-    and kernel: `specdec:spec_k_chosen_total[k=2]`, `specdec:num_rows_total[kind=prefill]`,
-    `specdec:triton_compiles_after_warm_up_total[kernel=...]`)."""
+def engine_counters(metrics: str, prefixes: tuple[str, ...] = COUNTER_PREFIXES) -> dict[str, float]:
+    """The server's `specdec:` step counters (or other metrics of `prefixes`) from its /metrics
+    text (labels dropped but bucket, k, kind, kernel and position:
+    `specdec:spec_k_chosen_total[k=2]`, `specdec:num_rows_total[kind=prefill]`,
+    `specdec:triton_compiles_after_warm_up_total[kernel=...]`,
+    `specdec:spec_policy_step_seconds[bucket=8][k=1]`)."""
     counters = {}
     for line in metrics.splitlines():
-        if line.startswith(COUNTER_PREFIXES) and "_created" not in line.split(" ")[0]:
+        if line.startswith(prefixes) and "_created" not in line.split(" ")[0]:
             name, value = line.rsplit(" ", 1)
             key = name.split("{")[0]
-            for label in ("k", "kind", "kernel"):
+            for label in ("bucket", "k", "kind", "kernel", "position"):
                 marker = f'{{{label}="' if f'{{{label}="' in name else f',{label}="'
                 if marker in name:
                     key += f"[{label}={name.split(marker)[1].split(chr(34))[0]}]"
@@ -760,19 +764,23 @@ def run(
     )
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
-    def counters_now() -> dict[str, float]:
-        metrics = httpx.get(f"{args.url}/metrics", timeout=30.0, headers=headers).text
-        return engine_counters(metrics)
+    def metrics_now() -> str:
+        return httpx.get(f"{args.url}/metrics", timeout=30.0, headers=headers).text
 
-    # Per level, what its counters grew by (which path served it; graphs and compiles under it)
-    by_level = {}
-    before = counters_now()
+    # Per level, what its counters grew by (which path served it; graphs and compiles under it),
+    # and the speculation policy's estimates at its end
+    by_level, policy_by_level = {}, {}
+    before = engine_counters(metrics_now())
     for concurrency, rate in loads:
         for spec in modes:
             level = run_level(args, concurrency, spec, rate)
             levels.append(level)
             print_level(level)
-            after = counters_now()
+            metrics = metrics_now()
+            after = engine_counters(metrics)
+            policy_by_level[f"{level.mode} {level.label}"] = engine_counters(
+                metrics, POLICY_PREFIXES
+            )
             grown = {k: v - before.get(k, 0.0) for k, v in after.items()}
             grown = {k: v for k, v in grown.items() if v}
             by_level[f"{level.mode} {level.label}"] = grown
@@ -806,6 +814,7 @@ def run(
         # which path served the steps, and graphs captured under traffic (0 after a warm-up)
         "engine_counters": before,
         "engine_counters_by_level": by_level,
+        "policy_estimates_by_level": policy_by_level,
         "benchmark_s": time.perf_counter() - started,
     }
     return meta, levels

@@ -744,6 +744,30 @@ def test_metrics_count_preemptions(model_dir):
     assert line in metrics.render().decode()
 
 
+def test_metrics_show_the_speculation_policys_estimates(model_dir):
+    """specdec:spec_policy_step_seconds and _acceptance are the adaptive policy's own estimates
+    after an engine's speculative steps (none before: no step measured)."""
+    from specdec.server.prometheus import ServerMetrics
+
+    spec = SpeculativeConfig.from_dict({**SPECULATIVE, "adaptive": True})
+    engine = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=MAX_MODEL_LEN), spec)
+    async_engine = AsyncEngine(engine)
+    metrics = ServerMetrics(lambda: async_engine.snapshot, MODEL)
+    assert "specdec:spec_policy_step_seconds{" not in metrics.render().decode()
+    for i in range(2):
+        engine.add_request([5 + i] * 6, SamplingParams(max_tokens=60, ignore_eos=True, seed=i))
+    while engine.has_unfinished:
+        engine.step()
+    async_engine.snapshot = snapshot_of(engine)
+    text = metrics.render().decode()
+    for (bucket, arm), (seconds, _) in engine.policy.costs().items():
+        line = f'specdec:spec_policy_step_seconds{{bucket="{bucket}",k="{arm}",model_name="tiny"}}'
+        assert f"{line} {seconds}" in text, line
+    assert engine.policy.costs()
+    rate = engine.policy.acceptance(0)
+    assert f'specdec:spec_policy_acceptance{{model_name="tiny",position="0"}} {rate}' in text
+
+
 def test_drain_ends_open_requests_with_a_final_abort_output(model_dir):
     """A graceful shutdown (SIGTERM) first drains the engine: each request in flight gets a
     final output with finish_reason "abort", and later requests are refused."""

@@ -37,6 +37,11 @@ class EngineSnapshot:
     graphs_after_warm_up: int = 0
     # (kernel, variants) compiled after the warm-up; None: not counted (no Triton hook)
     triton_compiles_after_warm_up: tuple[tuple[str, int], ...] | None = None
+    # the speculation policy's estimates: (batch bucket, arm, seconds) per step cost ("entry":
+    # entering device rounds; "catch_up": a drafted step's extra cost after K = 0 steps), and
+    # the running acceptance per draft position
+    policy_seconds: tuple[tuple[int, str, float], ...] = field(default_factory=tuple)
+    policy_acceptance: tuple[float, ...] = field(default_factory=tuple)
 
 
 def snapshot_of(engine) -> EngineSnapshot:
@@ -68,4 +73,24 @@ def snapshot_of(engine) -> EngineSnapshot:
         rows=tuple(loop.rows.items()),
         graphs_after_warm_up=engine.graphs_after_warm_up,
         triton_compiles_after_warm_up=None if compiles is None else tuple(sorted(compiles.items())),
+        policy_seconds=policy_seconds(engine.policy),
+        policy_acceptance=policy_acceptance(engine.policy),
     )
+
+
+def policy_seconds(policy) -> tuple[tuple[int, str, float], ...]:
+    """The policy's cost estimates, (bucket, arm, seconds), sorted (none without a policy)."""
+    if policy is None:
+        return ()
+    return tuple(
+        sorted(
+            (bucket, str(arm), seconds) for (bucket, arm), (seconds, _) in policy.costs().items()
+        )
+    )
+
+
+def policy_acceptance(policy) -> tuple[float, ...]:
+    """The policy's running acceptance of each draft position (none without a policy)."""
+    if policy is None:
+        return ()
+    return tuple(policy.acceptance(i) for i in range(policy.max_k))

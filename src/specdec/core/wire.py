@@ -51,6 +51,8 @@ def _snapshot_from_row(row: list) -> EngineSnapshot:
     values["accepted_per_position"] = tuple(values["accepted_per_position"])
     values["k_chosen"] = tuple(tuple(pair) for pair in values["k_chosen"])
     values["rows"] = tuple(tuple(pair) for pair in values["rows"])
+    values["policy_seconds"] = tuple(tuple(row) for row in values["policy_seconds"])
+    values["policy_acceptance"] = tuple(values["policy_acceptance"])
     return EngineSnapshot(**values)
 
 

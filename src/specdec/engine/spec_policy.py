@@ -382,10 +382,15 @@ class SpeculationPolicy:
 
     def costs(self) -> dict[tuple[int, int], tuple[float, int]]:
         """(bucket, K) -> (estimated seconds of a step, measurements kept); (bucket, "entry")
-        -> the estimated seconds of entering device rounds."""
+        -> the estimated seconds of entering device rounds; (bucket, "catch_up") -> the
+        estimated extra seconds of a max_k step after K = 0 steps (`catch_up_seconds`)."""
         out: dict = {key: (c.seconds, len(c.recent)) for key, c in self._costs.items() if c.recent}
         for bucket, entries in self._entry.items():
             out[(bucket, "entry")] = (statistics.median(entries), len(entries))
+        if self._catch_ups:
+            for bucket in {b for (b, k) in self._costs if k == self.max_k}:
+                seconds = self.catch_up_seconds(bucket, self.max_k)
+                out[(bucket, "catch_up")] = (seconds, len(self._catch_ups))
         return out
 
     # ------------------------------------------------------------------ measurements

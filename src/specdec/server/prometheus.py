@@ -140,6 +140,25 @@ class _EngineCollector(Collector):
         for k, count in snap.k_chosen:
             chosen.add_metric([*values, str(k)], count)
         yield chosen
+        policy = GaugeMetricFamily(
+            "specdec:spec_policy_step_seconds",
+            "The speculation policy's estimated seconds of a step by batch bucket and arm (K; "
+            "-1: the plain arm; entry: entering device rounds; catch_up: a drafted step's extra "
+            "cost after K = 0 steps, the drafter feeding what they left it).",
+            labels=[*labels, "bucket", "k"],
+        )
+        for bucket, arm, seconds in snap.policy_seconds:
+            policy.add_metric([*values, str(bucket), arm], seconds)
+        yield policy
+        acceptance = GaugeMetricFamily(
+            "specdec:spec_policy_acceptance",
+            "The speculation policy's running acceptance of draft position i given the drafts "
+            "before it were accepted.",
+            labels=[*labels, "position"],
+        )
+        for position, rate in enumerate(snap.policy_acceptance):
+            acceptance.add_metric([*values, str(position)], rate)
+        yield acceptance
         rows = CounterMetricFamily(
             "specdec:num_rows",
             "The target's query rows by kind: prefill (prompt chunks, recomputed prefixes), "

@@ -127,5 +127,7 @@ def test_the_snapshot_round_trips_with_its_tuples():
         accepted_per_position=(3, 1),
         k_chosen=((1, 4), (2, 9)),
         rows=(("prefill", 12), ("plain", 3), ("speculative", 8)),
+        policy_seconds=((1, "0", 0.01), (8, "catch_up", 0.03)),
+        policy_acceptance=(0.5, 0.25),
     )
     assert decode_frame(encode_frame("snapshot", None, snapshot))[2] == snapshot
