@@ -55,8 +55,12 @@ from dataclasses import dataclass, field
 
 PLAIN = -1  # the plain arm: a plain overlapped decode step, outside device rounds
 # The share of the time that re-exploring K on an engine of synchronous steps (the CPU) may
-# cost (`SpeculationPolicy.side_budget`).
-SYNC_EXPLORE_BUDGET = 0.02
+# cost (`SpeculationPolicy.side_budget`). Where drafting loses (the 2-core CPU at batch 8: a K = 1
+# step 1.7-1.9x a K = 0 one for 1.54x its tokens) the budget is all speculation costs: s35, in
+# process, 64 chats through 8 slots, 2% of the time (27.6 s against 27.05 plain; K = 0 pinned
+# 27.1-27.3). At 0.5% an exploration of K = 1 (about 0.2 s with the drafter's catch-up) comes
+# about once in 40 s of steps.
+SYNC_EXPLORE_BUDGET = 0.005
 # How much better than K = 0 a drafting arm must look on the synchronous step (the CPU) to be
 # chosen (`SpeculationPolicy.margin`): a few times the spread of its cost medians from run to
 # run on the 2-core machine (s24: K = 1 at batch 1 measured 1.47 tokens for 15.1 ms against
