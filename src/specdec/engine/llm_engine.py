@@ -543,7 +543,11 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
         self._count_rows(scheduled)
         drafts = propose(self.drafter, self.emitter.constants, scheduled)
         inputs = step_inputs(scheduled, drafts, self.outputs.wants_prompt_logprobs)
-        layers = self.drafter.feature_layers if self.drafter is not None else ()
+        # Target features only where a request of the step speculates (none for plain requests
+        # on a speculating engine: their features would go nowhere), except with CUDA graphs,
+        # which the warm-up captured with the drafter's feature layers.
+        wanted = self.runner.graphs is not None or any(s.request.spec for s in scheduled)
+        layers = self.drafter.feature_layers if self.drafter is not None and wanted else ()
         graphed = self.runner.num_graphed_prefill_steps
         logits, features = self.runner.run_with_features(inputs, layers)
         self.loop_stats.num_graphed_prefill_steps += self.runner.num_graphed_prefill_steps - graphed

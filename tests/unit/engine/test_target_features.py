@@ -83,3 +83,33 @@ def test_features_cover_committed_tokens_only(tmp_path):
         got = torch.cat(drafter.rows[f"{out.request_id}#0"])
         assert got.shape[0] == len(tokens) - 1  # all but the last emitted token
         torch.testing.assert_close(got, reference_features(model, tokens)[:-1])
+
+
+def test_a_step_of_plain_requests_computes_no_features(tmp_path):
+    """On a speculating engine, a step whose requests all have speculation off asks the runner
+    for no target features (they would go nowhere); a step with a speculative request does."""
+    model_dir = save_hf_model(make_hf_model("llama"), tmp_path)
+    llm = LLM(
+        str(model_dir),
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+        max_model_len=64,
+        block_size=4,
+    )
+    drafter = RecordingDrafter()
+    llm.engine.drafter = drafter
+    asked: list[tuple[int, ...]] = []
+    run = llm.engine.runner.run_with_features
+
+    def spy(inputs, feature_layers, *args, **kwargs):
+        asked.append(tuple(feature_layers))
+        return run(inputs, feature_layers, *args, **kwargs)
+
+    llm.engine.runner.run_with_features = spy
+    prompts = prompt_tokens(VOCAB, [5, 7], seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    llm.generate(prompts, params, speculative={"enabled": False}, use_tqdm=False)
+    assert asked and all(layers == () for layers in asked)
+    assert not drafter.rows
+    asked.clear()
+    llm.generate(prompts, params, use_tqdm=False)
+    assert asked and all(layers == LAYERS for layers in asked)
