@@ -59,17 +59,24 @@ def reference_features(model, tokens: list[int]) -> torch.Tensor:
     return torch.cat(layers, dim=-1)
 
 
-def test_features_cover_committed_tokens_only(tmp_path):
-    model_dir = save_hf_model(make_hf_model("llama"), tmp_path)
+def recording_llm(model_dir, **engine_args) -> tuple[LLM, RecordingDrafter]:
+    """A speculating LLM of the tiny model whose drafter is a `RecordingDrafter`."""
     llm = LLM(
         str(model_dir),
         speculative_config={"method": "ngram", "num_speculative_tokens": 3},
         max_model_len=64,
         block_size=4,
-        max_num_batched_tokens=8,  # chunked prefill of the longer prompts
+        **engine_args,
     )
     drafter = RecordingDrafter()
     llm.engine.drafter = drafter
+    return llm, drafter
+
+
+def test_features_cover_committed_tokens_only(tmp_path):
+    model_dir = save_hf_model(make_hf_model("llama"), tmp_path)
+    # max_num_batched_tokens: chunked prefill of the longer prompts
+    llm, drafter = recording_llm(model_dir, max_num_batched_tokens=8)
     prompts = prompt_tokens(VOCAB, [5, 11, 3], seed=2)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -88,15 +95,7 @@ def test_features_cover_committed_tokens_only(tmp_path):
 def test_a_step_of_plain_requests_computes_no_features(tmp_path):
     """On a speculating engine, a step whose requests all have speculation off asks the runner
     for no target features (they would go nowhere); a step with a speculative request does."""
-    model_dir = save_hf_model(make_hf_model("llama"), tmp_path)
-    llm = LLM(
-        str(model_dir),
-        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
-        max_model_len=64,
-        block_size=4,
-    )
-    drafter = RecordingDrafter()
-    llm.engine.drafter = drafter
+    llm, drafter = recording_llm(save_hf_model(make_hf_model("llama"), tmp_path))
     asked: list[tuple[int, ...]] = []
     run = llm.engine.runner.run_with_features
 
