@@ -212,3 +212,54 @@ def test_a_busy_engine_writes_its_line_of_figures(model_dir, disabled):
     else:
         assert lines, stderr[-2000:]
         assert "generation" in lines[0] and "KV cache" in lines[0]
+
+
+async def _stream_chunks(url: str, bodies: list[dict]) -> list[list[str]]:
+    async def one(http: httpx.AsyncClient, body: dict) -> list[str]:
+        chunks = []
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[len("data: ") :])
+                    chunks += [choice["text"] for choice in chunk["choices"] if choice["text"]]
+        return chunks
+
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        return await asyncio.gather(*[one(http, body) for body in bodies])
+
+
+def test_the_stream_interval_gathers_a_streams_tokens_and_changes_none(model_dir):
+    """With `STREAM_GATHER_FROM` (16) streams running, the engine process builds their outputs
+    every `STREAM_INTERVAL_S` (`SPECDEC_STREAM_INTERVAL_MS`), each send carrying every token
+    since the last: at 300 ms, 16 plain 40-token streams of the tiny model come in a few chunks
+    each; at 0 (every step, the negative control) in about one chunk a token. Each stream's
+    text is the same either way, and is its non-streamed completion's."""
+    bodies = [
+        {**_body(seed), "max_tokens": 40, "speculative": {"enabled": False}} for seed in range(16)
+    ]
+    texts, counts = [], []
+    for interval_ms in ("0", "300"):
+        port = free_port()
+        command = [sys.executable, "-m", "specdec.cli", "serve", str(model_dir), "--port"]
+        command += [str(port), "--num-kv-blocks", "256", "--threads", "1"]
+        env = {**os.environ, "SPECDEC_STREAM_INTERVAL_MS": interval_ms}
+        process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_ready(process, url)
+            whole = [
+                httpx.post(f"{url}/v1/completions", json=body, timeout=60).json() for body in bodies
+            ]
+            streams = asyncio.run(_stream_chunks(url, [{**b, "stream": True} for b in bodies]))
+        finally:
+            process.send_signal(signal.SIGTERM)
+            process.communicate(timeout=30)
+        alone = [w["choices"][0]["text"] for w in whole]
+        assert ["".join(chunks) for chunks in streams] == alone
+        texts.append(alone)
+        counts.append(max(len(chunks) for chunks in streams))
+    assert texts[0] == texts[1]
+    every_step, gathered = counts
+    assert every_step >= 20, counts  # the control: about one chunk a token
+    assert gathered <= every_step // 3, counts
