@@ -54,6 +54,8 @@ class Shape:
 SHAPES: dict[str, Shape] = {
     "llama-3.2-1b": Shape(2048, 16, 32, 8, 64, 8192, 131072, 500000.0, _LLAMA3_ROPE_SCALING, True),
     "llama-3-8b": Shape(4096, 32, 32, 8, 128, 14336, 8192, 500000.0, None, False),
+    # The built-in model's shape, in bfloat16 (the GGUF's weights dequantize to it on CUDA).
+    "smollm2-135m": Shape(576, 30, 9, 3, 64, 1536, 8192, 100000.0, None, True),
     # For CPU tests: Llama 3.2's layout (GQA, llama3 RoPE scaling, tied embeddings) in miniature.
     "tiny": Shape(64, 2, 4, 2, 16, 128, 131072, 500000.0, _LLAMA3_ROPE_SCALING, True),
 }
