@@ -52,7 +52,7 @@ from specdec.engine.setup import (
     resolve_kv_cache_dtype,
     resolve_max_model_len,
     size_kv_cache,
-    use_native_random_words,
+    use_native_sampling,
 )
 from specdec.engine.spec_policy import SYNC_EXPLORE_BUDGET, SYNC_SPEC_MARGIN, SpeculationPolicy
 from specdec.engine.speculative_loops import SpeculativeLoops
@@ -161,7 +161,7 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
             graphed_prefill = AUTO_PREFILL_GRAPH_TOKENS if on_cuda else 0
         runner_args["prefill_width"] = PREFILL_GRAPH_WIDTH if graphed_prefill else 0
         if self.device.type == "cpu":
-            use_native_random_words()
+            use_native_sampling()
         if self.tensor_parallel is None:
             self.runner = PagedModelRunner(model, **runner_args)
             choose_products(model, config, runner_args["max_query_len"])

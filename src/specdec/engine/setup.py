@@ -17,6 +17,7 @@ from specdec.engine.config import EngineConfig
 from specdec.models import LlamaForCausalLM, cpu_extension
 from specdec.models.linear import check_cublas_rows
 from specdec.rng import use_native_rows
+from specdec.sampling.processing import use_native_row_checks
 
 CPU_KV_CACHE_BYTES = 1 << 30
 # max_model_len of a model whose config declares no context length.
@@ -270,10 +271,12 @@ def check_tensor_parallel(
         )
 
 
-def use_native_random_words() -> None:
-    """Hands `specdec.rng` the CPU extension's Philox rounds (built or loaded now): the same words
-    as its NumPy rounds, for a fraction of their time (a full-vocabulary draw every sampled
-    token). Nothing changes where the extension is not built."""
+def use_native_sampling() -> None:
+    """Hands `specdec.rng` the CPU extension's Philox rounds and float32 lanes, and the sampler its
+    one-pass check of unusable logits rows (built or loaded now): the same words, uniforms and
+    answers as their Python twins, for a fraction of their time (a full-vocabulary draw and
+    check every sampled token). Nothing changes where the extension is not built."""
     extension = cpu_extension.load_extension()
     if extension is not None:
-        use_native_rows(extension.philox_rows)
+        use_native_rows(extension.philox_rows, extension.philox_uniform32_rows)
+        use_native_row_checks(extension.unusable_rows_f32)

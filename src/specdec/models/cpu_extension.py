@@ -5,8 +5,10 @@ loop (`decode_cpu_native`) and `q8_linear`, the product of a symmetric 8-bit gro
 weight (GGUF Q8_0, Q6_K: the built-in model's tied LM head) in float32 in one pass over its
 bytes, where PyTorch's int4 kernel needs the weight split in two nibbles (twice the products);
 its twin `q8_linear_ref` repeats its sums with PyTorch operations, bit for bit; and
-`philox_rows`, the keyed random words of `specdec.rng` in exact integer arithmetic (the engine
-hands it over: `engine.setup.use_native_random_words`). Without a C++
+`philox_rows`, the keyed random words of `specdec.rng` in exact integer arithmetic, with
+`philox_uniform32_rows` (the same words as float32 uniforms) and `unusable_rows_f32` (the
+sampler's check of logits rows, in one pass) (the engine hands them over:
+`engine.setup.use_native_sampling`). Without a C++
 compiler, or with `SPECDEC_CPU_NATIVE=0`, nothing is built and the callers run their Python
 twins and PyTorch's kernels, after one log line saying why.
 """

@@ -24,7 +24,7 @@ import enum
 
 import torch
 
-from specdec.rng.philox import MASK32, native_rows, philox4x32_10
+from specdec.rng.philox import MASK32, native_rows, native_uniform32, philox4x32_10
 
 UNIFORM32_MAX = 1.0 - 2.0**-24
 UNIFORM64_MAX = 1.0 - 2.0**-53
@@ -83,6 +83,28 @@ def _check_counter_word(name: str, value: torch.Tensor) -> None:
         raise ValueError(f"{name} must lie in [0, 2**32), got range [{value.min()}, {value.max()}]")
 
 
+def _keys(
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    stream: Stream | int | torch.Tensor,
+    step: int | torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """The checked [N] int64 words of a draw: positions, streams, steps (counter words 1-3) and
+    the key's two halves."""
+    if seeds.dim() != 1:
+        raise ValueError(f"seeds must have shape [N], got {list(seeds.shape)}")
+    if seeds.dtype != torch.int64:
+        raise TypeError(f"seeds must be an int64 tensor, got {seeds.dtype}")
+    num_rows, device = seeds.shape[0], seeds.device
+    positions = _key_tensor("positions", positions, num_rows, device)
+    streams = _key_tensor("stream", stream, num_rows, device)
+    steps = _key_tensor("step", step, num_rows, device)
+    _check_counter_word("positions", positions)
+    _check_counter_word("step", steps)
+    _check_counter_word("stream", streams)
+    return positions, streams, steps, seeds & MASK32, (seeds >> 32) & MASK32
+
+
 def random_words(
     seeds: torch.Tensor,
     positions: torch.Tensor,
@@ -103,18 +125,8 @@ def random_words(
     Returns:
         [N, num_blocks, 4] int64 words in [0, 2**32).
     """
-    if seeds.dim() != 1:
-        raise ValueError(f"seeds must have shape [N], got {list(seeds.shape)}")
-    if seeds.dtype != torch.int64:
-        raise TypeError(f"seeds must be an int64 tensor, got {seeds.dtype}")
-    num_rows, device = seeds.shape[0], seeds.device
-    positions = _key_tensor("positions", positions, num_rows, device)
-    streams = _key_tensor("stream", stream, num_rows, device)
-    steps = _key_tensor("step", step, num_rows, device)
-    _check_counter_word("positions", positions)
-    _check_counter_word("step", steps)
-    _check_counter_word("stream", streams)
-    k0, k1 = seeds & MASK32, (seeds >> 32) & MASK32
+    positions, streams, steps, k0, k1 = _keys(seeds, positions, stream, step)
+    device = seeds.device
     native = native_rows()
     if native is not None and device.type == "cpu":  # the same words, in C++
         return native(positions, streams, steps, k0, k1, num_blocks)
@@ -171,6 +183,10 @@ def uniform(
     if num_lanes < 1:
         raise ValueError(f"num_lanes must be >= 1, got {num_lanes}")
     num_rows = seeds.shape[0] if seeds.dim() == 1 else -1
+    native = native_uniform32()
+    if dtype == torch.float32 and native is not None and seeds.device.type == "cpu":
+        # the same lanes in C++ (`words_to_uniform32` of the same words, without them)
+        return native(*_keys(seeds, positions, stream, step), num_lanes)
     if dtype == torch.float32:
         words = random_words(seeds, positions, stream, -(-num_lanes // 4), step=step)
         num_blocks = words.shape[1]

@@ -28,19 +28,32 @@ MASK32 = 0xFFFFFFFF
 Words = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # Philox's 4 output words
 
 # `random_words`' rows in C++ (the CPU extension's `philox_rows`: (c1, c2, c3, k0, k1 [N],
-# num_blocks) -> [N, num_blocks, 4]), once the extension is loaded; the same words.
+# num_blocks) -> [N, num_blocks, 4]), once the extension is loaded; the same words. With them,
+# optionally, `uniform`'s float32 lanes straight from the rounds (`philox_uniform32_rows`: the
+# same keys, num_lanes -> [N, num_lanes] float32); the same values.
 _native_rows: Callable[..., torch.Tensor] | None = None
+_native_uniform32: Callable[..., torch.Tensor] | None = None
 
 
-def use_native_rows(rows: Callable[..., torch.Tensor] | None) -> None:
-    """Hands `random_words` a compiled twin of its CPU rounds (None: back to NumPy's)."""
-    global _native_rows
+def use_native_rows(
+    rows: Callable[..., torch.Tensor] | None,
+    uniform32: Callable[..., torch.Tensor] | None = None,
+) -> None:
+    """Hands `random_words` a compiled twin of its CPU rounds, and `uniform` one of its float32
+    lanes (None: back to NumPy's rounds and PyTorch's mapping)."""
+    global _native_rows, _native_uniform32
     _native_rows = rows
+    _native_uniform32 = uniform32
 
 
 def native_rows() -> Callable[..., torch.Tensor] | None:
     """The compiled rows `use_native_rows` handed over, or None."""
     return _native_rows
+
+
+def native_uniform32() -> Callable[..., torch.Tensor] | None:
+    """The compiled float32 lanes `use_native_rows` handed over, or None."""
+    return _native_uniform32
 
 
 def _mulhilo(a: torch.Tensor, multiplier: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,8 @@ the same threshold and apply the same two steps. Nothing here draws randomness.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 RowParam = torch.Tensor | float | int | None
@@ -105,9 +107,28 @@ def scale_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tenso
     return scaled.masked_fill_(scaled.isnan(), float("-inf"))
 
 
+# The CPU extension's `unusable_rows_f32` ([N, V] float32 -> [N] bool, one pass over the
+# logits instead of four), once the engine hands it over (`use_native_row_checks`).
+_native_unusable: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+def use_native_row_checks(unusable: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+    """Hands `unusable_rows` a compiled twin for [N, V] float32 CPU logits (None: PyTorch's)."""
+    global _native_unusable
+    _native_unusable = unusable
+
+
 def unusable_rows(logits: torch.Tensor) -> torch.Tensor:
     """[...] bool: rows of [..., V] logits with no finite value (all NaN or -inf: nothing can be
     drawn) or with a +inf (no distribution); a failed forward pass, never valid input."""
+    native = _native_unusable
+    if (
+        native is not None
+        and logits.dim() == 2
+        and logits.dtype == torch.float32
+        and logits.device.type == "cpu"
+    ):
+        return native(logits)
     return ~torch.isfinite(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1)
 
 

@@ -306,6 +306,10 @@ Tensor q8_linear(const Tensor& x_in, const Tensor& values, const Tensor& scale, 
 torch::Tensor philox_rows(const torch::Tensor& c1, const torch::Tensor& c2,
                           const torch::Tensor& c3, const torch::Tensor& k0,
                           const torch::Tensor& k1, int64_t num_blocks);
+torch::Tensor philox_uniform32_rows(const torch::Tensor& c1, const torch::Tensor& c2,
+                                    const torch::Tensor& c3, const torch::Tensor& k0,
+                                    const torch::Tensor& k1, int64_t num_lanes);
+torch::Tensor unusable_rows_f32(const torch::Tensor& logits);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("decode_layers", &decode_layers, "the CPU decode step's decoder layers");
@@ -313,4 +317,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              pybind11::arg("x"), pybind11::arg("values"), pybind11::arg("scale"),
              pybind11::arg("group"), pybind11::arg("rows") = pybind11::none());
   module.def("philox_rows", &philox_rows, "Philox4x32-10 in random_words' layout");
+  module.def("philox_uniform32_rows", &philox_uniform32_rows,
+             "Philox4x32-10 mapped to uniform's float32 lanes");
+  module.def("unusable_rows_f32", &unusable_rows_f32,
+             "rows of float32 logits with no finite value or a +inf");
 }
