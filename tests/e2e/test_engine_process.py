@@ -91,15 +91,20 @@ def _body(seed: int | None, speculative: dict | None = None, stream: bool = Fals
     return body
 
 
-async def _stream_text(http: httpx.AsyncClient, body: dict) -> str:
-    text = []
+async def _stream_pieces(http: httpx.AsyncClient, body: dict) -> list[str]:
+    """A stream's text, chunk by chunk (empty pieces left out)."""
+    pieces = []
     async with http.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
         async for line in response.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunk = json.loads(line[len("data: ") :])
-                text += [choice["text"] for choice in chunk["choices"]]
-    return "".join(text)
+                pieces += [choice["text"] for choice in chunk["choices"] if choice["text"]]
+    return pieces
+
+
+async def _stream_text(http: httpx.AsyncClient, body: dict) -> str:
+    return "".join(await _stream_pieces(http, body))
 
 
 def _cpu_ticks(pid: int) -> int:
@@ -215,18 +220,8 @@ def test_a_busy_engine_writes_its_line_of_figures(model_dir, disabled):
 
 
 async def _stream_chunks(url: str, bodies: list[dict]) -> list[list[str]]:
-    async def one(http: httpx.AsyncClient, body: dict) -> list[str]:
-        chunks = []
-        async with http.stream("POST", "/v1/completions", json=body) as response:
-            assert response.status_code == 200
-            async for line in response.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    chunk = json.loads(line[len("data: ") :])
-                    chunks += [choice["text"] for choice in chunk["choices"] if choice["text"]]
-        return chunks
-
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-        return await asyncio.gather(*[one(http, body) for body in bodies])
+        return await asyncio.gather(*[_stream_pieces(http, body) for body in bodies])
 
 
 def test_the_stream_interval_gathers_a_streams_tokens_and_changes_none(model_dir):

@@ -22,6 +22,36 @@ constexpr float kUniform32Max = 1.0f - 0x1p-24f;
 // Counter blocks per task of `philox_uniform32_rows` (a full-vocabulary row is 12,288).
 constexpr int64_t kBlocksPerTask = 2048;
 
+// The per-round keys of key (k0, k1): round i's is (k0 + i W0, k1 + i W1) mod 2**32, as
+// (k + W) & MASK32 makes them.
+void round_keys(int64_t k0, int64_t k1, uint32_t keys0[kRounds], uint32_t keys1[kRounds]) {
+  keys0[0] = static_cast<uint32_t>(k0);
+  keys1[0] = static_cast<uint32_t>(k1);
+  for (int i = 1; i < kRounds; ++i) {
+    keys0[i] = keys0[i - 1] + kW0;
+    keys1[i] = keys1[i - 1] + kW1;
+  }
+}
+
+// Block b's four words for counter (b, s1, s2, s3) under the round keys.
+inline void philox_block(uint32_t b, uint32_t s1, uint32_t s2, uint32_t s3,
+                         const uint32_t keys0[kRounds], const uint32_t keys1[kRounds],
+                         uint32_t out[4]) {
+  uint32_t x0 = b, x1 = s1, x2 = s2, x3 = s3;
+  for (int i = 0; i < kRounds; ++i) {
+    const uint64_t p0 = static_cast<uint64_t>(x0) * kM0;
+    const uint64_t p1 = static_cast<uint64_t>(x2) * kM1;
+    x0 = static_cast<uint32_t>(p1 >> 32) ^ x1 ^ keys0[i];
+    x1 = static_cast<uint32_t>(p1);
+    x2 = static_cast<uint32_t>(p0 >> 32) ^ x3 ^ keys1[i];
+    x3 = static_cast<uint32_t>(p0);
+  }
+  out[0] = x0;
+  out[1] = x1;
+  out[2] = x2;
+  out[3] = x3;
+}
+
 void check_words(const torch::Tensor& c1, const torch::Tensor& c2, const torch::Tensor& c3,
                  const torch::Tensor& k0, const torch::Tensor& k1, const char* name) {
   const int64_t rows = c1.size(0);
@@ -48,30 +78,15 @@ torch::Tensor philox_rows(const torch::Tensor& c1, const torch::Tensor& c2,
   int64_t* os = out.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r) {
     uint32_t keys0[kRounds], keys1[kRounds];
-    keys0[0] = static_cast<uint32_t>(key0.data_ptr<int64_t>()[r]);
-    keys1[0] = static_cast<uint32_t>(key1.data_ptr<int64_t>()[r]);
-    for (int i = 1; i < kRounds; ++i) {  // wraps mod 2**32, as (k + W) & MASK32 does
-      keys0[i] = keys0[i - 1] + kW0;
-      keys1[i] = keys1[i - 1] + kW1;
-    }
+    round_keys(key0.data_ptr<int64_t>()[r], key1.data_ptr<int64_t>()[r], keys0, keys1);
     const uint32_t s1 = static_cast<uint32_t>(w1.data_ptr<int64_t>()[r]);
     const uint32_t s2 = static_cast<uint32_t>(w2.data_ptr<int64_t>()[r]);
     const uint32_t s3 = static_cast<uint32_t>(w3.data_ptr<int64_t>()[r]);
     int64_t* row = os + r * num_blocks * 4;
     for (int64_t b = 0; b < num_blocks; ++b) {
-      uint32_t x0 = static_cast<uint32_t>(b), x1 = s1, x2 = s2, x3 = s3;
-      for (int i = 0; i < kRounds; ++i) {
-        const uint64_t p0 = static_cast<uint64_t>(x0) * kM0;
-        const uint64_t p1 = static_cast<uint64_t>(x2) * kM1;
-        x0 = static_cast<uint32_t>(p1 >> 32) ^ x1 ^ keys0[i];
-        x1 = static_cast<uint32_t>(p1);
-        x2 = static_cast<uint32_t>(p0 >> 32) ^ x3 ^ keys1[i];
-        x3 = static_cast<uint32_t>(p0);
-      }
-      row[b * 4 + 0] = x0;
-      row[b * 4 + 1] = x1;
-      row[b * 4 + 2] = x2;
-      row[b * 4 + 3] = x3;
+      uint32_t words[4];
+      philox_block(static_cast<uint32_t>(b), s1, s2, s3, keys0, keys1, words);
+      for (int j = 0; j < 4; ++j) row[b * 4 + j] = words[j];
     }
   }
   return out;
@@ -107,27 +122,14 @@ torch::Tensor philox_uniform32_rows(const torch::Tensor& c1, const torch::Tensor
       const int64_t first = (task % tasks_per_row) * kBlocksPerTask;
       const int64_t last = std::min(first + kBlocksPerTask, num_blocks);
       uint32_t keys0[kRounds], keys1[kRounds];
-      keys0[0] = static_cast<uint32_t>(k0s[r]);
-      keys1[0] = static_cast<uint32_t>(k1s[r]);
-      for (int i = 1; i < kRounds; ++i) {
-        keys0[i] = keys0[i - 1] + kW0;
-        keys1[i] = keys1[i - 1] + kW1;
-      }
+      round_keys(k0s[r], k1s[r], keys0, keys1);
       const uint32_t s1 = static_cast<uint32_t>(s1s[r]);
       const uint32_t s2 = static_cast<uint32_t>(s2s[r]);
       const uint32_t s3 = static_cast<uint32_t>(s3s[r]);
       float* row = os + r * num_lanes;
       for (int64_t b = first; b < last; ++b) {
-        uint32_t x0 = static_cast<uint32_t>(b), x1 = s1, x2 = s2, x3 = s3;
-        for (int i = 0; i < kRounds; ++i) {
-          const uint64_t p0 = static_cast<uint64_t>(x0) * kM0;
-          const uint64_t p1 = static_cast<uint64_t>(x2) * kM1;
-          x0 = static_cast<uint32_t>(p1 >> 32) ^ x1 ^ keys0[i];
-          x1 = static_cast<uint32_t>(p1);
-          x2 = static_cast<uint32_t>(p0 >> 32) ^ x3 ^ keys1[i];
-          x3 = static_cast<uint32_t>(p0);
-        }
-        const uint32_t words[4] = {x0, x1, x2, x3};
+        uint32_t words[4];
+        philox_block(static_cast<uint32_t>(b), s1, s2, s3, keys0, keys1, words);
         const int64_t lanes = std::min<int64_t>(4, num_lanes - 4 * b);
         for (int64_t j = 0; j < lanes; ++j) {
           float u = static_cast<float>(words[j]);  // exact below 2**24, else rounded to nearest
