@@ -32,15 +32,18 @@ def bucket_for(buckets: list[int], num_seqs: int) -> int:
 
 class StaticInputs:
     """Named int64 inputs of a graphed step: one device buffer, laid out field by field in the
-    order given, with a pinned host twin (pageable on the CPU) that the host fills and sends with
-    one asynchronous copy per step.
+    order given, with pinned host twins (pageable on the CPU) that the host fills in turn and
+    sends with one asynchronous copy per step.
 
-    A step calls `begin()` (waits until the previous step's copy has left the host twin), writes
-    the host views (`host(name)`, numpy), then `send(last, count)`: one copy of every field up to
-    the first `count` entries of `last` (the fields after it are not sent).
+    A step calls `begin()` (takes the next twin, waiting until its last copy has left it),
+    writes the host views (`host(name)`, numpy), then `send(last, count)`: one copy of every
+    field up to the first `count` entries of `last` (the fields after it are not sent). What a
+    step leaves unwritten keeps the values of the twin's last step: with one twin (the default)
+    the previous step's; with two, the one before it, and a host queues two steps back to back
+    (a runner step of two graphs) without waiting for the device to reach the first one's copy.
     """
 
-    def __init__(self, sizes: dict[str, int], device: torch.device) -> None:
+    def __init__(self, sizes: dict[str, int], device: torch.device, twins: int = 1) -> None:
         self.offsets: dict[str, int] = {}
         total = 0
         for name, size in sizes.items():
@@ -49,9 +52,12 @@ class StaticInputs:
         self.sizes = dict(sizes)
         on_cuda = device.type == "cuda"
         self.buffer = torch.zeros(total, dtype=torch.int64, device=device)
-        self._host = torch.zeros(total, dtype=torch.int64, pin_memory=on_cuda)
-        self._host_view = self._host.numpy()
-        self._copied = torch.cuda.Event() if on_cuda else None
+        self._twins = [
+            torch.zeros(total, dtype=torch.int64, pin_memory=on_cuda) for _ in range(twins)
+        ]
+        self._views = [twin.numpy() for twin in self._twins]
+        self._copied = [torch.cuda.Event() for _ in range(twins)] if on_cuda else None
+        self._turn = 0
 
     def __getitem__(self, name: str) -> torch.Tensor:
         """The device view of field `name` (its whole size)."""
@@ -61,20 +67,23 @@ class StaticInputs:
     def host(self, name: str, count: int | None = None) -> np.ndarray:
         """The host view of the first `count` entries of field `name` (all when None)."""
         start = self.offsets[name]
-        return self._host_view[start : start + (self.sizes[name] if count is None else count)]
+        view = self._views[self._turn]
+        return view[start : start + (self.sizes[name] if count is None else count)]
 
     def begin(self) -> None:
-        """Waits until the previous `send` has read the host twin (it may be rewritten then)."""
+        """Takes the next host twin, once its last `send` has read it (it may be rewritten
+        then)."""
+        self._turn = (self._turn + 1) % len(self._twins)
         if self._copied is not None:
-            self._copied.synchronize()
+            self._copied[self._turn].synchronize()
 
     def send(self, last: str, count: int) -> None:
-        """Copies the host twin to the device, from the first field through the first `count`
-        entries of field `last` (asynchronous: the host does not wait for it)."""
+        """Copies the current host twin to the device, from the first field through the first
+        `count` entries of field `last` (asynchronous: the host does not wait for it)."""
         end = self.offsets[last] + count
-        self.buffer[:end].copy_(self._host[:end], non_blocking=True)
+        self.buffer[:end].copy_(self._twins[self._turn][:end], non_blocking=True)
         if self._copied is not None:
-            self._copied.record()
+            self._copied[self._turn].record()
 
 
 class GraphCache:
