@@ -96,3 +96,49 @@ def test_a_graphed_prefill_equals_decoding_the_prompt_token_by_token():
     # Negative control: chunks written one position off give other logits.
     shifted = _prefill_logits(runner, prompt, blocks, PREFILL_GRAPH_WIDTH, shift=1)
     assert not torch.allclose(shifted, graphed, atol=0.5)
+
+
+def test_a_step_of_decode_rows_and_chunks_runs_them_as_two_graphs_with_their_own_numbers():
+    """A step mixing decode rows with prompt chunks runs the rows in the decode graph (one
+    query row each, not padded to the chunks' width) and the chunks in the last-row graph; each
+    input's logits and features are what it gets in a step of its own, in the step's order, and
+    the device tokens (`first_tokens`) reach the rows they belong to."""
+    llm = LLM(max_num_seqs=4, prefill_graph_tokens=64, speculative_config="auto")
+    runner = llm.engine.runner
+    layers = tuple(llm.engine.drafter.feature_layers)
+    tokenizer = llm.get_tokenizer()
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+    tables = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(3)]
+    a, b, c = prompts
+    # Prompt a's first 20 tokens are cached: its next one is a decode row.
+    runner.run_with_features([StepInput(a[:20], 0, tables[0], 1)], ())
+    step = [
+        StepInput(b[:PREFILL_GRAPH_WIDTH], 0, tables[1], 1),
+        StepInput(a[20:21], 20, tables[0], 1),
+        StepInput(c[:5], 0, tables[2], 1),
+    ]
+    calls = []
+    graphs_run = runner.graphs.run
+
+    def recorded(token_ids, *args, **kwargs):
+        calls.append((len(token_ids), max(map(len, token_ids)), kwargs.get("last_rows", False)))
+        return graphs_run(token_ids, *args, **kwargs)
+
+    runner.graphs.run = recorded
+    first_tokens = torch.tensor([b[0], a[20], c[0]])
+    logits, features = runner.run_with_features(step, layers, first_tokens)
+    assert calls == [(1, 1, False), (2, PREFILL_GRAPH_WIDTH, True)]
+    mixed = [(x.clone(), f.clone()) for x, f in zip(logits, features, strict=True)]
+    for i, alone in enumerate(step):
+        own_logits, own_features = runner.run_with_features([alone], layers)
+        assert torch.equal(mixed[i][0], own_logits[0]), i
+        assert torch.equal(mixed[i][1], own_features[0]), i
+    # The device tokens replace each input's first token: another token for the decode row
+    # changes its logits (and only its own).
+    other = first_tokens.clone()
+    other[1] = a[5]
+    changed, _ = runner.run_with_features(step, layers, other)
+    assert not torch.equal(changed[1], mixed[1][0])
+    assert torch.equal(changed[0], mixed[0][0]) and torch.equal(changed[2], mixed[2][0])
+    moved, _ = runner.run_with_features([StepInput([a[5]], 20, tables[0], 1)], layers)
+    assert torch.equal(changed[1], moved[0])

@@ -5,7 +5,8 @@ A step of B sequences with at most Q query tokens each runs on a batch padded to
 written, their logits ignored) and padded query tokens of a live sequence have slot -1 (no K/V
 written). A tree verify step (`draft_tree`) also sends a [B, Q, Q] tree mask over the last Q keys
 of each context. One graph is captured per (bucket, Q, tree or not) on first use; all share one
-memory pool and one logits buffer. Never samples or draws randomness.
+memory pool and one logits buffer (last-row steps, graphed prefill chunks, one of their own).
+Never samples or draws randomness.
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ class DecodeGraphs:
         max_rows = max_num_seqs * max_query_len
         # (last-row steps are wider, and want one row of logits a sequence)
         input_rows = max_num_seqs * max(max_query_len, prefill_width)
-        # Every per-step input in one int64 buffer (block tables last), sent with one copy.
+        # Every per-step input in one int64 buffer (block tables last), sent with one copy; two
+        # host twins, since a runner step may run two graphs (decode rows, prompt chunks). Each
+        # step writes every entry it reads (block tables: up to each sequence's context).
         self.inputs = StaticInputs(
             {
                 "input_ids": input_rows,
@@ -70,6 +73,7 @@ class DecodeGraphs:
                 "block_tables": max_num_seqs * max_blocks_per_seq,
             },
             device,
+            twins=2,
         )
         # A tree step's mask, sent with a copy of its own (chain and decode steps send none):
         # int64 like every static input, turned into a bool mask once per step.
@@ -82,6 +86,14 @@ class DecodeGraphs:
         self.block_tables = self.inputs["block_tables"].view(max_num_seqs, max_blocks_per_seq)
         vocab = model.config.vocab_size
         self.logits = torch.empty(max_rows, vocab, dtype=torch.float32, device=device)
+        # Last-row steps write a buffer of their own, so that one runner step can run decode
+        # rows and prompt chunks as two graphs whose logits both stay valid until the next step
+        # (`PagedModelRunner.run_with_features`).
+        self.last_logits = (
+            torch.empty(max_num_seqs, vocab, dtype=torch.float32, device=device)
+            if prefill_width
+            else None
+        )
         # (padded batch, Q, feature layers, tree, last rows, split) -> (graph, features it
         # writes or None)
         self.graph_cache = GraphCache(use_graphs)
@@ -115,7 +127,7 @@ class DecodeGraphs:
         in the static [num_seqs, Q, Q] buffer (either kernel). `broadcast_inputs`: first take
         the step's inputs from rank 0 (`broadcast`, set under tensor parallelism: a step filled
         on the driver's device, which the workers run beside it). `last_rows`: logits of each
-        sequence's last query row only, in `self.logits[:num_seqs]` (graphed prefill)."""
+        sequence's last query row only, in `self.last_logits[:num_seqs]` (graphed prefill)."""
         rows = num_seqs * query_per_seq
         if broadcast_inputs and self.broadcast is not None:
             for inputs in (
@@ -143,14 +155,15 @@ class DecodeGraphs:
         hidden, layers = self.model.model(
             self.input_ids[:rows], self.positions[:rows], meta, self.kv_cache, feature_layers
         )
+        out = self.logits[:rows]
         if last_rows:
             ends = (self.query_lens[:num_seqs] - 1).clamp_min(0)
             ends += torch.arange(num_seqs, device=ends.device) * query_per_seq
-            hidden, rows = hidden.index_select(0, ends), num_seqs
+            hidden, out = hidden.index_select(0, ends), self.last_logits[:num_seqs]
         # Every row's logits as the row alone would get them (`compute_logits` through
         # `batch_invariant_linear`: a bare cuBLAS product here gave the LM head of a model
         # whose head shape fails the start-up check other bits at other batch buckets).
-        self.model.compute_logits(hidden, out=self.logits[:rows])
+        self.model.compute_logits(hidden, out=out)
         return torch.cat(layers, dim=-1) if layers else None
 
     @property
@@ -281,7 +294,7 @@ class DecodeGraphs:
             return [self.logits[:num_seqs]], stacked_features
         starts_of_rows = [b * query_per_seq for b in range(num_seqs)]
         if last_rows:
-            logits = [self.logits[b : b + 1] for b in range(num_seqs)]
+            logits = [self.last_logits[b : b + 1] for b in range(num_seqs)]
         else:
             logits = [
                 self.logits[row : row + len(tokens)]

@@ -45,12 +45,15 @@ class StepInput:
 class PagedModelRunner:
     """Owns a model and its KV cache (`num_blocks` x `block_size` slots).
 
-    Steps in which every input wants logits for all of its (at most `max_query_len`) query tokens
-    (decode: 1, verify: K + 1, tree verify: N + 1) run the fused decode path: on CUDA, replayed
-    from CUDA graphs captured per (padded batch size, query length, tree or not) unless
-    `enforce_eager`. With `prefill_width`, steps of prefill chunks of at most that many tokens
-    (and decode tokens) that want at most their last row's logits take the decode path too
-    (graphed prefill). Other steps (longer prefill chunks, prompt logprobs) run the eager path.
+    Inputs that want logits for all of their (at most `max_query_len`) query tokens (decode: 1,
+    verify: K + 1, tree verify: N + 1) run the fused decode path: on CUDA, replayed from CUDA
+    graphs captured per (padded batch size, query length, tree or not) unless `enforce_eager`.
+    With `prefill_width`, prefill chunks of at most that many tokens that want at most their last
+    row's logits take the decode path too, in a step of their own padded to that width (graphed
+    prefill): a step that mixes them with decode or verify rows runs as those two graphs, so
+    that the rows are not padded to the chunks' width. Steps with other inputs (longer prefill
+    chunks, prompt logprobs) run the eager path. Every row's numbers are its own whichever way
+    its step runs (the kernels are batch invariant: `tests/parity/test_replay_gpu.py`).
     """
 
     def __init__(
@@ -121,24 +124,31 @@ class PagedModelRunner:
                 prefill_width=prefill_width,
             )
 
-    def _is_decode_step(self, inputs: list[StepInput]) -> bool:
-        return len(inputs) <= self.max_num_seqs and all(
-            0 < len(s.token_ids) <= self.max_query_len and s.num_logit_rows == len(s.token_ids)
-            for s in inputs
-        )
+    def _is_decode_row(self, step_input: StepInput) -> bool:
+        """An input of the decode step: all of its (at most `max_query_len`) rows' logits."""
+        count = len(step_input.token_ids)
+        return 0 < count <= self.max_query_len and step_input.num_logit_rows == count
 
-    def _is_graphed_prefill(self, inputs: list[StepInput]) -> bool:
-        """Prefill chunks (and decode tokens) of at most `prefill_width` tokens that want at
-        most their last row's logits: a step for the decode path's last-row graphs."""
+    def _is_decode_step(self, inputs: list[StepInput]) -> bool:
+        return len(inputs) <= self.max_num_seqs and all(map(self._is_decode_row, inputs))
+
+    def _graphed_parts(self, inputs: list[StepInput]) -> tuple[list[int], list[int]] | None:
+        """A step for the decode path's graphs in two parts: (indices of its decode / verify
+        rows, indices of its prefill chunks of at most `prefill_width` tokens that want at most
+        their last row's logits: the last-row graphs), or None when some input is neither (or
+        graphed prefill is off)."""
         width = self.prefill_width
-        return (
-            width > 0
-            and len(inputs) <= self.max_num_seqs
-            and all(
-                0 < len(s.token_ids) <= width and s.num_logit_rows <= 1 and s.tree_parents is None
-                for s in inputs
-            )
-        )
+        if width == 0 or len(inputs) > self.max_num_seqs:
+            return None
+        rows, chunks = [], []
+        for i, s in enumerate(inputs):
+            if self._is_decode_row(s):
+                rows.append(i)
+            elif 0 < len(s.token_ids) <= width and s.num_logit_rows <= 1 and s.tree_parents is None:
+                chunks.append(i)
+            else:
+                return None
+        return rows, chunks
 
     def run(
         self, inputs: list[StepInput], first_tokens: torch.Tensor | None = None
@@ -232,28 +242,59 @@ class PagedModelRunner:
         if not inputs:
             return [], []
         layers = tuple(feature_layers)
-        if self.graphs is not None and self._is_decode_step(inputs):
-            trees = [s.tree_parents for s in inputs]
-            return self.graphs.run(
-                [s.token_ids for s in inputs],
-                [s.start for s in inputs],
-                [s.block_ids for s in inputs],
-                layers,
-                first_tokens,
-                tree_parents=trees if any(p is not None for p in trees) else None,
-            )
-        if self.graphs is not None and self._is_graphed_prefill(inputs):
-            self.num_graphed_prefill_steps += 1
-            last, features = self.graphs.run(
-                [s.token_ids for s in inputs],
-                [s.start for s in inputs],
-                [s.block_ids for s in inputs],
-                layers,
-                first_tokens,
-                last_rows=True,
-            )
-            return [row[: s.num_logit_rows] for row, s in zip(last, inputs, strict=True)], features
-        return self._run_eager(inputs, layers, first_tokens)
+        if self.graphs is None:
+            return self._run_eager(inputs, layers, first_tokens)
+        if self._is_decode_step(inputs):
+            return self._run_decode_rows(inputs, layers, first_tokens)
+        parts = self._graphed_parts(inputs)
+        if parts is None:
+            return self._run_eager(inputs, layers, first_tokens)
+        self.num_graphed_prefill_steps += 1
+        rows, chunks = parts
+        logits: list[torch.Tensor | None] = [None] * len(inputs)
+        features: list[torch.Tensor | None] = [None] * len(inputs)
+        # Decode rows first (their graph is the step's longer one), then the chunks, padded to
+        # prefill_width in a graph of their own; the two write separate logits buffers.
+        for part, last_rows in ((rows, False), (chunks, True)):
+            if not part:
+                continue
+            part_inputs = [inputs[i] for i in part]
+            part_firsts = _take(first_tokens, part)
+            if last_rows:
+                part_logits, part_features = self.graphs.run(
+                    [s.token_ids for s in part_inputs],
+                    [s.start for s in part_inputs],
+                    [s.block_ids for s in part_inputs],
+                    layers,
+                    part_firsts,
+                    last_rows=True,
+                )
+                part_logits = [
+                    row[: s.num_logit_rows] for row, s in zip(part_logits, part_inputs, strict=True)
+                ]
+            else:
+                part_logits, part_features = self._run_decode_rows(part_inputs, layers, part_firsts)
+            for k, i in enumerate(part):
+                logits[i] = part_logits[k]
+                if part_features:
+                    features[i] = part_features[k]
+        return logits, features if layers else []
+
+    def _run_decode_rows(
+        self,
+        inputs: list[StepInput],
+        layers: tuple[int, ...],
+        first_tokens: torch.Tensor | None,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        trees = [s.tree_parents for s in inputs]
+        return self.graphs.run(
+            [s.token_ids for s in inputs],
+            [s.start for s in inputs],
+            [s.block_ids for s in inputs],
+            layers,
+            first_tokens,
+            tree_parents=trees if any(p is not None for p in trees) else None,
+        )
 
     def _run_eager(
         self,
@@ -304,6 +345,16 @@ class PagedModelRunner:
             return logits_per_input, []
         features = torch.cat(layers, dim=-1)  # [T, F]
         return logits_per_input, list(features.split([len(s.token_ids) for s in inputs]))
+
+
+def _take(first_tokens: torch.Tensor | None, index: list[int]) -> torch.Tensor | None:
+    """The entries `index` (ascending) of a step's device tokens: a slice when they are
+    consecutive (the usual case: running requests first, arrivals after), else one gather."""
+    if first_tokens is None:
+        return None
+    if index[-1] - index[0] == len(index) - 1:
+        return first_tokens[index[0] : index[-1] + 1]
+    return first_tokens.index_select(0, to_device(index, torch.int64, first_tokens.device))
 
 
 def tree_step_positions(step_input: StepInput) -> list[int]:

@@ -179,6 +179,50 @@ def test_overlapped_joins_replay(model_paths, requests, alone, model, case):
         assert engine.num_preemptions > 0
 
 
+@pytest.mark.parametrize(("spec", "control"), [(None, False), ("ngram", False), (None, True)])
+def test_graphed_prefill_beside_decode_rows_replays(
+    model_paths, dirs, requests, monkeypatch, spec, control
+):
+    """Graphed prefill (CUDA's default, here on the kept-quantized model's decode path, op by
+    op): prompt chunks of 16 tokens share steps with decode rows (the overlapped plain loop) or
+    verify rows (n-gram drafts, the synchronous step); such a step runs the rows and the chunks
+    as two steps of the decode path. Every request, and each emitted token's log-probability,
+    equals its run alone on an idle plain engine of the same prefill: fails if a row depends
+    on the chunks beside it. The control (logits that depend on the step's rows) must fail."""
+    if control:
+        make_batch_dependent(monkeypatch)
+    make = engine_factory(model_paths["gguf"], prefill_graph_tokens=64)
+    batch = with_logprobs(requests)
+    own = run_alone(make(), batch)
+    spec = None if spec is None else drafter_spec(spec, dirs, adaptive=False)
+    engine = make(spec, async_scheduling=spec is None)
+    runner, calls, steps = engine.runner, [], []
+    graphs_run, run_with_features = runner.graphs.run, runner.run_with_features
+
+    def graph(*args, **kwargs):
+        calls.append(kwargs.get("last_rows", False))
+        return graphs_run(*args, **kwargs)
+
+    def step(*args, **kwargs):  # the graphs each runner step ran
+        del calls[:]
+        out = run_with_features(*args, **kwargs)
+        steps.append(tuple(calls))
+        return out
+
+    runner.graphs.run, runner.run_with_features = graph, step
+    log = spy_schedule(engine)
+    got = drive(engine, batch, arrivals("bursts", len(batch)).schedule)
+    diff = mismatches(own, got, batch)
+    # steps of rows and chunks: the rows' graph, then the chunks'
+    assert log.num_mixed_steps > 0 and steps.count((False, True)) > 0
+    if control:
+        assert diff
+        return
+    assert not diff, diff
+    if spec is not None:
+        assert engine.stats.num_accepted_tokens > 0
+
+
 @pytest.mark.parametrize("drafter", DRAFTERS)
 @pytest.mark.parametrize("model", MODELS)
 def test_speculation_replays_plain_decoding(model_paths, dirs, requests, alone, model, drafter):
