@@ -43,7 +43,8 @@ SEND_TIMEOUT_MS = 1000
 # token since the last (deltas). Built every step they were 15% of a host-bound engine process
 # (s36, H100, `--no-spec`, 64 streams: 0.43 ms of a 2.8 ms step, where `LLM.generate` takes
 # 1.1 ms for the whole step); a stream's chunks then come at most this far apart beyond the step's
-# own time. Fewer requests cost little to report: their outputs go every step.
+# own time. Fewer requests cost little to report: their outputs go every step. A step between
+# sends in which nothing finished sends no frame (the metrics' snapshot rides on the next one).
 STREAM_INTERVAL_S = 0.004
 STREAM_GATHER_FROM = 16
 
@@ -201,7 +202,8 @@ class EngineCore:
                 if delta.finished:
                     self.live.discard(delta.request_id)
                 deltas.append(delta_row(delta))
-            self._send(OUTPUTS, deltas)
+            if deltas or streaming:  # between sends a step with nothing finished sends nothing
+                self._send(OUTPUTS, deltas)
             if self.stats is not None:
                 self.stats.emitted(sum(len(sample[3]) for delta in deltas for sample in delta[6]))
                 self.stats.tick()
