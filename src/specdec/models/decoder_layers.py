@@ -283,7 +283,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp: LlamaMLP | SparseMoeBlock = (
             SparseMoeBlock(
                 config.hidden_size,
-                config.moe_intermediate_size,
+                config.moe_intermediate_size if shard is None else shard.expert_intermediate_size,
                 config.num_experts,
                 config.num_experts_per_tok,
                 config.norm_topk_prob,

@@ -100,7 +100,7 @@ def _moe_tensors(config: ModelConfig, read: ReadTensor) -> ReadTensor:
         tensor = whole[expert]
         if part != "down_proj":
             tensor = tensor[:width] if part == "gate_proj" else tensor[width:]
-        return tensor.contiguous()
+        return tensor.contiguous() if piece is None else piece.take(tensor)
 
     return read_expert
 

@@ -63,11 +63,6 @@ class LlamaModel(nn.Module):
                 f"{config.architecture}: tensor parallelism is not supported yet (its layers "
                 "are not checked against one rank's)"
             )
-        if shard is not None and shard.world_size > 1 and config.is_moe:
-            raise ValueError(
-                f"{config.architecture}: tensor parallelism for mixture-of-experts layers is "
-                "not supported yet (experts are not sharded)"
-            )
         layer = DECODER_LAYERS[config.norm_placement]
         if config.is_moe:  # pre-norm (ModelConfig checks it)
             self.layers = nn.ModuleList(

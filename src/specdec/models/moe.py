@@ -1,7 +1,10 @@
 """The sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE): a float32 softmax router, top-k
 experts per token, each expert a SwiGLU MLP. A token's output never depends on the other tokens
-of its step (its experts' products are row-invariant, its weighted sum runs in rank order). It
-never reads files, samples, or shards experts (tensor parallelism is refused by the model).
+of its step (its experts' products are row-invariant, its weighted sum runs in rank order).
+Under tensor parallelism a rank holds a slice of every expert's intermediate columns (the loader
+reads it, `tensor_parallel.tensor_slice`) and the routed sum of its partial outputs is summed
+over the ranks by one all-reduce, as the dense MLP's down projection. It never reads files or
+samples.
 
 Two ways to run the experts: the CPU's (each expert in turn over its gathered tokens), and the
 grouped one (every (token, rank) pair sorted by expert into tiles of one expert, one grouped
@@ -22,6 +25,7 @@ from specdec.models.fused import silu_mul
 from specdec.models.layers import Linear
 from specdec.models.linear import batch_invariant_linear
 from specdec.models.moe_tiles import ExpertTiles, expert_tiles
+from specdec.models.tensor_parallel import Collectives
 
 # The depth of the grouped product's K step, fixed whatever the step's row count (a row's bits
 # depend on the K steps alone: see `moe_triton.py`; the twin sums its K steps in the same order);
@@ -221,6 +225,7 @@ class SparseMoeBlock(nn.Module):
         )
         self.top_k = top_k
         self.renormalize = renormalize
+        self.tp: Collectives | None = None  # sums the ranks' partial outputs (`attach_collectives`)
         # The experts' weights stacked by `fuse` (plain attributes: each expert's parameters
         # become views of them, so the state dict keeps the checkpoint's names).
         self.gate_up_weight: torch.Tensor | None = None  # [E, 2F, D]
@@ -253,14 +258,19 @@ class SparseMoeBlock(nn.Module):
         logits = batch_invariant_linear(x.float(), self.gate.weight.float())  # [T, E]
         weights, experts = route(logits, self.top_k, self.renormalize)  # [T, k] each
         if takes_grouped_path(x):
-            return self.forward_grouped(x, weights, experts)
+            return self._reduce(self.forward_grouped(x, weights, experts))
         outputs = x.new_zeros(x.shape[0], self.top_k, x.shape[1], dtype=torch.float32)
         for expert_id, expert in enumerate(self.experts):
             tokens, ranks = torch.nonzero(experts == expert_id, as_tuple=True)
             if tokens.numel() == 0:
                 continue
             outputs[tokens, ranks] = expert(x[tokens]).float()
-        return weighted_sum(outputs, weights).to(x.dtype)
+        return self._reduce(weighted_sum(outputs, weights).to(x.dtype))
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Under tensor parallelism, the ranks' routed sums (each over its slice of every
+        expert's columns) summed over the ranks; else `partial` itself."""
+        return partial if self.tp is None else self.tp.all_reduce(partial)
 
     def forward_grouped(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor

@@ -4,12 +4,15 @@ a rank holds (`ShardLayout`), and the two collectives its forward pass runs (`Co
 Megatron-style: q/k/v and gate/up are column-parallel (a rank holds whole heads / a slice of the
 intermediate), o and down are row-parallel (partial products summed by one all-reduce each), the
 embedding and LM head are split by vocabulary rows (the lookup all-reduced, the logits
-all-gathered). Nothing here reads files, spawns processes or draws randomness; the collectives
-never synchronise with the host (CUDA-graph capture safe).
+all-gathered). A mixture of experts splits every expert as the dense MLP (a slice of each
+expert's intermediate: its gate/up rows, its down columns), the router whole on every rank, and
+sums the routed outputs with one all-reduce. Nothing here reads files, spawns processes or
+draws randomness; the collectives never synchronise with the host (CUDA-graph capture safe).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +35,8 @@ class ShardLayout:
         kv_heads: the key/value heads it holds (those its query heads read; a KV head is
             replicated on several ranks when there are fewer KV heads than ranks).
         intermediate: the MLP columns (gate/up rows, down columns) it holds.
+        expert_intermediate: the columns of every expert's MLP it holds (a mixture of experts'
+            `moe_intermediate_size` split as `intermediate`; (0, 0) for a dense model).
         vocab: the vocabulary rows of the embedding / LM head it holds.
         vocab_shard: rows of every rank's vocabulary shard once padded (the gather's width).
         total_vocab: the whole vocabulary (V).
@@ -45,6 +50,7 @@ class ShardLayout:
     vocab: tuple[int, int]
     vocab_shard: int
     total_vocab: int
+    expert_intermediate: tuple[int, int] = (0, 0)
 
     @property
     def num_q_heads(self) -> int:
@@ -57,6 +63,10 @@ class ShardLayout:
     @property
     def intermediate_size(self) -> int:
         return self.intermediate[1] - self.intermediate[0]
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.expert_intermediate[1] - self.expert_intermediate[0]
 
     @property
     def vocab_size(self) -> int:
@@ -82,7 +92,11 @@ def check_tensor_parallel_size(config: ModelConfig, world_size: int) -> None:
             f"{kv_heads} KV heads (use at most {kv_heads}, or a multiple of {kv_heads} whose "
             f"quotient divides {group})"
         )
-    if config.intermediate_size < world_size or config.vocab_size < world_size:
+    if (
+        config.intermediate_size < world_size
+        or config.vocab_size < world_size
+        or (config.is_moe and config.moe_intermediate_size < world_size)
+    ):
         raise ValueError(f"tensor_parallel_size={world_size} exceeds the model's MLP or vocabulary")
 
 
@@ -103,20 +117,29 @@ def shard_layout(config: ModelConfig, rank: int, world_size: int) -> ShardLayout
         kv = (head, head + 1)
         first = head * group + (rank % per_head) * share
         q = (first, first + share)
-    size = config.intermediate_size
-    align = MLP_SPLIT_ALIGN if size % (MLP_SPLIT_ALIGN * world_size) == 0 else 1
-    if align == 1 and size % (32 * world_size) == 0:
-        align = 32
-    units = size // align
-    intermediate = (rank * units // world_size * align, (rank + 1) * units // world_size * align)
-    if rank == world_size - 1:
-        intermediate = (intermediate[0], size)
+    intermediate = _column_split(config.intermediate_size, rank, world_size)
+    experts = (
+        _column_split(config.moe_intermediate_size, rank, world_size) if config.is_moe else (0, 0)
+    )
     vocab_shard = -(-config.vocab_size // world_size)
     vocab = (
         min(rank * vocab_shard, config.vocab_size),
         min((rank + 1) * vocab_shard, config.vocab_size),
     )
-    return ShardLayout(rank, world_size, q, kv, intermediate, vocab, vocab_shard, config.vocab_size)
+    return ShardLayout(
+        rank, world_size, q, kv, intermediate, vocab, vocab_shard, config.vocab_size, experts
+    )
+
+
+def _column_split(size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """`rank`'s share of an MLP's `size` columns: as even as the alignment allows, boundaries on
+    multiples of MLP_SPLIT_ALIGN (or 32) where `size` splits so, the last rank taking the rest."""
+    align = MLP_SPLIT_ALIGN if size % (MLP_SPLIT_ALIGN * world_size) == 0 else 1
+    if align == 1 and size % (32 * world_size) == 0:
+        align = 32
+    units = size // align
+    columns = (rank * units // world_size * align, (rank + 1) * units // world_size * align)
+    return (columns[0], size) if rank == world_size - 1 else columns
 
 
 # One tensor in, ranks x that tensor out: PyTorch's newer name, or the older one it replaces.
@@ -171,6 +194,8 @@ class TensorSlice:
 
 
 _ROW_PARALLEL = (".self_attn.o_proj.", ".mlp.down_proj.")
+# An expert's projections under our names (`models/moe.py`): model.layers.L.mlp.experts.E.*
+_EXPERT_PART = re.compile(r"\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.")
 
 
 def tensor_slice(name: str, config: ModelConfig, layout: ShardLayout) -> TensorSlice | None:
@@ -180,6 +205,9 @@ def tensor_slice(name: str, config: ModelConfig, layout: ShardLayout) -> TensorS
     q_rows = TensorSlice(0, layout.q_heads[0] * head_dim, layout.q_heads[1] * head_dim)
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return TensorSlice(0, *layout.vocab)
+    expert = _EXPERT_PART.search(name)
+    if expert is not None:  # the router (`mlp.gate`) stays whole
+        return TensorSlice(int(expert[1] == "down_proj"), *layout.expert_intermediate)
     if ".self_attn.q_proj." in name:
         return q_rows
     if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:

@@ -8,7 +8,8 @@ agree within 1e-4 with `transformers` (batched prefill, decode-path steps); gree
 in a batch bit for bit on the CPU's row plan (the engine's path), with a negative control (the
 experts' products unpadded). Negative controls per routing rule (top-k before the softmax,
 renormalisation flipped) move the logits far past the tolerance. Refusals name what they
-refuse: tensor parallelism, quantization, CUDA's decode path, shared experts, other routers.
+refuse: quantization, CUDA's decode path, shared experts, other routers, more tensor-parallel
+ranks than an expert's columns (TP itself: `tests/e2e/test_tensor_parallel_moe.py`).
 """
 
 from __future__ import annotations
@@ -261,14 +262,16 @@ def test_expert_rules_negative_controls_are_not_batch_invariant(
 
 # --------------------------------------------------------------------------- refusals
 def test_refusals_are_one_line_and_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tensor parallelism, quantization at load and after, CUDA's decode path with the grouped
-    kernel switched off, a model cut to fewer layers, a GGUF file with experts."""
+    """More tensor-parallel ranks than an expert has columns, quantization at load and after,
+    CUDA's decode path with the grouped kernel switched off, a model cut to fewer layers, a GGUF
+    file with experts."""
     path = save_hf_model(make_moe_hf_model("qwen3_moe"), tmp_path)
     loaded = load_model(path)
     config = loaded.config
     messages = []
-    with pytest.raises(ValueError, match="tensor parallelism for mixture-of-experts") as info:
-        load_model(path, shard=shard_layout(config, 0, 2))
+    narrow = dataclasses.replace(config, moe_intermediate_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 exceeds the model's MLP") as info:
+        shard_layout(narrow, 0, 4)  # more ranks than each expert's columns
     messages.append(str(info.value))
     with pytest.raises(ValueError, match="quantization='int8' is not supported for mix") as info:
         load_model(path, quantization="int8")
