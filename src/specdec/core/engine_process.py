@@ -39,12 +39,14 @@ IDLE_POLL_MS = 100
 SEND_TIMEOUT_MS = 1000
 # How often the running requests' outputs are built and sent while STREAM_GATHER_FROM or more
 # requests run (s; SPECDEC_STREAM_INTERVAL_MS sets another, 0: every step). Between two sends a
-# step builds the outputs of the requests that finished only, and the next send carries every
-# token since the last (deltas). Built every step they were 15% of a host-bound engine process
-# (s36, H100, `--no-spec`, 64 streams: 0.43 ms of a 2.8 ms step, where `LLM.generate` takes
-# 1.1 ms for the whole step); a stream's chunks then come at most this far apart beyond the step's
-# own time. Fewer requests cost little to report: their outputs go every step. A step between
-# sends in which nothing finished sends no frame (the metrics' snapshot rides on the next one).
+# step builds the outputs of the requests that finished or emitted their first tokens only (a
+# stream starts at once), and the next send carries every token since the last (deltas). Built
+# every step they were 15% of a host-bound engine process (s36, H100, `--no-spec`, 64 streams:
+# 0.43 ms of a 2.8 ms step, where `LLM.generate` takes 1.1 ms for the whole step); every 4 ms the
+# server delivered 1.18-1.21x the tokens/s (s37, same lease). A stream's chunks then come at most
+# this far apart beyond the step's own time. Fewer requests cost little to report: their outputs
+# go every step. A step between sends with nothing to report sends no frame (the metrics'
+# snapshot rides on the next one).
 STREAM_INTERVAL_S = 0.004
 STREAM_GATHER_FROM = 16
 

@@ -505,8 +505,9 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
         """Runs one step; returns the outputs of the requests that emitted tokens or finished
         (finished groups are then forgotten; `RequestDelta`s with `emit_deltas`).
         `only_finished` skips building the outputs of unfinished requests (callers that do not
-        stream). With `async_scheduling`, a step may launch work whose tokens the next call
-        reports."""
+        stream), except, with `emit_deltas`, the deltas of requests whose first tokens this step
+        emitted (a stream sent at intervals starts at once: `core.engine_process`). With
+        `async_scheduling`, a step may launch work whose tokens the next call reports."""
         if self.async_scheduling and self.drafter is None:
             return self._step_async(only_finished)
         if self._in_unspeculated:
@@ -607,7 +608,7 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
         or ends the request with an error when its step read a logits row without a
         distribution (that request alone: the others of the step go on); then builds the
         outputs to report (streaming: every group that emitted; else only those with a request
-        that finished)."""
+        that finished, and with `emit_deltas` those whose first tokens came now)."""
         reported: dict[str, RequestGroup] = {}
         for request, num_computed, emission in commits:
             if num_computed is not None:
@@ -627,7 +628,8 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
             )
             if request.grammar is not None and not request.status.finished:
                 request.grammar.commit(request.output_token_ids)
-            if finished or not only_finished:
+            first = self.emit_deltas and len(request.output_token_ids) <= len(emission.tokens)
+            if finished or first or not only_finished:
                 group = self.outputs.group_of(request)
                 reported[group.request_id] = group
         return self.outputs.outputs(reported, only_finished, self.emit_deltas)

@@ -131,3 +131,36 @@ def test_the_snapshot_round_trips_with_its_tuples():
         policy_acceptance=(0.5, 0.25),
     )
     assert decode_frame(encode_frame("snapshot", None, snapshot))[2] == snapshot
+
+
+def test_between_sends_a_step_reports_a_requests_first_tokens_and_its_end_only(model_dir):
+    """`step(only_finished=True)` with deltas, as the engine process steps between two sends
+    (`STREAM_INTERVAL_S`): a request is reported at the step that emits its first tokens (its
+    stream starts at once) and at its end, never between; the assembler rebuilds from those
+    deltas the final outputs of a twin engine that reports every step."""
+    direct, sparse = engine(model_dir, False), engine(model_dir, True)
+    assembler = OutputAssembler()
+    for prompt, _, request_id in requests():
+        assembler.expect(request_id, prompt)
+    first_step, last_step, finals, reported = {}, {}, {}, {}
+    step = 0
+    while direct.has_unfinished:
+        for output in direct.step():
+            first_step.setdefault(output.request_id, step)
+            if output.finished:
+                finals[output.request_id] = output
+                last_step[output.request_id] = step
+        for delta in sparse.step(only_finished=True):
+            reported.setdefault(delta.request_id, []).append(step)
+            rebuilt = assembler.assemble(delta_row(delta))
+            if rebuilt.finished:
+                assert rebuilt == finals[delta.request_id]
+        step += 1
+    assert not sparse.has_unfinished
+    assert set(reported) == set(finals) == {r for _, _, r in requests()}
+    samples = {request_id: params.n for _, params, request_id in requests()}
+    for request_id, steps in reported.items():
+        assert steps[0] == first_step[request_id], (request_id, steps)  # the first tokens at once
+        assert steps[-1] == last_step[request_id] > steps[0], (request_id, steps)  # its end
+        # between them, only the steps where another of its n samples emitted its first tokens
+        assert len(steps) <= 1 + samples[request_id], (request_id, steps)
