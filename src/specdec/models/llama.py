@@ -58,11 +58,6 @@ class LlamaModel(nn.Module):
             self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         else:
             self.embed_tokens = Embedding(shard.vocab_size, config.hidden_size, shard.vocab[0])
-        if shard is not None and shard.world_size > 1 and config.norm_placement == "sandwich":
-            raise ValueError(
-                f"{config.architecture}: tensor parallelism is not supported yet (its layers "
-                "are not checked against one rank's)"
-            )
         layer = DECODER_LAYERS[config.norm_placement]
         if config.is_moe:  # pre-norm (ModelConfig checks it)
             self.layers = nn.ModuleList(

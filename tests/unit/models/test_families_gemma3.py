@@ -46,7 +46,6 @@ from models_fixtures import (
 from specdec.engine.llm import LLM
 from specdec.models import LlamaForCausalLM, ModelConfig, load_model, prompt_logits
 from specdec.models.layers import RMSNorm
-from specdec.models.tensor_parallel import shard_layout
 
 transformers = pytest.importorskip("transformers", reason="the forward reference")
 
@@ -328,14 +327,12 @@ def test_int8_at_load_runs(plain: Any) -> None:
 
 
 def test_refusals_are_one_line_and_named(plain: Any) -> None:
-    """Tensor parallelism; a model cut to fewer layers (a `truncated:N` draft). CUDA's decode
-    path takes the model (its kernels have windows and GeGLU), full layers alone too.
-    (GGUF files of the family load: tests/unit/models/test_gguf_families.py.)"""
+    """A model cut to fewer layers (a `truncated:N` draft). CUDA's decode path takes the model
+    (its kernels have windows and GeGLU), full layers alone too. (GGUF files of the family
+    load: tests/unit/models/test_gguf_families.py; tensor parallelism:
+    tests/e2e/test_tensor_parallel_families.py.)"""
     _, _, path = plain
     config = load_model(path).config
-    with pytest.raises(ValueError, match="Gemma3ForCausalLM: tensor parallelism") as info:
-        load_model(path, shard=shard_layout(config, 0, 2))
-    assert "\n" not in str(info.value)
     assert config.decode_path_reason("cuda") is None
     assert config.decode_path_reason("cpu") is None
     all_full = dataclasses.replace(config, layer_types=(FULL,) * 4)

@@ -1,11 +1,15 @@
-"""Tensor parallelism of mixture-of-experts targets over gloo on the CPU: TP = 2 (two processes)
-against TP = 1 on tiny Mixtral and Qwen3-MoE checkpoints written by `transformers` (per-expert
-tensors as the Hub stores them, and Qwen3-MoE's stacked 3D ones). Each rank holds a slice of
-every expert's columns and the router whole; the routed sums are added over the ranks.
+"""Tensor parallelism of the families beyond Llama over gloo on the CPU: TP = 2 (two processes)
+against TP = 1 on tiny checkpoints written by `transformers`.
+
+- Mixture of experts, Mixtral and Qwen3-MoE (per-expert tensors as the Hub stores them, and
+  Qwen3-MoE's stacked 3D ones): each rank holds a slice of every expert's columns and the
+  router whole; the routed sums are added over the ranks.
+- Gemma 2 and Gemma 3 (sandwich norms: each norm after attention and MLP takes the summed
+  output; soft-capping, sliding windows, scaled embeddings, GeGLU).
 
 Equalities: prompt logits within LOGITS_ATOL of TP = 1 (and not equal to the bit: the sums run
 in another order); the engine's greedy tokens equal TP = 1's except at a detected near-tie. A
-rank's own shard without the sum over the ranks (the negative control) is far off."""
+rank's own experts without the sum over the ranks (the negative control) is far off."""
 
 from __future__ import annotations
 
@@ -15,7 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from models_fixtures import make_moe_hf_model, prompt_tokens, save_hf_model
+from models_fixtures import (
+    make_gemma2_hf_model,
+    make_gemma3_hf_model,
+    make_moe_hf_model,
+    prompt_tokens,
+    save_hf_model,
+)
 from specdec import LLM, SamplingParams
 from specdec.models import load_model, prompt_logits
 from specdec.models.loader import read_model_config
@@ -24,6 +34,7 @@ from tensor_parallel_fixtures import LOGITS_ATOL, check_tokens_equal, sharded_pr
 
 pytest.importorskip("transformers", reason="writes the tiny checkpoints")
 
+# past the Gemma configs' sliding window of 8
 PROMPTS = prompt_tokens(97, [3, 9, 21, 14], seed=5)
 
 
@@ -40,17 +51,19 @@ def _stacked(per_expert: Path, hf_model, root: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("moe-tp")
+    root = tmp_path_factory.mktemp("families-tp")
     paths = {}
     for name in ("mixtral", "qwen3_moe"):
         hf_model = make_moe_hf_model(name)
         paths[name] = save_hf_model(hf_model, root / name)
         if name == "qwen3_moe":
             paths["qwen3_moe-stacked"] = _stacked(paths[name], hf_model, root / f"{name}-stacked")
+    paths["gemma2"] = save_hf_model(make_gemma2_hf_model("gemma2"), root / "gemma2")
+    paths["gemma3"] = save_hf_model(make_gemma3_hf_model("gemma3_capped"), root / "gemma3")
     return paths
 
 
-def test_moe_prompt_logits_match_tp1(checkpoints):
+def test_prompt_logits_match_tp1(checkpoints):
     names = list(checkpoints)
     torch.set_num_threads(1)
     references = [prompt_logits(load_model(checkpoints[n]).model, PROMPTS) for n in names]
@@ -82,15 +95,16 @@ def test_a_rank_without_the_sum_is_far_off(checkpoints):
     assert worst > 100 * LOGITS_ATOL
 
 
-def test_moe_engine_tokens_match_tp1(checkpoints):
-    """The engine at TP = 2 (graphed prefill off: the CPU) emits TP = 1's greedy tokens."""
+@pytest.mark.parametrize("name", ["qwen3_moe", "gemma2"])
+def test_engine_tokens_match_tp1(checkpoints, name):
+    """The engine at TP = 2 emits TP = 1's greedy tokens."""
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     results, reference = {}, None
     for tp in (1, 2):
         torch.set_num_threads(1)
         llm = LLM(
-            model=str(checkpoints["qwen3_moe"]),
+            model=str(checkpoints[name]),
             tensor_parallel_size=tp,
             max_num_seqs=4,
             max_model_len=128,
@@ -101,4 +115,4 @@ def test_moe_engine_tokens_match_tp1(checkpoints):
             reference = llm
         else:
             llm.close()
-    check_tokens_equal(reference.engine.model, results[1], results[2], params, "MoE TP=2")
+    check_tokens_equal(reference.engine.model, results[1], results[2], params, f"{name} TP=2")
