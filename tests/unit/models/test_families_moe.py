@@ -9,7 +9,7 @@ in a batch bit for bit on the CPU's row plan (the engine's path), with a negativ
 experts' products unpadded). Negative controls per routing rule (top-k before the softmax,
 renormalisation flipped) move the logits far past the tolerance. Refusals name what they
 refuse: quantization, CUDA's decode path, shared experts, other routers, more tensor-parallel
-ranks than an expert's columns (TP itself: `tests/e2e/test_tensor_parallel_moe.py`).
+ranks than an expert's columns (TP itself: `tests/e2e/test_tensor_parallel_families.py`).
 """
 
 from __future__ import annotations
