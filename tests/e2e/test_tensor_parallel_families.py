@@ -6,6 +6,9 @@ against TP = 1 on tiny checkpoints written by `transformers`.
   router whole; the routed sums are added over the ranks.
 - Gemma 2 and Gemma 3 (sandwich norms: each norm after attention and MLP takes the summed
   output; soft-capping, sliding windows, scaled embeddings, GeGLU).
+- OLMo 2 (q/k RMSNorms over the whole projections, which the ranks split: each rank divides by
+  the mean square summed over the ranks), at TP = 2 (a KV head each) and TP = 4 (each KV head on
+  two ranks, counted once).
 
 Equalities: prompt logits within LOGITS_ATOL of TP = 1 (and not equal to the bit: the sums run
 in another order); the engine's greedy tokens equal TP = 1's except at a detected near-tie. A
@@ -20,6 +23,7 @@ import pytest
 import torch
 
 from models_fixtures import (
+    make_family_hf_model,
     make_gemma2_hf_model,
     make_gemma3_hf_model,
     make_moe_hf_model,
@@ -60,6 +64,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
             paths["qwen3_moe-stacked"] = _stacked(paths[name], hf_model, root / f"{name}-stacked")
     paths["gemma2"] = save_hf_model(make_gemma2_hf_model("gemma2"), root / "gemma2")
     paths["gemma3"] = save_hf_model(make_gemma3_hf_model("gemma3_capped"), root / "gemma3")
+    paths["olmo2"] = save_hf_model(make_family_hf_model("olmo2"), root / "olmo2")
     return paths
 
 
@@ -72,6 +77,17 @@ def test_prompt_logits_match_tp1(checkpoints):
         worst = max(float((a - b).abs().max()) for a, b in zip(rows, reference, strict=True))
         assert worst < LOGITS_ATOL, f"{name}: TP=2 logits differ from TP=1 by {worst}"
         assert worst > 0.0, f"{name}: TP=2 equals TP=1 to the bit: were the shards summed?"
+
+
+def test_olmo2_over_four_ranks_matches_tp1(checkpoints):
+    """Four ranks for OLMo 2's two KV heads: each KV head's k slice on two ranks, its sum of
+    squares counted once in the k norm's mean square."""
+    path = checkpoints["olmo2"]
+    torch.set_num_threads(1)
+    reference = prompt_logits(load_model(path).model, PROMPTS)
+    (rows,) = sharded_prompt_logits([(str(path), PROMPTS)], world_size=4)
+    worst = max(float((a - b).abs().max()) for a, b in zip(rows, reference, strict=True))
+    assert 0.0 < worst < LOGITS_ATOL, worst
 
 
 def test_a_rank_without_the_sum_is_far_off(checkpoints):
@@ -95,7 +111,7 @@ def test_a_rank_without_the_sum_is_far_off(checkpoints):
     assert worst > 100 * LOGITS_ATOL
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "gemma2"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "gemma2", "olmo2"])
 def test_engine_tokens_match_tp1(checkpoints, name):
     """The engine at TP = 2 emits TP = 1's greedy tokens."""
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

@@ -31,6 +31,7 @@ from specdec.models.fused import (
 )
 from specdec.models.layers import Linear, RMSNorm, fuse_linears, set_fused
 from specdec.models.moe import SparseMoeBlock
+from specdec.models.rms_norm import rms_norm_values
 from specdec.models.rope import apply_rotary, attention_scale
 from specdec.models.tensor_parallel import Collectives, ShardLayout
 
@@ -47,12 +48,6 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, config: ModelConfig, shard: ShardLayout | None = None) -> None:
         super().__init__()
-        spans_heads = config.qk_norm and config.qk_norm_scope == "full"
-        if spans_heads and shard is not None and shard.world_size > 1:
-            raise ValueError(
-                f"{config.architecture}: tensor parallelism is not supported (its q/k RMSNorm "
-                "spans every head, which the ranks split)"
-            )
         self.num_heads = config.num_attention_heads if shard is None else shard.num_q_heads
         self.num_kv_heads = config.num_key_value_heads if shard is None else shard.num_kv_heads
         self.tp: Collectives | None = None  # the o_proj all-reduce under tensor parallelism
@@ -70,6 +65,15 @@ class LlamaAttention(nn.Module):
         self.v_proj = Linear(config.hidden_size, kv_size, config.attention_bias)
         self.o_proj = Linear(q_size, config.hidden_size, config.attention_out_bias)
         self.qk_norm_per_head = config.qk_norm_scope == "head"
+        # OLMo 2's q/k norms span every head: under tensor parallelism each rank normalises
+        # its heads' slice by the mean square over all ranks (`_norm_across_ranks`); a KV head
+        # held by several ranks counts once.
+        self.qk_sizes = (
+            config.num_attention_heads * self.head_dim,
+            config.num_key_value_heads * self.head_dim,
+        )
+        world, kv_heads = (1 if shard is None else shard.world_size), config.num_key_value_heads
+        self.kv_replicas = max(1, world // kv_heads)
         if config.qk_norm:
             per_head = self.qk_norm_per_head
             self.q_norm = rms_norm(config, self.head_dim if per_head else q_size)
@@ -96,7 +100,29 @@ class LlamaAttention(nn.Module):
             heads = (-1, self.head_dim)
             query = self.q_norm(query.unflatten(-1, heads)).flatten(-2)
             return query, self.k_norm(key.unflatten(-1, heads)).flatten(-2)
+        if self.tp is not None:
+            return self._norm_across_ranks(query, key)
         return self.q_norm(query), self.k_norm(key)
+
+    def _norm_across_ranks(
+        self, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole-projection q/k RMSNorms of a rank's slices: each slice's sum of squares
+        (a replicated KV head's share divided by its replicas), summed over the ranks by one
+        all-reduce, over the whole projection's size is the mean square every rank divides by.
+        """
+        sums = torch.cat(
+            [
+                query.float().pow(2).sum(-1, keepdim=True),
+                key.float().pow(2).sum(-1, keepdim=True) / self.kv_replicas,
+            ],
+            dim=-1,
+        )  # [T, 2]
+        sums = self.tp.all_reduce(sums)
+        (q_size, kv_size), q_norm, k_norm = self.qk_sizes, self.q_norm, self.k_norm
+        q_mean, kv_mean = sums[:, :1] / q_size, sums[:, 1:] / kv_size
+        query = rms_norm_values(query, q_norm.weight, q_norm.eps, q_norm.numerics, q_mean)
+        return query, rms_norm_values(key, k_norm.weight, k_norm.eps, k_norm.numerics, kv_mean)
 
     def project_qkv(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> [T, (H_q + 2 H_kv) D]: q, k and v side by side (decode products)."""

@@ -18,12 +18,20 @@ NUMERICS = (LLAMA, FLOAT32_WEIGHT, UNIT_OFFSET)
 
 
 def rms_norm_values(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, numerics: int
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    numerics: int,
+    mean_square: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """RMSNorm of `x` over its last dimension with `numerics` (one of NUMERICS), in x's dtype."""
+    """RMSNorm of `x` over its last dimension with `numerics` (one of NUMERICS), in x's dtype.
+    `mean_square` ([..., 1] float32): the mean of the squares to normalise by, when `x` is a
+    rank's slice of a wider vector (tensor parallelism); None: x's own."""
     input_dtype = x.dtype
     x = x.to(torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    if mean_square is None:
+        mean_square = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(mean_square + eps)
     if numerics == UNIT_OFFSET:
         return (x * (1.0 + weight.float())).to(input_dtype)
     if numerics == FLOAT32_WEIGHT:

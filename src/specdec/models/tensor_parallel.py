@@ -200,7 +200,7 @@ _EXPERT_PART = re.compile(r"\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.
 
 def tensor_slice(name: str, config: ModelConfig, layout: ShardLayout) -> TensorSlice | None:
     """What `layout`'s rank loads of the checkpoint tensor `name` (an HF parameter name), or
-    None when every rank loads it whole (norms, q/k norms, RoPE factors)."""
+    None when every rank loads it whole (norms, per-head q/k norms, RoPE factors)."""
     head_dim = config.head_dim
     q_rows = TensorSlice(0, layout.q_heads[0] * head_dim, layout.q_heads[1] * head_dim)
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -210,8 +210,14 @@ def tensor_slice(name: str, config: ModelConfig, layout: ShardLayout) -> TensorS
         return TensorSlice(int(expert[1] == "down_proj"), *layout.expert_intermediate)
     if ".self_attn.q_proj." in name:
         return q_rows
+    kv_rows = TensorSlice(0, layout.kv_heads[0] * head_dim, layout.kv_heads[1] * head_dim)
     if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
-        return TensorSlice(0, layout.kv_heads[0] * head_dim, layout.kv_heads[1] * head_dim)
+        return kv_rows
+    if config.qk_norm and config.qk_norm_scope == "full":  # OLMo 2's norms over q / k whole
+        if ".self_attn.q_norm." in name:
+            return q_rows
+        if ".self_attn.k_norm." in name:
+            return kv_rows
     if ".mlp.gate_proj." in name or ".mlp.up_proj." in name:
         return TensorSlice(0, *layout.intermediate)
     if any(part in name for part in _ROW_PARALLEL):
