@@ -627,6 +627,7 @@ _GGUF_LAYER_PARTS = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",  # a mixture of experts' router
 }
 
 
@@ -664,6 +665,7 @@ def write_gguf(
     rope_freqs: np.ndarray | None = None,
     tokenizer: dict[str, Any] | None = None,
     rope_scaling: dict[str, Any] | None = None,
+    stacked_experts: bool = True,
 ) -> Path:
     """Writes a `transformers` model as llama.cpp's converter would (Q/K permuted for "llama";
     for Gemma 1 added to every norm weight, its window, soft-capping and linear RoPE scaling
@@ -672,11 +674,14 @@ def write_gguf(
     Args:
         path: output file.
         hf_model: the model whose weights and config are written.
-        arch: GGUF architecture ("llama", "qwen2", "qwen3", "gemma2", "gemma3").
+        arch: GGUF architecture ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3moe";
+            a Mixtral as "llama"). A mixture of experts' stacked expert tensors are written as
+            llama.cpp stores them (`ffn_{gate,up,down}_exps`, [E, F, D] / [E, D, F]).
         qtype_of: GGUF tensor name -> GGMLQuantizationType (default F32).
         rope_freqs: [head_dim // 2] Llama 3.1 frequency factors, written as `rope_freqs.weight`.
         tokenizer: optional tokenizer metadata (tokens, token_types, merges, bos/eos, template).
         rope_scaling: `{arch}.rope.scaling.<key>` values (str, int as uint32, float as float32).
+        stacked_experts: False writes one tensor per expert (`ffn_gate.E`, older Mixtral files).
     """
     import gguf
 
@@ -696,6 +701,14 @@ def write_gguf(
         writer.add_rope_freq_base(rope.get(FULL_ATTENTION, rope)["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0)
+    if num_experts:
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if arch == "qwen3moe":
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if getattr(config, "norm_topk_prob", True) is False:
+            writer.add_bool(f"{arch}.expert_weights_norm", False)
     if arch in _GGUF_GEMMA_ARCHS:
         writer.add_sliding_window(config.sliding_window)
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
@@ -725,12 +738,29 @@ def write_gguf(
         if "chat_template" in tokenizer:
             writer.add_chat_template(tokenizer["chat_template"])
     qtype_of = qtype_of or {}
-    state = hf_model.state_dict()
+    state = {}
+    for hf_name, tensor in hf_model.state_dict().items():
+        layer, stacked = hf_name.split(".mlp.experts.") if ".mlp.experts." in hf_name else ("", "")
+        parts = {}
+        if stacked == "gate_up_proj":  # [E, 2F, D], gate rows first: llama.cpp's two tensors
+            parts["gate"], parts["up"] = tensor.chunk(2, dim=1)
+        elif stacked == "down_proj":
+            parts["down"] = tensor
+        else:
+            state[hf_name] = tensor
+        for part, experts in parts.items():
+            if stacked_experts:
+                state[f"{layer}.ffn_{part}_exps"] = experts
+            for index, expert in enumerate(experts if not stacked_experts else ()):
+                state[f"{layer}.ffn_{part}.{index}"] = expert
     for hf_name, tensor in state.items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         data = tensor.detach().float().numpy().copy()
-        name = gguf_tensor_name(hf_name, arch)
+        if ".ffn_" in hf_name:  # model.layers.L.ffn_*_exps, model.layers.L.ffn_*.E: experts
+            name = f"blk.{hf_name.split('.', 3)[2]}.{hf_name.split('.', 3)[3]}.weight"
+        else:
+            name = gguf_tensor_name(hf_name, arch)
         if arch in _GGUF_GEMMA_ARCHS and hf_name.endswith("norm.weight"):
             data = data + 1.0
         if arch == "llama" and ".attn_q." in name:

@@ -35,6 +35,7 @@ GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
 }
@@ -60,6 +61,7 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
 }
 # Gemma's four norms a layer: llama.cpp's `ffn_norm` is the norm before the MLP there.
 _GEMMA_LAYER_NAMES = {
@@ -78,6 +80,10 @@ _GEMMA2_DEFAULT_WINDOW = 4096
 _GEMMA3_SWA_ROPE_BASE = 10000.0
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _LAYER_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# A mixture of experts' weights: every expert's in one 3D tensor ([E, F, D] gate / up, [E, D, F]
+# down in torch's order), or (older Mixtral files) one tensor per expert.
+_STACKED_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+_ONE_EXPERT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
 # GGUF yarn keys (`{arch}.rope.scaling.<key>`) -> the HF rope_scaling key they set (None: checked
 # to be 1.0, HF's implied value).
@@ -185,6 +191,20 @@ class GGUFFile:
             for gguf_name in self._tensors
             if (hf_name := hf_tensor_name(gguf_name, self.architecture)) is not None
         }
+        # An expert's HF-style name -> (its layer's stacked tensor, the expert's index in it).
+        self._expert_parts: dict[str, tuple[str, int]] = {}
+        for gguf_name, tensor in self._tensors.items():
+            if stacked := _STACKED_EXPERTS.fullmatch(gguf_name):
+                layer, part = stacked.groups()
+                for expert in range(int(tensor.dims[-1])):
+                    name = f"model.layers.{layer}.mlp.experts.{expert}.{part}_proj.weight"
+                    self._expert_parts[name] = (gguf_name, expert)
+            elif single := _ONE_EXPERT.fullmatch(gguf_name):
+                layer, part, expert = single.groups()
+                self._hf_names[f"model.layers.{layer}.mlp.experts.{expert}.{part}_proj.weight"] = (
+                    gguf_name
+                )
+        self._stacked: dict[str, torch.Tensor] = {}  # one layer's stacked experts, dequantized
 
     def tensor_names(self) -> list[str]:
         return list(self._tensors)
@@ -268,6 +288,9 @@ class GGUFFile:
         eos = self.metadata.get("tokenizer.ggml.eos_token_id")
         architecture = GGUF_ARCHITECTURES[self.architecture]
         gemma = self._gemma_options(hidden_size // num_heads)
+        experts = self._moe_options(int(required("block_count")))
+        if experts and architecture == "LlamaForCausalLM":  # llama.cpp's Mixtral
+            architecture = "MixtralForCausalLM"
         return ModelConfig(
             architecture=architecture,
             vocab_size=int(vocab_size),
@@ -286,11 +309,43 @@ class GGUFFile:
             attention_bias="blk.0.attn_q.bias" in self._tensors,
             attention_out_bias="blk.0.attn_output.bias" in self._tensors,
             mlp_bias="blk.0.ffn_up.bias" in self._tensors,
-            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=architecture
+            in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             bos_token_id=self.metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
             **gemma,
+            **experts,
         )
+
+    def _moe_options(self, num_layers: int) -> dict[str, Any]:
+        """A mixture of experts' ModelConfig options as llama.cpp runs the file (empty without
+        `{arch}.expert_count`): the softmax top-`expert_used_count` router, its weights
+        renormalised (llama.cpp does for Mixtral and Qwen3-MoE; `expert_weights_norm` where a
+        file says), each expert `expert_feed_forward_length` wide (Mixtral's files:
+        `feed_forward_length`), sparse the layers that have a router (`ffn_gate_inp`)."""
+        num_experts = int(self._arch_key("expert_count", 0) or 0)
+        if not num_experts:
+            return {}
+        used = self._arch_key("expert_used_count")
+        width = self._arch_key("expert_feed_forward_length") or self._arch_key(
+            "feed_forward_length"
+        )
+        if used is None or width is None:
+            raise ValueError(
+                f"{self.path}: GGUF metadata lacks {self.architecture}.expert_used_count or the "
+                "experts' feed_forward_length"
+            )
+        return {
+            "num_experts": num_experts,
+            "num_experts_per_tok": int(used),
+            "moe_intermediate_size": int(width),
+            "norm_topk_prob": bool(self._arch_key("expert_weights_norm", True)),
+            "moe_layers": tuple(
+                index
+                for index in range(num_layers)
+                if f"blk.{index}.ffn_gate_inp.weight" in self._tensors
+            ),
+        }
 
     def _gemma_options(self, hidden_per_head: int) -> dict[str, Any]:
         """The ModelConfig options of a Gemma file as llama.cpp runs it (empty for other
@@ -446,12 +501,27 @@ class GGUFFile:
                     return lambda t, heads=heads: reverse_permute_qk(t, heads)
         return None
 
+    def _read_expert(self, hf_name: str, piece: TensorSlice | None) -> torch.Tensor:
+        """One expert's weight out of its layer's stacked tensor (float32; its `piece` when
+        given). The layer's three stacked tensors are dequantized once and kept while its
+        experts are read (the next layer's first read drops them)."""
+        gguf_name, expert = self._expert_parts[hf_name]
+        if gguf_name not in self._stacked:
+            layer = gguf_name.split(".")[1]
+            if any(name.split(".")[1] != layer for name in self._stacked):
+                self._stacked.clear()
+            self._stacked[gguf_name] = self.read_tensor(gguf_name)
+        tensor = self._stacked[gguf_name][expert]
+        return tensor.clone() if piece is None else piece.take(tensor)
+
     def read_hf_tensor(
         self, hf_name: str, config: ModelConfig, piece: TensorSlice | None = None
     ) -> torch.Tensor | None:
         """The float32 tensor for an HF parameter name (Q/K rows restored), or None if absent;
         only its `piece` when given (a tensor-parallel rank's slice: only those rows are read;
         columns that do not start on a block boundary are cut from the dequantized tensor)."""
+        if hf_name in self._expert_parts:
+            return self._read_expert(hf_name, piece)
         gguf_name = self._hf_names.get(hf_name)
         if gguf_name is None:
             return None

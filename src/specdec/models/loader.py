@@ -163,9 +163,8 @@ def load_model(
             "config.json and *.safetensors, or a .gguf file)"
         )
     else:
-        loaded = _load_gguf(
-            path, dtype, device, resolve_quantization(path, quantization, device), shard
-        )
+        resolved = resolve_quantization(path, quantization, device)
+        loaded = _load_gguf(path, dtype, device, resolved, shard, auto=quantization == "auto")
     _release_freed_memory()
     return loaded
 
@@ -220,14 +219,19 @@ def _load_gguf(
     quantization: str | None,
     shard: ShardLayout | None = None,
     without_layers: bool = False,
+    auto: bool = False,
 ) -> LoadedModel:
+    """`auto`: `quantization` was "auto"'s choice (a mixture of experts is then dequantized, as
+    its experts have no quantized path yet; asked for by name, it is refused)."""
     gguf_file = GGUFFile(path)
-    if gguf_file.metadata.get(f"{gguf_file.architecture}.expert_count"):
-        raise ValueError(
-            f"{path}: mixture-of-experts GGUF files are not supported yet (load the HF "
-            "directory, in float)"
-        )
     config = gguf_file.model_config()
+    if config.is_moe and auto and quantization is not None:
+        warnings.warn(
+            f"{path}: a mixture-of-experts GGUF file is dequantized to float at load (quantized "
+            "experts are not supported yet)",
+            stacklevel=3,
+        )
+        quantization = None
     model = _empty_model(config, shard, without_layers, device)
     piece_of = _piece_of(config, shard)
 

@@ -37,6 +37,7 @@ from models_fixtures import (
     prompt_tokens,
     save_hf_model,
     speculative_equals_plain,
+    write_gguf,
 )
 from specdec.engine.llm import LLM
 from specdec.models import ModelConfig, load_model, moe, prompt_logits
@@ -122,6 +123,64 @@ def test_stacked_expert_tensors_load(name: str, tmp_path: Path) -> None:
     save_file(state, str(stacked / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="down_proj holds"):
         load_model(stacked)
+
+
+# --------------------------------------------------------------------------- GGUF
+@pytest.mark.parametrize(
+    ("name", "arch", "stacked"),
+    [
+        ("qwen3_moe", "qwen3moe", True),
+        ("qwen3_moe_unnormed", "qwen3moe", True),  # `expert_weights_norm` false in the file
+        ("mixtral", "llama", True),
+        ("mixtral", "llama", False),  # one tensor per expert, as older Mixtral files
+    ],
+)
+def test_gguf_files_load_as_llama_cpp_writes_them(
+    name: str, arch: str, stacked: bool, tmp_path: Path
+) -> None:
+    """A GGUF file of llama.cpp's layout (`ffn_gate_inp` router, `ffn_{gate,up,down}_exps`
+    experts, `expert_count` / `expert_used_count` / `expert_feed_forward_length`) gives
+    `transformers`' logits; "auto" dequantizes it, with a warning (quantized experts have no
+    path yet), and the engine decodes it as `transformers` generates; Q8_0 experts load as their
+    blocks' values. Negative control: the router's
+    renormalisation flipped in the file moves the logits far."""
+    import gguf
+
+    hf_model = make_moe_hf_model(name)
+    file = write_gguf(tmp_path / "m.gguf", hf_model, arch=arch, stacked_experts=stacked)
+    with pytest.warns(UserWarning, match="mixture-of-experts GGUF file is dequantized"):
+        loaded = load_model(file, quantization="auto")
+    assert loaded.model.quantization is None
+    assert (
+        loaded.config.moe_layers
+        == load_model(save_hf_model(hf_model, tmp_path / "hf")).config.moe_layers
+    )
+    assert prompt_error(loaded.model, hf_model, PROMPTS) < ATOL
+    if name != "qwen3_moe":
+        return
+    with pytest.warns(UserWarning, match="dequantized"):
+        llm = LLM(str(file), max_num_seqs=2)  # the engine's default load ("auto")
+    prompt = GREEDY_PROMPTS[0]
+    (out,) = llm_greedy(llm, [prompt], max_tokens=12)
+    assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, 12)
+    q8 = {  # gate / up rows of 64 (down's rows of 48 are no whole Q8_0 blocks)
+        f"blk.{i}.ffn_{p}_exps.weight": gguf.GGMLQuantizationType.Q8_0
+        for i in (0, 2)
+        for p in ("gate", "up")
+    }
+    quantized = write_gguf(tmp_path / "q8.gguf", hf_model, arch=arch, qtype_of=q8)
+    stored = hf_model.state_dict()["model.layers.2.mlp.experts.gate_up_proj"][5, 48:]  # up
+    q8_values = gguf.quants.dequantize(
+        gguf.quants.quantize(stored.numpy(), gguf.GGMLQuantizationType.Q8_0),
+        gguf.GGMLQuantizationType.Q8_0,
+    )
+    loaded_up = load_model(quantized).model.model.layers[2].mlp.experts[5].up_proj.weight
+    assert torch.equal(loaded_up, torch.from_numpy(q8_values))  # the blocks' own values
+    assert not torch.equal(loaded_up, stored)
+    flipped = make_moe_hf_model(name)
+    flipped.config.norm_topk_prob = False  # written as expert_weights_norm = false
+    wrong = write_gguf(tmp_path / "wrong.gguf", flipped, arch=arch)
+    assert prompt_error(load_model(wrong).model, hf_model, PROMPTS) > 100 * ATOL
 
 
 # --------------------------------------------------------------------------- routing
@@ -262,9 +321,9 @@ def test_expert_rules_negative_controls_are_not_batch_invariant(
 
 # --------------------------------------------------------------------------- refusals
 def test_refusals_are_one_line_and_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """More tensor-parallel ranks than an expert has columns, quantization at load and after,
-    CUDA's decode path with the grouped kernel switched off, a model cut to fewer layers, a GGUF
-    file with experts."""
+    """More tensor-parallel ranks than an expert has columns, quantization at load and after
+    (a GGUF file's own formats asked for by name too), CUDA's decode path with the grouped
+    kernel switched off, a model cut to fewer layers."""
     path = save_hf_model(make_moe_hf_model("qwen3_moe"), tmp_path)
     loaded = load_model(path)
     config = loaded.config
@@ -282,17 +341,9 @@ def test_refusals_are_one_line_and_named(tmp_path: Path, monkeypatch: pytest.Mon
     with pytest.raises(ValueError, match="cannot be cut to fewer layers") as info:
         dataclasses.replace(config, num_hidden_layers=2)
     messages.append(str(info.value))
-    import gguf
-
-    file = tmp_path / "mixtral.gguf"
-    writer = gguf.GGUFWriter(str(file), "llama")
-    writer.add_uint32("llama.expert_count", 8)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ValueError, match="mixture-of-experts GGUF files are not supported") as info:
-        load_model(file)
+    file = write_gguf(tmp_path / "qwen3moe.gguf", make_moe_hf_model("qwen3_moe"), arch="qwen3moe")
+    with pytest.raises(ValueError, match="quantization='gguf' is not supported for mix") as info:
+        load_model(file, quantization="gguf")  # asked for by name: refused, never dropped
     messages.append(str(info.value))
     assert all("\n" not in message for message in messages)
     monkeypatch.setenv("SPECDEC_MOE_GROUPED_KERNEL", "0")

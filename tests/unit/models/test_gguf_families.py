@@ -1,4 +1,5 @@
-"""GGUF files of the families llama.cpp names beyond Llama: qwen3, gemma2, gemma3.
+"""GGUF files of the families llama.cpp names beyond Llama: qwen3, gemma2, gemma3 (qwen3moe and
+Mixtral: test_families_moe.py).
 
 Each tiny `transformers` checkpoint is saved as a safetensors directory and written as a GGUF
 file the way llama.cpp's converter writes it (`write_gguf`: Q/K not permuted for these
@@ -182,4 +183,7 @@ def test_refusals_are_one_line_and_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unsupported GGUF architecture 'phi3'") as info:
         load_model(_metadata_only(tmp_path / "phi3.gguf", "phi3"))
     message = str(info.value)
-    assert "supported: llama, qwen2, qwen3, gemma2, gemma3" in message and "\n" not in message
+    assert (
+        "supported: llama, qwen2, qwen3, qwen3moe, gemma2, gemma3" in message
+        and "\n" not in message
+    )
