@@ -541,12 +541,47 @@ class GGUFFile:
         restore = self._restore_rows(gguf_name, config, tensor.shape[0])
         return tensor if restore is None else restore(tensor)
 
+    def _read_expert_quantized(
+        self, hf_name: str, piece: TensorSlice | None
+    ) -> GroupQuantized | None:
+        """One expert's blocks out of its layer's stacked tensor (its rows are contiguous), or
+        None as `read_hf_quantized`; a `piece` of rows is read, columns on block boundaries."""
+        from gguf import GGML_QUANT_SIZES
+
+        gguf_name, expert = self._expert_parts[hf_name]
+        tensor = self._tensors[gguf_name]
+        type_name = tensor.tensor_type.name
+        if type_name not in GGUF_QUANT_TYPES:
+            return None
+        _, rows, cols = self._shape(gguf_name)
+        block_values, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
+        row_bytes = cols * block_bytes // block_values
+        first, count = expert * rows, rows
+        if piece is not None and piece.dim == 0:
+            first, count = first + piece.start, piece.end - piece.start
+        with self.path.open("rb") as file:
+            data = os.pread(
+                file.fileno(), count * row_bytes, tensor.data_offset + first * row_bytes
+            )
+        if len(data) != count * row_bytes:
+            raise CheckpointError(f"{self.path}: truncated file inside tensor {gguf_name!r}")
+        raw = np.frombuffer(data, dtype=np.uint8)
+        if piece is not None and piece.dim == 1:
+            if piece.start % block_values or piece.end % block_values:
+                return None
+            start, end = (edge // block_values * block_bytes for edge in (piece.start, piece.end))
+            raw = np.ascontiguousarray(raw.reshape(count, row_bytes)[:, start:end]).reshape(-1)
+            cols = piece.end - piece.start
+        return decode_blocks(raw, type_name, (count, cols))
+
     def read_hf_quantized(
         self, hf_name: str, config: ModelConfig, piece: TensorSlice | None = None
     ) -> GroupQuantized | None:
         """`read_quantized` for an HF parameter name (Q/K rows restored); None if absent or not
         stored in one of GGUF_QUANT_TYPES, or when `piece` (a rank's slice, as in
         `read_hf_tensor`) cuts columns inside a quantization block."""
+        if hf_name in self._expert_parts:
+            return self._read_expert_quantized(hf_name, piece)
         gguf_name = self._hf_names.get(hf_name)
         if gguf_name is None:
             return None
@@ -572,7 +607,8 @@ class GGUFFile:
         """Whether `piece` of the tensor stored for `hf_name` keeps whole quantization blocks."""
         from gguf import GGML_QUANT_SIZES
 
-        gguf_name = self._hf_names.get(hf_name)
+        expert = self._expert_parts.get(hf_name)
+        gguf_name = expert[0] if expert is not None else self._hf_names.get(hf_name)
         if gguf_name is None or piece.dim == 0:
             return True
         block_values, _ = GGML_QUANT_SIZES[self._tensors[gguf_name].tensor_type]

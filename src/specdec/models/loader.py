@@ -25,6 +25,7 @@ from specdec.models.gguf_file import GGUFFile
 from specdec.models.hf_tensors import hf_tensors
 from specdec.models.layers import Linear, fused_quantized, set_fused
 from specdec.models.llama import LlamaForCausalLM
+from specdec.models.moe import SparseMoeBlock
 from specdec.models.quant import QuantizedWeight
 from specdec.models.quant_formats import (
     Fp8Quantized,
@@ -163,8 +164,9 @@ def load_model(
             "config.json and *.safetensors, or a .gguf file)"
         )
     else:
-        resolved = resolve_quantization(path, quantization, device)
-        loaded = _load_gguf(path, dtype, device, resolved, shard, auto=quantization == "auto")
+        loaded = _load_gguf(
+            path, dtype, device, resolve_quantization(path, quantization, device), shard
+        )
     _release_freed_memory()
     return loaded
 
@@ -219,19 +221,9 @@ def _load_gguf(
     quantization: str | None,
     shard: ShardLayout | None = None,
     without_layers: bool = False,
-    auto: bool = False,
 ) -> LoadedModel:
-    """`auto`: `quantization` was "auto"'s choice (a mixture of experts is then dequantized, as
-    its experts have no quantized path yet; asked for by name, it is refused)."""
     gguf_file = GGUFFile(path)
     config = gguf_file.model_config()
-    if config.is_moe and auto and quantization is not None:
-        warnings.warn(
-            f"{path}: a mixture-of-experts GGUF file is dequantized to float at load (quantized "
-            "experts are not supported yet)",
-            stacklevel=3,
-        )
-        quantization = None
     model = _empty_model(config, shard, without_layers, device)
     piece_of = _piece_of(config, shard)
 
@@ -303,6 +295,21 @@ def _load_hf_dir(
     return LoadedModel(model, config, tokenizer)
 
 
+def check_moe_quantization(
+    config: ModelConfig, quantization: str | None, device: torch.device | str
+) -> None:
+    """Quantized experts run on the CPU only (each expert's products through the weight-only
+    kernels, the router in float): on CUDA the experts' grouped kernel takes float weights.
+
+    Raises: ValueError: a quantized mixture of experts on CUDA."""
+    if quantization is not None and config.is_moe and torch.device(device).type != "cpu":
+        raise ValueError(
+            f"{config.architecture}: quantization={quantization!r} is not supported for "
+            "mixture-of-experts models on CUDA yet (the grouped expert kernel takes float "
+            "weights): load it in float, or run it on the CPU"
+        )
+
+
 # Linears that read the same input, fused into one product when their formats agree.
 _FUSED_GROUPS = (
     ("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
@@ -327,11 +334,7 @@ def _load_weights(
 
     Mutates: `model` (parameters assigned, quantized weights set, `model.quantization`)."""
     model.quantization = quantization
-    if quantization is not None and model.config.is_moe:
-        raise ValueError(
-            f"{model.config.architecture}: quantization={quantization!r} is not supported for "
-            "mixture-of-experts models yet (load them in float)"
-        )
+    check_moe_quantization(model.config, quantization, device)
     if quantization is None:
         assign_weights(model, read_float, source, dtype, device)
         return
@@ -340,7 +343,16 @@ def _load_weights(
         if index:  # the previous layer's file bytes and unpacked integers
             _release_freed_memory()
         prefix = f"model.layers.{index}"
+        if isinstance(layer.mlp, SparseMoeBlock):  # each expert's three products (the router
+            # stays float); the attention's below
+            for number, expert in enumerate(layer.mlp.experts):
+                for name in ("gate_proj", "up_proj", "down_proj"):
+                    weight = read_quantized(f"{prefix}.mlp.experts.{number}.{name}.weight")
+                    if weight is not None:
+                        getattr(expert, name).set_quantized(QuantizedWeight(weight, device))
         for block_name, fused_name, names in _FUSED_GROUPS:
+            if not hasattr(getattr(layer, block_name), fused_name):  # a mixture of experts
+                continue
             block = getattr(layer, block_name)
             linears = [getattr(block, name) for name in names]
             weights = [read_quantized(f"{prefix}.{block_name}.{name}.weight") for name in names]
@@ -358,6 +370,8 @@ def _load_weights(
                 if weight is not None:
                     linear.set_quantized(QuantizedWeight(weight, device))
         for block_name, name in _SINGLE_LINEARS:
+            if not hasattr(getattr(layer, block_name), name):  # a mixture of experts
+                continue
             weight = read_quantized(f"{prefix}.{block_name}.{name}.weight")
             if weight is not None:
                 getattr(getattr(layer, block_name), name).set_quantized(

@@ -42,7 +42,7 @@ from models_fixtures import (
 from specdec.engine.llm import LLM
 from specdec.models import ModelConfig, load_model, moe, prompt_logits
 from specdec.models.fused import silu_mul
-from specdec.models.loader import quantize_model
+from specdec.models.loader import check_moe_quantization, quantize_model
 from specdec.models.moe import Expert, SparseMoeBlock, route
 from specdec.models.tensor_parallel import shard_layout
 from specdec.models.weights import CheckpointError
@@ -140,17 +140,14 @@ def test_gguf_files_load_as_llama_cpp_writes_them(
 ) -> None:
     """A GGUF file of llama.cpp's layout (`ffn_gate_inp` router, `ffn_{gate,up,down}_exps`
     experts, `expert_count` / `expert_used_count` / `expert_feed_forward_length`) gives
-    `transformers`' logits; "auto" dequantizes it, with a warning (quantized experts have no
-    path yet), and the engine decodes it as `transformers` generates; Q8_0 experts load as their
-    blocks' values. Negative control: the router's
-    renormalisation flipped in the file moves the logits far."""
+    `transformers`' logits, and the engine decodes it as `transformers` generates; Q8_0 experts
+    load as their blocks' values (dequantized), or kept as blocks on the CPU ("auto"). Negative
+    control: the router's renormalisation flipped in the file moves the logits far."""
     import gguf
 
     hf_model = make_moe_hf_model(name)
     file = write_gguf(tmp_path / "m.gguf", hf_model, arch=arch, stacked_experts=stacked)
-    with pytest.warns(UserWarning, match="mixture-of-experts GGUF file is dequantized"):
-        loaded = load_model(file, quantization="auto")
-    assert loaded.model.quantization is None
+    loaded = load_model(file)  # F32 tensors: float
     assert (
         loaded.config.moe_layers
         == load_model(save_hf_model(hf_model, tmp_path / "hf")).config.moe_layers
@@ -158,8 +155,7 @@ def test_gguf_files_load_as_llama_cpp_writes_them(
     assert prompt_error(loaded.model, hf_model, PROMPTS) < ATOL
     if name != "qwen3_moe":
         return
-    with pytest.warns(UserWarning, match="dequantized"):
-        llm = LLM(str(file), max_num_seqs=2)  # the engine's default load ("auto")
+    llm = LLM(str(file), max_num_seqs=2)
     prompt = GREEDY_PROMPTS[0]
     (out,) = llm_greedy(llm, [prompt], max_tokens=12)
     assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, 12)
@@ -174,13 +170,49 @@ def test_gguf_files_load_as_llama_cpp_writes_them(
         gguf.quants.quantize(stored.numpy(), gguf.GGMLQuantizationType.Q8_0),
         gguf.GGMLQuantizationType.Q8_0,
     )
-    loaded_up = load_model(quantized).model.model.layers[2].mlp.experts[5].up_proj.weight
+    dequantized = load_model(quantized, quantization=None).model
+    loaded_up = dequantized.model.layers[2].mlp.experts[5].up_proj.weight
     assert torch.equal(loaded_up, torch.from_numpy(q8_values))  # the blocks' own values
     assert not torch.equal(loaded_up, stored)
+    kept = load_model(quantized, quantization="auto").model  # the CPU's "auto": blocks kept
+    assert kept.quantization == "gguf"
+    expert = kept.model.layers[2].mlp.experts[5]
+    assert expert.up_proj.quantized is not None and expert.down_proj.quantized is None  # F32
+    assert kept.model.layers[2].mlp.gate.quantized is None  # the router stays float
+    # the kernel's bfloat16 scales: within their rounding of the blocks' values
+    assert (expert.up_proj.quantized.dequantize() - loaded_up).abs().max() < 1e-2
     flipped = make_moe_hf_model(name)
     flipped.config.norm_topk_prob = False  # written as expert_weights_norm = false
     wrong = write_gguf(tmp_path / "wrong.gguf", flipped, arch=arch)
     assert prompt_error(load_model(wrong).model, hf_model, PROMPTS) > 100 * ATOL
+
+
+@pytest.mark.parametrize("source", ["int8", "gguf"])
+def test_quantized_experts_on_the_cpu_are_batch_invariant(source: str, tmp_path: Path) -> None:
+    """Quantized experts (int8 at load from the HF directory; a GGUF file's Q8_0 experts kept
+    as blocks) run each expert's products through the weight-only kernels: a prompt's logits
+    alone equal its logits in a batch bit for bit, and n-gram speculation emits plain greedy's
+    tokens (the engine on the CPU's decode path)."""
+    import gguf
+
+    hf_model = make_moe_hf_model("qwen3_moe")
+    if source == "int8":
+        path, quantization = save_hf_model(hf_model, tmp_path / "hf"), "int8"
+    else:
+        q8 = {
+            f"blk.{i}.ffn_{p}_exps.weight": gguf.GGMLQuantizationType.Q8_0
+            for i in (0, 2)
+            for p in ("gate", "up")
+        }
+        path = write_gguf(tmp_path / "q8.gguf", hf_model, arch="qwen3moe", qtype_of=q8)
+        quantization = "auto"
+    model = load_model(path, quantization=quantization).model
+    assert model.model.layers[0].mlp.experts[0].gate_proj.quantized is not None
+    batched = prompt_logits(model, PROMPTS)
+    for prompt, rows in zip(PROMPTS, batched, strict=True):
+        assert torch.equal(prompt_logits(model, [prompt])[0], rows)
+    llm = LLM(str(path), quantization=quantization, speculative_config=NGRAM_SPEC)
+    speculative_equals_plain(llm, NGRAM_PROMPTS)
 
 
 # --------------------------------------------------------------------------- routing
@@ -321,9 +353,9 @@ def test_expert_rules_negative_controls_are_not_batch_invariant(
 
 # --------------------------------------------------------------------------- refusals
 def test_refusals_are_one_line_and_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """More tensor-parallel ranks than an expert has columns, quantization at load and after
-    (a GGUF file's own formats asked for by name too), CUDA's decode path with the grouped
-    kernel switched off, a model cut to fewer layers."""
+    """More tensor-parallel ranks than an expert has columns, quantized experts on CUDA (at
+    load) and quantizing a loaded model, CUDA's decode path with the grouped kernel switched
+    off, a model cut to fewer layers."""
     path = save_hf_model(make_moe_hf_model("qwen3_moe"), tmp_path)
     loaded = load_model(path)
     config = loaded.config
@@ -332,18 +364,18 @@ def test_refusals_are_one_line_and_named(tmp_path: Path, monkeypatch: pytest.Mon
     with pytest.raises(ValueError, match="tensor_parallel_size=4 exceeds the model's MLP") as info:
         shard_layout(narrow, 0, 4)  # more ranks than each expert's columns
     messages.append(str(info.value))
-    with pytest.raises(ValueError, match="quantization='int8' is not supported for mix") as info:
-        load_model(path, quantization="int8")
+    with pytest.raises(ValueError, match="'int8' is not supported for mixture-of-experts mod"):
+        check_moe_quantization(config, "int8", "cuda")  # what `load_model` checks first
+    with pytest.raises(ValueError, match="on CUDA yet") as info:
+        check_moe_quantization(config, "gguf", torch.device("cuda", 0))
     messages.append(str(info.value))
+    check_moe_quantization(config, "int8", "cpu")  # the CPU runs quantized experts
+    check_moe_quantization(config, None, "cuda")
     with pytest.raises(ValueError, match="not supported for mixture-of-experts") as info:
         quantize_model(loaded.model, "int8")
     messages.append(str(info.value))
     with pytest.raises(ValueError, match="cannot be cut to fewer layers") as info:
         dataclasses.replace(config, num_hidden_layers=2)
-    messages.append(str(info.value))
-    file = write_gguf(tmp_path / "qwen3moe.gguf", make_moe_hf_model("qwen3_moe"), arch="qwen3moe")
-    with pytest.raises(ValueError, match="quantization='gguf' is not supported for mix") as info:
-        load_model(file, quantization="gguf")  # asked for by name: refused, never dropped
     messages.append(str(info.value))
     assert all("\n" not in message for message in messages)
     monkeypatch.setenv("SPECDEC_MOE_GROUPED_KERNEL", "0")
