@@ -343,15 +343,15 @@ def _load_weights(
         if index:  # the previous layer's file bytes and unpacked integers
             _release_freed_memory()
         prefix = f"model.layers.{index}"
-        if isinstance(layer.mlp, SparseMoeBlock):  # each expert's three products (the router
-            # stays float); the attention's below
+        sparse = isinstance(layer.mlp, SparseMoeBlock)
+        if sparse:  # each expert's three products (the router stays float); attention's below
             for number, expert in enumerate(layer.mlp.experts):
                 for name in ("gate_proj", "up_proj", "down_proj"):
                     weight = read_quantized(f"{prefix}.mlp.experts.{number}.{name}.weight")
                     if weight is not None:
                         getattr(expert, name).set_quantized(QuantizedWeight(weight, device))
         for block_name, fused_name, names in _FUSED_GROUPS:
-            if not hasattr(getattr(layer, block_name), fused_name):  # a mixture of experts
+            if sparse and block_name == "mlp":  # the experts' products: above
                 continue
             block = getattr(layer, block_name)
             linears = [getattr(block, name) for name in names]
@@ -370,7 +370,7 @@ def _load_weights(
                 if weight is not None:
                     linear.set_quantized(QuantizedWeight(weight, device))
         for block_name, name in _SINGLE_LINEARS:
-            if not hasattr(getattr(layer, block_name), name):  # a mixture of experts
+            if sparse and block_name == "mlp":
                 continue
             weight = read_quantized(f"{prefix}.{block_name}.{name}.weight")
             if weight is not None:
