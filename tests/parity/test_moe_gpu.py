@@ -151,6 +151,83 @@ def test_grouped_mlp_replays_in_a_cuda_graph() -> None:
         assert torch.equal(out, want)
 
 
+# --------------------------------------------------------------------------- bookkeeping
+ROUTING_CASES = [(8, 2, True), (128, 8, True), (128, 8, False), (60, 6, True)]
+
+
+@pytest.mark.parametrize("routing", ROUTING_CASES)
+@pytest.mark.parametrize("num_tokens", [1, 5, 64, 256, 1000])
+def test_routing_kernels_match_their_twins_on_cuda(
+    routing: tuple[int, int, bool], num_tokens: int
+) -> None:
+    """The routes, the layout (up to its largest tier; the twin's torch operations past it)
+    and the combination (float32 and bfloat16): each kernel against its twin run on the same
+    CUDA tensors, bit for bit; each negative control of the unit tests is seen."""
+    from moe_routing_fixtures import (
+        combined_worst_first,
+        same_tiles,
+        skewed_experts,
+        tied_probs,
+        ties_to_the_higher_id,
+        unstable_tiles,
+    )
+    from specdec.models import moe_routing_triton as kernels
+    from specdec.models.moe import combine_ranks_ref, step_tiles, top_k_routes_ref
+
+    num_experts, top_k, renormalize = routing
+    probs = tied_probs(num_tokens, num_experts, seed=num_tokens).cuda()
+    weights, experts = kernels.top_k_routes_triton(probs, top_k, renormalize)
+    want_weights, want_experts = top_k_routes_ref(probs, top_k, renormalize)
+    assert torch.equal(experts, want_experts) and torch.equal(weights, want_weights)
+    assert not torch.equal(experts, ties_to_the_higher_id(probs, top_k, renormalize)[1])
+    for routes in (skewed_experts(num_tokens, num_experts, top_k, seed=1).cuda(), experts):
+        assert same_tiles(step_tiles(routes, num_experts), expert_tiles(routes, num_experts))
+        if routes.reshape(-1).bincount().max() > 1:
+            assert not same_tiles(
+                step_tiles(routes, num_experts), unstable_tiles(routes, num_experts)
+            )
+    generator = torch.Generator().manual_seed(num_tokens)
+    for dtype in (torch.float32, torch.bfloat16):
+        outputs = torch.randn(num_tokens * top_k, 2048, generator=generator).to(dtype).cuda()
+        got = kernels.combine_ranks_triton(outputs, weights, dtype)
+        assert torch.equal(got, combine_ranks_ref(outputs, weights, dtype))
+        if dtype == torch.float32 and top_k > 2:
+            assert not torch.equal(got, combined_worst_first(outputs, weights, dtype))
+
+
+def test_routing_kernels_replay_in_a_cuda_graph() -> None:
+    """Routes, layout and combination captured once and replayed on new probabilities: the
+    eager calls' bits (nothing read back to the host)."""
+    from specdec.models.moe import combine_ranks, step_tiles, top_k_routes
+
+    generator = torch.Generator().manual_seed(7)
+    probs = torch.softmax(torch.randn(64, 128, generator=generator), dim=-1).cuda()
+    outputs = torch.randn(64 * 8, 2048, generator=generator).to(torch.bfloat16).cuda()
+
+    def step() -> tuple[torch.Tensor, ...]:
+        weights, experts = top_k_routes(probs, 8, True)
+        tiles = step_tiles(experts, 128)
+        return (
+            weights,
+            experts,
+            tiles.pair,
+            tiles.tile_start,
+            combine_ranks(outputs, weights, torch.bfloat16),
+        )
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for seed in (8, 9):
+        fresh = torch.randn(64, 128, generator=torch.Generator().manual_seed(seed))
+        probs.copy_(torch.softmax(fresh, dim=-1).cuda())
+        graph.replay()
+        for got, want in zip(captured, step(), strict=True):
+            assert torch.equal(got, want)
+
+
 # --------------------------------------------------------------------------- models
 @pytest.fixture(scope="module", params=list(MOE_CONFIGS))
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:

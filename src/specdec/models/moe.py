@@ -11,6 +11,9 @@ grouped one (every (token, rank) pair sorted by expert into tiles of one expert,
 product for gate/up and one for down over all experts: `moe_triton.py`, CUDA's default since s27
 (bit for bit its twin, and the engine's greedy and speculative tokens `transformers`' on an H100
 in s26), switched off with SPECDEC_MOE_GROUPED_KERNEL=0; `grouped_linear_ref`, its twin).
+On CUDA the routes, the layout and the combination are one launch each
+(`moe_routing_triton.py`, bit for bit `top_k_routes_ref`, `moe_tiles.expert_tiles` and
+`combine_ranks_ref`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from torch import nn
 from specdec.models.fused import silu_mul
 from specdec.models.layers import Linear
 from specdec.models.linear import batch_invariant_linear
-from specdec.models.moe_tiles import ExpertTiles, expert_tiles
+from specdec.models.moe_tiles import GROUPED_BLOCK_M, ExpertTiles, expert_tiles
 from specdec.models.tensor_parallel import Collectives
 
 # The depth of the grouped product's K step, fixed whatever the step's row count (a row's bits
@@ -66,10 +69,8 @@ def route(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The routing rule of Mixtral and Qwen3-MoE: softmax over all experts' logits (float32),
-    then the top-k probabilities, then (with `renormalize`) divided by their sum.
-
-    Ties go to the lower expert id (a stable descending sort), so a route never depends on the
-    sort kernel's choice among equal values.
+    then the top-k probabilities, then (with `renormalize`) divided by their sum
+    (`top_k_routes`).
 
     Args:
         router_logits: [T, E] the router's logits.
@@ -79,12 +80,40 @@ def route(
 
     Returns: ([T, k] float32 weights, [T, k] int64 expert ids), ranked by probability.
     """
-    probs = torch.softmax(router_logits.float(), dim=-1)  # [T, E]
+    return top_k_routes(torch.softmax(router_logits.float(), dim=-1), top_k, renormalize)
+
+
+def top_k_routes_ref(
+    probs: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k of each token's expert probabilities, ranked, and (with `renormalize`) each
+    divided by their sum, summed rank by rank from the best (the twin of
+    `moe_routing_triton.top_k_routes_triton`, which sums in that order too).
+
+    Ties go to the lower expert id (a stable descending sort), so a route never depends on the
+    sort kernel's choice among equal values.
+
+    Args: probs: [T, E] float32. top_k: experts per token. renormalize: see `route`.
+    Returns: ([T, k] float32 weights, [T, k] int64 expert ids)."""
     weights, experts = torch.sort(probs, dim=-1, descending=True, stable=True)
     weights, experts = weights[:, :top_k], experts[:, :top_k]
     if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        total = weights[:, 0]
+        for rank in range(1, top_k):
+            total = total + weights[:, rank]
+        weights = weights / total[:, None]
     return weights, experts
+
+
+def top_k_routes(
+    probs: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See `top_k_routes_ref`; one kernel launch on CUDA (`moe_routing_triton.py`)."""
+    if not probs.is_cuda:
+        return top_k_routes_ref(probs, top_k, renormalize)
+    from specdec.models import moe_routing_triton
+
+    return moe_routing_triton.top_k_routes_triton(probs, top_k, renormalize)
 
 
 def weighted_sum(outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -97,6 +126,37 @@ def weighted_sum(outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     for rank in range(1, outputs.shape[1]):
         total = total + outputs[:, rank] * weights[:, rank : rank + 1]
     return total
+
+
+def combine_ranks_ref(
+    outputs: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Each token's expert outputs, [T x k, D] by (token, rank) in any float dtype, widened to
+    float32, summed by `weighted_sum` (rank order) and cast to `dtype` once: the twin of
+    `moe_routing_triton.combine_ranks_triton`. weights: [T, k] float32. Returns [T, D]."""
+    num_tokens, top_k = weights.shape
+    return weighted_sum(outputs.view(num_tokens, top_k, -1).float(), weights).to(dtype)
+
+
+def combine_ranks(outputs: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """See `combine_ranks_ref`; one kernel launch on CUDA (`moe_routing_triton.py`)."""
+    if not outputs.is_cuda:
+        return combine_ranks_ref(outputs, weights, dtype)
+    from specdec.models import moe_routing_triton
+
+    return moe_routing_triton.combine_ranks_triton(outputs, weights, dtype)
+
+
+def step_tiles(experts: torch.Tensor, num_experts: int) -> ExpertTiles:
+    """The step's grouped layout (`moe_tiles.expert_tiles`, its twin): one kernel launch on CUDA
+    up to `moe_routing_triton.TILE_PAIR_TIERS`' largest pair count, the twin's torch
+    operations past it (the same integers)."""
+    if experts.is_cuda:
+        from specdec.models import moe_routing_triton
+
+        if moe_routing_triton.tile_pair_tier(experts.numel()) is not None:
+            return moe_routing_triton.expert_tiles_triton(experts, num_experts, GROUPED_BLOCK_M)
+    return expert_tiles(experts, num_experts)
 
 
 def grouped_linear_ref(
@@ -173,10 +233,10 @@ def grouped_experts(
     product: GroupedLinear | None = None,
 ) -> torch.Tensor:
     """The experts of every token and their weighted sum, grouped: 1. the pairs sorted by
-    expert (`expert_tiles`); 2. gate/up of every pair in one grouped product ([P, 2F], sorted
+    expert (`step_tiles`); 2. gate/up of every pair in one grouped product ([P, 2F], sorted
     order, rounded to x's dtype as the separate products are); 3. `silu_mul` (the dense MLP's
     activation, row by row); 4. down in one grouped product, written to each pair's (token,
-    rank) row; 5. `weighted_sum` in rank order, cast once.
+    rank) row; 5. `combine_ranks`: `weighted_sum` in rank order, cast once.
 
     Args:
         x: [T, D] normed hidden states.
@@ -190,13 +250,12 @@ def grouped_experts(
     product = grouped_linear if product is None else product
     num_tokens, top_k = experts.shape
     num_pairs = num_tokens * top_k
-    tiles = expert_tiles(experts, gate_up_weight.shape[0])
+    tiles = step_tiles(experts, gate_up_weight.shape[0])
     block_k = GROUPED_BLOCK_K
     gate_up = product(x, gate_up_weight, tiles, tiles.token, tiles.position, num_pairs, block_k)
     gated = silu_mul(gate_up)  # [P, F] in sorted order
     outputs = product(gated, down_weight, tiles, tiles.position, tiles.pair, num_pairs, block_k)
-    outputs = outputs.view(num_tokens, top_k, -1).float()  # [T, k, D] by rank
-    return weighted_sum(outputs, weights).to(x.dtype)
+    return combine_ranks(outputs, weights, x.dtype)  # [P, D] by (token, rank) -> [T, D]
 
 
 class SparseMoeBlock(nn.Module):
