@@ -32,7 +32,19 @@ from specdec.models.linear_triton import LinearTile, launch_linear, linear_tile 
 from specdec.models.prefill_attention_triton import paged_prefill_attention_triton  # noqa: E402
 from specdec.models.split_kv import split_kv_decode_attention  # noqa: E402
 
-SHAPES = [(960, 576), (3072, 576), (576, 1536), (49152, 576), (4096, 4096)]
+# SmolLM2's, Llama-3-8B's, and the Qwen3-30B-A3B shape's attention products and router (the
+# deep decode tiles of s38).
+SHAPES = [
+    (960, 576),
+    (3072, 576),
+    (576, 1536),
+    (49152, 576),
+    (4096, 4096),
+    (4096, 14336),
+    (5120, 2048),
+    (2048, 4096),
+    (128, 2048),
+]
 
 
 def _randn(*shape, seed: int) -> torch.Tensor:

@@ -195,6 +195,31 @@ def test_routing_kernels_match_their_twins_on_cuda(
             assert not torch.equal(got, combined_worst_first(outputs, weights, dtype))
 
 
+def test_router_logits_from_16_bit_values_in_float32() -> None:
+    """The router's product on CUDA for a bfloat16 model (`batch_invariant_linear` with
+    out_dtype float32): float32 sums of the 16-bit values on tensor cores, stored unrounded
+    (close to the widened product; not the bfloat16-rounded one); every row alone == in any
+    batch bit for bit."""
+    from specdec.models.linear import batch_invariant_linear
+
+    generator = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(64, 2048, device="cuda", generator=generator).bfloat16()
+    weight = (0.02 * torch.randn(128, 2048, device="cuda", generator=generator)).bfloat16()
+    got = batch_invariant_linear(x, weight, out_dtype=torch.float32)
+    assert got.dtype == torch.float32
+    want = x.float() @ weight.float().t()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    assert not torch.equal(got, batch_invariant_linear(x, weight).float())
+    alone = torch.cat(
+        [batch_invariant_linear(x[i : i + 1], weight, out_dtype=torch.float32) for i in range(64)]
+    )
+    assert torch.equal(alone, got)
+    for count in (2, 7, 16, 17, 33):
+        assert torch.equal(
+            batch_invariant_linear(x[:count], weight, out_dtype=torch.float32), got[:count]
+        )
+
+
 def test_routing_kernels_replay_in_a_cuda_graph() -> None:
     """Routes, layout and combination captured once and replayed on new probabilities: the
     eager calls' bits (nothing read back to the host)."""

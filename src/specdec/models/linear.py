@@ -118,12 +118,29 @@ def _key(weight: torch.Tensor) -> tuple[int, int, torch.dtype, torch.device]:
 
 
 def batch_invariant_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x W^T (+ bias) for x of [..., K] and weight [N, K]: on CUDA every row computed as it
     would be alone (cuBLAS for a weight `check_cublas_rows` cleared, in slices of at most the
     rows it checked; `linear_triton` otherwise); on the CPU in chunks of `CPU_ROW_CHUNK` rows
-    (`_chunked_linear`). Returns [..., N]."""
+    (`_chunked_linear`). Returns [..., N] in x's dtype, or in `out_dtype` (only float32: the
+    product of the widened x and weight, which on CUDA the Triton kernel computes on x and
+    weight of one 16-bit dtype with its float32 sums stored unrounded; the mixture-of-experts
+    router)."""
+    if out_dtype is not None and out_dtype != x.dtype:
+        if out_dtype != torch.float32:
+            raise ValueError(f"out_dtype {out_dtype} over {x.dtype} (only float32 is taken)")
+        if not (x.is_cuda and ROW_INVARIANT_ON_CUDA and x.dtype == weight.dtype):
+            widened = None if bias is None else bias.float()
+            return batch_invariant_linear(x.float(), weight.float(), widened)
+        from specdec.models.linear_triton import linear_triton
+
+        rows = x.reshape(-1, x.shape[-1])
+        out = linear_triton(rows, weight, bias, out_dtype=out_dtype)
+        return out.view(*x.shape[:-1], out.shape[-1])
     if not x.is_cuda:
         return _chunked_linear(x, weight, bias)
     if not ROW_INVARIANT_ON_CUDA or x.dtype != weight.dtype:

@@ -261,11 +261,12 @@ def grouped_experts(
 class SparseMoeBlock(nn.Module):
     """Router (`gate`, [E, D]) and `experts`; out = sum over rank r of weight_r x expert_r(x).
 
-    Steps: 1. router logits in float32 (a row-invariant product); 2. `route`; 3. per expert, in
-    id order, its tokens gathered and computed (`Expert`: products whose rows do not depend on
-    the row count); 4. each token's outputs summed in float32 by rank (best expert first), not by
-    expert id, and cast once. `forward` and `forward_decode` are the same computation. With
-    the grouped kernel switched on (`takes_grouped_path`), CUDA steps run 3. and 4. as
+    Steps: 1. router logits in float32 (a row-invariant product of x and the router's
+    weight, widened); 2. `route`; 3. per expert, in id order, its tokens gathered and computed
+    (`Expert`: products whose rows do not depend on the row count); 4. each token's outputs
+    summed in float32 by rank (best expert first), not by expert id, and cast once. `forward`
+    and `forward_decode` are the same computation. With the grouped kernel switched on
+    (`takes_grouped_path`), CUDA steps run 3. and 4. as
     `grouped_experts` over the stacked weights (`fuse`).
     """
 
@@ -314,7 +315,8 @@ class SparseMoeBlock(nn.Module):
         """x: [T, D] -> [T, D]."""
         if self.gate.quantized is not None:
             raise ValueError("a quantized mixture-of-experts router is not supported")
-        logits = batch_invariant_linear(x.float(), self.gate.weight.float())  # [T, E]
+        # [T, E] float32: the widened product (on CUDA the 16-bit values' float32 sums)
+        logits = batch_invariant_linear(x, self.gate.weight, out_dtype=torch.float32)
         weights, experts = route(logits, self.top_k, self.renormalize)  # [T, k] each
         if takes_grouped_path(x):
             return self._reduce(self.forward_grouped(x, weights, experts))

@@ -7,6 +7,7 @@ plain F.linear on the same rows differs for some row counts."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -62,3 +63,16 @@ def test_the_chunk_check_fails_a_position_dependent_product(monkeypatch) -> None
     x = torch.randn(20, 24, generator=generator)
     alone = torch.cat([batch_invariant_linear(x[i : i + 1], weight) for i in range(20)])
     assert torch.equal(batch_invariant_linear(x, weight), alone)
+
+
+def test_float32_output_is_the_widened_product_on_the_cpu() -> None:
+    """out_dtype float32 (the MoE router's): on the CPU exactly the product of the widened x and
+    weight; any other out_dtype is refused by name."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 64, generator=generator).bfloat16()
+    weight = torch.randn(8, 64, generator=generator).bfloat16()
+    got = batch_invariant_linear(x, weight, out_dtype=torch.float32)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, batch_invariant_linear(x.float(), weight.float()))
+    with pytest.raises(ValueError, match=r"out_dtype torch\.float16"):
+        batch_invariant_linear(x, weight, out_dtype=torch.float16)
