@@ -27,7 +27,8 @@ from specdec.models.moe_tiles import ExpertTiles, max_tiles
 # The interpreter's float32 -> bfloat16 cast truncates: there the combination stores float32 and
 # the launcher rounds to nearest even (as the GPU's store does).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# Tokens per program of the routes (speed only: a token's routes never depend on it).
+# The most tokens per program of the routes (fewer for a step of fewer tokens; speed only: a
+# token's routes never depend on it).
 ROUTE_BLOCK_TOKENS = 16
 # Hidden columns per program of the combination (speed only).
 COMBINE_BLOCK_COLS = 1024
@@ -91,7 +92,7 @@ def top_k_routes_triton(
     if num_tokens == 0:
         return weights, experts
     block_e = triton.next_power_of_2(num_experts)
-    block_t = max(1, min(ROUTE_BLOCK_TOKENS, 8192 // block_e))
+    block_t = max(1, min(ROUTE_BLOCK_TOKENS, 8192 // block_e, triton.next_power_of_2(num_tokens)))
     _top_k_routes_kernel[(triton.cdiv(num_tokens, block_t),)](
         probs,
         weights,
@@ -103,7 +104,7 @@ def top_k_routes_triton(
         BLOCK_T=block_t,
         BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(top_k),
-        num_warps=4,
+        num_warps=4 if block_t * block_e >= 1024 else 1,  # (a decode step's few tokens: one warp)
         enable_fp_fusion=False,
     )
     return weights, experts
