@@ -639,6 +639,12 @@ _GGUF_GEMMA_LAYER_PARTS = {
     "post_feedforward_layernorm": "post_ffw_norm",
 }
 _GGUF_GEMMA_ARCHS = ("gemma2", "gemma3")
+# OLMo 2's post norms, as llama.cpp's converter names them (Gemma's names).
+_GGUF_OLMO2_LAYER_PARTS = {
+    **_GGUF_LAYER_PARTS,
+    "post_attention_layernorm": "post_attention_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 
 
 def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
@@ -652,7 +658,13 @@ def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
         return top[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     part, kind = rest.rsplit(".", 1)
-    parts = _GGUF_GEMMA_LAYER_PARTS if arch in _GGUF_GEMMA_ARCHS else _GGUF_LAYER_PARTS
+    parts = (
+        _GGUF_GEMMA_LAYER_PARTS
+        if arch in _GGUF_GEMMA_ARCHS
+        else _GGUF_OLMO2_LAYER_PARTS
+        if arch == "olmo2"
+        else _GGUF_LAYER_PARTS
+    )
     return f"blk.{layer}.{parts[part]}.{kind}"
 
 
@@ -674,7 +686,7 @@ def write_gguf(
     Args:
         path: output file.
         hf_model: the model whose weights and config are written.
-        arch: GGUF architecture ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3moe";
+        arch: GGUF architecture ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "qwen3moe";
             a Mixtral as "llama"). A mixture of experts' stacked expert tensors are written as
             llama.cpp stores them (`ffn_{gate,up,down}_exps`, [E, F, D] / [E, D, F]).
         qtype_of: GGUF tensor name -> GGMLQuantizationType (default F32).

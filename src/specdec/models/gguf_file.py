@@ -38,6 +38,7 @@ GGUF_ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
 }
 # llama.cpp stores Q/K of these architectures with rows permuted for its interleaved RoPE.
 _PERMUTED_QK_ARCHITECTURES = ("llama",)
@@ -75,6 +76,15 @@ _GEMMA_LAYER_NAMES = {
 # window Gemma 2 takes when the file names none); Gemma 3's sliding layers rotate with base
 # 10000, unscaled; the 27B models (by layer count) scale attention by (hidden / heads)^-1/2,
 # the others by head_dim^-1/2.
+# OLMo 2's two norms a layer, each after its sublayer (no norm before either): llama.cpp's
+# converter names them as Gemma's post norms; its q/k norms span the whole projection.
+_OLMO2_LAYER_NAMES = {
+    **{part: name for part, name in _LAYER_NAMES.items() if not part.endswith("_norm")},
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
 _GEMMA2_DEFAULT_WINDOW = 4096
 _GEMMA3_SWA_ROPE_BASE = 10000.0
@@ -100,7 +110,13 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
     (`general.architecture`), or None if it has no HF counterpart."""
     if gguf_name in _TOP_LEVEL_NAMES:
         return _TOP_LEVEL_NAMES[gguf_name]
-    names = _GEMMA_LAYER_NAMES if architecture in _SHIFTED_NORM_ARCHITECTURES else _LAYER_NAMES
+    names = (
+        _GEMMA_LAYER_NAMES
+        if architecture in _SHIFTED_NORM_ARCHITECTURES
+        else _OLMO2_LAYER_NAMES
+        if architecture == "olmo2"
+        else _LAYER_NAMES
+    )
     match = _LAYER_PATTERN.fullmatch(gguf_name)
     if match is None or match.group(2) not in names:
         return None
@@ -288,6 +304,11 @@ class GGUFFile:
         eos = self.metadata.get("tokenizer.ggml.eos_token_id")
         architecture = GGUF_ARCHITECTURES[self.architecture]
         gemma = self._gemma_options(hidden_size // num_heads)
+        olmo2 = (
+            {"qk_norm_scope": "full", "norm_placement": "post", "norm_weight_in_float32": True}
+            if architecture == "Olmo2ForCausalLM"
+            else {}
+        )
         experts = self._moe_options(int(required("block_count")))
         if experts and architecture == "LlamaForCausalLM":  # llama.cpp's Mixtral
             architecture = "MixtralForCausalLM"
@@ -310,10 +331,11 @@ class GGUFFile:
             attention_out_bias="blk.0.attn_output.bias" in self._tensors,
             mlp_bias="blk.0.ffn_up.bias" in self._tensors,
             qk_norm=architecture
-            in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+            in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Olmo2ForCausalLM"),
             bos_token_id=self.metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
             **gemma,
+            **olmo2,
             **experts,
         )
 

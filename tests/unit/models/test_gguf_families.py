@@ -1,5 +1,5 @@
-"""GGUF files of the families llama.cpp names beyond Llama: qwen3, gemma2, gemma3 (qwen3moe and
-Mixtral: test_families_moe.py).
+"""GGUF files of the families llama.cpp names beyond Llama: qwen3, gemma2, gemma3, olmo2
+(qwen3moe and Mixtral: test_families_moe.py).
 
 Each tiny `transformers` checkpoint is saved as a safetensors directory and written as a GGUF
 file the way llama.cpp's converter writes it (`write_gguf`: Q/K not permuted for these
@@ -24,6 +24,7 @@ import torch
 
 from models_fixtures import (
     drop_final_cap,
+    make_family_hf_model,
     make_gemma2_hf_model,
     make_gemma3_hf_model,
     make_hf_model,
@@ -49,6 +50,8 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 _GEMMA3_AS_LLAMA_CPP = {"query_pre_attn_scalar": 16, "num_hidden_layers": 7}
 CASES = {
     "qwen3": ("qwen3", lambda: make_hf_model("qwen3_qk_norm")),
+    # Norms after each sublayer, whole-projection q/k norms (q/k rows as HF stores them).
+    "olmo2": ("olmo2", lambda: make_family_hf_model("olmo2")),
     "gemma2": ("gemma2", lambda: make_gemma2_hf_model("gemma2", query_pre_attn_scalar=16)),
     "gemma3": (
         "gemma3",
