@@ -24,6 +24,11 @@ import torch
 from specdec.models.config import FULL, SLIDING, ModelConfig
 from specdec.models.gguf_blocks import GGUF_QUANT_TYPES, decode_blocks
 from specdec.models.gguf_header import GGUFHeaderError, read_header
+from specdec.models.gguf_names import (
+    _SHIFTED_NORM_ARCHITECTURES,
+    hf_tensor_name,
+    reverse_permute_qk,
+)
 from specdec.models.quant_formats import GroupQuantized
 from specdec.models.rope import RopeScaling, parse_rope_scaling
 from specdec.models.tensor_parallel import TensorSlice
@@ -42,54 +47,10 @@ GGUF_ARCHITECTURES = {
 }
 # llama.cpp stores Q/K of these architectures with rows permuted for its interleaved RoPE.
 _PERMUTED_QK_ARCHITECTURES = ("llama",)
-# llama.cpp stores these architectures' norm weights as 1 + w (Gemma's RMSNorm scales by it).
-_SHIFTED_NORM_ARCHITECTURES = ("gemma2", "gemma3")
-
-_TOP_LEVEL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
-}
-# Gemma's four norms a layer: llama.cpp's `ffn_norm` is the norm before the MLP there.
-_GEMMA_LAYER_NAMES = {
-    **_LAYER_NAMES,
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-# What llama.cpp fixes in code for Gemma files (llama-model.cpp's hyper-parameters): every
-# `pattern`-th layer attends to its whole context and the others within the window (the
-# window Gemma 2 takes when the file names none); Gemma 3's sliding layers rotate with base
-# 10000, unscaled; the 27B models (by layer count) scale attention by (hidden / heads)^-1/2,
-# the others by head_dim^-1/2.
-# OLMo 2's two norms a layer, each after its sublayer (no norm before either): llama.cpp's
-# converter names them as Gemma's post norms; its q/k norms span the whole projection.
-_OLMO2_LAYER_NAMES = {
-    **{part: name for part, name in _LAYER_NAMES.items() if not part.endswith("_norm")},
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
 _GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
 _GEMMA2_DEFAULT_WINDOW = 4096
 _GEMMA3_SWA_ROPE_BASE = 10000.0
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-_LAYER_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # A mixture of experts' weights: every expert's in one 3D tensor ([E, F, D] gate / up, [E, D, F]
 # down in torch's order), or (older Mixtral files) one tensor per expert.
 _STACKED_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
@@ -103,44 +64,6 @@ GGUF_YARN_KEYS = {
     "yarn_beta_slow": "beta_slow",
     "attn_factor": None,
 }
-
-
-def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
-    """The HF parameter name of a llama.cpp tensor name in a file of `architecture`
-    (`general.architecture`), or None if it has no HF counterpart."""
-    if gguf_name in _TOP_LEVEL_NAMES:
-        return _TOP_LEVEL_NAMES[gguf_name]
-    names = (
-        _GEMMA_LAYER_NAMES
-        if architecture in _SHIFTED_NORM_ARCHITECTURES
-        else _OLMO2_LAYER_NAMES
-        if architecture == "olmo2"
-        else _LAYER_NAMES
-    )
-    match = _LAYER_PATTERN.fullmatch(gguf_name)
-    if match is None or match.group(2) not in names:
-        return None
-    layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{names[part]}.{kind}"
-
-
-def reverse_permute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undoes llama.cpp's Q/K row permutation (`permute` in its convert_hf_to_gguf.py).
-
-    llama.cpp rotates interleaved pairs (x0, x1), (x2, x3), ...; HF rotates halves (x_i, x_{i+D/2}).
-    The converter reorders each head's rows from [half0, half1] to interleaved; this restores them.
-
-    Args:
-        weight: [num_heads * D, ...] a q/k projection weight ([out, in]) or bias ([out]) as stored.
-        num_heads: heads of that projection (query heads for q, key/value heads for k).
-
-    Returns:
-        The tensor in HF row order, same shape.
-    """
-    half = weight.shape[0] // num_heads // 2
-    return (
-        weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
-    )
 
 
 class _Tensor(NamedTuple):
