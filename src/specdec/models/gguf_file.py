@@ -29,8 +29,8 @@ from specdec.models.gguf_names import (
     hf_tensor_name,
     reverse_permute_qk,
 )
+from specdec.models.gguf_rope import ROPE_FREQS_TENSOR, rope_scaling
 from specdec.models.quant_formats import GroupQuantized
-from specdec.models.rope import RopeScaling, parse_rope_scaling
 from specdec.models.tensor_parallel import TensorSlice
 from specdec.models.tokenizer import Tokenizer
 from specdec.models.weights import CheckpointError
@@ -55,15 +55,6 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # down in torch's order), or (older Mixtral files) one tensor per expert.
 _STACKED_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 _ONE_EXPERT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
-ROPE_FREQS_TENSOR = "rope_freqs.weight"
-# GGUF yarn keys (`{arch}.rope.scaling.<key>`) -> the HF rope_scaling key they set (None: checked
-# to be 1.0, HF's implied value).
-GGUF_YARN_KEYS = {
-    "original_context_length": "original_max_position_embeddings",
-    "yarn_beta_fast": "beta_fast",
-    "yarn_beta_slow": "beta_slow",
-    "attn_factor": None,
-}
 
 
 class _Tensor(NamedTuple):
@@ -151,44 +142,6 @@ class GGUFFile:
     def _arch_key(self, name: str, default: Any = None) -> Any:
         return self.metadata.get(f"{self.architecture}.{name}", default)
 
-    def _rope_scaling(self) -> RopeScaling | None:
-        """`{arch}.rope.scaling.*` as a RopeScaling: none, linear (`factor`), or yarn (`factor`,
-        `original_context_length`, `yarn_beta_fast`, `yarn_beta_slow`, `attn_factor` 1.0);
-        Llama 3.1 scaling comes as frequency factors (`rope_freqs.weight`) instead.
-
-        Raises:
-            ValueError: another scaling type, or a scaling key not read here (named).
-        """
-        prefix = f"{self.architecture}.rope.scaling."
-        keys = {k[len(prefix) :]: v for k, v in self.metadata.items() if k.startswith(prefix)}
-        scaling_type = keys.pop("type", None)
-        keys.pop("finetuned", None)  # informational
-        if scaling_type in (None, "none"):
-            return None
-        known = {"linear": {"factor"}, "yarn": set(GGUF_YARN_KEYS) | {"factor"}}
-        if scaling_type not in known:
-            raise ValueError(
-                f"{self.path}: unsupported GGUF rope scaling {scaling_type!r} (supported: none, "
-                f"linear, yarn, or Llama 3.1 frequency factors in {ROPE_FREQS_TENSOR})"
-            )
-        unknown = sorted(set(keys) - known[scaling_type])
-        if unknown:
-            raise ValueError(f"{self.path}: unsupported GGUF {scaling_type} rope keys {unknown}")
-        if "factor" not in keys:
-            raise ValueError(f"{self.path}: GGUF {scaling_type} rope scaling lacks {prefix}factor")
-        if scaling_type == "linear":
-            return RopeScaling("linear", float(keys["factor"]))
-        if float(keys.get("attn_factor", 1.0)) != 1.0:
-            raise ValueError(
-                f"{self.path}: GGUF yarn attn_factor={keys['attn_factor']} is not supported (1.0)"
-            )
-        hf = {"rope_type": "yarn", "factor": float(keys["factor"])}
-        for gguf_key, hf_key in GGUF_YARN_KEYS.items():
-            if gguf_key in keys and hf_key is not None:
-                hf[hf_key] = keys[gguf_key]
-        context = int(self._arch_key("context_length", 2048))
-        return parse_rope_scaling(hf, context)
-
     def model_config(self) -> ModelConfig:
         """The ModelConfig the metadata (and the set of tensors) describe.
 
@@ -215,7 +168,7 @@ class GGUFFile:
             if len(set(num_kv_heads)) != 1:
                 raise ValueError(f"{self.path}: per-layer KV head counts are not supported")
             num_kv_heads = num_kv_heads[0]
-        rope_scaling = self._rope_scaling()
+        scaling = rope_scaling(self.metadata, self.architecture, self.path)
         vocab_size = self._arch_key("vocab_size")
         if vocab_size is None:
             tokens = self.metadata.get("tokenizer.ggml.tokens")
@@ -246,7 +199,7 @@ class GGUFFile:
             head_dim=int(self._arch_key("attention.key_length", hidden_size // num_heads)),
             rms_norm_eps=float(required("attention.layer_norm_rms_epsilon")),
             rope_theta=float(self._arch_key("rope.freq_base", 10000.0)),
-            rope_scaling=rope_scaling,
+            rope_scaling=scaling,
             rope_freq_factors=rope_freq_factors,
             max_position_embeddings=int(self._arch_key("context_length", 2048)),
             tie_word_embeddings="output.weight" not in self._tensors,
