@@ -12,7 +12,8 @@ once, or with `--request-rate R` arriving as a Poisson process of R requests/s (
 TTFT, TPOT and ITL (the gaps between streamed chunks) percentiles; "spec" requests ask
 `speculative: {"enabled": true}` (the server's --speculative-config), "plain" ones
 `{"enabled": false}`, on the same server. The prompts: the built-in chats, or `--prompts-file`
-(a .jsonl of {"prompt": ...}, e.g. benchmarks/data/heldout_prompts.jsonl).
+(a .jsonl of {"prompt": ...}: benchmarks/data/heldout_prompts.jsonl, 16 short held-out chats, or
+benchmarks/data/long_prompts.jsonl, 32 prompts of about 1,300 tokens from `make_long_prompts.py`).
 
 With `--generate` (and `--serve`), after the server has stopped the same requests run through
 `LLM.chat` in this process, a closed batch per concurrency level (max_num_seqs = the
