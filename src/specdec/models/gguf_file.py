@@ -3,10 +3,11 @@ integers) and tokenizer from one file.
 
 Maps llama.cpp tensor and metadata names to HF ones and undoes what llama.cpp's converter does
 to the tensors: the Q/K row permutation of Llama-architecture checkpoints, the 1 it adds to
-Gemma's norm weights. Where llama.cpp fixes a Gemma setting in code rather than in the file
-(sliding-window pattern, the sliding layers' RoPE base, the attention scale), the config is
-llama.cpp's. Metadata parsing and float dequantization use the
-`gguf` package; tensor bytes are read one tensor at a time (not through the memory map, so a
+Gemma's norm weights; Phi-3's fused q/k/v and gate/up are read as our projections' rows, laid
+out as a Phi-3 directory's (`hf_tensors`). Where llama.cpp fixes a Gemma setting in code rather
+than in the file (sliding-window pattern, the sliding layers' RoPE base, the attention scale),
+the config is llama.cpp's. Metadata parsing and float dequantization use the `gguf` package;
+tensor bytes are read one tensor at a time (not through the memory map, so a
 loaded model does not keep the file's pages resident). Never builds the model itself.
 """
 
@@ -27,10 +28,13 @@ from specdec.models.gguf_header import GGUFHeaderError, read_header
 from specdec.models.gguf_names import (
     _SHIFTED_NORM_ARCHITECTURES,
     hf_tensor_name,
+    phi3_fused_rows,
     reverse_permute_qk,
 )
-from specdec.models.gguf_rope import ROPE_FREQS_TENSOR, rope_scaling
+from specdec.models.gguf_rope import PHI3_ROPE_FACTORS, ROPE_FREQS_TENSOR, phi3_rope, rope_scaling
+from specdec.models.hf_tensors import Rows, partial_rotary_rows
 from specdec.models.quant_formats import GroupQuantized
+from specdec.models.rope import RopeScaling
 from specdec.models.tensor_parallel import TensorSlice
 from specdec.models.tokenizer import Tokenizer
 from specdec.models.weights import CheckpointError
@@ -44,6 +48,7 @@ GGUF_ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # llama.cpp stores Q/K of these architectures with rows permuted for its interleaved RoPE.
 _PERMUTED_QK_ARCHITECTURES = ("llama",)
@@ -168,6 +173,8 @@ class GGUFFile:
             if len(set(num_kv_heads)) != 1:
                 raise ValueError(f"{self.path}: per-layer KV head counts are not supported")
             num_kv_heads = num_kv_heads[0]
+        head_dim = int(self._arch_key("attention.key_length", hidden_size // num_heads))
+        context = int(self._arch_key("context_length", 2048))
         scaling = rope_scaling(self.metadata, self.architecture, self.path)
         vocab_size = self._arch_key("vocab_size")
         if vocab_size is None:
@@ -185,6 +192,10 @@ class GGUFFile:
             if architecture == "Olmo2ForCausalLM"
             else {}
         )
+        phi3: dict[str, Any] = {}
+        if architecture == "Phi3ForCausalLM":
+            phi3 = self._phi3_options(head_dim, context, scaling)
+            scaling = phi3.pop("rope_scaling")
         experts = self._moe_options(int(required("block_count")))
         if experts and architecture == "LlamaForCausalLM":  # llama.cpp's Mixtral
             architecture = "MixtralForCausalLM"
@@ -196,12 +207,12 @@ class GGUFFile:
             num_hidden_layers=int(required("block_count")),
             num_attention_heads=num_heads,
             num_key_value_heads=int(num_kv_heads),
-            head_dim=int(self._arch_key("attention.key_length", hidden_size // num_heads)),
+            head_dim=head_dim,
             rms_norm_eps=float(required("attention.layer_norm_rms_epsilon")),
             rope_theta=float(self._arch_key("rope.freq_base", 10000.0)),
             rope_scaling=scaling,
             rope_freq_factors=rope_freq_factors,
-            max_position_embeddings=int(self._arch_key("context_length", 2048)),
+            max_position_embeddings=context,
             tie_word_embeddings="output.weight" not in self._tensors,
             attention_bias="blk.0.attn_q.bias" in self._tensors,
             attention_out_bias="blk.0.attn_output.bias" in self._tensors,
@@ -212,8 +223,28 @@ class GGUFFile:
             eos_token_ids=() if eos is None else (int(eos),),
             **gemma,
             **olmo2,
+            **phi3,
             **experts,
         )
+
+    def _phi3_options(
+        self, head_dim: int, context: int, scaling: RopeScaling | None
+    ) -> dict[str, Any]:
+        """A Phi-3 file's ModelConfig options: partial rotary and LongRoPE (`phi3_rope`), and
+        its window (0: none; one as long as the context never binds, as config.json's is
+        read). llama.cpp runs Phi-3 files without their window ("Phi SWA is currently
+        disabled"); it is kept here, as `transformers` runs the checkpoint."""
+        factors = {
+            key: self.read_tensor(name).tolist()
+            for key, name in PHI3_ROPE_FACTORS.items()
+            if name in self._tensors
+        }
+        options = phi3_rope(self.metadata, self.path, head_dim, factors, scaling)
+        longrope = options["rope_scaling"]
+        limit = context if longrope is None else longrope.context_length(context)
+        window = int(self._arch_key("attention.sliding_window", 0) or 0)
+        options["sliding_window"] = window if 0 < window < limit else None
+        return options
 
     def _moe_options(self, num_layers: int) -> dict[str, Any]:
         """A mixture of experts' ModelConfig options as llama.cpp runs the file (empty without
@@ -399,6 +430,19 @@ class GGUFFile:
                     return lambda t, heads=heads: reverse_permute_qk(t, heads)
         return None
 
+    def _fused_rows(
+        self, hf_name: str, config: ModelConfig, piece: TensorSlice | None
+    ) -> tuple[str, TensorSlice] | None:
+        """For our q/k/v and gate/up projections in a Phi-3 file: its fused tensor and the rows
+        of it that hold `hf_name` (of those, its `piece`'s rows), read alone; else None."""
+        fused = phi3_fused_rows(hf_name, config) if self.architecture == "phi3" else None
+        if fused is None or fused[0] not in self._tensors:
+            return None
+        gguf_name, first, count = fused
+        if piece is not None and piece.dim == 0:
+            first, count = first + piece.start, piece.end - piece.start
+        return gguf_name, TensorSlice(0, first, first + count)
+
     def _read_expert(self, hf_name: str, piece: TensorSlice | None) -> torch.Tensor:
         """One expert's weight out of its layer's stacked tensor (float32; its `piece` when
         given). The layer's three stacked tensors are dequantized once and kept while its
@@ -420,6 +464,12 @@ class GGUFFile:
         columns that do not start on a block boundary are cut from the dequantized tensor)."""
         if hf_name in self._expert_parts:
             return self._read_expert(hf_name, piece)
+        fused = self._fused_rows(hf_name, config, piece)
+        if fused is not None:
+            tensor = self._dequantize(fused[0], *self._raw_slice(*fused))  # type: ignore[misc]
+            if piece is not None and piece.dim == 1:
+                tensor = piece.take(tensor)
+            return _partial_rotary(hf_name, config, tensor)
         gguf_name = self._hf_names.get(hf_name)
         if gguf_name is None:
             return None
@@ -480,6 +530,14 @@ class GGUFFile:
         `read_hf_tensor`) cuts columns inside a quantization block."""
         if hf_name in self._expert_parts:
             return self._read_expert_quantized(hf_name, piece)
+        fused = self._fused_rows(hf_name, config, piece)
+        if fused is not None:
+            type_name = self.tensor_type(fused[0])
+            if type_name not in GGUF_QUANT_TYPES or (piece is not None and piece.dim == 1):
+                return None
+            raw, shape = self._raw_slice(*fused)  # type: ignore[misc]
+            quantized = decode_blocks(raw, type_name, (shape[0], shape[1]))
+            return _partial_rotary(hf_name, config, quantized)
         gguf_name = self._hf_names.get(hf_name)
         if gguf_name is None:
             return None
@@ -540,3 +598,12 @@ class GGUFFile:
             add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
             chat_template=meta.get("tokenizer.chat_template"),
         )
+
+
+def _partial_rotary(hf_name: str, config: ModelConfig, weight: Rows) -> Rows:
+    """A q/k projection's rows as `hf_tensors` lays them out under partial rotary (Phi-3)."""
+    if config.rotary_dim == config.head_dim or not hf_name.endswith(
+        ("q_proj.weight", "k_proj.weight")
+    ):
+        return weight
+    return partial_rotary_rows(config, weight, query=hf_name.endswith("q_proj.weight"))

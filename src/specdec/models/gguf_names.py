@@ -1,13 +1,18 @@
 """llama.cpp's tensor names against HF's: the names of each GGUF architecture's layers
-(`hf_tensor_name`) and the Q/K row order llama.cpp's converter stores for Llama
+(`hf_tensor_name`), the rows of Phi-3's fused tensors that hold each of our projections
+(`phi3_fused_rows`) and the Q/K row order llama.cpp's converter stores for Llama
 (`reverse_permute_qk`). Read by `gguf_file.GGUFFile`; it never reads a file.
 """
 
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from specdec.models.config import ModelConfig
 
 # llama.cpp stores these architectures' norm weights as 1 + w (Gemma's RMSNorm scales by it).
 _SHIFTED_NORM_ARCHITECTURES = ("gemma2", "gemma3")
@@ -54,6 +59,21 @@ _OLMO2_LAYER_NAMES = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 
+# Phi-3's layers: llama.cpp's converter keeps its fused projections whole (`attn_qkv`: q rows,
+# then k, then v; `ffn_up`: gate rows, then up, the halves ggml's swiglu takes), Q/K not
+# permuted (NeoX-style RoPE); our projection -> (the fused tensor, the part's index in it).
+_PHI3_LAYER_NAMES = {
+    part: _LAYER_NAMES[part] for part in ("attn_norm", "ffn_norm", "attn_output", "ffn_down")
+}
+_PHI3_FUSED = {
+    "self_attn.q_proj": ("attn_qkv", 0),
+    "self_attn.k_proj": ("attn_qkv", 1),
+    "self_attn.v_proj": ("attn_qkv", 2),
+    "mlp.gate_proj": ("ffn_up", 0),
+    "mlp.up_proj": ("ffn_up", 1),
+}
+_HF_LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(\w+\.\w+)\.weight")
+
 
 def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
     """The HF parameter name of a llama.cpp tensor name in a file of `architecture`
@@ -65,6 +85,8 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
         if architecture in _SHIFTED_NORM_ARCHITECTURES
         else _OLMO2_LAYER_NAMES
         if architecture == "olmo2"
+        else _PHI3_LAYER_NAMES
+        if architecture == "phi3"
         else _LAYER_NAMES
     )
     match = _LAYER_PATTERN.fullmatch(gguf_name)
@@ -72,6 +94,19 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
         return None
     layer, part, kind = match.groups()
     return f"model.layers.{layer}.{names[part]}.{kind}"
+
+
+def phi3_fused_rows(hf_name: str, config: ModelConfig) -> tuple[str, int, int] | None:
+    """The fused tensor of a Phi-3 file that holds `hf_name`'s rows (one of our q/k/v or
+    gate/up projection weights), their first row in it and their count; None for other names."""
+    match = _HF_LAYER_WEIGHT.fullmatch(hf_name)
+    if match is None or match[2] not in _PHI3_FUSED:
+        return None
+    fused, index = _PHI3_FUSED[match[2]]
+    q_size = config.num_attention_heads * config.head_dim
+    kv_size = config.num_key_value_heads * config.head_dim
+    sizes = [q_size, kv_size, kv_size] if fused == "attn_qkv" else [config.intermediate_size] * 2
+    return f"blk.{match[1]}.{fused}.weight", sum(sizes[:index]), sizes[index]
 
 
 def reverse_permute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -7,17 +7,21 @@ transformers 5's stacked 3D ones). Reads through a `ReadTensor` it is given; nev
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from specdec.models.config import ModelConfig
+from specdec.models.quant_formats import GroupQuantized
 from specdec.models.rope import partial_rotary_layout
 from specdec.models.tensor_parallel import TensorSlice
 from specdec.models.weights import CheckpointError
 
 ReadTensor = Callable[[str, TensorSlice | None], torch.Tensor | None]
+Rows = TypeVar("Rows", torch.Tensor, GroupQuantized)
 # Phi-3's checkpoint stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`: our
 # projection -> (the stored one, the part's index in it).
 _PHI3_FUSED = {
@@ -136,11 +140,26 @@ def _split_fused(config: ModelConfig, read: ReadTensor) -> ReadTensor:
 
 
 def _partial_rotary_rows(config: ModelConfig, read: ReadTensor) -> ReadTensor:
-    """q/k rows of each head in `partial_rotary_layout`'s order (rank pieces hold whole heads,
-    so the order applies to them as to the whole); the unrotated q rows divided by the square of
-    the RoPE attention factor m, which `transformers` applies to the rotated dimensions alone
-    and `attention_scale` to all (in float32: the weight is rounded once, to the model's dtype,
-    so in bfloat16 those scores carry one more rounding than `transformers`')."""
+    """q/k rows of each head in `partial_rotary_layout`'s order (`partial_rotary_rows`)."""
+
+    def read_rows(name: str, piece: TensorSlice | None) -> torch.Tensor | None:
+        tensor = read(name, piece)
+        match = _LAYER_LINEAR.fullmatch(name)
+        if tensor is None or match is None or match["part"] not in ("q_proj", "k_proj"):
+            return tensor
+        return partial_rotary_rows(config, tensor, query=match["part"] == "q_proj")
+
+    return read_rows
+
+
+def partial_rotary_rows(config: ModelConfig, weight: Rows, query: bool) -> Rows:
+    """A q (`query`) or k projection's rows, whole heads (a rank's piece holds whole heads, so
+    the order applies to it as to the whole), float or group-quantized, in
+    `partial_rotary_layout`'s order; a query's unrotated rows divided by the square of the RoPE
+    attention factor m, which `transformers` applies to the rotated dimensions alone and
+    `attention_scale` to all (a float weight in float32: it is rounded once, to the model's
+    dtype, so in bfloat16 those scores carry one more rounding than `transformers`'; a
+    quantized one's row scales)."""
     head_dim = config.head_dim
     layout = partial_rotary_layout(head_dim, config.rotary_dim)
     scaling = config.rope_scaling
@@ -149,14 +168,17 @@ def _partial_rotary_rows(config: ModelConfig, read: ReadTensor) -> ReadTensor:
     unrotated[config.rotary_dim // 2 : head_dim // 2] = factor**-2
     unrotated[(head_dim + config.rotary_dim) // 2 :] = factor**-2
 
-    def read_rows(name: str, piece: TensorSlice | None) -> torch.Tensor | None:
-        tensor = read(name, piece)
-        match = _LAYER_LINEAR.fullmatch(name)
-        if tensor is None or match is None or match["part"] not in ("q_proj", "k_proj"):
-            return tensor
-        heads = tensor.unflatten(0, (-1, head_dim))[:, layout]  # [H, D, hidden]
-        if match["part"] == "q_proj" and factor != 1.0:
-            heads = heads.float() * unrotated[:, None]
-        return heads.flatten(0, 1)
+    def reorder(rows: torch.Tensor) -> torch.Tensor:
+        return rows.unflatten(0, (-1, head_dim))[:, layout].flatten(0, 1)
 
-    return read_rows
+    if isinstance(weight, GroupQuantized):
+        weight = weight.map_rows(reorder)
+        if not query or factor == 1.0:
+            return weight
+        rows = unrotated.repeat(weight.shape[0] // head_dim)[:, None]  # [N, 1]
+        zero = None if weight.zero is None else weight.zero * rows
+        return dataclasses.replace(weight, scale=weight.scale * rows, zero=zero)
+    heads = weight.unflatten(0, (-1, head_dim))[:, layout]  # [H, D, hidden]
+    if query and factor != 1.0:
+        heads = heads.float() * unrotated[:, None]
+    return heads.flatten(0, 1)
