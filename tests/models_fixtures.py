@@ -140,10 +140,11 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def make_family_hf_model(name: str, seed: int = 0) -> Any:
-    """`make_hf_model` for a FAMILY_CONFIGS entry: a `transformers` model with seeded random
-    weights (norm weights near 1, others ~N(0, 0.15^2)), fp32, eval."""
-    return _seeded_hf_model(FAMILY_CONFIGS[name], seed)
+def make_family_hf_model(name: str, seed: int = 0, **overrides: Any) -> Any:
+    """`make_hf_model` for a FAMILY_CONFIGS entry (`overrides` replace its keys): a
+    `transformers` model with seeded random weights (norm weights near 1, others
+    ~N(0, 0.15^2)), fp32, eval."""
+    return _seeded_hf_model({**FAMILY_CONFIGS[name], **overrides}, seed)
 
 
 # Tiny Gemma 3 text configs (`Gemma3TextConfig` keywords): sliding and full layers alternate
@@ -628,6 +629,8 @@ _GGUF_LAYER_PARTS = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
     "mlp.gate": "ffn_gate_inp",  # a mixture of experts' router
+    "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused projections, kept whole
+    "mlp.gate_up_proj": "ffn_up",
 }
 
 
@@ -681,18 +684,21 @@ def write_gguf(
 ) -> Path:
     """Writes a `transformers` model as llama.cpp's converter would (Q/K permuted for "llama";
     for Gemma 1 added to every norm weight, its window, soft-capping and linear RoPE scaling
-    in the metadata, no RoPE base for Gemma 2).
+    in the metadata, no RoPE base for Gemma 2; Phi-3's metadata and LongRoPE factor tensors
+    as `_write_phi3` says).
 
     Args:
         path: output file.
         hf_model: the model whose weights and config are written.
-        arch: GGUF architecture ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "qwen3moe";
-            a Mixtral as "llama"). A mixture of experts' stacked expert tensors are written as
-            llama.cpp stores them (`ffn_{gate,up,down}_exps`, [E, F, D] / [E, D, F]).
+        arch: GGUF architecture ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2",
+            "phi3", "qwen3moe"; a Mixtral as "llama"). A mixture of experts' stacked expert
+            tensors are written as llama.cpp stores them (`ffn_{gate,up,down}_exps`,
+            [E, F, D] / [E, D, F]).
         qtype_of: GGUF tensor name -> GGMLQuantizationType (default F32).
         rope_freqs: [head_dim // 2] Llama 3.1 frequency factors, written as `rope_freqs.weight`.
         tokenizer: optional tokenizer metadata (tokens, token_types, merges, bos/eos, template).
-        rope_scaling: `{arch}.rope.scaling.<key>` values (str, int as uint32, float as float32).
+        rope_scaling: `{arch}.rope.scaling.<key>` values (str, int as uint32, float as float32,
+            None left out; for "phi3" they replace the converter's).
         stacked_experts: False writes one tensor per expert (`ffn_gate.E`, older Mixtral files).
     """
     import gguf
@@ -706,13 +712,17 @@ def write_gguf(
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    if arch != "phi3":  # its converter writes neither (nor the vocabulary's size)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     if arch != "gemma2":
         rope = config.rope_parameters
         writer.add_rope_freq_base(rope.get(FULL_ATTENTION, rope)["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
+    if arch == "phi3":
+        _write_phi3(writer, config, rope_scaling or {})
+    else:
+        writer.add_vocab_size(config.vocab_size)
     num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0)
     if num_experts:
         writer.add_expert_count(num_experts)
@@ -732,12 +742,16 @@ def write_gguf(
             writer.add_float32(f"{arch}.rope.scaling.factor", full["factor"])
     for key, value in (rope_scaling or {}).items():
         name = f"{arch}.rope.scaling.{key}"
+        if value is None:  # left out
+            continue
         if isinstance(value, str):
             writer.add_string(name, value)
         elif isinstance(value, int):
             writer.add_uint32(name, value)
         else:
             writer.add_float32(name, value)
+    if arch == "phi3" and rope_freqs is not None:
+        raise ValueError("phi3 files carry LongRoPE factors, not rope_freqs.weight")
     if tokenizer is not None:
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre(tokenizer.get("pre", "default"))
@@ -789,6 +803,32 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _write_phi3(writer: Any, config: Any, replaced: dict[str, Any]) -> None:
+    """What llama.cpp's converter (`Phi3MiniModel`) writes beyond the common keys: the rotated
+    dimensions int(partial_rotary_factor x hidden) // heads, the original context, the window
+    (0: none), and for LongRoPE the factors as float32 tensors `rope_factors_long` /
+    `rope_factors_short` with the attention factor it derives from the two lengths (its
+    `sqrt(1 + ln(s) / ln(original))`, s their ratio, 1 for s <= 1), unless `replaced` gives
+    one (`rope.scaling.<key>` values the caller writes instead)."""
+    import math
+
+    rope = config.rope_parameters
+    partial = rope.get("partial_rotary_factor", 1.0)
+    original = config.original_max_position_embeddings
+    writer.add_rope_dimension_count(int(partial * config.hidden_size) // config.num_attention_heads)
+    if "original_context_length" not in replaced:
+        writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_sliding_window(config.sliding_window or 0)
+    if not rope.get("long_factor"):
+        return
+    scale = config.max_position_embeddings / original
+    if "attn_factor" not in replaced:
+        attn_factor = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        writer.add_rope_scaling_attn_factors(attn_factor)
+    for key, name in (("long_factor", "rope_factors_long"), ("short_factor", "rope_factors_short")):
+        writer.add_tensor(f"{name}.weight", np.asarray(rope[key], dtype=np.float32))
 
 
 def seeded_model(

@@ -388,18 +388,18 @@ def test_phi3_tensor_parallel_matches_one_rank(tmp_path: Path) -> None:
 
 
 def test_refusals_are_one_line_and_named(tmp_path: Path) -> None:
-    """A Phi-3 GGUF file, and an OLMo 2 one without metadata. (A windowed Phi-3 is taken by
-    both devices' decode paths; OLMo 2 under tensor parallelism:
+    """GGUF files of either family without metadata. (A windowed Phi-3 is taken by both
+    devices' decode paths; OLMo 2 under tensor parallelism:
     tests/e2e/test_tensor_parallel_families.py.)"""
     import gguf
 
     window = load_model(save_hf_model(make_family_hf_model("phi3_window"), tmp_path / "w")).model
     assert window.config.decode_path_reason("cuda") is None
     PagedModelRunner(window, 8, 4, max_num_seqs=2, decode_path=True)  # the CPU's plan has it
-    # Phi-3 files are refused by name; OLMo 2 files load (test_gguf_families.py), and one
-    # without its metadata names the missing key.
+    # Both families' files load (test_gguf_families.py); one without its metadata names the
+    # missing key.
     for arch, message in (
-        ("phi3", "unsupported GGUF architecture 'phi3'"),
+        ("phi3", "GGUF metadata lacks phi3.embedding_length"),
         ("olmo2", "GGUF metadata lacks olmo2.embedding_length"),
     ):
         file = tmp_path / f"{arch}.gguf"
