@@ -1,12 +1,17 @@
 """The OpenAI-compatible server end to end, through the official `openai` client and raw httpx,
 on a tiny random-weight model with a character tokenizer (CPU, loopback only).
 
+The tests on the module's `server` run twice: with the engine in a thread of the server's process
+(`AsyncEngine`) and in a process of its own (`EngineClient`, what `specdec serve` runs), so the
+routes, the API key, /metrics, /tokenize, aborts and disconnects are checked on both.
+
 Replay checks are exact (same seed -> same text); no statistical assertion is made here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 
@@ -16,11 +21,12 @@ import pytest
 
 from bad_logits_fixtures import unusable_logits
 from e2e.server_fixtures import ServerThread, make_tiny_model_dir
+from specdec.cli.serve import startup_line
 from specdec.core.snapshot import EngineDeadError, snapshot_of
 from specdec.engine.config import EngineConfig, SpeculativeConfig
 from specdec.engine.llm_engine import LLMEngine
 from specdec.sampling import SamplingParams
-from specdec.server import AsyncEngine, ServerConfig, build_app
+from specdec.server import AsyncEngine, EngineClient, ServerConfig, build_app
 
 pytestmark = pytest.mark.e2e
 
@@ -44,12 +50,9 @@ def model_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny"))
 
 
-@pytest.fixture(scope="module")
-def server(model_dir):
-    engine = LLMEngine(
-        EngineConfig(model=str(model_dir), max_model_len=MAX_MODEL_LEN, max_num_seqs=64),
-        SpeculativeConfig.from_dict(SPECULATIVE),
-    )
+@pytest.fixture(scope="module", params=["engine_thread", "engine_process"])
+def server(model_dir, request):
+    engine_config = EngineConfig(model=str(model_dir), max_model_len=MAX_MODEL_LEN, max_num_seqs=64)
     config = ServerConfig(
         served_model_name=MODEL,
         api_key=API_KEY,
@@ -58,9 +61,17 @@ def server(model_dir):
         max_n=4,
         max_prompts=MAX_PROMPTS,
     )
-    thread = ServerThread(build_app(AsyncEngine(engine), config)).start()
+    if request.param == "engine_thread":
+        engine = AsyncEngine(LLMEngine(engine_config, SpeculativeConfig.from_dict(SPECULATIVE)))
+    else:
+        describe = functools.partial(startup_line, name=MODEL, config=config)
+        spec = SpeculativeConfig.from_dict(SPECULATIVE)
+        engine = EngineClient.launch(engine_config, spec, 1, describe, log_stats=False)
+    thread = ServerThread(build_app(engine, config)).start()
     yield thread
     thread.stop()
+    if request.param == "engine_process":
+        engine.close()
 
 
 @pytest.fixture(scope="module")

@@ -94,7 +94,7 @@ class EngineClient:
     def launch(
         cls,
         engine_config,
-        speculative: dict | None,
+        speculative,
         threads: int | None,
         describe: Callable,
         log_stats: bool = True,
@@ -102,7 +102,8 @@ class EngineClient:
         """Starts the engine process and waits until its model is loaded.
 
         Args:
-            engine_config, speculative: what the engine is built from.
+            engine_config, speculative: what the engine is built from (an `EngineConfig` and a
+                `SpeculativeConfig` or None).
             threads: torch CPU threads of the engine process.
             describe: engine -> its start-up description (a module-level function).
             log_stats: the engine process writes a line of figures every few seconds while
