@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import signal
 import sys
 import time
@@ -27,6 +26,11 @@ from specdec.core.wire import (
     FAILED,
     OUTPUTS,
     SNAPSHOT,
+    Abort,
+    Add,
+    Drain,
+    Shutdown,
+    decode_command,
     delta_row,
     encode_frame,
 )
@@ -234,33 +238,37 @@ class EngineCore:
                 data = self.inbox.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            command = pickle.loads(data)
-            kind = command[0]
-            if kind == "add":
-                admitted.append(self._add(*command[1:]))
-            elif kind == "abort":
-                request_id = command[1]
-                if request_id in self.live:
-                    self.live.discard(request_id)
-                    self.engine.abort(request_id)
-            elif kind == "drain":
+            command = decode_command(data)
+            if isinstance(command, Add):
+                admitted.append(self._add(command))
+            elif isinstance(command, Abort):
+                if command.request_id in self.live:
+                    self.live.discard(command.request_id)
+                    self.engine.abort(command.request_id)
+            elif isinstance(command, Drain):
                 self.draining = True
                 self._abort_with_outputs()
-            elif kind == "shutdown":
+            elif isinstance(command, Shutdown):
                 self.stopping = True
         if admitted:
             self._send(ADMITTED, admitted)
 
-    def _add(self, request_id, prompt, params, speculative) -> list:
+    def _add(self, command: Add) -> list:
+        request_id = command.request_id
         if self.draining or self.stopping:
             return [request_id, EngineDeadError.__name__, "the server is shutting down"]
         try:
-            self.engine.add_request(prompt, params, request_id=request_id, speculative=speculative)
+            self.engine.add_request(
+                command.prompt,
+                command.params,
+                request_id=request_id,
+                speculative=command.speculative,
+            )
         except ValueError as err:
             return [request_id, ValueError.__name__, str(err)]
         self.live.add(request_id)
         if self.stats is not None:
-            self.stats.admitted(len(prompt))
+            self.stats.admitted(len(command.prompt))
         return [request_id, None, None]
 
     def _abort_with_outputs(self) -> None:

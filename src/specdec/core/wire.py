@@ -1,8 +1,10 @@
 """What the engine process and the HTTP process say to each other, and how it is encoded.
 
-The HTTP process sends commands (`add`, `abort`, `drain`, `shutdown`) pickled: a few per
-request, and `SamplingParams` travels whole. The engine process answers with msgpack frames
-(msgspec): admissions, the step's outputs and the latest `EngineSnapshot`. A step's outputs go
+The HTTP process sends commands (`Add`, `Abort`, `Drain`, `Shutdown`) as typed msgpack (msgspec
+structs, tagged by kind): `SamplingParams` travels whole and is decoded into its dataclass, so a
+field the decoder does not know fails on the HTTP side's encode, not in the engine. The engine
+process answers with msgpack frames: admissions, the step's outputs and the latest
+`EngineSnapshot`. A step's outputs go
 as the engine's `RequestDelta`s (`LLMEngine.emit_deltas`: the text and token ids appended, the
 logprob entries added since the request's previous delta; the spec-decode counters with the
 finished one), so neither a frame's size nor the engine's work per step follows the length of
@@ -21,6 +23,7 @@ import msgspec
 
 from specdec.core.snapshot import EngineSnapshot
 from specdec.engine.outputs import CompletionOutput, Logprob, RequestDelta, RequestOutput
+from specdec.sampling import SamplingParams
 
 # Frame kinds (engine -> HTTP process). Each frame is [kind, payload, snapshot | None].
 ADMITTED = "admitted"  # payload: [[request_id, error message | None], ...]
@@ -31,6 +34,38 @@ SNAPSHOT = "snapshot"  # payload: None (the frame carries only the snapshot)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
+
+
+# Commands (HTTP process -> engine process).
+class Add(msgspec.Struct, tag="add", array_like=True):
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    speculative: dict[str, Any] | None  # the request's `speculative` field, as sent
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True):
+    request_id: str
+
+
+class Drain(msgspec.Struct, tag="drain", array_like=True):
+    """End every live request with a final output; admit nothing more."""
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    """Leave the loop (after `Drain`, or at once)."""
+
+
+Command = Add | Abort | Drain | Shutdown
+_command_decoder = msgspec.msgpack.Decoder(Command)
+
+
+def encode_command(command: Command) -> bytes:
+    return _encoder.encode(command)
+
+
+def decode_command(data: bytes) -> Command:
+    return _command_decoder.decode(data)
 
 
 def encode_frame(kind: str, payload: Any, snapshot: EngineSnapshot | None = None) -> bytes:

@@ -26,7 +26,6 @@ import itertools
 import logging
 import multiprocessing
 import os
-import pickle
 import shutil
 import signal
 import tempfile
@@ -39,8 +38,14 @@ from specdec.core.wire import (
     DEAD,
     FAILED,
     OUTPUTS,
+    Abort,
+    Add,
+    Command,
+    Drain,
     OutputAssembler,
+    Shutdown,
     decode_frame,
+    encode_command,
 )
 from specdec.rng import engine_request_seed, fresh_seed
 from specdec.sampling import SamplingParams
@@ -180,7 +185,7 @@ class EngineClient:
         """Ends the engine process (its open requests end with EngineDeadError) and waits for it
         up to `timeout_s`, then stops it."""
         self._stopping = True
-        self._send(("shutdown",))
+        self._send(Shutdown())
         self.process.join(timeout_s)
         self._close(KILL_GRACE_S)
 
@@ -213,7 +218,7 @@ class EngineClient:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._send, ("drain",))
         else:
-            self._send(("drain",))
+            self._send(Drain())
 
     @property
     def is_alive(self) -> bool:
@@ -255,7 +260,7 @@ class EngineClient:
         self._streams[request_id] = outputs
         self._admissions[request_id] = admitted
         self._assembler.expect(request_id, prompt)
-        self._send(("add", request_id, list(prompt), params, speculative))
+        self._send(Add(request_id, list(prompt), params, speculative))
         try:
             await admitted
         except asyncio.CancelledError:  # the client left while the request was being admitted
@@ -266,16 +271,16 @@ class EngineClient:
     def abort(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:
             self._assembler.forget(request_id)
-            self._send(("abort", request_id))
+            self._send(Abort(request_id))
 
     # ---------------------------------------------------------------- internals
-    def _send(self, command: tuple) -> None:
+    def _send(self, command: Command) -> None:
         import zmq
 
         if self._commands is None:
             return
         with contextlib.suppress(zmq.Again):  # never raised: a connected PUSH without a limit
-            self._commands.send(pickle.dumps(command, pickle.HIGHEST_PROTOCOL), zmq.NOBLOCK)
+            self._commands.send(encode_command(command), zmq.NOBLOCK)
 
     async def _read_frames(self) -> None:
         while True:

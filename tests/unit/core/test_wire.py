@@ -2,20 +2,36 @@
 (`LLMEngine.emit_deltas`), framed and rebuilt by `OutputAssembler`, give at every step the
 `RequestOutput`s a twin engine returns (growing text, a text a stop string cut, n samples,
 logprobs, prompt logprobs, an abort; the spec-decode counters arrive with the finished output),
-frames carry only the step, and frames carry the snapshot."""
+frames carry only the step, and frames carry the snapshot. Commands (HTTP -> engine) are typed
+msgpack: every kind round-trips with every `SamplingParams` field, and a malformed one fails at
+decode."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import pytest
 
 from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
 from specdec.core.snapshot import EngineSnapshot
-from specdec.core.wire import OUTPUTS, OutputAssembler, decode_frame, delta_row, encode_frame
+from specdec.core.wire import (
+    OUTPUTS,
+    Abort,
+    Add,
+    Drain,
+    OutputAssembler,
+    Shutdown,
+    decode_command,
+    decode_frame,
+    delta_row,
+    encode_command,
+    encode_frame,
+)
 from specdec.engine.config import EngineConfig
 from specdec.engine.llm_engine import LLMEngine
 from specdec.sampling import SamplingParams
+from specdec.sampling.params import StructuredOutputsParams
 
 VOCAB = 97
 
@@ -164,3 +180,58 @@ def test_between_sends_a_step_reports_a_requests_first_tokens_and_its_end_only(m
         assert steps[-1] == last_step[request_id] > steps[0], (request_id, steps)  # its end
         # between them, only the steps where another of its n samples emitted its first tokens
         assert len(steps) <= 1 + samples[request_id], (request_id, steps)
+
+
+def test_commands_round_trip_with_every_sampling_field():
+    """Each command kind decodes to what was sent; `SamplingParams` with every field set off its
+    default (int-keyed logit_bias, stop lists, a JSON schema) comes back equal."""
+    defaults = SamplingParams()
+    params = SamplingParams(
+        n=2,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=5,
+        min_p=0.05,
+        seed=11,
+        max_tokens=9,
+        min_tokens=2,
+        stop=["x", "yz"],
+        stop_token_ids=[3, 4],
+        ignore_eos=True,
+        logprobs=2,
+        skip_special_tokens=False,
+        include_stop_str_in_output=True,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        repetition_penalty=1.1,
+        logit_bias={5: -2.0, 7: 1.5},
+        bad_words=["ab"],
+        allowed_token_ids=[1, 2, 3, 5, 7],
+        prompt_logprobs=1,
+        best_of=2,
+        structured_outputs=StructuredOutputsParams(json={"type": "object"}),
+    )
+    unchanged = [
+        f.name
+        for f in dataclasses.fields(SamplingParams)
+        if getattr(params, f.name) == getattr(defaults, f.name)
+    ]
+    assert unchanged == []
+    commands = [
+        Add("r-1", [1, 2, 3], params, {"enabled": True, "num_speculative_tokens": 2}),
+        Add("r-2", [4], SamplingParams(), None),
+        Abort("r-1"),
+        Drain(),
+        Shutdown(),
+    ]
+    for command in commands:
+        assert decode_command(encode_command(command)) == command
+    assert isinstance(decode_command(encode_command(commands[0])).params, SamplingParams)
+
+
+def test_a_malformed_command_fails_at_decode():
+    """A command of an unknown kind, or parameters of the wrong type, raise on decode."""
+    with pytest.raises(msgspec.ValidationError):
+        decode_command(msgspec.msgpack.encode(["evict", "r-1"]))
+    with pytest.raises(msgspec.ValidationError):
+        decode_command(msgspec.msgpack.encode(["add", "r-1", [1], "temperature=2", None]))
