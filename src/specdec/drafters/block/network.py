@@ -23,6 +23,7 @@ from specdec.models import LlamaForCausalLM, ModelConfig
 from specdec.models.decoder_layers import LlamaAttention, LlamaMLP
 from specdec.models.families import check_llama_layout
 from specdec.models.layers import Embedding, Linear, RMSNorm
+from specdec.models.moe import SparseMoeBlock
 from specdec.models.rope import RotaryEmbedding, apply_rotary
 
 BLOCK_DRAFTER_KINDS = ("dflash", "dspark")
@@ -124,8 +125,17 @@ class BlockDrafterConfig:
 
 
 def layer_config(config: BlockDrafterConfig, target_config: ModelConfig) -> ModelConfig:
-    """The drafter's decoder layers are shaped like the target's (so they can start as copies)."""
-    return dataclasses.replace(target_config, num_hidden_layers=config.num_hidden_layers)
+    """The drafter's decoder layers are shaped like the target's (so they can start as copies),
+    with a dense MLP of the target's `intermediate_size` over a mixture-of-experts target (as
+    DFlash's drafters for Qwen3-MoE targets are built)."""
+    return dataclasses.replace(
+        target_config,
+        num_hidden_layers=config.num_hidden_layers,
+        num_experts=0,
+        num_experts_per_tok=0,
+        moe_intermediate_size=0,
+        moe_layers=(),
+    )
 
 
 class BlockAttention(LlamaAttention):
@@ -218,7 +228,7 @@ class BlockDrafterModel(nn.Module):
 
     def __init__(self, config: BlockDrafterConfig, target_config: ModelConfig) -> None:
         super().__init__()
-        check_llama_layout(target_config, f"the {config.kind} drafter")
+        check_llama_layout(target_config, f"the {config.kind} drafter", sparse_mlp=True)
         if target_config.hidden_size != config.target_hidden_size:
             raise ValueError(
                 f"the drafter was built for a target of hidden size {config.target_hidden_size}, "
@@ -346,10 +356,36 @@ def init_from_target(config: BlockDrafterConfig, target: LlamaForCausalLM) -> Bl
     model.mask_embedding.copy_(weight.mean(dim=0))
     first = target_config.num_hidden_layers - config.num_hidden_layers
     for index, layer in enumerate(model.layers):
-        layer.load_state_dict(target.model.layers[first + index].state_dict())
+        source = target.model.layers[first + index]
+        state = source.state_dict()
+        if isinstance(source.mlp, SparseMoeBlock):
+            state = {k: v for k, v in state.items() if not k.startswith("mlp.")}
+            state |= {f"mlp.{k}": v for k, v in experts_as_dense(source.mlp, layer.mlp).items()}
+        layer.load_state_dict(state)
     if model.markov_in is not None:
         model.markov_in.weight.copy_(weight[:, : config.markov_rank])
         model.markov_out.weight.zero_()
         model.confidence.weight.zero_()
         model.confidence.bias.zero_()
     return model
+
+
+def experts_as_dense(block: SparseMoeBlock, mlp: LlamaMLP) -> dict[str, torch.Tensor]:
+    """Weights for the dense `mlp` that compute the mean of a sparse block's first n experts'
+    outputs, n being as many whole experts as `mlp`'s width holds (at least 1: an expert wider
+    than `mlp` gives its first rows); the rows past them are zero. The deterministic start of a
+    block drafter's layer copied from a sparse one (the router is dropped)."""
+    expert_width = block.experts[0].down_proj.weight.shape[1]
+    dense_width = mlp.down_proj.weight.shape[1]
+    count = max(1, min(len(block.experts), dense_width // expert_width))
+    width = min(expert_width, dense_width)
+    reference = block.experts[0].down_proj.weight  # [D, F]
+    gate = reference.new_zeros(dense_width, reference.shape[0])
+    up = reference.new_zeros(dense_width, reference.shape[0])
+    down = reference.new_zeros(reference.shape[0], dense_width)
+    for index, expert in enumerate(block.experts[:count]):
+        rows = slice(index * width, (index + 1) * width)
+        gate[rows] = expert.gate_proj.weight[:width]
+        up[rows] = expert.up_proj.weight[:width]
+        down[:, rows] = expert.down_proj.weight[:, :width] / count
+    return {"gate_proj.weight": gate, "up_proj.weight": up, "down_proj.weight": down}
