@@ -4,12 +4,18 @@ past a split-KV partition) captures no CUDA graph and compiles no Triton kernel 
 built-in model with its shipped EAGLE head and on a tiny model with a trained head. Negative
 control: the same load on an engine never warmed up captures graphs (every one of a key the
 warm-up captured). (Compiles have no such control: Triton keeps a kernel's variants for the
-process, so a second engine compiles none; `test_triton_compiles.py` checks the counter.)"""
+process, so a second engine compiles none; `test_triton_compiles.py` checks the counter.)
+`specdec generate` on CUDA warms up once, before its first token, and says so in one line."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+
 import pytest
 
+from e2e.server_fixtures import make_tiny_model_dir
 from eagle_fixtures import trained_head
 from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
 from specdec.drafters.default import default_speculative_config
@@ -122,3 +128,17 @@ def test_a_plain_engine_compiles_nothing_after_warm_up(tiny):
     while engine.has_unfinished:
         engine.step()
     assert engine.triton_compiles_after_warm_up == {}
+
+
+def test_generate_warms_up_once_and_says_so(tmp_path):
+    """`specdec generate` on CUDA: one warm-up line naming the graphs captured and the time,
+    then the tokens (the default n-gram speculation of a model without a shipped head)."""
+    model_dir = make_tiny_model_dir(tmp_path / "tiny")
+    command = [sys.executable, "-m", "specdec.cli", "generate", str(model_dir), "abcabc abc"]
+    command += ["--device", "cuda", "--max-tokens", "8", "--temperature", "0"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = re.findall(r"warm-up: captured (\d+) graphs in ([\d.]+) s", done.stderr)
+    assert len(lines) == 1, done.stderr[-2000:]
+    assert int(lines[0][0]) > 0
+    assert done.stdout.strip()
