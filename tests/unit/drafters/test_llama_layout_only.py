@@ -1,8 +1,9 @@
-"""Code that rebuilds a target's layers as Llama's (block drafters' layers, the draft-model
-trainer) refuses targets whose layers are not Llama's (OLMo 2's norms after attention and MLP,
-Phi-3's partial rotary, ...) by name, instead of computing something else. Block drafters take
-the mixture-of-experts targets (Llama's layers but for the sparse MLP) with dense layers, whose
-MLP copied from a sparse one computes the mean of its first experts."""
+"""The draft-model trainer, which rebuilds a target's layers as Llama's, refuses targets whose
+layers are not Llama's (OLMo 2's norms after attention and MLP, Phi-3's partial rotary, ...) by
+name, instead of computing something else. Block drafters build their layers with the target's
+norm placement and numerics (and refuse soft-capped attention by name); over the
+mixture-of-experts targets their layers are dense, and an MLP copied from a sparse one computes
+the mean of its first experts."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from specdec.drafters.block.network import (
+    BlockDecoderLayer,
     BlockDrafterConfig,
     BlockDrafterModel,
+    BlockPostNormLayer,
+    BlockSandwichLayer,
     experts_as_dense,
     layer_config,
 )
@@ -50,12 +54,33 @@ def _block(target: ModelConfig) -> BlockDrafterModel:
 
 
 @pytest.mark.parametrize("architecture", ["Olmo2ForCausalLM", "Phi3ForCausalLM"])
-def test_a_block_drafter_over_another_layout_is_refused_by_name(architecture):
+def test_training_a_draft_model_over_another_layout_is_refused_by_name(architecture):
     target = dataclasses.replace(BASE, architecture=architecture)
-    with pytest.raises(ValueError, match=f"the dflash drafter is not available for {architecture}"):
-        _block(target)
     with pytest.raises(ValueError, match=f"training a draft model .* {architecture}"):
         check_llama_layout(target, "training a draft model")
+
+
+def test_a_block_drafter_over_soft_capped_attention_is_refused_by_name():
+    """Gemma 2's soft-capped scores: the block attention computes plain ones, so it refuses."""
+    target = dataclasses.replace(
+        BASE, architecture="Gemma2ForCausalLM", attn_logit_softcapping=50.0
+    )
+    with pytest.raises(ValueError, match=r"dflash drafter is not available for Gemma2.*soft-capp"):
+        _block(target)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "placement", "layer"),
+    [
+        ("Olmo2ForCausalLM", "post", BlockPostNormLayer),
+        ("Gemma3ForCausalLM", "sandwich", BlockSandwichLayer),
+        ("Phi3ForCausalLM", "pre", BlockDecoderLayer),
+    ],
+)
+def test_a_block_drafters_layers_take_the_targets_norm_placement(architecture, placement, layer):
+    target = dataclasses.replace(BASE, architecture=architecture, norm_placement=placement)
+    model = _block(target)
+    assert all(type(block) is layer for block in model.layers)
 
 
 def test_llama_layouts_build():

@@ -200,7 +200,7 @@ class DFlashDrafter(Drafter):
         model = self.model
         num_rows = model.config.num_rows
         rows = model.mask_embedding.expand(anchor_tokens.shape[0], num_rows, -1).clone()
-        rows[:, 0] = self.target.model.embed_tokens(anchor_tokens)
+        rows[:, 0] = self.target.model.embed(anchor_tokens)  # Gemma's scaled
         positions = (anchors - 1)[:, None] + torch.arange(num_rows, device=anchors.device)
         return model(rows, positions, layer_context, mask)  # [B, R, D]
 

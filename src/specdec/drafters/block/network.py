@@ -20,8 +20,7 @@ from torch import nn
 
 from specdec.drafters.config import MAX_NUM_SPECULATIVE_TOKENS
 from specdec.models import LlamaForCausalLM, ModelConfig
-from specdec.models.decoder_layers import LlamaAttention, LlamaMLP
-from specdec.models.families import check_llama_layout
+from specdec.models.decoder_layers import LlamaAttention, LlamaMLP, rms_norm
 from specdec.models.layers import Embedding, Linear, RMSNorm
 from specdec.models.moe import SparseMoeBlock
 from specdec.models.rope import RotaryEmbedding, apply_rotary
@@ -127,10 +126,14 @@ class BlockDrafterConfig:
 def layer_config(config: BlockDrafterConfig, target_config: ModelConfig) -> ModelConfig:
     """The drafter's decoder layers are shaped like the target's (so they can start as copies),
     with a dense MLP of the target's `intermediate_size` over a mixture-of-experts target (as
-    DFlash's drafters for Qwen3-MoE targets are built)."""
+    DFlash's drafters for Qwen3-MoE targets are built). Every layer attends to its whole
+    context and block with the target's global RoPE (no sliding window, no per-layer kinds)."""
     return dataclasses.replace(
         target_config,
         num_hidden_layers=config.num_hidden_layers,
+        layer_types=(),
+        local_rope_theta=None,
+        sliding_window=None,
         num_experts=0,
         num_experts_per_tok=0,
         moe_intermediate_size=0,
@@ -145,6 +148,15 @@ class BlockAttention(LlamaAttention):
     load as they are; `forward` attends over the block instead of the paged cache.
     """
 
+    def _normed(self, projected: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
+        """[N, S, H D] queries or keys through their RMSNorm (over each head: Qwen3's; over the
+        whole projection: OLMo 2's), or as they are without one."""
+        if norm is None:
+            return projected
+        if self.qk_norm_per_head:
+            return norm(projected.unflatten(-1, (-1, self.head_dim))).flatten(-2)
+        return norm(projected)
+
     def keys_values(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,10 +164,8 @@ class BlockAttention(LlamaAttention):
 
         Returns: (keys [N, S, H_kv, head_dim] rotated, values [N, S, H_kv, head_dim])."""
         n, s, _ = hidden.shape
-        key = self.k_proj(hidden).view(n, s, self.num_kv_heads, self.head_dim)
+        key = self._normed(self.k_proj(hidden), self.k_norm).view(n, s, self.num_kv_heads, -1)
         value = self.v_proj(hidden).view(n, s, self.num_kv_heads, self.head_dim)
-        if self.k_norm is not None:
-            key = self.k_norm(key)
         key = apply_rotary(key.flatten(0, 1), cos.flatten(0, 1), sin.flatten(0, 1))
         return key.view(n, s, self.num_kv_heads, self.head_dim), value
 
@@ -178,9 +188,7 @@ class BlockAttention(LlamaAttention):
         Returns: [N, R, D].
         """
         n, r, _ = hidden.shape
-        query = self.q_proj(hidden).view(n, r, self.num_heads, self.head_dim)
-        if self.q_norm is not None:
-            query = self.q_norm(query)
+        query = self._normed(self.q_proj(hidden), self.q_norm).view(n, r, self.num_heads, -1)
         query = apply_rotary(query.flatten(0, 1), cos.flatten(0, 1), sin.flatten(0, 1))
         query = query.view(n, r, self.num_heads, self.head_dim)
         key, value = self.keys_values(hidden, cos, sin)  # [N, R, H_kv, head_dim] each
@@ -207,13 +215,67 @@ class BlockDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = BlockAttention(config)
         self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = rms_norm(config)
+        self.post_attention_layernorm = rms_norm(config)
 
     def forward(self, hidden, cos, sin, context, mask) -> torch.Tensor:
         normed = self.input_layernorm(hidden)
         hidden = hidden + self.self_attn(normed, cos, sin, context, mask)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class BlockPostNormLayer(nn.Module):
+    """OLMo 2's block: x + norm(attn(x, context)), then x + norm(mlp(x)) (its names)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = BlockAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.post_attention_layernorm = rms_norm(config)
+        self.post_feedforward_layernorm = rms_norm(config)
+
+    def forward(self, hidden, cos, sin, context, mask) -> torch.Tensor:
+        attended = self.self_attn(hidden, cos, sin, context, mask)
+        hidden = hidden + self.post_attention_layernorm(attended)
+        return hidden + self.post_feedforward_layernorm(self.mlp(hidden))
+
+
+class BlockSandwichLayer(nn.Module):
+    """Gemma's block: x + norm(attn(norm(x), context)), then x + norm(mlp(norm(x)))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = BlockAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = rms_norm(config)
+        self.post_attention_layernorm = rms_norm(config)
+        self.pre_feedforward_layernorm = rms_norm(config)
+        self.post_feedforward_layernorm = rms_norm(config)
+
+    def forward(self, hidden, cos, sin, context, mask) -> torch.Tensor:
+        attended = self.self_attn(self.input_layernorm(hidden), cos, sin, context, mask)
+        hidden = hidden + self.post_attention_layernorm(attended)
+        fed = self.mlp(self.pre_feedforward_layernorm(hidden))
+        return hidden + self.post_feedforward_layernorm(fed)
+
+
+# The drafter's layers by the target's norm placement (`ModelConfig.norm_placement`), each with
+# the parameter names of the target's layer of that placement (so a target layer loads as is).
+BLOCK_LAYERS = {
+    "pre": BlockDecoderLayer,
+    "post": BlockPostNormLayer,
+    "sandwich": BlockSandwichLayer,
+}
+
+
+def check_block_target(kind: str, target_config: ModelConfig) -> None:
+    """Raises ValueError naming what the block drafters' attention lacks for this target: soft-
+    capped attention scores (Gemma 2; the paged block attention computes plain softmax)."""
+    if target_config.attn_logit_softcapping:
+        raise ValueError(
+            f"the {kind} drafter is not available for {target_config.architecture} targets yet "
+            "(attention soft-capping: its block attention computes plain scores)"
+        )
 
 
 class BlockDrafterModel(nn.Module):
@@ -228,7 +290,7 @@ class BlockDrafterModel(nn.Module):
 
     def __init__(self, config: BlockDrafterConfig, target_config: ModelConfig) -> None:
         super().__init__()
-        check_llama_layout(target_config, f"the {config.kind} drafter", sparse_mlp=True)
+        check_block_target(config.kind, target_config)
         if target_config.hidden_size != config.target_hidden_size:
             raise ValueError(
                 f"the drafter was built for a target of hidden size {config.target_hidden_size}, "
@@ -248,12 +310,11 @@ class BlockDrafterModel(nn.Module):
         layers = layer_config(config, target_config)
         hidden = target_config.hidden_size
         self.fc = Linear(len(config.feature_layers) * hidden, hidden, bias=False)
-        self.context_norm = RMSNorm(hidden, target_config.rms_norm_eps)
+        self.context_norm = rms_norm(target_config)
         self.mask_embedding = nn.Parameter(torch.empty(hidden))  # [D]
-        self.layers = nn.ModuleList(
-            BlockDecoderLayer(layers) for _ in range(layers.num_hidden_layers)
-        )
-        self.norm = RMSNorm(hidden, target_config.rms_norm_eps)
+        layer_class = BLOCK_LAYERS[layers.norm_placement]
+        self.layers = nn.ModuleList(layer_class(layers) for _ in range(layers.num_hidden_layers))
+        self.norm = rms_norm(target_config)
         self.rotary_emb = RotaryEmbedding(layers)
         self.markov_in = self.markov_out = self.confidence = None
         if config.kind == "dspark":
@@ -351,7 +412,7 @@ def init_from_target(config: BlockDrafterConfig, target: LlamaForCausalLM) -> Bl
     num_features = len(config.feature_layers)
     eye = torch.eye(hidden, dtype=weight.dtype, device=weight.device) / num_features
     model.fc.weight.copy_(eye.repeat(1, num_features))
-    model.context_norm.weight.fill_(1.0)
+    model.context_norm.weight.fill_(0.0 if target_config.norm_unit_offset else 1.0)  # identity
     model.norm.weight.copy_(target.model.norm.weight)
     model.mask_embedding.copy_(weight.mean(dim=0))
     first = target_config.num_hidden_layers - config.num_hidden_layers
