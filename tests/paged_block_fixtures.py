@@ -45,9 +45,11 @@ def paged_layout(
     return k_pool, v_pool, tables.to(device), torch.tensor(context_lens, device=device)
 
 
-def naive_block_attention(query, key, value, k_pool, v_pool, tables, context_lens, scale):
+def naive_block_attention(
+    query, key, value, k_pool, v_pool, tables, context_lens, scale, softcap=None
+):
     """Softmax over [context keys 0..L-1, the block's own keys], one block at a time, in
-    float32."""
+    float32 (scores cap * tanh(scores / cap) with a softcap)."""
     query, key, value = query.float(), key.float(), value.float()
     k_pool, v_pool = k_pool.float(), v_pool.float()
     num_heads = query.shape[2]
@@ -59,5 +61,7 @@ def naive_block_attention(query, key, value, k_pool, v_pool, tables, context_len
         keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L + R, D]
         values = values.repeat_interleave(group, dim=1).transpose(0, 1)
         scores = query[b].transpose(0, 1) @ keys.transpose(-1, -2) * scale  # [H, R, L + R]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         out[b] = (scores.softmax(-1) @ values).transpose(0, 1)
     return out

@@ -3,11 +3,10 @@
 briefly on the target's features and a draft model (the target's own checkpoint) speculate, and
 greedy speculation emits plain greedy's tokens with drafts proposed (and, for the draft model,
 accepted). Block drafters (DFlash, DSpark) build their layers as the target's (its norm
-placement and numerics; a dense MLP over the mixture-of-experts targets, started as the mean of
-the first experts), and their greedy speculation emits plain greedy's tokens over every family
-but Gemma 2, whose soft-capped attention they refuse by name
-(`tests/unit/drafters/test_llama_layout_only.py`); n-gram drafting is checked in each family's
-own test file."""
+placement and numerics, Gemma 2's soft-capped scores; a dense MLP over the mixture-of-experts
+targets, started as the mean of the first experts): one copying all of a target's layers gives
+its logits, and their greedy speculation emits plain greedy's tokens over every family; n-gram
+drafting is checked in each family's own test file."""
 
 from __future__ import annotations
 
@@ -70,13 +69,12 @@ def test_greedy_speculation_equals_plain_greedy(target, method, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gemma3", "olmo2", "phi3"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gemma2", "gemma3", "olmo2", "phi3"])
 def test_block_drafters_equal_plain_greedy(name, kind, tmp_path):
     """A block drafter started from the target's last layers (its norm placement and numerics;
     over a MoE target the dense MLP is the mean of the first experts) and perturbed: its greedy
     speculation emits plain greedy's tokens, with drafts proposed (on these tiny random models
-    acceptance is near chance: the layers' math is checked by the copying test below). Gemma 2
-    (soft-capped attention) is refused by name (test_llama_layout_only.py)."""
+    acceptance is near chance: the layers' math is checked by the copying test below)."""
     path = save_hf_model(FAMILIES[name](), tmp_path / name)
     target = load_model(path).model
     drafter = save_tiny_block_drafter(tmp_path / kind, kind, target, block_size=3, noise=0.05)
@@ -85,11 +83,13 @@ def test_block_drafters_equal_plain_greedy(name, kind, tmp_path):
     speculative_equals_plain(llm, NGRAM_PROMPTS)
 
 
-# Families whose block-drafter layers must compute the target's own layers: Gemma 3 with its
+# Families whose block-drafter layers must compute the target's own layers: Gemma 2 (soft-capped
+# attention scores and final logits) with its window made longer than the prompt, Gemma 3 with its
 # sliding layers' RoPE base and window made the global ones (a drafter layer attends its whole
 # context with the global base), Phi-3 with LongRoPE and partial rotary (prompts within its
 # original context).
 LAYER_COPIES = {
+    "gemma2": lambda: make_gemma2_hf_model("gemma2", sliding_window=256),
     "gemma3": lambda: make_gemma3_hf_model(
         "gemma3", sliding_window=256, rope_local_base_freq=1_000_000.0
     ),

@@ -351,11 +351,14 @@ def split_kv_attention_lse(
     v_cache: torch.Tensor,
     meta: DecodeMetadata,
     scale: float,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See `split_kv_attention_lse_ref`; on CUDA the split-KV kernels over `meta.num_partitions`
     partitions a sequence (fixed: they must cover every context; CUDA-graph safe)."""
     if not query.is_cuda:
-        return split_kv_attention_lse_ref(query, k_cache, v_cache, meta, scale)
+        return split_kv_attention_lse_ref(query, k_cache, v_cache, meta, scale, softcap=softcap)
     from specdec.models import split_kv_triton
 
-    return split_kv_triton.split_kv_attention_lse_triton(query, k_cache, v_cache, meta, scale)
+    return split_kv_triton.split_kv_attention_lse_triton(
+        query, k_cache, v_cache, meta, scale, softcap
+    )

@@ -294,11 +294,12 @@ def split_kv_attention_lse_triton(
     v_cache: torch.Tensor,
     meta: DecodeMetadata,
     scale: float,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`split_kv.split_kv_attention_lse_ref` on the kernels: (out float32, lse float32)."""
     out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
     lse = torch.full(query.shape[:2], -torch.inf, device=query.device)
-    _launch(query, k_cache, v_cache, meta, scale, out, lse)
+    _launch(query, k_cache, v_cache, meta, scale, out, lse, softcap=softcap)
     return out, lse
 
 

@@ -1,7 +1,7 @@
 """The draft-model trainer, which rebuilds a target's layers as Llama's, refuses targets whose
 layers are not Llama's (OLMo 2's norms after attention and MLP, Phi-3's partial rotary, ...) by
 name, instead of computing something else. Block drafters build their layers with the target's
-norm placement and numerics (and refuse soft-capped attention by name); over the
+norm placement and numerics; over the
 mixture-of-experts targets their layers are dense, and an MLP copied from a sparse one computes
 the mean of its first experts."""
 
@@ -60,20 +60,12 @@ def test_training_a_draft_model_over_another_layout_is_refused_by_name(architect
         check_llama_layout(target, "training a draft model")
 
 
-def test_a_block_drafter_over_soft_capped_attention_is_refused_by_name():
-    """Gemma 2's soft-capped scores: the block attention computes plain ones, so it refuses."""
-    target = dataclasses.replace(
-        BASE, architecture="Gemma2ForCausalLM", attn_logit_softcapping=50.0
-    )
-    with pytest.raises(ValueError, match=r"dflash drafter is not available for Gemma2.*soft-capp"):
-        _block(target)
-
-
 @pytest.mark.parametrize(
     ("architecture", "placement", "layer"),
     [
         ("Olmo2ForCausalLM", "post", BlockPostNormLayer),
         ("Gemma3ForCausalLM", "sandwich", BlockSandwichLayer),
+        ("Gemma2ForCausalLM", "sandwich", BlockSandwichLayer),
         ("Phi3ForCausalLM", "pre", BlockDecoderLayer),
     ],
 )

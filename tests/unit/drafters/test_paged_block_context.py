@@ -59,6 +59,23 @@ def test_paged_block_attention_is_softmax_over_context_and_own_rows(heads, num_r
     torch.testing.assert_close(got, want, **FP32_TOL)
 
 
+@pytest.mark.parametrize("softcap", [2.0, 0.5])
+def test_paged_block_attention_soft_caps_context_and_own_rows(softcap) -> None:
+    """Gemma 2's soft-capped scores on both partial attentions (the context's split-KV twin and
+    the block's own rows), merged; control: without the cap the output differs."""
+    k_pool, v_pool, tables, lens = paged_layout(CONTEXTS, 2, 16, seed=13)
+    n, rows = len(CONTEXTS), 3
+    query = randn(n, rows, 4, 16, seed=14) * 3.0  # scores large enough for the cap to bind
+    key, value = randn(n, rows, 2, 16, seed=15), randn(n, rows, 2, 16, seed=16)
+    parts = split_kv.num_partitions(tables.shape[1] * 16)
+    args = (k_pool, v_pool, tables, lens)
+    got = paged_context.paged_block_attention(query, key, value, *args, parts, 0.3, softcap)
+    want = naive_block_attention(query, key, value, *args, 0.3, softcap)
+    torch.testing.assert_close(got, want, **FP32_TOL)
+    uncapped = naive_block_attention(query, key, value, *args, 0.3)
+    assert (got - uncapped).abs().max() > 1e-2
+
+
 def test_context_lse_is_the_scores_logsumexp() -> None:
     k_pool, v_pool, tables, lens = paged_layout(CONTEXTS, 2, 16, seed=11)
     rows = 3
@@ -76,7 +93,8 @@ def test_context_lse_is_the_scores_logsumexp() -> None:
 
 
 @interpret
-def test_lse_kernels_interpreted_match_twin(monkeypatch) -> None:
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_lse_kernels_interpreted_match_twin(monkeypatch, softcap) -> None:
     from specdec.models import attention_tiles, split_kv_triton
 
     # partitions of 128 keys: several per context
@@ -86,8 +104,8 @@ def test_lse_kernels_interpreted_match_twin(monkeypatch) -> None:
     rows = 5
     query = randn(len(contexts) * rows, 8, 16, seed=22)
     args = (query, k_pool, v_pool, context_meta(tables, lens, rows, num_partitions=4), 0.3)
-    got_out, got_lse = split_kv_triton.split_kv_attention_lse_triton(*args)
-    want_out, want_lse = split_kv.split_kv_attention_lse_ref(*args)
+    got_out, got_lse = split_kv_triton.split_kv_attention_lse_triton(*args, softcap)
+    want_out, want_lse = split_kv.split_kv_attention_lse_ref(*args, softcap=softcap)
     torch.testing.assert_close(got_out, want_out, **FP32_TOL)
     torch.testing.assert_close(got_lse, want_lse, **FP32_TOL)
 

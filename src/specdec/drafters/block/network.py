@@ -193,18 +193,23 @@ class BlockAttention(LlamaAttention):
         query = query.view(n, r, self.num_heads, self.head_dim)
         key, value = self.keys_values(hidden, cos, sin)  # [N, R, H_kv, head_dim] each
         if not isinstance(context, tuple):
-            out = context.attend(query, key, value, self.scale)  # [N, R, H, head_dim]
+            out = context.attend(query, key, value, self.scale, self.softcap)  # [N, R, H, hd]
             return self.o_proj(out.reshape(n, r, self.num_heads * self.head_dim))
         keys = torch.cat([context[0], key], dim=1).transpose(1, 2)  # [N, H_kv, S + R, head_dim]
         values = torch.cat([context[1], value], dim=1).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            query.transpose(1, 2),  # [N, H, R, head_dim]
-            keys,
-            values,
-            attn_mask=mask[:, None],  # [N, 1, R, S + R]
-            scale=self.scale,
-            enable_gqa=True,
-        )  # [N, H, R, head_dim]
+        if self.softcap is None:
+            out = F.scaled_dot_product_attention(
+                query.transpose(1, 2),  # [N, H, R, head_dim]
+                keys,
+                values,
+                attn_mask=mask[:, None],  # [N, 1, R, S + R]
+                scale=self.scale,
+                enable_gqa=True,
+            )  # [N, H, R, head_dim]
+        else:  # Gemma 2's soft-capped scores, which SDPA cannot compute
+            out = capped_attention(
+                query.transpose(1, 2), keys, values, mask, self.scale, self.softcap
+            )
         return self.o_proj(out.transpose(1, 2).reshape(n, r, self.num_heads * self.head_dim))
 
 
@@ -268,14 +273,25 @@ BLOCK_LAYERS = {
 }
 
 
-def check_block_target(kind: str, target_config: ModelConfig) -> None:
-    """Raises ValueError naming what the block drafters' attention lacks for this target: soft-
-    capped attention scores (Gemma 2; the paged block attention computes plain softmax)."""
-    if target_config.attn_logit_softcapping:
-        raise ValueError(
-            f"the {kind} drafter is not available for {target_config.architecture} targets yet "
-            "(attention soft-capping: its block attention computes plain scores)"
-        )
+def capped_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """Softmax attention over cap * tanh(scale q.k / cap) scores (Gemma 2), in float32.
+
+    Args: query [N, H, R, D]; keys, values [N, H_kv, S + R, D]; mask [N, R, S + R] bool.
+
+    Returns: [N, H, R, D] in query's dtype."""
+    group = query.shape[1] // keys.shape[1]
+    keys = keys.float().repeat_interleave(group, dim=1)
+    values = values.float().repeat_interleave(group, dim=1)
+    scores = torch.tanh(query.float() @ keys.transpose(-1, -2) * scale / softcap) * softcap
+    scores = scores.masked_fill(~mask[:, None], -torch.inf)
+    return (scores.softmax(-1) @ values).to(query.dtype)
 
 
 class BlockDrafterModel(nn.Module):
@@ -290,7 +306,6 @@ class BlockDrafterModel(nn.Module):
 
     def __init__(self, config: BlockDrafterConfig, target_config: ModelConfig) -> None:
         super().__init__()
-        check_block_target(config.kind, target_config)
         if target_config.hidden_size != config.target_hidden_size:
             raise ValueError(
                 f"the drafter was built for a target of hidden size {config.target_hidden_size}, "

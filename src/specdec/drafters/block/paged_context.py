@@ -176,7 +176,12 @@ class PagedLayerContext:
     num_partitions: int
 
     def attend(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """See `paged_block_attention`."""
         return paged_block_attention(
@@ -189,6 +194,7 @@ class PagedLayerContext:
             self.context_lens,
             self.num_partitions,
             scale,
+            softcap,
         )
 
 
@@ -202,6 +208,7 @@ def paged_block_attention(
     context_lens: torch.Tensor,
     num_partitions: int,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of each block's rows over its paged context and its own rows, no causal mask:
     softmax over [context keys 0..context_lens[n]-1, the block's R keys], computed as the two
@@ -215,6 +222,7 @@ def paged_block_attention(
         context_lens: [N] int64 context positions each block sees (0: its own rows only).
         num_partitions: split-KV partitions a launch covers (>= every context's).
         scale: softmax scale.
+        softcap: if set, scores cap * tanh(scale q.k / cap) (Gemma 2's soft-capping).
 
     Returns: [N, R, H_q, D] in query's dtype.
     """
@@ -228,9 +236,9 @@ def paged_block_attention(
         num_partitions=num_partitions,
     )
     context_out, context_lse = split_kv_attention_lse(
-        query.reshape(n * r, num_heads, head_dim), k_pool, v_pool, meta, scale
+        query.reshape(n * r, num_heads, head_dim), k_pool, v_pool, meta, scale, softcap
     )
-    own_out, own_lse = own_rows_attention(query, key, value, scale)
+    own_out, own_lse = own_rows_attention(query, key, value, scale, softcap)
     return merge_partials(
         context_out.view(n, r, num_heads, head_dim),
         context_lse.view(n, r, num_heads),
@@ -240,11 +248,16 @@ def paged_block_attention(
 
 
 def own_rows_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense attention of each block's R rows over its own R rows, in float32.
 
-    Args: query [N, R, H_q, D]; key, value [N, R, H_kv, D] (H_q a multiple of H_kv).
+    Args: query [N, R, H_q, D]; key, value [N, R, H_kv, D] (H_q a multiple of H_kv); softcap
+    as `paged_block_attention`'s.
 
     Returns: (out [N, R, H_q, D] float32, lse [N, R, H_q] float32 of the scaled scores)."""
     group = query.shape[2] // key.shape[2]
@@ -252,6 +265,8 @@ def own_rows_attention(
     keys = key.float().repeat_interleave(group, dim=2).transpose(1, 2)
     values = value.float().repeat_interleave(group, dim=2).transpose(1, 2)
     scores = (queries @ keys.transpose(-1, -2)) * scale  # [N, H_q, R, R]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     lse = torch.logsumexp(scores, dim=-1)  # [N, H_q, R]
     out = torch.exp(scores - lse[..., None]) @ values  # [N, H_q, R, D]
     return out.transpose(1, 2), lse.transpose(1, 2)
