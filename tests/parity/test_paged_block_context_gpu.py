@@ -80,13 +80,15 @@ def test_lse_kernels_match_twin(dtype, rows, heads) -> None:
     assert (got_out[inert] == 0).all() and torch.isneginf(got_lse[inert]).all(), what
 
 
+@pytest.mark.parametrize("softcap", [None, 0.5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_block_attention_is_softmax_over_context_and_own_rows(dtype) -> None:
+def test_paged_block_attention_is_softmax_over_context_and_own_rows(dtype, softcap) -> None:
+    """Also with Gemma 2's soft-capped scores (a cap of 0.5 binds on these scores)."""
     case = _case(CONTEXTS, 9, (32, 8, 128), dtype, seed=51)
     parts = split_kv.num_partitions(12000)
-    got = paged_block_attention(*case, parts, 128**-0.5)
-    want = naive_block_attention(*case, 128**-0.5)
-    _assert_close(got, want, f"paged block attention {dtype}", dtype)
+    got = paged_block_attention(*case, parts, 128**-0.5, softcap)
+    want = naive_block_attention(*case, 128**-0.5, softcap)
+    _assert_close(got, want, f"paged block attention {dtype} softcap {softcap}", dtype)
 
 
 def test_lse_kernels_at_128k_context() -> None:
