@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from bench_serve import start_server, stop_server
+from specdec.bench_serve.server_process import start_server, stop_server
 
 REQUEST_TIMEOUT_S = 600.0
 # /metrics gauges that are 0 on a server with nothing to do.

@@ -30,7 +30,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from bench_serve import prompt  # noqa: E402
+from specdec.bench_serve.client import prompt  # noqa: E402
 
 
 def timed_parts():

@@ -230,36 +230,29 @@ def test_serve_benchmark_mixed_rules(tiny_dir, tmp_path):
     assert "TPOT p50 ms by rule" in (tmp_path / "serve.md").read_text()
 
 
-def load_bench_serve(monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_serve", BENCHMARKS / "bench_serve.py")
-    bench_serve = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_serve", bench_serve)  # its dataclasses look it up
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # its sibling serve_rules
-    spec.loader.exec_module(bench_serve)
-    return bench_serve
-
-
 def test_client_processes_follow_the_streams_in_flight(monkeypatch):
     """One client process per 16 streams, at most a quarter of the cores (at least one); an
     explicit --client-processes stands, up to one per request."""
-    bench_serve = load_bench_serve(monkeypatch)
-    count = bench_serve.client_processes
+    from specdec.bench_serve import client
+
+    count = client.client_processes
     auto = argparse.Namespace(client_processes=0)
-    monkeypatch.setattr(bench_serve.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(client.os, "cpu_count", lambda: 16)
     assert [count(auto, c, max(c, 64)) for c in (1, 16, 17, 64, 256)] == [1, 1, 2, 4, 4]
     assert count(auto, 0, 100) == 4  # Poisson arrivals, no limit: every request may be in flight
-    monkeypatch.setattr(bench_serve.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(client.os, "cpu_count", lambda: 2)
     assert count(auto, 256, 256) == 1
     assert count(argparse.Namespace(client_processes=3), 64, 64) == 3
     assert count(argparse.Namespace(client_processes=8), 2, 2) == 2
 
 
-def test_spec_only_runs_the_spec_levels_of_a_url_server(monkeypatch):
+def test_spec_only_runs_the_spec_levels_of_a_url_server():
     """--spec-only (a --url server profiled under its spec levels alone) and --plain-only pick
     the levels' modes; --spec-only with --serve is refused by name."""
-    bench_serve = load_bench_serve(monkeypatch)
+    from specdec.bench_serve.run import level_modes
+
     modes = [
-        bench_serve.level_modes(argparse.Namespace(plain_only=plain, spec_only=spec))
+        level_modes(argparse.Namespace(plain_only=plain, spec_only=spec))
         for plain, spec in ((False, False), (True, False), (False, True))
     ]
     assert modes == [(False, True), (False,), (True,)]
@@ -271,13 +264,12 @@ def test_spec_only_runs_the_spec_levels_of_a_url_server(monkeypatch):
     assert done.returncode == 2 and "--spec-only is for a --url server" in done.stderr
 
 
-def test_generate_runs_as_many_sequences_at_once_as_the_server(monkeypatch):
+def test_generate_runs_as_many_sequences_at_once_as_the_server():
     """--generate's closed batch is capped at the started server's max_num_seqs (its
     --serve-arg, else the engine's default), as the server caps the streams it runs."""
+    from specdec.bench_serve.ceiling import server_max_num_seqs as cap
     from specdec.engine.config import EngineConfig
 
-    bench_serve = load_bench_serve(monkeypatch)
-    cap = bench_serve.server_max_num_seqs
     assert cap(argparse.Namespace(serve_arg=[])) == EngineConfig(model="m").max_num_seqs
     flags = ["--max-model-len=512", "--max-num-seqs=256"]
     assert cap(argparse.Namespace(serve_arg=flags)) == 256
@@ -309,9 +301,9 @@ def test_ab_serve_prepares_revisions_and_sets_versions_side_by_side(tmp_path):
     assert "| old-1 | 0.90x (1.00x) |" in text and "| tree-1 | 1.20x (0.95x) |" in text
 
 
-def test_arrival_times_are_a_seeded_poisson_process(monkeypatch):
+def test_arrival_times_are_a_seeded_poisson_process():
     """Increasing, seeded (the same load for every mode), and at about the asked rate."""
-    arrival_times = load_bench_serve(monkeypatch).arrival_times
+    from specdec.bench_serve.client import arrival_times
 
     times = arrival_times(50.0, 5000, seed=3)
     assert times == arrival_times(50.0, 5000, seed=3) and times != arrival_times(50.0, 5000, 4)

@@ -1,4 +1,4 @@
-"""The rules a mixed load's requests ask for (`bench_serve.py --rules`): issue 34's mixed traffic,
+"""The rules a mixed load's requests ask for (`--rules`): issue 34's mixed traffic,
 a third of the requests with log-probabilities, a third with penalties, a third with a JSON
 schema. `--rules none` sends the same requests without them (the comparison that says what the
 rules cost)."""
