@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -108,7 +107,7 @@ def table(reports: dict[str, dict]) -> str:
 
 
 def run(versions: Path | None, runs: int, out_dir: Path, bench_args: list[str]) -> str:
-    """bench_serve.py with `bench_args` for each prepared version (PYTHONPATH: its src) and the
+    """bench_serve.py with `bench_args` for each prepared version (its servers run its src) and the
     working tree, `runs` times in turn (A, B, A, B: drift shows in both); returns ab.md."""
     candidates = sorted(p for p in versions.iterdir() if p.is_dir()) if versions else []
     sources = {p.name: p for p in candidates} | {"tree": REPO / "src"}
@@ -118,15 +117,13 @@ def run(versions: Path | None, runs: int, out_dir: Path, bench_args: list[str]) 
     for attempt in range(1, runs + 1):
         for name, source in sources.items():
             label = f"{name}-{attempt}"
-            env = dict(os.environ)
-            rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-            rest = [p for p in rest if Path(p).resolve() != (REPO / "src").resolve()]
-            env["PYTHONPATH"] = os.pathsep.join([str(source), *rest])
             target = out_dir / label
+            # The version's engine serves; this tree's benchmark drives it (a prepared revision
+            # may predate specdec.bench_serve)
             command = [sys.executable, str(HERE / "bench_serve.py"), *bench_args]
-            command += ["--out-dir", str(target)]
+            command += ["--server-src", str(source), "--out-dir", str(target)]
             print(f"== {label}: {source}", flush=True)
-            subprocess.run(command, env=env, check=True)
+            subprocess.run(command, check=True)
             reports[label] = json.loads((target / "serve.json").read_text())
     text = table(reports)
     (out_dir / "ab.md").write_text(text)

@@ -12,6 +12,7 @@ import argparse
 import importlib.util
 import itertools
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -165,6 +166,66 @@ def test_serve_benchmark_starts_a_server_and_reports(tiny_dir, tmp_path):
     assert "| generate spec c=3 |" in paths
     assert (tmp_path / "serve.png").stat().st_size > 0
     assert "Application shutdown complete" in (tmp_path / "server.log").read_text()
+
+
+def test_specdec_bench_serve_is_the_serving_benchmark(tiny_dir, tmp_path):
+    """`specdec bench --serve MODEL` runs the same benchmark as the script (its own flags; the
+    report records the command as typed); `--url` alone routes there too."""
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "specdec.cli", "bench", "--serve", str(tiny_dir)),
+            *("--device", "cpu", "--serve-arg=--max-model-len=256", "--concurrency", "2"),
+            *("--requests-per-level", "2", "--max-tokens", "3", "--warmup-requests", "0"),
+            *("--out-dir", str(tmp_path)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "serve.json").read_text())
+    assert [(x["mode"], x["num_failed"]) for x in report["levels"]] == [("plain", 0), ("spec", 0)]
+    assert report["meta"]["argv"][:3] == ["specdec bench", "--serve", str(tiny_dir)]
+    assert (tmp_path / "serve.md").read_text().startswith("Date: ")
+    from specdec.cli import serving_bench
+
+    assert serving_bench(["bench", "--url=http://127.0.0.1:1"]) and serving_bench(
+        ["bench", "--serve"]
+    )
+    assert not serving_bench(["bench", "--serve-arg=--x"]) and not serving_bench(["serve", "--url"])
+
+
+def test_started_servers_run_the_given_source_tree(monkeypatch, tmp_path):
+    """--server-src puts that tree first on the started server's PYTHONPATH (ab_serve.py's
+    revisions serve while this tree's client drives them); without it the environment stands."""
+    from specdec.bench_serve import server_process
+
+    seen = []
+
+    class Died:
+        returncode = 1
+
+        def __init__(self, command, stdout, stderr, env):
+            seen.append(env)
+
+        def poll(self):
+            return 1
+
+    monkeypatch.setattr(server_process.subprocess, "Popen", Died)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    args = argparse.Namespace(
+        serve="", device="cpu", dtype="auto", threads=1, speculative_config=None,
+        serve_arg=[], startup_timeout_s=5.0, server_src="/the/revision/src",
+    )  # fmt: skip
+    for source in ("/the/revision/src", None):
+        args.server_src = source
+        with pytest.raises(RuntimeError, match="specdec serve exited with 1"):
+            server_process.start_server(args, tmp_path / "server.log")
+    assert seen[0]["PYTHONPATH"] == os.pathsep.join(["/the/revision/src", "/elsewhere"])
+    assert seen[1]["PYTHONPATH"] == "/elsewhere"
+    # no MODEL: `specdec serve` is started without one (its built-in model)
+    assert server_process.serve_command(args, 1)[3:5] == ["serve", "--port"]
 
 
 def test_serve_benchmark_poisson_arrivals(tiny_dir, tmp_path):

@@ -1,7 +1,8 @@
-"""The serving benchmark (`benchmarks/bench_serve.py`): drives `specdec serve` at several loads,
-speculation on vs off (JSON, markdown and a plot).
+"""The serving benchmark (`specdec bench --serve`, `benchmarks/bench_serve.py`): drives
+`specdec serve` at several loads, speculation on vs off (JSON, markdown and a plot).
 
-With `--serve MODEL` the script starts `specdec serve MODEL` itself on a free loopback port
+With `--serve MODEL` (no MODEL: the built-in one) it starts `specdec serve MODEL` itself on a
+free loopback port
 (engine flags: --device, --dtype, --speculative-config, and any --serve-arg), waits for /health,
 warms it up, runs the levels, and stops it; its log goes to OUT_DIR/server.log. Without it,
 `--url` names a server that is already running.
@@ -26,6 +27,7 @@ With `--rules mixed` the requests ask in turn for log-probabilities, penalties o
 to see what the rules cost with and without speculation.
 
     python benchmarks/make_checkpoint.py llama-3.2-1b --out /tmp/llama-3.2-1b --device cuda
+    specdec bench --serve --concurrency 1 8 --no-spec-server --generate  # the built-in model
     python benchmarks/bench_serve.py --serve /tmp/llama-3.2-1b --device cuda --dtype bfloat16 \\
         --requests-per-level 8 --max-tokens 128 --out-dir bench-results/serve-h200
     # against a running server:

@@ -54,7 +54,7 @@ def generate_levels(args: argparse.Namespace, by_level: dict | None = None) -> l
     for spec in (False, True):
         for concurrency in args.concurrency:
             llm = LLM(
-                model=args.serve,
+                model=args.serve or None,  # none: the built-in model
                 device=args.device,
                 dtype=args.dtype,
                 max_num_seqs=min(concurrency, server_max_num_seqs(args)),

@@ -122,14 +122,14 @@ def run(
     models = httpx.get(f"{args.url}/v1/models", timeout=30.0, headers=headers).json()
     meta = {
         "date": time.strftime("%Y-%m-%d"),
-        "argv": [Path(sys.argv[0]).as_posix(), *sys.argv[1:]],
+        "argv": args.command,
         "url": args.url,
         "model": args.serve or models["data"][0]["id"],
         "max_model_len": models["data"][0].get("max_model_len"),
         "serve_command": getattr(args, "serve_command", None),
         "startup_seconds": getattr(args, "startup_seconds", None),  # process start to /health
         "speculative_config": (args.speculative_config or "the server's default")
-        if args.serve
+        if args.serve is not None
         else None,
         "concurrency": args.concurrency,
         "request_rate": args.request_rate,
@@ -172,12 +172,34 @@ def no_spec_levels(args: argparse.Namespace, levels: list[LevelResult], out_dir:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=DESCRIPTION)
+class _Parser(argparse.ArgumentParser):
+    """Errors in one line, `prog: error: message`, exit status 2 (as `specdec`'s own)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"{self.prog}: error: {' '.join(str(message).split())}\n")
+        sys.exit(2)
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The benchmark's flags (`specdec bench --serve --help`)."""
+    parser = _Parser(prog=prog, description=DESCRIPTION)
     target = parser.add_argument_group("server")
     target.add_argument("--url", default="http://127.0.0.1:8000", help="a running server")
     target.add_argument(
-        "--serve", default=None, metavar="MODEL", help="start `specdec serve MODEL` and use it"
+        "--serve",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="MODEL",
+        help="start `specdec serve MODEL` and use it (no MODEL: the built-in model)",
+    )
+    target.add_argument(
+        "--server-src",
+        default=None,
+        metavar="DIR",
+        help="run the started servers from this specdec source tree, put first on their "
+        "PYTHONPATH (a revision that benchmarks/ab_serve.py prepared); the client and "
+        "--generate run this one",
     )
     target.add_argument("--device", default="auto", help="--device of the started server")
     target.add_argument("--dtype", default="auto", help="--dtype of the started server")
@@ -271,7 +293,16 @@ def main() -> None:
     output.add_argument(
         "--out", default=None, help="or: this JSON file, with the .md (and server.log) beside it"
     )
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """Runs the benchmark with `argv` (default: this process's arguments); the exit status: 0,
+    or 1 when a request failed."""
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    args.command = [prog] if prog else [Path(sys.argv[0]).as_posix()]
+    args.command += list(sys.argv[1:] if argv is None else argv)
     if args.serve is not None and args.api_key is not None:
         parser.error("--api-key is for --url servers; a started server has none")
     if args.generate and args.serve is None:
@@ -295,7 +326,7 @@ def main() -> None:
 
     out_json = Path(args.out) if args.out else Path(args.out_dir) / "serve.json"
     out_json.parent.mkdir(parents=True, exist_ok=True)
-    server = start_server(args, out_json.parent / "server.log") if args.serve else None
+    server = start_server(args, out_json.parent / "server.log") if args.serve is not None else None
     try:
         meta, levels = run(args, modes=level_modes(args))
     finally:
@@ -310,5 +341,4 @@ def main() -> None:
     out_json.with_suffix(".md").write_text(markdown(meta, levels))
     plot(levels, out_json.with_suffix(".png"))
     print(f"wrote {out_json}, {out_json.with_suffix('.md')} and {out_json.with_suffix('.png')}")
-    if any(x.num_failed for x in levels):
-        sys.exit(1)
+    return 1 if any(x.num_failed for x in levels) else 0

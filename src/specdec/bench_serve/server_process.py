@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -27,7 +28,7 @@ def serve_command(args: argparse.Namespace, port: int) -> list[str]:
         "-m",
         "specdec.cli",
         "serve",
-        args.serve,
+        *([args.serve] if args.serve else []),  # none: the built-in model
         "--port",
         str(port),
         "--device",
@@ -55,7 +56,11 @@ def start_server(args: argparse.Namespace, log_path: Path) -> subprocess.Popen:
     args.serve_command = command
     print("starting:", " ".join(command), flush=True)
     log = log_path.open("wb")
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    env = dict(os.environ)
+    source = getattr(args, "server_src", None)
+    if source:  # another revision's engine (ab_serve.py) serves; this process's drives it
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH")) if p)
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     log.close()
     started = time.monotonic()
     deadline = started + args.startup_timeout_s

@@ -93,9 +93,20 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
     sys.stderr.write(f"specdec: warning: {' '.join(str(message).split())}\n")
 
 
+def serving_bench(argv: Sequence[str]) -> bool:
+    """Whether `argv` asks for the serving benchmark: `bench` with `--serve` or `--url`, whose
+    flags are its own (`specdec.bench_serve`)."""
+    named = [arg.split("=", 1)[0] for arg in argv[1:]]
+    return argv[:1] == ["bench"] and ("--serve" in named or "--url" in named)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `specdec` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if serving_bench(argv):
+        from specdec.bench_serve import main as bench_serve
+
+        return _reporting("specdec bench", lambda: bench_serve(argv[1:], prog="specdec bench"))
     args, unknown = build_parser().parse_known_args(argv)
     prog = f"specdec {args.command}"
     if unknown:
@@ -106,10 +117,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try:
+        return _reporting(prog, lambda: args.handler(args))
+    finally:
+        torch.set_num_threads(threads)  # for callers of main() in this process (tests)
+
+
+def _reporting(prog: str, work) -> int:
+    """Runs `work()` and returns its exit status; a user's error is one line (status 2)."""
     shown = warnings.showwarning
     warnings.showwarning = _one_line_warning
     try:
-        return args.handler(args)
+        return work()
     except USER_ERRORS as err:
         if os.environ.get("SPECDEC_TRACEBACK"):
             traceback.print_exc()
@@ -120,7 +139,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     finally:
         warnings.showwarning = shown
-        torch.set_num_threads(threads)  # for callers of main() in this process (tests)
 
 
 if __name__ == "__main__":

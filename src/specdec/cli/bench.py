@@ -1,4 +1,5 @@
-"""`specdec bench`: speculative against plain decoding on one workload, or the acceptance sweep."""
+"""`specdec bench`: speculative against plain decoding on one workload, or the acceptance sweep
+(`--serve` / `--url`, the serving benchmark, has its own flags: `specdec.bench_serve`)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,19 @@ def add_bench(commands) -> None:
         default=None,
         help='.jsonl of {"prompt": ...} user messages (default: the built-in workload)',
     )
+    served = bench.add_argument_group(
+        "serving benchmark (--serve or --url): a server under load, its own flags "
+        "(`specdec bench --serve --help`)"
+    )
+    served.add_argument(
+        "--serve",
+        nargs="?",
+        metavar="MODEL",
+        help="start `specdec serve MODEL` (no MODEL: the built-in one) and drive it at several "
+        "concurrencies or request rates: requests/s, tokens/s, TTFT / TPOT / ITL percentiles, "
+        "with and without speculation, beside LLM.generate (JSON, markdown, plot)",
+    )
+    served.add_argument("--url", help="drive a server that is already running instead")
     add_engine_arguments(bench)
     add_threads_flag(bench)
     bench.set_defaults(handler=_bench)
