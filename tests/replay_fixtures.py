@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from models_fixtures import make_hf_model, prompt_tokens, save_hf_model, write_gguf
+from gguf_fixtures import write_gguf
+from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
 from specdec.engine.config import EngineConfig, SpeculativeConfig
 from specdec.engine.llm_engine import LLMEngine
 from specdec.engine.outputs import CompletionOutput

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from models_fixtures import make_hf_model, save_hf_model, write_gguf
+from gguf_fixtures import write_gguf
+from models_fixtures import make_hf_model, save_hf_model
 from specdec.cli.describe import gguf_formats, speculation_note, weights_note
 from specdec.drafters.default import DEFAULT_EAGLE_DIR
 from specdec.engine.config import SpeculativeConfig

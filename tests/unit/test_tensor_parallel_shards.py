@@ -11,14 +11,8 @@ import gguf
 import pytest
 import torch
 
-from models_fixtures import (
-    TINY_CONFIGS,
-    gguf_tensor_name,
-    make_hf_model,
-    prompt_tokens,
-    save_hf_model,
-    write_gguf,
-)
+from gguf_fixtures import gguf_tensor_name, write_gguf
+from models_fixtures import TINY_CONFIGS, make_hf_model, prompt_tokens, save_hf_model
 from specdec.models import load_model, prompt_logits
 from specdec.models.config import ModelConfig
 from specdec.models.gguf_file import GGUFFile

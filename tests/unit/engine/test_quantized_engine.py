@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from models_fixtures import make_hf_model, prompt_tokens, save_hf_model, write_gguf
+from gguf_fixtures import write_gguf
+from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
 from specdec.engine.llm import LLM
 from specdec.models.gguf_blocks import decode_blocks
 from specdec.models.quant import QuantizedWeight, quant_linear

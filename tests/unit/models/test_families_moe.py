@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from gguf_fixtures import write_gguf
 from models_fixtures import (
     GREEDY_PROMPTS,
     MOE_CONFIGS,
@@ -37,7 +38,6 @@ from models_fixtures import (
     prompt_tokens,
     save_hf_model,
     speculative_equals_plain,
-    write_gguf,
 )
 from specdec.engine.llm import LLM
 from specdec.models import ModelConfig, load_model, moe, prompt_logits

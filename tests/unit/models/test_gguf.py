@@ -14,13 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from models_fixtures import (
-    hf_logits,
-    llama_cpp_permute,
-    make_hf_model,
-    prompt_tokens,
-    write_gguf,
-)
+from gguf_fixtures import llama_cpp_permute, write_gguf
+from models_fixtures import hf_logits, make_hf_model, prompt_tokens
 from specdec.models import CheckpointError, load_model, prompt_logits
 from specdec.models.gguf_file import GGUFFile, hf_tensor_name, reverse_permute_qk
 

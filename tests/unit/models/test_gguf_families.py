@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 
+from gguf_fixtures import write_gguf
 from models_fixtures import (
     FAMILY_CONFIGS,
     drop_final_cap,
@@ -35,7 +36,6 @@ from models_fixtures import (
     max_error,
     prompt_tokens,
     save_hf_model,
-    write_gguf,
 )
 from specdec.models import ModelConfig, load_model, prompt_logits
 from specdec.models.gguf_file import GGUFFile

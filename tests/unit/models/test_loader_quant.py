@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from models_fixtures import make_hf_model, prompt_tokens, save_hf_model, write_gguf
+from gguf_fixtures import write_gguf
+from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
 from specdec.engine.config import EngineConfig
 from specdec.models import CheckpointError, load_model, prompt_logits
 from specdec.models.quant_formats import quantize_fp8

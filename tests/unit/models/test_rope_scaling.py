@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 import torch
 
+from gguf_fixtures import write_gguf
 from models_fixtures import (
     ROPE_SCALING_CONFIGS,
     PagedRunner,
     make_hf_model,
     prompt_tokens,
     save_hf_model,
-    write_gguf,
 )
 from specdec.models import ModelConfig, RopeScaling, load_model, prompt_logits
 from specdec.models.rope import RotaryEmbedding, attention_scale, parse_rope_scaling
