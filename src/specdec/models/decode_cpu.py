@@ -3,13 +3,15 @@
 Once the weights are quantized, a CPU decode step is bound by per-operation overhead, not by
 arithmetic. `DecodePlanCPU` does a step's index work once (RoPE angles, K/V slots, each
 sequence's keys as a view of the cache or a slot list, from a `DecodeMetadata`) and every layer
-reuses it: RoPE for q and k in one pass, K/V written with `index_copy_`, attention one SDPA call
-per query row over exactly its keys (its window's, in a sliding-window layer: so rows do not
-depend on the step's shape; `attention.softcap_attention` for Gemma 2's capped scores). Layers
-of another RoPE table or window (Gemma 3's sliding and full layers) share the step's index work
-through `for_layers`. The CPU counterpart of `fused_triton.py`'s RoPE and attention kernels,
-with the same twins (`fused.rope_write_kv_ref`, `fused.paged_decode_attention_ref`; tests
-compare them). Never allocates cache blocks or draws randomness.
+reuses it: RoPE for q and k in one pass, K/V written with `index_copy_`, attention of each query
+row over exactly its keys (its window's, in a sliding-window layer: so rows do not depend on the
+step's shape), the whole step in one `cpu_extension.row_attention` call where it is built, else
+one SDPA call per row (two kernels of other bits, each the same for every row;
+`attention.softcap_attention` for Gemma 2's capped scores). Layers of another RoPE table or
+window (Gemma 3's sliding and full layers) share the step's index work through `for_layers`.
+The CPU counterpart of `fused_triton.py`'s RoPE and attention kernels, with the same twins
+(`fused.rope_write_kv_ref`, `fused.paged_decode_attention_ref`; tests compare them).
+Never allocates cache blocks or draws randomness.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specdec.models import cpu_extension
 from specdec.models.attention import (
     AttentionMetadata,
     DecodeMetadata,
@@ -255,9 +258,11 @@ def decode_attention_cpu(
     scale: float,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """`fused.paged_decode_attention_ref`, one SDPA call per live query row over its own keys
-    (those inside `plan.sliding_window` of it when the plan has a window); with `softcap`,
-    `attention.softcap_attention` instead (Gemma 2's soft-capped scores).
+    """`fused.paged_decode_attention_ref` row by row: each live query row over its own keys
+    (those inside `plan.sliding_window` of it when the plan has a window), through
+    `cpu_extension.row_attention` (the same arithmetic for every row, all rows in one call)
+    where it applies, else one SDPA call per row; with `softcap`,
+    `attention.softcap_attention` per row instead (Gemma 2's soft-capped scores).
 
     Args:
         query: [B * Q, H_q, D] rotated queries in the plan's uniform layout.
@@ -275,7 +280,7 @@ def decode_attention_cpu(
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
     rows = query.transpose(0, 1)[None]  # [1, H_q, B * Q, D]
     window = plan.sliding_window
-    outputs: list[tuple[int, torch.Tensor]] = []
+    seen_keys: list[tuple[int, torch.Tensor, torch.Tensor, list[int], list[int]]] = []
     for first_row, counts, keys_at in plan.sequences:
         # Row j (at position counts[j] - 1) sees the keys at max(counts[j] - window, 0) ..
         # counts[j] - 1; only keys some row sees are read (from `first` on).
@@ -288,24 +293,30 @@ def decode_attention_cpu(
             keys, values = flat_k.index_select(0, seen), flat_v.index_select(0, seen)
         if keys.dtype != query.dtype:
             keys, values = keys.to(query.dtype), values.to(query.dtype)
+        begins = [0 if window is None else max(count - window, 0) - first for count in counts]
+        seen_keys.append((first_row, keys, values, begins, [count - first for count in counts]))
+    if softcap is None:
+        result = query.new_zeros(num_rows, num_heads, head_dim)
+        if cpu_extension.row_attention(query, seen_keys, scale, result):
+            return result
+    outputs: list[tuple[int, torch.Tensor]] = []
+    for first_row, keys, values, begins, ends in seen_keys:
         keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, H_kv, S, D]
-        for j, count in enumerate(counts):
+        for j, (begin, end) in enumerate(zip(begins, ends, strict=True)):
             row = first_row + j
-            start = 0 if window is None else max(count - window, 0)
-            seen = slice(start - first, count - first)
             if softcap is None:
                 out = F.scaled_dot_product_attention(
                     rows[:, :, row : row + 1],
-                    keys[:, :, seen],
-                    values[:, :, seen],
+                    keys[:, :, begin:end],
+                    values[:, :, begin:end],
                     scale=scale,
                     enable_gqa=num_heads != num_kv_heads,
                 )  # [1, H_q, 1, D]
             else:
                 out = softcap_attention(
                     rows[:, :, row : row + 1],
-                    keys[:, :, seen],
-                    values[:, :, seen],
+                    keys[:, :, begin:end],
+                    values[:, :, begin:end],
                     scale=scale,
                     softcap=softcap,
                 )

@@ -200,3 +200,82 @@ def test_an_8bit_lm_head_takes_q8_linear() -> None:
     want = extension.q8_linear(x, source.values, source.scale, source.group_size)
     assert torch.equal(head.matmul(x), want)
     assert torch.allclose(head.matmul(x), want)
+
+
+# (heads, KV heads, head dim, per sequence (keys, rows' key ranges)).
+ATTENTION_CASES = {
+    "one decode row": (9, 3, 64, [(13, [(0, 13)])]),
+    "a prefill chunk and a decode row": (
+        4,
+        2,
+        16,
+        [(37, [(0, 35), (0, 36), (0, 37)]), (5, [(0, 5)])],
+    ),
+    "windows, no GQA": (2, 2, 32, [(40, [(3, 20), (30, 31), (0, 40)])]),
+}
+
+
+@needs_extension
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_row_attention_equals_its_twin_row_by_row(case: str) -> None:
+    """`row_attention` (the CPU step's attention, prefill rows included) gives every row the
+    bits of `row_attention_ref` over that row's keys: so the same bits alone, in any batch and
+    under any chunking of its prompt; and agrees with SDPA to float32 rounding."""
+    heads, kv_heads, dim, sequences = ATTENTION_CASES[case]
+    generator = torch.Generator().manual_seed(len(case))
+    num_rows = sum(len(ranges) for _, ranges in sequences)
+    query = 3 * torch.randn(num_rows, heads + 2 * kv_heads, dim, generator=generator)[:, :heads]
+    scale = dim**-0.5
+    seqs, first = [], 0
+    for count, ranges in sequences:
+        keys = torch.randn(count, kv_heads, dim, generator=generator)
+        values = torch.randn(count, kv_heads, dim, generator=generator)
+        seqs.append((first, keys, values, [b for b, _ in ranges], [e for _, e in ranges]))
+        first += len(ranges)
+    out = torch.zeros(num_rows, heads, dim)
+    assert cpu_extension.row_attention(query, seqs, scale, out)
+    for first, keys, values, begins, ends in seqs:
+        for j, (begin, end) in enumerate(zip(begins, ends, strict=True)):
+            row = first + j
+            twin = cpu_extension.row_attention_ref(
+                query[row], keys[begin:end], values[begin:end], scale
+            )
+            assert torch.equal(out[row], twin), row
+            alone = torch.zeros(1, heads, dim)
+            one = [(0, keys[begin:end].clone(), values[begin:end].clone(), [0], [end - begin])]
+            assert cpu_extension.row_attention(query[row : row + 1], one, scale, alone)
+            assert torch.equal(alone[0], out[row]), row
+            sdpa = torch.nn.functional.scaled_dot_product_attention(
+                query[row][None, :, None],
+                keys[begin:end].transpose(0, 1)[None],
+                values[begin:end].transpose(0, 1)[None],
+                scale=scale,
+                enable_gqa=heads != kv_heads,
+            )[0, :, 0]
+            assert torch.allclose(out[row], sdpa, rtol=1e-5, atol=1e-5)
+
+
+@needs_extension
+def test_negative_control_one_key_moved_slightly_changes_row_attention() -> None:
+    """The bit-for-bit checks above see one key component moved by 2^-12 of itself."""
+    generator = torch.Generator().manual_seed(5)
+    query = torch.randn(1, 4, 32, generator=generator)
+    keys = torch.randn(24, 2, 32, generator=generator)
+    values = torch.randn(24, 2, 32, generator=generator)
+    moved = keys.clone()
+    moved[7, 0, 3] *= 1 + 2.0**-12
+    outs = []
+    for k in (keys, moved):
+        out = torch.zeros(1, 4, 32)
+        assert cpu_extension.row_attention(query, [(0, k, values, [0], [24])], 0.2, out)
+        outs.append(out)
+    assert not torch.equal(outs[0], outs[1])
+    assert torch.allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+
+
+def test_exp_nonpositive_is_within_a_few_ulp_of_exp() -> None:
+    x = -87.0 * torch.linspace(0.0, 1.0, 100_001)  # float32
+    want = x.double().exp()
+    got = cpu_extension.exp_nonpositive_ref(x).double()
+    assert ((got - want).abs() / want).max().item() < 4 * 2.0**-24
+    assert cpu_extension.exp_nonpositive_ref(torch.tensor([0.0])).item() == 1.0

@@ -3,7 +3,9 @@
 // `LlamaDecoderLayer.forward_decode` with a `DecodePlanCPU` (`decode_cpu.rope_write_kv_cpu`,
 // `decode_cpu.decode_attention_cpu`, `fused.add_rms_norm_ref`, `fused.silu_mul_ref`,
 // `QuantizedWeight.matmul` for the cpu_int4 layout), so its results are the Python loop's bit
-// for bit; only the interpreter's work between the operations is gone. Built and loaded by
+// for bit; only the interpreter's work between the operations is gone. Attention takes
+// `row_attention` (below) in both loops: each query row over its own keys in arithmetic of its
+// own (SDPA, one call per row, spent more time than the products on ~1,000-token prompts). Built and loaded by
 // `models/cpu_extension.py`; `models/decode_cpu_native.py` decides which models the loop runs.
 
 #include <torch/extension.h>
@@ -13,6 +15,7 @@
 #endif
 
 #include <algorithm>
+#include <cstring>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -43,6 +46,155 @@ std::pair<Tensor, Tensor> add_norm(const Tensor& x, const std::optional<Tensor>&
 }
 
 }  // namespace
+
+// q8_linear's and row_attention's last reduction: 16 lanes summed pairwise (l + 8, then + 4,
+// + 2, + 1).
+static inline float lanes_finish(const float* lanes) {
+  float v8[8], v4[4];
+  for (int l = 0; l < 8; ++l) v8[l] = lanes[l] + lanes[l + 8];
+  for (int l = 0; l < 4; ++l) v4[l] = v8[l] + v8[l + 4];
+  return (v4[0] + v4[2]) + (v4[1] + v4[3]);
+}
+
+// exp(x) for x <= 0 (x below -87 taken as -87), in float32 products and sums only (Cephes'
+// expf: n = round(x log2 e) by the 1.5 * 2^23 trick, r = x - n ln 2 in two parts, a degree-7
+// polynomial, times 2^n built from its bits), so that `cpu_extension.exp_nonpositive_ref`
+// repeats it bit for bit with PyTorch operations. Within 2 ulp of exp.
+static inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = (p * (r * r) + r) + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
+
+// One query row of attention over its keys, the same arithmetic for every row whatever else
+// the step holds (`cpu_extension.row_attention_ref` repeats it with PyTorch operations):
+// per key s and query head, 16 lanes l summing q[c * 16 + l] * k[c * 16 + l] over the
+// head's 16-wide chunks c in order, finished pairwise (`lanes_finish`), times `scale`;
+// p[s] = exp_nonpositive(score[s] - max score); the p summed over 16 lanes (lane s % 16, in
+// key order) finished pairwise into l; out[d] = (sum over s in key order of p[s] v[s][d]) / l.
+// A GQA group's query heads share each key's loads; every head keeps its own sums.
+struct RowJob {
+  int64_t row;       // the query row (of `query` and `out`)
+  const float* k;    // its first key: [count, H_kv, D] rows of stride H_kv * D
+  const float* v;
+  int64_t count;     // keys it sees
+};
+
+static void attend_row(const RowJob& job, int64_t kv_head, const float* query,
+                       int64_t q_row_stride, int64_t q_head_stride, float* out,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
+                       std::vector<float>& scores) {
+  const int64_t group = num_heads / num_kv_heads, count = job.count;
+  const int64_t key_stride = num_kv_heads * head_dim, chunks = head_dim / 16;
+  const int64_t first_head = kv_head * group;
+  scores.resize(group * count);
+  for (int64_t s = 0; s < count; ++s) {
+    const float* k = job.k + s * key_stride + kv_head * head_dim;
+    for (int64_t i = 0; i < group; ++i) {
+      const float* q = query + job.row * q_row_stride + (first_head + i) * q_head_stride;
+      float lanes[16] = {0};
+      for (int64_t c = 0; c < chunks; ++c) {
+        for (int l = 0; l < 16; ++l) lanes[l] = lanes[l] + q[c * 16 + l] * k[c * 16 + l];
+      }
+      scores[i * count + s] = lanes_finish(lanes) * scale;
+    }
+  }
+  for (int64_t i = 0; i < group; ++i) {
+    float* p = scores.data() + i * count;
+    float top = p[0];
+    for (int64_t s = 1; s < count; ++s) top = p[s] > top ? p[s] : top;
+    float lanes[16] = {0};
+    int64_t s = 0;
+    for (; s + 16 <= count; s += 16) {
+      for (int l = 0; l < 16; ++l) {
+        p[s + l] = exp_nonpositive(p[s + l] - top);
+        lanes[l] = lanes[l] + p[s + l];
+      }
+    }
+    for (int l = 0; s + l < count; ++l) {
+      p[s + l] = exp_nonpositive(p[s + l] - top);
+      lanes[l] = lanes[l] + p[s + l];
+    }
+    const float total = lanes_finish(lanes);
+    float* o = out + job.row * num_heads * head_dim + (first_head + i) * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) o[d] = 0.0f;
+    for (int64_t s2 = 0; s2 < count; ++s2) {
+      const float* v = job.v + s2 * key_stride + kv_head * head_dim;
+      const float w = p[s2];
+      for (int64_t d = 0; d < head_dim; ++d) o[d] = o[d] + w * v[d];
+    }
+    for (int64_t d = 0; d < head_dim; ++d) o[d] = o[d] / total;
+  }
+}
+
+// Every job's row, for every KV head, into `out` ([T, H_q, D] float32 contiguous; rows
+// without a job untouched): one (row, KV head) per work item, spread over PyTorch's intra-op
+// threads (OpenMP); a row's values never depend on the split, the other jobs or their number.
+static void attend_rows(const std::vector<RowJob>& jobs, const Tensor& query, Tensor& out,
+                        int64_t num_kv_heads, double scale) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat && query.stride(2) == 1, "query: [T, H, D] f32");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous(), "out: [T, H, D] f32");
+  const int64_t num_heads = query.size(1), head_dim = query.size(2);
+  TORCH_CHECK(head_dim % 16 == 0 && num_heads % num_kv_heads == 0, "D % 16, H_q % H_kv");
+  const float* q = query.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t q_row = query.stride(0), q_head = query.stride(1);
+  const int64_t items = static_cast<int64_t>(jobs.size()) * num_kv_heads;
+  const float fscale = static_cast<float>(scale);
+  int64_t work = 0;
+  for (const RowJob& job : jobs) work += job.count;
+  const int workers = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), work * num_heads / 4096)));
+#pragma omp parallel num_threads(workers)
+  {
+    std::vector<float> scores;
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t item = 0; item < items; ++item) {
+      attend_row(jobs[item / num_kv_heads], item % num_kv_heads, q, q_row, q_head, o,
+                 num_heads, num_kv_heads, head_dim, fscale, scores);
+    }
+  }
+}
+
+// Python's entry (`cpu_extension.row_attention`): per sequence s its keys and values
+// ([S_s, H_kv, D] float32 contiguous) and its rows row_starts[offsets[s] .. offsets[s+1])
+// (query rows first_rows[s] + j, each seeing keys [begins[j], ends[j])). Writes `out`.
+void row_attention(const Tensor& query, const std::vector<Tensor>& keys,
+                   const std::vector<Tensor>& values, const std::vector<int64_t>& first_rows,
+                   const std::vector<int64_t>& offsets, const std::vector<int64_t>& begins,
+                   const std::vector<int64_t>& ends, double scale, Tensor out) {
+  std::vector<RowJob> jobs;
+  jobs.reserve(begins.size());
+  const int64_t num_kv_heads = keys.empty() ? 1 : keys[0].size(1);
+  for (size_t s = 0; s < keys.size(); ++s) {
+    TORCH_CHECK(keys[s].scalar_type() == at::kFloat && keys[s].is_contiguous() &&
+                    values[s].scalar_type() == at::kFloat && values[s].is_contiguous() &&
+                    keys[s].sizes() == values[s].sizes() && keys[s].size(1) == num_kv_heads,
+                "keys, values: [S, H_kv, D] float32 contiguous");
+    const float* k = keys[s].data_ptr<float>();
+    const float* v = values[s].data_ptr<float>();
+    const int64_t stride = keys[s].size(1) * keys[s].size(2);
+    for (int64_t j = offsets[s]; j < offsets[s + 1]; ++j) {
+      TORCH_CHECK(0 <= begins[j] && begins[j] < ends[j] && ends[j] <= keys[s].size(0),
+                  "a row's keys out of its sequence's");
+      jobs.push_back({first_rows[s] + (j - offsets[s]), k + begins[j] * stride,
+                      v + begins[j] * stride, ends[j] - begins[j]});
+    }
+  }
+  attend_rows(jobs, query, out, num_kv_heads, scale);
+}
 
 // Runs every decoder layer. `weights`: per layer input-norm weight, post-attention-norm weight,
 // then (packed, scale_zero) of qkv_proj, o_proj, gate_up_proj and down_proj (10 tensors);
@@ -95,11 +247,15 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> decode_layers(
     flat_k.index_copy_(0, slots, key);
     flat_v.index_copy_(0, slots, value);
     Tensor query = rotated.slice(1, 0, num_heads);
-    // decode_cpu.decode_attention_cpu (no window, no soft-capping)
+    // decode_cpu.decode_attention_cpu (no window, no soft-capping): `row_attention` where it
+    // takes the step (float32 queries, D a multiple of 16), else one SDPA call per row.
     const int64_t num_rows = query.size(0);
+    const bool own_kernel = query.scalar_type() == at::kFloat && head_dim % 16 == 0;
     Tensor rows = query.transpose(0, 1).unsqueeze(0);
     std::vector<int64_t> out_rows;
     std::vector<Tensor> outputs;
+    std::vector<Tensor> seq_keys, seq_values;  // kept alive while the jobs point into them
+    std::vector<RowJob> jobs;
     for (size_t s = 0; s < first_rows.size(); ++s) {
       const int64_t begin = count_offsets[s], end = count_offsets[s + 1];
       const int64_t last = counts[end - 1];
@@ -115,6 +271,17 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> decode_layers(
         keys = keys.to(query.scalar_type());
         values = values.to(query.scalar_type());
       }
+      if (own_kernel) {
+        keys = keys.contiguous();
+        values = values.contiguous();
+        seq_keys.push_back(keys);
+        seq_values.push_back(values);
+        for (int64_t j = begin; j < end; ++j) {
+          jobs.push_back({first_rows[s] + (j - begin), keys.data_ptr<float>(),
+                          values.data_ptr<float>(), counts[j]});
+        }
+        continue;
+      }
       keys = keys.transpose(0, 1).unsqueeze(0);
       values = values.transpose(0, 1).unsqueeze(0);
       for (int64_t j = begin; j < end; ++j) {
@@ -127,7 +294,10 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> decode_layers(
       }
     }
     Tensor attention;
-    if (static_cast<int64_t>(outputs.size()) == num_rows && all_live) {
+    if (own_kernel) {
+      attention = at::zeros({num_rows, num_heads, head_dim}, query.options());
+      attend_rows(jobs, query, attention, num_kv_heads, scale);
+    } else if (static_cast<int64_t>(outputs.size()) == num_rows && all_live) {
       attention = at::stack(outputs);
     } else {
       attention = query.new_zeros({num_rows, num_heads, head_dim});
@@ -147,14 +317,6 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> decode_layers(
     }
   }
   return {out, *residual, captured};
-}
-
-// q8_linear's last reduction: 16 lanes summed pairwise (l + 8, then + 4, + 2, + 1).
-static inline float q8_finish(const float* lanes) {
-  float v8[8], v4[4];
-  for (int l = 0; l < 8; ++l) v8[l] = lanes[l] + lanes[l + 8];
-  for (int l = 0; l < 4; ++l) v4[l] = v8[l] + v8[l + 4];
-  return (v4[0] + v4[2]) + (v4[1] + v4[3]);
 }
 
 #if defined(__AVX512F__)
@@ -199,7 +361,7 @@ static void q8_rows_avx512(const float* xs, const int8_t* qs, const float* ds, f
     for (int t = 0; t < Tile; ++t) {
       float lanes[16];
       _mm512_storeu_ps(lanes, acc[t]);
-      os[t * outs + n] = q8_finish(lanes);
+      os[t * outs + n] = lanes_finish(lanes);
     }
   }
 }
@@ -284,7 +446,7 @@ Tensor q8_linear(const Tensor& x_in, const Tensor& values, const Tensor& scale, 
       for (int64_t n = begin; n < end; ++n) {
         float lanes[16];
         one(x_row, n, lanes);
-        os[m * outs + n] = q8_finish(lanes);
+        os[m * outs + n] = lanes_finish(lanes);
       }
     }
 #endif
@@ -313,6 +475,8 @@ torch::Tensor unusable_rows_f32(const torch::Tensor& logits);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("decode_layers", &decode_layers, "the CPU decode step's decoder layers");
+  module.def("row_attention", &row_attention,
+             "attention of query rows over their keys, each row's arithmetic its own");
   module.def("q8_linear", &q8_linear, "x @ W^T for a symmetric 8-bit group-quantized W",
              pybind11::arg("x"), pybind11::arg("values"), pybind11::arg("scale"),
              pybind11::arg("group"), pybind11::arg("rows") = pybind11::none());
