@@ -17,7 +17,8 @@ key traffic would build (a key is never spelled out here):
   is live;
 - the target's eager prefill (chunks longer than the graphed prefill's width, or wanting every
   row's logits: prompt logprobs), at a row count of every tier and value class its kernels
-  compile a variant for (`models.row_classes`), one sequence and two, into the same free block:
+  compile a variant for (`models.row_classes`), one sequence and two, and as a chunk past one
+  split-KV partition where max_model_len allows one, into the same free block:
   nothing is captured there, but each Triton variant compiles now rather than under traffic
   (counted after the warm-up by `specdec:triton_compiles_after_warm_up`);
 - the drafter's own graphs and eager steps (`Drafter.warm_up`: the EAGLE head's steps and its
@@ -212,20 +213,32 @@ def _decode_steps(engine: Any) -> list[Callable[[], None]]:
 
 
 def _eager_steps(engine: Any) -> list[Callable[[], None]]:
-    """One call per (row count, sequences, logit rows) of the target's eager prefill: a sample
-    of every row tier and value class up to the longest chunk a step may hold (`row_classes`),
-    in one sequence and split over two, wanting the last row's logits or every row's."""
-    graphs, runner = engine.runner.graphs, engine.runner
-    drafter = engine.drafter
+    """One call per step of `eager_inputs`."""
+    runner, drafter = engine.runner, engine.drafter
     layers = tuple(drafter.feature_layers) if drafter is not None else ()
+    return [
+        lambda inputs=inputs: runner.run_with_features(inputs, layers)
+        for inputs in eager_inputs(engine)
+    ]
+
+
+def eager_inputs(engine: Any) -> list[list[StepInput]]:
+    """The steps of the target's eager prefill the warm-up runs: a sample of every row tier and
+    value class up to the longest chunk a step may hold (`row_classes`), in one sequence and
+    split over two, wanting the last row's logits or every row's; and each tier once more as a
+    chunk that continues a prompt past one split-KV partition, where max_model_len allows one.
+    Its block table is then wider than a partition, so the prefill attention kernel runs its
+    partitioned variant (`attention_tiles.kernel_partition`, a constexpr): without this step,
+    Triton compiled that variant for the first long prompt under traffic (s40, H100)."""
+    graphs = engine.runner.graphs
     longest = min(engine.config.max_num_batched_tokens, engine.max_model_len)
     block_size = engine.config.block_size
     # A sequence this long never takes the decode path's graphs (plain, verify or prefill).
     shortest = max(graphs.prefill_width, graphs.max_query_len) + 1
 
-    def row(count: int, logit_rows: int) -> StepInput:
-        blocks = [WARM_UP_BLOCK] * -(-count // block_size)
-        return StepInput([0] * count, 0, blocks, logit_rows, None)
+    def row(count: int, logit_rows: int, start: int = 0) -> StepInput:
+        blocks = [WARM_UP_BLOCK] * -(-(start + count) // block_size)
+        return StepInput([0] * count, start, blocks, logit_rows, None)
 
     steps = []
     for count in eager_row_counts(longest):
@@ -236,8 +249,9 @@ def _eager_steps(engine: Any) -> list[Callable[[], None]]:
             splits.append([count - count // 2, count // 2])
         for split in splits:
             for all_rows in (False, True):
-                inputs = [row(n, n if all_rows else 1) for n in split]
-                steps.append(lambda inputs=inputs: runner.run_with_features(inputs, layers))
+                steps.append([row(n, n if all_rows else 1) for n in split])
+        if SPLIT_KV_PARTITION + 1 + count <= engine.max_model_len:
+            steps.append([row(count, 1, start=SPLIT_KV_PARTITION + 1)])
     return steps
 
 

@@ -198,3 +198,36 @@ def test_warm_up_runs_the_eager_prefill_and_catch_up_at_every_row_class(
     assert set(caught_up) == {(n,) for n in [1, 2, 16, *singles]} | set(pairs)
     assert engine.drafter.allocator.num_free_blocks == engine.drafter.allocator.num_blocks
     assert not engine.drafter._states
+
+
+@pytest.mark.parametrize("max_model_len", [4096, 2048 + 1 + 17 - 1])
+def test_warm_up_prefills_a_chunk_past_one_split_kv_partition(max_model_len):
+    """Each eager row tier once more as a chunk continuing a prompt past one split-KV
+    partition (its block table wider than a partition: the prefill kernel's partitioned
+    variant, a constexpr, compiles at warm-up; s40 on an H100 saw it compile for the first long
+    prompt under traffic), where max_model_len holds it. Control: where it does not (here the
+    17-row chunk would end one token past max_model_len), no such chunk."""
+    from types import SimpleNamespace
+
+    from specdec.models.attention_tiles import SPLIT_KV_PARTITION
+    from specdec.models.row_classes import eager_row_counts
+
+    engine = SimpleNamespace(
+        runner=SimpleNamespace(graphs=SimpleNamespace(prefill_width=16, max_query_len=4)),
+        config=SimpleNamespace(max_num_batched_tokens=512, block_size=16),
+        max_model_len=max_model_len,
+    )
+    steps = warm_up_module.eager_inputs(engine)
+    long = [inputs for inputs in steps if inputs[0].start > 0]
+    fits = [
+        n for n in eager_row_counts(512) if n > 16 and SPLIT_KV_PARTITION + 1 + n <= max_model_len
+    ]
+    assert [len(inputs[0].token_ids) for inputs in long] == fits
+    for (row,) in long:
+        end = row.start + len(row.token_ids)
+        assert row.start > SPLIT_KV_PARTITION and len(row.block_ids) * 16 >= end
+    assert bool(long) == (max_model_len == 4096)
+    # the short chunks stay as they were: every step but these starts at 0
+    assert len(steps) - len(long) == sum(
+        4 if n // 2 > 16 else 2 for n in eager_row_counts(512) if n > 16
+    )
