@@ -196,7 +196,12 @@ def test_speculation_replays_plain_decoding(make, dirs, alone, requests, request
     diff = mismatches(alone(request_model), got, requests)
     assert not diff, diff
     assert log.num_mixed_steps > 0
-    assert engine.stats.num_accepted_tokens > 0
+    assert engine.stats.num_draft_tokens > 0  # drafts were proposed and verified
+    if drafter != "ngram" or request_model == "builtin":
+        # The n-gram drafter's lookups on the tiny random models are accepted at chance: on an
+        # H100 (s40) 0 of 8 and 0 of 2 draft tokens, though every token replayed; the learned
+        # drafters (and n-gram on the built-in model's text) must see drafts accepted.
+        assert engine.stats.num_accepted_tokens > 0
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
