@@ -10,7 +10,6 @@ import itertools
 import json
 import multiprocessing
 import os
-import random
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -161,13 +160,18 @@ def read_prompts(path: str) -> list[str]:
 
 def arrival_times(rate: float, count: int, seed: int) -> list[float]:
     """Seconds after the start at which `count` requests arrive as a Poisson process of `rate`
-    a second (seeded: the same load for every mode)."""
-    draws = random.Random(seed)
-    times, now = [], 0.0
-    for _ in range(count):
-        now += draws.expovariate(rate)
-        times.append(now)
-    return times
+    a second (seeded: the same load for every mode).
+
+    RNG: `Stream.BENCH_LOAD` keyed by (seed, request index), one float64 lane: the exponential
+    gap -ln(u) / rate before each request."""
+    import torch
+
+    from specdec.rng import Stream, uniform
+
+    seeds = torch.full((count,), seed, dtype=torch.int64)
+    positions = torch.arange(count, dtype=torch.int64)
+    u = uniform(seeds, positions, Stream.BENCH_LOAD, 1, dtype=torch.float64)[:, 0]
+    return torch.cumsum(-torch.log(u) / rate, 0).tolist()
 
 
 def _client(args: argparse.Namespace, concurrency: int) -> httpx.AsyncClient:

@@ -45,6 +45,9 @@ class Stream(enum.IntEnum):
     # rides in the stream word's upper bits (`tree_draft_stream`), so every node of a round's tree
     # has its own counter even where several nodes share a position.
     TREE_DRAFT = 6
+    # A benchmark's load (`specdec.bench_serve`), never drawn while serving; the seed is the
+    # benchmark's --seed. Keyed by (request index): the gap before that request arrives.
+    BENCH_LOAD = 7
 
 
 # Stream words of `Stream.TREE_DRAFT` carry the node index above the stream id's byte.
