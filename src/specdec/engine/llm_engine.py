@@ -35,6 +35,7 @@ from specdec.engine.config import (
 )
 from specdec.engine.device_round import DeviceRounds
 from specdec.engine.emitter import Emission, Emitter
+from specdec.engine.feature_log import FeatureLog
 from specdec.engine.inflight import Inflight
 from specdec.engine.output_processor import OutputProcessor, RequestGroup, unusable_logits_message
 from specdec.engine.outputs import RequestDelta, RequestOutput
@@ -208,23 +209,14 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
         self._round_prefill: Inflight | None = None
         # Since when a waiting request could have been admitted (`_admission_due`); None: none.
         self._admissible_since: float | None = None
-        # A joining visit: overlapped steps of prefill chunks and undrafted decode rows while
-        # requests join an engine with device rounds (`_step_join`).
-        self._in_join = False
-        # The policy's plain arm: plain overlapped steps of speculative requests (`_step_plain`).
-        self._in_plain = False
-        # The overlapped plain loop of a batch in which nothing speculates (`_step_unspeculated`).
-        self._in_unspeculated = False
-        self._plain_chosen = False  # the policy chose PLAIN: drain the rounds, then go plain
-        self._next_k: int | None = None  # a K chosen in plain mode for the next device round
-        self._plain_rows = 0  # the rows of the rounds a plain visit left (its steps pad to them)
+        # The policy chose its plain arm for the overlapped loop's batch (`_round_choice`), or
+        # in the rounds (they drain, then the batch goes on in the overlapped loop).
+        self._plain_chosen = False
+        self._next_k: int | None = None  # the K chosen for the first round on entering them
+        self._plain_rows = 0  # the rows of the rounds the batch left (plain steps pad to them)
         self._entry_cost = None  # (bucket, host seconds, device marks) of the last entry
-        self._batch_ids: set[str] = set()  # the requests of the last entry's batch
-        self._visit_horizon: list[int] | None = None  # a plain visit's budgets at its start
-        self._visit_steps = 0  # plain steps read in the visit
-        # A plain visit's target features (requests, starts, [B, F] per step), delivered to the
-        # drafter in one call when the visit ends, before the drafter drafts again.
-        self._plain_features: list[tuple[list[Request], list[int], torch.Tensor]] = []
+        # The speculative requests' target features from overlapped steps, for the drafter.
+        self._feature_log = FeatureLog(self.drafter)
         self.policy = None
         if speculative_config is not None:
             self.policy = SpeculationPolicy(
@@ -508,23 +500,12 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
         stream), except, with `emit_deltas`, the deltas of requests whose first tokens this step
         emitted (a stream sent at intervals starts at once: `core.engine_process`). With
         `async_scheduling`, a step may launch work whose tokens the next call reports."""
-        if self.async_scheduling and self.drafter is None:
-            return self._step_async(only_finished)
-        if self._in_unspeculated:
-            return self._step_unspeculated(only_finished)
-        if self._in_join:
-            return self._step_join(only_finished)
-        if self._in_plain:
-            return self._step_plain(only_finished)
         if self._in_rounds:
             return self._step_rounds(only_finished)
-        if self._unspeculated():
-            self._in_unspeculated = True
-            return self._step_unspeculated(only_finished)
+        if self._inflight is not None or self._overlaps():
+            return self._step_overlapped(only_finished)
         scheduled = self._schedule()
         if not scheduled:
-            return []
-        if self._begin_join(scheduled):
             return []
         chosen = self._sync_step_k(scheduled)
         started = time.perf_counter()
@@ -639,6 +620,7 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
         self.num_preemptions += len(out.preempted)
         if self.drafter is not None:
             for request in out.preempted:
+                self._feature_log.drop(request)
                 self.drafter.release(request.request_id)
         if not out.scheduled and self.scheduler.has_unfinished:
             raise RuntimeError("no request could be scheduled: the KV cache is too small")

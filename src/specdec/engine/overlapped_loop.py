@@ -1,10 +1,12 @@
-"""The engine's overlapped plain loop (asynchronous scheduling): while a plain step runs on the
-device, the next one is scheduled and launched, fed the sampled tokens on the device, and the
-earlier step's tokens are read meanwhile. Requests join and leave without draining it: a step
+"""The engine's overlapped loop (asynchronous scheduling): while a step runs on the device, the
+next one is scheduled and launched, fed the sampled tokens on the device, and the earlier step's
+tokens are read meanwhile. It serves every request that drafts nothing in its step (plain
+requests, prefill chunks, and speculative requests outside the device rounds: `_step_overlapped`
+says when a batch leaves it for the rounds). Requests join and leave without draining it: a step
 launched ahead holds the in-flight requests' decode rows beside the prefill chunks of requests
 that arrive (or continue their prompt), and a request whose last token is still on the device
 is held back from it. A mixin of `LLMEngine`, whose state (scheduler, runner, the step in
-flight) it uses.
+flight, the feature log) it uses.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.drafters import TargetFeatures
 from specdec.engine.device_round import mark
 from specdec.engine.emitter import Emission
 from specdec.engine.inflight import Inflight
@@ -23,6 +24,7 @@ from specdec.engine.outputs import RequestOutput
 from specdec.engine.proposals import step_inputs
 from specdec.engine.request import Request
 from specdec.engine.scheduler import ScheduledRequest
+from specdec.engine.spec_policy import PLAIN
 from specdec.runner import StepInput
 from specdec.sampling import Logprobs, compute_logprobs
 from specdec.transfer import Readback, to_device
@@ -37,16 +39,17 @@ MAX_ADMISSION_WAIT_S = 0.05
 class _Forward:
     """A launched step whose rows are not sampled yet (`OverlappedLoop._launch_forward`): the
     emitting requests, their logits rows ([E, V] on the device; None: none emits), the logits
-    rules' prefix of tokens still on the device, the positions of their last input tokens, and
-    what the plain arm (features, the start mark) or a joining visit (`deliveries`) keeps."""
+    rules' prefix of tokens still on the device, the positions of their last input tokens,
+    whether the step is a measured one of the plain arm (with its start mark), and the target
+    features kept for the feature log (a decode step's [E, F], or a mixed step's chunks)."""
 
     emitters: list[Request]
     rows: torch.Tensor | None
     prefix: torch.Tensor | None
     starts: list[int]
-    plain_arm: bool
+    measured: bool
     features: torch.Tensor | None
-    deliveries: list | None
+    chunks: list | None
     started: torch.cuda.Event | float | None
     # prompt logprobs computed on the device: (request, start, wanted rows, their tokens,
     # number of top ids, `compute_logprobs`' result) per chunk that asked for them
@@ -56,46 +59,68 @@ class _Forward:
 class OverlappedLoop:
     """`LLMEngine`'s overlapped plain loop (methods only)."""
 
-    def _step_async(self, only_finished: bool) -> list[RequestOutput]:
-        """One call of the overlapped loop, which serves every plain request: with a step in
-        flight, schedule and launch the next one ahead of reading it (`_schedule_ahead`: its
-        decode rows take the in-flight step's samples on the device; arriving requests'
-        prefill chunks join it), then read and commit the in-flight step's tokens while the new
-        one runs (`_launch_and_resolve`); where the next step cannot be scheduled ahead
-        without preempting, read the in-flight step first. With none in flight: schedule as
-        usual (preempting where the cache must) and launch without reading.
+    def _step_overlapped(self, only_finished: bool) -> list[RequestOutput]:
+        """One call of the overlapped loop, which serves every request that drafts nothing in
+        its step: plain requests, prefill chunks (arrivals, resumed requests), and speculative
+        requests while they are outside the device rounds. With a step in flight, schedule and
+        launch the next one ahead of reading it (`_schedule_ahead`: its decode rows take the
+        in-flight step's samples on the device; arriving requests' prefill chunks join it),
+        then read and commit the in-flight step's tokens while the new one runs
+        (`_launch_and_resolve`); where the next step cannot be scheduled ahead without
+        preempting, read the in-flight step first. With none in flight: schedule as usual
+        (preempting where the cache must) and launch without reading.
+
+        On an engine with device rounds, the batch leaves this loop for the rounds once every
+        running request can take them and the policy picks a K for it (`_round_choice`); while
+        the policy picks its plain arm the loop goes on, arrivals and all, as an engine without
+        a drafter runs, its decode steps measured as the arm's cost. The target features of
+        the speculative requests' tokens wait in the feature log until the drafter reads them.
+        On an engine without device rounds, a request that speculates sends the batch to the
+        synchronous step (the step in flight is read first).
 
         What a request asks for stays on this path: its logprobs and prompt logprobs are
         computed on the device and read with the tokens; its logits rules (penalties, biases,
         bans, min_tokens) count the token still on the device as output (`Emitter.sample_rows`'
         prefix); a step holding a constrained request is sampled once the step before it is
-        read (its grammar runs on the host)."""
-        inflight = self._inflight
-        if inflight is not None:
-            return self._launch_and_resolve(self._schedule_ahead(), inflight, only_finished)
-        scheduled = self._schedule()
-        if scheduled:
-            self._inflight = self._launch(scheduled, None)
-        return []
+        read (its grammar runs on the host). With the default verifier, whether a request
+        drafts in a step never changes its tokens."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            scheduled = self._schedule()
+            if scheduled:
+                for share in scheduled:
+                    share.cap_drafts(0)
+                self._inflight = self._launch(scheduled, None)
+            return []
+        if not self._overlaps():
+            return self._resolve(inflight, only_finished)
+        choice = self._round_choice()
+        if choice is not None and choice != PLAIN:
+            outputs = self._resolve(inflight, only_finished)
+            self._enter_rounds(choice)
+            return outputs
+        rounds_wait = self.device_rounds and self.drafter is not None and not self._plain_chosen
+        scheduled = self._schedule_ahead(admit=self._admission_due() if rounds_wait else True)
+        measured = (
+            choice == PLAIN
+            and scheduled is not None
+            and len(scheduled) == len(self.scheduler.running)
+            and all(not share.request.in_prefill for share in scheduled)
+        )
+        return self._launch_and_resolve(scheduled, inflight, only_finished, measured)
 
-    def _unspeculated(self) -> bool:
-        """Whether the engine with a drafter runs the overlapped plain loop as an engine
-        without one does: asynchronous scheduling, and no running or waiting request
-        speculates (speculation switched off for each), so no drafter needs their features."""
+    def _overlaps(self) -> bool:
+        """Whether the next step is the overlapped loop's: asynchronous scheduling, and no
+        request speculates unless the engine has device rounds under the adaptive policy (they
+        leave the loop for the rounds; a pinned K drafts in every step, synchronously)."""
+        if not self.async_scheduling:
+            return False
+        if self.drafter is None or (self.device_rounds and self.policy.adaptive):
+            return True
         scheduler = self.scheduler
-        return self.async_scheduling and not any(
+        return not any(
             r.spec is not None for r in itertools.chain(scheduler.running, scheduler.waiting)
         )
-
-    def _step_unspeculated(self, only_finished: bool) -> list[RequestOutput]:
-        """One call of the overlapped plain loop for a batch in which nothing speculates
-        (`_unspeculated`); once a request that speculates is running or waiting, the step in
-        flight is read and the next call takes the engine's speculative paths."""
-        if self._unspeculated():
-            return self._step_async(only_finished)
-        self._in_unspeculated = False
-        inflight, self._inflight = self._inflight, None
-        return self._resolve(inflight, only_finished) if inflight is not None else []
 
     def _schedule_ahead(self, admit: bool = True) -> list[ScheduledRequest] | None:
         """The next step's shares while a step is in flight (None: read that step first):
@@ -154,46 +179,16 @@ class OverlappedLoop:
             return True
         return now - self._admissible_since >= MAX_ADMISSION_WAIT_S
 
-    def _can_overlap(self, inflight: Inflight, deferring: bool = False) -> bool:
-        """Whether the next schedule is certainly the in-flight requests again, each decoding
-        one more token: no waiting request could join (the batch is full or nothing waits;
-        `deferring`: none is due, `_admission_due`), nothing finished or was aborted, every
-        request may still emit after its pending token, and the cache has a slot for each
-        without preempting."""
-        scheduler = self.scheduler
-        running = scheduler.running
-        admitting = self._admission_due() if deferring else self._admission_pending()
-        if admitting or len(running) != len(inflight.requests):
-            return False
-        if len(running) > scheduler.config.max_num_batched_tokens:
-            return False
-        block_size = scheduler.allocator.block_size
-        new_blocks = 0
-        for request, expected in zip(running, inflight.requests, strict=True):
-            if request is not expected or request.status.finished:
-                return False
-            limit = self.outputs.output_limit(request)
-            if len(request.output_token_ids) + request.num_pending >= limit:
-                return False
-            if request.num_computed_tokens + 1 > len(request.block_ids) * block_size:
-                new_blocks += 1
-        return new_blocks <= scheduler.allocator.num_free_blocks
-
     def _launch(
-        self,
-        scheduled: list[ScheduledRequest],
-        previous: Inflight | None,
-        plain_arm: bool = False,
-        joining: bool = False,
+        self, scheduled: list[ScheduledRequest], previous: Inflight | None, measured: bool = False
     ) -> Inflight:
         """Runs a step and samples its emitting rows without reading the tokens: decode rows
         (a request's input token is `previous`'s sample where `previous` holds the request)
         and prefill chunks (their tokens from the host; the last chunk of a prompt samples its
-        first output token). `plain_arm`: a step of the speculation policy's plain arm (decode
-        rows of speculative requests, the batch of `previous`: it keeps the target features
-        their drafter reads, and is measured). `joining`: a joining visit's step (the target
-        features of every input kept for the drafter)."""
-        forward = self._launch_forward(scheduled, previous, plain_arm, joining)
+        first output token). `measured`: a step of the speculation policy's plain arm (decode
+        rows of every running request), its device time measured for the policy. The target
+        features of the speculative requests' inputs are kept for the feature log."""
+        forward = self._launch_forward(scheduled, previous, measured)
         return self._launch_sample(forward)
 
     def _launch_and_resolve(
@@ -201,7 +196,7 @@ class OverlappedLoop:
         scheduled: list[ScheduledRequest] | None,
         inflight: Inflight,
         only_finished: bool,
-        joining: bool = False,
+        measured: bool = False,
     ) -> list[RequestOutput]:
         """Launches `scheduled` (None or empty: nothing) ahead of reading `inflight`, then reads
         it; sets `_inflight` to the launched step. A step with a constrained request (its
@@ -210,7 +205,7 @@ class OverlappedLoop:
         if not scheduled:
             self._inflight = None
             return self._resolve(inflight, only_finished)
-        forward = self._launch_forward(scheduled, inflight, joining=joining)
+        forward = self._launch_forward(scheduled, inflight, measured)
         if any(r.grammar is not None for r in forward.emitters):
             outputs = self._resolve(inflight, only_finished)
             self._inflight = self._launch_sample(forward, host_current=True)
@@ -222,49 +217,42 @@ class OverlappedLoop:
         self,
         scheduled: list[ScheduledRequest],
         previous: Inflight | None,
-        plain_arm: bool = False,
-        joining: bool = False,
+        measured: bool = False,
     ) -> _Forward:
         """`_launch`'s first half: the target's forward over the step (its K/V committed), its
         emitting rows' logits kept for `_launch_sample`."""
         requests = [share.request for share in scheduled]
         inputs = step_inputs(scheduled, None, self.outputs.wants_prompt_logprobs)
         first_tokens = self._first_tokens(requests, inputs, previous)
-        started = mark(self.device) if plain_arm else None
+        started = mark(self.device) if measured else None
         decode_only = all(
             len(s.token_ids) == 1 and s.num_logit_rows == 1 and share.emits
             for s, share in zip(inputs, scheduled, strict=True)
         )
         decodes = [not share.request.in_prefill for share in scheduled]  # before the commit
-        features = deliveries = None
+        features = chunks = None
         prompt = []
         # An engine with a drafter runs every step with the drafter's feature layers (the
-        # graphs its warm-up captured), keeping the features only where a drafter reads them.
+        # graphs its warm-up captured), keeping the features only where a drafter reads them:
+        # the speculative requests' (the feature log holds them until the drafter drafts).
         layers = () if self.drafter is None else self.drafter.feature_layers
-        kept = plain_arm or joining
+        kept = bool(layers) and any(r.spec is not None for r in requests)
         if decode_only:
             # the decode graph, its features stacked [B, F]: one copy a step, not one a row
             rows, features = self.runner.run_rows_with_features(
-                inputs, layers, first_tokens, min_rows=self._plain_rows if plain_arm else 0
+                inputs, layers, first_tokens, min_rows=self._plain_rows if measured else 0
             )
             if features is not None:
                 # a static buffer's view: the next step overwrites it
-                features = features.clone() if kept else None
-            if joining and features is not None:
-                deliveries = [
-                    (share.request, step_input.start, features[i : i + 1])
-                    for i, (share, step_input) in enumerate(zip(scheduled, inputs, strict=True))
-                    if share.request.spec is not None
-                ]
-                features = None
-        elif plain_arm:
+                features = features[: len(inputs)].clone() if kept else None
+        elif measured:
             raise RuntimeError("the plain arm's steps are decode rows only")
         else:
             graphed = self.runner.num_graphed_prefill_steps
             logits, per_input = self.runner.run_with_features(inputs, layers, first_tokens)
             graphed = self.runner.num_graphed_prefill_steps - graphed
             self.loop_stats.num_graphed_prefill_steps += graphed
-            if per_input and joining:  # views of static buffers: the next step overwrites them
+            if per_input and kept:  # views of static buffers: the next step overwrites them
                 kept_rows = [
                     (share.request, step_input.start, rows)
                     for share, step_input, rows in zip(scheduled, inputs, per_input, strict=True)
@@ -274,7 +262,7 @@ class OverlappedLoop:
                     copies = torch.cat([rows for *_, rows in kept_rows]).split(
                         [rows.shape[0] for *_, rows in kept_rows]
                     )
-                    deliveries = [
+                    chunks = [
                         (request, start, copy)
                         for (request, start, _), copy in zip(kept_rows, copies, strict=True)
                     ]
@@ -293,6 +281,8 @@ class OverlappedLoop:
         prefill = sum(len(s.token_ids) for s in inputs) - plain
         self.loop_stats.observe_rows(prefill=prefill, plain=plain)
         self.loop_stats.num_overlapped_prefill_steps += int(prefill > 0)
+        if prefill:
+            self._plain_rows = 0  # the batch grew: the rounds' rows no longer pad its steps
         emitters = [share.request for share in scheduled if share.emits]
         prefix = self._pending_prefix(scheduled, emitters, first_tokens, previous)
         # per emitting request, the position of its last input token (its token comes next)
@@ -301,9 +291,7 @@ class OverlappedLoop:
             for share, s in zip(scheduled, inputs, strict=True)
             if share.emits
         ]
-        return _Forward(
-            emitters, rows, prefix, starts, plain_arm, features, deliveries, started, prompt
-        )
+        return _Forward(emitters, rows, prefix, starts, measured, features, chunks, started, prompt)
 
     def _prompt_logprobs_ahead(self, request: Request, start: int, rows: torch.Tensor) -> list:
         """The logprobs of the prompt tokens that a chunk's logit rows ([n, V] from position
@@ -329,7 +317,7 @@ class OverlappedLoop:
         else:  # prefill chunks only, none of them the last of its prompt
             token_ids = torch.empty(0, dtype=torch.int64, device=self.device)
             unusable = torch.empty(0, dtype=torch.bool, device=self.device)
-        ended = mark(self.device) if forward.plain_arm else None
+        ended = mark(self.device) if forward.measured else None
         for request in emitters:
             request.num_pending += 1
         # A row without a distribution still yields a valid id (the next step may take it as
@@ -342,26 +330,20 @@ class OverlappedLoop:
             floats[f"prompt_top_logprobs{k}"] = result.top_logprobs
             floats[f"prompt_logprobs{k}"] = result.token_logprobs
         readback = Readback(ints, floats)
-        if not forward.plain_arm:
-            return Inflight(
-                emitters,
-                token_ids,
-                readback,
-                starts=forward.starts,
-                deliveries=forward.deliveries,
-                logprob_groups=groups,
-                prompt_logprobs=[entry[:5] for entry in forward.prompt] or None,
-            )
-        self.loop_stats.observe_plain_arm()
+        if forward.measured:
+            self.loop_stats.observe_plain_arm()
         return Inflight(
             emitters,
             token_ids,
             readback,
-            True,
+            forward.measured,
             forward.starts,
             forward.features,
             forward.started,
             ended,
+            forward.chunks,
+            logprob_groups=groups,
+            prompt_logprobs=[entry[:5] for entry in forward.prompt] or None,
         )
 
     @staticmethod
@@ -464,18 +446,12 @@ class OverlappedLoop:
         and prompt logprobs to the outputs) and returns its commits for `_commit`."""
         values = inflight.readback.values()
         tokens, unusable = values["tokens"].tolist(), values["unusable"].tolist()
-        if inflight.plain_arm:
+        if inflight.measured:
             self._observe_plain(inflight)
-        if inflight.deliveries:  # the step's tokens now have their features, in order
-            live = [d for d in inflight.deliveries if not d[0].status.finished]
-            if live:
-                self.drafter.observe(
-                    TargetFeatures(
-                        [r.request_id for r, _, _ in live],
-                        [start for _, start, _ in live],
-                        [rows for _, _, rows in live],
-                    )
-                )
+        if inflight.features is not None:  # a decode step's, row b that of requests[b]
+            self._feature_log.add_rows(inflight.requests, inflight.starts, inflight.features)
+        if inflight.chunks:
+            self._feature_log.add_chunks(inflight.chunks)
         entries = self._logprob_entries_read(inflight, values, tokens)
         for k, (request, start, wanted, prompt_tokens, num_top) in enumerate(
             inflight.prompt_logprobs or ()

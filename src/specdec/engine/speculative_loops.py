@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import time
 
-import torch
-
-from specdec.drafters import TargetFeatures
 from specdec.engine.device_round import DeviceRounds, mark, seconds_between
 from specdec.engine.inflight import Inflight
 from specdec.engine.outputs import RequestOutput
@@ -37,8 +34,7 @@ class SpeculativeLoops:
         policy = self.policy
         if policy is None or not policy.adaptive or self.speculative_config.tree is not None:
             return None
-        if self.device_rounds:
-            self._plain_beside_prefill(scheduled)
+        if self.device_rounds:  # (a pinned K reaches the synchronous step only)
             return None
         decodes = [share for share in scheduled if not share.request.in_prefill]
         if not any(share.request.spec is not None for share in decodes):
@@ -59,23 +55,6 @@ class SpeculativeLoops:
                 share.cap_drafts(cap)
         return (bucket, k) if measured else None
 
-    @staticmethod
-    def _plain_beside_prefill(scheduled: list[ScheduledRequest]) -> None:
-        """A synchronous step of an engine with device rounds that holds a prefill chunk (a
-        request joining, or resuming after preemption): its decode shares draft nothing (K =
-        0, the policy's plain arm for one step). Such a step comes between two visits of the
-        rounds; with drafts its verify rows keep it off the graphed prefill path and the
-        drafter proposes eagerly on the host: about 30 ms a step for 16 rows of SmolLM2 on an
-        H100 (s27), against a graphed mixed step of about 3 ms, while the rounds' own steps
-        cost 2-3 ms. With the default verifier K never changes a token. Mutates the shares'
-        num_draft / num_query_tokens (the slots allocated for the drafts are released at
-        commit)."""
-        if not any(share.request.in_prefill for share in scheduled):
-            return
-        for share in scheduled:
-            if not share.request.in_prefill:
-                share.cap_drafts(0)
-
     def _observe_sync_step(self, chosen: tuple[int, int], seconds: float) -> None:
         """A measured synchronous step (`_sync_step_k`): its cost and its rounds' acceptance to
         the policy."""
@@ -87,161 +66,66 @@ class SpeculativeLoops:
         ]
         self.policy.observe(bucket, k, seconds, outcomes)
 
-    # ------------------------------------------------------- joining visits
-    def _begin_join(self, scheduled: list[ScheduledRequest]) -> bool:
-        """Launches `scheduled` as the first step of a joining visit, without reading it, when
-        the engine has device rounds under the adaptive policy (a pinned K drafts K in every
-        step) and the step holds a prefill chunk (a request joining, or resuming after
-        preemption) or a request the rounds cannot take (`_round_able`): its decode shares
-        draft nothing (as `_plain_beside_prefill`'s rule); True when launched."""
-        policy = self.policy
-        if policy is None or not policy.adaptive or not self.device_rounds:
-            return False
-        requests = [share.request for share in scheduled]
-        if all(r.num_computed_tokens == r.num_tokens - 1 and self._round_able(r) for r in requests):
-            return False
-        for share in scheduled:
-            share.cap_drafts(0)
-        self._inflight = self._launch(scheduled, None, joining=True)
-        self._in_join = True
-        return True
+    # ------------------------------------------------------- into the rounds, or not
+    def _round_choice(self) -> int | None:
+        """The policy's choice for the batch of the overlapped loop once the rounds could take
+        it: a K (0..max_k) to enter them with, or `PLAIN` (the plain arm: the loop goes on).
+        None, asking nothing, where they cannot: no device rounds, an arrival due
+        (`_admission_due`), a request in prefill, or one the rounds cannot take
+        (`_round_able`, one verify method). Non-anticipating: asked at a launch, from what was
+        read and the remaining budgets."""
+        if not self.device_rounds or self.drafter is None:
+            return None
+        running = self.scheduler.running
+        if not running or self._admission_due():
+            return None
+        first = running[0].spec
+        for request in running:
+            if request.in_prefill or not self._round_able(request):
+                return None
+            if request.spec.method != first.method:
+                return None
+        bucket = self._plain_bucket(len(running))
+        k = self.policy.choose(bucket, self._horizon(running), in_rounds=False)
+        self._plain_chosen = k == PLAIN
+        if self._plain_chosen:
+            self._plain_rows = bucket  # its measured steps pad to the bucket measured
+        return k
 
     @staticmethod
     def _round_able(request: Request) -> bool:
         """Whether device rounds can take the request (it speculates, and needs no logits
         processed on the host; its logprobs are computed after each round); a batch holding
-        one that cannot decodes in a joining visit's overlapped steps, drafting nothing,
-        instead of synchronous steps with drafts (s27: about 30 ms a step for 16 rows of
-        SmolLM2 on an H100, against 2-3 ms for a round)."""
+        one that cannot decodes in the overlapped loop, drafting nothing, instead of
+        synchronous steps with drafts (s27: about 30 ms a step for 16 rows of SmolLM2 on an
+        H100, against 2-3 ms for a round)."""
         return request.spec is not None and not request.host_processed
 
-    def _step_join(self, only_finished: bool) -> list[RequestOutput]:
-        """One call of a joining visit: while a request is still in prefill, one waits to
-        join, or one the rounds cannot take runs (`_round_able`), the next step (prefill chunks
-        beside decode rows that draft nothing, their input tokens the step in flight's
-        samples) is launched before the step in flight is read (`_schedule_ahead`); the target
-        features of each read step go to the drafter. The visit ends when none of that holds
-        or a step cannot be scheduled ahead: the last step is read, and the batch goes to the
-        rounds (`_enter_rounds`) or to the synchronous step. With the default verifier, a
-        step's K never changes a token."""
-        inflight = self._inflight
-        self._inflight = None
-        running = self.scheduler.running
-        scheduled = None
-        due = self._admission_due()
-        if due or any(r.in_prefill or not self._round_able(r) for r in running):
-            scheduled = self._schedule_ahead(admit=due)
-        outputs = self._launch_and_resolve(scheduled, inflight, only_finished, joining=True)
-        if self._inflight is None:
-            self._in_join = False
-            self._enter_rounds()
-        return outputs
-
     # ------------------------------------------------------- the policy's plain arm
-    def _step_plain(self, only_finished: bool) -> list[RequestOutput]:
-        """One call of the plain arm's loop: the overlapped plain decode loop over the
-        speculative batch, asking the policy before every launch. It ends (back to device rounds
-        or to the synchronous step) when the policy picks a K, or when the next batch may differ
-        (as `_step_async`)."""
-        inflight = self._inflight
-        if inflight is None:  # the first plain step, right after the rounds drained
-            shares = self._plain_shares()
-            if shares is None:
-                self._in_plain = False
-                return self.step(only_finished)
-            # The visit's budgets, read once: each plain step emits one token per request, and
-            # the visit ends when the batch changes (host time per step counts here).
-            horizon = self._horizon([share.request for share in shares])
-            self._visit_horizon = sorted(horizon) if horizon else None
-            self._visit_steps = 0
-            self._inflight = self._launch(shares, None, plain_arm=True)
-            return []
-        self._inflight = None
-        if self._can_overlap(inflight, deferring=True):
-            bucket = self._plain_bucket(len(inflight.requests))
-            self._visit_steps += 1
-            base = self._visit_horizon
-            horizon = None if base is None else [max(n - self._visit_steps, 1) for n in base]
-            k = self.policy.choose(bucket, horizon, in_rounds=False)
-            if k == PLAIN:
-                shares = self._plain_shares(checked=True)
-                if shares is not None:
-                    self._inflight = self._launch(shares, inflight, plain_arm=True)
-            else:
-                self._next_k = k
-        outputs = self._resolve(inflight, only_finished)
-        if self._inflight is None:
-            self._in_plain = False
-            self._deliver_plain_features()
-            self._enter_rounds()
-            if not self._in_rounds:
-                self._next_k = None  # the synchronous step goes on; its choice is dropped
-        return outputs
-
-    def _plain_shares(self, checked: bool = False) -> list[ScheduledRequest] | None:
-        """The running requests as plain decode shares (one token each, its block grown), or
-        None when the batch must go back to the scheduler: a waiting request could join, one
-        has no plain decode step to run, or the cache cannot hold the step. `checked`: the
-        requests are those of the step in flight and `_can_overlap` passed (each may emit one
-        more token; nothing waits), so only the blocks are grown."""
-        requests = list(self.scheduler.running)
-        if not requests or self._admission_due():
-            return None
-        for request in () if checked else requests:
-            if request.status.finished or request.num_computed_tokens != request.num_tokens - 1:
-                return None
-            limit = self.outputs.output_limit(request)
-            if len(request.output_token_ids) + request.num_pending >= limit:
-                return None
-        if not self._grow_ahead(requests, [r.num_computed_tokens for r in requests]):
-            return None
-        return [ScheduledRequest(r, 1, 0, True) for r in requests]
-
     def _plain_bucket(self, num_requests: int) -> int:
         return bucket_for(
             batch_buckets(self.config.max_num_seqs), max(num_requests, self._plain_rows)
         )
 
     def _observe_plain(self, inflight: Inflight) -> None:
-        """A read plain-arm step: its cost to the policy, and its input tokens' target features
-        kept for `_deliver_plain_features`. The cost is the step's own device time (from the
-        events around its graph and sampling), not the interval since the previous step: the
-        intervals of a short visit, still ramping up after the rounds drained, read 1.2-1.5 ms
-        at batch 32-64 (s12-E). Within the step the device still waits on the host where the
-        loop is host-bound (1.12-1.42 ms against 0.98-1.13 ms plain steps, s12-G/H), which it
-        should count. Rounds keep their interval, which includes the host's time between them."""
+        """A read measured step of the plain arm: its cost to the policy. The cost is the
+        step's own device time (from the events around its graph and sampling), not the
+        interval since the previous step: the intervals of a short visit, still ramping up
+        after the rounds drained, read 1.2-1.5 ms at batch 32-64 (s12-E). Within the step the
+        device still waits on the host where the loop is host-bound (1.12-1.42 ms against
+        0.98-1.13 ms plain steps, s12-G/H), which it should count. Rounds keep their interval,
+        which includes the host's time between them."""
         seconds = seconds_between(inflight.started, inflight.ended)
         bucket = self._plain_bucket(len(inflight.requests))
         self.policy.observe(bucket, PLAIN, seconds, [])
-        if inflight.features is not None:
-            self._plain_features.append((inflight.requests, inflight.starts, inflight.features))
-
-    def _deliver_plain_features(self) -> None:
-        """The ended visit's target features to the drafter: per request still running, its
-        rows of every step in order (one stack for the visit, not a call per step)."""
-        entries, self._plain_features = self._plain_features, []
-        if not entries:
-            return
-        requests, starts, _ = entries[0]
-        if any(e[0] != requests for e in entries):
-            raise RuntimeError("the plain arm: the batch changed inside a visit")
-        stacked = torch.stack([e[2] for e in entries], dim=1)  # [B, steps, F]
-        ids, firsts, rows = [], [], []
-        for b, (request, start) in enumerate(zip(requests, starts, strict=True)):
-            if not request.status.finished:
-                ids.append(request.request_id)
-                firsts.append(start)
-                rows.append(stacked[b])
-        if ids:
-            self.drafter.observe(TargetFeatures(ids, firsts, rows))
 
     # ------------------------------------------------------- speculative rounds on the device
-    def _enter_rounds(self) -> None:
+    def _enter_rounds(self, k: int | None = None) -> None:
         """Hands the batch to device rounds when every running request decodes with speculation
-        (one verify method, no penalties, biases, bans or grammar) and no waiting
-        request could join; else the synchronous step goes on. The policy is asked first: when
-        it picks the plain arm, the batch decodes in plain overlapped steps without entering the
-        rounds (and without paying the drafter's catch-up that entering costs)."""
+        (one verify method, no penalties, biases, bans or grammar) and no waiting request could
+        join; else the loop it came from goes on. `k`: the policy's choice for the first round
+        (None: asked when the round launches). The feature log is handed to the drafter first
+        (its catch-up on entering reads it)."""
         scheduler = self.scheduler
         requests = list(scheduler.running)
         if not requests or self._admission_due():
@@ -259,17 +143,8 @@ class SpeculativeLoops:
         rounds = self._device_round_runner()
         if rounds is None:
             return
-        if self._next_k is None and self.policy.plain_arm and self.policy.adaptive:
-            bucket = bucket_for(batch_buckets(self.config.max_num_seqs), len(requests))
-            ids = {r.request_id for r in requests}
-            if ids <= self._batch_ids:  # the last batch less the requests that finished
-                bucket = max(bucket, self._plain_rows)  # its rows (and measured costs) stay
-            self._batch_ids = ids
-            k = self.policy.choose(bucket, self._horizon(requests), in_rounds=False)
-            if k == PLAIN:
-                self._in_plain, self._plain_rows = True, bucket
-                return
-            self._next_k = k
+        self._feature_log.flush()
+        self._next_k = k
         started, host = mark(self.device), time.perf_counter()
         rounds.begin(requests)
         host = time.perf_counter() - host
@@ -368,8 +243,7 @@ class SpeculativeLoops:
         if joining and launched:  # (a drain launches none: its joiners go on without it)
             self._launch_joining_prefill()
         if not launched and not rounds.inflight and self._round_prefill is None:
-            self._leave_rounds()
-            self._in_plain, self._plain_chosen = self._plain_chosen, False
+            self._leave_rounds()  # to the overlapped loop (the plain arm, if it was chosen)
         return outputs
 
     def _joins_rounds(self) -> bool:
@@ -424,7 +298,7 @@ class SpeculativeLoops:
         for share in shares:
             if share.request not in self._round_joiners:
                 self._round_joiners.append(share.request)
-        self._round_prefill = self._launch(shares, None, joining=True)
+        self._round_prefill = self._launch(shares, None)
         rounds.interrupt()
 
     def _seat_joiners(self) -> None:
@@ -441,6 +315,7 @@ class SpeculativeLoops:
         ]
         if not ready:
             return
+        self._feature_log.flush()  # the joiners' prefill features, read by the catch-up
         seated = self._rounds.admit(ready)
         if seated:
             self.loop_stats.num_round_joins += len(seated)

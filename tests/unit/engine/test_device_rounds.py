@@ -390,19 +390,19 @@ def test_a_step_holding_a_prefill_chunk_drafts_nothing_beside_it(
 ):
     """With device rounds and the adaptive policy, a step that admits a joining request holds
     its prefill chunk beside the running requests' decode rows: those rows draft nothing (K =
-    0), and the step is launched ahead in a joining visit (overlapped, s29) instead of an eager
-    verify step with host drafting (s27: ~30 ms a step on an H100). Coupled output still equals
-    plain decoding's. Negative control: with the rule and the joining visit turned off, the
-    same steps are synchronous and hold drafts. (Arrivals joining the running rounds without a
+    0), and the step is launched ahead in the overlapped loop (s29) instead of an eager verify
+    step with host drafting (s27: ~30 ms a step on an H100). Coupled output still equals plain
+    decoding's. Negative control: with the overlapped loop turned off for speculative batches,
+    the same steps are synchronous and hold drafts. (Arrivals joining the running rounds without a
     drain, `_joins_rounds`, are turned off here: they take no step beside the rounds' rows;
     `test_arrivals_join_running_rounds_without_a_drain` covers them.)"""
     from specdec.engine import llm_engine
+    from specdec.engine.overlapped_loop import OverlappedLoop
     from specdec.engine.speculative_loops import SpeculativeLoops
 
     monkeypatch.setattr(SpeculativeLoops, "_joins_rounds", lambda self: False)
     if rule != "on":
-        monkeypatch.setattr(SpeculativeLoops, "_plain_beside_prefill", staticmethod(lambda s: None))
-        monkeypatch.setattr(SpeculativeLoops, "_begin_join", lambda self, scheduled: False)
+        monkeypatch.setattr(OverlappedLoop, "_overlaps", lambda self: False)
     mixed_drafts = []
     run_step, launch = llm_engine.LLMEngine._run_step, llm_engine.LLMEngine._launch
 
@@ -414,9 +414,9 @@ def test_a_step_holding_a_prefill_chunk_drafts_nothing_beside_it(
         record(scheduled)
         return run_step(self, scheduled, only_finished)
 
-    def spy_launch(self, scheduled, previous, plain_arm=False, joining=False):
+    def spy_launch(self, scheduled, previous, measured=False):
         record(scheduled)
-        return launch(self, scheduled, previous, plain_arm, joining)
+        return launch(self, scheduled, previous, measured)
 
     monkeypatch.setattr(llm_engine.LLMEngine, "_run_step", spy_run_step)
     monkeypatch.setattr(llm_engine.LLMEngine, "_launch", spy_launch)
@@ -430,7 +430,7 @@ def test_a_step_holding_a_prefill_chunk_drafts_nothing_beside_it(
     assert mixed_drafts, "no decode row shared a step with a joining request's prefill"
     if rule == "on":
         assert set(mixed_drafts) == {0}
-        assert engine.loop_stats.num_overlapped_prefill_steps > 0  # joining visits ran
+        assert engine.loop_stats.num_overlapped_prefill_steps > 0  # the overlapped loop ran
     else:
         assert any(mixed_drafts)
         assert engine.loop_stats.num_overlapped_prefill_steps == 0

@@ -9,7 +9,6 @@ captured) and a negative control without that catch-up fails; `adaptive: false` 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import pytest
@@ -17,7 +16,7 @@ import torch
 
 from eagle_fixtures import trained_head
 from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
-from specdec.engine import llm_engine
+from specdec.engine import feature_log
 from specdec.engine.config import EngineConfig, SpeculativeConfig
 from specdec.engine.llm_engine import LLMEngine
 from specdec.engine.spec_policy import PLAIN, SpeculationPolicy
@@ -212,12 +211,7 @@ def test_negative_control_without_the_plain_steps_features_the_drafter_cannot_dr
     """If the plain steps' target features were not delivered, the EAGLE head (DFlash) would
     have nothing to draft the next round from (its state stops before the plain steps' tokens):
     the engine refuses rather than drafting from stale state."""
-    original = llm_engine.LLMEngine._observe_plain
-
-    def without_features(self, inflight):
-        original(self, dataclasses.replace(inflight, features=None))
-
-    monkeypatch.setattr(llm_engine.LLMEngine, "_observe_plain", without_features)
+    monkeypatch.setattr(feature_log.FeatureLog, "add_rows", lambda self, *args: None)
     requests = [(p, params_for(1.0, 50 + i)) for i, p in enumerate(prompts)]
     spec = spec_for(drafter, head_dir, "coupled")
     if drafter == "dflash":
@@ -248,13 +242,12 @@ def test_eagle_gets_the_target_features_of_every_plain_step_token(
     token's) equals the target's own feature of that position in the final sequence. Negative
     control (`corrupt`): plain steps delivering zeros instead must fail the comparison."""
     if corrupt:
-        original = llm_engine.LLMEngine._observe_plain
+        original = feature_log.FeatureLog.add_rows
 
-        def zeros(self, inflight):
-            features = torch.zeros_like(inflight.features)
-            original(self, dataclasses.replace(inflight, features=features))
+        def zeros(self, requests, starts, rows):
+            original(self, requests, starts, torch.zeros_like(rows))
 
-        monkeypatch.setattr(llm_engine.LLMEngine, "_observe_plain", zeros)
+        monkeypatch.setattr(feature_log.FeatureLog, "add_rows", zeros)
     requests = [(p, params_for(1.0, 40 + i)) for i, p in enumerate(prompts)]
     engine = make_engine(model_dir, spec_for("eagle", head_dir, "coupled"), script=alternate)
     delivered = []
@@ -378,7 +371,7 @@ def test_abort_in_plain_mode_keeps_the_others_and_frees_everything(model_dir, he
         outputs = engine.step(only_finished=True)
         steps += 1
         if steps == 6:
-            assert engine._in_plain  # the abort lands while plain steps are in flight
+            assert engine._plain_chosen and engine._inflight is not None  # plain steps in flight
             engine.abort("1")
         for out in outputs:
             if out.finished:

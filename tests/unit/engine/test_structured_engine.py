@@ -133,10 +133,10 @@ def test_constrained_requests_stay_on_the_overlapped_plain_loop(model_dir, monke
     if defer != "after the read":
         original = OverlappedLoop._launch_and_resolve
 
-        def sample_first(self, scheduled, inflight, only_finished, joining=False):
+        def sample_first(self, scheduled, inflight, only_finished, measured=False):
             if not scheduled:
-                return original(self, scheduled, inflight, only_finished, joining)
-            forward = self._launch_forward(scheduled, inflight, joining=joining)
+                return original(self, scheduled, inflight, only_finished, measured)
+            forward = self._launch_forward(scheduled, inflight, measured)
             self._inflight = self._launch_sample(forward, True)  # the grammar a token behind
             return self._resolve(inflight, only_finished)
 
