@@ -184,6 +184,41 @@ def test_requests_join_and_finish_in_plain_mode(model_dir, head_dir, prompts, dr
     assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
 
 
+@pytest.mark.parametrize("mode", ["plain arm", "rounds (control)"])
+def test_logprobs_are_kept_in_plain_mode(model_dir, head_dir, prompts, mode):
+    """A request asking for logprobs keeps them through the plain arm's steps as through the
+    rounds: every token has its entry, equal to plain decoding's (s40 and before, a plain-arm
+    step computed them and read its tokens back without them). The control runs the same
+    requests through the rounds only."""
+    requests = [
+        (p, params_for(1.0, 80 + i, max_tokens=12, logprobs=2)) for i, p in enumerate(prompts)
+    ]
+
+    def run(engine):
+        for prompt, params in requests:
+            engine.add_request(prompt, params)
+        finals = {}
+        while engine.has_unfinished:
+            for out in engine.step(only_finished=True):
+                if out.finished:
+                    finals[out.request_id] = out.outputs[0]
+        return finals
+
+    expected = run(make_engine(model_dir, None, async_scheduling=False))
+    script = (lambda n: PLAIN) if mode == "plain arm" else (lambda n: 2)
+    engine = make_engine(model_dir, spec_for("eagle", head_dir, "coupled"), script=script)
+    got = run(engine)
+    assert (engine.loop_stats.num_plain_arm_steps > 0) == (mode == "plain arm")
+    for request_id, output in expected.items():
+        mine = got[request_id]
+        assert mine.token_ids == output.token_ids
+        assert mine.logprobs is not None and len(mine.logprobs) == len(output.token_ids)
+        for entry, reference in zip(mine.logprobs, output.logprobs, strict=True):
+            assert entry.keys() == reference.keys()
+            for token, logprob in reference.items():
+                assert abs(entry[token].logprob - logprob.logprob) < 1e-4
+
+
 def test_injected_costs_make_the_real_policy_go_plain(model_dir, head_dir, prompts, monkeypatch):
     """The real policy, observing a plain step as 1 s and a round as 3 s (drafts accepted or
     not, a round then yields fewer tokens per second): it settles on P, re-exploring now and
