@@ -125,8 +125,8 @@ class OverlappedLoop:
     def _schedule_ahead(self, admit: bool = True) -> list[ScheduledRequest] | None:
         """The next step's shares while a step is in flight (None: read that step first):
         requests whose token in flight reaches their output limit are held back (that token
-        ends them); nothing is preempted (`Scheduler.schedule_ahead`); speculative requests (a
-        joining visit's) draft nothing. `admit`: False takes no waiting request in."""
+        ends them); nothing is preempted (`Scheduler.schedule_ahead`); speculative requests
+        draft nothing. `admit`: False takes no waiting request in."""
         scheduler = self.scheduler
         limit = self.outputs.output_limit
         hold = {
@@ -141,31 +141,31 @@ class OverlappedLoop:
 
     def _admission_pending(self) -> bool:
         """Whether a waiting request could join the batch now (the device rounds and the plain
-        arm then drain; the overlapped loop and joining visits take it in). A full batch
+        arm then drain; the overlapped loop takes it in). A full batch
         (max_num_seqs running) admits nobody until one finishes, so a queue behind it does not
         stop them."""
         scheduler = self.scheduler
         return bool(scheduler.waiting) and len(scheduler.running) < self.config.max_num_seqs
 
     def _admission_due(self) -> bool:
-        """Whether the speculative paths take waiting requests in now: `_admission_pending`,
-        and either one request can be admitted per `ADMISSION_BATCH_SHARE` running (the lesser
-        of those waiting and the free places under max_num_seqs) or admission has been possible
-        for `MAX_ADMISSION_WAIT_S` (what a gathered arrival's TTFT may pay). Each admission
-        costs the rounds a price whatever its size: a joining visit (every running row
-        undrafted through the arrivals' prefill steps, then the drafter's catch-up on entering
-        the rounds again) or, for a burst, prefill steps between rounds and a catch-up over the
-        joiners' prompts when they take their slots (an eager head pass, one for all seated
-        together). Paid for each arrival at steady load (one about every round at c = 64; a
-        place freed about every round behind a queue), it kept the batch in visits or in
-        catch-ups (s32, H100, py-spy: the catch-up alone 14-19% of the engine process behind
-        a queue). Counting free places rather than waiting requests gathers behind a queue
-        too, and the clock starts when a place and a request first meet (a queued request's
-        own wait says nothing). An idle engine or a small batch (fewer running than
-        `ADMISSION_BATCH_SHARE`) admits at once. Tokens do not depend on when a request
-        joins. Measured (s32, one H100 lease, 768 requests a level, spec / `--no-spec`): with
-        the clock from each request's arrival and waiting requests counted, 0.93x / 1.02x /
-        0.72x at c = 16 / 64 / 256; this rule, 0.96x / 1.01x / 0.82x."""
+        """Whether the speculative paths take waiting requests in now: `_admission_pending`, and
+        either one request can be admitted per `ADMISSION_BATCH_SHARE` running (the lesser of
+        those waiting and the free places under max_num_seqs) or admission has been possible for
+        `MAX_ADMISSION_WAIT_S` (what a gathered arrival's TTFT may pay). Each admission costs
+        the rounds a price whatever its size: a drain into the overlapped loop (every running
+        row undrafted through the arrivals' prefill steps, then the drafter's catch-up on
+        entering the rounds again) or, for a burst, prefill steps between rounds and a catch-up
+        over the joiners' prompts when they take their slots (an eager head pass, one for all
+        seated together). Paid for each arrival at steady load (one about every round at c = 64;
+        a place freed about every round behind a queue), it kept the batch in visits or in
+        catch-ups (s32, H100, py-spy: the catch-up alone 14-19% of the engine process behind a
+        queue). Counting free places rather than waiting requests gathers behind a queue too,
+        and the clock starts when a place and a request first meet (a queued request's own wait
+        says nothing). An idle engine or a small batch (fewer running than
+        `ADMISSION_BATCH_SHARE`) admits at once. Tokens do not depend on when a request joins.
+        Measured (s32, one H100 lease, 768 requests a level, spec / `--no- spec`): with the
+        clock from each request's arrival and waiting requests counted, 0.93x / 1.02x / 0.72x at
+        c = 16 / 64 / 256; this rule, 0.96x / 1.01x / 0.82x."""
         if not self._admission_pending():
             self._admissible_since = None
             return False
