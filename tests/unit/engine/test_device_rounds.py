@@ -757,3 +757,57 @@ def test_a_batch_that_does_not_speculate_takes_the_plain_loop(model_dir, dirs, p
     engine = make_engine(model_dir, spec_for("eagle", dirs, "coupled", adaptive=True), True)
     assert run(engine, speculating={3}, late={3}) == expected
     assert engine.loop_stats.num_device_rounds > 0  # the late request speculated
+
+
+@pytest.mark.parametrize("rule", ["gathered", "every freed place (negative control)"])
+def test_places_freed_while_others_join_wait_for_the_next_gathering(
+    model_dir, dirs, prompts, monkeypatch, rule
+):
+    """A queue behind full rounds (a burst: it joins them without a drain): a place freed while
+    earlier joiners still wait for their prefill or a slot is not filled by a prefill step of
+    its own; waiting requests are taken in only when admission is due again (one per 8 running,
+    4 of 32 here, with the 50 ms clock stopped), so joining prefill steps carry several requests.
+    Control: taking every freed place at once (s40's rule) runs about a prefill step a join.
+    Coupled output equals plain decoding's either way."""
+    from specdec.engine import overlapped_loop, speculative_loops
+    from specdec.engine.spec_policy import SpeculationPolicy
+    from specdec.engine.speculative_loops import SpeculativeLoops
+
+    class Scripted(SpeculationPolicy):
+        def _choose(self, bucket, remaining=None, in_rounds=True):
+            return 2
+
+    monkeypatch.setattr(overlapped_loop, "MAX_ADMISSION_WAIT_S", 3600.0)
+    if rule != "gathered":  # every request here can join: the old rule, accept them all
+        monkeypatch.setattr(speculative_loops, "_nobody", lambda request: True)
+    launches = []
+    launch = SpeculativeLoops._launch_joining_prefill
+
+    def spy(self):
+        before = self._round_prefill
+        launch(self)
+        if self._round_prefill is not before and self._round_prefill is not None:
+            launches.append(len(self._round_prefill.requests))
+
+    monkeypatch.setattr(SpeculativeLoops, "_launch_joining_prefill", spy)
+    all_prompts = (prompts + [p[::-1] for p in prompts]) * 12
+    requests = [
+        (p, params_for(1.0, 300 + i, max_tokens=6 + (7 * i) % 23))
+        for i, p in enumerate(all_prompts)
+    ]
+    arrivals = [0] * len(requests)
+    args = {"max_num_seqs": 32}
+    expected = drive_arrivals(make_engine(model_dir, None, False, **args), requests, arrivals)
+    engine = make_engine(
+        model_dir, spec_for("eagle", dirs, "coupled", k=2, adaptive=True), True, **args
+    )
+    engine.policy = Scripted(2)
+    assert drive_arrivals(engine, requests, arrivals) == expected
+    joins = engine.loop_stats.num_round_joins
+    assert joins >= 16, engine.loop_stats.as_dict()
+    per_step = joins / len(launches)
+    # (measured: 40 joins in 7 prefill steps gathered, 44 in 14 taking every freed place)
+    if rule == "gathered":
+        assert per_step >= 4.5, (joins, launches)
+    else:
+        assert per_step < 4.5, (joins, launches)
