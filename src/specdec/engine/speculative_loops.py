@@ -252,37 +252,26 @@ class SpeculativeLoops:
 
     def _joins_rounds(self) -> bool:
         """Whether requests join the running rounds without draining them: some admitted
-        already wait for their prefill or a slot, or the first waiting request could join the
-        batch now and the rounds can take it (`_round_able`, the batch's verify method, a
-        drafter that admits) — unless the policy chose its plain arm."""
+        already wait for their prefill or a slot, or admission is due (`_admission_due`:
+        arrivals gathered) and the first waiting request can join (`_round_able`, the batch's
+        verify method, a drafter that admits) — unless the policy chose its plain arm.
+
+        Every arrival the rounds can take joins them, a few beside a large batch as a burst
+        does. Until s41 only bursts did (at least as many waiting as running) and a few
+        arrivals drained the rounds into overlapped steps, each drain paying a re-entry (the
+        drafter's catch-up over every running request, 6-7 ms at 64 rows). Once joins were
+        gathered too (`_launch_joining_prefill`), joining every arrival measured better (s41,
+        H100, the built-in model, 768 chats a level, spec server tokens/s with the drain rule
+        / joining every arrival in one lease: 11,330 / 13,226-13,356 at c = 16, 32,754 /
+        35,344-37,404 at c = 64, 37,058 / 36,972-40,721 at c = 256; s30's contrary figures
+        predate the gathering)."""
         if self._plain_chosen or not self._rounds.drafting.admits:
             return False
         joiners = [r for r in self._round_joiners if not r.status.finished]
         self._round_joiners = joiners
         if joiners:
             return True
-        waiting = self.scheduler.waiting
-        return (
-            self._admission_due()
-            and self._can_join(waiting[0])
-            and self._burst(len(waiting), len(self._rounds.live_requests))
-        )
-
-    @staticmethod
-    def _burst(num_waiting: int, num_live: int) -> bool:
-        """Whether arrivals join the rounds without a drain rather than through a joining
-        visit: when at least as many requests wait as the rounds run (a burst: a visit would
-        run every running row undrafted through all their prefill steps, and drain and
-        re-enter the rounds wave after wave). A few arrivals beside a larger batch take the
-        visit: its mixed steps advance every running row by a token while the prefill runs,
-        which paid more than the rounds the admission keeps (s30, H100, the built-in model,
-        admission for every arrival against the visit: 5% and 9% fewer tokens/s at c = 16 and
-        64 with requests arriving as others finish, 13% more in a c = 256 burst). s32 (H100,
-        one lease, 768 requests a level, arrivals gathered by `_admission_due`): every due
-        arrival joining gave spec / `--no-spec` 0.89x / 0.95x / 0.87x at c = 16 / 64 / 256
-        (256 streams behind max_num_seqs = 64: a queue, so bursts), this rule 0.96x / 1.01x /
-        0.82x (one run each; the spread between two runs is not known)."""
-        return num_waiting >= num_live
+        return self._admission_due() and self._can_join(self.scheduler.waiting[0])
 
     def _can_join(self, request: Request) -> bool:
         return self._round_able(request) and request.spec.method == self._rounds.method

@@ -519,10 +519,7 @@ def test_arrivals_join_running_rounds_without_a_drain(
 
         monkeypatch.setattr(device_round.DeviceRounds, "_columns", stale)
     from specdec.engine import llm_engine
-    from specdec.engine.speculative_loops import SpeculativeLoops
 
-    # every arrival joins the rounds (not only bursts: `test_bursts_join_the_rounds...`)
-    monkeypatch.setattr(SpeculativeLoops, "_burst", staticmethod(lambda waiting, live: True))
     leaves, late_sync_steps = [], []
     leave, run_step = device_round.DeviceRounds.end, llm_engine.LLMEngine._run_step
     monkeypatch.setattr(
@@ -566,13 +563,14 @@ def test_arrivals_join_running_rounds_without_a_drain(
     assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
 
 
-def test_bursts_join_the_rounds_and_trickles_take_a_joining_visit(
-    model_dir, dirs, prompts, monkeypatch
-):
-    """Under the adaptive policy, a burst (at least as many requests waiting as the rounds run)
-    joins the running rounds without a drain; a single arrival beside a larger batch drains
-    them into a joining visit (its mixed steps advance every running row while the prefill
-    runs). Coupled output equals plain decoding's either way."""
+@pytest.mark.parametrize("late", ["joins", "cannot join (control)"])
+def test_bursts_and_single_arrivals_join_the_rounds(model_dir, dirs, prompts, monkeypatch, late):
+    """Under the adaptive policy, a burst (six arrivals beside two running) and a single
+    arrival beside seven both join the running rounds without a drain: the rounds are entered
+    once (s41; a single arrival used to drain them into overlapped steps and pay a re-entry).
+    Control: a late request the rounds cannot take (a presence penalty, processed on the host)
+    drains them, and they are entered again once it has finished. Coupled output equals plain
+    decoding's either way."""
     from specdec.engine.spec_policy import SpeculationPolicy
 
     class Scripted(SpeculationPolicy):
@@ -588,6 +586,8 @@ def test_bursts_join_the_rounds_and_trickles_take_a_joining_visit(
     )
     all_prompts = prompts + [p[::-1] for p in prompts]
     requests = [(p, params_for(1.0, 150 + i, max_tokens=24)) for i, p in enumerate(all_prompts)]
+    if late != "joins":  # the single arrival: a short request with a penalty
+        requests[-1] = (all_prompts[-1], params_for(1.0, 157, max_tokens=4, presence_penalty=0.5))
     spec = spec_for("eagle", dirs, "coupled", k=3, adaptive=True)
     args = {"max_num_seqs": 8}
     for arrivals, burst in (([0, 0, 4, 4, 4, 4, 4, 4], True), ([0] * 7 + [6], False)):
@@ -597,37 +597,51 @@ def test_bursts_join_the_rounds_and_trickles_take_a_joining_visit(
         engine.policy = Scripted(3)
         assert drive_arrivals(engine, requests, arrivals) == expected
         joins = engine.loop_stats.num_round_joins
-        if burst:  # six arrive beside two: they join the rounds, entered once
+        if burst and late == "joins":  # six arrive beside two: they join, entered once
             assert joins == 6 and len(begins) == 1, (joins, begins)
-        else:  # one arrives beside seven: a joining visit, then the rounds entered again
+        elif burst:  # five join; the penalised one drains the rounds
+            assert joins == 5 and len(begins) == 2, (joins, begins)
+        elif late == "joins":  # one arrives beside seven: it joins too
+            assert joins == 1 and len(begins) == 1, (joins, begins)
+        else:
             assert joins == 0 and len(begins) == 2, (joins, begins)
 
 
 @pytest.mark.parametrize("max_wait", [3600.0, 0.0])
-def test_trickling_arrivals_gather_before_a_joining_visit(
+def test_trickling_arrivals_gather_before_they_join(
     model_dir, dirs, prompts, monkeypatch, max_wait
 ):
     """Beside a running batch of 12, arrivals six steps apart are admitted once one waits per
     8 running (two at a time here) or the first has waited MAX_ADMISSION_WAIT_S: four arrivals
-    take two joining visits (the rounds entered three times), where admitting each at once
-    (a wait of 0: the control that must differ) takes four. A request waits through steps
-    meanwhile; coupled output equals plain decoding's either way."""
+    join the rounds in two prefill steps, where admitting each at once (a wait of 0: the
+    control that must differ) takes four; the rounds are entered once either way. A request
+    waits through steps meanwhile; coupled output equals plain decoding's either way."""
     from specdec.engine import overlapped_loop
     from specdec.engine.spec_policy import SpeculationPolicy
+    from specdec.engine.speculative_loops import SpeculativeLoops
 
     class Scripted(SpeculationPolicy):
         def _choose(self, bucket, remaining=None, in_rounds=True):
             return 2
 
     monkeypatch.setattr(overlapped_loop, "MAX_ADMISSION_WAIT_S", max_wait)
-    begins, waited = [], []
+    begins, waited, launches = [], [], []
     begin = device_round.DeviceRounds.begin
 
     def spy_begin(self, requests):
         begins.append(len(requests))
         return begin(self, requests)
 
+    launch = SpeculativeLoops._launch_joining_prefill
+
+    def spy_launch(self):
+        before = self._round_prefill
+        launch(self)
+        if self._round_prefill is not before and self._round_prefill is not None:
+            launches.append(len(self._round_prefill.requests))
+
     monkeypatch.setattr(device_round.DeviceRounds, "begin", spy_begin)
+    monkeypatch.setattr(SpeculativeLoops, "_launch_joining_prefill", spy_launch)
     all_prompts = (prompts + [p[::-1] for p in prompts]) * 2
     requests = [(p, params_for(1.0, 170 + i, max_tokens=60)) for i, p in enumerate(all_prompts)]
     arrivals = [0] * 12 + [6, 12, 18, 24]
@@ -648,10 +662,11 @@ def test_trickling_arrivals_gather_before_a_joining_visit(
     engine.step = spy_step
     assert drive_arrivals(engine, requests, arrivals) == expected
     assert engine.loop_stats.num_sync_steps == 0
+    assert len(begins) == 1 and engine.loop_stats.num_round_joins == 4, (begins, launches)
     if max_wait:
-        assert len(begins) == 3 and any(waited), (begins, waited)
+        assert launches == [2, 2] and any(waited), (launches, waited)
     else:
-        assert len(begins) == 5, begins
+        assert launches == [1, 1, 1, 1], launches
 
 
 @pytest.mark.parametrize("rows", ["right rows", "next row (negative control)"])

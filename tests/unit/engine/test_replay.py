@@ -131,10 +131,10 @@ def test_overlapped_loop_and_device_rounds_replay(model_paths, dirs, requests, a
     else:
         assert engine.loop_stats.num_device_rounds > 0
         assert len(engine.loop_stats.k_chosen) > 1  # the policy changed K between rounds
-        assert engine.loop_stats.num_overlapped_prefill_steps > 0  # joining visits ran
+        assert engine.loop_stats.num_overlapped_prefill_steps > 0  # the overlapped loop ran
 
 
-@pytest.mark.parametrize("rule", ["every arrival", "bursts"])
+@pytest.mark.parametrize("rule", ["every arrival", "drained"])
 @pytest.mark.parametrize("spec", ["ngram", "draft_model", "eagle"])
 @pytest.mark.parametrize("model", MODELS)
 def test_arrivals_joining_running_rounds_replay(
@@ -142,13 +142,14 @@ def test_arrivals_joining_running_rounds_replay(
 ):
     """Device rounds (op by op on the CPU) taking arrivals without a drain: their prefill in
     overlapped steps between two rounds, then a free slot (`DeviceRounds.admit`), with prompts
-    split at 16 tokens a step. "every arrival": each one joins so (the burst rule forced);
-    "bursts": the engine's rule (here, 2-3 arrivals beside a larger batch: joining visits). Fails
-    if a token depends on when or how its request joined."""
+    split at 16 tokens a step. "every arrival": the engine's rule (since s41 each arrival the
+    rounds can take joins so); "drained": arrivals drain the rounds into the overlapped loop
+    instead (as those the rounds cannot take still do; `_joins_rounds` forced off). Fails if a
+    token depends on when or how its request joined."""
     from specdec.engine.speculative_loops import SpeculativeLoops
 
-    if rule == "every arrival":
-        monkeypatch.setattr(SpeculativeLoops, "_burst", staticmethod(lambda waiting, live: True))
+    if rule == "drained":
+        monkeypatch.setattr(SpeculativeLoops, "_joins_rounds", lambda self: False)
     make = engine_factory(model_paths[model])
     options = {"max_num_batched_tokens": 16, "async_scheduling": True}
     engine, _, diff = replay(
@@ -157,6 +158,9 @@ def test_arrivals_joining_running_rounds_replay(
     assert not diff, diff
     if rule == "every arrival":
         assert engine.loop_stats.num_round_joins > 0
+    else:
+        assert engine.loop_stats.num_round_joins == 0
+        assert engine.loop_stats.num_overlapped_prefill_steps > 0
 
 
 @pytest.mark.parametrize("case", ["chunked", "preempted"])
