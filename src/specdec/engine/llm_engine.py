@@ -499,7 +499,14 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
         `only_finished` skips building the outputs of unfinished requests (callers that do not
         stream), except, with `emit_deltas`, the deltas of requests whose first tokens this step
         emitted (a stream sent at intervals starts at once: `core.engine_process`). With
-        `async_scheduling`, a step may launch work whose tokens the next call reports."""
+        `async_scheduling`, a step may launch work whose tokens the next call reports.
+
+        Three paths: the device rounds (`_step_rounds`: every running request speculating in
+        one graphed round, arrivals joining between rounds), the overlapped loop
+        (`_step_overlapped`: every step that drafts nothing, with arrivals, prefill chunks and
+        the policy's plain arm; it hands the batch to the rounds when the policy picks a K),
+        and the synchronous step below (no asynchronous scheduling, as on the CPU; trees; a
+        pinned K; drafters without device rounds)."""
         if self._in_rounds:
             return self._step_rounds(only_finished)
         if self._inflight is not None or self._overlaps():
