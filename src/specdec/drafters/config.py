@@ -166,13 +166,18 @@ class SpeculativeConfig:
             draft_model/medusa (no deeper than its heads), not with block verification, and on
             the synchronous engine path only (rounds then verify N nodes;
             num_speculative_tokens is not used).
-        plain_arm: with `adaptive`, also offer the policy arm P: run the batch through the plain
-            overlapped decode loop (outside device rounds, or without entering them) while that
-            is predicted to be faster (its cost: the plain step at the batch bucket; its tokens
-            per step: 1). Off by default: on the H200 (s12) it kept batch 32 at 0.97-1.01x plain
-            when chosen from the start, but batch 64 ran at 0.72-0.85x with it against 0.85-1.05x
-            without (BENCHMARKS.md area 2b); off, K = 0 rounds are the policy's only way not to
-            draft.
+        plain_arm: with `adaptive`, also offer the policy arm P: keep the batch in the
+            overlapped loop, drafting nothing (outside device rounds, or without entering them),
+            while that is predicted to be faster (its cost: the plain step at the batch bucket;
+            its tokens per step: 1); arrivals and finishes do not end it (s41). Off by default:
+            on the H200 (s12) it kept batch 32 at 0.97-1.01x plain when chosen from the start,
+            but batch 64 ran at 0.72-0.85x with it against 0.85-1.05x without (BENCHMARKS.md
+            area 2b); on an H100 (s41, the server at c = 16 / 64 / 256) the policy chose it for
+            50 / 13 / 5 steps and nothing changed; on the CPU with async_scheduling on, where a
+            K = 0 round costs about 1.25x a plain step, it keeps speculation at plain's speed
+            (batch 1 / 8 / 32: 0.99x / 1.00x / 1.00x in process, 0.82x / 0.80x / 0.80x without;
+            through the server 0.96x / 0.97x / 0.91x of `--no-spec`, no better than the
+            synchronous step's). Off, K = 0 rounds are the policy's only way not to draft.
         mtp_layers: "mtp" on a checkpoint of several MTP layers: "all" (the default: layer k
             drafts position k, as the layers were trained, the last one past them;
             `drafters.mtp_chain`) or how many of the first layers to chain (1: layer 0 drafts
