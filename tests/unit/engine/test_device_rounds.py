@@ -563,6 +563,24 @@ def test_arrivals_join_running_rounds_without_a_drain(
     assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
 
 
+def count_joining_prefills(monkeypatch) -> list[int]:
+    """The requests of each prefill step launched between two rounds (`_launch_joining_prefill`),
+    appended as the engine launches them."""
+    from specdec.engine.speculative_loops import SpeculativeLoops
+
+    launches = []
+    launch = SpeculativeLoops._launch_joining_prefill
+
+    def spy(self):
+        before = self._round_prefill
+        launch(self)
+        if self._round_prefill is not before and self._round_prefill is not None:
+            launches.append(len(self._round_prefill.requests))
+
+    monkeypatch.setattr(SpeculativeLoops, "_launch_joining_prefill", spy)
+    return launches
+
+
 @pytest.mark.parametrize("late", ["joins", "cannot join (control)"])
 def test_bursts_and_single_arrivals_join_the_rounds(model_dir, dirs, prompts, monkeypatch, late):
     """Under the adaptive policy, a burst (six arrivals beside two running) and a single
@@ -618,30 +636,21 @@ def test_trickling_arrivals_gather_before_they_join(
     waits through steps meanwhile; coupled output equals plain decoding's either way."""
     from specdec.engine import overlapped_loop
     from specdec.engine.spec_policy import SpeculationPolicy
-    from specdec.engine.speculative_loops import SpeculativeLoops
 
     class Scripted(SpeculationPolicy):
         def _choose(self, bucket, remaining=None, in_rounds=True):
             return 2
 
     monkeypatch.setattr(overlapped_loop, "MAX_ADMISSION_WAIT_S", max_wait)
-    begins, waited, launches = [], [], []
+    begins, waited = [], []
     begin = device_round.DeviceRounds.begin
 
     def spy_begin(self, requests):
         begins.append(len(requests))
         return begin(self, requests)
 
-    launch = SpeculativeLoops._launch_joining_prefill
-
-    def spy_launch(self):
-        before = self._round_prefill
-        launch(self)
-        if self._round_prefill is not before and self._round_prefill is not None:
-            launches.append(len(self._round_prefill.requests))
-
     monkeypatch.setattr(device_round.DeviceRounds, "begin", spy_begin)
-    monkeypatch.setattr(SpeculativeLoops, "_launch_joining_prefill", spy_launch)
+    launches = count_joining_prefills(monkeypatch)
     all_prompts = (prompts + [p[::-1] for p in prompts]) * 2
     requests = [(p, params_for(1.0, 170 + i, max_tokens=60)) for i, p in enumerate(all_prompts)]
     arrivals = [0] * 12 + [6, 12, 18, 24]
@@ -786,7 +795,6 @@ def test_places_freed_while_others_join_wait_for_the_next_gathering(
     Coupled output equals plain decoding's either way."""
     from specdec.engine import overlapped_loop, speculative_loops
     from specdec.engine.spec_policy import SpeculationPolicy
-    from specdec.engine.speculative_loops import SpeculativeLoops
 
     class Scripted(SpeculationPolicy):
         def _choose(self, bucket, remaining=None, in_rounds=True):
@@ -795,16 +803,7 @@ def test_places_freed_while_others_join_wait_for_the_next_gathering(
     monkeypatch.setattr(overlapped_loop, "MAX_ADMISSION_WAIT_S", 3600.0)
     if rule != "gathered":  # every request here can join: the old rule, accept them all
         monkeypatch.setattr(speculative_loops, "_nobody", lambda request: True)
-    launches = []
-    launch = SpeculativeLoops._launch_joining_prefill
-
-    def spy(self):
-        before = self._round_prefill
-        launch(self)
-        if self._round_prefill is not before and self._round_prefill is not None:
-            launches.append(len(self._round_prefill.requests))
-
-    monkeypatch.setattr(SpeculativeLoops, "_launch_joining_prefill", spy)
+    launches = count_joining_prefills(monkeypatch)
     all_prompts = (prompts + [p[::-1] for p in prompts]) * 12
     requests = [
         (p, params_for(1.0, 300 + i, max_tokens=6 + (7 * i) % 23))
