@@ -44,15 +44,19 @@ def model_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-replay"))
 
 
-@pytest.fixture(scope="module", params=["no-spec", "no-spec-overlapped", "default-spec"])
+@pytest.fixture(
+    scope="module",
+    params=["no-spec", "no-spec-overlapped", "default-spec", "default-spec-overlapped"],
+)
 def server(request, model_dir):
     """A server as `specdec serve MODEL_DIR [--no-spec]` builds it (engine defaults, the
-    commands' default speculation for a model other than the built-in one; or `--no-spec
-    --async-scheduling on`, CUDA's default loop: requests join steps launched ahead), and its
-    engine's step log."""
+    commands' default speculation for a model other than the built-in one; or with
+    `--async-scheduling on`, CUDA's default paths: requests join steps launched ahead, and with
+    speculation the one overlapped loop hands the batch to device rounds, run op by op here),
+    and its engine's step log."""
     spec = None
-    overlapped = request.param == "no-spec-overlapped"
-    if request.param == "default-spec":
+    overlapped = request.param.endswith("-overlapped")
+    if request.param.startswith("default-spec"):
         values = default_spec(str(model_dir), "auto")
         assert values == DEFAULT_SPECULATIVE_CONFIG  # prompt lookup
         spec = SpeculativeConfig.from_dict(values)
@@ -152,15 +156,21 @@ def test_concurrent_completions_replay_each_alone(server):
     alone, together = alone_and_together(thread.url)
     diff = differences(alone, together)
     assert not diff, diff
-    assert log.num_mixed_steps > 0  # prompts were prefilled beside other requests' decode rows
+    if name != "default-spec-overlapped":  # (the rounds' joiners prefill in steps of their own)
+        assert log.num_mixed_steps > 0  # prompts were prefilled beside other requests' decode rows
     TEXTS[name] = alone
     if name == "no-spec-overlapped":
         assert engine.loop_stats.num_overlapped_steps > 0
         assert not differences(TEXTS.get("no-spec", alone), alone)
-    if name == "default-spec":
+    if name.startswith("default-spec"):
         assert engine.stats.num_drafts > 0
         if "no-spec" in TEXTS:
             assert not differences(TEXTS["no-spec"], alone)
+    if name == "default-spec-overlapped":
+        loop = engine.loop_stats
+        # prefill in the overlapped loop, then rounds (requests sent together all start in
+        # the loop; `test_replay.py` has arrivals joining running rounds)
+        assert loop.num_device_rounds > 0 and loop.num_overlapped_prefill_steps > 0
 
 
 def test_negative_control_batch_dependent_logits_fail_the_comparison(server, monkeypatch):
