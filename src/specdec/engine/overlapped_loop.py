@@ -99,8 +99,14 @@ class OverlappedLoop:
             outputs = self._resolve(inflight, only_finished)
             self._enter_rounds(choice)
             return outputs
-        rounds_wait = self.device_rounds and self.drafter is not None and not self._plain_chosen
-        scheduled = self._schedule_ahead(admit=self._admission_due() if rounds_wait else True)
+        # Arrivals are gathered (`_admission_due`) only for a batch bound for the rounds: one
+        # that speculates, its policy not on the plain arm; plain batches admit at once.
+        gather = (
+            self.device_rounds
+            and not self._plain_chosen
+            and any(r.spec is not None for r in self.scheduler.running)
+        )
+        scheduled = self._schedule_ahead(admit=self._admission_due() if gather else True)
         measured = (
             choice == PLAIN
             and scheduled is not None

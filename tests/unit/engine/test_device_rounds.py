@@ -825,3 +825,43 @@ def test_places_freed_while_others_join_wait_for_the_next_gathering(
         assert per_step >= 4.5, (joins, launches)
     else:
         assert per_step < 4.5, (joins, launches)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_plain_batches_on_a_speculating_engine_admit_at_once(
+    model_dir, dirs, prompts, monkeypatch, speculative
+):
+    """On an engine with device rounds, arrivals are gathered (`_admission_due`) only for a
+    batch bound for the rounds: requests with speculation switched off run the overlapped loop
+    as an engine without a drafter does, each arrival admitted at its first step. Control: the
+    same arrivals beside speculating requests wait to be gathered (the 50 ms clock stopped).
+    Tokens equal plain decoding's either way."""
+    from specdec.engine import overlapped_loop
+
+    monkeypatch.setattr(overlapped_loop, "MAX_ADMISSION_WAIT_S", 3600.0)
+    all_prompts = (prompts + [p[::-1] for p in prompts]) * 2
+    requests = [(p, params_for(1.0, 400 + i, max_tokens=30)) for i, p in enumerate(all_prompts)]
+    arrivals = [0] * 12 + [6, 12, 18, 24]
+    args = {"max_num_seqs": 16}
+    expected = drive_arrivals(make_engine(model_dir, None, False, **args), requests, arrivals)
+    engine = make_engine(
+        model_dir, spec_for("eagle", dirs, "coupled", k=2, adaptive=True), True, **args
+    )
+    if not speculative:
+        add = engine.add_request
+        engine.add_request = lambda *a, **k: add(*a, speculative={"enabled": False}, **k)
+    waited = []
+    step = engine.step
+
+    def spy_step(only_finished=False):
+        waiting = len(engine.scheduler.waiting)
+        outputs = step(only_finished)
+        waited.append(bool(waiting) and len(engine.scheduler.waiting) == waiting)
+        return outputs
+
+    engine.step = spy_step
+    assert drive_arrivals(engine, requests, arrivals) == expected
+    if speculative:
+        assert any(waited) and engine.loop_stats.num_device_rounds > 0
+    else:
+        assert not any(waited) and engine.loop_stats.num_device_rounds == 0
