@@ -625,6 +625,21 @@ def test_bursts_and_single_arrivals_join_the_rounds(model_dir, dirs, prompts, mo
             assert joins == 0 and len(begins) == 2, (joins, begins)
 
 
+def record_waits(engine) -> list[bool]:
+    """Per engine step, appended as it runs: whether requests waited and none was admitted."""
+    waited = []
+    step = engine.step
+
+    def spy_step(only_finished=False):
+        waiting = len(engine.scheduler.waiting)
+        outputs = step(only_finished)
+        waited.append(bool(waiting) and len(engine.scheduler.waiting) == waiting)
+        return outputs
+
+    engine.step = spy_step
+    return waited
+
+
 @pytest.mark.parametrize("max_wait", [3600.0, 0.0])
 def test_trickling_arrivals_gather_before_they_join(
     model_dir, dirs, prompts, monkeypatch, max_wait
@@ -642,7 +657,7 @@ def test_trickling_arrivals_gather_before_they_join(
             return 2
 
     monkeypatch.setattr(overlapped_loop, "MAX_ADMISSION_WAIT_S", max_wait)
-    begins, waited = [], []
+    begins = []
     begin = device_round.DeviceRounds.begin
 
     def spy_begin(self, requests):
@@ -660,15 +675,7 @@ def test_trickling_arrivals_gather_before_they_join(
         model_dir, spec_for("eagle", dirs, "coupled", k=2, adaptive=True), True, **args
     )
     engine.policy = Scripted(2)
-    step = engine.step
-
-    def spy_step(only_finished=False):
-        waiting = len(engine.scheduler.waiting)
-        outputs = step(only_finished)
-        waited.append(waiting and len(engine.scheduler.waiting) == waiting)
-        return outputs
-
-    engine.step = spy_step
+    waited = record_waits(engine)
     assert drive_arrivals(engine, requests, arrivals) == expected
     assert engine.loop_stats.num_sync_steps == 0
     assert len(begins) == 1 and engine.loop_stats.num_round_joins == 4, (begins, launches)
@@ -850,16 +857,7 @@ def test_plain_batches_on_a_speculating_engine_admit_at_once(
     if not speculative:
         add = engine.add_request
         engine.add_request = lambda *a, **k: add(*a, speculative={"enabled": False}, **k)
-    waited = []
-    step = engine.step
-
-    def spy_step(only_finished=False):
-        waiting = len(engine.scheduler.waiting)
-        outputs = step(only_finished)
-        waited.append(bool(waiting) and len(engine.scheduler.waiting) == waiting)
-        return outputs
-
-    engine.step = spy_step
+    waited = record_waits(engine)
     assert drive_arrivals(engine, requests, arrivals) == expected
     if speculative:
         assert any(waited) and engine.loop_stats.num_device_rounds > 0
