@@ -625,6 +625,23 @@ def test_bursts_and_single_arrivals_join_the_rounds(model_dir, dirs, prompts, mo
             assert joins == 0 and len(begins) == 2, (joins, begins)
 
 
+def trickling(model_dir, dirs, prompts, seed: int, max_tokens: int):
+    """12 requests at the start and 4 arriving six steps apart through 16 slots: the requests,
+    their arrival steps, plain decoding's finals, and an adaptive EAGLE engine (K = 2) with
+    device rounds to run them."""
+    all_prompts = (prompts + [p[::-1] for p in prompts]) * 2
+    requests = [
+        (p, params_for(1.0, seed + i, max_tokens=max_tokens)) for i, p in enumerate(all_prompts)
+    ]
+    arrivals = [0] * 12 + [6, 12, 18, 24]
+    args = {"max_num_seqs": 16}
+    expected = drive_arrivals(make_engine(model_dir, None, False, **args), requests, arrivals)
+    engine = make_engine(
+        model_dir, spec_for("eagle", dirs, "coupled", k=2, adaptive=True), True, **args
+    )
+    return requests, arrivals, expected, engine
+
+
 def record_waits(engine) -> list[bool]:
     """Per engine step, appended as it runs: whether requests waited and none was admitted."""
     waited = []
@@ -666,14 +683,7 @@ def test_trickling_arrivals_gather_before_they_join(
 
     monkeypatch.setattr(device_round.DeviceRounds, "begin", spy_begin)
     launches = count_joining_prefills(monkeypatch)
-    all_prompts = (prompts + [p[::-1] for p in prompts]) * 2
-    requests = [(p, params_for(1.0, 170 + i, max_tokens=60)) for i, p in enumerate(all_prompts)]
-    arrivals = [0] * 12 + [6, 12, 18, 24]
-    args = {"max_num_seqs": 16}
-    expected = drive_arrivals(make_engine(model_dir, None, False, **args), requests, arrivals)
-    engine = make_engine(
-        model_dir, spec_for("eagle", dirs, "coupled", k=2, adaptive=True), True, **args
-    )
+    requests, arrivals, expected, engine = trickling(model_dir, dirs, prompts, 170, 60)
     engine.policy = Scripted(2)
     waited = record_waits(engine)
     assert drive_arrivals(engine, requests, arrivals) == expected
@@ -846,14 +856,7 @@ def test_plain_batches_on_a_speculating_engine_admit_at_once(
     from specdec.engine import overlapped_loop
 
     monkeypatch.setattr(overlapped_loop, "MAX_ADMISSION_WAIT_S", 3600.0)
-    all_prompts = (prompts + [p[::-1] for p in prompts]) * 2
-    requests = [(p, params_for(1.0, 400 + i, max_tokens=30)) for i, p in enumerate(all_prompts)]
-    arrivals = [0] * 12 + [6, 12, 18, 24]
-    args = {"max_num_seqs": 16}
-    expected = drive_arrivals(make_engine(model_dir, None, False, **args), requests, arrivals)
-    engine = make_engine(
-        model_dir, spec_for("eagle", dirs, "coupled", k=2, adaptive=True), True, **args
-    )
+    requests, arrivals, expected, engine = trickling(model_dir, dirs, prompts, 400, 30)
     if not speculative:
         add = engine.add_request
         engine.add_request = lambda *a, **k: add(*a, speculative={"enabled": False}, **k)
