@@ -274,35 +274,7 @@ class LogitsContext:
             out = raw.clone()
             self._apply_grammars(out, raw, rows, host_rows, prefix)
             return out
-        t = self._tensors(device, vocab)
-        x = raw.clone()
-        if prefix is not None and prefix.shape[1] == 0:
-            prefix = None
-        valid = None if prefix is None else prefix >= 0  # [N, J]
-        num_prefix = None if valid is None else valid.sum(dim=1)  # [N]
-        if t.bias is not None:
-            x += t.bias[rows]
-        if t.min_tokens is not None:
-            produced = t.num_output[rows] + (0 if num_prefix is None else num_prefix)
-            early = produced < t.min_tokens[rows]
-            x.masked_fill_(t.min_banned[rows] & early[:, None], NEG_INF)
-        if t.bad_prefix is not None:
-            x.masked_fill_(self._bad_word_bans(t, rows, prefix, num_prefix, vocab), NEG_INF)
-        if t.output_counts is not None:
-            counts = t.output_counts[rows]
-            if prefix is not None:
-                counts = counts.scatter_add(1, prefix.clamp_min(0), valid.to(torch.float32))
-            present = counts > 0
-            if t.repetition is not None:
-                seen = present | t.prompt_seen[rows]
-                penalty = torch.where(seen, t.repetition[rows][:, None], 1.0)
-                x *= torch.where(x > 0, 1.0 / penalty, penalty)
-            if t.frequency is not None:
-                x -= t.frequency[rows][:, None] * counts
-            if t.presence is not None:
-                x -= t.presence[rows][:, None] * present
-        empty = torch.isneginf(x).all(dim=1, keepdim=True)
-        out = torch.where(empty, raw, x)
+        out = process_rules(raw, self._tensors(device, vocab), rows, prefix)
         if self.grammars is not None:
             self._apply_grammars(out, raw, rows, host_rows, prefix)
         return out
@@ -339,21 +311,6 @@ class LogitsContext:
             fallback = torch.where(torch.isneginf(fallback).all(1, keepdim=True), uniform, fallback)
             part = torch.where(empty[:, None], fallback, part)
         out[index] = part
-
-    @staticmethod
-    def _bad_word_bans(t: _Tensors, rows, prefix, num_prefix, vocab: int) -> torch.Tensor:
-        """[N, V] bool: the last token of every multi-token bad word whose other tokens end the
-        row's output (its request's output, then its prefix)."""
-        width = t.bad_prefix.shape[2]
-        tail = t.output_tail[rows]  # [N, M]
-        if prefix is not None:
-            joined = torch.cat([tail, prefix], dim=1)  # the last M valid tokens start at num_prefix
-            index = num_prefix[:, None] + torch.arange(width, device=tail.device)
-            tail = joined.gather(1, index)
-        words = t.bad_prefix[rows]  # [N, W, M]
-        match = ((tail[:, None, :] == words) | (words == _WILDCARD)).all(dim=-1)  # [N, W]
-        bans = torch.zeros(rows.shape[0], vocab, dtype=torch.int8, device=tail.device)
-        return bans.scatter_reduce_(1, t.bad_last[rows], match.to(torch.int8), "amax") > 0
 
     def _tensors(self, device: torch.device, vocab: int) -> _Tensors:
         key = (device, vocab)
@@ -488,3 +445,56 @@ class LogitsContext:
 
 def _single(rules: LogitsRules) -> bool:
     return any(len(word) == 1 for word in rules.bad_words_token_ids)
+
+
+def process_rules(
+    raw: torch.Tensor, t: _Tensors, rows: torch.Tensor, prefix: torch.Tensor | None
+) -> torch.Tensor:
+    """[N, V] float32 rows `raw` processed by the rules in `t` of each row's request (`rows`),
+    with `prefix` counted as output after it (`LogitsContext.apply`). Device work only (no host
+    sync): a CUDA graph may capture it. A row that its rules would leave without any token is
+    returned as it came."""
+    vocab = raw.shape[1]
+    x = raw.clone()
+    if prefix is not None and prefix.shape[1] == 0:
+        prefix = None
+    valid = None if prefix is None else prefix >= 0  # [N, J]
+    num_prefix = None if valid is None else valid.sum(dim=1)  # [N]
+    if t.bias is not None:
+        x += t.bias[rows]
+    if t.min_tokens is not None:
+        produced = t.num_output[rows] + (0 if num_prefix is None else num_prefix)
+        early = produced < t.min_tokens[rows]
+        x.masked_fill_(t.min_banned[rows] & early[:, None], NEG_INF)
+    if t.bad_prefix is not None:
+        x.masked_fill_(_bad_word_bans(t, rows, prefix, num_prefix, vocab), NEG_INF)
+    if t.output_counts is not None:
+        counts = t.output_counts[rows]
+        if prefix is not None:
+            counts = counts.scatter_add(1, prefix.clamp_min(0), valid.to(torch.float32))
+        present = counts > 0
+        if t.repetition is not None:
+            seen = present | t.prompt_seen[rows]
+            penalty = torch.where(seen, t.repetition[rows][:, None], 1.0)
+            x *= torch.where(x > 0, 1.0 / penalty, penalty)
+        if t.frequency is not None:
+            x -= t.frequency[rows][:, None] * counts
+        if t.presence is not None:
+            x -= t.presence[rows][:, None] * present
+    empty = torch.isneginf(x).all(dim=1, keepdim=True)
+    return torch.where(empty, raw, x)
+
+
+def _bad_word_bans(t: _Tensors, rows, prefix, num_prefix, vocab: int) -> torch.Tensor:
+    """[N, V] bool: the last token of every multi-token bad word whose other tokens end the
+    row's output (its request's output, then its prefix)."""
+    width = t.bad_prefix.shape[2]
+    tail = t.output_tail[rows]  # [N, M]
+    if prefix is not None:
+        joined = torch.cat([tail, prefix], dim=1)  # the last M valid tokens start at num_prefix
+        index = num_prefix[:, None] + torch.arange(width, device=tail.device)
+        tail = joined.gather(1, index)
+    words = t.bad_prefix[rows]  # [N, W, M]
+    match = ((tail[:, None, :] == words) | (words == _WILDCARD)).all(dim=-1)  # [N, W]
+    bans = torch.zeros(rows.shape[0], vocab, dtype=torch.int8, device=tail.device)
+    return bans.scatter_reduce_(1, t.bad_last[rows], match.to(torch.int8), "amax") > 0
