@@ -169,8 +169,9 @@ def bad_words_token_ids(
 
 
 @dataclass(frozen=True, slots=True)
-class _Tensors:
-    """A `LogitsContext` on one device ([B] / [B, V] per request; None where no request uses it)."""
+class RuleTensors:
+    """Rules and contexts on one device, a row per request (a `LogitsContext`'s) or per slot
+    (`SlotRules`') ([B] / [B, V] per request; None where no request uses it)."""
 
     bias: torch.Tensor | None  # [B, V] float32: logit_bias, -inf outside allowed / single bad words
     prompt_seen: torch.Tensor | None  # [B, V] bool: tokens of the prompt (repetition penalty)
@@ -214,7 +215,7 @@ class LogitsContext:
         self.grammars = None
         if grammars is not None and any(g is not None for g in grammars):
             self.grammars = list(grammars)
-        self._on: dict[tuple[torch.device, int], _Tensors] = {}
+        self._on: dict[tuple[torch.device, int], RuleTensors] = {}
 
     @staticmethod
     def build(
@@ -274,7 +275,7 @@ class LogitsContext:
             out = raw.clone()
             self._apply_grammars(out, raw, rows, host_rows, prefix)
             return out
-        out = process_rules(raw, self._tensors(device, vocab), rows, prefix)
+        out = process_rules(raw, self.tensors(device, vocab), rows, prefix)
         if self.grammars is not None:
             self._apply_grammars(out, raw, rows, host_rows, prefix)
         return out
@@ -312,13 +313,14 @@ class LogitsContext:
             part = torch.where(empty[:, None], fallback, part)
         out[index] = part
 
-    def _tensors(self, device: torch.device, vocab: int) -> _Tensors:
+    def tensors(self, device: torch.device, vocab: int) -> RuleTensors:
+        """The rules and contexts as tensors on `device` (built on first use, then kept)."""
         key = (device, vocab)
         if key not in self._on:
             self._on[key] = self._build_tensors(device, vocab)
         return self._on[key]
 
-    def _build_tensors(self, device: torch.device, vocab: int) -> _Tensors:
+    def _build_tensors(self, device: torch.device, vocab: int) -> RuleTensors:
         rules = self.rules
         batch = len(rules)
         present = [r for r in rules if r is not None]
@@ -427,7 +429,7 @@ class LogitsContext:
             ]
             output_tail = to_device(tails, torch.int64, device).view(batch, width)
 
-        return _Tensors(
+        return RuleTensors(
             bias,
             prompt_seen,
             output_counts,
@@ -448,7 +450,7 @@ def _single(rules: LogitsRules) -> bool:
 
 
 def process_rules(
-    raw: torch.Tensor, t: _Tensors, rows: torch.Tensor, prefix: torch.Tensor | None
+    raw: torch.Tensor, t: RuleTensors, rows: torch.Tensor, prefix: torch.Tensor | None
 ) -> torch.Tensor:
     """[N, V] float32 rows `raw` processed by the rules in `t` of each row's request (`rows`),
     with `prefix` counted as output after it (`LogitsContext.apply`). Device work only (no host
@@ -485,7 +487,7 @@ def process_rules(
     return torch.where(empty, raw, x)
 
 
-def _bad_word_bans(t: _Tensors, rows, prefix, num_prefix, vocab: int) -> torch.Tensor:
+def _bad_word_bans(t: RuleTensors, rows, prefix, num_prefix, vocab: int) -> torch.Tensor:
     """[N, V] bool: the last token of every multi-token bad word whose other tokens end the
     row's output (its request's output, then its prefix)."""
     width = t.bad_prefix.shape[2]
