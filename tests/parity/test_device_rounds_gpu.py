@@ -120,6 +120,40 @@ def test_requests_join_graphed_rounds_without_a_drain(
     assert loop["num_round_joins"] >= 1 and loop["num_graph_rounds"] == loop["num_device_rounds"]
 
 
+RULED = [
+    {"repetition_penalty": 1.6, "presence_penalty": 0.7, "frequency_penalty": 0.5},
+    {"logit_bias": {3: 2.0, 10: -50.0}, "allowed_token_ids": list(range(60))},
+    {"min_tokens": 6, "stop_token_ids": [4, 11], "frequency_penalty": 1.2},
+    {},
+]
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "draft_model"])
+@pytest.mark.parametrize(("method", "temperature"), [("coupled", 1.0), ("standard", 0.0)])
+def test_penalised_requests_ride_graphed_rounds(
+    model_dir, dirs, prompts, drafter, method, temperature
+):
+    """Requests with penalties, a logit bias, allowed_token_ids and min_tokens beside one
+    without decode in graphed rounds (their rules in their slots on the device, the output
+    counts advanced inside the graph) and emit plain decoding's tokens (coupled at T = 1,
+    greedy), and the op-by-op rounds' (enforce_eager): the rules' graph == op by op, bit for
+    bit in the tokens."""
+    params = [
+        SamplingParams(
+            temperature=temperature, max_tokens=32, ignore_eos=True, seed=60 + i, **RULED[i % 4]
+        )
+        for i in range(len(prompts))
+    ]
+    spec = spec_for(drafter, dirs, method, adaptive=True)
+    plain, _ = generate(model_dir, prompts, params, None)
+    graphed, llm = generate(model_dir, prompts, params, spec, async_scheduling=True)
+    eager, _ = generate(model_dir, prompts, params, spec, async_scheduling=True, enforce_eager=True)
+    assert graphed == plain and eager == plain
+    loop = llm.get_metrics()["loop"]
+    assert loop["num_graph_rounds"] > 0 and loop["num_sync_steps"] == 0
+    assert any(key[-1] for key in llm.engine._rounds.graph_cache.graphs)  # a ruled graph ran
+
+
 @pytest.mark.parametrize("drafter", ["eagle", "dspark"])
 def test_adaptive_rounds_keep_coupled_and_greedy_exact(model_dir, dirs, prompts, drafter):
     for method, temperature in (("coupled", 1.0), ("standard", 0.0)):

@@ -226,11 +226,15 @@ def rules_law(model_dir, temperature: float) -> torch.Tensor:
     return exact_continuation_law(model_dir, temperature, NUM_TOKENS, rules)
 
 
-def rules_counts(model_dir, spec, temperature: float) -> torch.Tensor:
+def rules_counts(
+    model_dir, spec, temperature: float, max_tokens: int = NUM_TOKENS, **engine_args
+) -> torch.Tensor:
     counts, metrics = first_token_counts(
-        model_dir, spec, temperature, NUM_TOKENS, NUM_TOKENS, NUM_TRIALS, **RULES
+        model_dir, spec, temperature, max_tokens, NUM_TOKENS, NUM_TRIALS, engine_args, **RULES
     )
     assert metrics["num_accepted_tokens"] > 0
+    if engine_args.get("async_scheduling"):
+        assert metrics["loop"]["num_device_rounds"] > 0  # the rounds ran on the device path
     return counts
 
 
@@ -255,6 +259,31 @@ def test_penalised_first_tokens_follow_plain_penalised_sampling(
     law = rules_law(model_dir, 0.7)
     counts = rules_counts(model_dir, spec_config(method, draft_sample_method), 0.7)
     assert chi_square_pvalue(counts, law) > ALPHA
+
+
+@pytest.mark.parametrize("method", ["standard", "block"])
+def test_penalised_device_rounds_follow_plain_penalised_sampling(model_dir, method):
+    """H0: through speculative rounds on the device (op by op on the CPU; adaptive K in
+    [0, 2]), whose slots hold the same penalties, bias and bans on the device (`SlotRules`: the
+    output counts advanced by each round) while the drafts are sampled without them, the first
+    3 emitted tokens have plain penalised sampling's exact joint law (requests run to 6 tokens,
+    so that rounds past the first decide some of the 3). Same statistic, N and threshold as
+    above (false-failure rate <= 1e-6 per case, 2 cases)."""
+    spec = {**spec_config(method, "probabilistic"), "adaptive": True}
+    counts = rules_counts(model_dir, spec, 0.7, 6, async_scheduling=True)
+    assert chi_square_pvalue(counts, rules_law(model_dir, 0.7)) > ALPHA
+
+
+def test_negative_control_device_rounds_blind_to_their_own_tokens(model_dir, monkeypatch):
+    """The penalised device-round test has power: it rejects (p < 1e-6) rounds whose slots
+    never count the tokens the rounds emitted (`SlotRules.observe` a no-op: the penalties and
+    min_tokens of later rounds see the output as it was when the request took its slot)."""
+    from specdec.sampling.slot_rules import SlotRules
+
+    monkeypatch.setattr(SlotRules, "observe", lambda self, emitted, accepted, live: None)
+    spec = {**spec_config("standard", "probabilistic"), "adaptive": True}
+    counts = rules_counts(model_dir, spec, 0.7, 6, async_scheduling=True)
+    assert chi_square_pvalue(counts, rules_law(model_dir, 0.7)) < ALPHA
 
 
 def test_negative_control_draft_recorded_without_its_rules(model_dir, monkeypatch):

@@ -42,6 +42,7 @@ from specdec.engine.round_buffers import RoundInputs, RoundResults, RoundSlots
 from specdec.runner import PagedModelRunner
 from specdec.runner.cuda_graph import GraphCache, StaticInputs, batch_buckets, bucket_for
 from specdec.sampling import SamplingTensors, compute_logprobs
+from specdec.sampling.slot_rules import SlotRules
 from specdec.transfer import to_device
 from specdec.verify import check_verify_inputs, first_unusable_read_row, verify_checked
 
@@ -203,6 +204,10 @@ class DeviceRounds:
         self.num_rows = 0
         self.method = "standard"
         self._filters: tuple[bool, bool, bool] = (False, False, False)
+        # The slots' logits rules (penalties, biases, bans), allocated for the first request
+        # that has some; `_ruled`: a slot taken since `begin` has rules (the rounds apply them).
+        self.rules: SlotRules | None = None
+        self._ruled = False
         self.inflight: deque[_Launched] = deque()
         self._last_end: torch.cuda.Event | float | None = None
         self._left: set[str] = set()  # the request ids of the rounds last left
@@ -226,6 +231,8 @@ class DeviceRounds:
         self._left = set()
         self.method = requests[0].spec.method
         self._filters = self._filters_of(requests)
+        self._ruled = False
+        self._write_rules(list(range(len(requests))), requests)
         pad = rows - len(requests)
         off = {self.temperature: 0.0, self.top_k: 0, self.top_p: 1.0, self.min_p: 0.0}
         for tensor, values in self._columns(requests).items():
@@ -288,6 +295,7 @@ class DeviceRounds:
         self._filters = tuple(
             a or b for a, b in zip(self._filters, self._filters_of(taken), strict=True)
         )
+        self._write_rules(placed, taken)
         index = to_device(placed, torch.int64, self.device)
         for tensor, values in self._columns(taken).items():
             tensor.index_copy_(0, index, to_device(values, tensor.dtype, self.device))
@@ -296,6 +304,28 @@ class DeviceRounds:
         self.drafting.admit(slots, self.num_rows)
         self._interrupted = True
         return taken
+
+    def _write_rules(self, slots: list[int], requests: list[Request]) -> None:
+        """The requests' logits rules and outputs so far into their slots (neutral values for
+        those without rules, once any request has had some)."""
+        if any(r.rules is not None for r in requests):
+            self._ruled = True
+            self._rule_buffers()
+        if self.rules is not None:
+            self.rules.write(
+                slots,
+                [r.rules for r in requests],
+                [r.prompt_token_ids for r in requests],
+                [r.output_token_ids for r in requests],
+            )
+
+    def _rule_buffers(self) -> SlotRules:
+        """The slots' rules, allocated on first use ([S, V] buffers: a ruled round's graph
+        reads them where they are)."""
+        if self.rules is None:
+            vocab = self.runner.graphs.logits.shape[-1]
+            self.rules = SlotRules(self.anchors.shape[0], vocab, self.device)
+        return self.rules
 
     def interrupt(self) -> None:
         """Other device work is launched between two rounds (a joining request's prefill step):
@@ -423,7 +453,7 @@ class DeviceRounds:
 
     def _run_round(self, k: int) -> None:
         """Runs (or replays) the round of k drafts over the static buffers as they are."""
-        key = (self.num_rows, k, self.method, self._filters)
+        key = (self.num_rows, k, self.method, self._filters, self._ruled)
         # Under tensor parallelism the workers run the round's target step beside it: twice
         # when this launch captures the round's graph (its warm-up and the first replay both
         # run the step's collectives; the capture itself runs none).
@@ -434,14 +464,18 @@ class DeviceRounds:
         with self.runner.device_step():
             self.graph_cache.run(key, lambda: self._round(k), self._state)
 
-    def warm_up(self, num_rows: int, k: int, method: str) -> None:
+    def warm_up(self, num_rows: int, k: int, method: str, *, ruled: bool = False) -> None:
         """Runs one round of k drafts over `num_rows` inert slots (none live: no cache slot
         written, no token emitted), so that its graph is captured now (the engine's warm-up),
-        keyed as a launch of requests of `method` without top-k / top-p / min-p would key it.
-        Only while no request holds the rounds (`begin` rewrites every slot it uses)."""
+        keyed as a launch of requests of `method` without top-k / top-p / min-p would key it,
+        with the slots' logits rules (`ruled`: some request has penalties, biases or bans) or
+        without. Only while no request holds the rounds (`begin` rewrites every slot it uses)."""
         if self.slots or self.inflight:
             raise RuntimeError("device rounds warm up only while they hold no request")
         self.num_rows, self.method, self._filters = num_rows, method, (False, False, False)
+        self._ruled = ruled
+        if ruled:
+            self._rule_buffers()
         self.drafting.begin([], num_rows)
         inputs = self.inputs
         inputs.begin()
@@ -449,7 +483,7 @@ class DeviceRounds:
         inputs.host("tables", num_rows * self.max_blocks).fill(0)
         inputs.send("tables", num_rows * self.max_blocks)
         self._run_round(k)
-        self.num_rows, self.method = 0, "standard"
+        self.num_rows, self.method, self._ruled = 0, "standard", False
 
     def read(self) -> tuple[list[tuple[Request, Emission]], int, float | None, bool]:
         """Reads the oldest round in flight: (per live request still running, its emission;
@@ -508,7 +542,8 @@ class DeviceRounds:
 
     def _state(self) -> list[torch.Tensor]:
         """The buffers a round both reads and updates (its own and the drafter's)."""
-        return [self.anchors, self.last_tokens, *self.drafting.state()]
+        rules = self.rules.state() if self._ruled else []
+        return [self.anchors, self.last_tokens, *self.drafting.state(), *rules]
 
     def _seconds(self, launched: _Launched) -> float | None:
         previous, self._last_end = self._last_end, launched.ended
@@ -604,6 +639,7 @@ class DeviceRounds:
             method=self.method,
             draft_logsumexp=draft_lse,
             check_values=False,
+            context=self.rules.view(rows) if self._ruled else None,
         )
         result = verify_checked(inputs)
         # The first row each slot's outcome read without a distribution (`out`'s fourth
@@ -624,4 +660,6 @@ class DeviceRounds:
             self.anchors[:rows],
             self.last_tokens[:rows],
         )
+        if self._ruled:  # the emitted tokens join the slots' output counts
+            self.rules.observe(results.emitted, results.accepted, view.live)
         self.drafting.observe(view, features, results.emitted, results.accepted)

@@ -90,8 +90,9 @@ class Request:
 
     @property
     def host_processed(self) -> bool:
-        """Its logits are processed with its output so far, read on the host (rules or a
-        grammar): it takes the synchronous step, never overlapped or device rounds."""
+        """Its logits are processed with its output so far (rules or a grammar): the steps
+        that sample it build the rules' tensors from its output on the host (device rounds
+        keep them in its slot instead, `SlotRules`; a grammar always runs on the host)."""
         return self.rules is not None or self.grammar is not None
 
     @property

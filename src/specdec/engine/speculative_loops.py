@@ -15,6 +15,7 @@ from specdec.engine.request import Request
 from specdec.engine.scheduler import ScheduledRequest
 from specdec.engine.spec_policy import PLAIN
 from specdec.runner.cuda_graph import batch_buckets, bucket_for
+from specdec.sampling.slot_rules import SlotRules
 
 
 def _nobody(request: Request) -> bool:
@@ -98,12 +99,18 @@ class SpeculativeLoops:
 
     @staticmethod
     def _round_able(request: Request) -> bool:
-        """Whether device rounds can take the request (it speculates, and needs no logits
-        processed on the host; its logprobs are computed after each round); a batch holding
-        one that cannot decodes in the overlapped loop, drafting nothing, instead of
-        synchronous steps with drafts (s27: about 30 ms a step for 16 rows of SmolLM2 on an
-        H100, against 2-3 ms for a round)."""
-        return request.spec is not None and not request.host_processed
+        """Whether device rounds can take the request: it speculates and needs no logits
+        processed on the host. Its logprobs are computed after each round; its penalties,
+        logit bias, allowed tokens, single-token bad words and min_tokens are held in its slot
+        on the device (`SlotRules`). A grammar (a matcher on the host) or a multi-token bad word
+        keeps it out. A batch holding one that cannot decodes in the overlapped loop, drafting
+        nothing, instead of synchronous steps with drafts (s27: about 30 ms a step for 16 rows
+        of SmolLM2 on an H100, against 2-3 ms for a round)."""
+        return (
+            request.spec is not None
+            and request.grammar is None
+            and SlotRules.supports(request.rules)
+        )
 
     # ------------------------------------------------------- the policy's plain arm
     def _plain_bucket(self, num_requests: int) -> int:
@@ -126,9 +133,9 @@ class SpeculativeLoops:
     # ------------------------------------------------------- speculative rounds on the device
     def _enter_rounds(self, k: int | None = None) -> None:
         """Hands the batch to device rounds when every running request decodes with speculation
-        (one verify method, no penalties, biases, bans or grammar) and no waiting request could
-        join; else the loop it came from goes on. `k`: the policy's choice for the first round
-        (None: asked when the round launches). The feature log is handed to the drafter first
+        and the rounds can take it (one verify method, `_round_able`) and no waiting request
+        could join; else the loop it came from goes on. `k`: the policy's choice for the first
+        round (None: asked when the round launches). The feature log is handed to the drafter first
         (its catch-up on entering reads it)."""
         scheduler = self.scheduler
         requests = list(scheduler.running)
@@ -137,9 +144,8 @@ class SpeculativeLoops:
         method = requests[0].spec.method if requests[0].spec is not None else None
         for request in requests:
             if (
-                request.spec is None
+                not self._round_able(request)
                 or request.spec.method != method
-                or request.host_processed  # processed with the output so far, on the host
                 or request.num_computed_tokens != request.num_tokens - 1
                 or request.num_tokens < 2
             ):

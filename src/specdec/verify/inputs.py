@@ -18,6 +18,7 @@ from specdec.sampling.processing import (
     sampling_rule_flags,
     unusable_rows,
 )
+from specdec.sampling.slot_rules import SlotRulesView
 from specdec.sampling.tensors import SamplingTensors
 from specdec.transfer import Readback
 
@@ -72,7 +73,7 @@ def check_verify_inputs(
     draft_logsumexp: torch.Tensor | None = None,
     active_rows: int | None = None,
     check_values: bool = True,
-    context: LogitsContext | None = None,
+    context: LogitsContext | SlotRulesView | None = None,
 ) -> VerifyInputs:
     """Checks shapes, dtypes and values; raises ValueError/TypeError naming the problem.
 
@@ -158,7 +159,7 @@ def context_target_logits(
     target_logits: torch.Tensor,
     draft_token_ids: torch.Tensor,
     num_draft: torch.Tensor,
-    context: LogitsContext,
+    context: LogitsContext | SlotRulesView,
 ) -> torch.Tensor:
     """Target logits processed by each request's context, row j as if drafts 0..j-1 had been
     accepted: verify row j of request b is processed with drafts b, 0..min(j, num_draft[b])-1
@@ -169,7 +170,7 @@ def context_target_logits(
         target_logits: [B, K+1, V] raw target logits.
         draft_token_ids: [B, K] int64 drafts (entries at or beyond num_draft[b] are ignored).
         num_draft: [B] int64.
-        context: the B requests' `LogitsContext`.
+        context: the B requests' `LogitsContext` (or the rules of B device-round slots).
 
     Returns:
         [B, K+1, V] float32.

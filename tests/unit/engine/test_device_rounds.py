@@ -437,18 +437,18 @@ def test_a_step_holding_a_prefill_chunk_drafts_nothing_beside_it(
 
 
 def test_requests_the_rounds_cannot_take_decode_overlapped_beside_them(model_dir, dirs, prompts):
-    """A batch holding requests the rounds cannot take (logprobs; a repetition penalty;
-    speculation switched off for one) decodes in a joining visit's overlapped steps, drafting
-    nothing, instead of synchronous steps that draft on the host; once they have finished the
-    others go to the rounds. Coupled output (and logprobs) equal plain decoding's; no step is
-    synchronous."""
+    """A batch holding requests the rounds cannot take (a multi-token bad word; speculation
+    switched off for one) decodes in the overlapped loop's steps, drafting nothing, instead of
+    synchronous steps that draft on the host; once they have finished the others go to the
+    rounds. Coupled output (and logprobs, which the rounds take) equal plain decoding's; no
+    step is synchronous."""
 
     def sampled(seed: int, max_tokens: int, **kwargs) -> SamplingParams:
         return SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens, **kwargs)
 
     requests = {f"r{i}": (p, sampled(90 + i, 20, ignore_eos=True)) for i, p in enumerate(prompts)}
     requests["r0"] = (prompts[0], sampled(90, 8, logprobs=2))
-    requests["r1"] = (prompts[1], sampled(91, 10, repetition_penalty=1.5))
+    requests["r1"] = (prompts[1], sampled(91, 10, repetition_penalty=1.5, bad_words=["b c"]))
     requests["off"] = (prompts[2], sampled(99, 12, top_p=0.9))
 
     def run(engine, spec_off=()):
@@ -586,9 +586,9 @@ def test_bursts_and_single_arrivals_join_the_rounds(model_dir, dirs, prompts, mo
     """Under the adaptive policy, a burst (six arrivals beside two running) and a single
     arrival beside seven both join the running rounds without a drain: the rounds are entered
     once (s41; a single arrival used to drain them into overlapped steps and pay a re-entry).
-    Control: a late request the rounds cannot take (a presence penalty, processed on the host)
-    drains them, and they are entered again once it has finished. Coupled output equals plain
-    decoding's either way."""
+    Control: a late request the rounds cannot take (a multi-token bad word, which reads the
+    output's tail on the host) drains them, and they are entered again once it has finished.
+    Coupled output equals plain decoding's either way."""
     from specdec.engine.spec_policy import SpeculationPolicy
 
     class Scripted(SpeculationPolicy):
@@ -604,8 +604,9 @@ def test_bursts_and_single_arrivals_join_the_rounds(model_dir, dirs, prompts, mo
     )
     all_prompts = prompts + [p[::-1] for p in prompts]
     requests = [(p, params_for(1.0, 150 + i, max_tokens=24)) for i, p in enumerate(all_prompts)]
-    if late != "joins":  # the single arrival: a short request with a penalty
-        requests[-1] = (all_prompts[-1], params_for(1.0, 157, max_tokens=4, presence_penalty=0.5))
+    if late != "joins":  # the single arrival: a short request with a multi-token bad word
+        late_params = params_for(1.0, 157, max_tokens=4, bad_words=["b c"])
+        requests[-1] = (all_prompts[-1], late_params)
     spec = spec_for("eagle", dirs, "coupled", k=3, adaptive=True)
     args = {"max_num_seqs": 8}
     for arrivals, burst in (([0, 0, 4, 4, 4, 4, 4, 4], True), ([0] * 7 + [6], False)):
@@ -617,12 +618,73 @@ def test_bursts_and_single_arrivals_join_the_rounds(model_dir, dirs, prompts, mo
         joins = engine.loop_stats.num_round_joins
         if burst and late == "joins":  # six arrive beside two: they join, entered once
             assert joins == 6 and len(begins) == 1, (joins, begins)
-        elif burst:  # five join; the penalised one drains the rounds
+        elif burst:  # five join; the one with a bad word drains the rounds
             assert joins == 5 and len(begins) == 2, (joins, begins)
         elif late == "joins":  # one arrives beside seven: it joins too
             assert joins == 1 and len(begins) == 1, (joins, begins)
         else:
             assert joins == 0 and len(begins) == 2, (joins, begins)
+
+
+RULED = [
+    {"repetition_penalty": 1.6, "presence_penalty": 0.7, "frequency_penalty": 0.5},
+    {"logit_bias": {3: 2.0, 10: -50.0}, "allowed_token_ids": list(range(60))},
+    {"bad_words": ["c"], "min_tokens": 6, "stop_token_ids": [4, 11], "frequency_penalty": 1.2},
+]
+
+
+@pytest.mark.parametrize(
+    "method, temperature, control",
+    [
+        ("coupled", 1.0, False),
+        ("standard", 0.0, False),
+        ("block", 0.0, False),
+        ("coupled", 1.0, True),
+    ],
+)
+def test_penalties_biases_and_bans_ride_the_rounds(
+    model_dir, dirs, prompts, monkeypatch, method, temperature, control
+):
+    """Requests with penalties, a logit bias, allowed_token_ids, a single-token bad word and
+    min_tokens decode in the device rounds (their rules held in their slots on the device,
+    `SlotRules`), among requests without, and join the running rounds without a drain: the
+    rounds are entered once, no step is synchronous. They emit exactly plain decoding's tokens
+    (coupled at T = 1; any verifier at T = 0, where drafts change no token).
+    Control: rounds that never count their emitted tokens in the slots' outputs
+    (`SlotRules.observe` a no-op) must change the tokens."""
+    from specdec.engine.spec_policy import SpeculationPolicy
+    from specdec.sampling.slot_rules import SlotRules
+
+    class Scripted(SpeculationPolicy):
+        def _choose(self, bucket, remaining=None, in_rounds=True):
+            return (3, 2)[self._rounds % 2]
+
+    begins = []
+    begin = device_round.DeviceRounds.begin
+    monkeypatch.setattr(
+        device_round.DeviceRounds,
+        "begin",
+        lambda self, requests: (begins.append(len(requests)), begin(self, requests))[1],
+    )
+    if control:
+        monkeypatch.setattr(SlotRules, "observe", lambda self, emitted, accepted, live: None)
+    all_prompts = prompts + [p[::-1] for p in prompts]
+    requests = [
+        (p, params_for(temperature, 170 + i, max_tokens=24, **RULED[i % 4] if i % 4 < 3 else {}))
+        for i, p in enumerate(all_prompts)
+    ]
+    arrivals = [0, 0, 0, 0, 4, 4, 4, 4]
+    args = {"max_num_seqs": 8}
+    expected = drive_arrivals(make_engine(model_dir, None, False, **args), requests, arrivals)
+    engine = make_engine(
+        model_dir, spec_for("eagle", dirs, method, k=3, adaptive=True), True, **args
+    )
+    engine.policy = Scripted(3)
+    got = drive_arrivals(engine, requests, arrivals)
+    assert (got == expected) != control
+    loop = engine.loop_stats
+    assert loop.num_sync_steps == 0 and loop.num_round_joins == 4 and begins == [4]
+    assert engine._rounds._ruled
 
 
 def trickling(model_dir, dirs, prompts, seed: int, max_tokens: int):
