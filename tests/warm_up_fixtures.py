@@ -34,11 +34,14 @@ def run_load(
     seed: int = 0,
     vocab_size: int = 97,
     extra: list[list[int]] = (),
+    penalty_every: int = 0,
 ) -> dict[str, list[int]]:
     """Requests join one every JOIN_EVERY steps until max_num_seqs run (between joins the batch
     decodes: device rounds at each size), each asking for more tokens than the one before (so
     they finish one by one: the batch shrinks); half of them at temperature 0; `extra` prompts
-    join first. Returns each request's tokens by request id."""
+    join first; with `penalty_every` = n, every n-th request (the first included) has a
+    presence penalty (rounds holding it run with the slots' rules). Returns each request's
+    tokens by request id."""
     count = engine.config.max_num_seqs
     prompts = [*extra, *prompt_tokens(vocab_size, [5 + 3 * i for i in range(count)], seed + 1)]
     override = None if speculative else {"enabled": False}
@@ -50,6 +53,7 @@ def run_load(
                 max_tokens=8 + 4 * i,
                 ignore_eos=True,
                 seed=seed * 100 + i,
+                presence_penalty=0.5 if penalty_every and i % penalty_every == 0 else 0.0,
             ),
         )
         for i, prompt in enumerate(prompts[:count])

@@ -60,7 +60,7 @@ def walk(engine: LLMEngine, vocab_size: int, max_model_len: int) -> None:
     long = []  # a context past one split-KV partition, where max_model_len holds one
     if max_model_len > SPLIT_KV_PARTITION + 200:
         long = prompt_tokens(vocab_size, [SPLIT_KV_PARTITION + 50], seed=9)
-    run_load(engine, True, vocab_size=vocab_size, extra=long)
+    run_load(engine, True, vocab_size=vocab_size, extra=long, penalty_every=3)
     run_load(engine, False, seed=1, vocab_size=vocab_size)
 
 

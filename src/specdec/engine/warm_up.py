@@ -13,8 +13,9 @@ key traffic would build (a key is never spelled out here):
   slots (a request reads only slots it wrote);
 - device rounds (`DeviceRounds.warm_up`) at every bucket and every K the speculation policy
   may choose, for the default verify method without top-k / top-p / min-p (requests asking for
-  another method or those filters capture their round on first use), over slots none of which
-  is live;
+  another method or those filters capture their round on first use), without and with the
+  slots' logits rules (penalties, biases, bans: a batch holding such a request runs the
+  second), over slots none of which is live;
 - the target's eager prefill (chunks longer than the graphed prefill's width, or wanting every
   row's logits: prompt logprobs), at a row count of every tier and value class its kernels
   compile a variant for (`models.row_classes`), one sequence and two, and as a chunk past one
@@ -311,7 +312,8 @@ def _round_steps(engine: Any) -> list[Callable[[], None]]:
     ks = range(policy.max_k + 1) if policy.adaptive else [policy.max_k]
     method = engine.speculative_config.rejection_sample_method
     return [
-        lambda bucket=bucket, k=k: rounds.warm_up(bucket, k, method)
+        lambda bucket=bucket, k=k, ruled=ruled: rounds.warm_up(bucket, k, method, ruled=ruled)
         for bucket in batch_buckets(engine.config.max_num_seqs)
         for k in ks
+        for ruled in (False, True)
     ]

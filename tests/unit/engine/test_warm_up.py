@@ -58,7 +58,7 @@ def make_engine(model_dir, head_dir, **kwargs) -> LLMEngine:
 
 
 def walk(engine: LLMEngine) -> None:
-    run_load(engine, speculative=True)
+    run_load(engine, speculative=True, penalty_every=3)
     run_load(engine, speculative=False, seed=1)
 
 
@@ -76,6 +76,8 @@ def test_after_warm_up_the_load_adds_no_graph_key(model_dir, head_dir):
     used = graph_keys(engine)
     for name, key in (("decode", lambda k: k[0]), ("head", lambda k: k[1])):
         assert {key(k) for n, k in used if n == name} == set(batch_buckets(MAX_NUM_SEQS))
+    # and rounds with the slots' rules (penalised requests) and without
+    assert {k[-1] for n, k in used if n == "rounds"} == {False, True}
     # Negative control 1: on an engine never warmed up, the same load runs keys first (every
     # one of them a key the warm-up runs).
     cold = make_engine(model_dir, head_dir)
