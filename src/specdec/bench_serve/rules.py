@@ -1,7 +1,8 @@
 """The rules a mixed load's requests ask for (`--rules`): issue 34's mixed traffic,
 a third of the requests with log-probabilities, a third with penalties, a third with a JSON
-schema. `--rules none` sends the same requests without them (the comparison that says what the
-rules cost)."""
+schema; `--rules no-json`: log-probabilities and penalties in turn (what the device rounds
+take); `--rules penalties`: every request with penalties. `--rules none` sends the same
+requests without them (the comparison that says what the rules cost)."""
 
 from __future__ import annotations
 
@@ -23,15 +24,20 @@ RULES: dict[str, dict] = {
         }
     },
 }
-MIXES = ("none", "mixed")
+# Each mix: the rules its requests ask for in turn ("none": no rules).
+MIX_RULES: dict[str, tuple[str, ...]] = {
+    "none": ("none",),
+    "mixed": tuple(RULES),
+    "no-json": ("logprobs", "penalties"),
+    "penalties": ("penalties",),
+}
+MIXES = tuple(MIX_RULES)
 
 
 def rule_of(index: int, mix: str) -> str:
-    """The rule of request `index` under `mix`: "none" for every request without rules, else the
-    rules in turn (so a level of 3n requests has n of each)."""
-    if mix == "none":
-        return "none"
-    names = list(RULES)
+    """The rule of request `index` under `mix`: its rules in turn (so a level of 3n requests
+    under "mixed" has n of each)."""
+    names = MIX_RULES[mix]
     return names[index % len(names)]
 
 

@@ -284,7 +284,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         choices=MIXES,
         default="none",
         help="mixed: request i asks for log-probabilities, penalties or a JSON schema in turn "
-        "(issue 34's mixed traffic; TPOT p50 reported per rule); none: no rules",
+        "(issue 34's mixed traffic; TPOT p50 reported per rule); no-json: log-probabilities "
+        "and penalties in turn; penalties: every request; none: no rules",
     )
     output = parser.add_mutually_exclusive_group()
     output.add_argument(
@@ -314,7 +315,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if args.spec_only and (args.plain_only or args.serve is not None):
         parser.error("--spec-only is for a --url server, and not with --plain-only")
     if args.generate and args.rules != "none":
-        parser.error("--generate runs requests without rules: not with --rules mixed")
+        parser.error(f"--generate runs requests without rules: not with --rules {args.rules}")
     if args.request_rate and any(rate <= 0 for rate in args.request_rate):
         parser.error("--request-rate must be > 0")
     if args.prompts_file:
