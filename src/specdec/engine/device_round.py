@@ -16,10 +16,14 @@ back with its tokens) is ended the same way, with an error, emitting nothing fro
 A request that asks for logprobs rides the rounds: after a round, its rows' logprobs are
 computed on the device from the raw target logits the round left (`compute_logprobs`, as the
 overlapped plain loop computes them) and read back with its tokens.
+A request with logits rules (penalties, bias, allowed tokens, single-token bad words,
+min_tokens) holds them in its slot (`SlotRules`): the round processes its verify rows with them,
+the drafts before each row counted as output, and adds its emitted tokens to the slot's output
+counts, all inside the round (a batch holding such a request runs its own graph per key).
 Blocks are allocated ahead for the rounds in flight. A new request joins without a drain
 (`admit`: its prefill ran beside the rounds; it takes a free slot for the next launch). Anything
-else (a preemption, a request near its length limit, a request the rounds cannot take) drains
-the rounds in flight and hands the batch back to the synchronous step.
+else (a preemption, a request near its length limit) drains the rounds in flight and hands the
+batch back to the engine's other loops.
 
 Never draws randomness itself: drafts come from the drafter, emitted tokens from `verify`.
 """
