@@ -18,6 +18,7 @@ from torch.nn.utils.rnn import pad_sequence
 from specdec.engine.batch_constants import ConstantsCache
 from specdec.engine.proposals import StepDrafts
 from specdec.engine.request import Request, logits_context
+from specdec.engine.request_rules import RequestRules
 from specdec.engine.scheduler import ScheduledRequest
 from specdec.sampling import sample
 from specdec.sampling.processing import unusable_rows
@@ -66,8 +67,12 @@ class Emission:
 class Emitter:
     """Samples or verifies the emitting shares of a step, keeping the batches' constants."""
 
-    def __init__(self) -> None:
+    def __init__(self, rule_rows: int = 0) -> None:
+        """`rule_rows`: rows of device-held logits rules for plain steps (`RequestRules`,
+        built on first use; 0: none, every step builds a `LogitsContext`)."""
         self.constants = ConstantsCache()
+        self._rule_rows = rule_rows
+        self.request_rules: RequestRules | None = None
 
     def emit(
         self,
@@ -213,9 +218,13 @@ class Emitter:
             is a valid id that must never be emitted.
         """
         constants = self.constants.get("plain", requests, rows.device)
-        context = logits_context(requests)
-        if context is not None:
-            rows = context.apply(rows, prefix=prefix)
+        index = self._rule_rows_of(requests, rows)
+        if index is not None:
+            rows = self.request_rules.apply(rows, index, prefix)
+        else:
+            context = logits_context(requests)
+            if context is not None:
+                rows = context.apply(rows, prefix=prefix)
         if constants.greedy:
             # All greedy: `sample` would take the first maximum with NaN as -inf and no noise
             # (the filters never remove the maximum). Two kernels instead of the sampler's
@@ -246,6 +255,16 @@ class Emitter:
         if unusable is not None:
             no_distribution |= unusable
         return out.token_ids, no_distribution
+
+    def _rule_rows_of(self, requests: list[Request], rows: torch.Tensor) -> torch.Tensor | None:
+        """The requests' rows of device-held rules (`RequestRules.rows_for`), or None where
+        the step builds a `LogitsContext` (no request has rules, none are kept, or the batch
+        holds what the rows cannot: a grammar, a multi-token bad word)."""
+        if not self._rule_rows or not any(r.rules is not None for r in requests):
+            return None
+        if self.request_rules is None:
+            self.request_rules = RequestRules(self._rule_rows, rows.shape[-1], rows.device)
+        return self.request_rules.rows_for(requests)
 
     def _verify_group(
         self,

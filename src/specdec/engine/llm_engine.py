@@ -188,7 +188,8 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
                 )
         self.speculative_config = speculative_config
         self.drafter = self._build_drafter(speculative_config)
-        self.emitter = Emitter()
+        # Rows of device-held rules for the plain steps' requests (row 0 neutral).
+        self.emitter = Emitter(rule_rows=self.config.max_num_seqs + 1)
         self.outputs = OutputProcessor(tokenizer, self.max_model_len, self._finish)
         self.stats = SpecDecodeStats()
         self.loop_stats = LoopStats()
@@ -611,9 +612,13 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
             if emission.num_draft:
                 request.stats.observe(emission.num_draft, emission.num_accepted)
                 self.stats.observe(emission.num_draft, emission.num_accepted)
+            before = len(request.output_token_ids)
             finished = self.outputs.append(
                 request, emission.tokens, emission.rows, emission.logprobs
             )
+            if self.emitter.request_rules is not None and request.rules is not None:
+                appended = request.output_token_ids[before:]
+                self.emitter.request_rules.committed(request, appended)
             if request.grammar is not None and not request.status.finished:
                 request.grammar.commit(request.output_token_ids)
             first = self.emit_deltas and len(request.output_token_ids) <= len(emission.tokens)
