@@ -1,0 +1,31 @@
+"""Device-held rules of plain steps on CUDA (`engine/request_rules.py`): requests with penalties,
+a bias, allowed tokens, bans and min_tokens emit exactly the tokens of steps that rebuild a
+`LogitsContext` every step, under graphed decode steps, overlapped and synchronous, with
+arrivals and preemption (the CPU test's cases, `tests/unit/engine/test_request_rules.py`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from models_fixtures import make_hf_model, save_hf_model
+from request_rules_fixtures import run
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("tiny-rules-gpu"))
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize(
+    "engine_args",
+    [{"num_kv_blocks": 512}, {"num_kv_blocks": 40, "max_num_seqs": 8}, {"max_num_seqs": 4}],
+    ids=["roomy", "preempting", "few rows"],
+)
+def test_kept_rules_emit_what_rebuilt_rules_emit_on_cuda(model_dir, async_scheduling, engine_args):
+    args = {"device": "cuda", "dtype": "float32", "num_kv_blocks": 512, **engine_args}
+    expected = run(model_dir, async_scheduling, kept=False, **args)
+    assert len(expected) == 12
+    assert run(model_dir, async_scheduling, kept=True, **args) == expected
