@@ -13,9 +13,12 @@ ruled requests than rows, takes `LogitsContext` as before (`rows_for` returns No
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from specdec.engine.request import Request
+from specdec.sampling.context import LogitsRules, RuleTensors, process_rules
 from specdec.sampling.slot_rules import SlotRules
 from specdec.transfer import to_device
 
@@ -30,6 +33,7 @@ class RequestRules:
         self._free = list(range(capacity - 1, 0, -1))
         self._pending: list[tuple[int, int]] = []  # (row, token) committed, not yet counted
         self.num_steps = 0  # steps whose rows were processed from here
+        self._used = self.rules.tensors  # the fields the last `rows_for` batch uses
 
     def rows_for(self, requests: list[Request]) -> torch.Tensor | None:
         """[B] int64 on the device: each request's row (written on its first use; 0 without
@@ -54,13 +58,15 @@ class RequestRules:
         self.flush()
         index = [self._row[id(r)][1] if r.rules is not None else 0 for r in requests]
         self.num_steps += 1
+        self._used = _used_tensors(self.rules.tensors, [r.rules for r in requests])
         return to_device(index, torch.int64, self.device)
 
     def apply(
         self, logits: torch.Tensor, rows: torch.Tensor, prefix: torch.Tensor | None
     ) -> torch.Tensor:
-        """`SlotRules.apply` over the rows `rows_for` gave."""
-        return self.rules.apply(logits, rows, prefix)
+        """The rows `rows_for` gave processed as `SlotRules.apply` processes them, skipping
+        the rules no request of that batch has (each is the identity on a neutral row)."""
+        return process_rules(logits.to(torch.float32), self._used, rows, prefix)
 
     def committed(self, request: Request, tokens: list[int]) -> None:
         """Tokens appended to a request's output (counted at the next `flush`); a finished
@@ -102,3 +108,28 @@ class RequestRules:
         for request, _ in list(self._row.values()):
             if id(request) not in keep:
                 self.release(request)
+
+
+def _used_tensors(t: RuleTensors, rules: list[LogitsRules | None]) -> RuleTensors:
+    """`t` without the fields no rules of `rules` use (None: the step skips them)."""
+    present = [r for r in rules if r is not None]
+    biased = any(
+        r.logit_bias or r.allowed_token_ids is not None or r.bad_words_token_ids for r in present
+    )
+    repetition = any(r.repetition_penalty != 1.0 for r in present)
+    presence = any(r.presence_penalty != 0.0 for r in present)
+    frequency = any(r.frequency_penalty != 0.0 for r in present)
+    minimum = any(r.min_tokens for r in present)
+    counted = repetition or presence or frequency
+    return dataclasses.replace(
+        t,
+        bias=t.bias if biased else None,
+        prompt_seen=t.prompt_seen if repetition else None,
+        output_counts=t.output_counts if counted else None,
+        repetition=t.repetition if repetition else None,
+        presence=t.presence if presence else None,
+        frequency=t.frequency if frequency else None,
+        num_output=t.num_output if minimum else None,
+        min_tokens=t.min_tokens if minimum else None,
+        min_banned=t.min_banned if minimum else None,
+    )
