@@ -350,12 +350,6 @@ def test_a_round_of_k_drafts_runs_the_target_over_k_plus_1_rows(
     round's K + 1 rows): with the policy scripted through K = 0, 1 and 3, each round's forward
     has k + 1 rows a slot, and the drafters that read its features (EAGLE's entries, DSpark's
     context) keep coupled and greedy output equal to plain decoding's."""
-    from specdec.engine.spec_policy import SpeculationPolicy
-
-    class Scripted(SpeculationPolicy):
-        def _choose(self, bucket, remaining=None, in_rounds=True):
-            return (0, 1, 3)[self._rounds % 3]
-
     widths = []
     original = device_round.DeviceRounds._round
 
@@ -377,7 +371,7 @@ def test_a_round_of_k_drafts_runs_the_target_over_k_plus_1_rows(
         requests = [(p, params_for(temperature, 70 + i)) for i, p in enumerate(prompts)]
         expected, _ = drive(make_engine(model_dir, None, False), requests)
         engine = make_engine(model_dir, spec_for(drafter, dirs, method, k=3, adaptive=True), True)
-        engine.policy = Scripted(3)
+        engine.policy = scripted_policy((0, 1, 3))
         got, _ = drive(engine, requests)
         assert got == expected
     assert {k for k, _ in widths} == {0, 1, 3}
@@ -544,13 +538,7 @@ def test_arrivals_join_running_rounds_without_a_drain(
     spec = spec_for(drafter.removesuffix("-adaptive"), dirs, method, k=3, adaptive=adaptive)
     engine = make_engine(model_dir, spec, True, **args)
     if adaptive:  # K by a script (a measured choice would vary run to run)
-        from specdec.engine.spec_policy import SpeculationPolicy
-
-        class Scripted(SpeculationPolicy):
-            def _choose(self, bucket, remaining=None, in_rounds=True):
-                return (3, 0, 2, 1)[self._rounds % 4]
-
-        engine.policy = Scripted(3)
+        engine.policy = scripted_policy((3, 0, 2, 1))
     got = drive_arrivals(engine, requests, arrivals)
     loop = engine.loop_stats
     if admission != "admit":
@@ -581,6 +569,30 @@ def count_joining_prefills(monkeypatch) -> list[int]:
     return launches
 
 
+def scripted_policy(ks: tuple[int, ...], max_k: int = 3):
+    """An adaptive policy (K up to max_k) whose rounds take the Ks of `ks` in turn (no
+    measurement involved: a measured choice would vary run to run)."""
+    from specdec.engine.spec_policy import SpeculationPolicy
+
+    class Scripted(SpeculationPolicy):
+        def _choose(self, bucket, remaining=None, in_rounds=True):
+            return ks[self._rounds % len(ks)]
+
+    return Scripted(max_k)
+
+
+def record_begins(monkeypatch) -> list[int]:
+    """Per entry into the device rounds (`DeviceRounds.begin`), appended: how many requests."""
+    begins = []
+    begin = device_round.DeviceRounds.begin
+    monkeypatch.setattr(
+        device_round.DeviceRounds,
+        "begin",
+        lambda self, requests: (begins.append(len(requests)), begin(self, requests))[1],
+    )
+    return begins
+
+
 @pytest.mark.parametrize("late", ["joins", "cannot join (control)"])
 def test_bursts_and_single_arrivals_join_the_rounds(model_dir, dirs, prompts, monkeypatch, late):
     """Under the adaptive policy, a burst (six arrivals beside two running) and a single
@@ -589,19 +601,7 @@ def test_bursts_and_single_arrivals_join_the_rounds(model_dir, dirs, prompts, mo
     Control: a late request the rounds cannot take (a multi-token bad word, which reads the
     output's tail on the host) drains them, and they are entered again once it has finished.
     Coupled output equals plain decoding's either way."""
-    from specdec.engine.spec_policy import SpeculationPolicy
-
-    class Scripted(SpeculationPolicy):
-        def _choose(self, bucket, remaining=None, in_rounds=True):
-            return (3, 2)[self._rounds % 2]
-
-    begins = []
-    begin = device_round.DeviceRounds.begin
-    monkeypatch.setattr(
-        device_round.DeviceRounds,
-        "begin",
-        lambda self, requests: (begins.append(len(requests)), begin(self, requests))[1],
-    )
+    begins = record_begins(monkeypatch)
     all_prompts = prompts + [p[::-1] for p in prompts]
     requests = [(p, params_for(1.0, 150 + i, max_tokens=24)) for i, p in enumerate(all_prompts)]
     if late != "joins":  # the single arrival: a short request with a multi-token bad word
@@ -613,7 +613,7 @@ def test_bursts_and_single_arrivals_join_the_rounds(model_dir, dirs, prompts, mo
         begins.clear()
         expected = drive_arrivals(make_engine(model_dir, None, False, **args), requests, arrivals)
         engine = make_engine(model_dir, spec, True, **args)
-        engine.policy = Scripted(3)
+        engine.policy = scripted_policy((3, 2))
         assert drive_arrivals(engine, requests, arrivals) == expected
         joins = engine.loop_stats.num_round_joins
         if burst and late == "joins":  # six arrive beside two: they join, entered once
@@ -652,20 +652,9 @@ def test_penalties_biases_and_bans_ride_the_rounds(
     (coupled at T = 1; any verifier at T = 0, where drafts change no token).
     Control: rounds that never count their emitted tokens in the slots' outputs
     (`SlotRules.observe` a no-op) must change the tokens."""
-    from specdec.engine.spec_policy import SpeculationPolicy
     from specdec.sampling.slot_rules import SlotRules
 
-    class Scripted(SpeculationPolicy):
-        def _choose(self, bucket, remaining=None, in_rounds=True):
-            return (3, 2)[self._rounds % 2]
-
-    begins = []
-    begin = device_round.DeviceRounds.begin
-    monkeypatch.setattr(
-        device_round.DeviceRounds,
-        "begin",
-        lambda self, requests: (begins.append(len(requests)), begin(self, requests))[1],
-    )
+    begins = record_begins(monkeypatch)
     if control:
         monkeypatch.setattr(SlotRules, "observe", lambda self, emitted, accepted, live: None)
     all_prompts = prompts + [p[::-1] for p in prompts]
@@ -679,7 +668,7 @@ def test_penalties_biases_and_bans_ride_the_rounds(
     engine = make_engine(
         model_dir, spec_for("eagle", dirs, method, k=3, adaptive=True), True, **args
     )
-    engine.policy = Scripted(3)
+    engine.policy = scripted_policy((3, 2))
     got = drive_arrivals(engine, requests, arrivals)
     assert (got == expected) != control
     loop = engine.loop_stats
@@ -729,24 +718,12 @@ def test_trickling_arrivals_gather_before_they_join(
     control that must differ) takes four; the rounds are entered once either way. A request
     waits through steps meanwhile; coupled output equals plain decoding's either way."""
     from specdec.engine import overlapped_loop
-    from specdec.engine.spec_policy import SpeculationPolicy
-
-    class Scripted(SpeculationPolicy):
-        def _choose(self, bucket, remaining=None, in_rounds=True):
-            return 2
 
     monkeypatch.setattr(overlapped_loop, "MAX_ADMISSION_WAIT_S", max_wait)
-    begins = []
-    begin = device_round.DeviceRounds.begin
-
-    def spy_begin(self, requests):
-        begins.append(len(requests))
-        return begin(self, requests)
-
-    monkeypatch.setattr(device_round.DeviceRounds, "begin", spy_begin)
+    begins = record_begins(monkeypatch)
     launches = count_joining_prefills(monkeypatch)
     requests, arrivals, expected, engine = trickling(model_dir, dirs, prompts, 170, 60)
-    engine.policy = Scripted(2)
+    engine.policy = scripted_policy((2,), max_k=2)
     waited = record_waits(engine)
     assert drive_arrivals(engine, requests, arrivals) == expected
     assert engine.loop_stats.num_sync_steps == 0
@@ -873,11 +850,6 @@ def test_places_freed_while_others_join_wait_for_the_next_gathering(
     Control: taking every freed place at once (s40's rule) runs about a prefill step a join.
     Coupled output equals plain decoding's either way."""
     from specdec.engine import overlapped_loop, speculative_loops
-    from specdec.engine.spec_policy import SpeculationPolicy
-
-    class Scripted(SpeculationPolicy):
-        def _choose(self, bucket, remaining=None, in_rounds=True):
-            return 2
 
     monkeypatch.setattr(overlapped_loop, "MAX_ADMISSION_WAIT_S", 3600.0)
     if rule != "gathered":  # every request here can join: the old rule, accept them all
@@ -894,7 +866,7 @@ def test_places_freed_while_others_join_wait_for_the_next_gathering(
     engine = make_engine(
         model_dir, spec_for("eagle", dirs, "coupled", k=2, adaptive=True), True, **args
     )
-    engine.policy = Scripted(2)
+    engine.policy = scripted_policy((2,), max_k=2)
     assert drive_arrivals(engine, requests, arrivals) == expected
     joins = engine.loop_stats.num_round_joins
     assert joins >= 16, engine.loop_stats.as_dict()
