@@ -11,6 +11,10 @@ from specdec.engine.llm_engine import LLMEngine
 from specdec.sampling import SamplingParams
 
 VOCAB = 97
+# Engine settings of the equality tests: room for all, a cache that preempts, and max_num_seqs
+# 4 (four rows for ten ruled requests, so that rows are given back and written afresh).
+ENGINE_CASES = {"roomy": {}, "preempting": {"num_kv_blocks": 40, "max_num_seqs": 8}}
+ENGINE_CASES["few rows"] = {"max_num_seqs": 4}
 RULES = [
     {"repetition_penalty": 1.8, "frequency_penalty": 0.9},
     {},

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from models_fixtures import make_hf_model, save_hf_model
-from request_rules_fixtures import run
+from request_rules_fixtures import ENGINE_CASES, run
 from specdec.engine.request_rules import RequestRules
 
 
@@ -19,11 +19,7 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
-@pytest.mark.parametrize(
-    "engine_args",
-    [{}, {"num_kv_blocks": 40, "max_num_seqs": 8}, {"max_num_seqs": 4}],
-    ids=["roomy", "preempting", "few rows"],
-)
+@pytest.mark.parametrize("engine_args", list(ENGINE_CASES.values()), ids=list(ENGINE_CASES))
 def test_kept_rules_emit_what_rebuilt_rules_emit(model_dir, async_scheduling, engine_args):
     """ "few rows": 4 rows for the ruled requests of 12 (three kept at once, row 0 neutral),
     so requests give rows back and later ones are written afresh."""
