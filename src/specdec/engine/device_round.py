@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +42,7 @@ from specdec.engine.emitter import Emission
 from specdec.engine.request import Request
 from specdec.engine.round_bookkeeping import finish_round, round_inputs
 from specdec.engine.round_buffers import RoundInputs, RoundResults, RoundSlots
+from specdec.engine.round_logprobs import LogprobEntries, ReadLogprobs, RoundLogprobs
 from specdec.runner import PagedModelRunner
 from specdec.runner.cuda_graph import GraphCache, StaticInputs, batch_buckets, bucket_for
 from specdec.sampling import SamplingTensors, compute_logprobs
@@ -78,26 +78,6 @@ class _Slot:
 
 
 @dataclass(slots=True)
-class _RoundLogprobs:
-    """A launched round's logprobs, on their way to the host: for each slot in `slots` (in
-    order), its k + 1 rows (anchor, then each draft position), the top entries of the most any
-    of them asked for (each request's own count is cut when read, `_ReadLogprobs`)."""
-
-    slots: list[int]
-    values: torch.Tensor  # [len(slots) x (k + 1)] float32: each row's token's logprob
-    ranks: torch.Tensor  # [len(slots) x (k + 1)] int64
-    top_ids: torch.Tensor  # [len(slots) x (k + 1), num_top] int64
-    top_values: torch.Tensor  # [len(slots) x (k + 1), num_top] float32
-
-
-# (tokens, top ids, top logprobs, token logprobs, token ranks) -> vLLM's logprob entries
-# (`OutputProcessor.logprob_entries_from`).
-LogprobEntries = Callable[
-    [list[int], list[list[int]], list[list[float]], list[float], list[int]], list[dict]
-]
-
-
-@dataclass(slots=True)
 class _Launched:
     """A round in flight: its K, which slots were live, where its results land on the host, and
     the events (CUDA) or times (CPU) that measure it."""
@@ -111,32 +91,7 @@ class _Launched:
     # other device work (a joining request's prefill step, an admission) ran between the
     # previous round and this one: its interval is not this round's cost
     interrupted: bool = False
-    logprobs: _RoundLogprobs | None = None  # the rows of the slots that asked for them
-
-
-@dataclass(slots=True)
-class _ReadLogprobs:
-    """A read round's logprobs as host lists; called with (slot, its emitted tokens), the
-    entries of those tokens (its first rows)."""
-
-    rows: dict[int, int]  # slot -> its first row
-    values: list[float]
-    ranks: list[int]
-    top_ids: list[list[int]]
-    top_values: list[list[float]]
-    entries: LogprobEntries | None
-    num_top: dict[int, int]  # slot -> the top entries its request asked for
-
-    def __call__(self, b: int, tokens: list[int]) -> list[dict]:
-        first, n = self.rows[b], self.num_top[b]
-        last = first + len(tokens)
-        return self.entries(
-            tokens,
-            [ids[:n] for ids in self.top_ids[first:last]],
-            [values[:n] for values in self.top_values[first:last]],
-            self.values[first:last],
-            self.ranks[first:last],
-        )
+    logprobs: RoundLogprobs | None = None  # the rows of the slots that asked for them
 
 
 class DeviceRounds:
@@ -418,7 +373,7 @@ class DeviceRounds:
         )
         self.num_rounds += 1
 
-    def _launch_logprobs(self, k: int) -> _RoundLogprobs | None:
+    def _launch_logprobs(self, k: int) -> RoundLogprobs | None:
         """After the round of k drafts (on the device, no host sync): the logprobs of every row
         (k + 1 a slot) of the live slots whose requests ask for them, under the raw target
         logits the round left in the runner's buffer, at the tokens the round emitted there
@@ -447,7 +402,7 @@ class DeviceRounds:
             host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=on_cuda)
             return host.copy_(tensor, non_blocking=on_cuda)
 
-        return _RoundLogprobs(
+        return RoundLogprobs(
             [b for b, _ in wanted],
             to_host(result.token_logprobs),
             to_host(result.token_ranks),
@@ -528,13 +483,13 @@ class DeviceRounds:
             slot.anchor += accepted + 1
         return emissions, launched.k, seconds, launched.interrupted
 
-    def _logprobs_read(self, launched: _Launched) -> _ReadLogprobs:
+    def _logprobs_read(self, launched: _Launched) -> ReadLogprobs:
         """The launched round's logprobs on the host (its `done` event has completed)."""
         lp = launched.logprobs
         if lp is None:
-            return _ReadLogprobs({}, [], [], [], [], self.logprob_entries, {})
+            return ReadLogprobs({}, [], [], [], [], self.logprob_entries, {})
         query = launched.k + 1
-        return _ReadLogprobs(
+        return ReadLogprobs(
             {b: i * query for i, b in enumerate(lp.slots)},
             lp.values.tolist(),
             lp.ranks.tolist(),
