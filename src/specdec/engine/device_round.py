@@ -22,8 +22,9 @@ the drafts before each row counted as output, and adds its emitted tokens to the
 counts, all inside the round (a batch holding such a request runs its own graph per key).
 Blocks are allocated ahead for the rounds in flight. A new request joins without a drain
 (`admit`: its prefill ran beside the rounds; it takes a free slot for the next launch). Anything
-else (a preemption, a request near its length limit) drains the rounds in flight and hands the
-batch back to the engine's other loops.
+else (a preemption, a request near its length limit, a request the rounds cannot take: a
+grammar, a multi-token bad word) drains the rounds in flight and hands the batch back to the
+engine's other loops.
 
 Never draws randomness itself: drafts come from the drafter, emitted tokens from `verify`.
 """
