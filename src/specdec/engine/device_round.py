@@ -68,6 +68,23 @@ def seconds_between(start: torch.cuda.Event | float, end: torch.cuda.Event | flo
     return start.elapsed_time(end) / 1e3
 
 
+Span = tuple[torch.cuda.Event | float, torch.cuda.Event | float]  # two `mark`s: start, end
+
+
+def round_cost(
+    previous: torch.cuda.Event | float | None,
+    ended: torch.cuda.Event | float,
+    interruptions: list[Span | None],
+) -> float | None:
+    """A round's cost in steady state: from the previous round's end to its own, less the
+    spans of other device work launched between them (on one stream, so inside the interval);
+    None with no previous round or after work of no span."""
+    if previous is None or None in interruptions:
+        return None
+    other = sum(seconds_between(*span) for span in interruptions)
+    return seconds_between(previous, ended) - other
+
+
 @dataclass(slots=True, eq=False)
 class _Slot:
     """A request's row in the rounds, as the host knows it: `anchor` is the anchor of the oldest
@@ -89,9 +106,10 @@ class _Launched:
     done: torch.cuda.Event | None
     started: torch.cuda.Event | float | None
     ended: torch.cuda.Event | float | None
-    # other device work (a joining request's prefill step, an admission) ran between the
-    # previous round and this one: its interval is not this round's cost
-    interrupted: bool = False
+    # other device work (a joining request's prefill step, a side step, an admission) ran
+    # between the previous round and this one: the spans it took (None: not measured), taken
+    # out of the interval to give this round's cost
+    interruptions: list[Span | None] | None = None
     logprobs: RoundLogprobs | None = None  # the rows of the slots that asked for them
 
 
@@ -171,7 +189,7 @@ class DeviceRounds:
         self.inflight: deque[_Launched] = deque()
         self._last_end: torch.cuda.Event | float | None = None
         self._left: set[str] = set()  # the request ids of the rounds last left
-        self._interrupted = False  # the next launch follows other device work (`interrupt`)
+        self._interruptions: list[Span | None] = []  # device work since the last launch
         self.num_rounds = 0  # rounds launched (all replayed from graphs when use_graphs)
         self.num_overlapped_reads = 0  # rounds read while the next one was already launched
         self.round_seconds: deque[float] = deque(maxlen=4096)  # each read round's cost
@@ -200,7 +218,7 @@ class DeviceRounds:
             tensor[:rows].copy_(torch.tensor(values, dtype=tensor.dtype))
         self.drafting.begin(self._device_slots(), rows)
         self._last_end = None
-        self._interrupted = False
+        self._interruptions = []
 
     def _columns(self, requests: list[Request]) -> dict[torch.Tensor, list]:
         """Per-slot buffer -> the values of `requests` (in order)."""
@@ -244,6 +262,7 @@ class DeviceRounds:
         taken = requests[: len(free)]
         if not taken:
             return []
+        started = mark(self.device)
         placed = free[: len(taken)]
         for request, b in zip(taken, placed, strict=True):
             slot = _Slot(request, request.num_tokens)
@@ -262,7 +281,7 @@ class DeviceRounds:
         pairs = zip(placed, taken, strict=True)
         slots = [DeviceSlot(b, r.request_id, r.all_token_ids) for b, r in pairs]
         self.drafting.admit(slots, self.num_rows)
-        self._interrupted = True
+        self.interrupt((started, mark(self.device)))
         return taken
 
     def _write_rules(self, slots: list[int], requests: list[Request]) -> None:
@@ -287,10 +306,11 @@ class DeviceRounds:
             self.rules = SlotRules(self.anchors.shape[0], vocab, self.device)
         return self.rules
 
-    def interrupt(self) -> None:
-        """Other device work is launched between two rounds (a joining request's prefill step):
-        the next round's interval is not its cost."""
-        self._interrupted = True
+    def interrupt(self, span: Span | None = None) -> None:
+        """Other device work is launched between two rounds (a joining request's prefill step, a
+        side step): `span`, two `mark`s around it, is taken out of the next round's interval
+        (None: not measured, the interval is no cost)."""
+        self._interruptions.append(span)
 
     def _draft_limit(self, request: Request) -> int:
         limit = self.max_model_len - 1
@@ -368,9 +388,9 @@ class DeviceRounds:
             done = torch.cuda.Event()
             done.record()
         live_flags = [s.live for s in self.slots]
-        interrupted, self._interrupted = self._interrupted, False
+        interruptions, self._interruptions = self._interruptions or None, []
         self.inflight.append(
-            _Launched(k, live_flags, ring, done, started, ended, interrupted, logprobs)
+            _Launched(k, live_flags, ring, done, started, ended, interruptions, logprobs)
         )
         self.num_rounds += 1
 
@@ -448,9 +468,10 @@ class DeviceRounds:
     def read(self) -> tuple[list[tuple[Request, Emission]], int, float | None, bool]:
         """Reads the oldest round in flight: (per live request still running, its emission;
         the round's K; its cost in seconds: from the previous round's end to its own on the
-        device (None for the first round since `begin`, which has no previous one, and for a
-        round launched after other device work; on the CPU its own duration); whether other
-        device work came before it since the previous round (`interrupt`, `admit`)). Advances
+        device, less the spans of other device work launched between them (None for the first
+        round since `begin`, which has no previous one, and after work of no span; on the CPU
+        its own duration); whether other device work came before it since the previous round
+        (`interrupt`, `admit`)). Advances
         the host's anchors and each request's computed tokens (the input token and the
         accepted drafts have K/V)."""
         launched = self.inflight.popleft()
@@ -482,7 +503,7 @@ class DeviceRounds:
                 emissions.append((request, emission))
             request.num_computed_tokens = slot.anchor + accepted
             slot.anchor += accepted + 1
-        return emissions, launched.k, seconds, launched.interrupted
+        return emissions, launched.k, seconds, launched.interruptions is not None
 
     def _logprobs_read(self, launched: _Launched) -> ReadLogprobs:
         """The launched round's logprobs on the host (its `done` event has completed)."""
@@ -509,9 +530,7 @@ class DeviceRounds:
         previous, self._last_end = self._last_end, launched.ended
         if self.device.type != "cuda":
             return seconds_between(launched.started, launched.ended)
-        if previous is None or launched.interrupted:  # no steady-state interval
-            return None
-        return seconds_between(previous, launched.ended)
+        return round_cost(previous, launched.ended, launched.interruptions or [])
 
     # ------------------------------------------------------------------ the round
     def _view(self, k: int) -> RoundView:

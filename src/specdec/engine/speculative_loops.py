@@ -303,8 +303,9 @@ class SpeculativeLoops:
         for share in shares:
             if share.request not in self._round_joiners:
                 self._round_joiners.append(share.request)
+        started = mark(self.device)
         self._round_prefill = self._launch(shares, None)
-        rounds.interrupt()
+        rounds.interrupt((started, mark(self.device)))  # its device time: not the next round's
 
     def _seat_joiners(self) -> None:
         """The joining requests whose prefill is read (their first token and every target

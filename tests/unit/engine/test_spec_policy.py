@@ -373,3 +373,36 @@ def test_side_budget_counts_the_drafters_catch_up_after_k_0_steps(monkeypatch):
     uncharged = lost_share()
     assert charged <= 0.03, charged
     assert uncharged >= 3 * charged and uncharged > 0.05, (charged, uncharged)
+
+
+def test_rounds_after_side_work_are_measured_within_their_visit():
+    """A round launched after other device work (a joining prefill, a side step) is measured by
+    its interval less that work's span (`round_cost`) and stays in its visit: with side work
+    before every round (requests the rounds cannot take decoding beside them), each K's cost is
+    still learned and the best K chosen (s42: such rounds were never measured, and the policy
+    kept K = 0 for 1,473 of 1,664 rounds). Control: a span not measured (None) measures
+    nothing."""
+    from specdec.engine.device_round import round_cost
+
+    assert round_cost(1.0, 2.0, [(1.25, 1.5), (1.5, 1.75)]) == 0.5
+    assert round_cost(1.0, 2.0, []) == 1.0
+    assert round_cost(None, 2.0, []) is None
+    assert round_cost(1.0, 2.0, [(1.25, 1.5), None]) is None
+
+    def run(policy: SpeculationPolicy, cost) -> None:
+        previous = None
+        for _ in range(policy.explore_run * len(policy.arms)):
+            k = policy.choose(BUCKET)
+            first = k != previous  # a visit's first round: no previous round, no cost
+            seconds = None if first else cost(k)
+            policy.observe(BUCKET, k, seconds, [(k, k)] * 4, interrupted=not first)
+            previous = k
+
+    policy = SpeculationPolicy(2, explore_every=1000)
+    run(policy, lambda k: round_cost(0.0, 1.5 + 0.1 * k, [(0.2, 0.7)]))
+    costs = policy.costs()
+    assert all(abs(costs[(BUCKET, k)][0] - 1.0 - 0.1 * k) < 1e-9 for k in policy.arms), costs
+    assert policy.choose(BUCKET) == 2  # every draft accepted: the longest pays
+    blind = SpeculationPolicy(2, explore_every=1000)
+    run(blind, lambda k: round_cost(0.0, 1.5 + 0.1 * k, [None]))
+    assert not blind.costs()
