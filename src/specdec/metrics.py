@@ -101,6 +101,8 @@ class LoopStats:
     - num_graph_rounds: those of them replayed from CUDA graphs;
     - num_round_joins: requests that joined running device rounds without draining them
       (their prefill in overlapped steps between two rounds, then a slot of the rounds);
+    - num_side_rows: decode rows of requests the rounds cannot take (a grammar, a multi-token
+      bad word, speculation off), run beside them in the overlapped steps between two rounds;
     - num_sync_steps: steps of the synchronous path;
     - num_graphed_prefill_steps: steps (synchronous or overlapped) that ran prefill chunks on
       the decode path's CUDA graphs (`EngineConfig.prefill_graph_tokens`);
@@ -118,6 +120,7 @@ class LoopStats:
     num_device_rounds: int = 0
     num_graph_rounds: int = 0
     num_round_joins: int = 0
+    num_side_rows: int = 0
     num_sync_steps: int = 0
     num_graphed_prefill_steps: int = 0
     num_plain_arm_steps: int = 0
@@ -148,6 +151,7 @@ class LoopStats:
             "num_device_rounds": self.num_device_rounds,
             "num_graph_rounds": self.num_graph_rounds,
             "num_round_joins": self.num_round_joins,
+            "num_side_rows": self.num_side_rows,
             "num_sync_steps": self.num_sync_steps,
             "num_graphed_prefill_steps": self.num_graphed_prefill_steps,
             "num_plain_arm_steps": self.num_plain_arm_steps,

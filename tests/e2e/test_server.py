@@ -513,6 +513,7 @@ def test_metrics_expose_vllm_names(server):
         "specdec:num_device_rounds_total",
         "specdec:num_graph_rounds_total",
         "specdec:num_round_joins_total",
+        "specdec:num_side_rows_total",
         "specdec:num_overlapped_steps_total",
         "specdec:num_overlapped_prefill_steps_total",
         "specdec:num_sync_steps_total",

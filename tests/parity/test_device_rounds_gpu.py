@@ -154,6 +154,34 @@ def test_penalised_requests_ride_graphed_rounds(
     assert any(key[-1] for key in llm.engine._rounds.graph_cache.graphs)  # a ruled graph ran
 
 
+@pytest.mark.parametrize(("method", "temperature"), [("coupled", 1.0), ("standard", 0.0)])
+def test_requests_the_rounds_cannot_take_decode_beside_graphed_rounds(
+    model_dir, dirs, prompts, method, temperature
+):
+    """Requests with a multi-token bad word (its state on the host) decode beside the graphed
+    rounds, one plain token each in the overlapped steps between two rounds, while the others
+    take the rounds: every request emits plain decoding's tokens (coupled at T = 1, greedy),
+    graphed and op by op (enforce_eager); no step is synchronous."""
+    params = [
+        SamplingParams(
+            temperature=temperature,
+            max_tokens=32,
+            ignore_eos=True,
+            seed=80 + i,
+            bad_words=["b c"] if i % 3 == 0 else None,
+        )
+        for i in range(len(prompts))
+    ]
+    spec = spec_for("eagle", dirs, method, adaptive=True)
+    plain, _ = generate(model_dir, prompts, params, None)
+    graphed, llm = generate(model_dir, prompts, params, spec, async_scheduling=True)
+    eager, _ = generate(model_dir, prompts, params, spec, async_scheduling=True, enforce_eager=True)
+    assert graphed == plain and eager == plain
+    loop = llm.get_metrics()["loop"]
+    assert loop["num_graph_rounds"] > 0 and loop["num_sync_steps"] == 0
+    assert loop["num_side_rows"] > 0  # the bad words' requests decoded beside the rounds
+
+
 @pytest.mark.parametrize("drafter", ["eagle", "dspark"])
 def test_adaptive_rounds_keep_coupled_and_greedy_exact(model_dir, dirs, prompts, drafter):
     for method, temperature in (("coupled", 1.0), ("standard", 0.0)):

@@ -83,3 +83,43 @@ def test_engine_with_a_grammar_on_cuda(tmp_path, method, temperature):
         outputs[name] = [o.outputs[0].token_ids for o in outs]
     assert outputs["plain"] == outputs["spec"]
     assert all(7 not in tokens for tokens in outputs["spec"])  # "d" is never in the language
+
+
+def test_constrained_requests_decode_beside_graphed_rounds(tmp_path):
+    """On CUDA with the default loop (graphed device rounds, the adaptive policy, coupled at
+    0.8): a third of the requests constrained, a third penalised, a third without rules. The
+    constrained ones decode beside the rounds (s42), the others take them; every request emits
+    plain decoding's tokens."""
+    from law_fixtures import PROMPT, save_vocab8_target, write_grammar_tokenizer
+    from specdec import LLM, SamplingParams, StructuredOutputsParams
+    from specdec.audit.laws import GRAMMAR_REGEX
+
+    save_vocab8_target(tmp_path)
+    write_grammar_tokenizer(tmp_path)
+    constraint = StructuredOutputsParams(regex=GRAMMAR_REGEX)
+    rules = [{"structured_outputs": constraint}, {"presence_penalty": 0.8}, {}]
+    params = [
+        SamplingParams(temperature=0.8, seed=s, max_tokens=12, ignore_eos=True, **rules[s % 3])
+        for s in range(48)
+    ]
+    spec = {
+        "method": "draft_model",
+        "model": "truncated:1",
+        "num_speculative_tokens": 2,
+        "rejection_sample_method": "coupled",
+    }
+    outputs, llms = {}, {}
+    for name, config in (("plain", None), ("spec", spec)):
+        llm = LLM(
+            str(tmp_path),
+            speculative_config=config,
+            max_model_len=32,
+            device="cuda",
+            num_kv_blocks=64,
+        )
+        outs = llm.generate([PROMPT] * 48, params, use_tqdm=False)
+        outputs[name], llms[name] = [o.outputs[0].token_ids for o in outs], llm
+    assert outputs["plain"] == outputs["spec"]
+    loop = llms["spec"].get_metrics()["loop"]
+    assert loop["num_graph_rounds"] > 0 and loop["num_sync_steps"] == 0
+    assert loop["num_side_rows"] > 0  # the constrained ones decoded beside the rounds

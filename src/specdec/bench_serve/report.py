@@ -112,6 +112,7 @@ PATH_COLUMNS = (
     ("of them with prefill", "specdec:num_overlapped_prefill_steps_total"),
     ("device rounds", "specdec:num_device_rounds_total"),
     ("round joins", "specdec:num_round_joins_total"),
+    ("side rows", "specdec:num_side_rows_total"),
     ("synchronous steps", "specdec:num_sync_steps_total"),
     ("plain-arm steps", "specdec:num_plain_arm_steps_total"),
     ("rows prefill", "specdec:num_rows_total[kind=prefill]"),

@@ -30,6 +30,7 @@ class EngineSnapshot:
     num_device_rounds: int = 0
     num_graph_rounds: int = 0
     num_round_joins: int = 0
+    num_side_rows: int = 0
     num_sync_steps: int = 0
     num_graphed_prefill_steps: int = 0
     k_chosen: tuple[tuple[int, int], ...] = field(default_factory=tuple)  # (K, rounds)
@@ -67,6 +68,7 @@ def snapshot_of(engine) -> EngineSnapshot:
         num_device_rounds=loop.num_device_rounds,
         num_graph_rounds=loop.num_graph_rounds,
         num_round_joins=loop.num_round_joins,
+        num_side_rows=loop.num_side_rows,
         num_sync_steps=loop.num_sync_steps,
         num_graphed_prefill_steps=loop.num_graphed_prefill_steps,
         k_chosen=tuple(sorted(loop.k_chosen.items())),

@@ -207,6 +207,8 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
         # Requests joining running rounds without draining them (`_step_rounds`): admitted,
         # not in a slot yet (their prefill, then a free slot), and their prefill step in flight.
         self._round_joiners: list[Request] = []
+        # Running requests the rounds do not take, decoding beside them (`_enter_rounds`).
+        self._round_side: list[Request] = []
         self._round_prefill: Inflight | None = None
         # Since when a waiting request could have been admitted (`_admission_due`); None: none.
         self._admissible_since: float | None = None

@@ -189,13 +189,30 @@ class Scheduler:
         return shares + self._admit(budget) if admit else shares
 
     def schedule_joining(
-        self, joining: list[Request], budget: int, accept: Callable[[Request], bool]
+        self,
+        joining: list[Request],
+        budget: int,
+        accept: Callable[[Request], bool],
+        decoding: list[Request] = (),
     ) -> list[ScheduledRequest]:
-        """Prefill chunks for requests joining running device rounds (which schedule their own
-        decode rows): the next chunk of each of `joining` still in prefill, then waiting
-        requests as `_admit` takes them while `accept` does. Never preempts: a chunk that does
-        not fit the free blocks waits. Mutates: queues, request.status, request.block_ids."""
+        """A step beside running device rounds (which schedule their own decode rows): one
+        plain decode token for each of `decoding` (requests that decode beside the rounds,
+        not drafting), the next prefill chunk of each of `joining` still in prefill, then
+        waiting requests as `_admit` takes them while `accept` does. Never preempts: a share
+        that does not fit the free blocks waits. Mutates: queues, request.status,
+        request.block_ids."""
         shares: list[ScheduledRequest] = []
+        for request in decoding:
+            if budget <= 0:
+                break
+            if request.status.finished or request.in_prefill or request.num_pending:
+                continue
+            needed = request.num_computed_tokens + 1
+            if not self.allocator.can_grow(request, needed):
+                break
+            self.allocator.grow(request, needed)
+            shares.append(ScheduledRequest(request, 1, 0, True))
+            budget -= 1
         for request in joining:
             if budget <= 0:
                 break

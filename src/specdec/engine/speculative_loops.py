@@ -22,6 +22,10 @@ def _nobody(request: Request) -> bool:
     return False
 
 
+def _anybody(request: Request) -> bool:
+    return True
+
+
 class SpeculativeLoops:
     """`LLMEngine`'s plain-arm and device-round loops (methods only)."""
 
@@ -76,26 +80,34 @@ class SpeculativeLoops:
         """The policy's choice for the batch of the overlapped loop once the rounds could take
         it: a K (0..max_k) to enter them with, or `PLAIN` (the plain arm: the loop goes on).
         None, asking nothing, where they cannot: no device rounds, an arrival due
-        (`_admission_due`), a request in prefill, or one the rounds cannot take
-        (`_round_able`, one verify method). Non-anticipating: asked at a launch, from what was
-        read and the remaining budgets."""
+        (`_admission_due`), a request in prefill, or none the rounds can take (`_round_able`;
+        the others decode beside the rounds, `_round_takers`). Non-anticipating: asked at a
+        launch, from what was read and the remaining budgets."""
         if not self.device_rounds or self.drafter is None:
             return None
         running = self.scheduler.running
         if not running or self._admission_due():
             return None
-        first = running[0].spec
-        for request in running:
-            if request.in_prefill or not self._round_able(request):
-                return None
-            if request.spec.method != first.method:
-                return None
-        bucket = self._plain_bucket(len(running))
-        k = self.policy.choose(bucket, self._horizon(running), in_rounds=False)
+        if any(request.in_prefill for request in running):
+            return None
+        takers = self._round_takers(running)
+        if not takers:
+            return None
+        bucket = self._plain_bucket(len(takers))
+        k = self.policy.choose(bucket, self._horizon(takers), in_rounds=False)
         self._plain_chosen = k == PLAIN
         if self._plain_chosen:
             self._plain_rows = bucket  # its measured steps pad to the bucket measured
         return k
+
+    def _round_takers(self, requests: list[Request]) -> list[Request]:
+        """Those of `requests` the rounds take (`_round_able`, the first one's verify method);
+        the others decode beside the rounds (`_round_side`)."""
+        takers = [r for r in requests if self._round_able(r)]
+        if not takers:
+            return []
+        method = takers[0].spec.method
+        return [r for r in takers if r.spec.method == method]
 
     @staticmethod
     def _round_able(request: Request) -> bool:
@@ -132,32 +144,33 @@ class SpeculativeLoops:
 
     # ------------------------------------------------------- speculative rounds on the device
     def _enter_rounds(self, k: int | None = None) -> None:
-        """Hands the batch to device rounds when every running request decodes with speculation
-        and the rounds can take it (one verify method, `_round_able`) and no waiting request
-        could join; else the loop it came from goes on. `k`: the policy's choice for the first
-        round (None: asked when the round launches). The feature log is handed to the drafter first
-        (its catch-up on entering reads it)."""
+        """Hands the batch to device rounds when every running request decodes (none in
+        prefill) and the rounds can take some of them (`_round_takers`), and no waiting request
+        could join; else the loop it came from goes on. The others (a grammar, a multi-token
+        bad word, another verify method, speculation off) decode beside the rounds in
+        overlapped steps launched between two rounds (`_round_side`). `k`: the policy's choice
+        for the first round (None: asked when the round launches). The feature log is handed
+        to the drafter first (its catch-up on entering reads it)."""
         scheduler = self.scheduler
         requests = list(scheduler.running)
         if not requests or self._admission_due():
             return
-        method = requests[0].spec.method if requests[0].spec is not None else None
         for request in requests:
-            if (
-                not self._round_able(request)
-                or request.spec.method != method
-                or request.num_computed_tokens != request.num_tokens - 1
-                or request.num_tokens < 2
-            ):
+            if request.num_computed_tokens != request.num_tokens - 1 or request.num_tokens < 2:
                 return
+        takers = self._round_takers(requests)
+        if not takers:
+            return
         rounds = self._device_round_runner()
         if rounds is None:
             return
         self._feature_log.flush()
         self._next_k = k
         started, host = mark(self.device), time.perf_counter()
-        rounds.begin(requests)
+        rounds.begin(takers)
         host = time.perf_counter() - host
+        taken = {id(r) for r in takers}
+        self._round_side = [r for r in requests if id(r) not in taken]
         self._plain_rows = rounds.num_rows
         # The entry's cost: its host time, or its device work when longer (read with the first
         # round, when the events have completed).
@@ -206,6 +219,7 @@ class SpeculativeLoops:
         a free slot (`DeviceRounds.admit`) for the next round."""
         rounds = self._rounds
         joining = self._joins_rounds()
+        self._round_side = [r for r in self._round_side if not r.status.finished]
         launched = False
         k = None
         if (
@@ -250,7 +264,7 @@ class SpeculativeLoops:
         outputs = self._commit(commits, only_finished) if commits else []
         if prefill is not None or self._round_joiners:
             self._seat_joiners()
-        if joining and launched:  # (a drain launches none: its joiners go on without it)
+        if (joining or self._round_side) and launched:  # (a drain launches none)
             self._launch_joining_prefill()
         if not launched and not rounds.inflight and self._round_prefill is None:
             self._leave_rounds()  # to the overlapped loop (the plain arm, if it was chosen)
@@ -259,28 +273,25 @@ class SpeculativeLoops:
     def _joins_rounds(self) -> bool:
         """Whether requests join the running rounds without draining them: some admitted
         already wait for their prefill or a slot, or admission is due (`_admission_due`:
-        arrivals gathered) and the first waiting request can join (`_round_able`, the batch's
-        verify method, a drafter that admits) — unless the policy chose its plain arm.
+        arrivals gathered) — unless the policy chose its plain arm or the drafter admits none.
+        Every arrival joins: one the rounds can take takes a slot once its prefill is read
+        (`_seat_joiners`), the others decode beside the rounds (`_round_side`).
 
-        Every arrival the rounds can take joins them, a few beside a large batch as a burst
-        does. Until s41 only bursts did (at least as many waiting as running) and a few
-        arrivals drained the rounds into overlapped steps, each drain paying a re-entry (the
-        drafter's catch-up over every running request, 6-7 ms at 64 rows). Once joins were
-        gathered too (`_launch_joining_prefill`), joining every arrival measured better (s41,
-        H100, the built-in model, 768 chats a level, spec server tokens/s with the drain rule
-        / joining every arrival in one lease: 11,330 / 13,226-13,356 at c = 16, 32,754 /
-        35,344-37,404 at c = 64, 37,058 / 36,972-40,721 at c = 256; s30's contrary figures
-        predate the gathering)."""
+        Until s41 only bursts joined (at least as many waiting as running) and a few arrivals
+        drained the rounds into overlapped steps, each drain paying a re-entry (the drafter's
+        catch-up over every running request, 6-7 ms at 64 rows). Once joins were gathered too
+        (`_launch_joining_prefill`), joining every arrival measured better (s41, H100, the
+        built-in model, 768 chats a level, spec server tokens/s with the drain rule / joining
+        every arrival in one lease: 11,330 / 13,226-13,356 at c = 16, 32,754 / 35,344-37,404
+        at c = 64, 37,058 / 36,972-40,721 at c = 256; s30's contrary figures predate the
+        gathering). Until s42 an arrival the rounds could not take drained them."""
         if self._plain_chosen or not self._rounds.drafting.admits:
             return False
         joiners = [r for r in self._round_joiners if not r.status.finished]
         self._round_joiners = joiners
         if joiners:
             return True
-        return self._admission_due() and self._can_join(self.scheduler.waiting[0])
-
-    def _can_join(self, request: Request) -> bool:
-        return self._round_able(request) and request.spec.method == self._rounds.method
+        return self._admission_due()
 
     def _launch_joining_prefill(self) -> None:
         """Launches the next prefill step of the requests joining the rounds (theirs only: the
@@ -296,13 +307,19 @@ class SpeculativeLoops:
         width = rounds.width
         budget = self.config.max_num_batched_tokens - len(rounds.live_requests) * width
         budget = max(budget, width)
-        accept = self._can_join if self._admission_due() else _nobody
-        shares = self.scheduler.schedule_joining(self._round_joiners, budget, accept)
+        accept = _anybody if self._admission_due() else _nobody
+        shares = self.scheduler.schedule_joining(
+            self._round_joiners, budget, accept, decoding=self._round_side
+        )
         if not shares:
             return
+        side = {id(r) for r in self._round_side}
         for share in shares:
-            if share.request not in self._round_joiners:
-                self._round_joiners.append(share.request)
+            request = share.request
+            if id(request) in side:
+                self.loop_stats.num_side_rows += 1
+            elif request not in self._round_joiners:
+                self._round_joiners.append(request)
         started = mark(self.device)
         self._round_prefill = self._launch(shares, None)
         rounds.interrupt((started, mark(self.device)))  # its device time: not the next round's
@@ -321,12 +338,17 @@ class SpeculativeLoops:
         ]
         if not ready:
             return
-        self._feature_log.flush()  # the joiners' prefill features, read by the catch-up
-        seated = self._rounds.admit(ready)
-        if seated:
+        method = self._rounds.method
+        seatable = [r for r in ready if self._round_able(r) and r.spec.method == method]
+        beside = [r for r in ready if not (self._round_able(r) and r.spec.method == method)]
+        seated = []
+        if seatable:
+            self._feature_log.flush()  # the joiners' prefill features, read by the catch-up
+            seated = self._rounds.admit(seatable)
             self.loop_stats.num_round_joins += len(seated)
-            taken = {id(r) for r in seated}
-            self._round_joiners = [r for r in self._round_joiners if id(r) not in taken]
+        self._round_side += beside  # they decode beside the rounds
+        moved = {id(r) for r in seated} | {id(r) for r in beside}
+        self._round_joiners = [r for r in self._round_joiners if id(r) not in moved]
 
     def _grow_ahead(self, requests: list[Request], last_positions: list[int]) -> bool:
         """Blocks for every position a launched round may write (False, growing nothing, when
@@ -346,7 +368,7 @@ class SpeculativeLoops:
         """Back to the synchronous step: the drafter's host state from the device, and the
         blocks grown ahead for rounds that did not run given back. Requests that were joining
         the rounds go on through the scheduler (still in prefill, or decoding)."""
-        self._round_joiners = []
+        self._round_joiners, self._round_side = [], []
         rounds = self._rounds
         live = [r for r in rounds.live_requests if not r.status.finished]
         rounds.end()

@@ -102,6 +102,11 @@ class _EngineCollector(Collector):
             snap.num_round_joins,
         )
         yield counter(
+            "specdec:num_side_rows",
+            "Decode rows of requests the device rounds cannot take, run beside them.",
+            snap.num_side_rows,
+        )
+        yield counter(
             "specdec:num_sync_steps", "Steps of the synchronous path.", snap.num_sync_steps
         )
         yield counter(

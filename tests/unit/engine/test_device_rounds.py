@@ -430,12 +430,26 @@ def test_a_step_holding_a_prefill_chunk_drafts_nothing_beside_it(
         assert engine.loop_stats.num_overlapped_prefill_steps == 0
 
 
-def test_requests_the_rounds_cannot_take_decode_overlapped_beside_them(model_dir, dirs, prompts):
-    """A batch holding requests the rounds cannot take (a multi-token bad word; speculation
-    switched off for one) decodes in the overlapped loop's steps, drafting nothing, instead of
-    synchronous steps that draft on the host; once they have finished the others go to the
-    rounds. Coupled output (and logprobs, which the rounds take) equal plain decoding's; no
-    step is synchronous."""
+def test_requests_the_rounds_cannot_take_decode_overlapped_beside_them(
+    model_dir, dirs, prompts, monkeypatch
+):
+    """Requests the rounds cannot take (a multi-token bad word; speculation switched off for
+    one) decode beside the rounds, one plain token each in the overlapped steps launched
+    between two rounds, drafting nothing, while the others take the rounds from the start
+    (s42; they used to keep the whole batch out of the rounds until they finished). Coupled
+    output (and logprobs, which the rounds take) equal plain decoding's; no step is
+    synchronous."""
+    from specdec.engine.scheduler import Scheduler
+
+    beside = []
+    schedule_joining = Scheduler.schedule_joining
+
+    def spy(self, joining, budget, accept, decoding=()):
+        shares = schedule_joining(self, joining, budget, accept, decoding)
+        beside.append(sum(share.request in decoding for share in shares))
+        return shares
+
+    monkeypatch.setattr(Scheduler, "schedule_joining", spy)
 
     def sampled(seed: int, max_tokens: int, **kwargs) -> SamplingParams:
         return SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens, **kwargs)
@@ -461,8 +475,9 @@ def test_requests_the_rounds_cannot_take_decode_overlapped_beside_them(model_dir
     assert run(engine, spec_off={"off"}) == expected
     assert expected["r0"][0][1]  # logprobs were compared
     loop = engine.loop_stats
-    assert loop.num_sync_steps == 0 and loop.num_overlapped_steps > 0
-    assert loop.num_device_rounds > 0  # after the requests the rounds cannot take finished
+    assert loop.num_sync_steps == 0 and loop.num_device_rounds > 0
+    assert max(beside) == 2  # both decoded beside the rounds, in the same steps
+    assert loop.num_side_rows == sum(beside)
 
 
 def drive_arrivals(engine, requests, arrivals):
@@ -593,14 +608,15 @@ def record_begins(monkeypatch) -> list[int]:
     return begins
 
 
-@pytest.mark.parametrize("late", ["joins", "cannot join (control)"])
+@pytest.mark.parametrize("late", ["joins", "beside"])
 def test_bursts_and_single_arrivals_join_the_rounds(model_dir, dirs, prompts, monkeypatch, late):
     """Under the adaptive policy, a burst (six arrivals beside two running) and a single
     arrival beside seven both join the running rounds without a drain: the rounds are entered
     once (s41; a single arrival used to drain them into overlapped steps and pay a re-entry).
-    Control: a late request the rounds cannot take (a multi-token bad word, which reads the
-    output's tail on the host) drains them, and they are entered again once it has finished.
-    Coupled output equals plain decoding's either way."""
+    A late request the rounds cannot take (a multi-token bad word, which reads the output's
+    tail on the host) no longer drains them either: it decodes beside them, in the overlapped
+    steps launched between two rounds, without a slot. Coupled output equals plain decoding's
+    either way."""
     begins = record_begins(monkeypatch)
     all_prompts = prompts + [p[::-1] for p in prompts]
     requests = [(p, params_for(1.0, 150 + i, max_tokens=24)) for i, p in enumerate(all_prompts)]
@@ -618,12 +634,12 @@ def test_bursts_and_single_arrivals_join_the_rounds(model_dir, dirs, prompts, mo
         joins = engine.loop_stats.num_round_joins
         if burst and late == "joins":  # six arrive beside two: they join, entered once
             assert joins == 6 and len(begins) == 1, (joins, begins)
-        elif burst:  # five join; the one with a bad word drains the rounds
-            assert joins == 5 and len(begins) == 2, (joins, begins)
+        elif burst:  # five take slots; the one with a bad word decodes beside the rounds
+            assert joins == 5 and len(begins) == 1, (joins, begins)
         elif late == "joins":  # one arrives beside seven: it joins too
             assert joins == 1 and len(begins) == 1, (joins, begins)
         else:
-            assert joins == 0 and len(begins) == 2, (joins, begins)
+            assert joins == 0 and len(begins) == 1, (joins, begins)
 
 
 RULED = [

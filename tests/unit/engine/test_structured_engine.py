@@ -42,11 +42,11 @@ def in_language_prefix(token_ids) -> bool:
     return re.fullmatch(r"(a|bc|cab)*(b|ca?)?", text(token_ids)) is not None
 
 
-def params(seed: int, constrained: bool, **kwargs) -> SamplingParams:
+def params(seed: int, constrained: bool, max_tokens: int = 8, **kwargs) -> SamplingParams:
     return SamplingParams(
         temperature=1.0,
         seed=seed,
-        max_tokens=8,
+        max_tokens=max_tokens,
         ignore_eos=True,
         structured_outputs=CONSTRAINT if constrained else None,
         **kwargs,
@@ -154,3 +154,23 @@ def test_constrained_requests_stay_on_the_overlapped_plain_loop(model_dir, monke
         assert all(in_language_prefix(o.outputs[0].token_ids) for o in b[::2])
     else:
         assert not same
+
+
+def test_constrained_requests_decode_beside_the_device_rounds(model_dir):
+    """Under the CUDA engine's loop (device rounds op by op, the adaptive policy, coupled
+    verification), constrained requests decode beside the rounds, one plain token a step
+    between two rounds, while the unconstrained ones take the rounds (s42: a grammar used to
+    keep the whole batch out of them). Every request emits plain decoding's tokens; the
+    constrained ones stay in the language; no step is synchronous."""
+    spec = {**SPEC, "rejection_sample_method": "coupled", "adaptive": True}
+    batch = [params(s, s % 3 == 0, max_tokens=12) for s in range(9)]
+    rounds = make(model_dir, speculative_config=spec, async_scheduling=True)
+    got = rounds.generate([PROMPT] * 9, batch, use_tqdm=False)
+    plain = make(model_dir, speculative_config=None, async_scheduling=True)
+    expected = plain.generate([PROMPT] * 9, batch, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert all(in_language_prefix(o.outputs[0].token_ids) for o in got[::3])
+    loop = rounds.get_metrics()["loop"]
+    assert loop["num_device_rounds"] > 0 and loop["num_sync_steps"] == 0
+    assert loop["num_side_rows"] > 0  # the constrained ones decoded beside the rounds
+    assert rounds.engine._rounds.num_rows < 9  # the constrained ones held no slot
