@@ -21,10 +21,10 @@ min_tokens) holds them in its slot (`SlotRules`): the round processes its verify
 the drafts before each row counted as output, and adds its emitted tokens to the slot's output
 counts, all inside the round (a batch holding such a request runs its own graph per key).
 Blocks are allocated ahead for the rounds in flight. A new request joins without a drain
-(`admit`: its prefill ran beside the rounds; it takes a free slot for the next launch). Anything
-else (a preemption, a request near its length limit, a request the rounds cannot take: a
-grammar, a multi-token bad word) drains the rounds in flight and hands the batch back to the
-engine's other loops.
+(`admit`: its prefill ran beside the rounds; it takes a free slot for the next launch). A
+request the rounds cannot take (a grammar, a multi-token bad word) holds no slot: the engine
+decodes it beside them, between two rounds (s43). A preemption or a request near its length
+limit drains the rounds in flight and hands the batch back to the overlapped loop.
 
 Never draws randomness itself: drafts come from the drafter, emitted tokens from `verify`.
 """

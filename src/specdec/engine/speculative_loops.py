@@ -294,8 +294,9 @@ class SpeculativeLoops:
         return self._admission_due()
 
     def _launch_joining_prefill(self) -> None:
-        """Launches the next prefill step of the requests joining the rounds (theirs only: the
-        rounds run their neighbours) after the round just launched, without reading it; its
+        """Launches the step beside the rounds after the round just launched, without reading
+        it: one plain token of each request decoding beside them (`_round_side`) and the next
+        prefill chunks of the requests joining them (the rounds run their neighbours); its
         target features go to the drafter when it is read. The token budget is the engine's
         less the rounds' rows. Waiting requests are taken in only when admission is due
         (`_admission_due`), as for the first joiners: while joiners wait for their prefill or a
@@ -307,7 +308,8 @@ class SpeculativeLoops:
         width = rounds.width
         budget = self.config.max_num_batched_tokens - len(rounds.live_requests) * width
         budget = max(budget, width)
-        accept = _anybody if self._admission_due() else _nobody
+        admits = rounds.drafting.admits and self._admission_due()  # DFlash, DSpark: drain first
+        accept = _anybody if admits else _nobody
         shares = self.scheduler.schedule_joining(
             self._round_joiners, budget, accept, decoding=self._round_side
         )
