@@ -316,15 +316,20 @@ class SpeculativeLoops:
         if not shares:
             return
         side = {id(r) for r in self._round_side}
+        joins = False
         for share in shares:
             request = share.request
             if id(request) in side:
                 self.loop_stats.num_side_rows += 1
-            elif request not in self._round_joiners:
+                continue
+            joins = True
+            if request not in self._round_joiners:
                 self._round_joiners.append(request)
         started = mark(self.device)
         self._round_prefill = self._launch(shares, None)
-        rounds.interrupt((started, mark(self.device)))  # its device time: not the next round's
+        if joins:  # prefill chunks: their device time is not the next round's cost
+            rounds.interrupt((started, mark(self.device)))
+        # A step of side rows alone comes with every round while they run: part of its cost.
 
     def _seat_joiners(self) -> None:
         """The joining requests whose prefill is read (their first token and every target

@@ -376,12 +376,11 @@ def test_side_budget_counts_the_drafters_catch_up_after_k_0_steps(monkeypatch):
 
 
 def test_rounds_after_side_work_are_measured_within_their_visit():
-    """A round launched after other device work (a joining prefill, a side step) is measured by
-    its interval less that work's span (`round_cost`) and stays in its visit: with side work
-    before every round (requests the rounds cannot take decoding beside them), each K's cost is
-    still learned and the best K chosen (s42: such rounds were never measured, and the policy
-    kept K = 0 for 1,473 of 1,664 rounds). Control: a span not measured (None) measures
-    nothing."""
+    """A round launched after other device work (a joining request's prefill step) is measured
+    by its interval less that work's span (`round_cost`) and stays in its visit: with such work
+    before every round, each K's cost is still learned and the best K chosen (s42: such rounds
+    were never measured, and with a step beside every round the policy kept K = 0 for 1,473 of
+    1,664 rounds). Control: a span not measured (None) measures nothing."""
     from specdec.engine.device_round import round_cost
 
     assert round_cost(1.0, 2.0, [(1.25, 1.5), (1.5, 1.75)]) == 0.5
