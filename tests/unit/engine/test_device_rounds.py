@@ -642,6 +642,35 @@ def test_bursts_and_single_arrivals_join_the_rounds(model_dir, dirs, prompts, mo
             assert joins == 0 and len(begins) == 1, (joins, begins)
 
 
+def test_under_a_drafter_that_cannot_admit_arrivals_drain_while_others_decode_beside(
+    model_dir, dirs, prompts
+):
+    """Under DFlash (its rounds take no request while they run: `DeviceDrafting.admits` is
+    False) a request the rounds cannot take still decodes beside them, but arrivals are never
+    taken in through the step beside the rounds (no slot could seat them): they drain the
+    rounds as before. Greedy output (block verification) equals plain decoding's."""
+    all_prompts = prompts + [p[::-1] for p in prompts]
+    requests = [
+        (
+            p,
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=16,
+                ignore_eos=True,
+                bad_words=["b c"] if i == 0 else None,
+            ),
+        )
+        for i, p in enumerate(all_prompts)
+    ]
+    arrivals = [0, 0, 0, 0, 5, 5, 6, 6]
+    expected = drive_arrivals(make_engine(model_dir, None, False), requests, arrivals)
+    engine = make_engine(model_dir, spec_for("dflash", dirs, "block", adaptive=True), True)
+    assert drive_arrivals(engine, requests, arrivals) == expected
+    loop = engine.loop_stats
+    assert loop.num_device_rounds > 0 and loop.num_side_rows > 0, loop.as_dict()
+    assert loop.num_round_joins == 0 and loop.num_sync_steps == 0, loop.as_dict()
+
+
 RULED = [
     {"repetition_penalty": 1.6, "presence_penalty": 0.7, "frequency_penalty": 0.5},
     {"logit_bias": {3: 2.0, 10: -50.0}, "allowed_token_ids": list(range(60))},
