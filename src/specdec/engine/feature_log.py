@@ -25,13 +25,13 @@ class FeatureLog:
 
     Entries are of two kinds: a decode step's rows ([B, F], row b the feature of requests[b]'s
     token at starts[b]) and a mixed step's chunks (per request, its first position and [n, F]).
-    Requests that finished or were released (`drop`) by the time of `flush` are skipped (their
-    drafter state is gone), as are requests that do not speculate."""
+    Requests that finished by the time of `flush` are skipped (their drafter state is gone), as
+    are requests that do not speculate; what a released request (`drop`: preempted) had logged is
+    forgotten at once, what it logs after (its recomputed prefix) is kept."""
 
     def __init__(self, drafter: Drafter | None) -> None:
         self.drafter = drafter
         self._entries: list[tuple[list[Request], list[int], torch.Tensor | list[torch.Tensor]]] = []
-        self._dropped: set[int] = set()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -52,22 +52,39 @@ class FeatureLog:
                 self.flush()
 
     def drop(self, request: Request) -> None:
-        """Forgets what the log holds of `request` (released by the drafter: preempted)."""
-        if self._entries:
-            self._dropped.add(id(request))
+        """Forgets what the log holds of `request` (released by the drafter: preempted). Only
+        the entries logged so far: once resumed, the features of its recomputed prefix are the
+        drafter's again (until s43 a mark kept until the next flush dropped them too, and a
+        request preempted and resumed between two flushes reached the rounds with none)."""
+        kept = []
+        for requests, starts, rows in self._entries:
+            keep = [i for i, r in enumerate(requests) if r is not request]
+            if len(keep) == len(requests):
+                kept.append((requests, starts, rows))
+            elif keep and isinstance(rows, list):
+                kept.append(
+                    (
+                        [requests[i] for i in keep],
+                        [starts[i] for i in keep],
+                        [rows[i] for i in keep],
+                    )
+                )
+            elif keep:
+                index = torch.tensor(keep, device=rows.device)
+                kept.append(([requests[i] for i in keep], [starts[i] for i in keep], rows[index]))
+        self._entries = kept
 
     def flush(self) -> None:
         """Hands every held feature to the drafter: one `observe` call, each request's rows
         joined in position order. Consecutive decode steps of one batch are stacked first (one
         copy for the run, not one a step)."""
         entries, self._entries = self._entries, []
-        dropped, self._dropped = self._dropped, set()
         if not entries:
             return
         pieces: dict[int, tuple[Request, int, list[torch.Tensor]]] = {}
 
         def take(request: Request, start: int, rows: torch.Tensor) -> None:
-            if request.spec is None or request.status.finished or id(request) in dropped:
+            if request.spec is None or request.status.finished:
                 return
             held = pieces.get(id(request))
             if held is None:

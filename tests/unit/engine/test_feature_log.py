@@ -103,6 +103,26 @@ def test_finished_released_and_plain_requests_are_skipped():
     assert delivered(recorder)["1"][0] == 0
 
 
+def test_a_request_released_and_resumed_before_a_flush_keeps_its_new_rows():
+    """A request preempted (`drop`) and resumed between two flushes: the rows it logged before
+    are forgotten, its recomputed prefix and the rows after it reach the drafter (s43: the drop
+    mark lasted until the flush and dropped those too, so the request entered device rounds
+    with no features). Its neighbours' rows, in the same entries, are untouched."""
+    recorder = Recorder()
+    log = FeatureLog(recorder)
+    a, b = make_request("0"), make_request("1")
+    log.add_chunks([(a, 0, expected_rows(0, 0, 4)), (b, 0, expected_rows(1, 0, 3))])
+    log.add_rows([a, b], [4, 3], decode_rows([a, b], [4, 3]))
+    log.drop(b)  # preempted: every row above is stale
+    log.add_rows([a], [5], decode_rows([a], [5]))
+    log.add_chunks([(b, 0, expected_rows(1, 0, 5))])  # b's prompt and output recomputed
+    log.add_rows([a, b], [6, 5], decode_rows([a, b], [6, 5]))
+    log.flush()
+    got = delivered(recorder)
+    assert got["0"][0] == 0 and torch.equal(got["0"][1], expected_rows(0, 0, 7))
+    assert got["1"][0] == 0 and torch.equal(got["1"][1], expected_rows(1, 0, 6))
+
+
 def test_the_log_hands_over_every_max_steps(monkeypatch):
     monkeypatch.setattr(feature_log, "MAX_STEPS", 4)
     recorder = Recorder()
