@@ -25,8 +25,11 @@ RULES = [
 ]
 
 
-def run(model_dir, async_scheduling: bool, kept: bool, **engine_args) -> dict:
-    """Final tokens by request id: six requests at the start, six arriving at step 4."""
+def run(
+    model_dir, async_scheduling: bool, kept: bool, preempts: bool = False, **engine_args
+) -> dict:
+    """Final tokens by request id: six requests at the start, six arriving at step 4
+    (`preempts`: the cache must preempt some)."""
     config = EngineConfig(
         model=str(model_dir),
         max_model_len=64,
@@ -60,6 +63,5 @@ def run(model_dir, async_scheduling: bool, kept: bool, **engine_args) -> dict:
             finals[out.request_id] = out.outputs[0].token_ids
     kept_rules = engine.emitter.request_rules
     assert (kept_rules is not None and kept_rules.num_steps > 20) == kept
-    if "num_kv_blocks" in engine_args:
-        assert engine.num_preemptions > 0
+    assert (engine.num_preemptions > 0) == preempts
     return finals

@@ -156,12 +156,22 @@ def test_penalised_requests_ride_graphed_rounds(
 
 @pytest.mark.parametrize(("method", "temperature"), [("coupled", 1.0), ("standard", 0.0)])
 def test_requests_the_rounds_cannot_take_decode_beside_graphed_rounds(
-    model_dir, dirs, prompts, method, temperature
+    model_dir, dirs, prompts, method, temperature, tmp_path
 ):
     """Requests with a multi-token bad word (its state on the host) decode beside the graphed
     rounds, one plain token each in the overlapped steps between two rounds, while the others
     take the rounds: every request emits plain decoding's tokens (coupled at T = 1, greedy),
     graphed and op by op (enforce_eager); no step is synchronous."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    worded = tmp_path / "worded"  # the tiny Llama with a word-level tokenizer ("b c": two words)
+    shutil.copytree(model_dir, worded)
+    vocab = {chr(ord("a") + i % 26) * (1 + i // 26): i for i in range(VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="a"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(worded / "tokenizer.json"))
     params = [
         SamplingParams(
             temperature=temperature,
@@ -173,9 +183,9 @@ def test_requests_the_rounds_cannot_take_decode_beside_graphed_rounds(
         for i in range(len(prompts))
     ]
     spec = spec_for("eagle", dirs, method, adaptive=True)
-    plain, _ = generate(model_dir, prompts, params, None)
-    graphed, llm = generate(model_dir, prompts, params, spec, async_scheduling=True)
-    eager, _ = generate(model_dir, prompts, params, spec, async_scheduling=True, enforce_eager=True)
+    plain, _ = generate(worded, prompts, params, None)
+    graphed, llm = generate(worded, prompts, params, spec, async_scheduling=True)
+    eager, _ = generate(worded, prompts, params, spec, async_scheduling=True, enforce_eager=True)
     assert graphed == plain and eager == plain
     loop = llm.get_metrics()["loop"]
     assert loop["num_graph_rounds"] > 0 and loop["num_sync_steps"] == 0

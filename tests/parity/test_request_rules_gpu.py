@@ -19,9 +19,10 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
-@pytest.mark.parametrize("engine_args", list(ENGINE_CASES.values()), ids=list(ENGINE_CASES))
-def test_kept_rules_emit_what_rebuilt_rules_emit_on_cuda(model_dir, async_scheduling, engine_args):
-    args = {"device": "cuda", "dtype": "float32", "num_kv_blocks": 512, **engine_args}
-    expected = run(model_dir, async_scheduling, kept=False, **args)
+@pytest.mark.parametrize("case", list(ENGINE_CASES))
+def test_kept_rules_emit_what_rebuilt_rules_emit_on_cuda(model_dir, async_scheduling, case):
+    args = {"device": "cuda", "dtype": "float32", "num_kv_blocks": 512, **ENGINE_CASES[case]}
+    preempts = case == "preempting"
+    expected = run(model_dir, async_scheduling, kept=False, preempts=preempts, **args)
     assert len(expected) == 12
-    assert run(model_dir, async_scheduling, kept=True, **args) == expected
+    assert run(model_dir, async_scheduling, kept=True, preempts=preempts, **args) == expected

@@ -19,13 +19,14 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
-@pytest.mark.parametrize("engine_args", list(ENGINE_CASES.values()), ids=list(ENGINE_CASES))
-def test_kept_rules_emit_what_rebuilt_rules_emit(model_dir, async_scheduling, engine_args):
+@pytest.mark.parametrize("case", list(ENGINE_CASES))
+def test_kept_rules_emit_what_rebuilt_rules_emit(model_dir, async_scheduling, case):
     """ "few rows": 4 rows for the ruled requests of 12 (three kept at once, row 0 neutral),
     so requests give rows back and later ones are written afresh."""
-    expected = run(model_dir, async_scheduling, kept=False, **engine_args)
+    args, preempts = ENGINE_CASES[case], case == "preempting"
+    expected = run(model_dir, async_scheduling, kept=False, preempts=preempts, **args)
     assert len(expected) == 12
-    assert run(model_dir, async_scheduling, kept=True, **engine_args) == expected
+    assert run(model_dir, async_scheduling, kept=True, preempts=preempts, **args) == expected
 
 
 def test_negative_control_uncounted_tokens_change_the_output(model_dir, monkeypatch):
