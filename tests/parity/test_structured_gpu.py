@@ -46,24 +46,12 @@ def test_constrained_context_on_cuda_equals_cpu():
     assert torch.equal(run(CUDA), run(torch.device("cpu")))
 
 
-@pytest.mark.parametrize(
-    ("method", "temperature"), [("coupled", 0.8), ("standard", 0.0), ("block", 0.0)]
-)
-def test_engine_with_a_grammar_on_cuda(tmp_path, method, temperature):
-    """On CUDA: constrained speculation (draft model = the target's first layer, K = 2) emits
-    exactly plain constrained decoding's tokens (coupled at 0.8; greedy with any verifier), and
-    every output is in the language."""
-    from law_fixtures import PROMPT, save_vocab8_target, write_grammar_tokenizer
-    from specdec import LLM, SamplingParams, StructuredOutputsParams
-    from specdec.audit.laws import GRAMMAR_REGEX
+def plain_and_speculative(model_dir, prompt, params, method):
+    """The requests' tokens through plain decoding and through speculation (draft model = the
+    target's first layer, K = 2, `method`) on CUDA: ({"plain": ..., "spec": ...}, the
+    speculating LLM)."""
+    from specdec import LLM
 
-    save_vocab8_target(tmp_path)
-    write_grammar_tokenizer(tmp_path)
-    constraint = StructuredOutputsParams(regex=GRAMMAR_REGEX)
-    params = [
-        SamplingParams(temperature=temperature, seed=s, max_tokens=8, structured_outputs=constraint)
-        for s in range(64)
-    ]
     spec = {
         "method": "draft_model",
         "model": "truncated:1",
@@ -73,14 +61,36 @@ def test_engine_with_a_grammar_on_cuda(tmp_path, method, temperature):
     outputs = {}
     for name, config in (("plain", None), ("spec", spec)):
         llm = LLM(
-            str(tmp_path),
+            str(model_dir),
             speculative_config=config,
             max_model_len=32,
             device="cuda",
             num_kv_blocks=64,
         )
-        outs = llm.generate([PROMPT] * 64, params, use_tqdm=False)
+        outs = llm.generate([prompt] * len(params), params, use_tqdm=False)
         outputs[name] = [o.outputs[0].token_ids for o in outs]
+    return outputs, llm
+
+
+@pytest.mark.parametrize(
+    ("method", "temperature"), [("coupled", 0.8), ("standard", 0.0), ("block", 0.0)]
+)
+def test_engine_with_a_grammar_on_cuda(tmp_path, method, temperature):
+    """On CUDA: constrained speculation (draft model = the target's first layer, K = 2) emits
+    exactly plain constrained decoding's tokens (coupled at 0.8; greedy with any verifier), and
+    every output is in the language."""
+    from law_fixtures import PROMPT, save_vocab8_target, write_grammar_tokenizer
+    from specdec import SamplingParams, StructuredOutputsParams
+    from specdec.audit.laws import GRAMMAR_REGEX
+
+    save_vocab8_target(tmp_path)
+    write_grammar_tokenizer(tmp_path)
+    constraint = StructuredOutputsParams(regex=GRAMMAR_REGEX)
+    params = [
+        SamplingParams(temperature=temperature, seed=s, max_tokens=8, structured_outputs=constraint)
+        for s in range(64)
+    ]
+    outputs, _ = plain_and_speculative(tmp_path, PROMPT, params, method)
     assert outputs["plain"] == outputs["spec"]
     assert all(7 not in tokens for tokens in outputs["spec"])  # "d" is never in the language
 
@@ -88,10 +98,10 @@ def test_engine_with_a_grammar_on_cuda(tmp_path, method, temperature):
 def test_constrained_requests_decode_beside_graphed_rounds(tmp_path):
     """On CUDA with the default loop (graphed device rounds, the adaptive policy, coupled at
     0.8): a third of the requests constrained, a third penalised, a third without rules. The
-    constrained ones decode beside the rounds (s42), the others take them; every request emits
+    constrained ones decode beside the rounds (s43), the others take them; every request emits
     plain decoding's tokens."""
     from law_fixtures import PROMPT, save_vocab8_target, write_grammar_tokenizer
-    from specdec import LLM, SamplingParams, StructuredOutputsParams
+    from specdec import SamplingParams, StructuredOutputsParams
     from specdec.audit.laws import GRAMMAR_REGEX
 
     save_vocab8_target(tmp_path)
@@ -102,24 +112,8 @@ def test_constrained_requests_decode_beside_graphed_rounds(tmp_path):
         SamplingParams(temperature=0.8, seed=s, max_tokens=12, ignore_eos=True, **rules[s % 3])
         for s in range(48)
     ]
-    spec = {
-        "method": "draft_model",
-        "model": "truncated:1",
-        "num_speculative_tokens": 2,
-        "rejection_sample_method": "coupled",
-    }
-    outputs, llms = {}, {}
-    for name, config in (("plain", None), ("spec", spec)):
-        llm = LLM(
-            str(tmp_path),
-            speculative_config=config,
-            max_model_len=32,
-            device="cuda",
-            num_kv_blocks=64,
-        )
-        outs = llm.generate([PROMPT] * 48, params, use_tqdm=False)
-        outputs[name], llms[name] = [o.outputs[0].token_ids for o in outs], llm
+    outputs, speculating = plain_and_speculative(tmp_path, PROMPT, params, "coupled")
     assert outputs["plain"] == outputs["spec"]
-    loop = llms["spec"].get_metrics()["loop"]
+    loop = speculating.get_metrics()["loop"]
     assert loop["num_graph_rounds"] > 0 and loop["num_sync_steps"] == 0
     assert loop["num_side_rows"] > 0  # the constrained ones decoded beside the rounds
