@@ -284,7 +284,7 @@ class SpeculativeLoops:
         built-in model, 768 chats a level, spec server tokens/s with the drain rule / joining
         every arrival in one lease: 11,330 / 13,226-13,356 at c = 16, 32,754 / 35,344-37,404
         at c = 64, 37,058 / 36,972-40,721 at c = 256; s30's contrary figures predate the
-        gathering). Until s42 an arrival the rounds could not take drained them."""
+        gathering). Until s43 an arrival the rounds could not take drained them."""
         if self._plain_chosen or not self._rounds.drafting.admits:
             return False
         joiners = [r for r in self._round_joiners if not r.status.finished]
@@ -346,8 +346,9 @@ class SpeculativeLoops:
         if not ready:
             return
         method = self._rounds.method
-        seatable = [r for r in ready if self._round_able(r) and r.spec.method == method]
-        beside = [r for r in ready if not (self._round_able(r) and r.spec.method == method)]
+        fits = [self._round_able(r) and r.spec.method == method for r in ready]
+        seatable = [r for r, fit in zip(ready, fits, strict=True) if fit]
+        beside = [r for r, fit in zip(ready, fits, strict=True) if not fit]
         seated = []
         if seatable:
             self._feature_log.flush()  # the joiners' prefill features, read by the catch-up

@@ -159,7 +159,7 @@ def test_constrained_requests_stay_on_the_overlapped_plain_loop(model_dir, monke
 def test_constrained_requests_decode_beside_the_device_rounds(model_dir):
     """Under the CUDA engine's loop (device rounds op by op, the adaptive policy, coupled
     verification), constrained requests decode beside the rounds, one plain token a step
-    between two rounds, while the unconstrained ones take the rounds (s42: a grammar used to
+    between two rounds, while the unconstrained ones take the rounds (s43; a grammar used to
     keep the whole batch out of them). Every request emits plain decoding's tokens; the
     constrained ones stay in the language; no step is synchronous."""
     spec = {**SPEC, "rejection_sample_method": "coupled", "adaptive": True}
