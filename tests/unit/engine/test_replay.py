@@ -134,7 +134,7 @@ def test_overlapped_loop_and_device_rounds_replay(model_paths, dirs, requests, a
         assert engine.loop_stats.num_overlapped_prefill_steps > 0  # the overlapped loop ran
 
 
-@pytest.mark.parametrize("rule", ["every arrival", "drained"])
+@pytest.mark.parametrize("rule", ["every arrival", "beside", "drained"])
 @pytest.mark.parametrize("spec", ["ngram", "draft_model", "eagle"])
 @pytest.mark.parametrize("model", MODELS)
 def test_arrivals_joining_running_rounds_replay(
@@ -143,22 +143,26 @@ def test_arrivals_joining_running_rounds_replay(
     """Device rounds (op by op on the CPU) taking arrivals without a drain: their prefill in
     overlapped steps between two rounds, then a free slot (`DeviceRounds.admit`), with prompts
     split at 16 tokens a step. "every arrival": the engine's rule (since s41 each arrival the
-    rounds can take joins so); "drained": arrivals drain the rounds into the overlapped loop
-    instead (as those the rounds cannot take still do; `_joins_rounds` forced off). Fails if a
-    token depends on when or how its request joined."""
+    rounds can take joins so); "beside": two requests do not speculate (the rounds cannot take
+    them) and decode beside the rounds, one token in each step between two rounds (s43);
+    "drained": arrivals drain the rounds into the overlapped loop instead (`_joins_rounds`
+    forced off). Fails if a token depends on when or how its request joined."""
     from specdec.engine.speculative_loops import SpeculativeLoops
 
     if rule == "drained":
         monkeypatch.setattr(SpeculativeLoops, "_joins_rounds", lambda self: False)
+    overrides = {0: {"enabled": False}, 3: {"enabled": False}} if rule == "beside" else None
     make = engine_factory(model_paths[model])
     options = {"max_num_batched_tokens": 16, "async_scheduling": True}
     engine, _, diff = replay(
-        make, requests, alone(model), "bursts", drafter_spec(spec, dirs), **options
+        make, requests, alone(model), "bursts", drafter_spec(spec, dirs), overrides, **options
     )
     assert not diff, diff
-    if rule == "every arrival":
+    if rule == "beside":
+        assert engine.loop_stats.num_side_rows > 0 and engine.loop_stats.num_round_joins > 0
+    elif rule == "every arrival":
         assert engine.loop_stats.num_round_joins > 0
-    else:
+    elif rule == "drained":
         assert engine.loop_stats.num_round_joins == 0
         assert engine.loop_stats.num_overlapped_prefill_steps > 0
 
