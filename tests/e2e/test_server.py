@@ -498,7 +498,8 @@ def test_disconnect_aborts_and_frees_every_block(server, client):
     assert complete(client, max_tokens=2).choices[0].text is not None
 
 
-def test_metrics_expose_vllm_names(server):
+def test_metrics_expose_vllm_names(server, client):
+    complete(client, max_tokens=2)  # one completion of its own: the route's counter exists
     text = httpx.get(f"{server.url}/metrics", timeout=TIMEOUT_S).text
     for name in (
         "vllm:spec_decode_num_drafts_total",
