@@ -14,10 +14,11 @@ from specdec.bench_serve.rules import MIXES, RULES, rule_of
         ("mixed", ["logprobs", "penalties", "json"] * 2),
         ("no-json", ["logprobs", "penalties"] * 3),
         ("penalties", ["penalties"] * 6),
+        ("json-heavy", (["json"] * 7 + ["none"]) * 2),
     ],
 )
 def test_each_mix_asks_for_its_rules_in_turn(mix, expected):
     assert mix in MIXES
-    got = [rule_of(i, mix) for i in range(6)]
+    got = [rule_of(i, mix) for i in range(len(expected))]
     assert got == expected
     assert all(rule == "none" or rule in RULES for rule in got)

@@ -98,10 +98,11 @@ def markdown(meta: dict, levels: list[LevelResult]) -> str:
     mixed = [x for x in levels if x.tpot_p50_ms_by_rule]
     if mixed:
         lines += ["", f"Rules ({meta['rules']}): TPOT p50 ms by rule", ""]
-        lines += ["| mode | load | " + " | ".join(RULES) + " |", "|---|---|" + "---|" * len(RULES)]
+        names = [*RULES, "none"] if any("none" in x.tpot_p50_ms_by_rule for x in mixed) else RULES
+        lines += ["| mode | load | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
         for x in mixed:
             tpot = x.tpot_p50_ms_by_rule
-            cells = " | ".join(f"{tpot.get(rule, float('nan')):.1f}" for rule in RULES)
+            cells = " | ".join(f"{tpot.get(rule, float('nan')):.1f}" for rule in names)
             lines.append(f"| {x.mode} | {x.label} | {cells} |")
     return "\n".join(lines) + "\n"
 

@@ -1,7 +1,9 @@
 """The rules a mixed load's requests ask for (`--rules`): issue 34's mixed traffic,
 a third of the requests with log-probabilities, a third with penalties, a third with a JSON
 schema; `--rules no-json`: log-probabilities and penalties in turn (what the device rounds
-take); `--rules penalties`: every request with penalties. `--rules none` sends the same
+take); `--rules penalties`: every request with penalties; `--rules json-heavy`: seven in eight
+with a JSON schema, the eighth without rules (a few requests the device rounds take beside many
+they cannot: what the speculation policy must not lose on). `--rules none` sends the same
 requests without them (the comparison that says what the rules cost)."""
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ MIX_RULES: dict[str, tuple[str, ...]] = {
     "mixed": tuple(RULES),
     "no-json": ("logprobs", "penalties"),
     "penalties": ("penalties",),
+    "json-heavy": ("json",) * 7 + ("none",),
 }
 MIXES = tuple(MIX_RULES)
 

@@ -285,7 +285,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         default="none",
         help="mixed: request i asks for log-probabilities, penalties or a JSON schema in turn "
         "(issue 34's mixed traffic; TPOT p50 reported per rule); no-json: log-probabilities "
-        "and penalties in turn; penalties: every request; none: no rules",
+        "and penalties in turn; penalties: every request; json-heavy: seven in eight with a JSON "
+        "schema, the eighth without; none: no rules",
     )
     output = parser.add_mutually_exclusive_group()
     output.add_argument(
