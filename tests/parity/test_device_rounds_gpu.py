@@ -211,7 +211,7 @@ def test_the_plain_arm_keeps_coupled_and_greedy_exact(model_dir, dirs, prompts, 
     from specdec.engine.spec_policy import PLAIN, SpeculationPolicy
 
     class Scripted(SpeculationPolicy):
-        def _choose(self, bucket, remaining=None, in_rounds=True):
+        def _choose(self, bucket, remaining=None, in_rounds=True, *_beside):
             return PLAIN if (self._rounds // 6) % 2 == 0 else (3, 0, 2)[self._rounds % 3]
 
     for method, temperature in (("coupled", 1.0), ("standard", 0.0)):

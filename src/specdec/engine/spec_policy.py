@@ -18,6 +18,11 @@ Two objectives, by what the engine knows of the work ahead:
   its measured cost; leaving them, one plain step (the overlap lost while they drain).
 - Otherwise (requests wait: a finished request's slot is refilled, the tail costs nothing):
   the arm of most expected tokens per second, (1 + a_1 + a_1 a_2 + ... + a_1...a_K) / cost(K).
+Requests the rounds cannot take decode beside them, one token a cycle whatever K, and their
+step is part of each arm's measured cost: their tokens count in every arm's tokens per second
+(s per request of the rounds: (E(K) + s) / cost(K)), and a closed batch takes at least as many
+steps as the longest of them has tokens left. Without that, a few requests in the rounds beside
+many outside them would pay a dearer round for the few's gain alone.
 
 Costs are measured in steady state: a step's cost runs from the previous step's end to its own
 (the first step of a visit to an arm has no previous one and is not measured), the next `ramp`
@@ -169,7 +174,12 @@ class SpeculationPolicy:
         return plain + list(range(self.max_k + 1))
 
     def choose(
-        self, bucket: int, remaining: Sequence[int] | None = None, in_rounds: bool = True
+        self,
+        bucket: int,
+        remaining: Sequence[int] | None = None,
+        in_rounds: bool = True,
+        beside: Sequence[int] = (),
+        rows: int | None = None,
     ) -> int:
         """The arm of the next step of `bucket` slots.
 
@@ -178,13 +188,27 @@ class SpeculationPolicy:
             remaining: per running request, the tokens it may still emit (its budget less what
                 it emitted), when no request waits to join the batch; None otherwise.
             in_rounds: whether the batch is in device rounds now (K >= 0 needs no entry).
+            beside: per request decoding beside the rounds (one plain token a cycle whatever
+                the arm, at a cost that is part of every arm's measured step), the tokens it
+                may still emit. Their tokens count in every arm's tokens per second, and in a
+                closed batch none finishes before the longest of them has emitted its last.
+            rows: the requests the step runs (default: `bucket`), against which `beside` is
+                weighed.
         """
-        k = self._choose(bucket, remaining, in_rounds)
+        share = len(beside) / max(rows or bucket, 1)
+        k = self._choose(bucket, remaining, in_rounds, beside, share)
         self.chosen[k] = self.chosen.get(k, 0) + 1
         self._rounds += 1
         return k
 
-    def _choose(self, bucket: int, remaining: Sequence[int] | None, in_rounds: bool) -> int:
+    def _choose(
+        self,
+        bucket: int,
+        remaining: Sequence[int] | None,
+        in_rounds: bool,
+        beside: Sequence[int],
+        share: float,
+    ) -> int:
         if not self.adaptive:
             return self.max_k
         if self._hold and self._hold[1] > 0:
@@ -207,15 +231,17 @@ class SpeculationPolicy:
         # From K = 0 on synchronous steps, a drafting arm first pays the drafter's catch-up.
         entry = {k: self.catch_up_seconds(bucket, k) if self._behind else 0.0 for k in arms}
         if remaining:
-            ordered = sorted(remaining)
+            ordered, floor = sorted(remaining), max(beside, default=0)
             finish = {
-                k: self._seconds_to_finish(bucket, k, ordered, in_rounds) + entry[k] for k in arms
+                k: self._seconds_to_finish(bucket, k, ordered, in_rounds, floor) + entry[k]
+                for k in arms
             }
             best = min(arms, key=finish.__getitem__)
             drafts_pay = finish[best] < (1 - self.margin) * finish.get(0, finish[best])
         else:
             rates = {
-                k: self.tokens_per_second(bucket, k, entry[k] / self.explore_every) for k in arms
+                k: self.tokens_per_second(bucket, k, entry[k] / self.explore_every, share)
+                for k in arms
             }
             best = max(arms, key=rates.__getitem__)
             drafts_pay = rates[best] > (1 + self.margin) * rates.get(0, rates[best])
@@ -364,25 +390,31 @@ class SpeculationPolicy:
         return self.switch_seconds(bucket, 0, False) + self.switch_seconds(bucket, PLAIN, True)
 
     def seconds_to_finish(
-        self, bucket: int, k: int, remaining: Sequence[int], in_rounds: bool
+        self, bucket: int, k: int, remaining: Sequence[int], in_rounds: bool, floor: int = 0
     ) -> float:
-        """The expected seconds until the batch has emitted `remaining` with arm k from now on
-        (0 when k was never measured here: worth measuring)."""
-        return self._seconds_to_finish(bucket, k, sorted(remaining), in_rounds)
+        """The expected seconds until the batch has emitted `remaining` with arm k from now on,
+        in at least `floor` steps (a request beside the rounds emits one token a step; 0 when
+        k was never measured here: worth measuring)."""
+        return self._seconds_to_finish(bucket, k, sorted(remaining), in_rounds, floor)
 
-    def _seconds_to_finish(self, bucket: int, k: int, ordered: list[int], in_rounds: bool) -> float:
+    def _seconds_to_finish(
+        self, bucket: int, k: int, ordered: list[int], in_rounds: bool, floor: int = 0
+    ) -> float:
         cost = self.step_seconds(bucket, k)
         if cost is None:
             return 0.0
-        steps = self._expected_steps(k, ordered)
+        steps = max(self._expected_steps(k, ordered), floor)
         return self.switch_seconds(bucket, k, in_rounds) + steps * cost
 
-    def tokens_per_second(self, bucket: int, k: int, extra: float = 0.0) -> float:
-        """Expected tokens a step of arm k emits per second of it (plus `extra` seconds)."""
+    def tokens_per_second(
+        self, bucket: int, k: int, extra: float = 0.0, beside: float = 0.0
+    ) -> float:
+        """Expected tokens a step of arm k emits per second of it (plus `extra` seconds), per
+        request of the step; `beside`: rows decoding beside it per request, one token each."""
         cost = self.step_seconds(bucket, k)
         if cost is None:
             return float("inf")  # not measured yet: worth measuring
-        return self.expected_tokens(k) / max(cost + extra, 1e-9)
+        return (self.expected_tokens(k) + beside) / max(cost + extra, 1e-9)
 
     def costs(self) -> dict[tuple[int, int], tuple[float, int]]:
         """(bucket, K) -> (estimated seconds of a step, measurements kept); (bucket, "entry")

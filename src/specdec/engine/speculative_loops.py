@@ -94,7 +94,11 @@ class SpeculativeLoops:
         if not takers:
             return None
         bucket = self._plain_bucket(len(takers))
-        k = self.policy.choose(bucket, self._horizon(takers), in_rounds=False)
+        taken = {id(r) for r in takers}
+        beside = self._budgets([r for r in running if id(r) not in taken])
+        k = self.policy.choose(
+            bucket, self._horizon(takers), in_rounds=False, beside=beside, rows=len(takers)
+        )
         self._plain_chosen = k == PLAIN
         if self._plain_chosen:
             self._plain_rows = bucket  # its measured steps pad to the bucket measured
@@ -182,12 +186,16 @@ class SpeculativeLoops:
         is closed: it ends with its slowest request); None when one waits."""
         if self.scheduler.waiting:
             return None
+        return self._budgets(requests) or None
+
+    def _budgets(self, requests: list[Request]) -> list[int]:
+        """Per unfinished request of `requests`, the tokens it may still emit (at least 1)."""
         limit = self.outputs.output_limit
         return [
             max(limit(r) - len(r.output_token_ids) - r.num_pending, 1)
             for r in requests
             if not r.status.finished
-        ] or None
+        ]
 
     def _device_round_runner(self) -> DeviceRounds | None:
         if self._rounds is None:
@@ -229,8 +237,14 @@ class SpeculativeLoops:
         ):
             k = self._next_k
             if k is None:
-                horizon = self._horizon(rounds.live_requests)
-                k = self.policy.choose(rounds.num_rows, horizon, in_rounds=True)
+                live = rounds.live_requests
+                k = self.policy.choose(
+                    rounds.num_rows,
+                    self._horizon(live),
+                    in_rounds=True,
+                    beside=self._budgets(self._round_side),
+                    rows=len(live),
+                )
             self._next_k = None
             if k == PLAIN:
                 self._plain_chosen, k = True, None  # drain the rounds in flight, then go plain

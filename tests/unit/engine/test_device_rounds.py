@@ -597,7 +597,7 @@ def scripted_policy(ks: tuple[int, ...], max_k: int = 3):
     from specdec.engine.spec_policy import SpeculationPolicy
 
     class Scripted(SpeculationPolicy):
-        def _choose(self, bucket, remaining=None, in_rounds=True):
+        def _choose(self, bucket, remaining=None, in_rounds=True, *_beside):
             return ks[self._rounds % len(ks)]
 
     return Scripted(max_k)

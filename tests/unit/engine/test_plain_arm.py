@@ -73,7 +73,7 @@ class ScriptedPolicy(SpeculationPolicy):
         super().__init__(max_k, plain_arm=True)
         self.script = script
 
-    def _choose(self, bucket, remaining=None, in_rounds=True):
+    def _choose(self, bucket, remaining=None, in_rounds=True, *_beside):
         return self.script(self._rounds)
 
 
@@ -356,9 +356,9 @@ def test_the_policy_sees_each_requests_remaining_budget_when_nothing_waits(
     seen = []
 
     class Recording(ScriptedPolicy):
-        def _choose(self, bucket, remaining=None, in_rounds=True):
+        def _choose(self, bucket, remaining=None, in_rounds=True, *_beside):
             seen.append((in_rounds, None if remaining is None else list(remaining)))
-            return super()._choose(bucket, remaining, in_rounds)
+            return super()._choose(bucket, remaining, in_rounds, *_beside)
 
     requests = [(p, params_for(1.0, 30 + i, max_tokens=10 + i)) for i, p in enumerate(prompts)]
     engine = make_engine(model_dir, spec_for("eagle", head_dir, "coupled"))
@@ -377,7 +377,7 @@ def test_a_batch_that_shrinks_keeps_its_bucket(model_dir, head_dir, prompts):
     buckets = []
 
     class Recording(ScriptedPolicy):
-        def _choose(self, bucket, remaining=None, in_rounds=True):
+        def _choose(self, bucket, remaining=None, in_rounds=True, *_beside):
             buckets.append(bucket)
             return PLAIN
 

@@ -405,3 +405,22 @@ def test_rounds_after_side_work_are_measured_within_their_visit():
     blind = SpeculationPolicy(2, explore_every=1000)
     run(blind, lambda k: round_cost(0.0, 1.5 + 0.1 * k, [None]))
     assert not blind.costs()
+
+
+def test_requests_beside_the_rounds_count_in_every_arms_tokens():
+    """Rounds of K = 2 cost 1.3x a K = 0 round and bring 1.96 tokens a request (acceptance
+    0.6): 8 requests alone speculate. Beside 56 requests that decode one token a cycle outside
+    the rounds (their step part of both costs), the 8 requests' gain no longer pays for the
+    dearer cycle: (1.96 + 7) / 1.3 < (1 + 7) / 1; beside 8, it still does. A closed batch
+    waits for the longest request beside: 128 tokens left there take 128 cycles whatever K, so
+    the cheapest cycle wins; 4 tokens left there do not hold the rounds' requests back."""
+    seconds = {0: 1.0e-3, 1: 1.15e-3, 2: 1.3e-3}
+    policy = measured(SpeculationPolicy(2, explore_every=10**6), BUCKET, seconds, 0.6)
+    assert abs(policy.expected_tokens(2) - 1.96) < 0.02
+    assert policy.choose(BUCKET) == 2
+    assert policy.choose(BUCKET, beside=[100] * 8, rows=8) == 2
+    assert policy.choose(BUCKET, beside=[100] * 56, rows=8) == 0
+    assert policy.choose(BUCKET, [32] * 8) == 2
+    assert policy.choose(BUCKET, [32] * 8, beside=[4] * 56, rows=8) == 2
+    assert policy.choose(BUCKET, [32] * 8, beside=[128] * 56, rows=8) == 0
+    assert policy.seconds_to_finish(BUCKET, 2, [32] * 8, True, 128) == 128 * seconds[2]
