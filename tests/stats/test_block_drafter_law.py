@@ -94,17 +94,29 @@ def record_rounds(monkeypatch) -> list[tuple[int, int]]:
     return rounds
 
 
-@pytest.mark.parametrize("method", ["standard", "block", "coupled"])
-@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+SLOW = pytest.mark.slow  # a case whose drafter and verifier the default CI run checks elsewhere
+
+
+@pytest.mark.parametrize(
+    ("kind", "method"),
+    [
+        pytest.param("dflash", "standard", marks=SLOW),
+        pytest.param("dflash", "block", marks=SLOW),
+        ("dflash", "coupled"),
+        pytest.param("dspark", "standard", marks=SLOW),
+        ("dspark", "block"),
+        pytest.param("dspark", "coupled", marks=SLOW),
+    ],
+)
 def test_first_tokens_follow_the_target(
     target_dir, drafter_dirs, exact_law, monkeypatch, kind, method
 ):
     """H0: the engine's first 3 emitted tokens have the target's exact joint law.
     Statistic: Pearson chi-square over the 512 cells (cells expecting < 5 pooled), N = 12,000
     seeded requests at temperature 0.7, K = 3; reject at p < 1e-6, so the false-failure rate is
-    <= 1e-6 per case (6 cases). DSpark runs with its confidence scheduler on: the test also
-    checks that the scheduler shortened some first rounds (of 3 drafts asked for) to 1 or 2
-    drafts and left others whole."""
+    <= 1e-6 per case (6 cases; four run with the slow tests). DSpark runs with its confidence
+    scheduler on: the test also checks that the scheduler shortened some first rounds (of 3
+    drafts asked for) to 1 or 2 drafts and left others whole."""
     rounds = record_rounds(monkeypatch)
     counts, metrics = emitted(target_dir, spec_config(kind, drafter_dirs[kind], method))
     result = chi_square(counts, exact_law)
@@ -138,7 +150,7 @@ def peek_at_drawn_drafts(monkeypatch) -> None:
     monkeypatch.setattr(DSparkDrafter, "propose", propose)
 
 
-@pytest.mark.parametrize("method", ["standard", "block"])
+@pytest.mark.parametrize("method", ["standard", pytest.param("block", marks=SLOW)])
 def test_negative_control_scheduler_that_peeks(
     target_dir, drafter_dirs, exact_law, monkeypatch, method
 ):
