@@ -27,12 +27,39 @@ from pathlib import Path
 
 import torch
 
+from probe_joining_rounds import drive, synchronize, timed_parts
+
 
 def specdec_frames(stack: list[traceback.FrameSummary], depth: int = 4) -> str:
     frames = [f for f in stack if "/specdec/" in f.filename and "warnings" not in f.filename]
     return " <- ".join(
         f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-depth:])
     )
+
+
+def wrapper(synchronise: bool, totals: dict, counts: collections.Counter, undo: list):
+    """A function that wraps `owner.name` with a host clock under `label` (synchronised around
+    each call when `synchronise`), recording the original in `undo`."""
+
+    def wrap(owner, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            if synchronise:
+                synchronize()
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                if synchronise:
+                    synchronize()
+                totals[label] += time.perf_counter() - start
+                counts[label] += 1
+
+        setattr(owner, name, timed)
+        undo.append((owner, name, inner))
+
+    return wrap
 
 
 def main() -> None:
@@ -47,7 +74,6 @@ def main() -> None:
 
     from eagle_fixtures import trained_head
     from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
-    from probe_joining_rounds import drive, timed_parts
     from specdec.drafters.eagle import device as eagle_device
     from specdec.drafters.eagle import drafter as eagle_drafter
     from specdec.engine import device_round
@@ -92,38 +118,34 @@ def main() -> None:
     for where, count in seen.most_common(30):
         print(f"[syncs] {count:6d}  {where}")
 
-    totals, counts, restore = timed_parts(synchronise=False)
-    extra = []
+    from specdec.drafters.eagle import head as eagle_head
+    from specdec.models import attention
 
-    def wrap(owner, name, label):
-        inner = getattr(owner, name)
-
-        def timed(*a, **k):
-            start = time.perf_counter()
-            try:
-                return inner(*a, **k)
-            finally:
-                totals[label] += time.perf_counter() - start
-                counts[label] += 1
-
-        setattr(owner, name, timed)
-        extra.append((owner, name, inner))
-
-    wrap(eagle_device.EagleDeviceDrafting, "admit", "eagle.admit")
-    wrap(eagle_drafter.EagleDrafter, "_catch_up", "eagle._catch_up")
-    wrap(device_round.DeviceRounds, "_write_rules", "rounds._write_rules")
-    try:
-        result["timed_run_s"] = drive(llm, prompts, args.concurrency, args.max_tokens)
-    finally:
-        for owner, name, inner in reversed(extra):
-            setattr(owner, name, inner)
-        restore()
-    result["parts_host"] = {
-        k: [n, round(totals[k] * 1e3, 1), round(totals[k] / n * 1e6)]
-        for k, n in sorted(counts.items())
-    }
-    for k, v in result["parts_host"].items():
-        print(f"[parts] {k:>26}: {v}")
+    for synchronise in (False, True):
+        totals, counts, restore = timed_parts(synchronise)
+        extra: list = []
+        wrap = wrapper(synchronise, totals, counts, extra)
+        wrap(eagle_device.EagleDeviceDrafting, "admit", "eagle.admit")
+        wrap(eagle_drafter.EagleDrafter, "_catch_up", "eagle._catch_up")
+        wrap(eagle_drafter.EagleDrafter, "_step", "eagle._step")
+        wrap(eagle_head.EagleHead, "forward_paged", "head.forward_paged")
+        wrap(eagle_head.EagleHead, "project_features", "head.project_features")
+        wrap(attention.AttentionMetadata, "build", "AttentionMetadata.build")
+        wrap(attention, "paged_prefill_attention", "paged_prefill_attention")
+        wrap(device_round.DeviceRounds, "_write_rules", "rounds._write_rules")
+        try:
+            seconds = drive(llm, prompts, args.concurrency, args.max_tokens)
+        finally:
+            for owner, name, inner in reversed(extra):
+                setattr(owner, name, inner)
+            restore()
+        label = "parts_synchronised" if synchronise else "parts_host"
+        result[label] = {"run_s": round(seconds, 3)} | {
+            k: [n, round(totals[k] * 1e3, 1), round(totals[k] / n * 1e6)]
+            for k, n in sorted(counts.items())
+        }
+        for k, v in result[label].items():
+            print(f"[{label}] {k:>26}: {v}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "round_syncs.json").write_text(json.dumps(result, indent=1))
