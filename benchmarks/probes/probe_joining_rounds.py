@@ -37,16 +37,11 @@ sys.path.insert(0, str(HERE.parent))
 from specdec.bench_serve.client import read_prompts  # noqa: E402
 
 
-def timed_parts(synchronise: bool):
-    """Wraps the engine's parts with host clocks (synchronised around each call when
-    `synchronise`); returns (totals, counts, restore). Nested parts count in both."""
-    from specdec.engine import device_round, llm_engine, overlapped_loop, speculative_loops
+def wrapper(synchronise: bool, totals: dict, counts: collections.Counter, undo: list):
+    """A function that wraps `owner.name` with a host clock under `label` (synchronised around
+    each call when `synchronise`), recording the original in `undo`."""
 
-    totals: dict[str, float] = collections.defaultdict(float)
-    counts: collections.Counter = collections.Counter()
-    undo = []
-
-    def wrap(owner, name, label):
+    def wrap(owner, name: str, label: str) -> None:
         inner = getattr(owner, name)
 
         def timed(*args, **kwargs):
@@ -63,6 +58,19 @@ def timed_parts(synchronise: bool):
 
         setattr(owner, name, timed)
         undo.append((owner, name, inner))
+
+    return wrap
+
+
+def timed_parts(synchronise: bool):
+    """Wraps the engine's parts with host clocks (synchronised around each call when
+    `synchronise`); returns (totals, counts, restore). Nested parts count in both."""
+    from specdec.engine import device_round, llm_engine, overlapped_loop, speculative_loops
+
+    totals: dict[str, float] = collections.defaultdict(float)
+    counts: collections.Counter = collections.Counter()
+    undo: list = []
+    wrap = wrapper(synchronise, totals, counts, undo)
 
     loops = speculative_loops.SpeculativeLoops
     wrap(llm_engine.LLMEngine, "step", "engine.step")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from probe_joining_rounds import drive, synchronize, timed_parts
+from probe_joining_rounds import drive, timed_parts, wrapper
 
 
 def specdec_frames(stack: list[traceback.FrameSummary], depth: int = 4) -> str:
@@ -35,31 +35,6 @@ def specdec_frames(stack: list[traceback.FrameSummary], depth: int = 4) -> str:
     return " <- ".join(
         f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-depth:])
     )
-
-
-def wrapper(synchronise: bool, totals: dict, counts: collections.Counter, undo: list):
-    """A function that wraps `owner.name` with a host clock under `label` (synchronised around
-    each call when `synchronise`), recording the original in `undo`."""
-
-    def wrap(owner, name: str, label: str) -> None:
-        inner = getattr(owner, name)
-
-        def timed(*args, **kwargs):
-            if synchronise:
-                synchronize()
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                if synchronise:
-                    synchronize()
-                totals[label] += time.perf_counter() - start
-                counts[label] += 1
-
-        setattr(owner, name, timed)
-        undo.append((owner, name, inner))
-
-    return wrap
 
 
 def main() -> None:
