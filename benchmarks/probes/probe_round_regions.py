@@ -46,7 +46,7 @@ def label(owner, name: str, text: str) -> None:
 def install_labels() -> None:
     import specdec.drafters.base as base
     import specdec.drafters.eagle.device as eagle_device
-    import specdec.drafters.eagle.drafter as eagle_drafter
+    import specdec.drafters.eagle.head_graphs as head_graphs
     import specdec.engine.device_round as device_round
 
     label(device_round.DeviceRounds, "_round", ROUND)
@@ -59,7 +59,7 @@ def install_labels() -> None:
     label(eagle_device.EagleDeviceDrafting, "observe", "observe")
     label(base.Drafter, "draw_on_device", "draw")
     label(base.Drafter, "to_target_vocab", "draw: to target vocab")
-    graphs = eagle_drafter._HeadGraphs
+    graphs = head_graphs.HeadGraphs
     original = graphs.forward
 
     def head_forward(self, kind, num_seqs, chain=None):

@@ -319,13 +319,13 @@ def test_draft_step_buffers_give_the_drafts_of_the_plain_path(target_dir, head_d
     padded to the graphs' shapes) propose exactly what the plain path proposes, in a ragged
     batch: the chained draft steps, and (width 8 >= the 7 entries a request brings) the
     round's first step too."""
-    from specdec.drafters.eagle.drafter import _HeadGraphs
+    from specdec.drafters.eagle.head_graphs import HeadGraphs
 
     proposals = []
     for buffered in (False, True):
         drafter, ids = fed_drafter(target_dir, head_dir, RAGGED_TOKENS, RAGGED_ANCHORS)
         if buffered:
-            drafter._graphs = _HeadGraphs(drafter, 4, width, 8, use_graphs=False)
+            drafter._graphs = HeadGraphs(drafter, 4, width, 8, use_graphs=False)
         proposals.append(drafter.propose(ragged_batch(ids, [4, 2, 3])))
     plain, buffered = proposals
     assert torch.equal(plain.draft_token_ids, buffered.draft_token_ids)

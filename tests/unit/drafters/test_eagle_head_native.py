@@ -13,8 +13,9 @@ from eagle_fixtures import tiny_target_and_head_fixtures
 from models_fixtures import prompt_tokens
 from specdec.drafters import DrafterSetup
 from specdec.drafters.eagle import head_native
-from specdec.drafters.eagle.drafter import EagleDrafter, _HeadGraphs
+from specdec.drafters.eagle.drafter import EagleDrafter
 from specdec.drafters.eagle.head import quantize_head_int8
+from specdec.drafters.eagle.head_graphs import HeadGraphs
 from specdec.engine.config import SpeculativeConfig
 from specdec.models import load_model
 from specdec.models.attention import DecodeMetadata, cache_slots
@@ -168,7 +169,7 @@ def fed(drafter_dirs, native: bool, graphs: bool) -> tuple[EagleDrafter, list[st
     if not graphs:
         drafter._graphs = None
     elif drafter._graphs.width < 10:  # every catch-up through the buffers
-        drafter._graphs = _HeadGraphs(drafter, 4, 10, 8, use_graphs=False)
+        drafter._graphs = HeadGraphs(drafter, 4, 10, 8, use_graphs=False)
     ids = observe_prefixes(drafter, load_model(target_dir).model, TOKENS, ANCHORS)
     return drafter, ids
 

@@ -1,7 +1,7 @@
 """EAGLE / MTP drafting inside a device round: the head's catch-up on the entries the last round
 committed (target features of its input token and accepted drafts, with the tokens after them)
 and its K - 1 chained steps, through the same static buffers and head steps as the host path
-(`_HeadGraphs`), with every input computed on the device. Draft noise only through
+(`HeadGraphs`), with every input computed on the device. Draft noise only through
 `Drafter.draw_on_device`.
 """
 

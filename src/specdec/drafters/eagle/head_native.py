@@ -3,7 +3,7 @@
 At batch 1 on the CPU the head's step is bound by the work between its operations (some 70 of
 them, a few microseconds each in the interpreter), not by its products. The C++ step runs the
 very ATen operations of the Python path (`EagleHead.project_features` + `forward_decode` over
-`DecodeMetadata`: `_HeadGraphs.forward`, `EagleDrafter._decode_step`), in the same order on
+`DecodeMetadata`: `HeadGraphs.forward`, `EagleDrafter._decode_step`), in the same order on
 the same views, so its head outputs and K/V are the Python path's bit for bit (tests compare
 them): the Python path is its twin, and the fallback wherever the C++ cannot run (another
 layout, a window, a tree, split-KV, float linears; no extension, or `SPECDEC_CPU_NATIVE=0`).

@@ -1,5 +1,5 @@
 // The EAGLE head's decode step on the CPU in one C++ call: the same ATen operations, in the same
-// order and on the same views, as the Python path of `_HeadGraphs.forward` / `_decode_step`
+// order and on the same views, as the Python path of `HeadGraphs.forward` / `_decode_step`
 // (`EagleHead.project_features` through `FeatureNorm`'s float path and `fc`,
 // `EagleHead.forward_decode` with `fused.add_rms_norm_ref`, `fused.rope_write_kv_ref`,
 // `fused.paged_decode_attention_ref`, `fused.silu_mul_ref`, and `QuantizedWeight.matmul` for the
