@@ -15,6 +15,11 @@ from specdec.drafters.eagle.round_inputs import head_round_inputs
 from specdec.drafters.eagle.step_inputs import HeadRoundInputs, HeadStepInputs
 from specdec.transfer import to_device
 
+# The most "prompt" graph steps an admission replays (of `HeadGraphs.prompt_width` entries per
+# request each, 16): past that, one eager step over every entry (about fifty launches) costs the
+# host less than the replays (three launches each).
+PROMPT_GRAPH_STEPS = 8
+
 
 class EagleDeviceDrafting(DeviceDrafting):
     """Per slot: the head entries the next round feeds first (`entry_*`: at most `width`, the
@@ -114,11 +119,14 @@ class EagleDeviceDrafting(DeviceDrafting):
             to_device([slot.slot for slot in slots], torch.int64, device),
             to_device(counts, torch.int64, device),
         )
-        if behind:  # one head pass for every request behind (a new batch: their prompts)
+        if behind:  # the entries before those: their prompts, through the "prompt" graphs
             features_behind, tokens_behind, firsts, heads, states = map(
                 list, zip(*behind, strict=True)
             )
-            drafter._catch_up(features_behind, tokens_behind, firsts, heads, states)
+            if -(-max(heads) // self.graphs.prompt_width) <= PROMPT_GRAPH_STEPS:
+                self.graphs.prompt(torch.cat(features_behind), tokens_behind, firsts, heads, states)
+            else:  # long prompts: one eager general step (the same bits) beats many replays
+                drafter._catch_up(features_behind, tokens_behind, firsts, heads, states)
 
     def prepare(self, slots: list[DeviceSlot], last_positions: list[int]) -> None:
         # A round whose target writes up to position P (= anchor - 1 + k) writes head entries

@@ -11,7 +11,8 @@ import torch
 
 from specdec.drafters.eagle.head import head_logits
 from specdec.drafters.eagle.step_inputs import HeadStepInputs
-from specdec.models.attention import DecodeMetadata
+from specdec.models.attention import DecodeMetadata, cache_slots
+from specdec.models.attention_tiles import decode_query_bucket
 from specdec.runner.cuda_graph import GraphCache, StaticInputs, batch_buckets, bucket_for
 from specdec.transfer import to_device
 
@@ -32,6 +33,14 @@ class HeadGraphs:
     op by op costs twenty to forty, each paid by the host at batch 1. Without `use_graphs`
     (the CPU, or enforce_eager) the same padded step runs op by op on the same buffers, so both
     modes compute the same shapes and hence the same numbers.
+
+    A third kind, "prompt", feeds the entries of requests joining device rounds (all but the
+    last `width`, which their first round feeds): `prompt_width` entries per request a step,
+    through the same decode path, with no logits (`prompt`). It replaces the eager general
+    step there, about fifty launches whose host time was the admission's cost (s44, H100:
+    3.5 ms a join at c = 16, 5.5 ms at c = 64, 17-22% of an engine kept at that load). The
+    decode path gives an entry the bits the general step gives it (a request's rounds against
+    the synchronous step, whose wide catch-ups take the general step, say so token for token).
     """
 
     def __init__(
@@ -71,6 +80,19 @@ class HeadGraphs:
             self.inputs[name] for name in ("context_lens", "query_lens", "ends")
         )
         self.tables = self.inputs["tables"].view(max_num_seqs, max_blocks)
+        # "prompt" steps: per padded batch P, `prompt_width` rows a request; one int buffer laid
+        # out for P (slots, positions, tokens [P * width] each; context and query lengths [P]),
+        # written by one device copy a step from inputs sent once for all the steps.
+        attn = head.layer.self_attn
+        limit = drafter.MAX_DECODE_ENTRIES
+        self.prompt_width = decode_query_bucket(limit, attn.num_heads // attn.num_kv_heads, limit)
+        prompt_rows = max_num_seqs * self.prompt_width
+        feature_size = head.config.feature_size
+        self.prompt_features = torch.zeros(prompt_rows, feature_size, dtype=dtype, device=device)
+        self.prompt_ints = torch.zeros(3 * prompt_rows + 2 * max_num_seqs, dtype=torch.int64)
+        self.prompt_ints = self.prompt_ints.to(device)
+        self.prompt_tables = torch.zeros(max_num_seqs, max_blocks, dtype=torch.int64, device=device)
+        self.prompt_ends = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self.graph_cache = GraphCache(use_graphs)
 
     @property
@@ -185,12 +207,94 @@ class HeadGraphs:
         inputs.send("tables", padded * self.max_blocks)  # the tables of the requests in use
         return padded
 
+    def prompt(self, features, tokens, first_positions, counts, states) -> None:
+        """Feeds request j's counts[j] entries from token position first_positions[j] on (their
+        target features rows sum(counts[:j]).. of `features` [sum, F], their tokens tokens[j], a
+        list) through the head's decode path, `prompt_width` entries per request a step, each
+        step replayed from the graph of its padded batch. Writes the entries' K/V (blocks grown
+        by the caller); returns nothing: the requests' first round feeds on from there."""
+        drafter, width = self.drafter, self.prompt_width
+        num_seqs = len(states)
+        padded = bucket_for(self.buckets, num_seqs)
+        rows = padded * width
+        steps = -(-max(counts) // width)
+        size = drafter.block_size
+        starts = [0]
+        for count in counts[:-1]:
+            starts.append(starts[-1] + count)
+        ints: list[int] = []  # per step: slots, positions, tokens, context lengths, query lengths
+        targets, sources = [], []  # feature rows: (step, row) <- row of `features`
+        for step in range(steps):
+            slots, positions, step_tokens, context, query = [], [], [], [], []
+            for j in range(padded):
+                n = min(max(counts[j] - step * width, 0), width) if j < num_seqs else 0
+                if n:
+                    first = first_positions[j] + step * width
+                    entries = range(first - 1, first - 1 + n)
+                    slots += cache_slots(states[j].block_ids, entries, size).tolist()
+                    positions += [t + 1 for t in entries]
+                    step_tokens += tokens[j][step * width : step * width + n]
+                    targets += range(step * rows + j * width, step * rows + j * width + n)
+                    sources += range(starts[j] + step * width, starts[j] + step * width + n)
+                slots += [-1] * (width - n)  # padding rows: no slot written
+                positions += [0] * (width - n)
+                step_tokens += [0] * (width - n)
+                context.append(first - 1 + n if n else 0)  # context 0: an inert request
+                query.append(n)
+            ints += slots + positions + step_tokens + context + query
+        tables = []
+        for state in states:
+            tables += state.block_ids + [0] * (self.max_blocks - len(state.block_ids))
+        device = drafter.device
+        per_step = 3 * rows + 2 * padded
+        staged = to_device(ints + tables + targets + sources, torch.int64, device)
+        staged_ints = staged[: steps * per_step].view(steps, per_step)
+        table_rows = staged[steps * per_step : steps * per_step + len(tables)]
+        moved = staged[steps * per_step + len(tables) :]
+        target_rows, source_rows = moved[: len(targets)], moved[len(targets) :]
+        stacked = features.new_zeros(steps * rows, features.shape[-1])
+        stacked.index_copy_(0, target_rows, features.index_select(0, source_rows))
+        self.prompt_tables[:num_seqs].copy_(table_rows.view(num_seqs, self.max_blocks))
+        for step in range(steps):
+            self.prompt_ints[:per_step].copy_(staged_ints[step])
+            self.prompt_features[:rows].copy_(stacked[step * rows : (step + 1) * rows])
+            self._run_prompt(padded)
+
+    def _run_prompt(self, padded: int) -> None:
+        self.graph_cache.run(("prompt", padded), lambda: self._prompt_step(padded))
+
+    def _prompt_step(self, padded: int) -> torch.Tensor:
+        """A "prompt" step over the first `padded` requests of its buffers (see `prompt`)."""
+        drafter, head, width = self.drafter, self.drafter.head, self.prompt_width
+        rows = padded * width
+        ints = self.prompt_ints
+        meta = DecodeMetadata(
+            block_tables=self.prompt_tables[:padded],
+            context_lens=ints[3 * rows : 3 * rows + padded],
+            query_lens=ints[3 * rows + padded : 3 * rows + 2 * padded],
+            slot_mapping=ints[:rows],
+            query_per_seq=width,
+            num_partitions=drafter.num_partitions,
+        )
+        positions, features = ints[rows : 2 * rows], self.prompt_features[:rows]
+        embeds = drafter.embed(ints[2 * rows : 3 * rows])
+        if drafter._native is not None and not self.use_graphs:  # the CPU: one C++ call
+            return drafter._native(
+                features, True, embeds, positions, meta, self.prompt_ends[:padded]
+            )
+        hidden = head.project_features(features)
+        return head.forward_decode(hidden, embeds, positions, meta, drafter.kv_cache)
+
     def warm_up(self) -> None:
-        """Runs both kinds of step at every padded batch size over inert rows (context 0, no
-        slot written), so that each graph is captured; `_fill` rewrites every input a later
-        step reads."""
+        """Runs every kind of step at every padded batch size over inert rows (context 0, no
+        slot written), so that each graph is captured; `_fill` and `prompt` rewrite every input
+        a later step reads."""
         inputs = self.inputs
         for padded in self.buckets:
+            self.prompt_ints.zero_()
+            self.prompt_ints[: padded * self.prompt_width].fill_(-1)
+            self.prompt_tables.zero_()
+            self._run_prompt(padded)
             for kind in ("catch_up", "chain"):
                 rows = padded * (self.width if kind == "catch_up" else 1)
                 inputs.begin()
