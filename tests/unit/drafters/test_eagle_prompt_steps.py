@@ -4,7 +4,12 @@ here). Its entries get the bits the synchronous step's general catch-up gives th
 emit the synchronous step's tokens with the standard verifier (whose tokens depend on the
 drafts) at K pinned, for prompts of one step, of several, and past `PROMPT_GRAPH_STEPS` (the
 eager general step), joining a running batch or entering together. Negative control: prompt
-steps that write no entry change the drafts and so the tokens."""
+steps that write no entry change the drafts and so the tokens.
+
+On CUDA (s44, H100; the engine picks the GPU where there is one) `[together]` passed and
+`[joining]` failed: the 30-token request entering beside the 150-token one, whose prompts take
+the eager general step, emitted other tokens than the synchronous step (BENCHMARKS.md area 5,
+s44). Open: which of the two older paths gives other bits there."""
 
 from __future__ import annotations
 
