@@ -1,14 +1,14 @@
 """CUDA graphs of the EAGLE head's decode-path steps over static input buffers (`HeadGraphs`):
-the catch-up on a round's new entries and the chain steps, captured per padded batch size; on the
-CPU (or enforce_eager) the same padded steps run op by op on the same buffers."""
+the catch-up on a round's new entries, the chain steps and the prompt steps of requests entering
+device rounds, captured per padded batch size; on the CPU (or enforce_eager) the same padded
+steps run op by op on the same buffers."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from specdec.drafters.base import Drafter
 from specdec.drafters.eagle.head import head_logits
 from specdec.drafters.eagle.step_inputs import HeadStepInputs
 from specdec.models.attention import DecodeMetadata, cache_slots
@@ -16,13 +16,10 @@ from specdec.models.attention_tiles import decode_query_bucket
 from specdec.runner.cuda_graph import GraphCache, StaticInputs, batch_buckets, bucket_for
 from specdec.transfer import to_device
 
-if TYPE_CHECKING:
-    from specdec.drafters.eagle.drafter import EagleDrafter
-
 
 class HeadGraphs:
-    """CUDA graphs of the head's two kinds of step, over static input buffers, one graph per
-    (kind, padded batch size):
+    """CUDA graphs of the head's steps, over static input buffers, one graph per (kind, padded
+    batch size):
 
     - "catch_up": each request's new entries (at most `width`: the round's K + 1) from target
       features, padded to `width` rows per request; returns each request's last output;
@@ -45,7 +42,7 @@ class HeadGraphs:
 
     def __init__(
         self,
-        drafter: EagleDrafter,
+        drafter: Drafter,  # an `EagleDrafter` (its head, cache and entry inputs)
         max_num_seqs: int,
         width: int,
         max_blocks: int,
