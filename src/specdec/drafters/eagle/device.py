@@ -125,7 +125,7 @@ class EagleDeviceDrafting(DeviceDrafting):
             )
             if -(-max(heads) // self.graphs.prompt_width) <= PROMPT_GRAPH_STEPS:
                 self.graphs.prompt(torch.cat(features_behind), tokens_behind, firsts, heads, states)
-            else:  # long prompts: one eager general step (the same bits) beats many replays
+            else:  # long prompts: one eager general step costs the host less than many replays
                 drafter._catch_up(features_behind, tokens_behind, firsts, heads, states)
 
     def prepare(self, slots: list[DeviceSlot], last_positions: list[int]) -> None:

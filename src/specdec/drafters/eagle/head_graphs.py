@@ -37,7 +37,9 @@ class HeadGraphs:
     step there, about fifty launches whose host time was the admission's cost (s44, H100:
     3.5 ms a join at c = 16, 5.5 ms at c = 64, 17-22% of an engine kept at that load). The
     decode path gives an entry the bits the general step gives it (a request's rounds against
-    the synchronous step, whose wide catch-ups take the general step, say so token for token).
+    the synchronous step, whose wide catch-ups take the general step, say so token for token on
+    the CPU and in the GPU cases run in s44; one CUDA case, through the eager step, is open:
+    `test_eagle_prompt_steps.py`).
     """
 
     def __init__(
