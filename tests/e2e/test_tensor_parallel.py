@@ -137,7 +137,10 @@ def test_graphed_prefill_matches_tp1():
 @pytest.mark.parametrize(
     "spec",
     [
-        {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False},
+        pytest.param(
+            {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False},
+            marks=pytest.mark.slow,  # the eagle case runs the same rounds in the default CI run
+        ),
         {"method": "eagle", "num_speculative_tokens": 2, "adaptive": False},  # the shipped head
     ],
     ids=["ngram", "eagle"],

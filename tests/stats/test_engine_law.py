@@ -176,7 +176,11 @@ def test_negative_control_eagle_verifier_given_the_raw_draft_distribution(
 
 @pytest.mark.parametrize(
     ("drafter", "method"),
-    [("draft_model", "standard"), pytest.param("eagle", "block", marks=SLOW), ("eagle", "coupled")],
+    [
+        pytest.param("draft_model", "standard", marks=SLOW),
+        pytest.param("eagle", "block", marks=SLOW),
+        ("eagle", "coupled"),
+    ],
 )
 def test_device_rounds_with_adaptive_k_follow_the_target(model_dir, eagle_dir, drafter, method):
     """H0: through speculative rounds on the device (asynchronous scheduling; op by op on the
@@ -184,7 +188,7 @@ def test_device_rounds_with_adaptive_k_follow_the_target(model_dir, eagle_dir, d
     still have the target's exact joint law (requests run to 6 tokens, so that rounds past the
     first decide some of the 3). Same statistic, N and threshold as above (Pearson chi-square,
     512 cells, temperature 0.7, reject at p < 1e-6: false-failure rate <= 1e-6 per case, 3
-    cases; EAGLE with block runs with the slow tests)."""
+    cases; the draft model with standard and EAGLE with block run with the slow tests)."""
     if drafter == "eagle":
         spec = eagle_config(eagle_dir, method)
     else:
