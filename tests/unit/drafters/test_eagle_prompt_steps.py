@@ -6,10 +6,12 @@ drafts) at K pinned, for prompts of one step, of several, and past `PROMPT_GRAPH
 eager general step), joining a running batch or entering together. Negative control: prompt
 steps that write no entry change the drafts and so the tokens.
 
-On CUDA (s44, H100; the engine picks the GPU where there is one) `[together]` passed and
-`[joining]` failed: the 30-token request entering beside the 150-token one, whose prompts take
-the eager general step, emitted other tokens than the synchronous step (BENCHMARKS.md area 5,
-s44). Open: which of the two older paths gives other bits there."""
+On CUDA (s44, H100) `[joining]` failed: s45 found the synchronous step itself gave the running
+requests other drafts when the late request's prompt shared their catch-up (the head's general
+step ran PyTorch's eager operations on CUDA, whose rows depend on the row count), while the
+rounds gave the same tokens with and without the join. The general step now runs the decode
+path's kernels on CUDA; `test_synchronous_drafts_do_not_depend_on_a_prompt_beside` holds the
+synchronous step to it, with a deliberately batch-dependent head as its negative control."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from eagle_fixtures import VOCAB, trained_head
 from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
 from specdec.drafters.eagle import device as eagle_device
 from specdec.drafters.eagle.drafter import EagleDrafter
+from specdec.drafters.eagle.head import EagleHead
 from specdec.drafters.eagle.head_graphs import HeadGraphs
 from specdec.engine.config import EngineConfig, SpeculativeConfig
 from specdec.engine.llm_engine import LLMEngine
@@ -41,7 +44,7 @@ def head_dir(model_dir, tmp_path_factory):
     return trained_head(model_dir, tmp_path_factory.mktemp("eagle-prompt-steps"))
 
 
-def run(model_dir, head_dir, rounds: bool, late: bool) -> list[list[int]]:
+def run(model_dir, head_dir, rounds: bool, late: bool, add_late: bool = True) -> list[list[int]]:
     spec = {
         "method": "eagle",
         "model": str(head_dir),
@@ -62,14 +65,14 @@ def run(model_dir, head_dir, rounds: bool, late: bool) -> list[list[int]]:
     finals, steps = {}, 0
     while engine.has_unfinished:
         steps += 1
-        if late and steps == 3:  # the last request joins the running rounds
+        if late and add_late and steps == 3:  # the last request joins the running rounds
             ids.append(engine.add_request(prompts[-1], params))
         for out in engine.step(only_finished=True):
             if out.finished:
                 finals[out.request_id] = list(out.outputs[0].token_ids)
     if rounds:
         assert engine.loop_stats.num_device_rounds > 0
-        if late:
+        if late and add_late:
             assert engine.loop_stats.num_round_joins > 0
     return [finals[i] for i in ids]
 
@@ -108,3 +111,26 @@ def test_negative_control_prompt_steps_that_write_nothing(model_dir, head_dir, m
     want = run(model_dir, head_dir, rounds=False, late=False)
     monkeypatch.setattr(HeadGraphs, "prompt", lambda self, *args: None)
     assert run(model_dir, head_dir, rounds=True, late=False) != want
+
+
+def test_synchronous_drafts_do_not_depend_on_a_prompt_beside(model_dir, head_dir):
+    """The synchronous step: the running requests' tokens (standard verifier, K pinned, so they
+    follow the drafts) are the same whether or not a request's prompt joins their catch-up."""
+    alone = run(model_dir, head_dir, rounds=False, late=True, add_late=False)
+    joined = run(model_dir, head_dir, rounds=False, late=True)
+    assert joined[:3] == alone
+
+
+def test_negative_control_a_batch_dependent_head(model_dir, head_dir, monkeypatch):
+    """A head whose general step mixes its outputs' features when the step holds more than 40
+    entries (a direction change: the output norm would undo a scale) must fail the comparison
+    above."""
+    alone = run(model_dir, head_dir, rounds=False, late=True, add_late=False)
+    forward = EagleHead.forward_paged
+
+    def mixed(self, hidden, *args):
+        out = forward(self, hidden, *args)
+        return out + out.roll(1, dims=-1) if hidden.shape[0] > 40 else out
+
+    monkeypatch.setattr(EagleHead, "forward_paged", mixed)
+    assert run(model_dir, head_dir, rounds=False, late=True)[:3] != alone

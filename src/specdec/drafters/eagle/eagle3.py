@@ -179,8 +179,10 @@ class Eagle3Head(nn.Module):
         Mutates: the `kv_cache` slots in `attn.slot_mapping`.
         """
         layer = self.layer
-        cos, sin = self.rotary_emb(positions)
         plan = AttentionPlan.build(attn, kv_cache.block_size, hidden.device)
+        if plan.flash:  # CUDA: the decode path's kernels (`EagleHead.forward_paged`)
+            return self.forward_decode(hidden, embeds, positions, None, kv_cache, flash=plan)
+        cos, sin = self.rotary_emb(positions)
         x, residual = layer.attention_input(hidden, embeds, fused=False)
         k_cache, v_cache = kv_cache.k_cache[0], kv_cache.v_cache[0]
         y = residual + layer.self_attn(x, cos, sin, plan, k_cache, v_cache)
@@ -191,18 +193,22 @@ class Eagle3Head(nn.Module):
         hidden: torch.Tensor,
         embeds: torch.Tensor,
         positions: torch.Tensor,
-        meta: DecodeMetadata,
+        meta: DecodeMetadata | None,
         kv_cache: KVCache,
+        flash: AttentionPlan | None = None,
     ) -> torch.Tensor:
         """`forward_paged` through the fused decode kernels (see `EagleHead.forward_decode`):
-        the same arguments and result (rows of padding entries are garbage).
+        the same arguments and result (rows of padding entries are garbage); with `flash`
+        (`meta` None) attention through the prefill kernel.
 
-        Mutates: the `kv_cache` slots in `meta.slot_mapping`.
+        Mutates: the `kv_cache` slots in `meta.slot_mapping` (`flash.slot_mapping`).
         """
         layer = self.layer
         x, residual = layer.attention_input(hidden, embeds, fused=True)
+        k_cache, v_cache = kv_cache.k_cache[0], kv_cache.v_cache[0]
+        inv_freq = self.rotary_emb.inv_freq
         out = layer.self_attn.forward_decode(
-            x, positions, self.rotary_emb.inv_freq, meta, kv_cache.k_cache[0], kv_cache.v_cache[0]
+            x, positions, inv_freq, meta, k_cache, v_cache, flash=flash
         )
         post = layer.post_attention_layernorm
         normed, residual = add_rms_norm(out, residual, post.weight, post.eps)

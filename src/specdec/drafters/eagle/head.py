@@ -306,8 +306,11 @@ class EagleHead(nn.Module):
 
         Mutates: the `kv_cache` slots in `attn.slot_mapping`.
         """
-        cos, sin = self.rotary_emb(positions)
         plan = AttentionPlan.build(attn, kv_cache.block_size, hidden.device)
+        if plan.flash:  # CUDA: the decode path's kernels, so an entry's bits never depend on
+            # what else the step holds (a prompt's catch-up beside decode entries; s45)
+            return self.forward_decode(hidden, embeds, positions, None, kv_cache, flash=plan)
+        cos, sin = self.rotary_emb(positions)
         x = self.layer_input(hidden, embeds)
         out = self.layer(x, cos, sin, plan, kv_cache.k_cache[0], kv_cache.v_cache[0])
         return out if self.final_norm is None else self.final_norm(out)
@@ -317,15 +320,18 @@ class EagleHead(nn.Module):
         hidden: torch.Tensor,
         embeds: torch.Tensor,
         positions: torch.Tensor,
-        meta: DecodeMetadata,
+        meta: DecodeMetadata | None,
         kv_cache: KVCache,
+        flash: AttentionPlan | None = None,
     ) -> torch.Tensor:
         """`forward_paged` through the fused decode kernels, for steps in which each sequence
         brings at most `meta.query_per_seq` entries in the uniform layout of `DecodeMetadata`
         (a draft step: one entry per sequence). A fraction of `forward_paged`'s operations (about
         20), and no host sync. Same arguments and result (rows of padding entries are garbage).
+        With `flash` (a CUDA step of any entries, `meta` None) attention runs the prefill
+        kernel, whose rows are the decode kernel's bits.
 
-        Mutates: the `kv_cache` slots in `meta.slot_mapping`.
+        Mutates: the `kv_cache` slots in `meta.slot_mapping` (`flash.slot_mapping`).
         """
         layer = self.layer
         if self.embed_norm is not None:
@@ -344,6 +350,7 @@ class EagleHead(nn.Module):
             meta,
             kv_cache.k_cache[0],
             kv_cache.v_cache[0],
+            flash=flash,
         )
         normed, residual = add_rms_norm(
             out, residual, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps
