@@ -1,14 +1,15 @@
 """What a speculative step costs on the CPU, part by part, against a plain step.
 
 The built-in SmolLM2 (the GGUF kept quantized, the CPU default) with the shipped EAGLE head at
-K = 1 and K = 2 and without speculation; greedy (or `--temperature`), 48 tokens per prompt,
+K = 1 and K = 2, held at K = 0 by the policy (`--held-k0`: a speculating engine's plain steps),
+and without speculation; greedy (or `--temperature`), 48 tokens per prompt,
 `--batch` held-out prompts at once. Per part of the synchronous step (the drafter's `propose`,
 the target's forward over [input token + drafts], `emit`: sampling and verification, feature
 delivery) the median host milliseconds per call; tokens/s of the whole call. Pin the threads
 and run it on an otherwise idle machine.
 
     PYTHONPATH=src python benchmarks/probes/probe_cpu_spec_step.py --out FILE [--batch 1] \
-        [--threads 2] [--temperature 1] [--pinned]
+        [--threads 2] [--temperature 1] [--pinned] [--held-k0]
 
 Writes FILE (JSON). A profile, not a BENCHMARKS.md figure by itself.
 """
@@ -27,11 +28,15 @@ import torch
 HERE = Path(__file__).resolve().parent
 
 
-def run(spec: dict | None, texts: list[str], tokens: int, temperature: float = 0.0) -> dict:
+def run(
+    spec: dict | None, texts: list[str], tokens: int, temperature: float = 0.0, k0: bool = False
+) -> dict:
     from specdec import LLM, SamplingParams
     from specdec.engine import llm_engine
 
     llm = LLM(speculative_config=spec)
+    if k0:  # the policy holds K = 0: every step the speculating engine's plain step
+        type(llm.engine.policy)._choose = lambda *args: 0
     prompts = [
         {"prompt_token_ids": llm.tokenizer.encode_chat([{"role": "user", "content": text}])}
         for text in texts
@@ -86,6 +91,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--pinned", action="store_true", help="K pinned (no adaptive policy)")
+    parser.add_argument("--held-k0", action="store_true", help="also the policy held at K = 0")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from specdec.drafters.default import DEFAULT_EAGLE_DIR
@@ -102,12 +108,19 @@ def main() -> None:
         "temperature": args.temperature,
     }
     pinned = {"adaptive": False} if args.pinned else {}
-    for name, spec in (
-        ("plain", None),
-        ("eagle K=1", {**head, "num_speculative_tokens": 1, **pinned}),
-        ("eagle K=2", {**head, "num_speculative_tokens": 2, **pinned}),
-    ):
-        report[name] = run(spec, texts, args.tokens, args.temperature)
+    arms = [
+        ("plain", None, False),
+        ("eagle K=1", {**head, "num_speculative_tokens": 1, **pinned}, False),
+        ("eagle K=2", {**head, "num_speculative_tokens": 2, **pinned}, False),
+    ]
+    if args.held_k0:
+        arms.insert(1, ("eagle held at K=0", {**head, "num_speculative_tokens": 1}, True))
+    from specdec.engine.spec_policy import SpeculationPolicy
+
+    choose = SpeculationPolicy._choose
+    for name, spec, k0 in arms:
+        report[name] = run(spec, texts, args.tokens, args.temperature, k0)
+        SpeculationPolicy._choose = choose
         print(name, json.dumps(report[name]), flush=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out}")
