@@ -232,7 +232,7 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
                 margin=0.0 if self.device_rounds else SYNC_SPEC_MARGIN,
             )
         self._sync_k: dict[int, int] = {}  # batch bucket -> the K its last measured step took
-        self._sync_emitted: list[Emission | None] = []  # the last synchronous step's
+        self._sync_emitted: list[tuple[str, Emission | None]] = []  # the last synchronous step's
         self._ids = itertools.count()
         self._unseeded = itertools.count()  # requests without a seed, for `config.seed`
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
@@ -494,6 +494,8 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
         self.scheduler.finish(request, status)
         if self.drafter is not None:
             self.drafter.release(request.request_id)
+        if self.policy is not None:
+            self.policy.forget(request.request_id)
 
     # ------------------------------------------------------------------- step
     def step(self, only_finished: bool = False) -> list[RequestOutput] | list[RequestDelta]:
@@ -545,7 +547,10 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
         self.loop_stats.num_graphed_prefill_steps += self.runner.num_graphed_prefill_steps - graphed
         logits = self._take_prompt_logprobs(scheduled, inputs, logits)
         emitted = self.emitter.emit(scheduled, logits, drafts)
-        self._sync_emitted = emitted  # the policy's acceptance counts (`_observe_sync_step`)
+        # the policy's acceptance counts, by request (`_observe_sync_step`)
+        self._sync_emitted = [
+            (s.request.request_id, e) for s, e in zip(scheduled, emitted, strict=True)
+        ]
         paths = [None if e is None else e.path for e in emitted]
         if features:
             rejected = [0 if e is None else e.num_rejected for e in emitted]

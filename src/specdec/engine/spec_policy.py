@@ -24,6 +24,12 @@ step is part of each arm's measured cost: their tokens count in every arm's toke
 steps as the longest of them has tokens left. Without that, a few requests in the rounds beside
 many outside them would pay a dearer round for the few's gain alone.
 
+Acceptance is kept per request too: a choice weighs the acceptance of the requests the step
+runs (the mean of each one's running acceptance, which counts the pooled acceptance of every
+request as `REQUEST_PRIOR_ROUNDS` rounds of its own), so that a step follows its own requests,
+not whichever request drafted most lately (s44, the CPU at c = 1: the pooled acceptance of a
+request that accepted well made the next one draft where it lost).
+
 Costs are measured in steady state: a step's cost runs from the previous step's end to its own
 (the first step of a visit to an arm has no previous one and is not measured), the next `ramp`
 measured steps of a visit are dropped too (a graph capture, the loop settling after a switch),
@@ -71,6 +77,10 @@ SYNC_EXPLORE_BUDGET = 0.005
 # run on the 2-core machine (s24: K = 1 at batch 1 measured 1.47 tokens for 15.1 ms against
 # 1 for 9.8, within a few percent of each other from one server run to the next).
 SYNC_SPEC_MARGIN = 0.05
+
+# How many rounds of a request's own the pooled acceptance counts as in that request's running
+# acceptance: a new request starts from the pooled one and follows its own after a few rounds.
+REQUEST_PRIOR_ROUNDS = 2.0
 
 # The expected maximum of 2^i independent standard normals, i = 0..10.
 _EXPECTED_MAX_NORMAL = (0.0, 0.5642, 1.0294, 1.4236, 1.7660, 2.0697, 2.3437, 2.5946, 2.8269,
@@ -150,6 +160,9 @@ class SpeculationPolicy:
     _tried: dict[tuple[int, int], int] = field(default_factory=dict)
     _offered: list[float] = field(default_factory=list)  # rows that reached draft i
     _accepted: list[float] = field(default_factory=list)  # ... and accepted it
+    # Per request: its own decayed counts of drafts offered and accepted, by position.
+    _requests: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
+    _view: list[float] | None = None  # the acceptance a choice weighs (its requests')
     _rounds: int = 0
     _hold: list[int] = field(default_factory=list)  # [arm, choices left] of an exploration
     _visit: tuple[int, int] = (0, PLAIN - 1)  # (bucket, arm) of the visit going on
@@ -180,6 +193,7 @@ class SpeculationPolicy:
         in_rounds: bool = True,
         beside: Sequence[int] = (),
         rows: int | None = None,
+        requests: Sequence[str] | None = None,
     ) -> int:
         """The arm of the next step of `bucket` slots.
 
@@ -194,9 +208,17 @@ class SpeculationPolicy:
                 closed batch none finishes before the longest of them has emitted its last.
             rows: the requests the step runs (default: `bucket`), against which `beside` is
                 weighed.
+            requests: the ids of the requests that would draft in the step: the acceptance
+                weighed is the mean of theirs (`request_acceptance`); None: the pooled one.
         """
         share = len(beside) / max(rows or bucket, 1)
-        k = self._choose(bucket, remaining, in_rounds, beside, share)
+        if requests:
+            views = [self.request_acceptance(request_id) for request_id in requests]
+            self._view = [sum(column) / len(views) for column in zip(*views, strict=True)]
+        try:
+            k = self._choose(bucket, remaining, in_rounds, beside, share)
+        finally:
+            self._view = None
         self.chosen[k] = self.chosen.get(k, 0) + 1
         self._rounds += 1
         return k
@@ -337,11 +359,33 @@ class SpeculationPolicy:
 
     # ------------------------------------------------------------------ the model
     def acceptance(self, i: int) -> float:
-        """The running acceptance of draft i (0-based) given drafts before it were accepted
-        (optimistic 1 before any round has offered it, so that speculation is tried)."""
+        """The running acceptance of draft i (0-based) given drafts before it were accepted:
+        within `choose` with its requests, theirs (`request_acceptance`, averaged); otherwise
+        pooled over every request (optimistic 1 before any round has offered it, so that
+        speculation is tried)."""
+        if self._view is not None:
+            return self._view[i]
+        return self._pooled(i)
+
+    def _pooled(self, i: int) -> float:
         if self._offered[i] <= 0:
             return 1.0
         return self._accepted[i] / self._offered[i]
+
+    def request_acceptance(self, request_id: str) -> list[float]:
+        """Request `request_id`'s running acceptance of drafts 0..max_k - 1: its own decayed
+        counts with the pooled acceptance as `REQUEST_PRIOR_ROUNDS` rounds of prior."""
+        pooled = [self._pooled(i) for i in range(self.max_k)]
+        own = self._requests.get(request_id)
+        if own is None:
+            return pooled
+        offered, accepted = own
+        prior = REQUEST_PRIOR_ROUNDS
+        return [(accepted[i] + prior * pooled[i]) / (offered[i] + prior) for i in range(self.max_k)]
+
+    def forget(self, request_id: str) -> None:
+        """Drops a finished (or preempted) request's own acceptance."""
+        self._requests.pop(request_id, None)
 
     def round_tokens(self, k: int) -> tuple[float, float]:
         """(mean, variance) of the tokens a step of arm k emits per request: 1 + the accepted
@@ -447,10 +491,12 @@ class SpeculationPolicy:
         seconds: float | None,
         outcomes: list[tuple[int, int]],
         interrupted: bool = False,
+        requests: Sequence[str] | None = None,
     ) -> None:
         """Records a read step: its arm, its measured cost (None: not measured, the first step
         of a visit, or `interrupted`: other device work ran before it, inside the visit) and,
-        for a round, per live request (drafts verified, drafts accepted)."""
+        for a round, per live request (drafts verified, drafts accepted), whose ids
+        `requests` gives in the same order (None: the pooled acceptance only)."""
         if self.side_budget is not None:
             if k > 0 and self._behind and seconds is not None:
                 self._catch_ups.append((bucket, k, seconds))
@@ -472,11 +518,20 @@ class SpeculationPolicy:
         # once: the acceptance follows the last rounds, not the last few rows of one batch.
         offered = [0] * self.max_k
         accepted_at = [0] * self.max_k
-        for num_draft, accepted in outcomes:
-            for i in range(min(num_draft, accepted + 1, self.max_k)):
+        decay = self.decay
+        ids = requests if requests is not None else [None] * len(outcomes)
+        for request_id, (num_draft, accepted) in zip(ids, outcomes, strict=True):
+            reached = min(num_draft, accepted + 1, self.max_k)
+            for i in range(reached):
                 offered[i] += 1
                 accepted_at[i] += i < accepted
-        decay = self.decay
+            if request_id is not None and reached:  # its own counts, decayed by its own rounds
+                own_offered, own_accepted = self._requests.setdefault(
+                    request_id, ([0.0] * self.max_k, [0.0] * self.max_k)
+                )
+                for i in range(reached):
+                    own_offered[i] = (1 - decay) * own_offered[i] + 1
+                    own_accepted[i] = (1 - decay) * own_accepted[i] + (i < accepted)
         for i in range(self.max_k):
             if offered[i]:
                 self._offered[i] = (1 - decay) * self._offered[i] + decay * offered[i]

@@ -52,7 +52,8 @@ class SpeculativeLoops:
         measured = len(decodes) == len(scheduled)
         if measured:
             horizon = self._horizon([share.request for share in decodes])
-            k = policy.choose(bucket, horizon, in_rounds=True)
+            drafting = [s.request.request_id for s in decodes if s.request.spec is not None]
+            k = policy.choose(bucket, horizon, in_rounds=True, requests=drafting)
             self._sync_k[bucket] = k
             self.loop_stats.k_chosen[k] = self.loop_stats.k_chosen.get(k, 0) + 1
         else:
@@ -68,12 +69,13 @@ class SpeculativeLoops:
         """A measured synchronous step (`_sync_step_k`): its cost and its rounds' acceptance to
         the policy."""
         bucket, k = chosen
-        outcomes = [
-            (e.num_draft, e.num_accepted)
-            for e in self._sync_emitted
+        read = [
+            (request_id, (e.num_draft, e.num_accepted))
+            for request_id, e in self._sync_emitted
             if e is not None and e.num_draft and e.unusable_position is None
         ]
-        self.policy.observe(bucket, k, seconds, outcomes)
+        ids = [request_id for request_id, _ in read]
+        self.policy.observe(bucket, k, seconds, [outcome for _, outcome in read], requests=ids)
 
     # ------------------------------------------------------- into the rounds, or not
     def _round_choice(self) -> int | None:
@@ -97,7 +99,12 @@ class SpeculativeLoops:
         taken = {id(r) for r in takers}
         beside = self._budgets([r for r in running if id(r) not in taken])
         k = self.policy.choose(
-            bucket, self._horizon(takers), in_rounds=False, beside=beside, rows=len(takers)
+            bucket,
+            self._horizon(takers),
+            in_rounds=False,
+            beside=beside,
+            rows=len(takers),
+            requests=[r.request_id for r in takers],
         )
         self._plain_chosen = k == PLAIN
         if self._plain_chosen:
@@ -244,6 +251,7 @@ class SpeculativeLoops:
                     in_rounds=True,
                     beside=self._budgets(self._round_side),
                     rows=len(live),
+                    requests=[r.request_id for r in live],
                 )
             self._next_k = None
             if k == PLAIN:
@@ -263,12 +271,19 @@ class SpeculativeLoops:
             commits += self._read_commits(prefill)
         if rounds.inflight and (len(rounds.inflight) > 1 or not launched):
             emissions, k, seconds, interrupted = rounds.read()
-            outcomes = [
-                (e.num_draft, e.num_accepted)
-                for _, e in emissions
+            read = [
+                (r.request_id, (e.num_draft, e.num_accepted))
+                for r, e in emissions
                 if e.unusable_position is None  # a failed round says nothing of acceptance
             ]
-            self.policy.observe(rounds.num_rows, k, seconds, outcomes, interrupted=interrupted)
+            self.policy.observe(
+                rounds.num_rows,
+                k,
+                seconds,
+                [outcome for _, outcome in read],
+                interrupted=interrupted,
+                requests=[request_id for request_id, _ in read],
+            )
             if self._entry_cost is not None:
                 bucket, host, started, ended = self._entry_cost
                 self._entry_cost = None

@@ -225,8 +225,8 @@ def test_injected_costs_make_the_real_policy_go_plain(model_dir, head_dir, promp
     then, and coupled output stays plain decoding's."""
     original = SpeculationPolicy.observe
 
-    def observe(self, bucket, k, seconds, outcomes, interrupted=False):
-        original(self, bucket, k, 1.0 if k == PLAIN else 3.0, outcomes)
+    def observe(self, bucket, k, seconds, outcomes, interrupted=False, requests=None):
+        original(self, bucket, k, 1.0 if k == PLAIN else 3.0, outcomes, requests=requests)
 
     monkeypatch.setattr(SpeculationPolicy, "observe", observe)
     requests = [(p, params_for(1.0, 60 + i, max_tokens=40)) for i, p in enumerate(prompts)]

@@ -424,3 +424,37 @@ def test_requests_beside_the_rounds_count_in_every_arms_tokens():
     assert policy.choose(BUCKET, [32] * 8, beside=[4] * 56, rows=8) == 2
     assert policy.choose(BUCKET, [32] * 8, beside=[128] * 56, rows=8) == 0
     assert policy.seconds_to_finish(BUCKET, 2, [32] * 8, True, 128) == 128 * seconds[2]
+
+
+def test_a_step_weighs_the_acceptance_of_its_own_requests():
+    """Two requests in turn at batch 1 (the CPU at c = 1): "a" accepts every draft, "b" none.
+    K = 1 costs 1.6x a K = 0 step, so it pays for "a" (2 tokens) and loses for "b" (1 token).
+    With each step's request named, the choice follows that request's own acceptance as soon as
+    it has a few rounds; a new request starts from the pooled acceptance; a finished one is
+    forgotten. Negative control: the same rounds recorded without their ids (the pooled
+    acceptance only, which mixes both requests) deny "a" the drafts that pay for it."""
+
+    def measured(requests_named: bool) -> SpeculationPolicy:
+        policy = SpeculationPolicy(1, explore_every=10**6, side_budget=0.02, margin=0.05)
+        seconds = {0: 1.0, 1: 1.6}
+        for _ in range(2 * policy.explore_run):  # both arms measured on "a" and "b" in turn
+            k = policy.choose(1)
+            policy.observe(1, k, seconds[k], [])
+        for _ in range(6):  # a few rounds of each (the pooled acceptance ends on "b"'s)
+            for request_id, accepted in (("a", 1), ("b", 0)):
+                ids = [request_id] if requests_named else None
+                policy.observe(1, 1, None, [(1, accepted)], requests=ids)
+        return policy
+
+    policy = measured(requests_named=True)
+    assert policy.request_acceptance("a")[0] > 0.8 and policy.request_acceptance("b")[0] < 0.2
+    assert policy.choose(1, requests=["a"]) == 1
+    assert policy.choose(1, requests=["b"]) == 0
+    assert policy.choose(1, requests=["a", "b"]) == 0  # 1.5 tokens for 1.6x: not worth it
+    pooled = policy.acceptance(0)  # outside a choice: pooled over both
+    assert policy.request_acceptance("new") == [pooled]
+    policy.forget("a")
+    assert policy.request_acceptance("a") == [pooled]
+    # The negative control: the pooled acceptance alone.
+    policy = measured(requests_named=False)
+    assert policy.choose(1, requests=["a"]) == 0
