@@ -419,3 +419,32 @@ def test_plain_arm_must_be_a_bool():
     assert SpeculativeConfig.from_dict({"method": "ngram"}).plain_arm is False
     with pytest.raises(ValueError, match="plain_arm must be true or false"):
         SpeculativeConfig.from_dict({"method": "ngram", "plain_arm": "yes"})
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "rounds"])
+def test_the_policy_keeps_each_running_requests_acceptance_and_forgets_it(
+    model_dir, head_dir, prompts, async_scheduling, monkeypatch
+):
+    """The real policy learns each drafting request's own acceptance from its rounds (the
+    synchronous step, and the device rounds with a request joining them) and drops it when the
+    request finishes, aborted ones included: nothing is left once the engine is idle."""
+    engine = make_engine(
+        model_dir, spec_for("eagle", head_dir, "coupled", plain_arm=False), async_scheduling
+    )
+    held = []
+    observe = SpeculationPolicy.observe
+
+    def spy(self, *args, **kwargs):
+        observe(self, *args, **kwargs)
+        held.append(set(self._requests))
+
+    monkeypatch.setattr(SpeculationPolicy, "observe", spy)
+    requests = [(p, params_for(1.0, 70 + i, max_tokens=24)) for i, p in enumerate(prompts)]
+    late = [(prompts[0], params_for(1.0, 80, max_tokens=24))]
+    aborted = engine.add_request(prompts[1], params_for(1.0, 81, max_tokens=60))
+    engine.step()
+    engine.step()
+    engine.abort(aborted)
+    drive(engine, requests, late)
+    assert max(len(ids) for ids in held) >= 2  # several requests' own acceptance at once
+    assert engine.policy._requests == {}
