@@ -5,7 +5,7 @@ already observed only (non-anticipating)."""
 
 from __future__ import annotations
 
-from specdec.engine.spec_policy import PLAIN, SpeculationPolicy
+from specdec.engine.spec_policy import PLAIN, REQUEST_ACCEPTANCE_ROWS, SpeculationPolicy
 
 BUCKET = 8
 
@@ -453,6 +453,10 @@ def test_a_step_weighs_the_acceptance_of_its_own_requests():
     assert policy.choose(1, requests=["a", "b"]) == 0  # 1.5 tokens for 1.6x: not worth it
     pooled = policy.acceptance(0)  # outside a choice: pooled over both
     assert policy.request_acceptance("new") == [pooled]
+    # Over REQUEST_ACCEPTANCE_ROWS requests a choice weighs the pooled acceptance (rows of "a"
+    # stand for requests like it): up to that many, "a"'s; one more, the pooled.
+    assert policy.choose(1, requests=["a"] * REQUEST_ACCEPTANCE_ROWS) == 1
+    assert policy.choose(1, requests=["a"] * (REQUEST_ACCEPTANCE_ROWS + 1)) == 0
     policy.forget("a")
     assert policy.request_acceptance("a") == [pooled]
     # The negative control: the pooled acceptance alone.
