@@ -24,9 +24,10 @@ step is part of each arm's measured cost: their tokens count in every arm's toke
 steps as the longest of them has tokens left. Without that, a few requests in the rounds beside
 many outside them would pay a dearer round for the few's gain alone.
 
-Acceptance is kept per request too: a choice weighs the acceptance of the requests the step
-runs (the mean of each one's running acceptance, which counts the pooled acceptance of every
-request as `REQUEST_PRIOR_ROUNDS` rounds of its own), so that a step follows its own requests,
+Acceptance is kept per request too: a choice for a step of at most `REQUEST_ACCEPTANCE_ROWS`
+requests weighs their acceptance (the mean of each one's running acceptance, which counts the
+pooled acceptance of every request as `REQUEST_PRIOR_ROUNDS` rounds of its own; over more
+requests that mean is about the pooled one), so that a step follows its own requests,
 not whichever request drafted most lately (s44, the CPU at c = 1: the pooled acceptance of a
 request that accepted well made the next one draft where it lost).
 
