@@ -2,8 +2,9 @@
 long an arrival takes to reach a slot, counted in engine steps (issue 34: at c = 16 the rounds
 carried about 12 of 16 requests, s44, H100). Cycle logic, not speed: it runs anywhere.
 
-A tiny Llama (tests' fixtures, random weights) with a briefly trained EAGLE head, device rounds
-(op by op on the CPU), K pinned; `--concurrency` requests of 40-token prompts kept in flight
+A tiny Llama (tests' fixtures, random weights) with a briefly trained EAGLE head, or with `--gguf`
+the built-in model's GGUF and its shipped head on held-out chats; device rounds (op by op on the
+CPU), K pinned; `--concurrency` requests (40-token prompts, or chats) kept in flight
 through `--max-num-seqs` slots (each finished request replaced at once). Per `engine.step` call
 in the rounds: the rows the round carries, the requests running, those joining (admitted, in
 prefill or waiting for a seat) and those waiting for admission. Per request: the steps from its
@@ -12,7 +13,7 @@ that many of this machine's measured steps, so that the gathering behaves as on 
 steps take as long relative to it.
 
     PYTHONPATH=src:tests:benchmarks python3 benchmarks/probes/probe_round_occupancy.py \
-        --out DIR [--concurrency 16] [--admission-share 8] [--device cpu]
+        --out DIR [--concurrency 16] [--admission-share 8] [--device cpu] [--gguf GGUF --k 4]
 
 Writes DIR/round_occupancy.json (a profile, not a figure).
 """
@@ -38,6 +39,9 @@ def main() -> None:
     parser.add_argument("--admission-share", default="8", help="comma-separated values to run")
     parser.add_argument("--max-wait-steps", type=float, default=25.0)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--gguf", default=None, help="the built-in model's GGUF and its head")
+    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--prompts-file", default="benchmarks/data/heldout_prompts.jsonl")
     args = parser.parse_args()
 
     from eagle_fixtures import trained_head
@@ -47,25 +51,38 @@ def main() -> None:
     from specdec.engine.llm_engine import LLMEngine
     from specdec.sampling import SamplingParams
 
-    root = Path(tempfile.mkdtemp())
-    model_dir = save_hf_model(make_hf_model("llama"), root / "model")
-    head_dir = trained_head(model_dir, root / "head")
-    spec = {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": 3}
+    if args.gguf is None:
+        root = Path(tempfile.mkdtemp())
+        model = str(save_hf_model(make_hf_model("llama"), root / "model"))
+        head_dir = trained_head(model, root / "head")
+        prompts = prompt_tokens(97, [40] * args.requests, seed=5)
+    else:
+        from specdec.bench_serve.client import read_prompts
+        from specdec.drafters.default import DEFAULT_EAGLE_DIR
+
+        model, head_dir = args.gguf, DEFAULT_EAGLE_DIR
+        texts = read_prompts(args.prompts_file)
+        prompts = []  # tokenized by the first engine
+    spec = {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": args.k}
     spec["adaptive"] = False
-    prompts = prompt_tokens(97, [40] * args.requests, seed=5)
 
     def run(share: int, wait_s: float) -> dict:
         overlapped_loop.ADMISSION_BATCH_SHARE = share
         overlapped_loop.MAX_ADMISSION_WAIT_S = wait_s
         config = EngineConfig(
-            model=str(model_dir),
-            max_model_len=256,
+            model=model,
+            max_model_len=1024,
             block_size=4,
             max_num_seqs=args.max_num_seqs,
             async_scheduling=True,
             device=args.device,
         )
         engine = LLMEngine(config, SpeculativeConfig.from_dict(spec))
+        if not prompts:
+            chats = [
+                [{"role": "user", "content": texts[i % len(texts)]}] for i in range(args.requests)
+            ]
+            prompts.extend(engine.tokenizer.encode_chat(chat) for chat in chats)
         arrived: dict[str, int] = {}
         first_round: dict[str, int] = {}
         samples = []  # (rows in the round, running, joining, waiting)
