@@ -283,10 +283,6 @@ class MedusaDrafter(Drafter):
             last.append(feature)
         hidden = self.final_norm(torch.stack(last))  # [len(live), D] h at A - 2
         if self.tree is not None:
-            if batch.context is not None:
-                raise ValueError(
-                    "tree drafts do not support penalties, biases, bans or grammars yet"
-                )
             parents, num_nodes = propose_medusa_tree(self, batch, self.tree, live, hidden, out)
             return out.proposal(num_nodes, parents)
         for i in range(max(counts[b] for b in live)):

@@ -17,6 +17,8 @@ import torch
 
 from specdec.transfer import to_device
 
+NEG_INF = float("-inf")
+
 if TYPE_CHECKING:
     from specdec.drafters.base import DraftBatch, Drafter
     from specdec.drafters.config import TreeConfig
@@ -41,8 +43,10 @@ def draw_children(
     positions: torch.Tensor,
     batch: DraftBatch,
     nodes: torch.Tensor,
+    prefix: torch.Tensor | None = None,
 ) -> Children:
-    """Draws the children of M parents from the draft logits after each parent.
+    """Draws the children of M parents from the draft logits after each parent, processed by
+    the requests' logits rules (`batch.context`) with each parent's path as the drafts before.
 
     Args:
         drafter: the drafter (its `sample_draft` owns the noise; `greedy` takes the top tokens).
@@ -52,6 +56,7 @@ def draw_children(
         batch: the round's batch.
         nodes: [M, C] int64 tree node index of each parent's i-th child (-1: no such child; a
             parent's children come first, then nothing), on the host.
+        prefix: [M, J] int64 each parent's path (`path_prefix`), on the host; None: no context.
 
     Returns:
         Children(token_ids [M, C], draft_logits [M, C, V_target] or None).
@@ -64,15 +69,22 @@ def draw_children(
     vocab = drafter.target_vocab_size
     tokens = torch.full((num_parents, width), -1, dtype=torch.int64, device=device)
     if drafter.greedy:
-        full = drafter.to_target_vocab(logits)
-        top = full.topk(min(width, vocab), dim=-1).indices  # [M, min(C, V)]
-        tokens[:, : top.shape[1]] = top
+        full = with_context(drafter, drafter.to_target_vocab(logits), rows, prefix, batch)
+        top = full.topk(min(width, vocab), dim=-1)  # [M, min(C, V)]
+        # a token the rules or the grammar exclude is no child
+        tokens[:, : top.indices.shape[1]] = top.indices.masked_fill(top.values == NEG_INF, -1)
         tokens = torch.where(nodes.to(device) >= 0, tokens, -1)
         return Children(tokens, None)
     processed = torch.full((num_parents, width, vocab), float("-inf"), device=device)
     positions = positions.to(torch.int64)
+    nodes = nodes.clone()
     for rank in range(width):
         picked = (nodes[:, rank] >= 0).nonzero().squeeze(1)  # host
+        if rank and batch.context is not None:
+            picked = _drawable(drafter, logits, rows, prefix, batch, picked, tokens[:, :rank])
+            nodes[:, rank:] = torch.where(
+                torch.isin(torch.arange(num_parents), picked)[:, None], nodes[:, rank:], -1
+            )
         if picked.numel() == 0:
             break
         on = picked.to(device)
@@ -81,6 +93,7 @@ def draw_children(
             rows[picked],
             positions[picked.to(positions.device)],
             batch,
+            prefix=None if prefix is None else prefix[picked],
             tree_nodes=nodes[picked, rank],
             tree_ranks=torch.full((picked.numel(),), rank, dtype=torch.int64),
             exclude=tokens[on, :rank],
@@ -88,6 +101,57 @@ def draw_children(
         tokens[on, rank] = out.token_ids
         processed[on, rank] = out.processed_logits
     return Children(tokens, processed)
+
+
+def _drawable(drafter, logits, rows, prefix, batch, picked, earlier) -> torch.Tensor:
+    """Those of the parents `picked` (host indices) whose draft distribution, processed by the
+    requests' rules after the parent's path, still allows a token their `earlier` children did
+    not take: the rules or a grammar may allow fewer tokens than the tree has siblings, and a
+    sibling drawn without replacement from nothing is no child."""
+    if picked.numel() == 0:
+        return picked
+    on = picked.to(logits.device)
+    full = drafter.to_target_vocab(logits[on])
+    full = with_context(
+        drafter, full, rows[picked], None if prefix is None else prefix[picked], batch
+    )
+    taken = earlier[on]
+    full = torch.cat([full, full.new_zeros(full.shape[0], 1)], dim=1)
+    full = full.scatter(1, torch.where(taken >= 0, taken, full.shape[1] - 1), NEG_INF)[:, :-1]
+    left = torch.isfinite(full).any(dim=1).to("cpu")
+    return picked[left]
+
+
+def with_context(
+    drafter: Drafter,
+    full: torch.Tensor,
+    rows: torch.Tensor,
+    prefix: torch.Tensor | None,
+    batch: DraftBatch,
+) -> torch.Tensor:
+    """[M, V_target] draft logits processed by the requests' logits rules after each row's
+    `prefix` (`full` itself without a `batch.context`)."""
+    if batch.context is None:
+        return full
+    index = to_device(rows.to("cpu", torch.int64), torch.int64, full.device)
+    return batch.context.apply(full, index, None if prefix is None else prefix.to(full.device))
+
+
+def path_prefix(
+    trees: dict[int, GrowingTree], pairs: list[tuple[int, int]], batch: DraftBatch
+) -> torch.Tensor | None:
+    """[M, J] int64 the tokens of each (request, node) pair's path — the node's ancestors, root
+    side first, then the node; nothing for the root (-1) — padded with -1, on the host: the
+    drafts before its children, as the requests' logits rules see them. None without a
+    `batch.context` (nothing reads it)."""
+    if batch.context is None:
+        return None
+    paths = []
+    for b, node in pairs:
+        grown = trees[b]
+        paths.append([grown.tokens[n] for n in reversed(grown.ancestors_and_self(node))])
+    width = max(1, max((len(path) for path in paths), default=0))
+    return torch.tensor([path + [-1] * (width - len(path)) for path in paths], dtype=torch.int64)
 
 
 class GrowingTree:
@@ -146,7 +210,7 @@ def draw_level(drafter, batch, trees, parents_rows, logits, hidden, depth, tree,
     for EAGLE, one head output each; `hidden` None for a draft model), as many as each
     request's budget allows, and records them (best-first trees: `grow_best_first`)."""
     last = depth + 1 == tree.depth
-    grow_best_first(drafter, trees, parents_rows, logits, hidden, out, last)
+    grow_best_first(drafter, batch, trees, parents_rows, logits, hidden, out, last)
     node_table, kept = [], []
     next_node = {b: len(grown.parents) for b, grown in trees.items()}
     for i, (b, _parent) in enumerate(parents_rows):
@@ -164,8 +228,15 @@ def draw_level(drafter, batch, trees, parents_rows, logits, hidden, depth, tree,
         nodes[j, : len(node_table[i])] = torch.tensor(node_table[i])
     index = to_device(kept, torch.int64, logits.device)
     positions = torch.tensor([batch.anchors[r] + depth for r in rows], dtype=torch.int64)
+    prefix = path_prefix(trees, [parents_rows[i] for i in kept], batch)
     children = draw_children(
-        drafter, logits[index], torch.tensor(rows, dtype=torch.int64), positions, batch, nodes
+        drafter,
+        logits[index],
+        torch.tensor(rows, dtype=torch.int64),
+        positions,
+        batch,
+        nodes,
+        prefix,
     )
     tokens = children.token_ids.to("cpu")
     if children.draft_logits is None:
@@ -179,7 +250,10 @@ def draw_level(drafter, batch, trees, parents_rows, logits, hidden, depth, tree,
         b, parent = parents_rows[i]
         grown = trees[b]
         base = 0.0 if parent < 0 else grown.cum_logp[parent]
-        for rank, node in enumerate(node_table[i]):
+        for rank in range(len(node_table[i])):
+            if int(tokens[j, rank]) < 0:  # no sibling left to draw (`_drawable`): the budget
+                break  # of the nodes not drawn stays for the next level
+            node = len(grown.parents)  # = node_table[i][rank] unless a sibling before was none
             grown.parents.append(parent)
             grown.depths.append(depth)
             grown.tokens.append(int(tokens[j, rank]))
@@ -194,7 +268,7 @@ def draw_level(drafter, batch, trees, parents_rows, logits, hidden, depth, tree,
                 out.draft_logsumexp[b, node] = row.logsumexp(dim=-1)
 
 
-def grow_best_first(drafter, trees, parents_rows, logits, hidden, out, last: bool) -> None:
+def grow_best_first(drafter, batch, trees, parents_rows, logits, hidden, out, last) -> None:
     """One best-first step of the greedy trees among `parents_rows`: the top `offer` children
     of each of their parents join the tree's candidates (with the parent's draft logits, and
     for EAGLE its head output), then the `wave` best candidates by cumulative draft
@@ -205,6 +279,9 @@ def grow_best_first(drafter, trees, parents_rows, logits, hidden, out, last: boo
     if not rows:
         return
     full = drafter.to_target_vocab(logits[to_device(rows, torch.int64, logits.device)]).float()
+    pairs = [parents_rows[i] for i in rows]
+    requests = torch.tensor([b for b, _ in pairs], dtype=torch.int64)
+    full = with_context(drafter, full, requests, path_prefix(trees, pairs, batch), batch)
     log_probs = full.log_softmax(dim=-1)
     width = min(max(trees[parents_rows[i][0]].offer for i in rows), full.shape[-1])
     top = log_probs.topk(width, dim=-1)

@@ -31,6 +31,7 @@ from specdec.verify import (
     verify_checked,
 )
 from specdec.verify.tree import verify_tree
+from specdec.verify.tree_inputs import tree_context_target_logits
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +126,12 @@ class Emitter:
         target_rows = [logits[i] for i in indices]
         target = pad_sequence(target_rows, batch_first=True)  # [B, N+1, V]
         device = target.device
+        context = logits_context(requests)
+        if context is not None:  # each node's row by its path's rules (the walk reads these)
+            tree_parents = [drafts.parents[id(r)] for r in requests]
+            target = tree_context_target_logits(
+                target, [ids for _, ids in entries], tree_parents, context
+            )
         parents = [
             drafts.parents[id(r)] + [-1] * (n - c) for r, c in zip(requests, counts, strict=True)
         ]

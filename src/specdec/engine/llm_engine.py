@@ -336,12 +336,6 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
             )
         spec = self._spec_settings(speculative)
         rules = self._logits_rules(params)
-        tree = self.speculative_config is not None and self.speculative_config.tree is not None
-        if tree and spec is not None and (rules is not None or params.structured_outputs):
-            raise ValueError(
-                "speculative_config.tree does not support penalties, biases, bans or structured "
-                "outputs yet (disable speculation for this request)"
-            )
         grammar = None
         if params.structured_outputs is not None:
             grammar = self._compile_grammar(params.structured_outputs)

@@ -1,6 +1,7 @@
 """What both twins of the tree walk share: the result type, and the processed inputs
 (`prepare_tree`, in PyTorch on any device, so that the twins start from the same bits); which
-target rows a walk read (`first_unusable_read_depth`)."""
+target rows a walk read (`first_unusable_read_depth`); the target rows processed by the
+requests' logits rules along each node's path (`tree_context_target_logits`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from specdec.draft_tree import children_table, node_depths
+from specdec.sampling.context import LogitsContext
 from specdec.sampling.processing import process_logits, unusable_rows
+from specdec.transfer import to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +28,47 @@ class TreeVerifyResult:
     token_ids: torch.Tensor
     num_accepted: torch.Tensor
     accepted_nodes: torch.Tensor
+
+
+def tree_context_target_logits(
+    target_logits: torch.Tensor,
+    draft_token_ids: list[list[int]],
+    parents: list[list[int]],
+    context: LogitsContext,
+) -> torch.Tensor:
+    """Target logits processed by each request's context along each node's path: row 0 (the
+    root's) with the request's output alone, row 1 + n with the tokens of node n's path (its
+    ancestors, root side first, then n) appended to it, which is how plain decoding processes
+    the position after node n once that path is accepted (so the walk stays exact for
+    penalties, bans that depend on the output, and grammars). The tree analogue of
+    `specdec.verify.inputs.context_target_logits`.
+
+    Args:
+        target_logits: [B, N+1, V] raw target logits.
+        draft_token_ids: per request, its node tokens (node n at n; as many as it has nodes).
+        parents: per request, each node's parent (-1: the root), as many as its tokens.
+        context: the B requests' `LogitsContext`.
+
+    Returns:
+        [B, N+1, V] float32.
+    """
+    batch, num_rows, vocab = target_logits.shape
+    depth = 1
+    paths: list[list[int]] = []  # per row of the flattened [B * (N+1)], its prefix tokens
+    for tokens, links in zip(draft_token_ids, parents, strict=True):
+        paths.append([])  # the root's row
+        node_paths: list[list[int]] = []
+        for node, parent in enumerate(links):
+            path = (node_paths[parent] if parent >= 0 else []) + [tokens[node]]
+            node_paths.append(path)
+            depth = max(depth, len(path))
+        paths += node_paths + [[]] * (num_rows - 1 - len(links))  # padding rows: read by none
+    device = target_logits.device
+    flat_prefix = [t for path in paths for t in path + [-1] * (depth - len(path))]
+    prefix = to_device(flat_prefix, torch.int64, device).view(batch * num_rows, depth)
+    rows = torch.arange(batch, device=device).repeat_interleave(num_rows)
+    flat = target_logits.reshape(batch * num_rows, vocab)
+    return context.apply(flat, rows, prefix).view(batch, num_rows, vocab)
 
 
 def first_unusable_read_depth(

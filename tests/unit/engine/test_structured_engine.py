@@ -1,6 +1,7 @@
 """Structured outputs in the engine (CPU, the vocabulary-8 target with a byte-level tokenizer):
 constrained outputs stay in the language; unconstrained requests of a mixed batch emit what they
-emit alone; the overlapped / device-round loop gives the synchronous loop's tokens; n > 1, a
+emit alone; the overlapped / device-round loop gives the synchronous loop's tokens; draft trees
+keep to the grammar (coupled: plain constrained decoding's tokens); n > 1, a
 length limit before the grammar finishes, and bad constraints named before anything runs."""
 
 from __future__ import annotations
@@ -80,6 +81,24 @@ def test_overlapped_loop_equals_the_synchronous_loop(model_dir):
     c = plain.generate([PROMPT] * 6, batch, use_tqdm=False)
     for out in c[::3]:
         assert in_language_prefix(out.outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("method", ["coupled", "standard"])
+def test_tree_rounds_keep_to_the_grammar(model_dir, method):
+    """Draft trees (synchronous path): each node's target row is masked by the grammar after
+    its path; a coupled tree emits plain constrained decoding's tokens, a standard one stays
+    in the language."""
+    tree = {**SPEC, "rejection_sample_method": method, "tree": {"nodes": 6, "depth": 3, "topk": 2}}
+    batch = [params(s, True, max_tokens=10) for s in range(6)]
+    llm = make(model_dir, speculative_config=tree, async_scheduling=False)
+    outs = [o.outputs[0].token_ids for o in llm.generate([PROMPT] * 6, batch, use_tqdm=False)]
+    assert all(in_language_prefix(tokens) for tokens in outs), [text(t) for t in outs]
+    assert llm.get_metrics()["num_accepted_tokens"] > 0
+    if method == "coupled":
+        plain = make(model_dir, speculative_config=None, async_scheduling=False)
+        assert outs == [
+            o.outputs[0].token_ids for o in plain.generate([PROMPT] * 6, batch, use_tqdm=False)
+        ]
 
 
 def test_n_samples_each_follow_the_grammar(model_dir):

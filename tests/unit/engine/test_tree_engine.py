@@ -1,7 +1,8 @@
 """Tree drafts in the engine (CPU synchronous path; an EAGLE head, and a draft model: a second
 random model, or the target itself as its own draft, whose first-child path greedy verification
 accepts in full): greedy trees emit greedy plain decoding, coupled trees emit plain sampling
-token for token, seeded standard trees replay, and unsupported combinations are refused by
+token for token, seeded standard trees replay, with or without logits rules (penalties, a
+bias, allowed tokens, min_tokens) on the requests, and unsupported combinations are refused by
 name."""
 
 from __future__ import annotations
@@ -111,18 +112,94 @@ def test_bad_tree_configs_are_refused(spec, message):
         SpeculativeConfig.from_dict(spec)
 
 
-def test_trees_refuse_device_rounds_penalties_and_overrides(target_dir, head_dir):
+def test_trees_refuse_device_rounds_and_overrides(target_dir, head_dir):
     spec = {"method": "eagle", "model": str(head_dir), "tree": TREE}
     with pytest.raises(ValueError, match="synchronous engine path"):
         LLM(str(target_dir), speculative_config=spec, async_scheduling=True, **COMMON)
     llm = tree_llm(target_dir, head_dir)
     engine = llm.engine if hasattr(llm, "engine") else llm.llm_engine
-    with pytest.raises(ValueError, match="penalties"):
-        engine.add_request([1, 2, 3], SamplingParams(repetition_penalty=1.2))
     with pytest.raises(ValueError, match="num_speculative_tokens cannot be overridden"):
         engine.add_request([1, 2, 3], speculative={"num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="chain-only"):
         engine.add_request([1, 2, 3], speculative={"rejection_sample_method": "block"})
+
+
+# ------------------------------------------------------------------ logits rules on tree rounds
+# Each node's target row is processed with the tokens of its path as output (`verify.tree_inputs.
+# tree_context_target_logits`): a coupled tree then emits plain decoding's tokens under the same
+# rules, a greedy one greedy plain decoding's.
+RULES = {
+    "repetition_penalty": 1.6,
+    "presence_penalty": 0.8,
+    "frequency_penalty": 0.5,
+    "logit_bias": {3: 2.0, 7: -1.5},
+    "allowed_token_ids": list(range(60)),
+    "min_tokens": 6,
+}
+RULED = {
+    "sampled": SamplingParams(temperature=0.9, max_tokens=16, seed=12, ignore_eos=True, **RULES),
+    "greedy": SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, **RULES),
+}
+
+
+def ruled_llm(target_dir, head_dir, other_dir, kind, method):
+    if kind == "eagle":
+        return tree_llm(target_dir, head_dir, method)
+    return draft_model_llm(target_dir, other_dir, method)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "draft_model"])
+@pytest.mark.parametrize(
+    "method, sampling", [("coupled", "sampled"), ("coupled", "greedy"), ("standard", "greedy")]
+)
+def test_trees_with_logits_rules_emit_plain_decoding_under_the_rules(
+    target_dir, head_dir, other_dir, kind, method, sampling
+):
+    prompts = prompt_tokens(VOCAB, [6, 11, 4], seed=13)
+    params = RULED[sampling]
+    plain = outputs(LLM(str(target_dir), **COMMON), prompts, params)
+    assert (
+        outputs(
+            LLM(str(target_dir), **COMMON),
+            prompts,
+            SamplingParams(
+                temperature=params.temperature, max_tokens=16, seed=params.seed, ignore_eos=True
+            ),
+        )
+        != plain
+    )  # the rules change what plain decoding emits
+    llm = ruled_llm(target_dir, head_dir, other_dir, kind, method)
+    assert outputs(llm, prompts, params) == plain
+    metrics = llm.get_metrics()
+    assert metrics["num_drafts"] > 0 and metrics["num_accepted_tokens"] > 0
+
+
+def test_negative_control_tree_rows_blind_to_their_paths(
+    target_dir, head_dir, other_dir, monkeypatch
+):
+    """The test above has power: a walk whose node rows are processed with the request's
+    output alone (each node's path left out of its penalties and min_tokens) emits other tokens
+    than plain decoding under the rules."""
+    from specdec.engine import emitter
+    from specdec.verify.tree_inputs import tree_context_target_logits
+
+    def blind(target, draft_token_ids, parents, context):
+        return tree_context_target_logits(target, [[]] * len(parents), [[]] * len(parents), context)
+
+    monkeypatch.setattr(emitter, "tree_context_target_logits", blind)
+    prompts = prompt_tokens(VOCAB, [6, 11, 4], seed=13)
+    params = RULED["sampled"]
+    plain = outputs(LLM(str(target_dir), **COMMON), prompts, params)
+    llm = ruled_llm(target_dir, head_dir, other_dir, "eagle", "coupled")
+    assert outputs(llm, prompts, params) != plain
+
+
+def test_seeded_standard_trees_with_logits_rules_replay(target_dir, head_dir):
+    prompts = prompt_tokens(VOCAB, [6, 11], seed=14)
+    first = outputs(tree_llm(target_dir, head_dir), prompts, RULED["sampled"])
+    llm = tree_llm(target_dir, head_dir)
+    assert outputs(llm, prompts, RULED["sampled"]) == first
+    assert llm.get_metrics()["num_accepted_tokens"] > 0
 
 
 # ------------------------------------------------------------------ the draft model's trees

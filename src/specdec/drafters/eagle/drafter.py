@@ -266,10 +266,6 @@ class EagleDrafter(Drafter):
             last = self._catch_up(features, tokens, first_positions, query_lens, live_states)
             logits = head_logits(self.head, last, self.lm_weight)  # [len(live), V_draft]
         if self.tree is not None:
-            if batch.context is not None:
-                raise ValueError(
-                    "tree drafts do not support penalties, biases, bans or grammars yet"
-                )
             parents, num_nodes = propose_tree(
                 self, batch, self.tree, live, states, last, logits, out
             )
