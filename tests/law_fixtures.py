@@ -140,3 +140,28 @@ def first_token_counts(
             cell = cell * VOCAB + token
         counts[cell] += 1
     return counts, llm.get_metrics()
+
+
+# Penalties, a bias and bans through the whole engine (no tokenizer: no bad_words here; the
+# multi-token bad words are covered by the audit's toy checks).
+RULES = {
+    "repetition_penalty": 1.8,
+    "presence_penalty": 1.0,
+    "frequency_penalty": 0.8,
+    "logit_bias": {3: 1.5},
+    "allowed_token_ids": [0, 1, 2, 3, 4, 5, 6],
+    "min_tokens": 2,
+    "stop_token_ids": [5],
+}
+
+
+def rules_law(model_dir, temperature: float, num_tokens: int) -> torch.Tensor:
+    """[V ** num_tokens] float64 exact law of the first tokens under temperature and `RULES`."""
+    from specdec.sampling import LogitsRules, SamplingParams
+
+    rules = LogitsRules.from_params(
+        SamplingParams(ignore_eos=True, max_tokens=num_tokens, **RULES),
+        vocab_size=VOCAB,
+        eos_token_id=None,
+    )
+    return exact_continuation_law(model_dir, temperature, num_tokens, rules)

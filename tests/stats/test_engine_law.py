@@ -16,14 +16,16 @@ import torch
 from scipy import stats as scipy_stats
 
 from law_fixtures import (
+    RULES,
     VOCAB,
     exact_continuation_law,
     first_token_counts,
+    rules_law,
     save_vocab8_target,
 )
 from specdec.drafters.base import Drafter
 from specdec.models import load_model
-from specdec.sampling import LogitsRules, SampleOutput, SamplingParams
+from specdec.sampling import SampleOutput
 
 pytestmark = pytest.mark.stats
 
@@ -221,28 +223,6 @@ def test_negative_control_device_rounds_reading_a_stale_anchor(model_dir, monkey
     assert chi_square_pvalue(counts, law) < ALPHA
 
 
-# Penalties, a bias and bans through the whole engine (no tokenizer: no bad_words here; the
-# multi-token bad words are covered by the audit's toy checks).
-RULES = {
-    "repetition_penalty": 1.8,
-    "presence_penalty": 1.0,
-    "frequency_penalty": 0.8,
-    "logit_bias": {3: 1.5},
-    "allowed_token_ids": [0, 1, 2, 3, 4, 5, 6],
-    "min_tokens": 2,
-    "stop_token_ids": [5],
-}
-
-
-def rules_law(model_dir, temperature: float) -> torch.Tensor:
-    rules = LogitsRules.from_params(
-        SamplingParams(ignore_eos=True, max_tokens=NUM_TOKENS, **RULES),
-        vocab_size=VOCAB,
-        eos_token_id=None,
-    )
-    return exact_continuation_law(model_dir, temperature, NUM_TOKENS, rules)
-
-
 def rules_counts(
     model_dir, spec, temperature: float, max_tokens: int = NUM_TOKENS, **engine_args
 ) -> torch.Tensor:
@@ -273,7 +253,7 @@ def test_penalised_first_tokens_follow_plain_penalised_sampling(
     twin of the rules). Statistic: Pearson chi-square over the 512 cells (expected < 5 merged),
     N = 12,000, temperature 0.7; reject at p < 1e-6 (false-failure rate <= 1e-6 per case, 4
     cases; two run with the slow tests)."""
-    law = rules_law(model_dir, 0.7)
+    law = rules_law(model_dir, 0.7, NUM_TOKENS)
     counts = rules_counts(model_dir, spec_config(method, draft_sample_method), 0.7)
     assert chi_square_pvalue(counts, law) > ALPHA
 
@@ -288,7 +268,7 @@ def test_penalised_device_rounds_follow_plain_penalised_sampling(model_dir, meth
     above (false-failure rate <= 1e-6 per case, 2 cases; block runs with the slow tests)."""
     spec = {**spec_config(method, "probabilistic"), "adaptive": True}
     counts = rules_counts(model_dir, spec, 0.7, 6, async_scheduling=True)
-    assert chi_square_pvalue(counts, rules_law(model_dir, 0.7)) > ALPHA
+    assert chi_square_pvalue(counts, rules_law(model_dir, 0.7, NUM_TOKENS)) > ALPHA
 
 
 def test_negative_control_device_rounds_blind_to_their_own_tokens(model_dir, monkeypatch):
@@ -300,7 +280,7 @@ def test_negative_control_device_rounds_blind_to_their_own_tokens(model_dir, mon
     monkeypatch.setattr(SlotRules, "observe", lambda self, emitted, accepted, live: None)
     spec = {**spec_config("standard", "probabilistic"), "adaptive": True}
     counts = rules_counts(model_dir, spec, 0.7, 6, async_scheduling=True)
-    assert chi_square_pvalue(counts, rules_law(model_dir, 0.7)) < ALPHA
+    assert chi_square_pvalue(counts, rules_law(model_dir, 0.7, NUM_TOKENS)) < ALPHA
 
 
 def test_negative_control_draft_recorded_without_its_rules(model_dir, monkeypatch):
@@ -308,7 +288,7 @@ def test_negative_control_draft_recorded_without_its_rules(model_dir, monkeypatc
     whose drafter samples from rules-processed logits but records for the verifier the
     distribution without the rules (a drafter that does not process its own logits the way it
     samples them)."""
-    law = rules_law(model_dir, 0.7)
+    law = rules_law(model_dir, 0.7, NUM_TOKENS)
     spec = spec_config("standard", "probabilistic")
     real = Drafter.sample_draft
 
