@@ -194,6 +194,28 @@ def test_negative_control_tree_rows_blind_to_their_paths(
     assert outputs(llm, prompts, params) != plain
 
 
+def test_coupled_trees_report_plain_decodings_logprobs(target_dir, head_dir):
+    """Logprobs ride the tree rounds: each emitted token's entry is read from its own row (the
+    root's or its accepted node's), so a coupled tree reports plain decoding's tokens and
+    top ids, and its values within 1e-5. Not bit for bit: the tree's verify forward (the tree
+    mask's attention) sums in another order than the decode step, about 1e-6 apart on this
+    model from the second token on (a chain's rows are plain decoding's bits)."""
+    prompts = prompt_tokens(VOCAB, [6, 11], seed=15)
+    params = SamplingParams(
+        temperature=0.9, max_tokens=12, seed=16, ignore_eos=True, logprobs=3, **RULES
+    )
+    plain = LLM(str(target_dir), **COMMON).generate(prompts, params, use_tqdm=False)
+    llm = tree_llm(target_dir, head_dir, "coupled")
+    trees = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(plain, trees, strict=True):
+        a, b = a.outputs[0], b.outputs[0]
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert x.keys() == y.keys()
+            assert all(abs(x[t].logprob - y[t].logprob) < 1e-5 for t in x)
+    assert llm.get_metrics()["num_accepted_tokens"] > 0
+
+
 def test_seeded_standard_trees_with_logits_rules_replay(target_dir, head_dir):
     prompts = prompt_tokens(VOCAB, [6, 11], seed=14)
     first = outputs(tree_llm(target_dir, head_dir), prompts, RULED["sampled"])
