@@ -426,10 +426,11 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
                 return None
             return SpecSettings(round_drafts(default), default.rejection_sample_method)
         if default is not None and default.tree is not None:
-            if "num_speculative_tokens" in override:
+            k = override.get("num_speculative_tokens", default.tree.nodes)
+            if isinstance(k, int) and not isinstance(k, bool) and k > default.tree.nodes:
                 raise ValueError(
-                    "num_speculative_tokens cannot be overridden with speculative_config.tree "
-                    "(a round verifies tree.nodes nodes)"
+                    "num_speculative_tokens with speculative_config.tree is the request's node "
+                    f"budget a round, at most tree.nodes = {default.tree.nodes}, got {k}"
                 )
             if override.get("rejection_sample_method") == "block":
                 raise ValueError(

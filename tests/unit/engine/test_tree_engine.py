@@ -75,6 +75,23 @@ def test_coupled_tree_equals_plain_sampling(target_dir, head_dir, params):
     assert llm.get_metrics()["num_drafts"] > 0
 
 
+@pytest.mark.parametrize("budget", [1, 3])
+def test_a_requests_own_node_budget(target_dir, head_dir, budget):
+    """A request's num_speculative_tokens is its tree's node budget a round (at most
+    tree.nodes): its rounds draft no more nodes; a coupled tree still emits plain sampling."""
+    prompts = prompt_tokens(VOCAB, [6, 11], seed=17)
+    params = SamplingParams(temperature=0.9, max_tokens=16, seed=18, ignore_eos=True)
+    plain = outputs(LLM(str(target_dir), **COMMON), prompts, params)
+    llm = tree_llm(target_dir, head_dir, "coupled")
+    own = {"num_speculative_tokens": budget}
+    results = llm.generate(prompts, params, use_tqdm=False, speculative=own)
+    assert [o.outputs[0].token_ids for o in results] == plain
+    metrics = llm.get_metrics()
+    assert metrics["num_drafts"] > 0
+    assert metrics["num_draft_tokens"] <= budget * metrics["num_drafts"]
+    assert metrics["num_draft_tokens"] > (budget - 1) * metrics["num_drafts"]
+
+
 def test_seeded_standard_tree_replays(target_dir, head_dir):
     prompts = prompt_tokens(VOCAB, [6, 11], seed=5)
     params = SamplingParams(temperature=1.0, max_tokens=16, seed=11, ignore_eos=True)
@@ -112,14 +129,14 @@ def test_bad_tree_configs_are_refused(spec, message):
         SpeculativeConfig.from_dict(spec)
 
 
-def test_trees_refuse_device_rounds_and_overrides(target_dir, head_dir):
+def test_trees_refuse_device_rounds_block_and_budgets_past_their_nodes(target_dir, head_dir):
     spec = {"method": "eagle", "model": str(head_dir), "tree": TREE}
     with pytest.raises(ValueError, match="synchronous engine path"):
         LLM(str(target_dir), speculative_config=spec, async_scheduling=True, **COMMON)
     llm = tree_llm(target_dir, head_dir)
     engine = llm.engine if hasattr(llm, "engine") else llm.llm_engine
-    with pytest.raises(ValueError, match="num_speculative_tokens cannot be overridden"):
-        engine.add_request([1, 2, 3], speculative={"num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match=r"node budget a round, at most tree\.nodes = 8, got 9"):
+        engine.add_request([1, 2, 3], speculative={"num_speculative_tokens": 9})
     with pytest.raises(ValueError, match="chain-only"):
         engine.add_request([1, 2, 3], speculative={"rejection_sample_method": "block"})
 
