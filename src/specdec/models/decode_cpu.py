@@ -106,19 +106,21 @@ class DecodePlanCPU:
         inv_freq: torch.Tensor,
         block_size: int,
     ) -> DecodePlanCPU:
-        """The plan of any step without a tree mask (prefill chunks beside decode and verify
-        rows, in the ragged layout of `AttentionMetadata`): every query row attends exactly
-        as a decode row of the same token would, so a row's values never depend on what
-        shares its step, on the chunk its prompt was split into, or on a prefix recomputed
-        after preemption.
+        """The plan of any step (prefill chunks beside decode, verify and tree verify rows, in
+        the ragged layout of `AttentionMetadata`): every query row attends exactly as a decode
+        row of the same token would, so a row's values never depend on what shares its step,
+        on the chunk its prompt was split into, on a prefix recomputed after preemption, or on
+        the tree it was drafted in. A tree step's node row sees the keys before the tree's
+        region and then those of its path (its ancestors, root side first, then itself): the
+        keys, in the order, that the decode row of the same token sees once the path is
+        accepted and compacted (`attn.tree_mask`; node order is topological, so the region's
+        order is the path's).
 
         Args:
-            attn: the step's metadata (on the CPU; no `tree_mask`).
+            attn: the step's metadata (on the CPU).
             positions: [T] int64 position of each query row.
             inv_freq, block_size: as in `build`.
         """
-        if attn.tree_mask is not None:
-            raise ValueError("a tree-masked step has no row-by-row plan")
         cu = attn.cu_seqlens_q.numpy().astype(np.int64)  # [B + 1]
         return cls._build(
             cu[:-1],
@@ -130,6 +132,7 @@ class DecodePlanCPU:
             inv_freq,
             block_size,
             all_live=True,
+            tree_mask=None if attn.tree_mask is None else attn.tree_mask.numpy(),
         )
 
     @classmethod
@@ -144,9 +147,12 @@ class DecodePlanCPU:
         inv_freq: torch.Tensor,
         block_size: int,
         all_live: bool,
+        tree_mask: np.ndarray | None = None,
     ) -> DecodePlanCPU:
         """`build`'s work over per-sequence first rows ([B] int64), query and context lengths
-        ([B] int64), block tables ([B, W]) and the [T] slot of each row (-1: not written)."""
+        ([B] int64), block tables ([B, W]) and the [T] slot of each row (-1: not written); a
+        tree step's [B, Q, R] region mask (the last R keys of each context) gives its rows
+        that do not see a prefix of the keys their own entries (`_tree_rows`)."""
         keep = slot_mapping.numpy() >= 0
         if keep.all():
             slots, write_rows = slot_mapping, None
@@ -154,8 +160,8 @@ class DecodePlanCPU:
             write_rows = torch.from_numpy(np.flatnonzero(keep))
             slots = slot_mapping[write_rows]
         sequences: list[tuple[int, list[int], int | torch.Tensor]] = []
-        for first_row, length, count, table in zip(
-            first_rows.tolist(), context.tolist(), query_lens.tolist(), tables, strict=True
+        for b, (first_row, length, count, table) in enumerate(
+            zip(first_rows.tolist(), context.tolist(), query_lens.tolist(), tables, strict=True)
         ):
             if length == 0 or count == 0:
                 continue  # an inert padding sequence (its rows stay 0), or no query row
@@ -165,7 +171,10 @@ class DecodePlanCPU:
             if (np.diff(blocks) != 1).any():  # blocks not consecutive: gather the slots
                 keys = torch.from_numpy(cache_slots(blocks, np.arange(length), block_size))
             counts = list(range(length - count + 1, length + 1))  # row j sees its prefix
-            sequences.append((first_row, counts, keys))
+            if tree_mask is not None:
+                sequences += _tree_rows(first_row, counts, keys, tree_mask[b], blocks, block_size)
+            else:
+                sequences.append((first_row, counts, keys))
         cos, sin = _rope_tables(positions, inv_freq)
         half = cos.shape[-1] // 2
         half_swap = torch.cat((torch.arange(half, 2 * half), torch.arange(half)))
@@ -198,6 +207,51 @@ class DecodePlanCPU:
             return dataclasses.replace(self, sliding_window=sliding_window)
         cos, sin = _rope_tables(positions, inv_freq)
         return dataclasses.replace(self, cos=cos, sin=sin, sliding_window=sliding_window)
+
+
+def _tree_rows(
+    first_row: int,
+    counts: list[int],
+    keys: int | torch.Tensor,
+    region: np.ndarray,
+    blocks: np.ndarray,
+    block_size: int,
+) -> list[tuple[int, list[int], int | torch.Tensor]]:
+    """One sequence's entries of a tree step's plan: its rows that see a prefix of its keys (the
+    causal rule: a tree's root, a first child of a first child ..., a chain or a prefill chunk
+    beside the tree) in runs over `keys` as a plain step's rows; every other row (a node off
+    the first path) an entry of its own over its keys gathered in order: those before the
+    region, then the region's keys it sees (its ancestors and itself).
+
+    Args:
+        first_row: the sequence's first query row; counts: each row's causal key count.
+        keys: the sequence's keys as `_build` holds them (a first slot, or every slot).
+        region: [Q, R] bool the sequence's rows in the step's tree region (the last R keys).
+        blocks, block_size: the sequence's cache blocks.
+    """
+    length = counts[-1]
+    start = length - region.shape[1]  # the region's first key (< 0: its first columns are none)
+    slots = None
+    entries: list[tuple[int, list[int], int | torch.Tensor]] = []
+    run: list[int] = []  # counts of the run of causal rows that ends at the row before
+
+    def close(end_row: int) -> None:
+        if run:
+            entries.append((first_row + end_row - len(run), list(run), keys))
+            run.clear()
+
+    for j, count in enumerate(counts):
+        seen = [start + r for r in np.flatnonzero(region[j]).tolist() if start + r >= 0]
+        visible = list(range(min(max(start, 0), count))) + seen
+        if visible == list(range(count)):
+            run.append(count)
+            continue
+        close(j)
+        if slots is None:
+            slots = cache_slots(blocks, np.arange(length), block_size)
+        entries.append((first_row + j, [len(visible)], torch.from_numpy(slots[visible])))
+    close(len(counts))
+    return entries
 
 
 def _rope_tables(

@@ -106,9 +106,9 @@ class LlamaModel(nn.Module):
         """Returns the normed final hidden [T, D] and the outputs of the `return_layers` layers."""
         if isinstance(attn, DecodeMetadata):
             return self._forward_decode(input_ids, positions, attn, kv_cache, return_layers)
-        if self._plans_rows(input_ids) and attn.tree_mask is None:
-            # Every row as a decode row of the same token (the CPU's one numerics: see
-            # `DecodePlanCPU.from_attention`).
+        if self._plans_rows(input_ids):
+            # Every row as a decode row of the same token, a tree's node rows too (the CPU's one
+            # numerics: see `DecodePlanCPU.from_attention`).
             plan = DecodePlanCPU.from_attention(
                 attn, positions, self.rotary_emb.inv_freq_at(positions), kv_cache.block_size
             )

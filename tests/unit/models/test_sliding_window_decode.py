@@ -211,11 +211,16 @@ def tree_errors(model: LlamaForCausalLM) -> list[float]:
 
 
 def test_tree_verify_under_the_window_equals_each_path(monkeypatch: Any) -> None:
-    """A tree verify step (the eager path's masked SDPA) gives each node the logits of the
-    chain step of its own path: its window is counted from its depth. Negative control: the
-    window taken at the nodes' indices in the step (what a causal step would assume) moves the
-    nodes whose index exceeds their depth. A region wider than the window is refused."""
+    """A tree verify step gives each node the logits of the chain step of its own path: its
+    window is counted from its depth. On the CPU's row plan (`DecodePlanCPU`: each node row
+    over the keys before the tree and its path's) the very bits of the chain step; on the
+    eager path's masked SDPA (CUDA's eager tree step) within 1e-5. Negative control (the masked
+    path): the window taken at the nodes' indices in the step (what a causal step would assume)
+    moves the nodes whose index exceeds their depth. A region wider than the window is
+    refused there."""
     model = seeded_model("mistral_window", "cpu")
+    assert max(tree_errors(model)) == 0.0
+    monkeypatch.setattr(model.model, "_plans_rows", lambda input_ids: False)  # the masked path
     assert max(tree_errors(model)) <= 1e-5
     build = AttentionPlan.build.__func__  # type: ignore[attr-defined]
 
@@ -229,6 +234,7 @@ def test_tree_verify_under_the_window_equals_each_path(monkeypatch: Any) -> None
     errors = tree_errors(model)
     assert max(errors[:2]) <= 1e-5 and min(errors[2:]) > 100 * ATOL  # index == depth only for 0, 1
     monkeypatch.undo()
+    assert max(tree_errors(model)) == 0.0  # the row plan again
     wide = torch.ones(1, 4, 8, dtype=torch.bool)
     attn = dataclasses.replace(
         AttentionMetadata.build([4], [24], [list(range(8))], 4), tree_mask=wide
