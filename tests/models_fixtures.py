@@ -581,6 +581,7 @@ def tree_speculation_equals_plain(target: Path, draft: Path, prompts: list[list[
         "model": str(draft),
         "draft_sample_method": "greedy",
         "tree": {"nodes": 4, "depth": 2, "topk": 2},
+        "adaptive": False,  # every step a tree round
     }
     plain = llm_greedy(LLM(str(target), **common), prompts)
     llm = LLM(str(target), speculative_config=spec, **common)

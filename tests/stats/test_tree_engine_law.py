@@ -58,7 +58,13 @@ def eagle_dir(model_dir, tmp_path_factory):
 def tree_counts(model_dir, eagle_dir, method, temperature, **sampling):
     spec = {"method": "eagle", "model": str(eagle_dir), "rejection_sample_method": method}
     counts, metrics = first_token_counts(
-        model_dir, {**spec, "tree": TREE}, temperature, 6, NUM_TOKENS, NUM_TRIALS, **sampling
+        model_dir,
+        {**spec, "tree": TREE, "adaptive": False},
+        temperature,
+        6,
+        NUM_TOKENS,
+        NUM_TRIALS,
+        **sampling,
     )
     assert metrics["num_accepted_tokens"] > 0
     return counts
@@ -104,7 +110,7 @@ def test_draft_model_negative_control_residual_not_updated(model_dir):
 def draft_model_counts(model_dir, method, temperature):
     spec = {"method": "draft_model", "model": "truncated:1", "rejection_sample_method": method}
     counts, metrics = first_token_counts(
-        model_dir, {**spec, "tree": TREE}, temperature, 6, NUM_TOKENS, NUM_TRIALS
+        model_dir, {**spec, "tree": TREE, "adaptive": False}, temperature, 6, NUM_TOKENS, NUM_TRIALS
     )
     assert metrics["num_accepted_tokens"] > 0
     return counts
@@ -125,7 +131,13 @@ def test_negative_control_residual_not_updated(model_dir, eagle_dir):
 def penalised_tree_counts(model_dir, eagle_dir, method):
     spec = {"method": "eagle", "model": str(eagle_dir), "rejection_sample_method": method}
     counts, metrics = first_token_counts(
-        model_dir, {**spec, "tree": TREE}, 0.7, 6, NUM_TOKENS, NUM_TRIALS, **RULES
+        model_dir,
+        {**spec, "tree": TREE, "adaptive": False},
+        0.7,
+        6,
+        NUM_TOKENS,
+        NUM_TRIALS,
+        **RULES,
     )
     assert metrics["num_accepted_tokens"] > 0
     return counts

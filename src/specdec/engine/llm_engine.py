@@ -222,10 +222,13 @@ class LLMEngine(OverlappedLoop, SpeculativeLoops):
         self._feature_log = FeatureLog(self.drafter)
         self.policy = None
         if speculative_config is not None:
+            tree = speculative_config.tree
             self.policy = SpeculationPolicy(
-                speculative_config.num_speculative_tokens,
+                # a tree's arm is the whole tree, its acceptance counted by level
+                speculative_config.num_speculative_tokens if tree is None else tree.depth,
                 speculative_config.adaptive,
                 plain_arm=speculative_config.plain_arm,
+                tree=tree is not None,
                 # Without device rounds (the CPU) every step is synchronous and a drafted step
                 # costs about twice a plain one: explore within a share of the time.
                 side_budget=None if self.device_rounds else SYNC_EXPLORE_BUDGET,

@@ -148,11 +148,17 @@ class SpeculationPolicy:
             where the two are within the noise of their medians, a drafting step also pays
             what its cost does not show (the drafter's catch-up on the entries a K = 0 stretch
             left it), so K = 0 is the safe side.
+        tree: the arms are K = 0 and max_k only: a step drafting nothing, or the draft tree of
+            max_k levels (`speculative_config.tree`, on the synchronous step). A tree round's
+            accepted path counts as a chain's accepted drafts, so the running acceptance of
+            position i is that of the tree's level i given the levels before, and
+            1 + a_1 + a_1 a_2 + ... the tree's expected tokens a round.
     """
 
     max_k: int
     adaptive: bool = True
     plain_arm: bool = False
+    tree: bool = False
     explore_every: int = 48
     explore_run: int = 5
     explore_budget: float = 0.01
@@ -188,9 +194,11 @@ class SpeculationPolicy:
 
     @property
     def arms(self) -> list[int]:
-        """The candidates: K = 0..max_k, and PLAIN first with `plain_arm`."""
+        """The candidates: K = 0..max_k (`tree`: 0 and max_k), and PLAIN first with
+        `plain_arm`."""
         plain = [PLAIN] if self.plain_arm and self.adaptive else []
-        return plain + list(range(self.max_k + 1))
+        drafting = [0, self.max_k] if self.tree else list(range(self.max_k + 1))
+        return plain + drafting
 
     def choose(
         self,

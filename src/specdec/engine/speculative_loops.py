@@ -33,15 +33,17 @@ class SpeculativeLoops:
     def _sync_step_k(self, scheduled: list[ScheduledRequest]) -> tuple[int, int] | None:
         """The speculation policy's K for a synchronous step of an engine without device
         rounds (the CPU): every decode share drafts at most K (a request's own larger K stands
-        when the policy picks the engine's). With the default (coupled) verifier K never
-        changes a token. Mutates the shares' num_draft / num_query_tokens (the slots allocated
-        for the drafts not proposed are released at commit).
+        when the policy picks the engine's). With draft trees the arms are K = 0 (no drafts)
+        and the tree (`SpeculationPolicy.tree`: K = its depth; each request keeps its node
+        budget). With the default (coupled) verifier K never changes a token. Mutates the
+        shares' num_draft / num_query_tokens (the slots allocated for the drafts not proposed
+        are released at commit).
 
         Returns (bucket, K) to `_observe_sync_step` after the step, or None where nothing is to
-        be measured: K pinned, device rounds, trees, no speculative decode share, or a prefill
-        chunk in the step (its cost says nothing of K: the bucket's last choice holds)."""
+        be measured: K pinned, device rounds, no speculative decode share, or a prefill chunk
+        in the step (its cost says nothing of K: the bucket's last choice holds)."""
         policy = self.policy
-        if policy is None or not policy.adaptive or self.speculative_config.tree is not None:
+        if policy is None or not policy.adaptive:
             return None
         if self.device_rounds:  # (a pinned K reaches the synchronous step only)
             return None

@@ -462,3 +462,20 @@ def test_a_step_weighs_the_acceptance_of_its_own_requests():
     # The negative control: the pooled acceptance alone.
     policy = measured(requests_named=False)
     assert policy.choose(1, requests=["a"]) == 0
+
+
+def test_a_trees_arms_are_no_drafts_and_the_tree():
+    """`tree`: the arms are K = 0 and the tree (K = its depth); a tree round's accepted path
+    counts as a chain's accepted drafts, so the expected tokens a round follow its levels. The
+    tree is chosen where its measured cost pays for its tokens, else no drafts."""
+    policy = SpeculationPolicy(4, tree=True, explore_every=10**6)
+    assert policy.arms == [0, 4]
+    for _ in range(20):  # 100 requests a round, each accepting a path of 2 levels of 4
+        policy.observe(1, 4, None, [(16, 2)] * 100)
+    assert 2.8 < policy.expected_tokens(4) <= 3.0
+    cheap = measured(SpeculationPolicy(4, tree=True, explore_every=10**6), 1, {0: 1.0, 4: 1.5}, 0)
+    dear = measured(SpeculationPolicy(4, tree=True, explore_every=10**6), 1, {0: 1.0, 4: 3.5}, 0)
+    for policy in (cheap, dear):
+        for _ in range(20):
+            policy.observe(1, 4, None, [(16, 2)] * 100)
+    assert cheap.choose(1) == 4 and dear.choose(1) == 0

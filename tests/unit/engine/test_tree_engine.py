@@ -13,6 +13,7 @@ from eagle_fixtures import tiny_target_and_head_fixtures
 from models_fixtures import make_hf_model, prompt_tokens, save_hf_model
 from specdec.drafters.config import SpeculativeConfig
 from specdec.engine.llm import LLM
+from specdec.engine.spec_policy import SpeculationPolicy
 from specdec.sampling import SamplingParams
 
 VOCAB = 97
@@ -29,14 +30,23 @@ def other_dir(tmp_path_factory):
 
 
 def tree_llm(
-    target_dir, head_dir, method="standard", draft="probabilistic", tree=TREE, kind="eagle"
+    target_dir,
+    head_dir,
+    method="standard",
+    draft="probabilistic",
+    tree=TREE,
+    kind="eagle",
+    adaptive=False,
 ):
+    """An engine of tree rounds; the policy's choice between a tree and no drafts pinned to
+    the tree unless `adaptive` (these tests are about the tree rounds)."""
     spec = {
         "method": "eagle" if kind == "eagle" else "draft_model",
         "model": str(head_dir),
         "rejection_sample_method": method,
         "draft_sample_method": draft,
         "tree": tree,
+        "adaptive": adaptive,
     }
     return LLM(str(target_dir), speculative_config=spec, **COMMON)
 
@@ -90,6 +100,36 @@ def test_a_requests_own_node_budget(target_dir, head_dir, budget):
     assert metrics["num_drafts"] > 0
     assert metrics["num_draft_tokens"] <= budget * metrics["num_drafts"]
     assert metrics["num_draft_tokens"] > (budget - 1) * metrics["num_drafts"]
+
+
+class ScriptedTreePolicy(SpeculationPolicy):
+    """The tree arm policy (K = 0 or the tree's depth) whose n-th choice is script(n)."""
+
+    def __init__(self, depth, script):
+        super().__init__(depth, tree=True, side_budget=0.005)
+        self.script = script
+
+    def _choose(self, bucket, remaining=None, in_rounds=True, *_rest):
+        return self.script(self._rounds)
+
+
+def test_the_policy_chooses_between_a_tree_and_no_drafts(target_dir, head_dir):
+    """With the adaptive policy (the default) a tree engine's synchronous steps take one of two
+    arms: no drafts, or the whole tree (K = its depth). Steps scripted in turn: the K = 0 steps
+    draft nothing, the others draft trees, and a coupled request emits plain sampling either
+    way."""
+    prompts = prompt_tokens(VOCAB, [6, 11], seed=21)
+    params = SamplingParams(temperature=0.9, max_tokens=24, seed=22, ignore_eos=True)
+    plain = outputs(LLM(str(target_dir), **COMMON), prompts, params)
+    llm = tree_llm(target_dir, head_dir, "coupled", adaptive=True)
+    assert llm.engine.policy.arms == [0, TREE["depth"]]
+    llm.engine.policy = ScriptedTreePolicy(TREE["depth"], lambda n: (0, TREE["depth"])[n % 2])
+    assert outputs(llm, prompts, params) == plain
+    chosen = llm.get_metrics()["loop"]["k_chosen"]
+    assert set(chosen) == {0, TREE["depth"]}
+    metrics = llm.get_metrics()
+    # a tree per request in the steps of the tree arm, none in the others
+    assert 0 < metrics["num_drafts"] <= len(prompts) * chosen[TREE["depth"]]
 
 
 def test_seeded_standard_tree_replays(target_dir, head_dir):
