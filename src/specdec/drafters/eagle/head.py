@@ -27,6 +27,7 @@ from specdec.models.config import ModelConfig
 from specdec.models.decoder_layers import LlamaDecoderLayer
 from specdec.models.fused import add_rms_norm
 from specdec.models.layers import Embedding, Linear, RMSNorm
+from specdec.models.linear import batch_invariant_linear
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.loader import quantize_layer
 from specdec.models.quant import QuantizedWeight, quant_linear
@@ -420,6 +421,8 @@ def head_logits(
         return quant_linear(normed, lm_weight).float()
     if isinstance(lm_weight, QuantizedRows):
         return lm_weight.matmul(normed).float()
+    if inference:  # a row's draft logits never depend on how many rows the call holds
+        return batch_invariant_linear(normed, lm_weight).float()
     return F.linear(normed, lm_weight).float()
 
 
