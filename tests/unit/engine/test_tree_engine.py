@@ -17,7 +17,13 @@ from specdec.engine.spec_policy import SpeculationPolicy
 from specdec.sampling import SamplingParams
 
 VOCAB = 97
-COMMON = {"max_model_len": 96, "block_size": 4, "max_num_batched_tokens": 64}
+# Trees run on the synchronous path: asynchronous scheduling off (its "auto" is on on CUDA).
+COMMON = {
+    "max_model_len": 96,
+    "block_size": 4,
+    "max_num_batched_tokens": 64,
+    "async_scheduling": False,
+}
 TREE = {"nodes": 8, "depth": 4, "topk": 2}
 
 target_dir, head_dir = tiny_target_and_head_fixtures()
@@ -172,7 +178,7 @@ def test_bad_tree_configs_are_refused(spec, message):
 def test_trees_refuse_device_rounds_block_and_budgets_past_their_nodes(target_dir, head_dir):
     spec = {"method": "eagle", "model": str(head_dir), "tree": TREE}
     with pytest.raises(ValueError, match="synchronous engine path"):
-        LLM(str(target_dir), speculative_config=spec, async_scheduling=True, **COMMON)
+        LLM(str(target_dir), speculative_config=spec, **{**COMMON, "async_scheduling": True})
     llm = tree_llm(target_dir, head_dir)
     engine = llm.engine if hasattr(llm, "engine") else llm.llm_engine
     with pytest.raises(ValueError, match=r"node budget a round, at most tree\.nodes = 8, got 9"):
