@@ -288,7 +288,10 @@ def run_sweep(
             continue
         for tree in trees or []:
             tree_args = {**engine_args, "async_scheduling": False}
-            llm = LLM(model, speculative_config={**spec, "tree": tree}, **tree_args)
+            # Every step a tree round (the figures are the tree's), unless the drafter's own
+            # config says otherwise: the adaptive policy would draft no tree where one loses.
+            tree_spec = {"adaptive": False, **spec, "tree": tree}
+            llm = LLM(model, speculative_config=tree_spec, **tree_args)
             label = tree_label(tree)
             for temperature in temperatures:
                 warm_up(llm, temperature)
