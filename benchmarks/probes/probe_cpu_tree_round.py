@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="GGUF or HF directory (default: built-in)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    spec = {"method": "eagle", "model": HEAD}
+    spec = {"method": "eagle", "model": HEAD, "adaptive": False}  # every step drafts
     if args.tree:
         nodes, depth, topk = map(int, args.tree.split("x"))
         spec["tree"] = {"nodes": nodes, "depth": depth, "topk": topk}
