@@ -143,20 +143,23 @@ def penalised_tree_counts(model_dir, eagle_dir, method):
     return counts
 
 
-@pytest.mark.parametrize("method", ["standard", pytest.param("coupled", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["standard", "coupled"])
 def test_penalised_tree_rounds_follow_plain_penalised_sampling(model_dir, eagle_dir, method):
     """H0: with `RULES` on every request, tree rounds (each node's row processed after its
     path, the drafts drawn under the rules after their parent's path) emit first 3 tokens with
     plain penalised sampling's exact joint law. Pearson chi-square over the 512 cells (bins
     expecting < 5 pooled), N = 12,000, temperature 0.7, requests of 6 tokens; fail iff
-    p < 1e-6 (false-failure rate <= 1e-6 per case, 2 cases; coupled runs with the slow
-    tests)."""
+    p < 1e-6 (false-failure rate <= 1e-6 per case, 2 cases; with the slow tests, as the other
+    tree law tests: the default run checks trees under rules token for token against plain
+    decoding, `tests/unit/engine/test_tree_engine.py -k rules`)."""
     law = rules_law(model_dir, 0.7, NUM_TOKENS)
     counts = penalised_tree_counts(model_dir, eagle_dir, method)
     result = chi_square(counts.to(torch.int64), law)
     assert result.log10_p > -6, result.describe()
 
 
+@pytest.mark.slow
 def test_negative_control_penalised_tree_rows_blind_to_their_paths(
     model_dir, eagle_dir, monkeypatch
 ):
