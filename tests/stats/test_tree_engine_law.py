@@ -128,21 +128,6 @@ def test_negative_control_residual_not_updated(model_dir, eagle_dir):
     assert result.log10_p < -6, result.describe()
 
 
-def penalised_tree_counts(model_dir, eagle_dir, method):
-    spec = {"method": "eagle", "model": str(eagle_dir), "rejection_sample_method": method}
-    counts, metrics = first_token_counts(
-        model_dir,
-        {**spec, "tree": TREE, "adaptive": False},
-        0.7,
-        6,
-        NUM_TOKENS,
-        NUM_TRIALS,
-        **RULES,
-    )
-    assert metrics["num_accepted_tokens"] > 0
-    return counts
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["standard", "coupled"])
 def test_penalised_tree_rounds_follow_plain_penalised_sampling(model_dir, eagle_dir, method):
@@ -154,7 +139,7 @@ def test_penalised_tree_rounds_follow_plain_penalised_sampling(model_dir, eagle_
     tree law tests: the default run checks trees under rules token for token against plain
     decoding, `tests/unit/engine/test_tree_engine.py -k rules`)."""
     law = rules_law(model_dir, 0.7, NUM_TOKENS)
-    counts = penalised_tree_counts(model_dir, eagle_dir, method)
+    counts = tree_counts(model_dir, eagle_dir, method, 0.7, **RULES)
     result = chi_square(counts.to(torch.int64), law)
     assert result.log10_p > -6, result.describe()
 
@@ -174,7 +159,7 @@ def test_negative_control_penalised_tree_rows_blind_to_their_paths(
 
     monkeypatch.setattr(emitter, "tree_context_target_logits", blind)
     law = rules_law(model_dir, 0.7, NUM_TOKENS)
-    counts = penalised_tree_counts(model_dir, eagle_dir, "standard")
+    counts = tree_counts(model_dir, eagle_dir, "standard", 0.7, **RULES)
     result = chi_square(counts.to(torch.int64), law)
     assert result.log10_p < -6, result.describe()
 
